@@ -1,0 +1,74 @@
+"""How a bundle sits on disk: an OCI image layout, so registry tools (skopeo, oras) can read it.
+
+    BUNDLE/
+      oci-layout                 {"imageLayoutVersion": "1.0.0"}
+      index.json                 one OCI image manifest, ref name "<name>:<version>"
+      blobs/sha256/<hex>         every blob, content-addressed
+      COMPLETE                   written last by create/copy; absent means "not finished"
+
+The OCI image manifest's `config` is the bundle manifest (the signed JSON, MANIFEST_MEDIA_TYPE);
+its `layers` are the zstd file parts (PART_MEDIA_TYPE) followed by one DSSE envelope
+(SIGNATURE_MEDIA_TYPE) whose payload is the exact bytes of the bundle manifest.
+Trust comes only from the envelope's signatures over those bytes; index.json and the OCI
+manifest are untrusted pointers. No I/O here: only names and the DSSE byte rules.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+
+from manifests.schema import MEDIA_TYPE as MANIFEST_MEDIA_TYPE
+
+OCI_LAYOUT_FILE = "oci-layout"
+OCI_LAYOUT_CONTENT = b'{"imageLayoutVersion":"1.0.0"}'
+INDEX_FILE = "index.json"
+BLOBS_DIR = "blobs/sha256"
+COMPLETE_MARKER = "COMPLETE"
+
+OCI_INDEX_MEDIA_TYPE = "application/vnd.oci.image.index.v1+json"
+OCI_MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
+ARTIFACT_TYPE = "application/vnd.bundle.llm.v1"
+PART_MEDIA_TYPE = "application/vnd.bundle.file.part.v1+zstd"
+SIGNATURE_MEDIA_TYPE = "application/vnd.dsse.envelope.v1+json"
+DSSE_PAYLOAD_TYPE = MANIFEST_MEDIA_TYPE
+REF_NAME_ANNOTATION = "org.opencontainers.image.ref.name"
+
+# Bounds for reading untrusted pointer files before parsing.
+MAX_INDEX_BYTES = 1024 * 1024
+MAX_OCI_MANIFEST_BYTES = 16 * 1024 * 1024
+MAX_ENVELOPE_BYTES = 16 * 1024 * 1024 + 64 * 1024
+
+# FAT32 holds files up to 4 GiB - 1; leave room for a zstd frame that grew a little.
+DEFAULT_MAX_PART_SIZE = 4 * 1024**3 - 64 * 1024**2
+
+
+def blob_path(digest: str) -> str:
+    """Relative path of a blob from its "sha256:<hex>" digest."""
+    algo, _, hexd = digest.partition(":")
+    if algo != "sha256" or len(hexd) != 64:
+        raise ValueError(f"expected 'sha256:<64 hex>', found {digest!r}")
+    return f"{BLOBS_DIR}/{hexd}"
+
+
+def digest_of(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def key_id(raw_public_key: bytes) -> str:
+    """Key id = sha256 of the raw 32-byte Ed25519 public key, hex."""
+    return hashlib.sha256(raw_public_key).hexdigest()
+
+
+def pae(payload_type: str, payload: bytes) -> bytes:
+    """DSSE pre-authentication encoding: what each signature actually signs."""
+    t = payload_type.encode()
+    return b"DSSEv1 %d %s %d %s" % (len(t), t, len(payload), payload)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text.encode(), validate=True)

@@ -1,0 +1,369 @@
+"""The bundle manifest: the one signed document that describes everything in a bundle.
+
+Frozen dataclasses that round-trip JSON without loss: fields this version does not know are
+kept in `extra` and written back, so an older tool can re-sign or inspect a newer manifest.
+`format_version` (not the package version) decides compatibility. No I/O here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any, Mapping
+
+from manifests.errors import BadBundleError, PolicyError
+
+FORMAT_VERSION = 1
+# Refuse to parse anything bigger: a manifest for a 100 GB model with 4 GB parts is a few hundred KB.
+MAX_MANIFEST_BYTES = 8 * 1024 * 1024
+MEDIA_TYPE = "application/vnd.bundle.manifest.v1+json"
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise BadBundleError(f"invalid manifest: {message}")
+
+
+def safe_relative_path(raw: str) -> str:
+    """Normalise a manifest path, refusing anything that could escape the install directory."""
+    _check(isinstance(raw, str) and raw != "", f"expected a non-empty relative path, found {raw!r}")
+    _check("\\" not in raw and "\x00" not in raw, f"expected a POSIX path, found {raw!r}")
+    p = PurePosixPath(raw)
+    _check(not p.is_absolute(), f"expected a relative path, found absolute path {raw!r}")
+    _check(".." not in p.parts, f"expected a path inside the bundle, found {raw!r} (contains '..')")
+    _check(all(part not in ("", ".") for part in raw.split("/")),
+           f"expected a normalised path, found {raw!r}")
+    return str(p)
+
+
+def _split(data: Mapping[str, Any], known: set[str]) -> tuple[dict, dict]:
+    _check(isinstance(data, Mapping), f"expected an object, found {type(data).__name__}")
+    return ({k: v for k, v in data.items() if k in known},
+            {k: v for k, v in data.items() if k not in known})
+
+
+class _Record:
+    """Shared JSON round-trip: known fields by name, unknown ones kept in `extra`."""
+
+    extra: dict
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if f.name == "extra":
+                continue
+            value = getattr(self, f.name)
+            if value is None and f.metadata.get("omit_none", True):
+                continue
+            out[f.name] = _encode(value)
+        out.update(self.extra)
+        return out
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, _Record):
+        return value.to_dict()
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _encode(v) for k, v in value.items()}
+    return value
+
+
+@dataclass(frozen=True)
+class Part(_Record):
+    """One zstd blob holding bytes [offset, offset+length) of a file."""
+
+    digest: str  # "sha256:<hex>" of the compressed blob, as in the OCI layout
+    size: int  # compressed size in bytes
+    offset: int  # where the part starts in the uncompressed file
+    length: int  # uncompressed length
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Part":
+        k, extra = _split(d, {"digest", "size", "offset", "length"})
+        _check(isinstance(k.get("digest"), str) and _DIGEST.match(k["digest"]) is not None,
+               f"expected part digest 'sha256:<64 hex>', found {k.get('digest')!r}")
+        for n in ("size", "offset", "length"):
+            _check(isinstance(k.get(n), int) and k[n] >= 0, f"expected part {n} >= 0, found {k.get(n)!r}")
+        return cls(k["digest"], k["size"], k["offset"], k["length"], extra)
+
+    @property
+    def hex(self) -> str:
+        return self.digest.split(":", 1)[1]
+
+
+@dataclass(frozen=True)
+class FileEntry(_Record):
+    """A file as it lands on the device: path, uncompressed size and sha256, and its parts in order."""
+
+    path: str
+    size: int
+    sha256: str
+    parts: tuple[Part, ...]
+    targets: tuple[str, ...] | None = None  # None: every target needs it
+    executable: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        if not self.executable:
+            d.pop("executable", None)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "FileEntry":
+        k, extra = _split(d, {"path", "size", "sha256", "parts", "targets", "executable"})
+        path = safe_relative_path(k.get("path"))
+        _check(isinstance(k.get("size"), int) and k["size"] >= 0, f"{path}: expected size >= 0")
+        _check(isinstance(k.get("sha256"), str) and _SHA256.match(k["sha256"]) is not None,
+               f"{path}: expected sha256 of 64 hex digits, found {k.get('sha256')!r}")
+        _check(isinstance(k.get("parts"), list), f"{path}: expected a list of parts")
+        parts = tuple(Part.from_dict(p) for p in k["parts"])
+        pos = 0
+        for p in parts:
+            _check(p.offset == pos, f"{path}: expected part at offset {pos}, found {p.offset}")
+            pos += p.length
+        _check(pos == k["size"], f"{path}: parts cover {pos} bytes, expected size {k['size']}")
+        targets = k.get("targets")
+        if targets is not None:
+            _check(isinstance(targets, list) and all(isinstance(t, str) for t in targets),
+                   f"{path}: expected targets to be a list of ids")
+            targets = tuple(targets)
+        return cls(path, k["size"], k["sha256"], parts, targets, bool(k.get("executable", False)), extra)
+
+    def needed_by(self, target_id: str | None) -> bool:
+        return target_id is None or self.targets is None or target_id in self.targets
+
+
+@dataclass(frozen=True)
+class ModelSource(_Record):
+    """Where a model came from, pinned: a hub repo at a commit sha, a local folder, or the embedded demo."""
+
+    type: str  # "huggingface" | "local" | "embedded"
+    repo: str | None = None
+    revision: str | None = None  # exact commit sha for huggingface; content digest for local
+    requested_revision: str | None = None  # what the user typed (branch/tag), for information only
+    path: str | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelSource":
+        k, extra = _split(d, {"type", "repo", "revision", "requested_revision", "path"})
+        _check(isinstance(k.get("type"), str), "expected model source type")
+        return cls(k["type"], k.get("repo"), k.get("revision"), k.get("requested_revision"), k.get("path"), extra)
+
+
+@dataclass(frozen=True)
+class Model(_Record):
+    """A checkpoint in the bundle with its role; its files live under `root`."""
+
+    role: str  # "target" | "draft"
+    name: str
+    root: str  # e.g. "models/target"
+    source: ModelSource
+    architecture: str | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Model":
+        k, extra = _split(d, {"role", "name", "root", "source", "architecture"})
+        _check(k.get("role") in ("target", "draft"), f"expected model role target or draft, found {k.get('role')!r}")
+        _check(isinstance(k.get("name"), str), "expected model name")
+        return cls(k["role"], k["name"], safe_relative_path(k.get("root")),
+                   ModelSource.from_dict(k.get("source") or {}), k.get("architecture"), extra)
+
+
+@dataclass(frozen=True)
+class Engine(_Record):
+    """One engine file set for one model on one target.
+
+    `key` identifies what the engine is valid for: for TensorRT plans
+    {onnx_sha256, build_options_sha256, compute_capability, tensorrt_version};
+    for ONNX Runtime {onnx_sha256, onnxruntime_min}. `build` holds the exact build options
+    so a device can rebuild the same engine offline when the shipped one does not match.
+    """
+
+    model: str  # role of the model it runs: "target" | "draft"
+    backend: str  # "onnxruntime" | "tensorrt"
+    format: str  # "onnx" | "tensorrt-plan"
+    path: str  # main file, relative to the install root
+    files: tuple[str, ...] = ()  # every file it needs (graph, external weights, plan)
+    key: dict = field(default_factory=dict)
+    build: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Engine":
+        k, extra = _split(d, {"model", "backend", "format", "path", "files", "key", "build"})
+        _check(isinstance(k.get("model"), str) and isinstance(k.get("backend"), str),
+               "expected engine model and backend")
+        return cls(k["model"], k["backend"], k.get("format", ""), safe_relative_path(k.get("path")),
+                   tuple(safe_relative_path(f) for f in k.get("files", [])),
+                   dict(k.get("key") or {}), dict(k.get("build") or {}), extra)
+
+
+@dataclass(frozen=True)
+class Target(_Record):
+    """Per-target section: which profile, which engines, with which build parameters."""
+
+    id: str
+    backend: str
+    engines: tuple[Engine, ...] = ()
+    build: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Target":
+        k, extra = _split(d, {"id", "backend", "engines", "build"})
+        _check(isinstance(k.get("id"), str) and _NAME.match(k["id"]) is not None,
+               f"expected target id, found {k.get('id')!r}")
+        return cls(k["id"], str(k.get("backend", "")),
+                   tuple(Engine.from_dict(e) for e in k.get("engines", [])), dict(k.get("build") or {}), extra)
+
+
+@dataclass(frozen=True)
+class Speculative(_Record):
+    """Speculative-decoding settings, same keys as vLLM's --speculative-config."""
+
+    method: str = "draft_model"  # "draft_model" | "ngram" | "none"
+    num_speculative_tokens: int = 3
+    model: str | None = None  # role of the draft ("draft") for draft_model
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Speculative":
+        known = {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min"}
+        k, extra = _split(d, known)
+        n = k.get("num_speculative_tokens", 3)
+        _check(isinstance(n, int) and 1 <= n <= 16, f"expected num_speculative_tokens in 1..16, found {n!r}")
+        return cls(str(k.get("method", "draft_model")), n, k.get("model"),
+                   k.get("prompt_lookup_max"), k.get("prompt_lookup_min"), extra)
+
+
+@dataclass(frozen=True)
+class Builder(_Record):
+    tool: str = "bundle"
+    tool_version: str = ""
+    host: str = ""
+    platform: str = ""
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Builder":
+        k, extra = _split(d, {"tool", "tool_version", "host", "platform"})
+        return cls(str(k.get("tool", "bundle")), str(k.get("tool_version", "")),
+                   str(k.get("host", "")), str(k.get("platform", "")), extra)
+
+
+@dataclass(frozen=True)
+class Manifest(_Record):
+    """The signed bundle manifest."""
+
+    name: str
+    version: int
+    created: str  # RFC 3339 UTC, e.g. "2026-11-29T14:00:00Z"
+    builder: Builder
+    models: tuple[Model, ...]
+    files: tuple[FileEntry, ...]
+    targets: tuple[Target, ...]
+    speculative: Speculative | None = None
+    serve: dict = field(default_factory=dict)  # serve defaults: max_model_len, temperature...
+    expires: str | None = None  # RFC 3339 UTC or None
+    format_version: int = FORMAT_VERSION
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        # format_version first, for humans reading the file.
+        return {"format_version": d.pop("format_version"), **d}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Manifest":
+        known = {"format_version", "name", "version", "created", "builder", "models", "files",
+                 "targets", "speculative", "serve", "expires"}
+        k, extra = _split(d, known)
+        fv = k.get("format_version")
+        _check(isinstance(fv, int), f"expected integer format_version, found {fv!r}")
+        if fv > FORMAT_VERSION:
+            raise PolicyError(f"bundle format_version {fv} is newer than this tool supports "
+                              f"(expected <= {FORMAT_VERSION}); upgrade the runtime")
+        name = k.get("name")
+        _check(isinstance(name, str) and _NAME.match(name) is not None,
+               f"expected name of lowercase letters, digits, '.', '_', '-', found {name!r}")
+        version = k.get("version")
+        _check(isinstance(version, int) and not isinstance(version, bool) and version >= 1,
+               f"expected integer version >= 1, found {version!r}")
+        _check(isinstance(k.get("created"), str), "expected created timestamp")
+        files = tuple(FileEntry.from_dict(f) for f in k.get("files", []))
+        seen: dict[str, str] = {}
+        for f in files:
+            key = f.path.casefold()  # FAT32/exFAT and macOS are case-insensitive
+            _check(key not in seen, f"expected unique paths, found {f.path!r} colliding with {seen.get(key)!r}")
+            seen[key] = f.path
+        paths = {f.path for f in files}
+        for f in files:  # a file may not also be a directory of another file
+            for parent in PurePosixPath(f.path).parents:
+                _check(str(parent) not in paths, f"expected {str(parent)!r} to be a directory, it is also a file")
+        spec = k.get("speculative")
+        return cls(
+            name=name, version=version, created=k["created"],
+            builder=Builder.from_dict(k.get("builder") or {}),
+            models=tuple(Model.from_dict(m) for m in k.get("models", [])),
+            files=files,
+            targets=tuple(Target.from_dict(t) for t in k.get("targets", [])),
+            speculative=Speculative.from_dict(spec) if spec is not None else None,
+            serve=dict(k.get("serve") or {}),
+            expires=k.get("expires"),
+            format_version=fv,
+            extra=extra,
+        )
+
+    # --- bytes ---------------------------------------------------------------------------
+    def to_json_bytes(self) -> bytes:
+        """Canonical bytes: sorted keys, no whitespace, UTF-8. These exact bytes are signed."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+    @classmethod
+    def from_json_bytes(cls, data: bytes) -> "Manifest":
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise BadBundleError(f"manifest is {len(data)} bytes, expected at most {MAX_MANIFEST_BYTES}")
+        try:
+            obj = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise BadBundleError(f"manifest is not valid UTF-8 JSON: {e}") from None
+        return cls.from_dict(obj)
+
+    # --- queries -------------------------------------------------------------------------
+    def target(self, target_id: str) -> Target:
+        for t in self.targets:
+            if t.id == target_id:
+                return t
+        have = ", ".join(t.id for t in self.targets) or "none"
+        from manifests.errors import EnvironmentProblem
+        raise EnvironmentProblem(f"bundle {self.name} v{self.version} has no engines for target "
+                                 f"{target_id!r}; it has: {have}")
+
+    def model(self, role: str) -> Model | None:
+        return next((m for m in self.models if m.role == role), None)
+
+    def files_for(self, target_id: str | None) -> tuple[FileEntry, ...]:
+        return tuple(f for f in self.files if f.needed_by(target_id))
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def blob_digests(self) -> set[str]:
+        return {p.digest for f in self.files for p in f.parts}
