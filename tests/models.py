@@ -1,0 +1,84 @@
+"""Tiny real Hugging Face checkpoints for tests: random weights, a real byte-level BPE tokenizer.
+
+Built with transformers and tokenizers exactly as a Hub model is laid out, so every code path
+(bundling, export, serving) sees the files a real model has.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+_CORPUS = [
+    "def read(path):\n    with open(path) as f:\n        return f.read()\n",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "import os\nimport sys\nprint(os.path.join('a', 'b'))\n",
+    "Return the number of items in a container. Raise ValueError if the value is not present.",
+]
+
+FAMILIES = {
+    # family -> (config class name, model class name, extra config kwargs)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+}
+
+
+def make_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
+    """Train a byte-level BPE on a few lines and write tokenizer.json + tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None, "eos_token": "<|end|>", "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE, "model_max_length": 512,
+    }, indent=2))
+
+
+def make_tiny_checkpoint(out_dir: Path, *, family: str = "llama", vocab_size: int = 512, hidden_size: int = 64,
+                         num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                         intermediate_size: int = 128, max_positions: int = 512, seed: int = 0,
+                         tokenizer_from: Path | None = None) -> Path:
+    """A random-weight checkpoint of `family` in Hugging Face layout. Same tokenizer => pass `tokenizer_from`."""
+    import shutil
+
+    import torch
+    import transformers
+
+    cfg_name, model_name, extra = FAMILIES[family]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if tokenizer_from is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(Path(tokenizer_from) / name, out_dir / name)
+    else:
+        make_tokenizer(out_dir, vocab_size)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    eos = tok.token_to_id("<|end|>")
+    pad = tok.token_to_id("<|endoftext|>")
+    config = getattr(transformers, cfg_name)(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions, eos_token_id=eos, pad_token_id=pad, bos_token_id=None,
+        tie_word_embeddings=False, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": pad}))
+    return out_dir
