@@ -26,7 +26,7 @@ COMMANDS = {
     "list": "runtime.cli:list_",
     "rollback": "runtime.cli:rollback",
     "targets": "runtime.cli_targets:targets",
-    "build-engines": "runtime.cli_targets:build_engines",
+    "build-engines": "bundler.cli_engines:build_engines",
     "serve": "runtime.cli_serve:serve",
 }
 

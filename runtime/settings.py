@@ -18,7 +18,22 @@ DEBUG = os.environ.get("BUNDLE_DEBUG", "") not in ("", "0", "false", "no")
 #: Worker threads for compression and hashing; default: every core.
 JOBS = int(os.environ.get("BUNDLE_JOBS", "0")) or (os.cpu_count() or 1)
 
+#: Extra target-profile directories (os.pathsep-separated) for devices the built-in profiles do not list;
+#: a profile there with a built-in id replaces the built-in. Always includes BUNDLE_HOME/profiles.
+PROFILE_DIRS = tuple(Path(p) for p in os.environ.get("BUNDLE_PROFILE_DIR", "").split(os.pathsep) if p) + (
+    BUNDLE_HOME / "profiles",)
+
+#: Test hook for crash-safety tests: "STAGE:SECONDS" makes `bundle install` or `bundle copy` sleep at
+#: STAGE (install: staging, staged, renamed, switched; copy: copying) so a test can SIGKILL it there.
+#: Empty in production. See runtime.hooks.
+PAUSE_AT = os.environ.get("BUNDLE_PAUSE_AT", "")
+
 
 def env_flag(name: str) -> bool:
     """For the few switches read at call time by tests (kept here so os.environ is read in one module)."""
     return os.environ.get(name, "") not in ("", "0", "false", "no")
+
+
+def hf_token_in_env() -> bool:
+    """Whether HF_TOKEN is set (huggingface_hub reads it itself; we only name it in error messages)."""
+    return bool(os.environ.get("HF_TOKEN"))

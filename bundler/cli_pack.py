@@ -1,0 +1,115 @@
+"""`bundle keygen` and `bundle create`: parse flags, call one library function, print the result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from manifests.errors import UsageError
+from manifests.sizes import format_size, parse_size
+from runtime import settings
+
+
+def _passphrase_from_env() -> bytes | None:
+    return settings.KEY_PASSPHRASE.encode() if settings.KEY_PASSPHRASE else None
+
+
+@click.command(epilog="""\b
+Examples:
+  bundle keygen keys/release.key
+  bundle keygen keys/release.key --passphrase      # prompts twice
+  BUNDLE_KEY_PASSPHRASE=... bundle keygen k --passphrase   # unattended
+""")
+@click.argument("key", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--passphrase", is_flag=True,
+              help="Encrypt the private key with a passphrase: prompted for (twice), or taken from "
+                   "BUNDLE_KEY_PASSPHRASE when set. Without this flag the key is not encrypted and nothing prompts.")
+@click.option("--force", is_flag=True, help="Overwrite KEY and KEY.pub if they exist.")
+def keygen(key: Path, passphrase: bool, force: bool) -> None:
+    """Create an Ed25519 signing key: KEY (private, mode 0600) and KEY.pub (public, give it to devices).
+
+    Prints the key id: sha256 of the raw public key, as it appears in bundle signatures.
+    """
+    from bundler.keys import generate_key, public_key_path
+
+    secret = None
+    if passphrase:
+        secret = _passphrase_from_env()
+        if secret is None:
+            secret = click.prompt("Passphrase", hide_input=True, confirmation_prompt=True, err=True).encode()
+            if not secret:
+                raise UsageError("expected a non-empty passphrase, found an empty one")
+    kid = generate_key(key, secret, force=force)
+    click.echo(f"private key: {key}")
+    click.echo(f"public key:  {public_key_path(key)}")
+    click.echo(f"key id:      {kid}")
+
+
+@click.command(epilog="""\b
+Examples:
+  bundle create --model ./llama-1b --draft ./llama-draft --targets jetson-thor,igx-thor \\
+      --name assistant --version 3 --sign-key keys/release.key --out /media/usb/assistant-3
+  bundle create --targets cpu --name demo --version 1 --unsigned      # the embedded demo pair
+""")
+@click.option("--model", "model_ref", metavar="DIR",
+              help="Target model: a Hugging Face-format folder. Default: the embedded demo pair.")
+@click.option("--draft", "draft_ref", metavar="DIR", help="Draft model for speculative decoding (same tokenizer).")
+@click.option("--targets", "targets_text", required=True, metavar="IDS",
+              help="Comma-separated target profile ids, e.g. jetson-thor,igx-thor (see `bundle targets`).")
+@click.option("--name", required=True, help="Bundle name: lowercase letters, digits, '.', '_', '-'.")
+@click.option("--version", "version", required=True, type=click.IntRange(min=1),
+              help="Bundle version, an integer that must increase with every release (devices refuse downgrades).")
+@click.option("--sign-key", "sign_key_paths", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              metavar="KEY", help="Private key to sign with (repeat for several signatures). "
+                                  "Encrypted keys read their passphrase from BUNDLE_KEY_PASSPHRASE.")
+@click.option("--unsigned", is_flag=True, help="Make an unsigned bundle (devices refuse it without --allow-unsigned).")
+@click.option("--max-part-size", default="3.9G", show_default=True, metavar="SIZE",
+              help="No file in the bundle exceeds this size (FAT32 holds < 4 GiB). Accepts 512K, 1M, 3.9G.")
+@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
+              help="Bundle directory to write. Default: ./NAME-VERSION. Rerun the same command to resume.")
+@click.option("--expires", metavar="DATE|Nd", help="Devices refuse the bundle after this: 2027-06-01, or 90d from now.")
+@click.option("--num-speculative-tokens", default=3, show_default=True, type=click.IntRange(1, 16),
+              help="Draft tokens proposed per step (with --draft).")
+@click.option("--force", is_flag=True, help="Replace a finished bundle already at --out.")
+@click.option("--jobs", type=click.IntRange(min=1), help="Compression threads. Default: every core (BUNDLE_JOBS).")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def create(model_ref, draft_ref, targets_text, name, version, sign_key_paths, unsigned, max_part_size, out,
+           expires, num_speculative_tokens, force, jobs, no_progress) -> None:
+    """Pack a model (and draft) into a signed, zstd-compressed bundle directory (an OCI image layout).
+
+    Every file is recorded in a signed manifest with its sha256; files larger than --max-part-size are
+    split so the bundle fits on FAT32 USB sticks. An interrupted create resumes when run again.
+    """
+    from bundler.create import create_bundle, demo_models, model_from_reference
+    from bundler.keys import load_private_key
+    from manifests.targets import parse_targets
+
+    targets = parse_targets(targets_text)
+    part_size = parse_size(max_part_size)
+    if model_ref is None:
+        if draft_ref is not None:
+            raise UsageError("expected --model together with --draft, found only --draft")
+        model, draft = demo_models()
+    else:
+        model = model_from_reference(model_ref, "target")
+        draft = model_from_reference(draft_ref, "draft") if draft_ref else None
+    keys = [load_private_key(p, _passphrase_from_env()) for p in sign_key_paths]
+    out = out or Path(f"{name}-{version}")
+    manifest = create_bundle(out, name=name, version=version, model=model, draft=draft, targets=targets,
+                             sign_keys=keys, unsigned=unsigned, max_part_size=part_size, expires=expires,
+                             num_speculative_tokens=num_speculative_tokens, force=force, jobs=jobs,
+                             progress=not no_progress)
+    from bundler.keys import public_key_id
+
+    stored = sum(p.size for p in {p.digest: p for f in manifest.files for p in f.parts}.values())
+    click.echo(f"bundle:   {out}  ({manifest.name}:{manifest.version})")
+    click.echo(f"files:    {len(manifest.files)}, {format_size(manifest.total_size)} "
+               f"-> {format_size(stored)} compressed")
+    click.echo(f"targets:  {', '.join(t.id for t in manifest.targets)}")
+    for m in manifest.models:
+        click.echo(f"model:    {m.role} {m.name} @ {m.source.revision}")
+    signers = ", ".join(public_key_id(k) for k in keys) or "UNSIGNED"
+    click.echo(f"signed:   {signers}")
+    if manifest.expires:
+        click.echo(f"expires:  {manifest.expires}")

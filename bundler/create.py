@@ -1,0 +1,228 @@
+"""`bundle create` as a library call: model folders -> files to pack -> a signed bundle.
+
+Models arrive already turned into local folders plus where they came from (`ModelInput`):
+`local_model()` for a folder on this host, `demo_models()` for the embedded demo pair, and
+hub references through `model_from_reference()` (the resolver's seam). Per-target engine files
+(ONNX, build options) plug in through the `target_files` hook, so engines never edit this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Callable, Sequence
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from bundler.pack import DEFAULT_MAX_PART_SIZE, PackFile, pack_bundle, rfc3339
+from manifests.errors import ModelError, UsageError
+from manifests.schema import Builder, FileEntry, Manifest, Model, ModelSource, Speculative, Target
+
+#: serve default for max_model_len: the model's own limit, capped so a small device does not run out of KV cache
+MAX_MODEL_LEN_CAP = 4096
+MODELS_ROOT = "models"
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """A checkpoint ready to pack: a local folder, its role, and where it came from (pinned)."""
+
+    role: str  # "target" | "draft"
+    local_dir: Path
+    source: ModelSource  # revision None for local folders: filled with a content digest after hashing
+    name: str | None = None
+
+    @property
+    def root(self) -> str:
+        return f"{MODELS_ROOT}/{self.role}"
+
+
+#: hook(models, targets, work_dir) -> (extra files to pack, targets with their engines filled in)
+TargetFilesHook = Callable[[Sequence[ModelInput], Sequence[Target], Path], tuple[list[PackFile], list[Target]]]
+
+
+# --- model inputs ----------------------------------------------------------------------------
+
+def local_model(path: Path, role: str, *, source_type: str = "local") -> ModelInput:
+    path = Path(path)
+    if not path.is_dir():
+        what = "nothing" if not path.exists() else "a file"
+        raise UsageError(f"expected --{'model' if role == 'target' else 'draft'} {path} to be a model "
+                         f"directory, found {what}")
+    resolved = path.resolve()
+    return ModelInput(role=role, local_dir=resolved, name=resolved.name,
+                      source=ModelSource(type=source_type, path=str(resolved)))
+
+
+def demo_models() -> tuple[ModelInput, ModelInput]:
+    """The embedded demo pair (bundler.demo), used when --model is not given."""
+    try:
+        from bundler import demo
+        target_dir, draft_dir = Path(demo.DEMO_TARGET_DIR), Path(demo.DEMO_DRAFT_DIR)
+    except (ImportError, AttributeError):
+        raise UsageError("expected --model DIR (the embedded demo pair is not part of this install)") from None
+    for d in (target_dir, draft_dir):
+        if not (d / "config.json").is_file():
+            raise UsageError(f"expected --model DIR (the embedded demo pair is not built: no {d / 'config.json'})")
+    return (local_model(target_dir, "target", source_type="embedded"),
+            local_model(draft_dir, "draft", source_type="embedded"))
+
+
+def model_from_reference(ref: str, role: str) -> ModelInput:
+    """The resolver's seam: a local folder is used as is; hub references need bundler.resolve."""
+    if Path(ref).is_dir():
+        return local_model(Path(ref), role)
+    try:
+        from bundler.resolve import resolve_model
+    except ImportError:
+        raise UsageError(f"expected a local model directory, found {ref!r} "
+                         f"(no such directory, and hub references are not supported by this install)") from None
+    resolved = resolve_model(ref, role=role)
+    return ModelInput(role=role, local_dir=Path(resolved.local_dir), source=resolved.source,
+                      name=getattr(resolved, "repo", None) or ref)
+
+
+def model_files(model: ModelInput) -> list[PackFile]:
+    """Every regular file under the model folder, hidden ones skipped, symlinks to files followed."""
+    out = []
+    base = model.local_dir
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for d in dirnames:
+            if os.path.islink(os.path.join(dirpath, d)):
+                raise UsageError(f"expected plain folders in model {base}, found a symlinked folder "
+                                 f"{os.path.join(dirpath, d)}")
+        for fname in sorted(filenames):
+            if fname.startswith("."):
+                continue
+            full = Path(dirpath) / fname
+            if full.is_symlink() and not full.exists():
+                raise UsageError(f"expected {full} to point to a file, found a broken symlink")
+            if not full.is_file():
+                continue  # sockets, fifos, devices: not model content
+            rel = full.relative_to(base).as_posix()
+            out.append(PackFile(src=full, path=f"{model.root}/{rel}"))
+    if not out:
+        raise UsageError(f"expected model files in {base}, found none")
+    return out
+
+
+def _read_config(model: ModelInput) -> dict:
+    cfg = model.local_dir / "config.json"
+    if not cfg.is_file():
+        return {}
+    with open(cfg, "rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ModelError(f"expected a config.json under {MAX_CONFIG_BYTES} bytes in {model.local_dir}, found more")
+    try:
+        obj = json.loads(data)
+    except ValueError as e:
+        raise ModelError(f"expected valid JSON in {cfg}, found: {e}") from None
+    return obj if isinstance(obj, dict) else {}
+
+
+def content_digest(entries: Sequence[FileEntry], root: str) -> str:
+    """A folder's revision when it has no commit: sha256 over its sorted "path\\0size\\0sha256" lines.
+
+    Same formula as bundler.resolve.content_digest, so a folder gets one revision whichever path pinned it.
+    """
+    prefix = root.rstrip("/") + "/"
+    h = hashlib.sha256()
+    for e in sorted((e for e in entries if e.path.startswith(prefix)), key=lambda e: e.path):
+        h.update(f"{e.path[len(prefix):]}\0{e.size}\0{e.sha256}\n".encode())
+    return h.hexdigest()
+
+
+# --- options ---------------------------------------------------------------------------------
+
+_DAYS = re.compile(r"^\s*(\d{1,5})\s*d\s*$")
+
+
+def parse_expires(text: str | None, now: datetime) -> str | None:
+    """"2027-06-01", "2027-06-01T12:00:00Z" or "90d" (from now) -> RFC 3339 UTC; must lie in the future."""
+    if text is None or text == "":
+        return None
+    m = _DAYS.match(text)
+    if m:
+        moment = now + timedelta(days=int(m.group(1)))
+    else:
+        try:
+            moment = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+        except ValueError:
+            raise UsageError(f"expected --expires like 2027-06-01, 2027-06-01T12:00:00Z or 90d, "
+                             f"found {text!r}") from None
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=timezone.utc)
+    if moment <= now:
+        raise UsageError(f"expected --expires after now ({rfc3339(now)}), found {rfc3339(moment)}")
+    return rfc3339(moment)
+
+
+def _targets(target_ids: Sequence[str]) -> list[Target]:
+    from manifests.targets import get_profile
+
+    if not target_ids:
+        raise UsageError("expected at least one target id in --targets, found none")
+    return [Target(id=t, backend=get_profile(t).backend) for t in target_ids]
+
+
+# --- the call --------------------------------------------------------------------------------
+
+def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draft: ModelInput | None,
+                  targets: Sequence[str], sign_keys: list[Ed25519PrivateKey], unsigned: bool = False,
+                  max_part_size: int = DEFAULT_MAX_PART_SIZE, expires: str | None = None,
+                  num_speculative_tokens: int = 3, target_files: TargetFilesHook | None = None,
+                  serve: dict | None = None, force: bool = False, jobs: int | None = None,
+                  now: datetime | None = None, progress: bool = True,
+                  builder: Builder | None = None) -> Manifest:
+    """Pack a target model (and optional draft) for `targets` into a signed bundle at `out`.
+
+    `targets` are validated ids (manifests.targets.parse_targets); `expires` is RFC 3339 or
+    a form parse_expires() takes ("90d"), counted from `now`.
+    """
+    now = now or datetime.now(timezone.utc)
+    if now.tzinfo is None:
+        now = now.replace(tzinfo=timezone.utc)
+    if not 1 <= num_speculative_tokens <= 16:
+        raise UsageError(f"expected --num-speculative-tokens in 1..16, found {num_speculative_tokens}")
+    expires = parse_expires(expires, now)
+    inputs = [model] + ([draft] if draft is not None else [])
+    if model.role != "target" or (draft is not None and draft.role != "draft"):
+        raise UsageError("expected one model of role target and at most one of role draft")
+    files = [pf for m in inputs for pf in model_files(m)]
+    target_list = _targets(list(targets))
+
+    config = _read_config(model)
+    models = [Model(role=m.role, name=m.name or m.local_dir.name, root=m.root, source=m.source,
+                    architecture=(_read_config(m).get("architectures") or [None])[0]) for m in inputs]
+    if serve is None:
+        serve = {}
+        mpe = config.get("max_position_embeddings")
+        if isinstance(mpe, int) and mpe > 0:
+            serve["max_model_len"] = min(mpe, MAX_MODEL_LEN_CAP)
+    speculative = (Speculative(method="draft_model", num_speculative_tokens=num_speculative_tokens, model="draft")
+                   if draft is not None else None)
+
+    def amend(manifest: Manifest) -> Manifest:
+        """Local folders have no commit: pin them by the digest of what was actually packed."""
+        pinned = tuple(m if m.source.revision else
+                       replace(m, source=replace(m.source, revision=content_digest(manifest.files, m.root)))
+                       for m in manifest.models)
+        return replace(manifest, models=pinned)
+
+    with tempfile.TemporaryDirectory(prefix="bundle-create-") as work:
+        if target_files is not None:
+            extra, target_list = target_files(inputs, target_list, Path(work))
+            files += list(extra)
+        return pack_bundle(out, name=name, version=version, models=models, files=files, targets=target_list,
+                           speculative=speculative, serve=serve, expires=expires, sign_keys=sign_keys,
+                           unsigned=unsigned, max_part_size=max_part_size, jobs=jobs, now=now,
+                           progress=progress, force=force, builder=builder, amend=amend)

@@ -1,0 +1,258 @@
+"""Per-target engine plan: which files each target carries, the exact build options, the engine key.
+
+The ONNX export of each model is shared by every target and stored once (engines/onnx/<role>/).
+A `cpu` target runs it with ONNX Runtime. A TensorRT target gets the exact build options
+(precision, optimisation profiles from max context, prefill chunk and draft tokens + 1) and the
+key the engine will have on a matching device; the plan itself is built here only when this
+host's GPU compute capability and TensorRT version equal the target's (see TARGETS.md: there is no
+cross-build), otherwise on the device at first start, or once per fleet by `bundle build-engines`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
+
+from bundler.export import ExportResult, export_onnx, file_sha256, past_names
+from bundler.pack import PackFile
+from manifests.errors import ModelError, UsageError
+from manifests.schema import Engine, Target
+from manifests.targets import TargetProfile, get_profile
+from runtime.engine_cache import DeviceInfo, engine_key, onnx_digest
+
+log = logging.getLogger(__name__)
+
+ONNX_ROOT = "engines/onnx"
+PLAN_ROOT = "engines/plans"
+DEFAULT_MAX_CONTEXT_CAP = 4096  # same cap as bundle create's serve default
+DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_DRAFT_TOKENS = 3
+ONNXRUNTIME_MIN = "1.18"
+BUILD_OPTIONS_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ServeShape:
+    """The serve settings that decide engine shapes."""
+
+    max_context: int
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS  # speculative tokens; verification feeds draft_tokens + 1
+
+
+def serve_shape(serve: Mapping, model_max_positions: int, num_speculative_tokens: int | None = None) -> ServeShape:
+    max_context = int(serve.get("max_model_len") or min(model_max_positions, DEFAULT_MAX_CONTEXT_CAP))
+    if max_context > model_max_positions:
+        raise ModelError(f"max_model_len {max_context} exceeds the model's limit; expected at most "
+                         f"{model_max_positions}")
+    chunk = int(serve.get("prefill_chunk") or DEFAULT_PREFILL_CHUNK)
+    draft = int(num_speculative_tokens if num_speculative_tokens is not None
+                else serve.get("num_speculative_tokens", DEFAULT_DRAFT_TOKENS))
+    if max_context < 2 or chunk < 1 or draft < 0:
+        raise UsageError(f"expected max_model_len >= 2, prefill_chunk >= 1, draft tokens >= 0; found "
+                         f"{max_context}, {chunk}, {draft}")
+    return ServeShape(max_context, min(chunk, max_context), draft)
+
+
+def optimization_profiles(shape: ServeShape, num_layers: int, kv_heads: int, head_dim: int) -> list[dict]:
+    """TensorRT optimisation profiles: "decode" (1 .. draft+1 new tokens) first, then "prefill" (chunks)."""
+    ctx = shape.max_context
+
+    def profile(name: str, new_max: int, new_opt: int, past_opt: int) -> dict:
+        new = {"min": [1, 1], "opt": [1, new_opt], "max": [1, new_max]}
+        shapes = {"input_ids": new, "position_ids": dict(new),
+                  "attention_mask": {"min": [1, 1], "opt": [1, past_opt + new_opt], "max": [1, ctx]}}
+        for n in past_names(num_layers):
+            shapes[n] = {"min": [1, kv_heads, 0, head_dim], "opt": [1, kv_heads, past_opt, head_dim],
+                         "max": [1, kv_heads, ctx - 1, head_dim]}
+        return {"name": name, "shapes": shapes}
+
+    verify = min(shape.draft_tokens + 1, ctx)
+    return [profile("decode", verify, verify, ctx // 2),
+            profile("prefill", shape.prefill_chunk, shape.prefill_chunk, 0)]
+
+
+def precision_for(profile: TargetProfile) -> str:
+    """fp16 where the target has it (the ONNX is fp32; TensorRT 10 lowers it), else fp32."""
+    return "fp16" if "fp16" in profile.precisions else "fp32"
+
+
+def build_options(profile: TargetProfile, export: ExportResult, shape: ServeShape) -> dict:
+    """Exactly what the TensorRT builder is given; its sha256 is part of the engine key."""
+    return {"format": BUILD_OPTIONS_FORMAT, "precision": precision_for(profile),
+            "max_context": shape.max_context, "prefill_chunk": shape.prefill_chunk,
+            "draft_tokens": shape.draft_tokens, "builder_optimization_level": 3,
+            "hardware_compatibility_level": "none",
+            "profiles": optimization_profiles(shape, export.num_layers, export.num_kv_heads, export.head_dim)}
+
+
+@dataclass(frozen=True)
+class ExportedModel:
+    role: str
+    export: ExportResult
+    onnx_sha256: str  # runtime.engine_cache.onnx_digest over graph + weights
+
+    @property
+    def graph_path(self) -> str:
+        return f"{ONNX_ROOT}/{self.role}/{self.export.graph.name}"
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(f"{ONNX_ROOT}/{self.role}/{p.name}" for p in self.export.files)
+
+    def pack_files(self) -> list[PackFile]:
+        return [PackFile(src=src, path=path) for src, path in zip(self.export.files, self.paths)]
+
+
+def export_models(models: Mapping[str, Path], work_dir: Path,
+                  export: Callable[..., ExportResult] = export_onnx) -> list[ExportedModel]:
+    out = []
+    for role, checkpoint in models.items():
+        result = export(Path(checkpoint), Path(work_dir) / "onnx" / role)
+        digest = onnx_digest({p.name: file_sha256(p) for p in result.files})
+        out.append(ExportedModel(role, result, digest))
+    return out
+
+
+def host_device(backend=None) -> DeviceInfo | None:
+    """This build host's GPU + TensorRT, or None (the usual case: no TensorRT here)."""
+    if backend is None:
+        from runtime.engines.tensorrt import TensorRTBackend
+        backend = TensorRTBackend()
+    return backend.device()
+
+
+def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], shape: ServeShape,
+                   work_dir: Path, device: DeviceInfo | None = None, backend=None
+                   ) -> tuple[list[PackFile], Target]:
+    """Engine records (and plan files, when this host can build them) for one target."""
+    files: list[PackFile] = []
+    engines: list[Engine] = []
+    precision = "fp32" if profile.backend == "onnxruntime" else precision_for(profile)
+    for m in exported:
+        if profile.backend == "onnxruntime":
+            engines.append(Engine(model=m.role, backend="onnxruntime", format="onnx", path=m.graph_path,
+                                  files=m.paths, key={"onnx_sha256": m.onnx_sha256,
+                                                      "onnxruntime_min": ONNXRUNTIME_MIN},
+                                  build={"max_context": shape.max_context}))
+            continue
+        options = build_options(profile, m.export, shape)
+        engines.append(Engine(model=m.role, backend="tensorrt", format="onnx", path=m.graph_path, files=m.paths,
+                              key=engine_key(m.onnx_sha256, options, profile.compute_capability,
+                                             profile.tensorrt_version), build=options))
+        if device is not None and profile.matches_compute_capability(device.compute_capability) \
+                and device.tensorrt_version == profile.tensorrt_version:
+            plan = Path(work_dir) / "plans" / profile.id / m.role / "engine.plan"
+            plan.parent.mkdir(parents=True, exist_ok=True)
+            log.info("building the %s engine for %s on this host", m.role, profile.id)
+            backend.build(m.export.graph, options, plan)
+            path = f"{PLAN_ROOT}/{profile.id}/{m.role}/engine.plan"
+            files.append(PackFile(src=plan, path=path, targets=(profile.id,)))
+            engines.append(Engine(model=m.role, backend="tensorrt", format="tensorrt-plan", path=path,
+                                  files=(path,), key=engine_key(m.onnx_sha256, options, device.compute_capability,
+                                                                device.tensorrt_version), build=options))
+    build = {"compute_capability": profile.compute_capability, "tensorrt_version": profile.tensorrt_version,
+             "cuda_version": profile.cuda_version, "precision": precision, "max_context": shape.max_context}
+    return files, Target(id=profile.id, backend=profile.backend, engines=tuple(engines),
+                         build={k: v for k, v in build.items() if v is not None})
+
+
+def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_dir: Path, serve: Mapping, *,
+                    num_speculative_tokens: int | None = None, extra_dirs: Iterable[Path] = (),
+                    backend=None, export: Callable[..., ExportResult] = export_onnx
+                    ) -> tuple[list[PackFile], list[Target]]:
+    """Export every model once and plan every target: (files to pack, Target records)."""
+    if not target_ids:
+        raise UsageError("expected at least one target, found none")
+    profiles = [get_profile(t, tuple(extra_dirs)) for t in target_ids]
+    exported = export_models(models, Path(work_dir), export)
+    limit = min(m.export.max_positions for m in exported)
+    shape = serve_shape(serve, limit, num_speculative_tokens)
+    device = None
+    if any(p.backend == "tensorrt" for p in profiles):
+        if backend is None:
+            from runtime.engines.tensorrt import TensorRTBackend
+            backend = TensorRTBackend()
+        device = backend.device()
+    files = [pf for m in exported for pf in m.pack_files()]  # shared by every target: stored once
+    targets = []
+    for profile in profiles:
+        extra, target = target_engines(profile, exported, shape, Path(work_dir), device, backend)
+        files += extra
+        targets.append(target)
+    return files, targets
+
+
+def target_files_hook(*, serve: Mapping | None = None, num_speculative_tokens: int | None = None,
+                      extra_dirs: Iterable[Path] = (), backend=None):
+    """Adapter to bundler.create's `target_files` hook (models, targets, work_dir) -> (files, targets)."""
+    def hook(inputs, targets, work_dir):
+        return prepare_targets([t.id for t in targets], {m.role: m.local_dir for m in inputs}, work_dir,
+                               dict(serve or {}), num_speculative_tokens=num_speculative_tokens,
+                               extra_dirs=extra_dirs, backend=backend)
+    return hook
+
+
+def build_engines_bundle(bundle_dir: Path, target_id: str, out: Path, *, sign_keys: list, trusted: dict,
+                         allow_unsigned: bool = False, backend=None, work_dir: Path | None = None,
+                         progress: bool = True):
+    """`bundle build-engines`: on a device of the target's kind, build its plans and pack version + 1.
+
+    The new bundle carries everything the old one did (the ONNX stays as the fallback for devices
+    whose TensorRT differs) plus one plan per model for this target, keyed to this device.
+    """
+    import dataclasses
+    import tempfile
+
+    from bundler.pack import pack_bundle
+    from manifests.errors import EnvironmentProblem
+    from runtime.engines import onnx_sha256_of
+    from runtime.unpack import unpack_files
+    from runtime.verify import verify_bundle
+
+    verified = verify_bundle(Path(bundle_dir), trusted, allow_unsigned=allow_unsigned)
+    manifest = verified.manifest
+    target = manifest.target(target_id)
+    sources = [e for e in target.engines if e.backend == "tensorrt" and e.format == "onnx"]
+    if not sources:
+        raise UsageError(f"target {target_id!r} of {manifest.name} v{manifest.version} has no TensorRT engines "
+                         f"to build (backend {target.backend!r})")
+    if backend is None:
+        from runtime.engines.tensorrt import TensorRTBackend
+        backend = TensorRTBackend()
+    device = backend.device()
+    if device is None:
+        raise EnvironmentProblem(getattr(backend, "unavailable", "TensorRT is not available on this machine"))
+    wanted = target.build.get("compute_capability")
+    if wanted and device.compute_capability != wanted:
+        profile = get_profile(target_id)
+        if not profile.matches_compute_capability(device.compute_capability):
+            raise EnvironmentProblem(f"this GPU has compute capability {device.compute_capability}; target "
+                                     f"{target_id!r} expects {wanted}: run build-engines on a {target_id} device")
+    # Unpack next to the output (same disk, which must hold the new bundle anyway), not in a small /tmp.
+    Path(out).resolve().parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=work_dir or Path(out).resolve().parent,
+                                     prefix="bundle-build-engines-") as tmp:
+        root = Path(tmp) / "files"
+        unpack_files(verified.layout, manifest.files, root, progress=progress)
+        files = [PackFile(src=root / f.path, path=f.path, targets=f.targets, executable=f.executable)
+                 for f in manifest.files if not f.path.startswith(f"{PLAN_ROOT}/{target_id}/")]
+        engines = [e for e in target.engines if e.format != "tensorrt-plan"]
+        for src in sources:
+            path = f"{PLAN_ROOT}/{target_id}/{src.model}/engine.plan"
+            plan = Path(tmp) / "plans" / src.model / "engine.plan"
+            plan.parent.mkdir(parents=True, exist_ok=True)
+            backend.build(root / src.path, src.build, plan)
+            key = engine_key(onnx_sha256_of(manifest, src), src.build, device.compute_capability,
+                             device.tensorrt_version)
+            files.append(PackFile(src=plan, path=path, targets=(target_id,)))
+            engines.append(Engine(model=src.model, backend="tensorrt", format="tensorrt-plan", path=path,
+                                  files=(path,), key=key, build=src.build))
+        targets = [dataclasses.replace(t, engines=tuple(engines)) if t.id == target_id else t
+                   for t in manifest.targets]
+        return pack_bundle(Path(out), name=manifest.name, version=manifest.version + 1, models=list(manifest.models),
+                           files=files, targets=targets, speculative=manifest.speculative, serve=dict(manifest.serve),
+                           expires=manifest.expires, sign_keys=sign_keys, unsigned=not sign_keys and allow_unsigned,
+                           progress=progress)

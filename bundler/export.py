@@ -1,0 +1,203 @@
+"""Hugging Face checkpoint -> one ONNX decoder graph with an explicit KV cache (connected host, [build] extra).
+
+One graph serves prefill, single-token decode and verification of several draft tokens: every
+sequence axis is dynamic. Names follow ONNX Runtime GenAI / Optimum so other tools can read it:
+
+    inputs   input_ids [batch, sequence_length] int64
+             attention_mask [batch, total_sequence_length] int64   (ones; past + new)
+             position_ids [batch, sequence_length] int64
+             past_key_values.<i>.key / .value [batch, kv_heads, past_sequence_length, head_dim] float32
+    outputs  logits [batch, sequence_length, vocab] float32
+             present.<i>.key / .value [batch, kv_heads, total_sequence_length, head_dim] float32
+
+The weights go to one external-data file next to the graph, so the graph stays small and both
+are ordinary bundle files. Facts the runtime needs (layers, heads, context) are written into the
+graph's metadata (`bundle.*` keys), so the graph describes itself on the device.
+We use the TorchScript exporter (dynamo=False): it traces transformers' cache code into plain
+Concat/MatMul/Softmax, which both ONNX Runtime and TensorRT run, and it needs no onnxscript.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from manifests.errors import ModelError, UsageError
+
+log = logging.getLogger(__name__)
+
+#: model_type in config.json -> the architectures we accept. Everything else is refused by name.
+SUPPORTED_FAMILIES = {
+    "llama": ("LlamaForCausalLM",),
+    "mistral": ("MistralForCausalLM",),
+    "qwen2": ("Qwen2ForCausalLM",),
+    "qwen3": ("Qwen3ForCausalLM",),
+}
+DEFAULT_OPSET = 17
+GRAPH_NAME = "model.onnx"
+WEIGHTS_NAME = "model.onnx.data"
+MAX_CONFIG_BYTES = 1024 * 1024
+
+
+def past_names(num_layers: int) -> list[str]:
+    return [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+
+
+def present_names(num_layers: int) -> list[str]:
+    return [f"present.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    graph: Path  # out_dir/model.onnx
+    weights: Path  # out_dir/model.onnx.data
+    family: str
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
+    opset: int
+
+    @property
+    def files(self) -> tuple[Path, Path]:
+        return (self.graph, self.weights)
+
+    def metadata(self) -> dict[str, str]:
+        """What goes into the graph's metadata_props (strings only, per the ONNX spec)."""
+        return {"bundle.family": self.family, "bundle.architecture": self.architecture,
+                "bundle.num_layers": str(self.num_layers), "bundle.num_kv_heads": str(self.num_kv_heads),
+                "bundle.head_dim": str(self.head_dim), "bundle.vocab_size": str(self.vocab_size),
+                "bundle.max_positions": str(self.max_positions), "bundle.format": "kv-cache-decoder-v1"}
+
+
+def read_config(checkpoint_dir: Path) -> dict:
+    path = Path(checkpoint_dir) / "config.json"
+    if not path.is_file():
+        raise UsageError(f"expected a Hugging Face checkpoint with config.json in {checkpoint_dir}, found none")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ModelError(f"{path}: expected a config.json under {MAX_CONFIG_BYTES} bytes, "
+                         f"found {path.stat().st_size}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{path}: expected JSON, found a parse error: {e}") from None
+
+
+def check_family(config: dict, where: str = "model") -> tuple[str, str]:
+    """(family, architecture), or ModelError naming what was found and what is supported."""
+    model_type = config.get("model_type")
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs else None
+    supported = ", ".join(sorted(SUPPORTED_FAMILIES))
+    if model_type not in SUPPORTED_FAMILIES:
+        raise ModelError(f"{where}: model type {model_type!r} ({arch or 'no architecture'}) cannot be "
+                         f"exported; expected one of: {supported}")
+    if arch is not None and arch not in SUPPORTED_FAMILIES[model_type]:
+        raise ModelError(f"{where}: architecture {arch!r} cannot be exported; expected "
+                         f"{' or '.join(SUPPORTED_FAMILIES[model_type])} for model type {model_type!r}")
+    return model_type, arch or SUPPORTED_FAMILIES[model_type][0]
+
+
+def _wrapper(model, num_layers: int):
+    """A module taking the cache as flat tensors, so the exporter sees plain inputs and outputs."""
+    import inspect
+
+    import torch
+    from transformers import DynamicCache
+
+    cache_kw = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
+
+    class DecoderWithCache(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, position_ids, *past):
+            cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(num_layers)])
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=True, **{cache_kw: cache})
+            cache = getattr(out, "cache", None) or out.past_key_values
+            present = []
+            for layer in cache.layers:
+                present += [layer.keys, layer.values]
+            return (out.logits, *present)
+
+    return DecoderWithCache()
+
+
+def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None) -> ExportResult:
+    """Export the checkpoint in fp32 to out_dir/model.onnx + model.onnx.data (deterministic for the same input)."""
+    import onnx
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    config = read_config(checkpoint_dir)
+    family, arch = check_family(config, str(checkpoint_dir))
+    opset = opset or DEFAULT_OPSET
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    cfg = model.config
+    max_positions = int(cfg.max_position_embeddings)
+    window = getattr(cfg, "sliding_window", None)
+    if window and (family == "mistral" or getattr(cfg, "use_sliding_window", False)):
+        # A sliding window only changes attention past `window` tokens: cap the context there
+        # instead of baking a window mask into the graph.
+        max_positions = min(max_positions, int(window))
+        cfg.sliding_window = None
+    num_layers = int(cfg.num_hidden_layers)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    result = ExportResult(out_dir / GRAPH_NAME, out_dir / WEIGHTS_NAME, family, arch, num_layers, kv_heads,
+                          head_dim, int(cfg.vocab_size), max_positions, opset)
+
+    # Trace with a non-empty past and several new tokens so no shape is specialised to 0 or 1.
+    past_len, new = 3, 4
+    ids = torch.zeros((1, new), dtype=torch.int64)
+    mask = torch.ones((1, past_len + new), dtype=torch.int64)
+    pos = torch.arange(past_len, past_len + new, dtype=torch.int64)[None]
+    past = [torch.zeros((1, kv_heads, past_len, head_dim)) for _ in range(2 * num_layers)]
+    inputs = ["input_ids", "attention_mask", "position_ids", *past_names(num_layers)]
+    outputs = ["logits", *present_names(num_layers)]
+    dynamic = {"input_ids": {0: "batch", 1: "sequence_length"},
+               "attention_mask": {0: "batch", 1: "total_sequence_length"},
+               "position_ids": {0: "batch", 1: "sequence_length"},
+               "logits": {0: "batch", 1: "sequence_length"}}
+    dynamic.update({n: {0: "batch", 2: "past_sequence_length"} for n in past_names(num_layers)})
+    dynamic.update({n: {0: "batch", 2: "total_sequence_length"} for n in present_names(num_layers)})
+
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".export-") as tmp:
+        raw = Path(tmp) / "raw.onnx"  # the exporter may spill per-tensor files next to it for big models
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # tracer warnings about constant shapes; the parity tests check them
+            torch.onnx.export(_wrapper(model, num_layers), (ids, mask, pos, *past), str(raw), dynamo=False,
+                              input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
+                              opset_version=opset, do_constant_folding=True)
+        del model
+        proto = onnx.load(str(raw), load_external_data=True)
+    proto.doc_string = f"{arch} exported by bundle for KV-cache decoding"
+    del proto.metadata_props[:]
+    for k, v in result.metadata().items():
+        proto.metadata_props.add(key=k, value=v)
+    result.weights.unlink(missing_ok=True)  # onnx appends to an existing external-data file
+    onnx.save_model(proto, str(result.graph), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=WEIGHTS_NAME, size_threshold=1024)
+    log.info("exported %s (%s, %d layers) to %s", checkpoint_dir, arch, num_layers, result.graph)
+    return result
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,71 @@
+"""Render chat messages with the model's own Jinja2 chat template, the way transformers does.
+
+The template ships inside the bundle's tokenizer_config.json, so it is data, not code we wrote:
+it runs in Jinja2's ImmutableSandboxedEnvironment with the same options and helpers as
+transformers' `apply_chat_template` (trim_blocks, lstrip_blocks, loopcontrols, `tojson`,
+`raise_exception`, `strftime_now`, bos/eos/pad/unk token variables), so prompts match what the
+model was trained on without importing transformers on the floor.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any, Callable, Sequence
+
+from manifests.errors import ModelError, UsageError
+
+
+class ChatTemplateError(UsageError):
+    """The template refused the conversation (raise_exception) or failed while rendering it."""
+
+
+def _raise_exception(message: str):
+    raise ChatTemplateError(f"chat template rejected the messages: {message}")
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Same signature as transformers' override: Jinja's own tojson escapes HTML and sorts keys.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, *, bos_token: str | None = None, eos_token: str | None = None,
+                 pad_token: str | None = None, unk_token: str | None = None,
+                 clock: Callable[[], datetime] = datetime.now):
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: clock().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise ModelError(f"the model's chat template does not parse: {e}") from None
+        self._special = {"bos_token": bos_token or "", "eos_token": eos_token or "",
+                         "pad_token": pad_token or "", "unk_token": unk_token or ""}
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer) -> "ChatTemplate | None":
+        if tokenizer.chat_template is None:
+            return None
+        return cls(tokenizer.chat_template, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+                   pad_token=tokenizer.pad_token, unk_token=tokenizer.unk_token)
+
+    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
+               tools: list | None = None, **kwargs) -> str:
+        import jinja2
+
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         tools=tools, documents=None, **self._special, **kwargs)
+        except ChatTemplateError:
+            raise
+        except jinja2.exceptions.SecurityError as e:
+            raise ChatTemplateError(f"chat template tried an unsafe operation: {e}") from None
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            raise ChatTemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None

@@ -1,0 +1,187 @@
+"""Floor-side commands: copy, verify, inspect, install, list, rollback. Each parses flags, calls one
+library function and prints; errors are raised as BundleError and mapped to exit codes in bundler.cli.main."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from manifests.sizes import format_size
+from runtime import settings
+
+_trust_option = click.option(
+    "--trust", "trust", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="PUB",
+    help=f"Trust this public key (repeatable). Every *.pub in {settings.TRUST_DIR} is trusted too "
+         f"(set BUNDLE_TRUST_DIR to use another directory).")
+_unsigned_option = click.option("--allow-unsigned", is_flag=True,
+                                help="Accept a bundle without a trusted signature (test bundles only).")
+_jobs_option = click.option("--jobs", type=click.IntRange(min=1),
+                            help="Worker threads for hashing and unpacking. Default: every core (BUNDLE_JOBS).")
+_store_option = click.option("--store", type=click.Path(file_okay=False, path_type=Path),
+                             default=lambda: settings.DEFAULT_STORE, show_default="BUNDLE_STORE or ~/.local/share/bundle/store",
+                             help="Store directory of installed bundles.")
+
+
+def _show_progress(no_progress: bool) -> bool:
+    return not no_progress and sys.stderr.isatty()
+
+
+def _keys(trust):
+    from runtime.trust import trusted_keys
+    return trusted_keys(list(trust), settings.TRUST_DIR)
+
+
+@click.command(epilog="""\b
+Examples:
+  bundle copy ./assistant-3 /media/usb/assistant-3      # onto a USB stick
+  bundle copy /media/usb/assistant-3 /data/assistant-3  # off it; rerun to resume after an interruption
+""")
+@click.argument("src", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
+@_jobs_option
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def copy(src: Path, dst: Path, jobs, no_progress) -> None:
+    """Copy bundle SRC to DST, checking every blob's sha256 as it is copied and fsyncing it.
+
+    Blobs already complete at DST are skipped, so an interrupted copy resumes and only missing or
+    damaged blobs are copied again. DST is marked COMPLETE only at the very end. SRC is never modified.
+    Needs no key: run `bundle verify` to check the signature.
+    """
+    from runtime.copy import copy_bundle
+
+    r = copy_bundle(src, dst, jobs=jobs, progress=_show_progress(no_progress))
+    click.echo(f"copied {r.blobs_copied} blobs ({format_size(r.bytes_copied)}), skipped {r.blobs_skipped} "
+               f"already complete ({format_size(r.bytes_skipped)}): {dst}")
+
+
+@click.command(epilog="""\b
+Examples:
+  bundle verify /media/usb/assistant-3 --trust release.pub
+  BUNDLE_TRUST_DIR=/etc/bundle/trust.d bundle verify ./assistant-3
+""")
+@click.argument("bundle_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
+@_trust_option
+@_unsigned_option
+@_jobs_option
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def verify(bundle_dir: Path, trust, allow_unsigned, jobs, no_progress) -> None:
+    """Check the signature, then every blob's size and sha256 (in parallel).
+
+    Every missing, truncated or corrupt part is listed by file and part number. Exit code 0 only
+    when everything is intact and signed by a trusted key.
+    """
+    from runtime.verify import CorruptBundleError, verify_bundle
+
+    try:
+        vb = verify_bundle(bundle_dir, _keys(trust), allow_unsigned=allow_unsigned, jobs=jobs,
+                           progress=_show_progress(no_progress))
+    except CorruptBundleError as e:
+        for p in e.problems:
+            click.echo(f"  {p}", err=True)
+        raise
+    m = vb.manifest
+    signers = ", ".join(vb.signers) or "none (unsigned, allowed by --allow-unsigned)"
+    click.echo(f"OK {m.name} v{m.version}: {len(m.files)} files, {len(m.blob_digests)} blobs, "
+               f"{format_size(m.total_size)}; signed by {signers}")
+
+
+@click.command(epilog="""\b
+Examples:
+  bundle inspect /media/usb/assistant-3
+  bundle inspect /media/usb/assistant-3 --json | jq .targets
+""")
+@click.argument("bundle_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def inspect(bundle_dir: Path, as_json: bool) -> None:
+    """Show models, revisions, targets, sizes, speculative settings, signer key ids and expiry.
+
+    Needs no key and checks nothing: signer key ids are shown as claimed (unverified).
+    """
+    from runtime.inspect import format_inspect, inspect_bundle
+
+    info = inspect_bundle(bundle_dir)
+    click.echo(json.dumps(info, indent=2) if as_json else format_inspect(info))
+
+
+@click.command(epilog="""\b
+Examples:
+  bundle install /media/usb/assistant-3 --trust release.pub
+  bundle install ./assistant-3 --store /data/bundles --target jetson-thor
+  bundle install ./assistant-2 --store /data/bundles --allow-downgrade
+""")
+@click.argument("bundle_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
+@_store_option
+@click.option("--target", default="auto", show_default=True, metavar="auto|ID",
+              help="Target profile to install for; auto detects this device (see `bundle targets`).")
+@_trust_option
+@_unsigned_option
+@click.option("--allow-downgrade", is_flag=True, help="Install a lower version than the one installed.")
+@click.option("--ignore-expiry", is_flag=True, help="Install even if the bundle has expired.")
+@_jobs_option
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def install(bundle_dir: Path, store: Path, target, trust, allow_unsigned, allow_downgrade, ignore_expiry, jobs,
+            no_progress) -> None:
+    """Verify and install a bundle into the store, then make it current.
+
+    The signature is checked before any blob is read; only the files the target needs are unpacked,
+    each checked against its signed sha256, in a staging directory; then `current` switches atomically
+    and the previous version is kept for `bundle rollback`. Re-installing the installed version is a
+    quick no-op; a lower version is refused unless --allow-downgrade; an expired bundle is refused
+    unless --ignore-expiry (the store never lets "now" go back before the newest bundle it accepted).
+    """
+    from runtime.store import Store
+
+    inst = Store(store).install(bundle_dir, target=target, trusted=_keys(trust), allow_unsigned=allow_unsigned,
+                                allow_downgrade=allow_downgrade, ignore_expiry=ignore_expiry, jobs=jobs,
+                                progress=_show_progress(no_progress))
+    verb = "already installed" if inst.noop else "installed"
+    prev = f"; previous v{inst.previous_version} kept for rollback" if inst.previous_version else ""
+    click.echo(f"{verb} {inst.name} v{inst.version} for {inst.target} at {inst.path}{prev}")
+
+
+@click.command(epilog="""\b
+Examples:
+  bundle list
+  bundle list --store /data/bundles --json
+""")
+@_store_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def list_(store: Path, as_json: bool) -> None:
+    """Show installed bundles: name, version, target, install time, and the version rollback returns to."""
+    from runtime.store import Store
+
+    items = Store(store).list()
+    if as_json:
+        click.echo(json.dumps([{"name": i.name, "version": i.version, "target": i.target, "path": str(i.path),
+                                "installed_at": i.installed_at, "previous_version": i.previous_version,
+                                "signers": list(i.signers)} for i in items], indent=2))
+        return
+    if not items:
+        click.echo(f"no bundles installed in {store}")
+        return
+    click.echo(f"{'NAME':<24} {'VERSION':>7}  {'TARGET':<16} {'INSTALLED':<20}  PREVIOUS")
+    for i in items:
+        prev = f"v{i.previous_version}" if i.previous_version else "-"
+        click.echo(f"{i.name:<24} {'v' + str(i.version):>7}  {i.target:<16} {i.installed_at:<20}  {prev}")
+
+
+list_.name = "list"
+
+
+@click.command(epilog="""\b
+Examples:
+  bundle rollback assistant
+  bundle rollback assistant --store /data/bundles
+""")
+@click.argument("name")
+@_store_option
+def rollback(name: str, store: Path) -> None:
+    """Make the previous installed version of NAME current again (running it again rolls forward)."""
+    from runtime.store import Store
+
+    inst = Store(store).rollback(name)
+    click.echo(f"rolled back {inst.name} to v{inst.version} ({inst.target}); "
+               f"v{inst.previous_version} kept as previous")

@@ -1,0 +1,87 @@
+"""Which target profile is this machine? (`--target auto`)
+
+Order, most specific first: the device-tree model string (Jetson, IGX and DRIVE boards name
+themselves there; it also tells a Jetson Thor from an IGX Thor, which share a GPU), then the GPU's
+compute capability (cuda-python if installed, else `nvidia-smi`), else `cpu`. The probes are
+parameters so tests feed a fake device-tree file and a fixed compute capability.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Callable, Sequence
+
+from manifests.errors import EnvironmentProblem
+from manifests.targets import TargetProfile, all_profiles
+from runtime import settings
+
+DEVICE_TREE_MODEL = Path("/proc/device-tree/model")
+MAX_MODEL_BYTES = 4096
+
+
+def read_device_tree_model(path: Path = DEVICE_TREE_MODEL) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_MODEL_BYTES)
+    except OSError:
+        return None
+    text = raw.split(b"\x00", 1)[0].decode("utf-8", errors="replace").strip()
+    return text or None
+
+
+def probe_compute_capability() -> str | None:
+    """"11.0" for the first CUDA GPU, or None when there is none (or no way to ask)."""
+    try:
+        try:
+            from cuda.bindings import runtime as cudart
+        except ImportError:
+            from cuda import cudart
+        attr = cudart.cudaDeviceAttr
+        err, major = cudart.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMajor, 0)
+        err2, minor = cudart.cudaDeviceGetAttribute(attr.cudaDevAttrComputeCapabilityMinor, 0)
+        if int(err) == 0 and int(err2) == 0:
+            return f"{major}.{minor}"
+    except Exception:  # no cuda-python, no driver, no device: try the next probe
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=15, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    first = out.stdout.strip().splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else ""
+    return first or None
+
+
+def detect_target(profiles: Sequence[TargetProfile] | None = None, *, device_tree: Path = DEVICE_TREE_MODEL,
+                  compute_capability: Callable[[], str | None] | str | None = probe_compute_capability
+                  ) -> tuple[str, str]:
+    """(target id, why). EnvironmentProblem when the GPU fits several profiles and nothing tells them apart."""
+    profiles = list(profiles) if profiles is not None else all_profiles(settings.PROFILE_DIRS)
+    model = read_device_tree_model(device_tree)
+    if model:
+        best: tuple[int, TargetProfile] | None = None
+        for p in profiles:
+            for pattern in p.device_tree_models:
+                if pattern.lower() in model.lower() and (best is None or len(pattern) > best[0]):
+                    best = (len(pattern), p)
+        if best is not None:
+            return best[1].id, f"device tree model {model!r} matches profile {best[1].id}"
+    cc = compute_capability() if callable(compute_capability) else compute_capability
+    if cc:
+        matches = [p for p in profiles if p.backend == "tensorrt" and p.matches_compute_capability(cc)]
+        if len(matches) == 1:
+            return matches[0].id, f"GPU compute capability {cc} matches profile {matches[0].id}"
+        if len(matches) > 1:
+            ids = ", ".join(p.id for p in matches)
+            seen = f"device tree model {model!r}" if model else "no device tree model"
+            raise EnvironmentProblem(f"GPU compute capability {cc} fits several targets ({ids}) and {seen} "
+                                     f"does not tell them apart; expected one: pass --target ID")
+        return "cpu", (f"GPU compute capability {cc} matches no target profile (add one to a profile "
+                       f"directory); using cpu")
+    where = f"device tree model {model!r} matches no profile" if model else "no device tree model"
+    return "cpu", f"{where} and no NVIDIA GPU found; using cpu"

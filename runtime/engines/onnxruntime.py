@@ -1,0 +1,144 @@
+"""ONNX Runtime engine over the exported KV-cache decoder graph (every target; the only one on `cpu`).
+
+The cache lives in preallocated buffers sized for `max_context`, bound to the graph with I/O
+binding: the graph reads `past` straight from one buffer and writes `present` straight into the
+other, then the two swap. So a decode step allocates nothing and copies nothing in Python; its cost
+is the graph's own attention over the past (the Concat of past and new is part of it). Rollback
+is a slice copy of the kept prefix, paid only when draft tokens are rejected.
+Two buffers (ping-pong) are needed because `present` is `past` plus the new tokens in a
+[kv_heads, length, head_dim] layout: written in place it would overwrite the next head's rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from manifests.errors import EnvironmentProblem, ModelError, ServeError
+from runtime.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+class ContextFull(ServeError):
+    """A forward() would hold more tokens than the engine's max_context."""
+
+
+class OnnxRuntimeEngine(Engine):
+    def __init__(self, graph: Path, *, max_context: int | None = None, threads: int | None = None,
+                 providers: Sequence[str] = ("CPUExecutionProvider",), session_options=None):
+        import onnxruntime as ort
+
+        graph = Path(graph)
+        if not graph.is_file():
+            raise EnvironmentProblem(f"expected the ONNX graph at {graph}, found nothing")
+        so = session_options or ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            so.intra_op_num_threads = threads
+        try:
+            self.session = ort.InferenceSession(str(graph), so, providers=list(providers))
+        except Exception as e:  # onnxruntime raises its own untyped errors
+            raise ModelError(f"ONNX Runtime cannot load {graph}: {str(e).splitlines()[0]}") from None
+        self._graph = graph
+        self._read_signature()
+        meta = self.session.get_modelmeta().custom_metadata_map
+        graph_max = int(meta.get("bundle.max_positions", 0)) or None
+        limit = max_context or graph_max
+        if limit is None:
+            raise ModelError(f"{graph}: no bundle.max_positions in the graph metadata; pass max_context")
+        if graph_max is not None and limit > graph_max:
+            raise ModelError(f"max context {limit} exceeds what the model supports; expected at most {graph_max}")
+        self.max_context = int(limit)
+        # [buffer][layer*2 + (0 key | 1 value)] flat fp32 arrays of capacity max_context tokens.
+        per = self.num_kv_heads * self.max_context * self.head_dim
+        self._buffers = [[np.zeros(per, np.float32) for _ in self._past] for _ in range(2)]
+        self._current = 0  # which buffer holds the live cache
+        self._length = 0
+        self._logits = np.zeros(0, np.float32)
+        self._binding = self.session.io_binding()
+        self.description = f"onnxruntime {ort.__version__} {self.session.get_providers()[0]} fp32"
+
+    # --- graph signature -----------------------------------------------------------------------
+    def _read_signature(self) -> None:
+        ins = {i.name: i for i in self.session.get_inputs()}
+        outs = {o.name: o for o in self.session.get_outputs()}
+        for name in ("input_ids", "position_ids", "past_key_values.0.key"):
+            if name not in ins:
+                raise ModelError(f"{self._graph}: expected a KV-cache decoder graph with input {name!r}, "
+                                 f"found inputs {sorted(ins)[:6]}")
+        layers = sum(1 for n in ins if n.startswith("past_key_values.") and n.endswith(".key"))
+        self._past = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+        self._present = [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+        missing = [n for n in self._past if n not in ins] + [n for n in ["logits", *self._present] if n not in outs]
+        if missing:
+            raise ModelError(f"{self._graph}: expected KV-cache inputs/outputs, missing {missing[:4]}")
+        shape = ins["past_key_values.0.key"].shape  # [batch, kv_heads, past, head_dim]
+        vocab = outs["logits"].shape[-1]
+        if not (isinstance(shape[1], int) and isinstance(shape[3], int) and isinstance(vocab, int)):
+            raise ModelError(f"{self._graph}: expected static kv_heads, head_dim and vocab, found "
+                             f"past {shape}, logits {outs['logits'].shape}")
+        self.num_layers, self.num_kv_heads, self.head_dim, self.vocab_size = layers, shape[1], shape[3], vocab
+        self._has_mask = "attention_mask" in ins
+
+    # --- Engine --------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def forward(self, token_ids: Sequence[int]) -> np.ndarray:
+        n = len(token_ids)
+        if n == 0:
+            return np.zeros((0, self.vocab_size), np.float32)
+        past, total = self._length, self._length + n
+        if total > self.max_context:
+            raise ContextFull(f"context full: expected at most {self.max_context} tokens, "
+                              f"found {past} cached + {n} new")
+        b = self._binding
+        b.clear_binding_inputs()
+        b.clear_binding_outputs()
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(1, n)
+        b.bind_cpu_input("input_ids", ids)
+        b.bind_cpu_input("position_ids", np.arange(past, total, dtype=np.int64).reshape(1, n))
+        if self._has_mask:
+            b.bind_cpu_input("attention_mask", np.ones((1, total), np.int64))
+        src, dst = self._buffers[self._current], self._buffers[1 - self._current]
+        kv, hd = self.num_kv_heads, self.head_dim
+        for name, buf in zip(self._past, src):
+            b.bind_input(name, "cpu", 0, np.float32, [1, kv, past, hd], buf.ctypes.data)
+        for name, buf in zip(self._present, dst):
+            b.bind_output(name, "cpu", 0, np.float32, [1, kv, total, hd], buf.ctypes.data)
+        if self._logits.size < n * self.vocab_size:
+            self._logits = np.zeros(n * self.vocab_size, np.float32)
+        b.bind_output("logits", "cpu", 0, np.float32, [1, n, self.vocab_size], self._logits.ctypes.data)
+        self.session.run_with_iobinding(b)
+        self._current, self._length = 1 - self._current, total
+        return self._logits[: n * self.vocab_size].reshape(n, self.vocab_size).copy()
+
+    def _view(self, which: int, layer_slot: int, length: int) -> np.ndarray:
+        flat = self._buffers[which][layer_slot]
+        return flat[: self.num_kv_heads * length * self.head_dim].reshape(self.num_kv_heads, length, self.head_dim)
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"rollback to {length}: expected 0..{self._length}")
+        if length == self._length:
+            return
+        if length > 0:  # compact the kept prefix of every head into the other buffer, then swap
+            other = 1 - self._current
+            for slot in range(len(self._past)):
+                self._view(other, slot, length)[:] = self._view(self._current, slot, self._length)[:, :length]
+            self._current = other
+        self._length = length
+
+    def memory(self) -> dict:
+        data = self._graph.with_name(self._graph.name + ".data")
+        weights = self._graph.stat().st_size + (data.stat().st_size if data.exists() else 0)
+        return {"weights": weights, "kv_cache": sum(b.nbytes for pair in self._buffers for b in pair)}
+
+    def close(self) -> None:
+        self._buffers = [[], []]
+        self.session = None  # type: ignore[assignment]

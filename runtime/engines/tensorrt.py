@@ -1,0 +1,237 @@
+"""TensorRT backend: build a plan from the shipped ONNX on the device, and run it. Thin on purpose.
+
+Every decision around TensorRT (profile shapes, cache key, compatibility check, fallback) lives in
+code that runs without it (bundler.engines, runtime.engine_cache, runtime.engines). This module
+only talks to the real `tensorrt` Python API and to `cuda-python` for device memory, and is imported
+only on a device that asked for a TensorRT engine. It cannot run on the build machines of this
+project (no GPU, no libnvinfer); the logic above it is tested with the ONNX Runtime engine standing in.
+
+TensorRT 11 removed weak typing (BuilderFlag.FP16 and friends): there the precision is the ONNX
+graph's own; on TensorRT 10 an fp32 graph is built with the FP16 flag when the options ask for fp16.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from manifests.errors import EnvironmentProblem, ModelError
+from runtime.engine import Engine
+from runtime.engine_cache import DeviceInfo
+
+log = logging.getLogger(__name__)
+
+NOT_INSTALLED = "TensorRT is not installed (libnvinfer cannot be installed on this machine)"
+
+
+def _modules():
+    try:
+        import tensorrt as trt
+    except ImportError:
+        raise EnvironmentProblem(f"{NOT_INSTALLED}; install JetPack's python3-libnvinfer or "
+                                 f"'pip install tensorrt-cu13'") from None
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        try:
+            from cuda import cudart  # cuda-python < 12.6
+        except ImportError:
+            raise EnvironmentProblem("cuda-python is not installed; expected it next to TensorRT "
+                                     "('pip install cuda-python')") from None
+    return trt, cudart
+
+
+def _check(result):
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise EnvironmentProblem(f"CUDA call failed: {err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+class TensorRTBackend:
+    """The real backend: what load_engine needs from TensorRT (device info, build, load)."""
+
+    name = "tensorrt"
+
+    def device(self) -> DeviceInfo | None:
+        """This GPU and TensorRT version, or None (with `self.unavailable` saying why)."""
+        try:
+            trt, cudart = _modules()
+            major = _check(cudart.cudaDeviceGetAttribute(
+                cudart.cudaDeviceAttr.cudaDevAttrComputeCapabilityMajor, 0))
+            minor = _check(cudart.cudaDeviceGetAttribute(
+                cudart.cudaDeviceAttr.cudaDevAttrComputeCapabilityMinor, 0))
+            props = _check(cudart.cudaGetDeviceProperties(0))
+        except EnvironmentProblem as e:
+            self.unavailable = str(e)
+            return None
+        name = props.name.decode(errors="replace").rstrip("\x00") if isinstance(props.name, bytes) else str(props.name)
+        return DeviceInfo(f"{major}.{minor}", trt.__version__, name)
+
+    def build(self, onnx_path: Path, options: dict, out_plan: Path) -> None:
+        trt, _ = _modules()
+        logger = trt.Logger(trt.Logger.WARNING)
+        builder = trt.Builder(logger)
+        flags = 0
+        if hasattr(trt.NetworkDefinitionCreationFlag, "EXPLICIT_BATCH"):
+            flags |= 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
+        network = builder.create_network(flags)
+        parser = trt.OnnxParser(network, logger)
+        if not parser.parse_from_file(str(onnx_path)):  # reads model.onnx.data beside it
+            errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+            raise ModelError(f"TensorRT cannot parse {onnx_path}: {errors}")
+        config = builder.create_builder_config()
+        if options.get("workspace_bytes"):
+            config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options["workspace_bytes"]))
+        config.builder_optimization_level = int(options.get("builder_optimization_level", 3))
+        if options.get("precision") == "fp16" and hasattr(trt.BuilderFlag, "FP16"):
+            config.set_flag(trt.BuilderFlag.FP16)
+        elif options.get("precision") not in (None, "fp32"):
+            log.warning("TensorRT %s is strongly typed: building %s in the graph's own precision",
+                        trt.__version__, options.get("precision"))
+        for prof in options["profiles"]:
+            p = builder.create_optimization_profile()
+            for name, s in prof["shapes"].items():
+                p.set_shape(name, s["min"], s["opt"], s["max"])
+            config.add_optimization_profile(p)
+        plan = builder.build_serialized_network(network, config)
+        if plan is None:
+            raise EnvironmentProblem(f"TensorRT failed to build an engine from {onnx_path} (see its log above)")
+        Path(out_plan).write_bytes(bytes(plan))
+
+    def load(self, plan: Path, *, options: dict, max_context: int | None = None) -> Engine:
+        return TensorRTEngine(plan, options=options, max_context=max_context)
+
+
+class _DeviceBuffer:
+    def __init__(self, cudart, nbytes: int):
+        self.cudart, self.nbytes = cudart, max(int(nbytes), 1)
+        self.ptr = _check(cudart.cudaMalloc(self.nbytes))
+
+    def free(self):
+        if self.ptr:
+            self.cudart.cudaFree(self.ptr)
+            self.ptr = 0
+
+
+class TensorRTEngine(Engine):
+    """Runs a plan with the KV cache in two device buffers (ping-pong), like the ONNX Runtime engine."""
+
+    def __init__(self, plan: Path, *, options: dict, max_context: int | None = None):
+        trt, cudart = _modules()
+        self._trt, self._cudart = trt, cudart
+        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        self.engine = runtime.deserialize_cuda_engine(Path(plan).read_bytes())
+        if self.engine is None:
+            raise EnvironmentProblem(f"TensorRT cannot load {plan}: built for another GPU or TensorRT version")
+        self.context = self.engine.create_execution_context()
+        built_max = int(options["max_context"])
+        if max_context is not None and max_context > built_max:
+            raise ModelError(f"max context {max_context} exceeds this engine's built maximum; "
+                             f"expected at most {built_max}")
+        self.max_context = max_context or built_max
+        self._profiles = options["profiles"]
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        self._past = [n for n in names if n.startswith("past_key_values.")]
+        self._present = ["present." + n[len("past_key_values."):] for n in self._past]
+        shape = self.engine.get_tensor_shape(self._past[0])  # [-1, kv, -1, hd]
+        self.num_kv_heads, self.head_dim = int(shape[1]), int(shape[3])
+        self.vocab_size = int(self.engine.get_tensor_shape("logits")[-1])
+        self._has_mask = "attention_mask" in names
+        per = self.num_kv_heads * self.max_context * self.head_dim * 4
+        self._kv = [[_DeviceBuffer(cudart, per) for _ in self._past] for _ in range(2)]
+        self._max_new = max(p["shapes"]["input_ids"]["max"][1] for p in self._profiles)
+        self._ids = _DeviceBuffer(cudart, self.max_context * 8)
+        self._pos = _DeviceBuffer(cudart, self.max_context * 8)
+        self._mask = _DeviceBuffer(cudart, self.max_context * 8)
+        self._logits = _DeviceBuffer(cudart, self._max_new * self.vocab_size * 4)
+        self.stream = _check(cudart.cudaStreamCreate())
+        self._profile = -1
+        self._current, self._length = 0, 0
+        self.description = f"tensorrt {trt.__version__} {options.get('precision', 'fp32')}"
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def _h2d(self, buf: _DeviceBuffer, array: np.ndarray) -> None:
+        _check(self._cudart.cudaMemcpyAsync(buf.ptr, array.ctypes.data, array.nbytes,
+                                            self._cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
+
+    def _pick_profile(self, n: int) -> int:
+        for i, p in enumerate(self._profiles):
+            if n <= p["shapes"]["input_ids"]["max"][1]:
+                return i
+        return len(self._profiles) - 1
+
+    def forward(self, token_ids: Sequence[int]) -> np.ndarray:
+        n = len(token_ids)
+        if n == 0:
+            return np.zeros((0, self.vocab_size), np.float32)
+        if n > self._max_new:  # longer prompts go through in chunks of the largest profile
+            out = [self.forward(token_ids[i:i + self._max_new]) for i in range(0, n, self._max_new)]
+            return np.concatenate(out)
+        from runtime.engines.onnxruntime import ContextFull
+
+        past, total = self._length, self._length + n
+        if total > self.max_context:
+            raise ContextFull(f"context full: expected at most {self.max_context} tokens, found {past} + {n}")
+        ctx, kv, hd = self.context, self.num_kv_heads, self.head_dim
+        profile = self._pick_profile(n)
+        if profile != self._profile:
+            ctx.set_optimization_profile_async(profile, self.stream)
+            self._profile = profile
+        ids = np.asarray(token_ids, np.int64).reshape(1, n)
+        pos = np.arange(past, total, dtype=np.int64).reshape(1, n)
+        mask = np.ones((1, total), np.int64)
+        self._h2d(self._ids, ids)
+        self._h2d(self._pos, pos)
+        ctx.set_input_shape("input_ids", (1, n))
+        ctx.set_tensor_address("input_ids", self._ids.ptr)
+        ctx.set_input_shape("position_ids", (1, n))
+        ctx.set_tensor_address("position_ids", self._pos.ptr)
+        if self._has_mask:
+            self._h2d(self._mask, mask)
+            ctx.set_input_shape("attention_mask", (1, total))
+            ctx.set_tensor_address("attention_mask", self._mask.ptr)
+        src, dst = self._kv[self._current], self._kv[1 - self._current]
+        for name, buf in zip(self._past, src):
+            ctx.set_input_shape(name, (1, kv, past, hd))
+            ctx.set_tensor_address(name, buf.ptr)
+        for name, buf in zip(self._present, dst):
+            ctx.set_tensor_address(name, buf.ptr)
+        ctx.set_tensor_address("logits", self._logits.ptr)
+        if not ctx.execute_async_v3(self.stream):
+            raise EnvironmentProblem("TensorRT execution failed (see its log above)")
+        host = np.empty((n, self.vocab_size), np.float32)
+        _check(self._cudart.cudaMemcpyAsync(host.ctypes.data, self._logits.ptr, host.nbytes,
+                                            self._cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
+        _check(self._cudart.cudaStreamSynchronize(self.stream))
+        self._current, self._length = 1 - self._current, total
+        return host
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"rollback to {length}: expected 0..{self._length}")
+        if 0 < length < self._length:  # 2D copy: every head's first `length` rows into the other buffer
+            row = length * self.head_dim * 4
+            pitch_src, pitch_dst = self._length * self.head_dim * 4, row
+            for s, d in zip(self._kv[self._current], self._kv[1 - self._current]):
+                _check(self._cudart.cudaMemcpy2DAsync(d.ptr, pitch_dst, s.ptr, pitch_src, row, self.num_kv_heads,
+                                                      self._cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+                                                      self.stream))
+            _check(self._cudart.cudaStreamSynchronize(self.stream))
+            self._current = 1 - self._current
+        self._length = length
+
+    def memory(self) -> dict:
+        return {"weights": int(getattr(self.engine, "device_memory_size_v2", 0) or 0),
+                "kv_cache": sum(b.nbytes for pair in self._kv for b in pair)}
+
+    def close(self) -> None:
+        for buf in [*self._kv[0], *self._kv[1], self._ids, self._pos, self._mask, self._logits]:
+            buf.free()
+        self._cudart.cudaStreamDestroy(self.stream)

@@ -1,0 +1,17 @@
+"""Crash-test pause points: with BUNDLE_PAUSE_AT="STAGE:SECONDS", `pause(STAGE)` announces itself on
+stderr and sleeps, so a test can SIGKILL the process at exactly that point. A no-op otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from runtime import settings
+
+
+def pause(stage: str) -> None:
+    if settings.PAUSE_AT:
+        name, _, seconds = settings.PAUSE_AT.partition(":")
+        if name == stage:
+            print(f"bundle: paused at {stage}", file=sys.stderr, flush=True)
+            time.sleep(float(seconds or 30))

@@ -1,0 +1,89 @@
+"""`bundle inspect`: what a bundle holds, readable without any key.
+
+Nothing here is verified: signer key ids are read from the envelope and labelled unverified, so
+an operator can see who claims to have signed before deciding which key to trust.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from manifests.errors import BadBundleError
+from manifests.sizes import format_size
+from runtime.reader import open_bundle
+from runtime.trust import parse_envelope
+
+
+def inspect_bundle(bundle_dir: Path) -> dict:
+    """A JSON-ready description of the bundle (works on incomplete bundles too, saying so)."""
+    layout = open_bundle(Path(bundle_dir), require_complete=False)
+    m = layout.unverified_manifest()
+    signers: list[str] = []
+    envelope_note = "none (unsigned)"
+    if layout.envelope_bytes is not None:
+        try:
+            env = parse_envelope(layout.envelope_bytes)
+            signers = env.key_ids
+            envelope_note = "matches manifest" if env.payload == layout.manifest_bytes else \
+                "payload DIFFERS from the manifest"
+        except BadBundleError as e:
+            envelope_note = f"unreadable: {e}"
+    compressed = {p.digest: p.size for f in m.files for p in f.parts}
+    models = []
+    for model in m.models:
+        prefix = model.root.rstrip("/") + "/"
+        files = [f for f in m.files if f.path.startswith(prefix)]
+        models.append({"role": model.role, "name": model.name, "root": model.root,
+                       "architecture": model.architecture, "source": model.source.to_dict(),
+                       "files": len(files), "size": sum(f.size for f in files)})
+    targets = []
+    for t in m.targets:
+        files = m.files_for(t.id)
+        targets.append({"id": t.id, "backend": t.backend, "files": len(files), "size": sum(f.size for f in files),
+                        "engines": [{"model": e.model, "backend": e.backend, "format": e.format, "path": e.path}
+                                    for e in t.engines], "build": t.build})
+    return {
+        "path": str(layout.path),
+        "complete": layout.complete,
+        "name": m.name, "version": m.version, "format_version": m.format_version,
+        "created": m.created, "expires": m.expires,
+        "builder": m.builder.to_dict(),
+        "models": models,
+        "targets": targets,
+        "speculative": m.speculative.to_dict() if m.speculative else None,
+        "serve": m.serve,
+        "files": len(m.files),
+        "size": m.total_size,
+        "compressed_size": sum(compressed.values()),
+        "blobs": len(compressed),
+        "signatures": {"key_ids": signers, "verified": False, "envelope": envelope_note},
+    }
+
+
+def format_inspect(info: dict) -> str:
+    """The human-readable form of `inspect_bundle`'s result."""
+    lines = [f"{info['name']} v{info['version']}  (format {info['format_version']})"
+             + ("" if info["complete"] else "  INCOMPLETE: COMPLETE marker missing"),
+             f"  created   {info['created']}  by {info['builder'].get('tool', '')} "
+             f"{info['builder'].get('tool_version', '')} on {info['builder'].get('host', '')}",
+             f"  expires   {info['expires'] or 'never'}",
+             f"  size      {format_size(info['size'])} in {info['files']} files, "
+             f"{format_size(info['compressed_size'])} in {info['blobs']} blobs"]
+    for m in info["models"]:
+        src = m["source"]
+        origin = src.get("repo") or src.get("path") or src.get("type")
+        rev = src.get("revision") or "-"
+        lines.append(f"  model     {m['role']}: {m['name']}  {origin} @ {rev}  "
+                     f"{format_size(m['size'])} ({m['architecture'] or 'unknown architecture'})")
+    for t in info["targets"]:
+        engines = ", ".join(f"{e['model']}:{e['format']}" for e in t["engines"]) or "no engines"
+        lines.append(f"  target    {t['id']} ({t['backend']}): {format_size(t['size'])} to install, {engines}")
+    spec = info["speculative"]
+    lines.append("  speculative " + (", ".join(f"{k}={v}" for k, v in spec.items()) if spec else "off"))
+    if info["serve"]:
+        lines.append("  serve     " + ", ".join(f"{k}={v}" for k, v in sorted(info["serve"].items())))
+    sig = info["signatures"]
+    ids = ", ".join(sig["key_ids"]) or "none"
+    lines.append(f"  signed by {ids}  (UNVERIFIED key ids; envelope {sig['envelope']}; "
+                 f"check with: bundle verify DIR --trust KEY.pub)")
+    return "\n".join(lines)

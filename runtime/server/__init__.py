@@ -1,0 +1,122 @@
+"""`bundle serve`: an OpenAI-compatible server for one installed bundle, with speculative decoding.
+
+Modules: protocol (request/response bodies), serving (endpoint logic, queue, worker thread),
+app (routes and error handlers), metrics (Prometheus), loader (bundle -> engines + tokenizer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from manifests.errors import ServeError, UsageError
+from manifests.schema import Speculative
+
+log = logging.getLogger("bundle.serve")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before loading anything, so a busy port fails in a second with a clear message."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+@contextlib.contextmanager
+def open_installed(name_or_dir: str, *, store: Path | None, target: str, trust: tuple[Path, ...] = (),
+                   allow_unsigned: bool = False, echo: Callable[[str], None] = print):
+    """An installed bundle: from the store by name, or a bundle directory verified and installed
+    into a private temporary store (removed on exit), exactly as `bundle install` would."""
+    from runtime import settings
+    from runtime.store import Store
+
+    path = Path(name_or_dir)
+    if path.is_dir():
+        from runtime.trust import trusted_keys
+
+        if target == "auto":
+            from runtime.detect import detect_target
+
+            target, reason = detect_target()
+            echo(f"target: {target} ({reason})")
+        tmp = Path(tempfile.mkdtemp(prefix="bundle-serve-"))
+        try:
+            echo(f"verifying and unpacking {path} ...")
+            installed = Store(tmp).install(path, target=target, trusted=trusted_keys(list(trust)),
+                                           allow_unsigned=allow_unsigned)
+            yield installed, Store(tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
+    if "/" in name_or_dir or name_or_dir.startswith("."):
+        raise UsageError(f"expected an installed bundle name or a bundle directory, found {name_or_dir!r} "
+                         f"(no such directory)")
+    st = Store(store or settings.DEFAULT_STORE)
+    installed = st.current(name_or_dir)
+    if target not in ("auto", installed.target):
+        raise UsageError(f"bundle {installed.name} is installed for target {installed.target}, "
+                         f"not {target}; reinstall with --target {target}")
+    yield installed, st
+
+
+def serve(name_or_dir: str, *, store: Path | None = None, host: str = "127.0.0.1", port: int = 8000,
+          target: str = "auto", speculative_config: Speculative | None = None, no_speculation: bool = False,
+          max_model_len: int | None = None, max_queued_requests: int = 16, api_key: str | None = None,
+          trust: tuple[Path, ...] = (), allow_unsigned: bool = False, log_interval_s: float = 10.0,
+          served_model_name: str | None = None, echo: Callable[[str], None] = print) -> None:
+    """Load the bundle, print what is served, run uvicorn until interrupted."""
+    import uvicorn
+
+    from runtime.server.app import build_app
+    from runtime.server.loader import load_serving_model
+    from runtime.server.serving import OpenAIServing, ServeOptions
+
+    if max_queued_requests < 0:
+        raise UsageError(f"--max-queued-requests must be >= 0, found {max_queued_requests}")
+    _setup_logging()
+    sock = bind_socket(host, port)
+    try:
+        with open_installed(name_or_dir, store=store, target=target, trust=trust,
+                            allow_unsigned=allow_unsigned, echo=echo) as (installed, st):
+            model = load_serving_model(installed, speculative=speculative_config, no_speculation=no_speculation,
+                                       max_model_len=max_model_len, cache_dir=getattr(st, "engine_cache_dir", None))
+            if served_model_name:
+                model.name = served_model_name
+            serving = OpenAIServing(model, ServeOptions(max_queued_requests=max_queued_requests, api_key=api_key,
+                                                        log_interval_s=log_interval_s))
+            app = build_app(serving)
+            bound_host, bound_port = sock.getsockname()[:2]
+            info = model.info
+            echo(f"model:       {model.name} ({info['bundle']}, max_model_len {model.max_model_len})")
+            echo(f"target:      {info['target']}")
+            echo(f"engine:      {info['engine']}")
+            echo(f"speculative: {info['speculative']}")
+            echo(f"auth:        {'API key required' if api_key else 'none'}")
+            echo(f"serving at   http://{bound_host}:{bound_port}/v1  (Ctrl-C to stop)")
+            sys.stdout.flush()
+            config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5, access_log=False)
+            uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def _setup_logging() -> None:
+    logger = logging.getLogger("bundle")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)

@@ -1,0 +1,103 @@
+"""Turn an installed bundle into a ServingModel: tokenizer, chat template, engines, speculative config.
+
+The speculative configuration is resolved in one place, in this order: --no-speculation, then
+--speculative-config (vLLM's JSON keys), then the bundle manifest's `speculative` section, then
+"draft_model" with 3 tokens when the bundle has a draft, else plain decoding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from manifests.errors import ModelError, UsageError
+from manifests.schema import Manifest, Speculative
+from runtime.chat_template import ChatTemplate
+from runtime.server.serving import ServingModel
+from runtime.speculative import METHODS, Generator
+from runtime.tokenizer import Tokenizer
+
+
+def parse_speculative_config(text: str | None) -> Speculative | None:
+    """--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'."""
+    if text is None:
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--speculative-config must be JSON, e.g. '{{\"method\": \"ngram\"}}': {e}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--speculative-config must be a JSON object, found {type(data).__name__}")
+    unknown = set(data) - {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min"}
+    if unknown:
+        raise UsageError(f"--speculative-config has unknown keys {sorted(unknown)}; expected method, "
+                         f"num_speculative_tokens, prompt_lookup_max, prompt_lookup_min")
+    method = data.get("method", "draft_model")
+    if method not in METHODS:
+        raise UsageError(f"--speculative-config method must be one of {', '.join(METHODS)}, found {method!r}")
+    for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        v = data.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 16):
+            raise UsageError(f"--speculative-config {key} must be an integer in 1..16, found {v!r}")
+    return Speculative(method=method, num_speculative_tokens=data.get("num_speculative_tokens", 3),
+                       model=data.get("model"), prompt_lookup_max=data.get("prompt_lookup_max"),
+                       prompt_lookup_min=data.get("prompt_lookup_min"))
+
+
+def resolve_speculative(manifest: Manifest, override: Speculative | None, disabled: bool) -> Speculative:
+    if disabled:
+        return Speculative(method="none")
+    if override is not None:
+        spec = override
+    elif manifest.speculative is not None:
+        spec = manifest.speculative
+    else:
+        spec = Speculative(method="draft_model" if manifest.model("draft") else "none")
+    if spec.method == "draft_model" and manifest.model("draft") is None:
+        raise UsageError(f"speculative method draft_model needs a draft model, but bundle {manifest.name} "
+                         f"has none; use --speculative-config '{{\"method\": \"ngram\"}}' or --no-speculation")
+    return spec
+
+
+def build_generator(target, draft, spec: Speculative) -> Generator:
+    lo = spec.prompt_lookup_min or 2
+    hi = spec.prompt_lookup_max or max(4, lo)
+    return Generator(target, draft if spec.method == "draft_model" else None, spec.method,
+                     spec.num_speculative_tokens, prompt_lookup_min=lo, prompt_lookup_max=hi)
+
+
+def load_serving_model(installed, *, target_id: str | None = None, speculative: Speculative | None = None,
+                       no_speculation: bool = False, max_model_len: int | None = None,
+                       cache_dir: Path | None = None, load_engine=None) -> ServingModel:
+    """`installed`: runtime.store.Installed (name, version, target, path, manifest)."""
+    if load_engine is None:
+        from runtime.engines import load_engine
+    manifest: Manifest = installed.manifest
+    target_id = target_id or installed.target
+    root = Path(installed.path)
+    target_model = manifest.model("target")
+    if target_model is None:
+        raise ModelError(f"bundle {manifest.name} has no model with role 'target'")
+    tokenizer = Tokenizer(root / target_model.root)
+    spec = resolve_speculative(manifest, speculative, no_speculation)
+    wanted = max_model_len or manifest.serve.get("max_model_len")
+    target = load_engine(root, manifest, target_id, "target", cache_dir=cache_dir, max_context=wanted)
+    draft = None
+    if spec.method == "draft_model":
+        draft = load_engine(root, manifest, target_id, "draft", cache_dir=cache_dir, max_context=wanted)
+        draft_tok = root / manifest.model("draft").root / "tokenizer.json"
+        if draft_tok.is_file() and draft_tok.read_bytes() != (root / target_model.root / "tokenizer.json").read_bytes():
+            raise ModelError("the draft model's tokenizer.json differs from the target's; speculative decoding "
+                             "needs one shared vocabulary")
+    limit = min(target.max_context, draft.max_context) if draft is not None else target.max_context
+    if max_model_len is not None and max_model_len > limit:
+        raise UsageError(f"--max-model-len {max_model_len} is more than the engine supports ({limit})")
+    generator = build_generator(target, draft, spec)
+    defaults = {k: v for k, v in manifest.serve.items() if k in ("temperature", "top_p", "top_k", "max_tokens")}
+    info = {"bundle": f"{manifest.name} v{manifest.version}", "target": target_id,
+            "engine": target.description or type(target).__name__,
+            "speculative": spec.method if spec.method == "none" else
+            f"{spec.method} (num_speculative_tokens={spec.num_speculative_tokens})"}
+    return ServingModel(name=manifest.name, tokenizer=tokenizer, template=ChatTemplate.for_tokenizer(tokenizer),
+                        generator=generator, max_model_len=min(wanted or limit, limit), info=info,
+                        defaults=defaults)

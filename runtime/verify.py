@@ -1,0 +1,156 @@
+"""`bundle verify`: the signature first, then every blob's size and sha256, in parallel.
+
+The signature is checked before any part blob is read, so a bundle from an untrusted source costs
+nothing to refuse. Blob problems are collected, not raised one at a time: after a bad USB copy the
+user wants the whole list (which file, which part) to know what to copy again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from manifests.errors import BadBundleError, TrustError
+from manifests.schema import Manifest
+from runtime import settings
+from runtime.reader import CHUNK, BundleLayout, open_bundle, part_names
+from runtime.trust import check_envelope, parse_envelope
+
+
+@dataclass(frozen=True)
+class VerifiedBundle:
+    path: Path
+    manifest: Manifest
+    signers: list[str]  # trusted key ids whose signatures verified ([] when allowed unsigned)
+    layout: BundleLayout
+
+    @property
+    def manifest_bytes(self) -> bytes:
+        return self.layout.manifest_bytes
+
+    @property
+    def envelope_bytes(self) -> bytes | None:
+        return self.layout.envelope_bytes
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One bad blob, named by every file part that uses it."""
+
+    digest: str
+    kind: str  # "missing" | "truncated" | "oversized" | "corrupt" | "unlisted" | "unreadable"
+    detail: str
+    names: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        where = ", ".join(self.names) or "(not a file part)"
+        return f"{where}: {self.kind}: {self.detail} (blob {self.digest})"
+
+
+class CorruptBundleError(BadBundleError):
+    """Some blobs are missing, truncated or corrupt; `.problems` lists every one of them."""
+
+    def __init__(self, message: str, problems: list[Problem]):
+        super().__init__(message)
+        self.problems = problems
+
+
+def check_signature(layout: BundleLayout, trusted: dict[str, Ed25519PublicKey], *,
+                    allow_unsigned: bool = False) -> tuple[Manifest, list[str]]:
+    """Trust decision: a trusted signature over exactly the manifest bytes the OCI manifest points to."""
+    if layout.envelope_bytes is None:
+        if not allow_unsigned:
+            raise TrustError("bundle is unsigned (no signature envelope): expected a signature by a trusted "
+                             "key (pass --allow-unsigned to accept it anyway)")
+        return Manifest.from_json_bytes(layout.manifest_bytes), []
+    envelope = parse_envelope(layout.envelope_bytes)
+    signers = check_envelope(envelope, trusted, allow_unsigned=allow_unsigned)
+    if envelope.payload != layout.manifest_bytes:
+        raise TrustError(f"signed manifest ({len(envelope.payload)} bytes) differs from the bundle manifest "
+                         f"blob {layout.config.digest} ({len(layout.manifest_bytes)} bytes): "
+                         f"expected the signature to cover exactly that blob")
+    # Parse the exact bytes that were signed, nothing re-encoded.
+    return Manifest.from_json_bytes(envelope.payload), signers
+
+
+def check_blob(path: Path, digest: str, size: int, names: tuple[str, ...] = ()) -> Problem | None:
+    """Stream one blob (never past size + 1 bytes) and compare size and sha256."""
+    try:
+        with open(path, "rb") as f:
+            actual = os.fstat(f.fileno()).st_size
+            if actual < size:
+                return Problem(digest, "truncated", f"{actual} of {size} bytes", names)
+            if actual > size:
+                return Problem(digest, "oversized", f"{actual} bytes, expected {size}", names)
+            h = hashlib.sha256()
+            left = size
+            while left:
+                chunk = f.read(min(CHUNK, left))
+                if not chunk:
+                    return Problem(digest, "truncated", f"ended after {size - left} of {size} bytes", names)
+                h.update(chunk)
+                left -= len(chunk)
+    except FileNotFoundError:
+        return Problem(digest, "missing", f"expected file {path}", names)
+    except OSError as e:
+        return Problem(digest, "unreadable", e.strerror or str(e), names)
+    if h.hexdigest() != digest.split(":", 1)[1]:
+        return Problem(digest, "corrupt", f"sha256 is {h.hexdigest()[:16]}..., expected {digest[7:23]}...",
+                       names)
+    return None
+
+
+def scan_blobs(layout: BundleLayout, manifest: Manifest, *, jobs: int | None = None,
+                progress: bool = False) -> list[Problem]:
+    """Every part blob the signed manifest names, checked in parallel; returns the problems found."""
+    names = part_names(manifest)
+    sizes: dict[str, int] = {}
+    problems: list[Problem] = []
+    for f in manifest.files:
+        for p in f.parts:
+            if sizes.setdefault(p.digest, p.size) != p.size:
+                problems.append(Problem(p.digest, "corrupt", "manifest declares two sizes for one blob",
+                                        tuple(names[p.digest])))
+    listed = {d.digest for d in layout.layers}
+    for digest in sizes:
+        if digest not in listed:  # registry tools (skopeo, oras) would not carry it
+            problems.append(Problem(digest, "unlisted", "not a layer of the OCI manifest", tuple(names[digest])))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, unit_divisor=1024, desc="verify")
+
+    def one(item):
+        digest, size = item
+        result = check_blob(layout.blob_file(digest), digest, size, tuple(names[digest]))
+        if bar is not None:
+            bar.update(size)
+        return result
+
+    # Largest first so one big blob does not start last and leave the other threads idle.
+    order = sorted(sizes.items(), key=lambda kv: -kv[1])
+    with ThreadPoolExecutor(max_workers=jobs or settings.JOBS) as pool:
+        problems += [p for p in pool.map(one, order) if p is not None]
+    if bar is not None:
+        bar.close()
+    return problems
+
+
+def verify_bundle(bundle_dir: Path, trusted: dict[str, Ed25519PublicKey], *, allow_unsigned: bool = False,
+                  check_blobs: bool = True, jobs: int | None = None,
+                  progress: bool = False) -> VerifiedBundle:
+    """Check signature, then (unless check_blobs=False) every blob; CorruptBundleError lists all problems."""
+    layout = open_bundle(Path(bundle_dir))
+    manifest, signers = check_signature(layout, trusted, allow_unsigned=allow_unsigned)
+    if check_blobs:
+        problems = scan_blobs(layout, manifest, jobs=jobs, progress=progress)
+        if problems:
+            total = len({p.digest for f in manifest.files for p in f.parts})
+            bad = len({p.digest for p in problems})
+            raise CorruptBundleError(f"{bad} of {total} blobs are bad; first: {problems[0]}", problems)
+    return VerifiedBundle(Path(bundle_dir), manifest, signers, layout)

@@ -1,0 +1,22 @@
+"""Session fixtures: one tiny random checkpoint per supported family, exported once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.models import FAMILIES, make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def family_exports(tmp_path_factory) -> dict:
+    """family -> (checkpoint dir, ExportResult)."""
+    from bundler.export import export_onnx
+
+    root = tmp_path_factory.mktemp("export-families")
+    out = {}
+    for i, family in enumerate(sorted(FAMILIES)):
+        ckpt = make_tiny_checkpoint(root / family, family=family, seed=i)
+        out[family] = (ckpt, export_onnx(ckpt, root / f"{family}-onnx"))
+    return out

@@ -1,0 +1,111 @@
+"""Preflight checks: architecture, draft/target tokenizer, memory fit; and that they run before weights download."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bundler.checks import (check_architecture, check_fits, check_pair, estimate_memory, run_preflight_checks,
+                            safetensors_weight_bytes)
+from bundler.resolve import resolve_models
+from manifests.errors import ModelError
+from manifests.targets import get_profile
+from tests.bundler.resolve.conftest import BIG_CONFIG
+
+
+def test_supported_architecture(checkpoints):
+    assert check_architecture(checkpoints.target) == "llama"
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelError, match=r"expected an architecture of family llama, mistral, qwen2, qwen3, found "
+                                         r"model_type 'gpt2' \(GPT2LMHeadModel\)") as e:
+        check_architecture(tmp_path, "acme/gpt")
+    assert e.value.exit_code == 8
+
+
+def test_same_vocabulary_passes_and_a_different_one_names_both(checkpoints):
+    check_pair(checkpoints.target, checkpoints.draft)
+    with pytest.raises(ModelError, match=r"draft acme/other cannot speculate for target acme/t: expected the same "
+                                         r"tokenizer vocabulary, found target has \d+ tokens, draft \d+"):
+        check_pair(checkpoints.target, checkpoints.other_draft, target_name="acme/t", draft_name="acme/other")
+
+
+def test_vocabularies_are_compared_not_file_names(checkpoints, local_copy):
+    """Same file names and sizes, two token ids swapped: still refused."""
+    draft = local_copy(checkpoints.draft)
+    tok = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = "a", "b"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ModelError, match=r"2 tokens have different ids \(e\.g\. 'a': \d+ vs \d+\)"):
+        check_pair(checkpoints.target, draft)
+
+
+def test_weights_estimate_reads_safetensors_headers(checkpoints):
+    from safetensors import safe_open
+
+    path = checkpoints.target / "model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        actual = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    assert safetensors_weight_bytes([path]) == actual
+    est = estimate_memory(checkpoints.target, 256)
+    cfg = json.loads((checkpoints.target / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    assert est.weights_from == "safetensors headers" and est.weights_bytes == actual
+    assert est.kv_cache_bytes == 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 256 * 4
+
+
+def test_too_big_for_orin_nano_is_refused_with_numbers(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(BIG_CONFIG))  # config only: estimated from its shapes
+    nano = get_profile("jetson-orin-nano")
+    with pytest.raises(ModelError) as e:
+        check_fits(tmp_path, nano, 8192, name="acme/llama-8b")
+    msg = str(e.value)
+    assert "acme/llama-8b does not fit jetson-orin-nano: expected at most 8.0 GiB (8589934592 bytes)" in msg
+    # 8.03 B parameters in bf16 = 14.96 GiB, KV cache 2 x 32 x 8 x 128 x 8192 x 2 bytes = 1 GiB
+    assert "needs 16.0 GiB" in msg and "weights 15.0 GiB (from config.json)" in msg
+    assert "KV cache 1.0 GiB at 8192 tokens" in msg and "--force" in msg
+    thor = get_profile("jetson-thor")
+    assert check_fits(tmp_path, thor, 8192).total < thor.memory_bytes
+
+
+def test_force_turns_the_refusal_into_a_warning(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(BIG_CONFIG))
+    warnings = []
+    est = check_fits(tmp_path, get_profile("jetson-orin-nano"), 8192, force=True, warn=warnings.append)
+    assert est.total > 8 * 1024**3
+    assert len(warnings) == 1 and warnings[0].startswith("warning: ") and "continuing under --force" in warnings[0]
+
+
+def _preflight(profile_ids, max_len, force=False):
+    profiles = [get_profile(p) for p in profile_ids]
+    return lambda plans: run_preflight_checks(plans, profiles, max_len, force=force)
+
+
+def test_kv_cache_at_long_context_refused_before_weights_download(hub, hf_cache):
+    """The repo's config claims an 8B-shaped model; its weights are tiny, the KV cache at 128k is not."""
+    with pytest.raises(ModelError, match=r"acme/big-config does not fit jetson-orin-nano: .* KV cache 16\.0 GiB at "
+                                         r"131072 tokens"):
+        resolve_models("acme/big-config", cache_dir=hf_cache, endpoint=hub.url,
+                       preflight=_preflight(["jetson-thor", "jetson-orin-nano"], 131072))
+    assert hub.gets("config.json") and hub.gets("model.safetensors") == []
+
+
+def test_mismatched_draft_refused_before_weights_download(hub, hf_cache):
+    with pytest.raises(ModelError, match=r"draft acme/other-draft cannot speculate for target acme/tiny-llama"):
+        resolve_models("acme/tiny-llama@v1", "acme/other-draft", cache_dir=hf_cache, endpoint=hub.url,
+                       preflight=_preflight(["jetson-thor"], 512))
+    assert hub.gets("tokenizer.json") and hub.gets("model.safetensors") == []
+
+
+def test_compatible_pair_that_fits_resolves(hub, hf_cache):
+    models = resolve_models("acme/tiny-llama@v1", "acme/tiny-draft", cache_dir=hf_cache, endpoint=hub.url,
+                            preflight=_preflight(["jetson-thor", "jetson-orin-nano"], 512))
+    assert set(models) == {"target", "draft"}
+    assert len(hub.gets("model.safetensors")) == 2
+    # The same checks also accept resolved models (weights now on disk: estimated from headers).
+    run_preflight_checks(models, [get_profile("jetson-orin-nano")], 512)

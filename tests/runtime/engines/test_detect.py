@@ -1,0 +1,71 @@
+"""Target detection from a (fake) device tree and a (given) GPU compute capability, and `bundle targets`."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from manifests.errors import EnvironmentProblem
+from runtime.detect import detect_target
+
+
+def device_tree(tmp_path, model: str):
+    path = tmp_path / "model"
+    path.write_bytes(model.encode() + b"\x00")  # the kernel's file ends in NUL
+    return path
+
+
+@pytest.mark.parametrize("model,expected", [
+    ("NVIDIA Jetson AGX Thor Developer Kit", "jetson-thor"),
+    ("NVIDIA IGX Thor Developer Kit", "igx-thor"),
+    ("NVIDIA DRIVE AGX Thor Developer Kit", "drive-agx-thor"),
+    ("NVIDIA Jetson AGX Orin Developer Kit", "jetson-agx-orin"),
+    ("NVIDIA Jetson Orin Nano Engineering Reference Developer Kit Super", "jetson-orin-nano"),
+])
+def test_device_tree_names_the_board(tmp_path, model, expected):
+    target, reason = detect_target(device_tree=device_tree(tmp_path, model), compute_capability="11.0")
+    assert target == expected
+    assert model in reason and expected in reason
+
+
+def test_compute_capability_when_there_is_no_device_tree(tmp_path):
+    target, reason = detect_target(device_tree=tmp_path / "absent", compute_capability="12.1")
+    assert (target, reason) == ("dgx-spark", "GPU compute capability 12.1 matches profile dgx-spark")
+
+
+def test_ambiguous_gpu_without_a_board_name_is_refused(tmp_path):
+    with pytest.raises(EnvironmentProblem, match="11.0 fits several targets .*jetson-thor.*pass --target"):
+        detect_target(device_tree=tmp_path / "absent", compute_capability=lambda: "11.0")
+
+
+def test_unknown_gpu_and_no_gpu_give_cpu_with_a_reason(tmp_path):
+    assert detect_target(device_tree=tmp_path / "absent", compute_capability="7.5") == (
+        "cpu", "GPU compute capability 7.5 matches no target profile (add one to a profile directory); using cpu")
+    target, reason = detect_target(device_tree=device_tree(tmp_path, "Raspberry Pi 5"), compute_capability=None)
+    assert target == "cpu" and "'Raspberry Pi 5' matches no profile and no NVIDIA GPU" in reason
+
+
+def test_targets_command_prints_the_table_and_detection():
+    from bundler.cli import cli
+
+    result = CliRunner().invoke(cli, ["targets", "--detect"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split() == ["id", "arch", "gpu", "memory", "precisions", "cuda", "tensorrt", "backend"]
+    thor = next(line for line in lines if line.startswith("jetson-thor "))
+    assert thor.split()[1:4] == ["aarch64", "sm_110", "128.0"] and thor.split()[-1] == "tensorrt"
+    assert "detected: " in result.output
+
+
+def test_targets_json_includes_user_profiles(tmp_path):
+    import json
+
+    from bundler.cli import cli
+    from manifests.targets import get_profile
+
+    (tmp_path / "p.json").write_text(json.dumps({**get_profile("cpu").to_dict(), "id": "cpu-big",
+                                                 "memory_bytes": "256G"}))
+    result = CliRunner().invoke(cli, ["targets", "--json", "--profile-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    by_id = {p["id"]: p for p in json.loads(result.output)}
+    assert by_id["cpu-big"]["memory_bytes"] == 256 * 1024**3 and "jetson-thor" in by_id

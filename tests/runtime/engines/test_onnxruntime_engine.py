@@ -1,0 +1,75 @@
+"""The ONNX Runtime engine: rollback correctness, bounds, buffers that are reused, not regrown."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from manifests.errors import ModelError, ServeError
+
+
+@pytest.fixture()
+def engine(tiny_export):
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    return OnnxRuntimeEngine(tiny_export[1].graph, max_context=64)
+
+
+def test_rollback_then_forward_equals_a_fresh_run(engine, tiny_export):
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    tokens = list(range(3, 33))
+    fresh = OnnxRuntimeEngine(tiny_export[1].graph, max_context=64).forward(tokens)
+    engine.forward(tokens[:20])
+    engine.forward([7, 7, 7, 7, 7])  # rejected draft
+    engine.rollback(10)  # deeper than the draft: the kept prefix must survive compaction
+    assert engine.length == 10
+    again = engine.forward(tokens[10:])
+    np.testing.assert_allclose(again, fresh[10:], atol=1e-5)
+
+
+def test_reset_starts_a_new_sequence(engine):
+    first = engine.forward([5, 6, 7])
+    engine.forward([8, 9])
+    engine.reset()
+    assert engine.length == 0
+    np.testing.assert_allclose(engine.forward([5, 6, 7]), first, atol=1e-6)
+
+
+def test_rollback_bounds(engine):
+    engine.forward([1, 2, 3])
+    with pytest.raises(ValueError, match="expected 0..3"):
+        engine.rollback(4)
+    engine.rollback(3)
+    assert engine.length == 3
+
+
+def test_context_full_is_refused_without_damage(engine):
+    engine.forward(list(range(60)))
+    with pytest.raises(ServeError, match="expected at most 64 tokens, found 60 cached \\+ 5 new"):
+        engine.forward([1, 2, 3, 4, 5])
+    assert engine.length == 60
+    assert engine.forward([1, 2, 3, 4]).shape == (4, engine.vocab_size)
+    assert engine.length == 64
+
+
+def test_buffers_are_preallocated_and_reused(engine):
+    addresses = {b.ctypes.data for pair in engine._buffers for b in pair}
+    before = engine.memory()["kv_cache"]
+    for t in range(40):
+        engine.forward([t])
+    assert {b.ctypes.data for pair in engine._buffers for b in pair} == addresses
+    assert engine.memory()["kv_cache"] == before == 2 * 2 * 2 * (2 * 64 * 16) * 4  # 2 buffers x 2 layers x k,v
+    assert engine.memory()["weights"] > 500_000
+
+
+def test_max_context_beyond_the_model_is_refused(tiny_export):
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    with pytest.raises(ModelError, match="expected at most 512"):
+        OnnxRuntimeEngine(tiny_export[1].graph, max_context=4096)
+
+
+def test_empty_forward_and_description(engine):
+    assert engine.forward([]).shape == (0, engine.vocab_size)
+    assert engine.description.startswith("onnxruntime ") and "CPUExecutionProvider" in engine.description

@@ -1,0 +1,44 @@
+"""The real TensorRT backend. Building and running need libnvinfer and a GPU, which no machine here has."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+HAVE_TENSORRT = importlib.util.find_spec("tensorrt") is not None
+REASON = "TensorRT is not installed (libnvinfer cannot be installed on this machine)"
+
+
+@pytest.mark.skipif(HAVE_TENSORRT, reason="TensorRT is installed; the missing-TensorRT path is not taken")
+def test_without_tensorrt_the_backend_reports_no_device_and_why():
+    from runtime.engines.tensorrt import NOT_INSTALLED, TensorRTBackend
+
+    backend = TensorRTBackend()
+    assert backend.device() is None
+    assert backend.unavailable.startswith(NOT_INSTALLED) and "pip install tensorrt" in backend.unavailable
+
+
+@pytest.mark.skipif(not HAVE_TENSORRT, reason=REASON)
+def test_build_and_run_matches_onnxruntime(tiny_export, tmp_path):
+    from bundler.engines import ServeShape, build_options
+    from manifests.targets import get_profile
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+    from runtime.engines.tensorrt import TensorRTBackend
+
+    backend = TensorRTBackend()
+    device = backend.device()
+    if device is None:
+        pytest.skip(f"TensorRT is installed but no CUDA GPU is usable: {backend.unavailable}")
+    options = build_options(get_profile("cpu"), tiny_export[1], ServeShape(128, 32, 3))  # fp32
+    backend.build(tiny_export[1].graph, options, tmp_path / "engine.plan")
+    trt_engine = backend.load(tmp_path / "engine.plan", options=options)
+    ort_engine = OnnxRuntimeEngine(tiny_export[1].graph, max_context=128)
+    tokens = list(range(5, 45))
+    np.testing.assert_allclose(trt_engine.forward(tokens), ort_engine.forward(tokens), atol=1e-3)
+    trt_engine.forward([1, 2, 3, 4])
+    trt_engine.rollback(40)
+    ort_engine.forward([1, 2, 3, 4])
+    ort_engine.rollback(40)
+    np.testing.assert_allclose(trt_engine.forward([7, 8]), ort_engine.forward([7, 8]), atol=1e-3)

@@ -1,0 +1,125 @@
+"""Session fixtures: tiny real checkpoints, their ONNX exports, a signed bundle installed in a store,
+and one real uvicorn server on 127.0.0.1 serving it (started once per session)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """target, a draft with other random weights (shared tokenizer), and "same": the target as its own draft."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    target = make_tiny_checkpoint(root / "target", hidden_size=64, num_layers=2, seed=0)
+    other = make_tiny_checkpoint(root / "draft", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                 intermediate_size=64, seed=1, tokenizer_from=target)
+    return {"target": target, "draft": other, "same": target}
+
+
+@pytest.fixture(scope="session")
+def onnx_graphs(tiny_models, tmp_path_factory) -> dict[str, Path]:
+    from bundler.export import export_onnx
+
+    root = tmp_path_factory.mktemp("tiny-onnx")
+    graphs = {}
+    for name in ("target", "draft"):
+        result = export_onnx(tiny_models[name], root / name)
+        graphs[name] = result.files[0]
+    graphs["same"] = graphs["target"]
+    return graphs
+
+
+@pytest.fixture(scope="session")
+def engine_factory(onnx_graphs):
+    """name -> a fresh ONNX Runtime engine (the runtime's real engine) over that tiny model."""
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    def make(name: str, max_context: int | None = None):
+        return OnnxRuntimeEngine(onnx_graphs[name], max_context=max_context or 512, threads=1)
+
+    return make
+
+
+@dataclass
+class Bundle:
+    dir: Path
+    store: Path
+    pubkey: Path
+    name: str
+
+
+@pytest.fixture(scope="session")
+def installed_bundle(tiny_models, tmp_path_factory) -> Bundle:
+    """`bundle create` (cpu target, target + draft, signed) then `bundle install`, through the libraries."""
+    from bundler.create import create_bundle, local_model
+    from bundler.engines import target_files_hook
+    from bundler.keys import generate_key, load_private_key
+    from runtime.store import Store
+    from runtime.trust import trusted_keys
+
+    root = tmp_path_factory.mktemp("tiny-bundle")
+    generate_key(root / "key")
+    create_bundle(root / "bundle", name="tiny", version=1, model=local_model(tiny_models["target"], "target"),
+                  draft=local_model(tiny_models["draft"], "draft"), targets=["cpu"],
+                  sign_keys=[load_private_key(root / "key")], target_files=target_files_hook(), progress=False)
+    Store(root / "store").install(root / "bundle", target="cpu",
+                                  trusted=trusted_keys([root / "key.pub"], trust_dir=None))
+    return Bundle(root / "bundle", root / "store", root / "key.pub", "tiny")
+
+
+@pytest.fixture(scope="session")
+def serving_model(installed_bundle):
+    from runtime.server.loader import load_serving_model
+    from runtime.store import Store
+
+    return load_serving_model(Store(installed_bundle.store).current("tiny"))
+
+
+class RunningServer:
+    """A real uvicorn server in a thread of this process, on a free loopback port."""
+
+    def __init__(self, serving):
+        import uvicorn
+
+        from runtime.server import bind_socket
+        from runtime.server.app import build_app
+
+        self.serving = serving
+        self.sock = bind_socket("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(build_app(serving), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()
+
+
+@pytest.fixture(scope="session")
+def server(serving_model):
+    from runtime.server.serving import OpenAIServing, ServeOptions
+
+    s = RunningServer(OpenAIServing(serving_model, ServeOptions(max_queued_requests=2, log_interval_s=1.0)))
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
