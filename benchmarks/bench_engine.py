@@ -1,10 +1,13 @@
-"""Time per decoded token at context 64, 512 and 2048: the ONNX Runtime engine against a naive loop.
+"""Time per decoded token at context 64, 512 and 2048: naive loop, concat engine, shared-buffer engine.
 
-Engine: preallocated KV buffers bound with I/O binding (runtime.engines.onnxruntime).
-Baseline, measured in the same run on the same graph: plain `session.run` with the cache fed back
-as the numpy arrays the previous step returned (ONNX Runtime allocates fresh outputs every step and
-Python holds two copies of the cache). Both run the graph's own attention over the whole past;
-the difference is what the engine avoids.
+- naive (baseline): the torch-exported "concat" graph under plain `session.run`, the cache fed
+  back as the numpy arrays the previous step returned (fresh outputs every step).
+- concat engine: same graph, preallocated ping-pong buffers bound with I/O binding; the graph's
+  Concat still copies the whole cache every step.
+- shared engine: the GroupQueryAttention graph (bundler.export_gqa), one buffer bound as both
+  past and present; a step writes only the new token's K/V.
+All three run attention over the whole past; the growth column (ms at the largest context minus
+ms at the smallest) is what the cache copy adds on top of it.
 
     .venv/bin/python benchmarks/bench_engine.py [--layers 4 --hidden 256 --steps 32]
 """
@@ -80,24 +83,36 @@ def main() -> None:
                                     num_heads=args.heads, num_kv_heads=args.kv_heads,
                                     intermediate_size=4 * args.hidden, max_positions=max(contexts) + args.steps + 8)
         result = export_onnx(ckpt, Path(tmp) / "onnx")
-        engine = OnnxRuntimeEngine(result.graph, max_context=max(contexts) + args.steps + 1)
+        shared = export_onnx(ckpt, Path(tmp) / "onnx-shared", kv_cache="shared")
+        limit = max(contexts) + args.steps + 1
+        engines = {"concat": OnnxRuntimeEngine(result.graph, max_context=limit),
+                   "shared": OnnxRuntimeEngine(shared.graph, max_context=limit)}
         session = ort.InferenceSession(str(result.graph), providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(0)
         kv_per_token = 2 * result.num_layers * result.num_kv_heads * result.head_dim * 4
         print(f"model: {args.layers} layers, hidden {args.hidden}, {result.num_kv_heads} kv heads x "
               f"{result.head_dim}; KV cache {kv_per_token} B/token; onnxruntime {ort.__version__}; "
               f"{args.steps} decode steps; min (median) ms/token, min is robust to other load on the machine")
-        print(f"{'context':>8}  {'cache MiB':>9}  {'naive ms/token':>17}  {'engine ms/token':>17}  {'speedup':>7}")
+        cols = ["naive", "concat engine", "shared engine"]
+        print(f"{'context':>8}  {'cache MiB':>9}" + "".join(f"  {c + ' ms/token':>22}" for c in cols)
+              + f"  {'shared vs naive':>15}")
+        best = {c: [] for c in cols}
         for ctx in contexts:
             prefix = rng.integers(0, result.vocab_size, ctx).tolist()
-            engine_decode(engine, prefix[:64], 4)  # warm up both paths
+            for engine in engines.values():  # warm up every path
+                engine_decode(engine, prefix[:64], 4)
             naive_decode(session, prefix[:64], 4, result.num_layers, result.num_kv_heads, result.head_dim)
-            naive = naive_decode(session, prefix, args.steps, result.num_layers, result.num_kv_heads,
-                                 result.head_dim)
-            fast = engine_decode(engine, prefix, args.steps)
+            times = {"naive": naive_decode(session, prefix, args.steps, result.num_layers, result.num_kv_heads,
+                                           result.head_dim),
+                     "concat engine": engine_decode(engines["concat"], prefix, args.steps),
+                     "shared engine": engine_decode(engines["shared"], prefix, args.steps)}
             cell = lambda t: f"{min(t) * 1e3:.3f} ({statistics.median(t) * 1e3:.3f})"  # noqa: E731
-            print(f"{ctx:>8}  {ctx * kv_per_token / 2**20:>9.1f}  {cell(naive):>17}  {cell(fast):>17}  "
-                  f"{min(naive) / min(fast):>6.2f}x")
+            for c in cols:
+                best[c].append(min(times[c]))
+            print(f"{ctx:>8}  {ctx * kv_per_token / 2**20:>9.1f}" + "".join(f"  {cell(times[c]):>22}" for c in cols)
+                  + f"  {min(times['naive']) / min(times['shared engine']):>14.2f}x")
+        print(f"{'growth':>8}  {'':>9}" + "".join(f"  {(b[-1] - b[0]) * 1e3:>+19.3f} ms" for b in best.values())
+              + f"  (ms/token at {contexts[-1]} minus at {contexts[0]})")
 
 
 if __name__ == "__main__":

@@ -52,9 +52,21 @@ Examples:
       --name assistant --version 3 --sign-key keys/release.key --out /media/usb/assistant-3
   bundle create --targets cpu --name demo --version 1 --unsigned      # the embedded demo pair
 """)
-@click.option("--model", "model_ref", metavar="DIR",
-              help="Target model: a Hugging Face-format folder. Default: the embedded demo pair.")
-@click.option("--draft", "draft_ref", metavar="DIR", help="Draft model for speculative decoding (same tokenizer).")
+@click.option("--model", "model_ref", metavar="REPO[@REV]|DIR",
+              help="Target model: a Hugging Face repo (org/name, optionally @branch, @tag or @commit; pinned to "
+                   "its commit sha), or a Hugging Face-format folder. Default: the embedded demo pair.")
+@click.option("--draft", "draft_ref", metavar="REPO[@REV]|DIR",
+              help="Draft model for speculative decoding (must share the target's tokenizer vocabulary).")
+@click.option("--speculative-config", "spec_config", metavar="JSON",
+              help="vLLM-style speculative config, instead of --draft/--num-speculative-tokens: "
+                   "'{\"method\": \"draft_model\", \"model\": \"org/draft\", \"num_speculative_tokens\": 3}'.")
+@click.option("--include", multiple=True, metavar="GLOB", help="Also bundle model files matching GLOB (repeatable).")
+@click.option("--exclude", multiple=True, metavar="GLOB", help="Leave out model files matching GLOB (repeatable).")
+@click.option("--lock", "lock_path", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="Rebuild exactly what a lock file records (refuse if anything resolved differs). "
+                   "Without --lock, create writes OUT.lock.json next to the bundle.")
+@click.option("--max-model-len", type=click.IntRange(min=16), metavar="N",
+              help="Serve context length: sizes the engines and the memory check. Default: the model's, capped at 4096.")
 @click.option("--targets", "targets_text", required=True, metavar="IDS",
               help="Comma-separated target profile ids, e.g. jetson-thor,igx-thor (see `bundle targets`).")
 @click.option("--name", required=True, help="Bundle name: lowercase letters, digits, '.', '_', '-'.")
@@ -71,35 +83,49 @@ Examples:
 @click.option("--expires", metavar="DATE|Nd", help="Devices refuse the bundle after this: 2027-06-01, or 90d from now.")
 @click.option("--num-speculative-tokens", default=3, show_default=True, type=click.IntRange(1, 16),
               help="Draft tokens proposed per step (with --draft).")
-@click.option("--force", is_flag=True, help="Replace a finished bundle already at --out.")
+@click.option("--force", is_flag=True,
+              help="Replace a finished bundle already at --out, and build even if a model does not fit a "
+                   "target's memory (a warning instead of a refusal).")
 @click.option("--jobs", type=click.IntRange(min=1), help="Compression threads. Default: every core (BUNDLE_JOBS).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def create(model_ref, draft_ref, targets_text, name, version, sign_key_paths, unsigned, max_part_size, out,
-           expires, num_speculative_tokens, force, jobs, no_progress) -> None:
+def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_model_len, targets_text, name,
+           version, sign_key_paths, unsigned, max_part_size, out, expires, num_speculative_tokens, force, jobs,
+           no_progress) -> None:
     """Pack a model (and draft) into a signed, zstd-compressed bundle directory (an OCI image layout).
 
     Every file is recorded in a signed manifest with its sha256; files larger than --max-part-size are
     split so the bundle fits on FAT32 USB sticks. An interrupted create resumes when run again.
     """
-    from bundler.create import create_bundle, demo_models, model_from_reference
+    from bundler.create import create_bundle, resolve_inputs
+    from bundler.engines import target_files_hook
     from bundler.keys import load_private_key
+    from bundler.lockfile import write_lock
     from manifests.targets import parse_targets
 
     targets = parse_targets(targets_text)
     part_size = parse_size(max_part_size)
-    if model_ref is None:
+    if spec_config is not None:
+        from bundler.spec_config import parse_speculative_config
+
         if draft_ref is not None:
-            raise UsageError("expected --model together with --draft, found only --draft")
-        model, draft = demo_models()
-    else:
-        model = model_from_reference(model_ref, "target")
-        draft = model_from_reference(draft_ref, "draft") if draft_ref else None
-    keys = [load_private_key(p, _passphrase_from_env()) for p in sign_key_paths]
+            raise UsageError("expected either --draft or --speculative-config, found both")
+        spec = parse_speculative_config(spec_config)
+        draft_ref, num_speculative_tokens = spec.draft_ref, spec.num_speculative_tokens
+    if not sign_key_paths and not unsigned:
+        raise UsageError("expected --sign-key KEY (or an explicit --unsigned), found neither")
+    keys = [load_private_key(p, _passphrase_from_env()) for p in sign_key_paths]  # fail before any download
     out = out or Path(f"{name}-{version}")
+    model, draft, resolved = resolve_inputs(model_ref, draft_ref, targets=targets, include=include,
+                                            exclude=exclude, lock_path=lock_path, max_model_len=max_model_len,
+                                            force=force)
+    serve = {"max_model_len": max_model_len} if max_model_len else None
     manifest = create_bundle(out, name=name, version=version, model=model, draft=draft, targets=targets,
                              sign_keys=keys, unsigned=unsigned, max_part_size=part_size, expires=expires,
                              num_speculative_tokens=num_speculative_tokens, force=force, jobs=jobs,
-                             progress=not no_progress)
+                             progress=not no_progress, serve=serve,
+                             target_files=target_files_hook(num_speculative_tokens=num_speculative_tokens,
+                                                            serve=serve))
+    lock_out = lock_path or write_lock(out.parent / f"{out.name}.lock.json", resolved)
     from bundler.keys import public_key_id
 
     stored = sum(p.size for p in {p.digest: p for f in manifest.files for p in f.parts}.values())
@@ -113,3 +139,4 @@ def create(model_ref, draft_ref, targets_text, name, version, sign_key_paths, un
     click.echo(f"signed:   {signers}")
     if manifest.expires:
         click.echo(f"expires:  {manifest.expires}")
+    click.echo(f"lock:     {lock_out}")

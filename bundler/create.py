@@ -38,6 +38,8 @@ class ModelInput:
     local_dir: Path
     source: ModelSource  # revision None for local folders: filled with a content digest after hashing
     name: str | None = None
+    #: exactly the files to pack (relative POSIX paths), as the resolver chose them; None: the whole folder
+    files: tuple[str, ...] | None = None
 
     @property
     def root(self) -> str:
@@ -75,6 +77,53 @@ def demo_models() -> tuple[ModelInput, ModelInput]:
             local_model(draft_dir, "draft", source_type="embedded"))
 
 
+def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Sequence[str],
+                   include: Sequence[str] = (), exclude: Sequence[str] = (), lock_path: Path | None = None,
+                   max_model_len: int | None = None, force: bool = False,
+                   cache_dir: Path | None = None) -> tuple[ModelInput, ModelInput | None, dict]:
+    """Turn what the user typed into pinned, verified local files, refusing early what cannot work.
+
+    Hub references, local folders and the embedded demo pair all go through bundler.resolve, so every
+    model gets the same file filter, digests, lock-file checks and pre-flight checks (architecture,
+    draft tokenizer, memory fit per target) before any weights are downloaded.
+    """
+    from bundler.checks import run_preflight_checks
+    from bundler.lockfile import read_lock, refs_from_lock
+    from bundler.resolve import resolve_models
+    from manifests.targets import get_profile
+
+    embedded = False
+    if model_ref is None and lock_path is not None:
+        refs = refs_from_lock(read_lock(lock_path))
+        model_ref, draft_ref = refs["target"], draft_ref or refs.get("draft")
+    if model_ref is None:
+        if draft_ref is not None:
+            raise UsageError("expected --model together with --draft, found only --draft")
+        target, draft = demo_models()
+        model_ref, draft_ref, embedded = str(target.local_dir), str(draft.local_dir), True
+    profiles = [get_profile(t) for t in targets]
+
+    def preflight(plans):
+        length = max_model_len
+        if length is None:
+            cfg = _read_config(ModelInput("target", plans["target"].local_dir, ModelSource("local")))
+            length = min(int(cfg.get("max_position_embeddings") or MAX_MODEL_LEN_CAP), MAX_MODEL_LEN_CAP)
+        run_preflight_checks(plans, profiles, length, force=force)
+
+    resolved = resolve_models(model_ref, draft_ref, include=include, exclude=exclude, lock_path=lock_path,
+                              cache_dir=cache_dir, preflight=preflight)
+
+    def as_input(role: str) -> ModelInput | None:
+        r = resolved.get(role)
+        if r is None:
+            return None
+        source = replace(r.source, type="embedded") if embedded else r.source
+        return ModelInput(role=role, local_dir=Path(r.local_dir), source=source, name=r.name,
+                          files=tuple(f.path for f in r.files))
+
+    return as_input("target"), as_input("draft"), resolved  # type: ignore[return-value]
+
+
 def model_from_reference(ref: str, role: str) -> ModelInput:
     """The resolver's seam: a local folder is used as is; hub references need bundler.resolve."""
     if Path(ref).is_dir():
@@ -90,9 +139,12 @@ def model_from_reference(ref: str, role: str) -> ModelInput:
 
 
 def model_files(model: ModelInput) -> list[PackFile]:
-    """Every regular file under the model folder, hidden ones skipped, symlinks to files followed."""
-    out = []
+    """The resolver's file list when there is one; else every regular file under the folder,
+    hidden ones skipped, symlinks to files followed (Hugging Face cache snapshots are symlinks)."""
     base = model.local_dir
+    if model.files is not None:
+        return [PackFile(src=base / rel, path=f"{model.root}/{rel}") for rel in model.files]
+    out = []
     for dirpath, dirnames, filenames in os.walk(base):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for d in dirnames:
@@ -221,6 +273,11 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
     with tempfile.TemporaryDirectory(prefix="bundle-create-") as work:
         if target_files is not None:
             extra, target_list = target_files(inputs, target_list, Path(work))
+            if any(e.backend for t in target_list for e in t.engines):
+                # Every engine carries its own weights: the checkpoint's weights travel for provenance
+                # (and re-export on another host) but no device installs them.
+                from bundler.select_files import is_weight_file
+                files = [replace(pf, targets=()) if is_weight_file(pf.path) else pf for pf in files]
             files += list(extra)
         return pack_bundle(out, name=name, version=version, models=models, files=files, targets=target_list,
                            speculative=speculative, serve=serve, expires=expires, sign_keys=sign_keys,

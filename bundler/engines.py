@@ -1,7 +1,10 @@
 """Per-target engine plan: which files each target carries, the exact build options, the engine key.
 
-The ONNX export of each model is shared by every target and stored once (engines/onnx/<role>/).
-A `cpu` target runs it with ONNX Runtime. A TensorRT target gets the exact build options
+The ONNX export of each model is shared by every target that runs it and stored once. There are
+two graph layouts (bundler.export.KV_CACHE_LAYOUTS): ONNX Runtime targets get the "shared" graph
+(engines/onnx-shared/<role>/, GroupQueryAttention, KV cache updated in place), TensorRT targets
+the "concat" graph (engines/onnx/<role>/), which is also what they fall back to on ONNX Runtime.
+The engine record's build["kv_cache"] names the layout. A TensorRT target gets the exact build options
 (precision, optimisation profiles from max context, prefill chunk and draft tokens + 1) and the
 key the engine will have on a matching device; the plan itself is built here only when this
 host's GPU compute capability and TensorRT version equal the target's (see TARGETS.md: there is no
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-from bundler.export import ExportResult, export_onnx, file_sha256, past_names
+from bundler.export import KV_CACHE_LAYOUTS, ExportResult, export_onnx, file_sha256, past_names
 from bundler.pack import PackFile
 from manifests.errors import ModelError, UsageError
 from manifests.schema import Engine, Target
@@ -25,6 +28,10 @@ from runtime.engine_cache import DeviceInfo, engine_key, onnx_digest
 log = logging.getLogger(__name__)
 
 ONNX_ROOT = "engines/onnx"
+ONNX_ROOTS = {"concat": ONNX_ROOT, "shared": "engines/onnx-shared"}  # KV-cache layout -> folder in the bundle
+#: ONNX Runtime that runs the shared layout: CPU GroupQueryAttention with new tokens after a past
+#: (verification, chunked prefill) arrived in 1.20 (microsoft/onnxruntime#21523).
+ONNXRUNTIME_MIN_SHARED = "1.20"
 PLAN_ROOT = "engines/plans"
 DEFAULT_MAX_CONTEXT_CAP = 4096  # same cap as bundle create's serve default
 DEFAULT_PREFILL_CHUNK = 512
@@ -95,25 +102,37 @@ class ExportedModel:
     onnx_sha256: str  # runtime.engine_cache.onnx_digest over graph + weights
 
     @property
+    def layout(self) -> str:
+        return getattr(self.export, "kv_cache", "concat")
+
+    @property
     def graph_path(self) -> str:
-        return f"{ONNX_ROOT}/{self.role}/{self.export.graph.name}"
+        return f"{ONNX_ROOTS[self.layout]}/{self.role}/{self.export.graph.name}"
 
     @property
     def paths(self) -> tuple[str, ...]:
-        return tuple(f"{ONNX_ROOT}/{self.role}/{p.name}" for p in self.export.files)
+        return tuple(f"{ONNX_ROOTS[self.layout]}/{self.role}/{p.name}" for p in self.export.files)
 
-    def pack_files(self) -> list[PackFile]:
-        return [PackFile(src=src, path=path) for src, path in zip(self.export.files, self.paths)]
+    def pack_files(self, targets: tuple[str, ...] | None = None) -> list[PackFile]:
+        return [PackFile(src=src, path=path, targets=targets) for src, path in zip(self.export.files, self.paths)]
 
 
 def export_models(models: Mapping[str, Path], work_dir: Path,
-                  export: Callable[..., ExportResult] = export_onnx) -> list[ExportedModel]:
+                  export: Callable[..., ExportResult] = export_onnx,
+                  layouts: Sequence[str] = ("concat",)) -> list[ExportedModel]:
     out = []
     for role, checkpoint in models.items():
-        result = export(Path(checkpoint), Path(work_dir) / "onnx" / role)
-        digest = onnx_digest({p.name: file_sha256(p) for p in result.files})
-        out.append(ExportedModel(role, result, digest))
+        for layout in layouts:
+            folder = Path(work_dir) / ("onnx" if layout == "concat" else f"onnx-{layout}") / role
+            result = export(Path(checkpoint), folder) if layout == "concat" else \
+                export(Path(checkpoint), folder, kv_cache=layout)
+            digest = onnx_digest({p.name: file_sha256(p) for p in result.files})
+            out.append(ExportedModel(role, result, digest))
     return out
+
+
+def _layout_for(profile: TargetProfile, onnxruntime_layout: str) -> str:
+    return onnxruntime_layout if profile.backend == "onnxruntime" else "concat"
 
 
 def host_device(backend=None) -> DeviceInfo | None:
@@ -125,18 +144,19 @@ def host_device(backend=None) -> DeviceInfo | None:
 
 
 def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], shape: ServeShape,
-                   work_dir: Path, device: DeviceInfo | None = None, backend=None
-                   ) -> tuple[list[PackFile], Target]:
+                   work_dir: Path, device: DeviceInfo | None = None, backend=None,
+                   onnxruntime_layout: str = "shared") -> tuple[list[PackFile], Target]:
     """Engine records (and plan files, when this host can build them) for one target."""
     files: list[PackFile] = []
     engines: list[Engine] = []
     precision = "fp32" if profile.backend == "onnxruntime" else precision_for(profile)
-    for m in exported:
+    layout = _layout_for(profile, onnxruntime_layout)
+    for m in (m for m in exported if m.layout == layout):
         if profile.backend == "onnxruntime":
+            minimum = ONNXRUNTIME_MIN_SHARED if layout == "shared" else ONNXRUNTIME_MIN
             engines.append(Engine(model=m.role, backend="onnxruntime", format="onnx", path=m.graph_path,
-                                  files=m.paths, key={"onnx_sha256": m.onnx_sha256,
-                                                      "onnxruntime_min": ONNXRUNTIME_MIN},
-                                  build={"max_context": shape.max_context}))
+                                  files=m.paths, key={"onnx_sha256": m.onnx_sha256, "onnxruntime_min": minimum},
+                                  build={"max_context": shape.max_context, "kv_cache": layout}))
             continue
         options = build_options(profile, m.export, shape)
         engines.append(Engine(model=m.role, backend="tensorrt", format="onnx", path=m.graph_path, files=m.paths,
@@ -161,13 +181,22 @@ def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], sh
 
 def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_dir: Path, serve: Mapping, *,
                     num_speculative_tokens: int | None = None, extra_dirs: Iterable[Path] = (),
-                    backend=None, export: Callable[..., ExportResult] = export_onnx
-                    ) -> tuple[list[PackFile], list[Target]]:
-    """Export every model once and plan every target: (files to pack, Target records)."""
+                    backend=None, export: Callable[..., ExportResult] = export_onnx,
+                    kv_cache: str = "shared") -> tuple[list[PackFile], list[Target]]:
+    """Export every model once per layout its targets need and plan every target: (files to pack, Targets).
+
+    `kv_cache` is the layout ONNX Runtime targets get ("shared", or "concat" to ship one graph
+    for every target); TensorRT targets always get "concat".
+    """
     if not target_ids:
         raise UsageError("expected at least one target, found none")
+    if kv_cache not in KV_CACHE_LAYOUTS:
+        raise UsageError(f"expected kv_cache to be one of {', '.join(KV_CACHE_LAYOUTS)}, found {kv_cache!r}")
     profiles = [get_profile(t, tuple(extra_dirs)) for t in target_ids]
-    exported = export_models(models, Path(work_dir), export)
+    users = {}  # layout -> ids of the targets that run it
+    for p in profiles:
+        users.setdefault(_layout_for(p, kv_cache), []).append(p.id)
+    exported = export_models(models, Path(work_dir), export, layouts=tuple(users))
     limit = min(m.export.max_positions for m in exported)
     shape = serve_shape(serve, limit, num_speculative_tokens)
     device = None
@@ -176,22 +205,24 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
             from runtime.engines.tensorrt import TensorRTBackend
             backend = TensorRTBackend()
         device = backend.device()
-    files = [pf for m in exported for pf in m.pack_files()]  # shared by every target: stored once
+    # Each graph is stored once, for every target that runs it (no restriction when that is all of them).
+    files = [pf for m in exported
+             for pf in m.pack_files(None if len(users) == 1 else tuple(users[m.layout]))]
     targets = []
     for profile in profiles:
-        extra, target = target_engines(profile, exported, shape, Path(work_dir), device, backend)
+        extra, target = target_engines(profile, exported, shape, Path(work_dir), device, backend, kv_cache)
         files += extra
         targets.append(target)
     return files, targets
 
 
 def target_files_hook(*, serve: Mapping | None = None, num_speculative_tokens: int | None = None,
-                      extra_dirs: Iterable[Path] = (), backend=None):
+                      extra_dirs: Iterable[Path] = (), backend=None, kv_cache: str = "shared"):
     """Adapter to bundler.create's `target_files` hook (models, targets, work_dir) -> (files, targets)."""
     def hook(inputs, targets, work_dir):
         return prepare_targets([t.id for t in targets], {m.role: m.local_dir for m in inputs}, work_dir,
                                dict(serve or {}), num_speculative_tokens=num_speculative_tokens,
-                               extra_dirs=extra_dirs, backend=backend)
+                               extra_dirs=extra_dirs, backend=backend, kv_cache=kv_cache)
     return hook
 
 

@@ -15,6 +15,10 @@ are ordinary bundle files. Facts the runtime needs (layers, heads, context) are 
 graph's metadata (`bundle.*` keys), so the graph describes itself on the device.
 We use the TorchScript exporter (dynamo=False): it traces transformers' cache code into plain
 Concat/MatMul/Softmax, which both ONNX Runtime and TensorRT run, and it needs no onnxscript.
+That is the "concat" layout: present = Concat(past, new) copies the cache every step.
+`kv_cache="shared"` instead writes the in-place GroupQueryAttention graph of bundler.export_gqa
+(ONNX Runtime only), whose past and present are one fixed-size buffer; metadata `bundle.kv_cache`
+tells the runtime which one it got.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ DEFAULT_OPSET = 17
 GRAPH_NAME = "model.onnx"
 WEIGHTS_NAME = "model.onnx.data"
 MAX_CONFIG_BYTES = 1024 * 1024
+#: KV-cache graph layouts. "concat": torch export, present = Concat(past, new), past grows each
+#: step; runs anywhere (ONNX Runtime, TensorRT). "shared": written by bundler.export_gqa with
+#: GroupQueryAttention, past and present are one fixed [.., max_context, ..] buffer updated in
+#: place (ONNX Runtime only: GQA is a contrib op).
+KV_CACHE_LAYOUTS = ("concat", "shared")
 
 
 def past_names(num_layers: int) -> list[str]:
@@ -64,6 +73,7 @@ class ExportResult:
     vocab_size: int
     max_positions: int
     opset: int
+    kv_cache: str = "concat"  # graph layout, see KV_CACHE_LAYOUTS
 
     @property
     def files(self) -> tuple[Path, Path]:
@@ -74,7 +84,8 @@ class ExportResult:
         return {"bundle.family": self.family, "bundle.architecture": self.architecture,
                 "bundle.num_layers": str(self.num_layers), "bundle.num_kv_heads": str(self.num_kv_heads),
                 "bundle.head_dim": str(self.head_dim), "bundle.vocab_size": str(self.vocab_size),
-                "bundle.max_positions": str(self.max_positions), "bundle.format": "kv-cache-decoder-v1"}
+                "bundle.max_positions": str(self.max_positions), "bundle.format": "kv-cache-decoder-v1",
+                "bundle.kv_cache": self.kv_cache}
 
 
 def read_config(checkpoint_dir: Path) -> dict:
@@ -132,21 +143,7 @@ def _wrapper(model, num_layers: int):
     return DecoderWithCache()
 
 
-def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None) -> ExportResult:
-    """Export the checkpoint in fp32 to out_dir/model.onnx + model.onnx.data (deterministic for the same input)."""
-    import onnx
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
-    config = read_config(checkpoint_dir)
-    family, arch = check_family(config, str(checkpoint_dir))
-    opset = opset or DEFAULT_OPSET
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
-    cfg = model.config
+def _result(cfg, family: str, arch: str, out_dir: Path, opset: int, kv_cache: str) -> ExportResult:
     max_positions = int(cfg.max_position_embeddings)
     window = getattr(cfg, "sliding_window", None)
     if window and (family == "mistral" or getattr(cfg, "use_sliding_window", False)):
@@ -157,8 +154,36 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     num_layers = int(cfg.num_hidden_layers)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    result = ExportResult(out_dir / GRAPH_NAME, out_dir / WEIGHTS_NAME, family, arch, num_layers, kv_heads,
-                          head_dim, int(cfg.vocab_size), max_positions, opset)
+    return ExportResult(out_dir / GRAPH_NAME, out_dir / WEIGHTS_NAME, family, arch, num_layers, kv_heads,
+                        head_dim, int(cfg.vocab_size), max_positions, opset, kv_cache)
+
+
+def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None,
+                kv_cache: str = "concat") -> ExportResult:
+    """Export the checkpoint in fp32 to out_dir/model.onnx + model.onnx.data (deterministic for the same input).
+
+    kv_cache="concat" traces the transformers model (every backend); "shared" writes the in-place
+    GroupQueryAttention graph of bundler.export_gqa (ONNX Runtime only, no per-step cache copy).
+    """
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    if kv_cache not in KV_CACHE_LAYOUTS:
+        raise UsageError(f"expected kv_cache to be one of {', '.join(KV_CACHE_LAYOUTS)}, found {kv_cache!r}")
+    config = read_config(checkpoint_dir)
+    family, arch = check_family(config, str(checkpoint_dir))
+    opset = opset or DEFAULT_OPSET
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if kv_cache == "shared":
+        return _export_shared(checkpoint_dir, out_dir, family, arch, opset)
+
+    import onnx
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    cfg = model.config
+    result = _result(cfg, family, arch, out_dir, opset, "concat")
+    num_layers, kv_heads, head_dim = result.num_layers, result.num_kv_heads, result.head_dim
 
     # Trace with a non-empty past and several new tokens so no shape is specialised to 0 or 1.
     past_len, new = 3, 4
@@ -192,6 +217,23 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     onnx.save_model(proto, str(result.graph), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=WEIGHTS_NAME, size_threshold=1024)
     log.info("exported %s (%s, %d layers) to %s", checkpoint_dir, arch, num_layers, result.graph)
+    return result
+
+
+def _export_shared(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int) -> ExportResult:
+    from transformers import AutoConfig
+
+    from bundler.export_gqa import build_shared_kv_graph
+
+    cfg = AutoConfig.from_pretrained(checkpoint_dir)
+    result = _result(cfg, family, arch, out_dir, opset, "shared")
+    result.weights.unlink(missing_ok=True)
+    try:
+        build_shared_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family == "qwen3")
+    except BaseException:  # no half-written graph that looks complete
+        result.graph.unlink(missing_ok=True)
+        result.weights.unlink(missing_ok=True)
+        raise
     return result
 
 

@@ -60,22 +60,37 @@ class Config:
     eval_blocks: int = 256          # held-out blocks per stream for losses during training
     qa_fraction: float = 0.2        # share of target training rows taken from chat turns
     distill_mix: tuple[float, float, float] = (0.5, 0.1, 0.4)   # target answers, chat turns, source
+    hard_weight: float = 0.0        # + this x cross-entropy on the target's argmax (what greedy acceptance checks)
     answer_tokens: int = 64         # max new tokens for answers and for the acceptance simulation
     max_prompt_tokens: int = 96
     eval_prompts: int = 200
     distill_prompts: int | None = None   # training questions the target answers for the draft (None: all)
-    select_prompts: int = 200       # held-out questions (not eval ones) that pick the draft checkpoint
+    select_prompts: int = 120       # held-out questions (not eval ones) that pick the draft checkpoint
     k: int = 3
     max_files: int | None = None
     heldout_per_mille: int = corpus.HELDOUT_PER_MILLE
-    stage_seconds: float = 150.0    # safety stop per training stage (the device call is limited to 10 minutes)
+    target_seconds: float = 140.0   # safety stops per training stage (one device call is limited to 10 minutes)
+    draft_seconds: float = 95.0
+    budget_seconds: float = 430.0   # no more optional evaluation after this much of `fit`
     seed: int = 0
 
 
-FULL = Config()
+# Candidates compared on the GPU in one call (see README.md); FULL is the one committed.
+CONFIGS = {
+    "v4096": Config(),
+    "v1024": Config(vocab_size=1024, target=Shape(256, 6, 8, 4, 640), drafts=(Shape(160, 2, 5, 5, 480),),
+                    target_steps=2500, draft_steps=4000, distill_mix=(0.6, 0.1, 0.3), hard_weight=0.5, target_seconds=140.0,
+                    draft_seconds=170.0),
+    "v512": Config(vocab_size=512, target=Shape(256, 6, 8, 4, 640), drafts=(Shape(160, 2, 5, 5, 480),),
+                   target_steps=2500, draft_steps=4000, distill_mix=(0.6, 0.1, 0.3), hard_weight=0.5, target_seconds=140.0,
+                   draft_seconds=170.0),
+}
+FULL = CONFIGS["v4096"]
 TINY = Config(vocab_size=320, seq_len=64, target=Shape(32, 1, 2, 1, 64), drafts=(Shape(16, 1, 1, 1, 32),),
               batch_size=8, target_steps=30, draft_steps=20, warmup=5, eval_every=10, eval_blocks=8,
-              answer_tokens=8, eval_prompts=4, distill_prompts=48, select_prompts=6, max_files=12, heldout_per_mille=300, stage_seconds=60.0, target_lr=3e-3)
+              answer_tokens=8, eval_prompts=4, distill_prompts=48, select_prompts=6, max_files=12,
+              heldout_per_mille=300, target_seconds=60.0, draft_seconds=60.0, target_lr=3e-3)
+CONFIGS["tiny"] = TINY
 
 
 def log(msg: str) -> None:
@@ -98,11 +113,18 @@ def select_prompts(rows: list[dict], n: int) -> list[dict]:
     return out
 
 
-def prepare(data: Path, cfg: Config, stdlib: Path | None = None) -> dict:
-    """Corpus, tokenizer and token streams under `data` (corpus/ is large; tokens/ is what `fit` reads)."""
+def prepare(data: Path, cfg: Config, stdlib: Path | None = None, tokens: Path | None = None,
+            reuse_corpus: bool = False) -> dict:
+    """Corpus (DATA/corpus, large), tokenizer and token streams (DATA/tokens or `tokens`: what `fit` reads).
+
+    `reuse_corpus` keeps an existing DATA/corpus, e.g. one extracted from another Python's standard library.
+    """
     t0 = time.time()
-    stats = corpus.build_corpus(data / "corpus", stdlib, cfg.max_files, cfg.heldout_per_mille)
-    tokens = data / "tokens"
+    if reuse_corpus and (data / "corpus" / "corpus.json").exists():
+        stats = corpus.CorpusStats(**json.loads((data / "corpus" / "corpus.json").read_text()))
+    else:
+        stats = corpus.build_corpus(data / "corpus", stdlib, cfg.max_files, cfg.heldout_per_mille)
+    tokens = tokens or data / "tokens"
     tokens.mkdir(parents=True, exist_ok=True)
     corpus.train_tokenizer(data / "corpus", tokens, cfg.vocab_size, cfg.seq_len)
     sizes = corpus.tokenize_corpus(data / "corpus", tokens / "tokenizer.json", tokens)
@@ -143,7 +165,10 @@ def load_data(tokens: Path, cfg: Config) -> Data:
     for split in ("train", "select", "heldout"):
         rows = json.loads((tokens / f"prompts_{split}.json").read_text())
         encoded = [tok.encode(corpus.qa_prompt(r["question"]), add_special_tokens=False).ids for r in rows]
-        limit = {"train": cfg.distill_prompts, "select": cfg.select_prompts}.get(split)
+        if split == "heldout":   # measured as given, like `evaluate` does with the committed copy
+            prompts[split] = encoded
+            continue
+        limit = {"train": cfg.distill_prompts, "select": cfg.select_prompts}[split]
         prompts[split] = [p for p in encoded if len(p) <= cfg.max_prompt_tokens][:limit]
     return Data(streams, tokens, tok.token_to_id(corpus.END), tok.token_to_id(corpus.ENDOFTEXT),
                 tok.encode("\n", add_special_tokens=False).ids, prompts)
@@ -227,7 +252,7 @@ def train_target(data: Data, cfg: Config, device: str) -> tuple[object, list[dic
             log(f"target step {step}: held-out {losses}")
             if score < best:
                 best, best_state = score, {k: v.detach().clone() for k, v in model.state_dict().items()}
-            if step == cfg.target_steps or time.time() - t0 > cfg.stage_seconds:
+            if step == cfg.target_steps or time.time() - t0 > cfg.target_seconds:
                 break
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg.target_steps, cfg.warmup, cfg.target_lr)
@@ -288,7 +313,7 @@ def distill_draft(shape: Shape, target, data: Data, gen_stream: np.ndarray, sele
             log(f"draft step {step}: argmax agreement on held-out answers {agree:.4f}")
             if agree > best:
                 best, best_state = agree, {k: v.detach().clone() for k, v in draft.state_dict().items()}
-            if step == cfg.draft_steps or time.time() - t0 > cfg.stage_seconds:
+            if step == cfg.draft_steps or time.time() - t0 > cfg.draft_seconds:
                 break
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg.draft_steps, cfg.warmup, cfg.draft_lr)
@@ -298,8 +323,11 @@ def distill_draft(shape: Shape, target, data: Data, gen_stream: np.ndarray, sele
         with _autocast(device):
             student = draft(x[:, :-1], use_cache=False).logits
         v = student.shape[-1]
-        loss = F.kl_div(F.log_softmax(student.float().reshape(-1, v), -1),
-                        F.log_softmax(teacher.float().reshape(-1, v), -1), log_target=True, reduction="batchmean")
+        student = student.float().reshape(-1, v)
+        teacher = teacher.float().reshape(-1, v)
+        loss = F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True, reduction="batchmean")
+        if cfg.hard_weight:
+            loss = loss + cfg.hard_weight * F.cross_entropy(student, teacher.argmax(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -360,9 +388,41 @@ def fit(tokens: Path, out: Path, cfg: Config, device: str | None = None) -> dict
             best = (score, name)
     metrics["chosen_draft"] = best[1]
     metrics["train_seconds"] = round(time.time() - t_start, 1)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     log(f"trained in {metrics['train_seconds']} s; chosen {best[1]}")
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    prompts = data.prompts["heldout"]
+    metrics["heldout_loss"] = {"target": measure_losses(target, data, cfg)}
+    order = [best[1]] + [d["name"] for d in metrics["drafts"] if d["name"] != best[1]]
+    metrics["acceptance"] = {}
+    for name in order:
+        if name != best[1] and time.time() - t_start > cfg.budget_seconds:
+            log(f"skipping the evaluation of {name}: over the time budget")
+            continue
+        t = time.time()
+        draft = load_checkpoint(out / name, device)
+        metrics["heldout_loss"][name] = measure_losses(draft, data, cfg)
+        acc = ev.greedy_acceptance(target, draft, prompts, k=cfg.k, max_new_tokens=cfg.answer_tokens,
+                                   eos_ids={data.eos})
+        metrics["acceptance"][name] = {**acc.to_dict(), "seconds": round(time.time() - t, 1)}
+        log(f"{name}: held-out {metrics['heldout_loss'][name]}; acceptance {metrics['acceptance'][name]}")
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    metrics["total_seconds"] = round(time.time() - t_start, 1)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    log(f"target held-out {metrics['heldout_loss']['target']}; done in {metrics['total_seconds']} s")
     return metrics
+
+
+def measure_losses(model, data: Data, cfg: Config) -> dict[str, float]:
+    """Held-out cross-entropy over every full block of each held-out stream."""
+    return {kind: round(ev.heldout_loss(model, data.streams[f"{kind}_heldout"], seq_len=cfg.seq_len,
+                                        max_blocks=10**9), 4) for kind in ("source", "qa")}
+
+
+def load_checkpoint(path: Path, device: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
 
 
 # ---------------------------------------------------------------- evaluate
@@ -391,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["prepare", "fit", "evaluate", "all"])
     ap.add_argument("--tiny", action="store_true", help="a seconds-long CPU configuration (tests)")
+    ap.add_argument("--config", choices=sorted(CONFIGS), default=None, help="a named configuration (default: FULL)")
+    ap.add_argument("--tokens", type=Path, default=None, help="token streams folder (default: DATA/tokens)")
+    ap.add_argument("--reuse-corpus", action="store_true", help="prepare: keep an existing DATA/corpus")
     ap.add_argument("--data", type=Path, default=Path(".demo-data"), help="prepare's output; fit reads DATA/tokens")
     ap.add_argument("--out", type=Path, default=Path(".demo-out"), help="fit's checkpoints and metrics.json")
     ap.add_argument("--stdlib", type=Path, default=None, help="standard library folder (default: this Python's)")
@@ -400,17 +463,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=Path, help="evaluate: JSON list of {question} (default: the committed ones)")
     ap.add_argument("--limit", type=int, default=None, help="evaluate: only the first N prompts")
     args = ap.parse_args(argv)
-    cfg = TINY if args.tiny else FULL
+    cfg = TINY if args.tiny else CONFIGS[args.config] if args.config else FULL
+    tokens = args.tokens or args.data / "tokens"
     if args.stage in ("prepare", "all"):
-        prepare(args.data, cfg, args.stdlib)
+        prepare(args.data, cfg, args.stdlib, tokens, args.reuse_corpus)
     if args.stage in ("fit", "all"):
-        fit(args.data / "tokens", args.out, cfg, args.device)
+        fit(tokens, args.out, cfg, args.device)
     if args.stage == "evaluate":
         from bundler.demo import HELDOUT_PROMPTS
 
         rows = json.loads((args.prompts or HELDOUT_PROMPTS).read_text())[:args.limit]
-        tokens = args.data / "tokens" if (args.data / "tokens" / "source_heldout.npy").exists() else None
-        print(json.dumps(evaluate_pair(args.target, args.draft, [r["question"] for r in rows], tokens=tokens,
+        print(json.dumps(evaluate_pair(args.target, args.draft, [r["question"] for r in rows],
+                                       tokens=tokens if (tokens / "source_heldout.npy").exists() else None,
                                        cfg=cfg), indent=2))
     return 0
 

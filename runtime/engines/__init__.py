@@ -44,7 +44,8 @@ def _onnxruntime(root: Path, record: EngineRecord, manifest: Manifest, max_conte
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
 
     limit = max_context or manifest.serve.get("max_model_len") or record.build.get("max_context")
-    return OnnxRuntimeEngine(root / record.path, max_context=limit, threads=threads)
+    return OnnxRuntimeEngine(root / record.path, max_context=limit, threads=threads,
+                             kv_cache=record.build.get("kv_cache"))
 
 
 def load_engine(installed_root: Path, manifest: Manifest, target_id: str, role: str, *,

@@ -1,12 +1,17 @@
 """ONNX Runtime engine over the exported KV-cache decoder graph (every target; the only one on `cpu`).
 
-The cache lives in preallocated buffers sized for `max_context`, bound to the graph with I/O
-binding: the graph reads `past` straight from one buffer and writes `present` straight into the
-other, then the two swap. So a decode step allocates nothing and copies nothing in Python; its cost
-is the graph's own attention over the past (the Concat of past and new is part of it). Rollback
-is a slice copy of the kept prefix, paid only when draft tokens are rejected.
-Two buffers (ping-pong) are needed because `present` is `past` plus the new tokens in a
-[kv_heads, length, head_dim] layout: written in place it would overwrite the next head's rows.
+The cache lives in preallocated buffers sized for `max_context`, bound with I/O binding, so a
+step allocates nothing. How they are bound depends on the graph's layout (metadata
+`bundle.kv_cache`, see bundler.export.KV_CACHE_LAYOUTS):
+
+- "shared" (GroupQueryAttention graph): ONE buffer per layer and k/v, [1, kv_heads, max_context,
+  head_dim], bound as both past and present. GQA writes only the new tokens' rows and attends
+  over the first `length + n`: a decode step costs attention, not a copy of the cache. Rollback
+  only changes `length` (later rows are overwritten by the next forward).
+- "concat" (torch-exported graph, the fallback): `present = Concat(past, new)` in a
+  [kv_heads, length, head_dim] layout, so two buffers ping-pong (written in place, present would
+  overwrite the next head's rows). Each step the graph copies the whole cache into the other
+  buffer; rollback compacts the kept prefix.
 """
 
 from __future__ import annotations
@@ -23,13 +28,24 @@ from runtime.engine import Engine
 log = logging.getLogger(__name__)
 
 
+LAYOUTS = ("concat", "shared")
+SHARED_MIN_VERSION = (1, 20)
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = (text.split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
 class ContextFull(ServeError):
     """A forward() would hold more tokens than the engine's max_context."""
 
 
 class OnnxRuntimeEngine(Engine):
     def __init__(self, graph: Path, *, max_context: int | None = None, threads: int | None = None,
-                 providers: Sequence[str] = ("CPUExecutionProvider",), session_options=None):
+                 providers: Sequence[str] = ("CPUExecutionProvider",), session_options=None,
+                 kv_cache: str | None = None):
+        """`kv_cache`: the layout the bundle's engine record promises; refused if the graph says otherwise."""
         import onnxruntime as ort
 
         graph = Path(graph)
@@ -53,20 +69,31 @@ class OnnxRuntimeEngine(Engine):
         if graph_max is not None and limit > graph_max:
             raise ModelError(f"max context {limit} exceeds what the model supports; expected at most {graph_max}")
         self.max_context = int(limit)
+        self.kv_cache = meta.get("bundle.kv_cache", "concat")
+        if self.kv_cache not in LAYOUTS:
+            raise ModelError(f"{graph}: expected bundle.kv_cache concat or shared, found {self.kv_cache!r}")
+        if kv_cache is not None and kv_cache != self.kv_cache:
+            raise ModelError(f"{graph}: the engine record expects a {kv_cache!r} KV-cache graph, "
+                             f"the graph is {self.kv_cache!r}")
+        if self.kv_cache == "shared" and _version(ort.__version__) < SHARED_MIN_VERSION:
+            raise EnvironmentProblem(f"{graph} needs onnxruntime >= 1.20 (GroupQueryAttention with a past), "
+                                     f"found {ort.__version__}")
         # [buffer][layer*2 + (0 key | 1 value)] flat fp32 arrays of capacity max_context tokens.
         per = self.num_kv_heads * self.max_context * self.head_dim
-        self._buffers = [[np.zeros(per, np.float32) for _ in self._past] for _ in range(2)]
+        copies = 1 if self.kv_cache == "shared" else 2
+        self._buffers = [[np.zeros(per, np.float32) for _ in self._past] for _ in range(copies)]
         self._current = 0  # which buffer holds the live cache
         self._length = 0
         self._logits = np.zeros(0, np.float32)
         self._binding = self.session.io_binding()
-        self.description = f"onnxruntime {ort.__version__} {self.session.get_providers()[0]} fp32"
+        self.description = (f"onnxruntime {ort.__version__} {self.session.get_providers()[0]} fp32 "
+                            f"kv-cache {self.kv_cache}")
 
     # --- graph signature -----------------------------------------------------------------------
     def _read_signature(self) -> None:
         ins = {i.name: i for i in self.session.get_inputs()}
         outs = {o.name: o for o in self.session.get_outputs()}
-        for name in ("input_ids", "position_ids", "past_key_values.0.key"):
+        for name in ("input_ids", "past_key_values.0.key"):
             if name not in ins:
                 raise ModelError(f"{self._graph}: expected a KV-cache decoder graph with input {name!r}, "
                                  f"found inputs {sorted(ins)[:6]}")
@@ -83,6 +110,7 @@ class OnnxRuntimeEngine(Engine):
                              f"past {shape}, logits {outs['logits'].shape}")
         self.num_layers, self.num_kv_heads, self.head_dim, self.vocab_size = layers, shape[1], shape[3], vocab
         self._has_mask = "attention_mask" in ins
+        self._has_positions = "position_ids" in ins
 
     # --- Engine --------------------------------------------------------------------------------
     @property
@@ -102,20 +130,28 @@ class OnnxRuntimeEngine(Engine):
         b.clear_binding_outputs()
         ids = np.asarray(token_ids, dtype=np.int64).reshape(1, n)
         b.bind_cpu_input("input_ids", ids)
-        b.bind_cpu_input("position_ids", np.arange(past, total, dtype=np.int64).reshape(1, n))
+        if self._has_positions:
+            b.bind_cpu_input("position_ids", np.arange(past, total, dtype=np.int64).reshape(1, n))
         if self._has_mask:
             b.bind_cpu_input("attention_mask", np.ones((1, total), np.int64))
-        src, dst = self._buffers[self._current], self._buffers[1 - self._current]
         kv, hd = self.num_kv_heads, self.head_dim
-        for name, buf in zip(self._past, src):
-            b.bind_input(name, "cpu", 0, np.float32, [1, kv, past, hd], buf.ctypes.data)
-        for name, buf in zip(self._present, dst):
-            b.bind_output(name, "cpu", 0, np.float32, [1, kv, total, hd], buf.ctypes.data)
+        if self.kv_cache == "shared":  # same memory in and out: GQA appends in place
+            for past_name, present_name, buf in zip(self._past, self._present, self._buffers[0]):
+                b.bind_input(past_name, "cpu", 0, np.float32, [1, kv, self.max_context, hd], buf.ctypes.data)
+                b.bind_output(present_name, "cpu", 0, np.float32, [1, kv, self.max_context, hd], buf.ctypes.data)
+        else:
+            src, dst = self._buffers[self._current], self._buffers[1 - self._current]
+            for name, buf in zip(self._past, src):
+                b.bind_input(name, "cpu", 0, np.float32, [1, kv, past, hd], buf.ctypes.data)
+            for name, buf in zip(self._present, dst):
+                b.bind_output(name, "cpu", 0, np.float32, [1, kv, total, hd], buf.ctypes.data)
         if self._logits.size < n * self.vocab_size:
             self._logits = np.zeros(n * self.vocab_size, np.float32)
         b.bind_output("logits", "cpu", 0, np.float32, [1, n, self.vocab_size], self._logits.ctypes.data)
         self.session.run_with_iobinding(b)
-        self._current, self._length = 1 - self._current, total
+        if self.kv_cache == "concat":
+            self._current = 1 - self._current
+        self._length = total
         return self._logits[: n * self.vocab_size].reshape(n, self.vocab_size).copy()
 
     def _view(self, which: int, layer_slot: int, length: int) -> np.ndarray:
@@ -127,7 +163,9 @@ class OnnxRuntimeEngine(Engine):
             raise ValueError(f"rollback to {length}: expected 0..{self._length}")
         if length == self._length:
             return
-        if length > 0:  # compact the kept prefix of every head into the other buffer, then swap
+        # shared: rows at >= length are simply overwritten by the next forward. concat: compact the
+        # kept prefix of every head into the other buffer, then swap.
+        if length > 0 and self.kv_cache == "concat":
             other = 1 - self._current
             for slot in range(len(self._past)):
                 self._view(other, slot, length)[:] = self._view(self._current, slot, self._length)[:, :length]

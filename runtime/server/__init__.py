@@ -36,13 +36,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 @contextlib.contextmanager
-def open_installed(name_or_dir: str, *, store: Path | None, target: str, trust: tuple[Path, ...] = (),
+def open_installed(name_or_dir, *, store: Path | None, target: str, trust: tuple[Path, ...] = (),
                    allow_unsigned: bool = False, echo: Callable[[str], None] = print):
     """An installed bundle: from the store by name, or a bundle directory verified and installed
     into a private temporary store (removed on exit), exactly as `bundle install` would."""
     from runtime import settings
     from runtime.store import Store
 
+    if hasattr(name_or_dir, "manifest"):  # already an Installed
+        yield name_or_dir, Store(store or settings.DEFAULT_STORE)
+        return
     path = Path(name_or_dir)
     if path.is_dir():
         from runtime.trust import trusted_keys
@@ -72,18 +75,31 @@ def open_installed(name_or_dir: str, *, store: Path | None, target: str, trust: 
     yield installed, st
 
 
-def serve(name_or_dir: str, *, store: Path | None = None, host: str = "127.0.0.1", port: int = 8000,
-          target: str = "auto", speculative_config: Speculative | None = None, no_speculation: bool = False,
+def serve(name_or_dir, *, store: Path | None = None, host: str = "127.0.0.1", port: int = 8000,
+          target: str = "auto", speculative_config: Speculative | str | dict | None = None,
+          no_speculation: bool = False,
           max_model_len: int | None = None, max_queued_requests: int = 16, api_key: str | None = None,
           trust: tuple[Path, ...] = (), allow_unsigned: bool = False, log_interval_s: float = 10.0,
           served_model_name: str | None = None, echo: Callable[[str], None] = print) -> None:
-    """Load the bundle, print what is served, run uvicorn until interrupted."""
+    """Load the bundle, print what is served, run uvicorn until interrupted.
+
+    `name_or_dir`: an installed bundle's name (looked up in `store`), a bundle directory (verified
+    and installed into a temporary store first), or a runtime.store.Installed.
+    `speculative_config`: a Speculative, or vLLM-style JSON text / dict.
+    """
+    import json
+
     import uvicorn
 
     from runtime.server.app import build_app
     from runtime.server.loader import load_serving_model
     from runtime.server.serving import OpenAIServing, ServeOptions
 
+    if isinstance(speculative_config, (str, dict)):
+        from runtime.server.loader import parse_speculative_config
+
+        text = speculative_config if isinstance(speculative_config, str) else json.dumps(speculative_config)
+        speculative_config = parse_speculative_config(text)
     if max_queued_requests < 0:
         raise UsageError(f"--max-queued-requests must be >= 0, found {max_queued_requests}")
     _setup_logging()

@@ -1,4 +1,4 @@
-"""Session fixtures: one tiny random checkpoint per supported family, exported once."""
+"""Session fixtures: one tiny random checkpoint per supported family, exported once per KV-cache layout."""
 
 from __future__ import annotations
 
@@ -20,3 +20,13 @@ def family_exports(tmp_path_factory) -> dict:
         ckpt = make_tiny_checkpoint(root / family, family=family, seed=i)
         out[family] = (ckpt, export_onnx(ckpt, root / f"{family}-onnx"))
     return out
+
+
+@pytest.fixture(scope="session")
+def family_shared_exports(family_exports, tmp_path_factory) -> dict:
+    """family -> (checkpoint dir, ExportResult) of the in-place GroupQueryAttention graph ("shared")."""
+    from bundler.export import export_onnx
+
+    root = tmp_path_factory.mktemp("export-shared")
+    return {family: (ckpt, export_onnx(ckpt, root / family, kv_cache="shared"))
+            for family, (ckpt, _) in family_exports.items()}

@@ -1,4 +1,4 @@
-"""Per-target plan: shared ONNX stored once, exact build options, engine keys, optimisation profiles."""
+"""Per-target plan: each ONNX layout stored once, exact build options, engine keys, optimisation profiles."""
 
 from __future__ import annotations
 
@@ -8,24 +8,50 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from tests.runtime.engines.standin import StandInBackend
 
 
+def exported_once(family_exports, family_shared_exports, family="llama"):
+    """An `export` for prepare_targets that hands out the session's exports of each layout."""
+    results = {"concat": family_exports[family][1], "shared": family_shared_exports[family][1]}
+    return lambda ckpt, out, kv_cache="concat": results[kv_cache]
+
+
 @pytest.fixture(scope="module")
-def planned(family_exports, tmp_path_factory):
+def planned(family_exports, family_shared_exports, tmp_path_factory):
     from bundler.engines import prepare_targets
 
     checkpoint, result = family_exports["llama"]
     work = tmp_path_factory.mktemp("plan")
     files, targets = prepare_targets(["jetson-thor", "igx-thor", "cpu"], {"target": checkpoint}, work,
                                      {"max_model_len": 256, "prefill_chunk": 64}, num_speculative_tokens=3,
-                                     backend=StandInBackend(None), export=lambda ckpt, out: result)
+                                     backend=StandInBackend(None),
+                                     export=exported_once(family_exports, family_shared_exports))
     return files, targets
 
 
-def test_onnx_is_shared_by_every_target(planned):
+def test_each_onnx_layout_is_stored_once_for_the_targets_that_run_it(planned):
     files, targets = planned
+    thors = ("jetson-thor", "igx-thor")
+    assert [(f.path, f.targets) for f in files] == [("engines/onnx/target/model.onnx", thors),
+                                                    ("engines/onnx/target/model.onnx.data", thors),
+                                                    ("engines/onnx-shared/target/model.onnx", ("cpu",)),
+                                                    ("engines/onnx-shared/target/model.onnx.data", ("cpu",))]
+    assert [t.id for t in targets] == ["jetson-thor", "igx-thor", "cpu"]
+    assert {e.path for t in targets[:2] for e in t.engines} == {"engines/onnx/target/model.onnx"}
+    (cpu,) = targets[2].engines  # ONNX Runtime gets the in-place (GroupQueryAttention) graph
+    assert cpu.path == "engines/onnx-shared/target/model.onnx" and cpu.build["kv_cache"] == "shared"
+
+
+def test_one_layout_for_every_target_is_not_restricted(family_exports, family_shared_exports, tmp_path):
+    from bundler.engines import prepare_targets
+
+    checkpoint, _ = family_exports["llama"]
+    export = exported_once(family_exports, family_shared_exports)
+    files, (thor, cpu) = prepare_targets(["jetson-thor", "cpu"], {"target": checkpoint}, tmp_path, {},
+                                         backend=StandInBackend(None), export=export, kv_cache="concat")
     assert [(f.path, f.targets) for f in files] == [("engines/onnx/target/model.onnx", None),
                                                     ("engines/onnx/target/model.onnx.data", None)]
-    assert [t.id for t in targets] == ["jetson-thor", "igx-thor", "cpu"]
-    assert {e.path for t in targets for e in t.engines} == {"engines/onnx/target/model.onnx"}
+    assert cpu.engines[0].build["kv_cache"] == "concat" and cpu.engines[0].key["onnxruntime_min"] == "1.18"
+    files, (cpu,) = prepare_targets(["cpu"], {"target": checkpoint}, tmp_path, {}, export=export)
+    assert [f.targets for f in files] == [None, None] and cpu.engines[0].key["onnxruntime_min"] == "1.20"
 
 
 def test_gpu_targets_carry_exact_build_options_and_key(planned):
@@ -42,7 +68,7 @@ def test_gpu_targets_carry_exact_build_options_and_key(planned):
     assert igx.engines[0].key == engine.key  # same GPU, same TensorRT, same options: same engine
     assert thor.build == {"compute_capability": "11.0", "tensorrt_version": "10.13.3.9", "cuda_version": "13.0",
                           "precision": "fp16", "max_context": 256}
-    assert cpu.engines[0].backend == "onnxruntime" and cpu.engines[0].key["onnx_sha256"] == engine.key["onnx_sha256"]
+    assert cpu.engines[0].backend == "onnxruntime" and cpu.engines[0].key["onnx_sha256"] != engine.key["onnx_sha256"]
 
 
 def test_optimisation_profiles_follow_serve_settings(planned):
@@ -56,14 +82,14 @@ def test_optimisation_profiles_follow_serve_settings(planned):
     assert prefill["shapes"]["attention_mask"]["max"] == [1, 256]
 
 
-def test_serve_settings_beyond_the_model_are_refused(family_exports, tmp_path):
+def test_serve_settings_beyond_the_model_are_refused(family_exports, family_shared_exports, tmp_path):
     from bundler.engines import prepare_targets
     from manifests.errors import ModelError
 
     checkpoint, result = family_exports["llama"]
     with pytest.raises(ModelError, match="max_model_len 100000 exceeds the model's limit; expected at most 512"):
         prepare_targets(["cpu"], {"target": checkpoint}, tmp_path, {"max_model_len": 100000},
-                        export=lambda ckpt, out: result)
+                        export=exported_once(family_exports, family_shared_exports))
 
 
 def test_bundle_for_two_thor_targets_stores_the_onnx_once(planned, tmp_path):
@@ -75,11 +101,12 @@ def test_bundle_for_two_thor_targets_stores_the_onnx_once(planned, tmp_path):
     readme.write_text("tiny")
     manifest = pack_bundle(tmp_path / "b", name="tiny", version=1,
                            models=[Model("target", "tiny", "models/target", ModelSource("local", revision="x"))],
-                           files=[*files, PackFile(readme, "models/target/README.txt")], targets=targets[:2],
+                           files=[*[f for f in files if f.targets != ("cpu",)],
+                                  PackFile(readme, "models/target/README.txt")], targets=targets[:2],
                            speculative=None, serve={"max_model_len": 256}, expires=None,
                            sign_keys=[Ed25519PrivateKey.generate()], progress=False)
     onnx_entries = [f for f in manifest.files if f.path.startswith("engines/onnx/")]
-    assert len(onnx_entries) == 2 and all(f.targets is None for f in onnx_entries)
+    assert len(onnx_entries) == 2 and all(f.targets == ("jetson-thor", "igx-thor") for f in onnx_entries)
     assert {t.id for t in manifest.targets} == {"jetson-thor", "igx-thor"}
     stored = sum(p.stat().st_size for p in (tmp_path / "b" / "blobs" / "sha256").iterdir())
     data = next(f for f in onnx_entries if f.path.endswith(".data"))

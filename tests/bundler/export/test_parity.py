@@ -1,7 +1,8 @@
 """The exported graph, run by the ONNX Runtime engine, gives transformers' logits (fp32, atol 1e-4).
 
 Three shapes of use, the ones speculative decoding needs: prefill, incremental decode through the
-cache, and multi-token verification after rejected draft tokens were rolled back.
+cache, and multi-token verification after rejected draft tokens were rolled back. Both KV-cache
+layouts: "concat" (torch export) and "shared" (GroupQueryAttention graph, cache updated in place).
 """
 
 from __future__ import annotations
@@ -57,6 +58,32 @@ def test_onnx_matches_transformers(family, family_exports):
     check_parity(checkpoint, result.graph, result.vocab_size)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_shared_kv_graph_matches_transformers(family, family_shared_exports):
+    checkpoint, result = family_shared_exports[family]
+    assert result.kv_cache == "shared"
+    check_parity(checkpoint, result.graph, result.vocab_size)
+
+
+def test_shared_kv_graph_matches_with_scaled_rope(family_exports, tmp_path):
+    """Llama 3 rope scaling: the cos/sin tables come from transformers' own rotary code."""
+    import json
+    import shutil
+
+    from bundler.export import export_onnx
+
+    checkpoint = tmp_path / "llama3-rope"
+    shutil.copytree(family_exports["llama"][0], checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": theta, "factor": 8.0,
+                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 32}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    result = export_onnx(checkpoint, tmp_path / "onnx", kv_cache="shared")
+    check_parity(checkpoint, result.graph, result.vocab_size)
+
+
 def _demo_dirs() -> list:
     try:
         from bundler import demo
@@ -67,12 +94,13 @@ def _demo_dirs() -> list:
 
 
 @pytest.mark.skipif(not _demo_dirs(), reason="the demo pair (bundler/demo/models) is not in this tree yet")
+@pytest.mark.parametrize("layout", ["concat", "shared"])
 @pytest.mark.parametrize("which", [0, 1], ids=["target", "draft"])
-def test_demo_pair_matches_transformers(which, tmp_path):
+def test_demo_pair_matches_transformers(which, layout, tmp_path):
     from bundler.export import export_onnx
 
     dirs = _demo_dirs()
     if which >= len(dirs):
         pytest.skip("the demo draft model is not in this tree yet")
-    result = export_onnx(dirs[which], tmp_path / "onnx")
+    result = export_onnx(dirs[which], tmp_path / "onnx", kv_cache=layout)
     check_parity(dirs[which], result.graph, result.vocab_size, n=40)

@@ -10,12 +10,6 @@ import pytest
 from bundler.keys import generate_key, load_private_key
 
 
-def pytest_addoption(parser):
-    # Registered when pytest starts in or below tests/bundler/pack; elsewhere getoption() falls back to False.
-    parser.addoption("--update-golden", action="store_true", default=False,
-                     help="Rewrite tests/bundler/pack/golden/* from the current code instead of comparing.")
-
-
 @pytest.fixture
 def update_golden(request) -> bool:
     return bool(request.config.getoption("--update-golden", default=False))

@@ -240,4 +240,7 @@ def test_target_files_hook_adds_per_target_files(model_copy, signing_key, tmp_pa
     manifest = _create(tmp_path / "b", model_copy, [signing_key], target_files=hook)
     onnx = next(f for f in manifest.files if f.path == "engines/cpu/model.onnx")
     assert onnx.targets == ("cpu",) and manifest.target("cpu").engines[0].path == onnx.path
-    assert len(manifest.files_for("jetson-thor")) == len(manifest.files) - 1
+    # Engines carry their own weights: the checkpoint's weights are bundled but installed by no target.
+    weights = next(f for f in manifest.files if f.path == "models/target/model.safetensors")
+    assert weights.targets == () and not weights.needed_by("cpu") and not weights.needed_by("jetson-thor")
+    assert len(manifest.files_for("jetson-thor")) == len(manifest.files) - 2

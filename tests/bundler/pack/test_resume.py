@@ -89,7 +89,7 @@ def test_changed_input_never_reuses_stale_blobs(model_copy, tmp_path, monkeypatc
 def test_sigkill_mid_pack_then_rerun_completes(model_copy, tmp_path):
     _bf16_like(model_copy / "big.bin", 48 * 1024 * 1024)
     out = tmp_path / "b"
-    cmd = [sys.executable, "-m", "bundler.cli", "create", "--model", str(model_copy), "--targets", "cpu",
+    cmd = [sys.executable, "-m", "bundler.cli", "create", "--model", str(model_copy), "--include", "big.bin", "--targets", "cpu",
            "--name", "resume", "--version", "1", "--unsigned", "--out", str(out), "--max-part-size", "256K",
            "--jobs", "1", "--no-progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

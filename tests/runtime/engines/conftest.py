@@ -1,4 +1,4 @@
-"""Session fixtures: a tiny llama checkpoint exported once, and a planned bundle tree without packing."""
+"""Session fixtures: a tiny llama checkpoint exported once per KV-cache layout."""
 
 from __future__ import annotations
 
@@ -17,3 +17,13 @@ def tiny_export(tmp_path_factory):
     root = tmp_path_factory.mktemp("engines")
     ckpt = make_tiny_checkpoint(root / "llama", family="llama")
     return ckpt, export_onnx(ckpt, root / "onnx")
+
+
+@pytest.fixture(scope="session")
+def tiny_exports(tiny_export, tmp_path_factory) -> dict:
+    """KV-cache layout ("concat" | "shared") -> ExportResult of the same tiny llama."""
+    from bundler.export import export_onnx
+
+    ckpt, concat = tiny_export
+    return {"concat": concat, "shared": export_onnx(ckpt, tmp_path_factory.mktemp("engines-shared"),
+                                                     kv_cache="shared")}

@@ -33,31 +33,62 @@ def install_tree(files, targets, root: Path) -> Manifest:
                     files=tuple(entries), targets=tuple(targets), serve={"max_model_len": 128})
 
 
-def plan_bundle(tiny_export, tmp_path, target_ids, host_backend):
+def plan_bundle(tiny_exports, tmp_path, target_ids, host_backend, **options):
     from bundler.engines import prepare_targets
 
-    files, targets = prepare_targets(target_ids, {"target": tiny_export[0]}, tmp_path / "work",
+    checkpoint = tiny_exports["concat"].graph  # unused by the export below: every layout is exported once
+    files, targets = prepare_targets(target_ids, {"target": checkpoint}, tmp_path / "work",
                                      {"max_model_len": 128}, backend=host_backend,
-                                     export=lambda checkpoint, out_dir: tiny_export[1])  # exported once
+                                     export=lambda ckpt, out_dir, kv_cache="concat": tiny_exports[kv_cache],
+                                     **options)
     root = tmp_path / "installed"
     return root, install_tree(files, targets, root)
 
 
-def test_cpu_target_runs_onnxruntime_over_the_shipped_onnx(tiny_export, tmp_path):
+def test_cpu_target_runs_onnxruntime_over_the_shipped_onnx(tiny_exports, tmp_path):
     from runtime.engines import load_engine
 
-    root, manifest = plan_bundle(tiny_export, tmp_path, ["cpu"], StandInBackend(None))
+    root, manifest = plan_bundle(tiny_exports, tmp_path, ["cpu"], StandInBackend(None))
+    (record,) = manifest.target("cpu").engines
+    assert record.path == "engines/onnx-shared/target/model.onnx" and record.build["kv_cache"] == "shared"
+    assert record.key["onnxruntime_min"] == "1.20"
     engine = load_engine(root, manifest, "cpu", "target", cache_dir=tmp_path / "cache")
     assert engine.description.startswith("onnxruntime") and engine.max_context == 128
+    assert engine.kv_cache == "shared" and engine.description.endswith("kv-cache shared")
     assert engine.forward([1, 2, 3]).shape == (3, 512)
     assert not (tmp_path / "cache").exists()  # nothing to build or record on cpu
 
 
-def test_no_shipped_engine_builds_locally_once_and_caches(tiny_export, tmp_path):
+def test_cpu_target_can_ship_the_concat_graph(tiny_exports, tmp_path):
+    from runtime.engines import load_engine
+
+    root, manifest = plan_bundle(tiny_exports, tmp_path, ["cpu"], StandInBackend(None), kv_cache="concat")
+    (record,) = manifest.target("cpu").engines
+    assert record.path == "engines/onnx/target/model.onnx" and record.build["kv_cache"] == "concat"
+    engine = load_engine(root, manifest, "cpu", "target")
+    assert engine.kv_cache == "concat" and engine.forward([1, 2, 3]).shape == (3, 512)
+
+
+def test_a_record_whose_layout_differs_from_the_graph_is_refused(tiny_exports, tmp_path):
+    import dataclasses
+
+    from manifests.errors import ModelError
+    from runtime.engines import load_engine
+
+    root, manifest = plan_bundle(tiny_exports, tmp_path, ["cpu"], StandInBackend(None))
+    (record,) = manifest.target("cpu").engines
+    wrong = dataclasses.replace(record, build={**record.build, "kv_cache": "concat"})
+    target = dataclasses.replace(manifest.target("cpu"), engines=(wrong,))
+    manifest = dataclasses.replace(manifest, targets=(target,))
+    with pytest.raises(ModelError, match="expects a 'concat' KV-cache graph, the graph is 'shared'"):
+        load_engine(root, manifest, "cpu", "target")
+
+
+def test_no_shipped_engine_builds_locally_once_and_caches(tiny_exports, tmp_path):
     from runtime.engine_cache import BUILD_NAME, KEY_NAME
     from runtime.engines import load_engine
 
-    root, manifest = plan_bundle(tiny_export, tmp_path, ["jetson-thor"], StandInBackend(None))
+    root, manifest = plan_bundle(tiny_exports, tmp_path, ["jetson-thor"], StandInBackend(None))
     assert [e.format for e in manifest.target("jetson-thor").engines] == ["onnx"]
     device = StandInBackend("11.0", "10.13.3.9")
     engine = load_engine(root, manifest, "jetson-thor", "target", cache_dir=tmp_path / "cache", backend=device)
@@ -73,11 +104,11 @@ def test_no_shipped_engine_builds_locally_once_and_caches(tiny_export, tmp_path)
     np.testing.assert_allclose(again.forward([4, 5]), engine.forward([4, 5]), atol=1e-6)
 
 
-def test_shipped_plan_is_used_when_its_key_matches(tiny_export, tmp_path):
+def test_shipped_plan_is_used_when_its_key_matches(tiny_exports, tmp_path):
     from runtime.engines import load_engine
 
     host = StandInBackend("11.0", "10.13.3.9")  # a build host that is a Thor with the fleet's TensorRT
-    root, manifest = plan_bundle(tiny_export, tmp_path, ["jetson-thor"], host)
+    root, manifest = plan_bundle(tiny_exports, tmp_path, ["jetson-thor"], host)
     formats = [e.format for e in manifest.target("jetson-thor").engines]
     assert formats == ["onnx", "tensorrt-plan"] and len(host.builds) == 1
     device = StandInBackend("11.0", "10.13.3.9")
@@ -85,11 +116,11 @@ def test_shipped_plan_is_used_when_its_key_matches(tiny_export, tmp_path):
     assert device.builds == [] and device.loads == [root / "engines/plans/jetson-thor/target/engine.plan"]
 
 
-def test_key_mismatch_falls_back_to_a_local_build_and_records_why(tiny_export, tmp_path):
+def test_key_mismatch_falls_back_to_a_local_build_and_records_why(tiny_exports, tmp_path):
     from runtime.engine_cache import BUILD_NAME
     from runtime.engines import load_engine
 
-    root, manifest = plan_bundle(tiny_export, tmp_path, ["jetson-thor"], StandInBackend("11.0", "10.13.3.9"))
+    root, manifest = plan_bundle(tiny_exports, tmp_path, ["jetson-thor"], StandInBackend("11.0", "10.13.3.9"))
     newer = StandInBackend("11.0", "10.14.1.48")  # same GPU, newer JetPack: the shipped plan is useless
     engine = load_engine(root, manifest, "jetson-thor", "target", cache_dir=tmp_path / "cache", backend=newer)
     assert len(newer.builds) == 1 and engine.plan["built_for"] == ["11.0", "10.14.1.48"]
@@ -102,11 +133,11 @@ def test_key_mismatch_falls_back_to_a_local_build_and_records_why(tiny_export, t
     assert len(other_gpu.builds) == 1 and other_gpu.loads[0].parent != newer.loads[0].parent
 
 
-def test_a_cache_entry_with_another_key_is_not_used(tiny_export, tmp_path):
+def test_a_cache_entry_with_another_key_is_not_used(tiny_exports, tmp_path):
     from runtime.engine_cache import KEY_NAME
     from runtime.engines import load_engine
 
-    root, manifest = plan_bundle(tiny_export, tmp_path, ["jetson-thor"], StandInBackend(None))
+    root, manifest = plan_bundle(tiny_exports, tmp_path, ["jetson-thor"], StandInBackend(None))
     device = StandInBackend()
     load_engine(root, manifest, "jetson-thor", "target", cache_dir=tmp_path / "cache", backend=device)
     key_file = device.loads[0].parent / KEY_NAME
@@ -115,14 +146,14 @@ def test_a_cache_entry_with_another_key_is_not_used(tiny_export, tmp_path):
     assert len(device.builds) == 2
 
 
-def test_without_tensorrt_onnxruntime_stands_in_and_it_is_recorded(tiny_export, tmp_path, caplog):
+def test_without_tensorrt_onnxruntime_stands_in_and_it_is_recorded(tiny_exports, tmp_path, caplog):
     from runtime.engine_cache import FALLBACK_NAME
     from runtime.engines import load_engine
     from runtime.engines.tensorrt import NOT_INSTALLED, TensorRTBackend
 
     if TensorRTBackend().device() is not None:
         pytest.skip("a real TensorRT GPU is present; the fallback path is not taken")
-    root, manifest = plan_bundle(tiny_export, tmp_path, ["igx-thor"], StandInBackend(None))
+    root, manifest = plan_bundle(tiny_exports, tmp_path, ["igx-thor"], StandInBackend(None))
     with caplog.at_level(logging.WARNING):
         engine = load_engine(root, manifest, "igx-thor", "target", cache_dir=tmp_path / "cache")
     assert engine.description.startswith("onnxruntime") and NOT_INSTALLED in engine.fallback
@@ -135,11 +166,11 @@ def test_without_tensorrt_onnxruntime_stands_in_and_it_is_recorded(tiny_export, 
     assert engine.forward([1, 2]).shape == (2, 512)
 
 
-def test_unknown_role_and_target_are_clear_errors(tiny_export, tmp_path):
+def test_unknown_role_and_target_are_clear_errors(tiny_exports, tmp_path):
     from manifests.errors import EnvironmentProblem
     from runtime.engines import load_engine
 
-    root, manifest = plan_bundle(tiny_export, tmp_path, ["cpu"], StandInBackend(None))
+    root, manifest = plan_bundle(tiny_exports, tmp_path, ["cpu"], StandInBackend(None))
     with pytest.raises(EnvironmentProblem, match="no engine for model 'draft'"):
         load_engine(root, manifest, "cpu", "draft")
     with pytest.raises(EnvironmentProblem, match="no engines for target 'jetson-thor'; it has: cpu"):

@@ -1,4 +1,4 @@
-"""The ONNX Runtime engine: rollback correctness, bounds, buffers that are reused, not regrown."""
+"""The ONNX Runtime engine over both KV-cache layouts: rollback, bounds, buffers reused, not regrown."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ import pytest
 from manifests.errors import ModelError, ServeError
 
 
-@pytest.fixture()
-def engine(tiny_export):
+@pytest.fixture(params=["concat", "shared"])
+def engine(request, tiny_exports):
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
 
-    return OnnxRuntimeEngine(tiny_export[1].graph, max_context=64)
+    return OnnxRuntimeEngine(tiny_exports[request.param].graph, max_context=64)
 
 
-def test_rollback_then_forward_equals_a_fresh_run(engine, tiny_export):
+def test_rollback_then_forward_equals_a_fresh_run(engine, tiny_exports):
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
 
     tokens = list(range(3, 33))
-    fresh = OnnxRuntimeEngine(tiny_export[1].graph, max_context=64).forward(tokens)
+    fresh = OnnxRuntimeEngine(tiny_exports[engine.kv_cache].graph, max_context=64).forward(tokens)
     engine.forward(tokens[:20])
     engine.forward([7, 7, 7, 7, 7])  # rejected draft
     engine.rollback(10)  # deeper than the draft: the kept prefix must survive compaction
@@ -59,15 +59,33 @@ def test_buffers_are_preallocated_and_reused(engine):
     for t in range(40):
         engine.forward([t])
     assert {b.ctypes.data for pair in engine._buffers for b in pair} == addresses
-    assert engine.memory()["kv_cache"] == before == 2 * 2 * 2 * (2 * 64 * 16) * 4  # 2 buffers x 2 layers x k,v
+    copies = {"concat": 2, "shared": 1}[engine.kv_cache]  # ping-pong vs one buffer updated in place
+    assert engine.memory()["kv_cache"] == before == copies * 2 * 2 * (2 * 64 * 16) * 4  # x 2 layers x k,v
     assert engine.memory()["weights"] > 500_000
 
 
-def test_max_context_beyond_the_model_is_refused(tiny_export):
+def test_shared_rollback_moves_no_memory(tiny_exports):
+    """In the shared layout a rollback is a length change: the cache rows stay where they are."""
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    engine = OnnxRuntimeEngine(tiny_exports["shared"].graph, max_context=64)
+    engine.forward(list(range(3, 23)))
+    snapshot = [b.copy() for b in engine._buffers[0]]
+    engine.rollback(5)
+    assert engine.length == 5 and all(np.array_equal(a, b) for a, b in zip(snapshot, engine._buffers[0]))
+    engine.forward([9])  # the next token's K/V lands at row 5 of every head, nothing else changes
+    key = engine._buffers[0][0].reshape(engine.num_kv_heads, 64, engine.head_dim)
+    before = snapshot[0].reshape(engine.num_kv_heads, 64, engine.head_dim)
+    assert not np.array_equal(key[:, 5], before[:, 5])
+    np.testing.assert_array_equal(np.delete(key, 5, axis=1), np.delete(before, 5, axis=1))
+
+
+@pytest.mark.parametrize("layout", ["concat", "shared"])
+def test_max_context_beyond_the_model_is_refused(tiny_exports, layout):
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
 
     with pytest.raises(ModelError, match="expected at most 512"):
-        OnnxRuntimeEngine(tiny_export[1].graph, max_context=4096)
+        OnnxRuntimeEngine(tiny_exports[layout].graph, max_context=4096)
 
 
 def test_empty_forward_and_description(engine):

@@ -1,0 +1,207 @@
+"""Hugging Face checkpoint -> ONNX decoder whose KV cache is updated in place (ONNX Runtime targets).
+
+The torch-exported graph (bundler.export, layout "concat") returns `present = Concat(past, new)`,
+so every step copies the whole cache: decode cost grows with context by that copy on top of
+attention. This graph is written directly with onnx.helper, the way onnxruntime-genai's model
+builder does it, and uses the com.microsoft GroupQueryAttention operator:
+
+    inputs   input_ids [batch, sequence_length] int64
+             attention_mask [batch, total_sequence_length] int64   (ones; past + new)
+             past_key_values.<i>.key / .value [batch, kv_heads, max_sequence_length, head_dim] float32
+    outputs  logits [batch, sequence_length, vocab] float32
+             present.<i>.key / .value [batch, kv_heads, max_sequence_length, head_dim] float32
+
+The runtime binds past and present to the SAME preallocated buffer (GQA's
+past_present_share_buffer mode): a step writes only the new tokens' K/V at positions
+past..total-1 and attends over the first total positions. Rotary is applied inside GQA from
+cos/sin tables precomputed here with transformers' own rotary module (so scaled RoPE variants
+match), positions come from seqlens_k = sum(attention_mask) - 1. Prefill, decode and
+verification of k tokens after a past are one graph; rollback is a length change.
+GroupQueryAttention is an ONNX Runtime contrib op: TensorRT targets keep the "concat" graph.
+
+Weights are streamed tensor by tensor from the safetensors files into one external-data file,
+so memory stays at one tensor whatever the model size.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from manifests.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+KV_LAYOUT = "shared"
+MS_DOMAIN = "com.microsoft"
+IR_VERSION = 9
+ALIGN = 64  # byte alignment of each tensor in the external-data file
+
+_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+class _Checkpoint:
+    """Reads one tensor at a time as float32 numpy from (possibly sharded) safetensors."""
+
+    def __init__(self, checkpoint_dir: Path):
+        from safetensors import safe_open
+
+        index = checkpoint_dir / "model.safetensors.index.json"
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        else:
+            shards = sorted(p.name for p in checkpoint_dir.glob("*.safetensors"))
+        if not shards:
+            raise ModelError(f"{checkpoint_dir}: expected model weights in *.safetensors, found none")
+        self._files = [safe_open(str(checkpoint_dir / s), framework="pt") for s in shards]
+        self._where = {k: f for f in self._files for k in f.keys()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise ModelError(f"checkpoint has no tensor {name!r}; expected the standard layout of its family")
+        return self._where[name].get_tensor(name).float().numpy()
+
+
+class _Writer:
+    """Appends initializers to one external-data file and keeps only their TensorProto headers."""
+
+    def __init__(self, data_path: Path):
+        self.location = data_path.name
+        self._f = open(data_path, "wb")
+        self.initializers: list = []
+        self._names: set[str] = set()
+
+    def add(self, name: str, array: np.ndarray) -> str:
+        """Store `array` as initializer `name` (once: a second add of the same name reuses it)."""
+        from onnx import TensorProto, helper
+
+        if name in self._names:
+            return name
+        self._names.add(name)
+        array = np.ascontiguousarray(array)
+        dtype = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64}[array.dtype]
+        if array.nbytes < 1024:  # small constants stay inline, like onnx.save's size_threshold
+            self.initializers.append(helper.make_tensor(name, dtype, array.shape, array.tobytes(), raw=True))
+            return name
+        pad = -self._f.tell() % ALIGN
+        self._f.write(b"\0" * pad)
+        offset = self._f.tell()
+        self._f.write(array.tobytes())
+        t = TensorProto(name=name, data_type=dtype, dims=array.shape, data_location=TensorProto.EXTERNAL)
+        for k, v in (("location", self.location), ("offset", str(offset)), ("length", str(array.nbytes))):
+            t.external_data.add(key=k, value=v)
+        self.initializers.append(t)
+        return name
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def rotary_tables(family: str, config, max_positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [max_positions, head_dim/2] from transformers' rotary module for this family."""
+    import torch
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    rotary = getattr(module, f"{_CLASS_PREFIX[family]}RotaryEmbedding")(config=config)
+    if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
+        raise ModelError(f"rope type {rotary.rope_type!r} depends on the sequence length and cannot be "
+                         f"tabulated; expected default, linear, yarn or llama3 rope scaling")
+    with torch.no_grad():
+        pos = torch.arange(max_positions, dtype=torch.int64)[None]
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), pos)
+    half = head_dim // 2
+    return cos[0, :, :half].numpy().astype(np.float32), sin[0, :, :half].numpy().astype(np.float32)
+
+
+def build_shared_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool) -> None:
+    """Write result.graph + result.weights (the ExportResult from bundler.export) for the shared layout."""
+    from onnx import TensorProto as TP
+    from onnx import helper as h
+
+    cfg = config
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ModelError(f"activation {cfg.hidden_act!r} is not supported; expected silu (SwiGLU MLP)")
+    family, layers = result.family, result.num_layers
+    heads, kv, hd = int(cfg.num_attention_heads), result.num_kv_heads, result.head_dim
+    eps = float(cfg.rms_norm_eps)
+    ckpt = _Checkpoint(Path(checkpoint_dir))
+    cos, sin = rotary_tables(family, cfg, result.max_positions, hd)
+    w = _Writer(result.weights)
+    nodes: list = []
+
+    def node(op, inputs, outputs=None, domain="", **attrs):
+        name = f"/{op}_{len(nodes)}"
+        outputs = outputs or [name + "/out"]
+        nodes.append(h.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def rms(x, weight_name):
+        return node("SimplifiedLayerNormalization", [x, w.add(weight_name, ckpt.get(weight_name))],
+                    axis=-1, epsilon=eps, stash_type=1)
+
+    def linear(x, prefix):
+        y = node("MatMul", [x, w.add(prefix + ".weight", ckpt.get(prefix + ".weight").T)])
+        if prefix + ".bias" in ckpt:
+            y = node("Add", [y, w.add(prefix + ".bias", ckpt.get(prefix + ".bias"))])
+        return y
+
+    def head_norm(x, n_heads, weight_name):  # Qwen3: RMSNorm over each head's vector before rotary
+        x4 = node("Reshape", [x, w.add(f"shape_{n_heads}_{hd}", np.array([0, 0, n_heads, hd], np.int64))])
+        y = rms(x4, weight_name)
+        return node("Reshape", [y, w.add(f"shape_{n_heads * hd}", np.array([0, 0, n_heads * hd], np.int64))])
+
+    # seqlens_k = total tokens - 1 per row; total_sequence_length = attention_mask's length (scalar)
+    tokens = node("ReduceSum", ["attention_mask", w.add("axes_1", np.array([1], np.int64))], keepdims=0)
+    seqlens_k = node("Cast", [node("Sub", [tokens, w.add("one", np.array(1, np.int64))])], to=TP.INT32)
+    total = node("Cast", [node("Squeeze", [node("Shape", ["attention_mask"], start=1, end=2),
+                                           w.add("axes_0", np.array([0], np.int64))])], to=TP.INT32)
+    cos_name, sin_name = w.add("cos_cache", cos), w.add("sin_cache", sin)
+
+    x = node("Gather", [w.add("model.embed_tokens.weight", ckpt.get("model.embed_tokens.weight")), "input_ids"])
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        hs = rms(x, f"{p}.input_layernorm.weight")
+        q, k, v = (linear(hs, f"{p}.self_attn.{n}_proj") for n in ("q", "k", "v"))
+        if has_q_k_norm:
+            q = head_norm(q, heads, f"{p}.self_attn.q_norm.weight")
+            k = head_norm(k, kv, f"{p}.self_attn.k_norm.weight")
+        attn = node("GroupQueryAttention",
+                    [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total,
+                     cos_name, sin_name],
+                    [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN,
+                    num_heads=heads, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0,
+                    scale=float(hd) ** -0.5)[0]
+        x = node("Add", [x, linear(attn, f"{p}.self_attn.o_proj")])
+        hs = rms(x, f"{p}.post_attention_layernorm.weight")
+        gate, up = linear(hs, f"{p}.mlp.gate_proj"), linear(hs, f"{p}.mlp.up_proj")
+        act = node("Mul", [node("Mul", [gate, node("Sigmoid", [gate])]), up])
+        x = node("Add", [x, linear(act, f"{p}.mlp.down_proj")])
+    x = rms(x, "model.norm.weight")
+    head = "lm_head.weight" if "lm_head.weight" in ckpt else "model.embed_tokens.weight"  # tied embeddings
+    node("MatMul", [x, w.add("lm_head.weight.T", ckpt.get(head).T)], ["logits"])
+    w.close()
+
+    cache = ["batch", kv, "max_sequence_length", hd]
+    inputs = [h.make_tensor_value_info("input_ids", TP.INT64, ["batch", "sequence_length"]),
+              h.make_tensor_value_info("attention_mask", TP.INT64, ["batch", "total_sequence_length"])]
+    outputs = [h.make_tensor_value_info("logits", TP.FLOAT, ["batch", "sequence_length", result.vocab_size])]
+    for i in range(layers):
+        for part in ("key", "value"):
+            inputs.append(h.make_tensor_value_info(f"past_key_values.{i}.{part}", TP.FLOAT, cache))
+            outputs.append(h.make_tensor_value_info(f"present.{i}.{part}", TP.FLOAT, cache))
+    graph = h.make_graph(nodes, "decoder", inputs, outputs, w.initializers)
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", result.opset), h.make_opsetid(MS_DOMAIN, 1)],
+                         producer_name="bundle", doc_string=f"{result.architecture} built by bundle for "
+                         f"in-place KV-cache decoding (GroupQueryAttention, shared past/present buffers)")
+    model.ir_version = IR_VERSION
+    for key, value in result.metadata().items():
+        model.metadata_props.add(key=key, value=value)
+    result.graph.write_bytes(model.SerializeToString())
+    log.info("built the shared-KV graph for %s (%d layers) at %s", result.architecture, layers, result.graph)
