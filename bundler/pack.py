@@ -43,6 +43,7 @@ from manifests.layout import (
 )
 from manifests.schema import Builder, FileEntry, Manifest, Model, Part, Speculative, Target
 from runtime import settings
+from runtime.fsutil import fsync_dir, write_atomic
 
 __all__ = ["PackFile", "pack_bundle", "part_length", "DEFAULT_MAX_PART_SIZE", "DEFAULT_LEVEL", "JOURNAL_FILE"]
 
@@ -89,23 +90,6 @@ def part_length(max_part_size: int) -> int:
 
 
 # --- small file helpers ----------------------------------------------------------------------
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
 
 class _DigestWriter:
     """File-like sink for the compressor: hashes and counts the compressed bytes as they are written."""
@@ -196,7 +180,7 @@ class _Packer:
             tmp.unlink()
         else:
             os.replace(tmp, final)
-            _fsync_dir(self.blobs)
+            fsync_dir(self.blobs)
 
     def _read_into(self, fh, want: int, what: str) -> memoryview:
         view = memoryview(self.buf)[:want]
@@ -324,7 +308,7 @@ def _prepare_out(out: Path, force: bool) -> None:
         if not force:
             raise UsageError(f"expected {out} to hold no finished bundle, found one (pass --force to replace it)")
         (out / COMPLETE_MARKER).unlink()  # first, so a crash from here on leaves "not finished"
-        _fsync_dir(out)
+        fsync_dir(out)
         (out / INDEX_FILE).unlink(missing_ok=True)
     ours = {OCI_LAYOUT_FILE, INDEX_FILE, "blobs"}
     foreign = sorted(p.name for p in out.iterdir() if p.name not in ours and not p.name.startswith("."))
@@ -456,10 +440,10 @@ def _finish(packer: _Packer, manifest: Manifest, keys: list[Ed25519PrivateKey]) 
         "size": oci_size, "annotations": {REF_NAME_ANNOTATION: f"{manifest.name}:{manifest.version}"}}]}
     keep = {d.partition(":")[2] for d in seen | {config_digest, env_digest, oci_digest}}
     _cleanup_blobs(packer.blobs, keep)
-    _fsync_dir(packer.blobs)
-    _write_atomic(out / OCI_LAYOUT_FILE, OCI_LAYOUT_CONTENT)
-    _write_atomic(out / INDEX_FILE, json.dumps(index, sort_keys=True, separators=(",", ":")).encode())
-    _fsync_dir(out)
+    fsync_dir(packer.blobs)
+    write_atomic(out / OCI_LAYOUT_FILE, OCI_LAYOUT_CONTENT)
+    write_atomic(out / INDEX_FILE, json.dumps(index, sort_keys=True, separators=(",", ":")).encode())
+    fsync_dir(out)
     packer.journal.remove()
-    _write_atomic(out / COMPLETE_MARKER, (oci_digest + "\n").encode())
-    _fsync_dir(out)
+    write_atomic(out / COMPLETE_MARKER, (oci_digest + "\n").encode())
+    fsync_dir(out)

@@ -23,6 +23,7 @@ from runtime import settings
 from runtime.hooks import pause
 from runtime.reader import CHUNK, BlobReader, open_bundle, part_names
 from runtime.verify import check_blob
+from runtime.fsutil import fsync_dir, write_atomic
 
 _ours = {L.OCI_LAYOUT_FILE, L.INDEX_FILE, L.COMPLETE_MARKER, "blobs"}
 
@@ -35,26 +36,6 @@ class CopyReport:
     blobs_skipped: int
     bytes_copied: int
     bytes_skipped: int
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as e:  # vfat and some FUSE filesystems refuse fsync on directories
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _write_small(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _copy_blob(src: Path, dst_blobs: Path, digest: str, size: int, name: str, on_bytes) -> None:
@@ -91,7 +72,7 @@ def _prepare_dst(src: Path, dst: Path) -> None:
     marker = dst / L.COMPLETE_MARKER
     if marker.exists():
         marker.unlink()
-        _fsync_dir(dst)
+        fsync_dir(dst)
     (dst / L.BLOBS_DIR).mkdir(parents=True, exist_ok=True)
     for p in (dst / L.BLOBS_DIR).glob(".tmp-*"):  # leftovers of an interrupted copy
         p.unlink(missing_ok=True)
@@ -148,13 +129,13 @@ def copy_bundle(src: Path, dst: Path, *, jobs: int | None = None, progress: bool
         finally:
             if bar is not None:
                 bar.close()
-        _fsync_dir(dst_blobs)
-        _write_small(dst / L.OCI_LAYOUT_FILE, (src / L.OCI_LAYOUT_FILE).read_bytes()[:4096]
+        fsync_dir(dst_blobs)
+        write_atomic(dst / L.OCI_LAYOUT_FILE, (src / L.OCI_LAYOUT_FILE).read_bytes()[:4096]
                      if (src / L.OCI_LAYOUT_FILE).is_file() else L.OCI_LAYOUT_CONTENT)
-        _write_small(dst / L.INDEX_FILE, layout.index_bytes)
-        _fsync_dir(dst)
-        _write_small(dst / L.COMPLETE_MARKER, (layout.oci_manifest.digest + "\n").encode())
-        _fsync_dir(dst)
+        write_atomic(dst / L.INDEX_FILE, layout.index_bytes)
+        fsync_dir(dst)
+        write_atomic(dst / L.COMPLETE_MARKER, (layout.oci_manifest.digest + "\n").encode())
+        fsync_dir(dst)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise EnvironmentProblem(f"no space left on {dst} while copying the bundle; free space and run "

@@ -18,7 +18,6 @@ read paths from `Installed.path` or the `current` link, never build them from th
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
@@ -41,6 +40,7 @@ from runtime.hooks import pause
 from runtime.reader import open_bundle
 from runtime.unpack import check_space, os_error, space_needed, unpack_files
 from runtime.verify import check_signature
+from runtime.fsutil import fsync_dir
 
 MANIFEST_FILE = "manifest.json"
 ENVELOPE_FILE = "envelope.json"
@@ -81,17 +81,6 @@ class Installed:
     signers: tuple[str, ...] = ()
     previous_version: int | None = None  # what `bundle rollback` would switch to
     noop: bool = False  # install found this exact version already installed and intact
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some filesystems do not support fsync on directories
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -170,7 +159,7 @@ class Store:
         tmp = self.root / f".state-{secrets.token_hex(6)}"
         _write_file(tmp, json.dumps({"clock_floor": _iso(created)}).encode())
         os.replace(tmp, self.state_file)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     # --- reading ---------------------------------------------------------------------------
     def _link(self, name: str, which: str) -> str | None:
@@ -311,13 +300,13 @@ class Store:
 
                 unpack_files(layout, files, staging, jobs=jobs, progress=progress, on_file_done=done)
                 for d, _, _ in os.walk(staging, topdown=False):
-                    _fsync_dir(Path(d))
+                    fsync_dir(Path(d))
                 pause("staged")
                 name_dir.mkdir(parents=True, exist_ok=True)
                 final = self._free_dirname(name_dir, manifest.version)
                 os.rename(staging, name_dir / final)
-                _fsync_dir(name_dir)
-                _fsync_dir(self.root)
+                fsync_dir(name_dir)
+                fsync_dir(self.root)
             except OSError as e:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise os_error(e, staging) from None
@@ -330,7 +319,7 @@ class Store:
                 if cur is not None and cur.version != manifest.version:
                     _switch_link(name_dir / "previous", cur_name)
                 _switch_link(name_dir / "current", final)
-                _fsync_dir(name_dir)
+                fsync_dir(name_dir)
                 pause("switched")
                 self.clean_leftovers()
             except OSError as e:  # the old version is still current unless the final rename happened
@@ -354,7 +343,7 @@ class Store:
             name_dir = self.bundles_dir / name
             _switch_link(name_dir / "previous", cur)
             _switch_link(name_dir / "current", prev)
-            _fsync_dir(name_dir)
+            fsync_dir(name_dir)
             return self.current(name)
 
     # --- policy ----------------------------------------------------------------------------
