@@ -178,7 +178,9 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     import onnx
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # create prints its own progress; a bar per loaded model is noise
     model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
     cfg = model.config

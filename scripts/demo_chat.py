@@ -23,7 +23,7 @@ def scrape(port: int) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, default=8765)
-    ap.add_argument("--prompt", default="What does `os.path.join(a, *p)` do?")
+    ap.add_argument("--prompt", default="What does `shutil.copyfile(src, dst, *, follow_symlinks=True)` do?")
     ap.add_argument("--max-tokens", type=int, default=96)
     args = ap.parse_args()
     client = OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="unused")

@@ -145,7 +145,6 @@ def extract_builtin_qa() -> Iterator[QA]:
 
     Their docstrings exist nowhere as `.py` text, so they are split into train and held-out by qualified name.
     """
-    import builtins
     import importlib
     import inspect
 
@@ -170,7 +169,8 @@ def extract_builtin_qa() -> Iterator[QA]:
                 continue
             obj = getattr(namespace, attr, None)
             name = f"{prefix}.{attr}" if prefix else attr
-            if inspect.isclass(obj) and depth == 0 and getattr(obj, "__module__", None) in (namespace.__name__, "builtins"):
+            own = getattr(obj, "__module__", None) in (namespace.__name__, "builtins")
+            if inspect.isclass(obj) and depth == 0 and own:
                 doc = inspect.cleandoc(obj.__doc__ or "")
                 if (answer := first_paragraph(doc.partition("--\n")[2] or doc)):
                     yield QA(f"What is the class `{name}` for?", answer, name, "<built-in>")
@@ -189,7 +189,6 @@ def extract_builtin_qa() -> Iterator[QA]:
             continue
         prefix = {"builtins": "", "_io": "io", "posix": "os"}.get(mod_name, mod_name)
         yield from members(prefix, module, 0)
-    del builtins
 
 
 def render_chat(messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -219,13 +218,17 @@ def build_corpus(out_dir: Path, root: Path | None = None, max_files: int | None 
     files = heldout = chars = 0
     counts = {"train": 0, "heldout": 0}
     seen: set[str] = set()
+    paths = stdlib_files(root, max_files)
+    # A tiny corpus may have no file the hash holds out: then the last one is, so held-out text always exists.
+    forced = None if any(is_heldout(p.relative_to(root).as_posix(), heldout_per_mille) for p in paths) else (
+        paths[-1] if len(paths) > 1 else None)
     try:
-        for path in stdlib_files(root, max_files):
+        for path in paths:
             rel = path.relative_to(root).as_posix()
             text = read_source(path)
             if not text or not text.strip():
                 continue
-            split = "heldout" if is_heldout(rel, heldout_per_mille) else "train"
+            split = "heldout" if path == forced or is_heldout(rel, heldout_per_mille) else "train"
             files += 1
             heldout += split == "heldout"
             chars += len(text)

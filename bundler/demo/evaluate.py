@@ -128,9 +128,10 @@ def heldout_loss(model, ids: np.ndarray, *, seq_len: int, max_blocks: int, batch
     import torch.nn.functional as F
 
     device = next(model.parameters()).device
+    if len(ids) < 2:
+        raise ValueError(f"a held-out stream needs at least 2 tokens, found {len(ids)}")
+    seq_len = min(seq_len, len(ids) - 1)
     n_blocks = min(max_blocks, (len(ids) - 1) // seq_len)
-    if n_blocks < 1:
-        raise ValueError(f"held-out stream of {len(ids)} tokens is shorter than one block of {seq_len + 1}")
     total, count = 0.0, 0
     with torch.inference_mode():
         for start in range(0, n_blocks, batch_size):
