@@ -3,14 +3,17 @@
 Run by hand (not a test):  .venv/bin/python benchmarks/bench_serve.py [--model DIR --draft DIR] [--tokens 128]
 
 Both sides decode greedily, ignore EOS (every run produces exactly --tokens tokens) and use the
-same number of CPU threads. Ours: the runtime's ONNX Runtime engines driven by
-runtime.speculative.Generator, methods none / draft_model / ngram. Peer, measured in the same run:
+same number of CPU threads. Ours: the runtime's ONNX Runtime engines over the graphs the cpu target
+ships (bundler.engines, KV-cache layout "shared"; `--layout concat|both` adds the fallback layout),
+driven by runtime.speculative.Generator, methods none / draft_model / ngram, interleaved per repeat
+so machine load hits them alike; each row is the median of --repeats runs ("best": the fastest). Peer, measured in the same run:
 transformers `generate()` plain and with `assistant_model=` (assisted generation), same two
 checkpoints. Each side runs in its own subprocess so peak RSS is per side.
 
 Printed per prompt length: tokens/s, speedup over plain, acceptance rate, mean acceptance length,
 time to first token, inter-token latency, peak RSS; then the ideal speedup from the measured
-acceptance a, proposal length g and draft/target cost ratio c (shared/TARGETS.md):
+acceptance a, proposal length g and the draft/target one-token step cost ratio c measured at the
+prompt's context length on the same engines (shared/TARGETS.md):
     ideal = (1 - a^(g+1)) / ((1 - a) (g c + 1))
 and the measured speedup as a fraction of it.
 """
@@ -52,64 +55,89 @@ def _peak_rss_mb() -> float:
 
 
 # --- our runtime -----------------------------------------------------------------------------------
-def run_ours(args) -> dict:
-    from bundler.export import export_onnx
+def build_engines(args, layout: str) -> dict:
+    """The engines `bundle serve` runs for the cpu target: the graphs bundler.engines plans for it
+    (kv_cache=`layout`; the product ships "shared") loaded as runtime.engines loads an ONNX record."""
+    from bundler.engines import prepare_targets
+    from runtime.engines import cpu_options
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    work = Path(tempfile.mkdtemp(prefix=f"bench-serve-{layout}-"))
+    files, targets = prepare_targets(["cpu"], {"target": Path(args.model), "draft": Path(args.draft)}, work,
+                                     {"max_model_len": args.max_context}, num_speculative_tokens=args.k,
+                                     kv_cache=layout)
+    src = {f.path: f.src for f in files}
+    engines = {}
+    for record in targets[0].engines:
+        assert record.format == "onnx" and record.build["kv_cache"] == layout, record
+        options = cpu_options(record.model)  # the threading serving uses for this role
+        if record.model == "target":
+            options["threads"] = args.threads
+        engines[record.model] = OnnxRuntimeEngine(src[record.path], max_context=args.max_context,
+                                                  kv_cache=record.build["kv_cache"], **options)
+    return engines
+
+
+def step_costs(engine, context: int, k: int, reps: int = 40) -> dict:
+    """Median seconds of a 1-token step and of a (k+1)-token verification after `context` tokens."""
+    engine.reset()
+    engine.forward([5 + i % 400 for i in range(context)])
+    out = {}
+    for n in (1, k + 1):
+        times = []
+        for i in range(reps):
+            t0 = time.perf_counter()
+            engine.forward([40 + (i + j) % 20 for j in range(n)])
+            times.append(time.perf_counter() - t0)
+            engine.rollback(context)
+        out[n] = statistics.median(times)
+    engine.reset()
+    return {"step": out[1], "verify": out[k + 1]}
+
+
+def run_ours(args) -> dict:
     from runtime.sampling import SamplingParams
     from runtime.speculative import Generator
     from runtime.tokenizer import Tokenizer
 
-    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    graphs = {role: export_onnx(Path(d), work / role).files[0] for role, d in (("target", args.model),
-                                                                              ("draft", args.draft))}
     tok = Tokenizer(Path(args.model))
-
-    def engine(role):
-        return OnnxRuntimeEngine(graphs[role], max_context=args.max_context, threads=args.threads)
-
-    target, draft = engine("target"), engine("draft")
-    cost = {}
-    for role, eng in (("target", target), ("draft", draft)):  # one-token decode step after a short prefix
-        eng.reset()
-        eng.forward(list(range(5, 37)))
-        times = []
-        for i in range(60):
-            t0 = time.perf_counter()
-            eng.forward([40 + i % 20])
-            times.append(time.perf_counter() - t0)
-        eng.reset()
-        cost[role] = statistics.median(times)
     prompts = _prompts(tok, args.max_context, args.tokens)
     greedy = SamplingParams(temperature=0.0)
-    results = []
-    for length, prompt in prompts.items():
-        for method in ("none", "draft_model", "ngram"):
-            gen = Generator(target, draft if method == "draft_model" else None, method, args.k,
-                            prompt_lookup_min=2, prompt_lookup_max=4)
-            runs = []
+    results, costs, description = [], {}, {}
+    for layout in args.layouts:
+        engines = build_engines(args, layout)
+        target, draft = engines["target"], engines["draft"]
+        description[layout] = target.description
+        for length, prompt in prompts.items():
+            costs[f"{layout}/{length}"] = {role: step_costs(eng, len(prompt), args.k)
+                                           for role, eng in (("target", target), ("draft", draft))}
+            gens = {m: Generator(target, draft if m == "draft_model" else None, m, args.k,
+                                 prompt_lookup_min=2, prompt_lookup_max=4) for m in ("none", "draft_model", "ngram")}
+            runs = {m: [] for m in gens}
             for rep in range(args.repeats + 1):
-                gen.reset()
-                gen.stats.__init__()
-                t0 = time.perf_counter()
-                first, n, stamps = None, 0, []
-                for step in gen.generate(prompt, greedy, max_tokens=args.tokens, eos_ids=()):
-                    now = time.perf_counter()
-                    if step.tokens and first is None:
-                        first = now - t0
-                    n += len(step.tokens)
-                    stamps.append((now, len(step.tokens)))
-                total = time.perf_counter() - t0
-                if rep == 0:
-                    continue  # warm-up
-                decode = total - first
-                runs.append({"tokens": n, "ttft": first, "tps": (n - 1) / decode if decode > 0 else 0.0,
-                             "itl": decode / max(n - 1, 1), "acc": gen.stats.acceptance_rate,
-                             "mal": gen.stats.mean_acceptance_length,
-                             "drafts": gen.stats.num_drafts})
-            best = max(runs, key=lambda r: r["tps"])
-            results.append({"side": "ours", "length": length, "prompt_tokens": len(prompt), "method": method,
-                            **best})
-    return {"results": results, "cost": cost, "rss_mb": _peak_rss_mb(), "engine": target.description}
+                for method, gen in gens.items():  # interleaved, so load from other processes hits all alike
+                    gen.reset()
+                    gen.stats.__init__()
+                    t0 = time.perf_counter()
+                    first, n = None, 0
+                    for step in gen.generate(prompt, greedy, max_tokens=args.tokens, eos_ids=()):
+                        if step.tokens and first is None:
+                            first = time.perf_counter() - t0
+                        n += len(step.tokens)
+                    total = time.perf_counter() - t0
+                    if rep == 0:
+                        continue  # warm-up
+                    decode = total - first
+                    runs[method].append({"tokens": n, "ttft": first, "tps": (n - 1) / decode if decode > 0 else 0.0,
+                                         "itl": decode / max(n - 1, 1), "acc": gen.stats.acceptance_rate,
+                                         "mal": gen.stats.mean_acceptance_length, "drafts": gen.stats.num_drafts})
+            for method, rs in runs.items():
+                med = {key: statistics.median(r[key] for r in rs) for key in ("tps", "ttft", "itl")}
+                results.append({"side": "ours", "layout": layout, "length": length, "prompt_tokens": len(prompt),
+                                "method": method, **rs[0], **med, "tps_max": max(r["tps"] for r in rs)})
+        for eng in engines.values():
+            eng.close()
+    return {"results": results, "costs": costs, "rss_mb": _peak_rss_mb(), "engine": description}
 
 
 # --- transformers peer -------------------------------------------------------------------------------
@@ -147,9 +175,9 @@ def run_peer(args) -> dict:
                 decode = max(total - ttft, 1e-9)
                 runs.append({"tokens": n, "ttft": ttft, "tps": (n - 1) / decode, "itl": decode / max(n - 1, 1),
                              "acc": None, "mal": None, "drafts": None})
-            best = max(runs, key=lambda r: r["tps"])
+            med = {key: statistics.median(r[key] for r in runs) for key in ("tps", "ttft", "itl")}
             results.append({"side": "transformers", "length": length, "prompt_tokens": len(prompt),
-                            "method": method, **best})
+                            "method": method, **runs[0], **med, "tps_max": max(r["tps"] for r in runs)})
     return {"results": results, "rss_mb": _peak_rss_mb(), "engine": f"transformers {transformers.__version__}"}
 
 
@@ -161,36 +189,47 @@ def ideal_speedup(a: float, g: int, c: float) -> float:
 
 
 def report(ours: dict, peer: dict | None, args) -> None:
-    c = ours["cost"]["draft"] / ours["cost"]["target"]
-    print(f"\nengines: ours = {ours['engine']}; peer = {peer['engine'] if peer else 'not run'}; "
-          f"threads {args.threads}; {args.tokens} generated tokens; greedy; k = {args.k}")
-    print(f"one-token step: target {ours['cost']['target'] * 1e3:.2f} ms, draft {ours['cost']['draft'] * 1e3:.2f} ms, "
-          f"cost ratio c = {c:.3f}")
+    print(f"\nengines: ours = {'; '.join(f'{k}: {v}' for k, v in ours['engine'].items())}; "
+          f"peer = {peer['engine'] if peer else 'not run'}")
+    print(f"threads {args.threads}; {args.tokens} generated tokens; greedy; k = {args.k}; "
+          f"median of {args.repeats} runs after a warm-up")
     print(f"peak RSS: ours {ours['rss_mb']:.0f} MB" + (f", transformers {peer['rss_mb']:.0f} MB" if peer else ""))
+    print("median step cost at the prompt's context (ms): c = draft step / target step; "
+          "verify = target pass over k+1 tokens / target step")
+    for key, cost in ours["costs"].items():
+        t, d = cost["target"], cost["draft"]
+        print(f"  {key:<14} target {t['step'] * 1e3:.3f}  draft {d['step'] * 1e3:.3f}  "
+              f"c = {d['step'] / t['step']:.3f}  verify = {t['verify'] / t['step']:.2f}")
     rows = ours["results"] + (peer["results"] if peer else [])
-    head = (f"{'prompt':<11}{'side':<14}{'method':<13}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'mean len':>9}"
-            f"{'TTFT ms':>9}{'ITL ms':>8}{'ideal':>7}{'of ideal':>9}")
+    head = (f"{'prompt':<11}{'side':<14}{'layout':<8}{'method':<13}{'tok/s':>8}{'best':>8}{'speedup':>9}{'accept':>8}"
+            f"{'mean len':>9}{'TTFT ms':>9}{'ITL ms':>8}{'ideal':>7}{'of ideal':>9}")
     print(head)
     print("-" * len(head))
     for length in ("short", "long"):
-        base = {r["side"]: r["tps"] for r in rows if r["length"] == length and r["method"] == "none"}
         for r in (r for r in rows if r["length"] == length):
-            speed = r["tps"] / base[r["side"]] if base.get(r["side"]) else float("nan")
+            layout = r.get("layout", "-")
+            base = next(b["tps"] for b in rows if b["length"] == length and b["side"] == r["side"]
+                        and b.get("layout") == r.get("layout") and b["method"] == "none")
+            speed = r["tps"] / base
             ideal = frac = ""
             if r["side"] == "ours" and r["method"] != "none" and r["drafts"]:
-                cc = c if r["method"] == "draft_model" else 0.0  # ngram lookup costs ~nothing
-                ideal_v = ideal_speedup(r["acc"], args.k, cc)
+                cost = ours["costs"][f"{layout}/{length}"]
+                # ngram lookup costs ~nothing next to a target step
+                c = cost["draft"]["step"] / cost["target"]["step"] if r["method"] == "draft_model" else 0.0
+                ideal_v = ideal_speedup(r["acc"], args.k, c)
                 ideal, frac = f"{ideal_v:.2f}", f"{speed / ideal_v:.0%}"
             acc = f"{r['acc']:.0%}" if r["acc"] is not None else "-"
             mal = f"{r['mal']:.2f}" if r["mal"] is not None else "-"
-            print(f"{length + '/' + str(r['prompt_tokens']):<11}{r['side']:<14}{r['method']:<13}{r['tps']:>8.1f}{speed:>8.2f}x{acc:>8}{mal:>9}"
+            best = f"{r['tps_max']:.1f}" if "tps_max" in r else "-"
+            print(f"{length + '/' + str(r['prompt_tokens']):<11}{r['side']:<14}{layout:<8}{r['method']:<13}"
+                  f"{r['tps']:>8.1f}{best:>8}{speed:>8.2f}x{acc:>8}{mal:>9}"
                   f"{r['ttft'] * 1e3:>9.1f}{r['itl'] * 1e3:>8.2f}{ideal:>7}{frac:>9}")
     for length in ("short", "long"):
         ours_spec = next(r for r in ours["results"] if r["length"] == length and r["method"] == "draft_model")
         if peer:
             p = next(r for r in peer["results"] if r["length"] == length and r["method"] == "assisted")
-            print(f"{length}: ours draft_model {ours_spec['tps']:.1f} tok/s vs transformers assisted "
-                  f"{p['tps']:.1f} tok/s ({ours_spec['tps'] / p['tps']:.2f}x)")
+            print(f"{length}: ours draft_model ({ours_spec['layout']}) {ours_spec['tps']:.1f} tok/s vs transformers "
+                  f"assisted {p['tps']:.1f} tok/s ({ours_spec['tps'] / p['tps']:.2f}x)")
 
 
 def main(argv=None) -> int:
@@ -200,7 +239,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per row (median reported)")
+    ap.add_argument("--layout", choices=["shared", "concat", "both"], default="shared",
+                    help="KV-cache graph layout of our engines (the cpu target ships 'shared')")
     ap.add_argument("--max-context", type=int, default=2048)
     ap.add_argument("--no-peer", action="store_true", help="skip transformers")
     ap.add_argument("--side", choices=["ours", "transformers"], help=argparse.SUPPRESS)
@@ -215,6 +256,7 @@ def main(argv=None) -> int:
             return 2
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     args.max_context = min(args.max_context, cfg.get("max_position_embeddings", args.max_context))
+    args.layouts = ["shared", "concat"] if args.layout == "both" else [args.layout]
     if args.side:
         out = run_ours(args) if args.side == "ours" else run_peer(args)
         print("RESULT " + json.dumps(out))
@@ -223,7 +265,7 @@ def main(argv=None) -> int:
     def side(name):
         cmd = [sys.executable, __file__, "--side", name, "--model", args.model, "--draft", args.draft,
                "--tokens", str(args.tokens), "--k", str(args.k), "--threads", str(args.threads),
-               "--repeats", str(args.repeats), "--max-context", str(args.max_context)]
+               "--repeats", str(args.repeats), "--max-context", str(args.max_context), "--layout", args.layout]
         r = subprocess.run(cmd, capture_output=True, text=True)
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if r.returncode != 0 or line is None:

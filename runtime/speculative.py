@@ -79,6 +79,12 @@ class SpecStats:
             self.accepted_per_pos[i] += 1
 
 
+def _one_hot(token: int, vocab: int) -> np.ndarray:
+    q = np.zeros(vocab)
+    q[token] = 1.0
+    return q
+
+
 class Generator:
     """Drives a target engine (and a draft engine for "draft_model"). One sequence at a time."""
 
@@ -172,24 +178,26 @@ class Generator:
         L = len(tokens)
         logits = self._forward(self.target, self._tcache, [tokens[-1], *drafts], role="target")
         new: list[int] = []
-        for i, d in enumerate(drafts):
-            if params.greedy:
-                if d == int(np.argmax(logits[i])):
+        if params.greedy:  # argmax of the raw logits: no probabilities needed
+            best = logits.argmax(axis=1).tolist()
+            for i, d in enumerate(drafts):
+                new.append(best[i])
+                if d != best[i]:
+                    break
+            else:  # every proposal accepted (or none made): the bonus token
+                new.append(best[len(drafts)])
+        else:
+            for i, d in enumerate(drafts):
+                p = probabilities(logits[i], params)
+                q = qs[i] if qs else _one_hot(d, len(p))
+                if rng.random() < min(1.0, p[d] / q[d]):
                     new.append(d)
                     continue
-                new.append(int(np.argmax(logits[i])))
+                residual = np.maximum(p - q, 0.0)
+                new.append(draw(residual if residual.sum() > 0 else p, rng))
                 break
-            p = probabilities(logits[i], params)
-            q = qs[i]
-            if rng.random() < min(1.0, p[d] / q[d]):
-                new.append(d)
-                continue
-            residual = np.maximum(p - q, 0.0)
-            new.append(draw(residual if residual.sum() > 0 else p, rng))
-            break
-        else:  # every proposal accepted (or none made): bonus token from the last row
-            last = logits[len(drafts)]
-            new.append(int(np.argmax(last)) if params.greedy else draw(probabilities(last, params), rng))
+            else:  # every proposal accepted (or none made): bonus token from the last row
+                new.append(draw(probabilities(logits[len(drafts)], params), rng))
         accepted = len(new) - 1
         # Target cache now holds tokens + every draft; keep tokens + accepted drafts (the new pending is last).
         self._rollback(self.target, self._tcache, L + accepted)
@@ -199,34 +207,48 @@ class Generator:
 
     # --- proposals -------------------------------------------------------------------------------
     def _propose(self, method, tokens, g, params, rng) -> tuple[list[int], list[np.ndarray]]:
+        """(drafts, their q rows). qs is empty when _verify does not need it: greedy, or ngram,
+        whose deterministic proposal is a one-hot q that _verify builds on demand."""
         if method == "ngram":
-            drafts = self._lookup(tokens, g)
-            qs = []
-            for d in drafts:  # a deterministic proposal is a one-hot q
-                q = np.zeros(self.target.vocab_size)
-                q[d] = 1.0
-                qs.append(q)
-            return drafts, qs
+            return self._lookup(tokens, g), []
+        # Catch-up and the first proposal in ONE call: the draft cache lacks at least the pending
+        # token, plus every token of the last step it has not seen (bonus token, last accepted draft).
         logits = self._feed(self.draft, self._dcache, tokens, need_logits=True, role="draft")[-1]
         drafts, qs = [], []
         for i in range(g):
-            q = probabilities(logits, params)
-            d = int(np.argmax(q)) if params.greedy else draw(q, rng)
+            if params.greedy:
+                d = int(logits.argmax())
+            else:
+                q = probabilities(logits, params)
+                d = draw(q, rng)
+                qs.append(q)
             drafts.append(d)
-            qs.append(q)
-            if i < g - 1:
+            if i < g - 1:  # the last proposal is fed to the draft next step, only if it is accepted
                 logits = self._forward(self.draft, self._dcache, [d], role="draft")[-1]
         return drafts, qs
 
     def _lookup(self, tokens: list[int], g: int) -> list[int]:
-        """Most recent earlier occurrence of the longest suffix n-gram; the tokens after it."""
+        """Most recent earlier occurrence of the longest suffix n-gram; the tokens after it.
+
+        Candidates are the earlier positions of the last token (one vectorised compare), narrowed
+        one token further back per n-gram length: far cheaper than comparing every window.
+        """
         seq = np.asarray(tokens, dtype=np.int64)
-        for n in range(min(self.prompt_lookup_max, len(seq) - 1), self.prompt_lookup_min - 1, -1):
-            suffix = seq[-n:]
-            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # starts 0..len-1-n
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
+        longest = min(self.prompt_lookup_max, len(seq) - 1)
+        if longest < self.prompt_lookup_min:
+            return []
+        ends = np.flatnonzero(seq[:-1] == seq[-1])  # where an earlier match would end
+        matches = []  # matches[n - 1]: ends of earlier occurrences of the last n tokens
+        for j in range(longest):
+            if j:
+                ends = ends[ends >= j]
+                ends = ends[seq[ends - j] == seq[-1 - j]]
+            matches.append(ends)
+            if not len(ends):
+                break
+        for n in range(min(longest, len(matches)), self.prompt_lookup_min - 1, -1):
+            if len(matches[n - 1]):
+                start = int(matches[n - 1][-1]) + 1
                 return seq[start:start + g].tolist()
         return []
 

@@ -24,7 +24,7 @@ from runtime.engine_cache import EngineCache, engine_key, mismatch, onnx_digest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load_engine", "onnx_sha256_of"]
+__all__ = ["cpu_options", "load_engine", "onnx_sha256_of"]
 
 
 def onnx_sha256_of(manifest: Manifest, record: EngineRecord) -> str:
@@ -39,13 +39,29 @@ def onnx_sha256_of(manifest: Manifest, record: EngineRecord) -> str:
     return onnx_digest(files)
 
 
+def cpu_options(role: str) -> dict:
+    """ONNX Runtime threading per model role, for one generation at a time.
+
+    The target owns the cores: its worker threads may spin between runs, which saves a wake-up per
+    operator. The draft runs on the caller's thread alone, so it neither wakes a pool of its own nor
+    fights the target's. Two pools that both spin, or both sleep, were measured slower
+    (benchmarks/bench_serve.py): spinning pools steal each other's cores, sleeping ones pay wake-ups.
+    """
+    if role == "target":
+        return {"threads": None, "allow_spinning": True}
+    return {"threads": 1, "allow_spinning": False}
+
+
 def _onnxruntime(root: Path, record: EngineRecord, manifest: Manifest, max_context: int | None,
                  threads: int | None) -> Engine:
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
 
     limit = max_context or manifest.serve.get("max_model_len") or record.build.get("max_context")
-    return OnnxRuntimeEngine(root / record.path, max_context=limit, threads=threads,
-                             kv_cache=record.build.get("kv_cache"))
+    options = cpu_options(record.model)
+    if threads is not None:
+        options["threads"] = threads
+    return OnnxRuntimeEngine(root / record.path, max_context=limit, kv_cache=record.build.get("kv_cache"),
+                             **options)
 
 
 def load_engine(installed_root: Path, manifest: Manifest, target_id: str, role: str, *,

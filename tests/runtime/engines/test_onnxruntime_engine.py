@@ -91,3 +91,37 @@ def test_max_context_beyond_the_model_is_refused(tiny_exports, layout):
 def test_empty_forward_and_description(engine):
     assert engine.forward([]).shape == (0, engine.vocab_size)
     assert engine.description.startswith("onnxruntime ") and "CPUExecutionProvider" in engine.description
+
+
+def test_decode_pattern_with_reused_bindings_matches_one_prefill(engine, tiny_exports):
+    """Speculative decoding's call pattern: row counts change every call (1, 4, 2, 1...) with
+    rollbacks in between; bindings are reused across calls, so each row must still be exact."""
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    tokens = list(range(40, 80))
+    fresh = OnnxRuntimeEngine(tiny_exports[engine.kv_cache].graph, max_context=64).forward(tokens)
+    engine.forward(tokens[:10])
+    pos = 10
+    for n, rejected in ((1, 0), (4, 2), (2, 0), (1, 0), (3, 3), (4, 1), (1, 0), (2, 0)):
+        rows = engine.forward(tokens[pos:pos + n] + [3] * rejected)
+        np.testing.assert_allclose(rows[:n], fresh[pos:pos + n], atol=1e-5)
+        engine.rollback(pos + n)
+        pos += n
+    assert engine.length == pos
+    first = engine.forward([9])
+    assert first.shape == (1, engine.vocab_size)
+    first[:] = 0  # a returned array is the caller's: changing it leaves the engine's next answer alone
+    engine.rollback(pos)
+    np.testing.assert_allclose(engine.forward([9]), OnnxRuntimeEngine(
+        tiny_exports[engine.kv_cache].graph, max_context=64).forward(tokens[:pos] + [9])[-1:], atol=1e-5)
+
+
+def test_threads_do_not_spin_unless_asked(tiny_exports):
+    """Draft and target alternate on the same cores: a spinning pool would steal the other's cores."""
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    quiet = OnnxRuntimeEngine(tiny_exports["shared"].graph, max_context=64)
+    spinning = OnnxRuntimeEngine(tiny_exports["shared"].graph, max_context=64, allow_spinning=True)
+    key = "session.intra_op.allow_spinning"
+    assert quiet.session.get_session_options().get_session_config_entry(key) == "0"
+    assert spinning.session.get_session_options().get_session_config_entry(key) == "1"
