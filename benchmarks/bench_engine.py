@@ -75,6 +75,7 @@ def main() -> None:
     import onnxruntime as ort
 
     from bundler.export import export_onnx
+    from runtime.engines import cpu_options
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
     from tests.models import make_tiny_checkpoint
 
@@ -85,8 +86,9 @@ def main() -> None:
         result = export_onnx(ckpt, Path(tmp) / "onnx")
         shared = export_onnx(ckpt, Path(tmp) / "onnx-shared", kv_cache="shared")
         limit = max(contexts) + args.steps + 1
-        engines = {"concat": OnnxRuntimeEngine(result.graph, max_context=limit),
-                   "shared": OnnxRuntimeEngine(shared.graph, max_context=limit)}
+        target = cpu_options("target")  # the threading `bundle serve` gives the target
+        engines = {"concat": OnnxRuntimeEngine(result.graph, max_context=limit, **target),
+                   "shared": OnnxRuntimeEngine(shared.graph, max_context=limit, **target)}
         session = ort.InferenceSession(str(result.graph), providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(0)
         kv_per_token = 2 * result.num_layers * result.num_kv_heads * result.head_dim * 4
