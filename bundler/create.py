@@ -9,7 +9,6 @@ hub references through `model_from_reference()` (the resolver's seam). Per-targe
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import tempfile
@@ -21,13 +20,12 @@ from typing import Callable, Sequence
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from bundler.pack import DEFAULT_MAX_PART_SIZE, PackFile, pack_bundle, rfc3339
-from manifests.errors import ModelError, UsageError
+from manifests.errors import UsageError
 from manifests.schema import Builder, FileEntry, Manifest, Model, ModelSource, Speculative, Target
 
 #: serve default for max_model_len: the model's own limit, capped so a small device does not run out of KV cache
 MAX_MODEL_LEN_CAP = 4096
 MODELS_ROOT = "models"
-MAX_CONFIG_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -87,7 +85,7 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
     model gets the same file filter, digests, lock-file checks and pre-flight checks (architecture,
     draft tokenizer, memory fit per target) before any weights are downloaded.
     """
-    from bundler.checks import run_preflight_checks
+    from bundler.checks import read_config, run_preflight_checks
     from bundler.lockfile import read_lock, refs_from_lock
     from bundler.resolve import resolve_models
     from manifests.targets import get_profile
@@ -106,7 +104,7 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
     def preflight(plans):
         length = max_model_len
         if length is None:
-            cfg = _read_config(ModelInput("target", plans["target"].local_dir, ModelSource("local")))
+            cfg = read_config(plans["target"].local_dir, plans["target"].name)
             length = min(int(cfg.get("max_position_embeddings") or MAX_MODEL_LEN_CAP), MAX_MODEL_LEN_CAP)
         run_preflight_checks(plans, profiles, length, force=force)
 
@@ -167,18 +165,10 @@ def model_files(model: ModelInput) -> list[PackFile]:
 
 
 def _read_config(model: ModelInput) -> dict:
-    cfg = model.local_dir / "config.json"
-    if not cfg.is_file():
-        return {}
-    with open(cfg, "rb") as f:
-        data = f.read(MAX_CONFIG_BYTES + 1)
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ModelError(f"expected a config.json under {MAX_CONFIG_BYTES} bytes in {model.local_dir}, found more")
-    try:
-        obj = json.loads(data)
-    except ValueError as e:
-        raise ModelError(f"expected valid JSON in {cfg}, found: {e}") from None
-    return obj if isinstance(obj, dict) else {}
+    """config.json of a model folder ({} when it has none: a bundle may carry any folder of files)."""
+    from bundler.checks import read_config
+
+    return read_config(model.local_dir, model.name) if (model.local_dir / "config.json").is_file() else {}
 
 
 def content_digest(entries: Sequence[FileEntry], root: str) -> str:
