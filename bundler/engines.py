@@ -193,6 +193,16 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
     if kv_cache not in KV_CACHE_LAYOUTS:
         raise UsageError(f"expected kv_cache to be one of {', '.join(KV_CACHE_LAYOUTS)}, found {kv_cache!r}")
     profiles = [get_profile(t, tuple(extra_dirs)) for t in target_ids]
+    if kv_cache == "shared":
+        from bundler.export_gqa import unsupported_reason
+
+        for role, checkpoint in models.items():
+            reason = unsupported_reason(Path(checkpoint))
+            if reason is not None:
+                log.warning("the %s model cannot use the in-place KV cache graph (%s); ONNX Runtime targets "
+                            "get the concat graph", role, reason)
+                kv_cache = "concat"
+                break
     users = {}  # layout -> ids of the targets that run it
     for p in profiles:
         users.setdefault(_layout_for(p, kv_cache), []).append(p.id)

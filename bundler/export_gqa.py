@@ -120,6 +120,27 @@ def rotary_tables(family: str, config, max_positions: int, head_dim: int) -> tup
     return cos[0, :, :half].numpy().astype(np.float32), sin[0, :, :half].numpy().astype(np.float32)
 
 
+#: ONNX Runtime's CPU GroupQueryAttention kernel refuses other head sizes at run time (not at load time).
+GQA_HEAD_DIM_MULTIPLE = 16
+
+
+def unsupported_reason(checkpoint_dir: Path) -> str | None:
+    """Why the shared-cache graph cannot run this checkpoint, or None if it can; checked before exporting,
+    because ONNX Runtime only reports some of these on the first run, on the device."""
+    from bundler.checks import read_config
+
+    cfg = read_config(Path(checkpoint_dir))
+    heads = int(cfg.get("num_attention_heads") or 0)
+    head_dim = int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // heads if heads else 0))
+    if head_dim <= 0 or head_dim % GQA_HEAD_DIM_MULTIPLE:
+        return (f"head_dim {head_dim} is not a multiple of {GQA_HEAD_DIM_MULTIPLE} "
+                f"(ONNX Runtime's GroupQueryAttention needs one)")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        return f"activation {act!r} is not silu"
+    return None
+
+
 def build_shared_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool) -> None:
     """Write result.graph + result.weights (the ExportResult from bundler.export) for the shared layout."""
     from onnx import TensorProto as TP

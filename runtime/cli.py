@@ -134,6 +134,11 @@ def install(bundle_dir: Path, store: Path, target, trust, allow_unsigned, allow_
     """
     from runtime.store import Store
 
+    if target == "auto":
+        from runtime.detect import detect_target
+
+        target, reason = detect_target()
+        click.echo(f"target: {target} ({reason})")
     inst = Store(store).install(bundle_dir, target=target, trusted=_keys(trust), allow_unsigned=allow_unsigned,
                                 allow_downgrade=allow_downgrade, ignore_expiry=ignore_expiry, jobs=jobs,
                                 progress=_show_progress(no_progress))

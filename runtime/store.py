@@ -349,11 +349,8 @@ class Store:
     # --- policy ----------------------------------------------------------------------------
     def _pick_target(self, manifest: Manifest, target: str) -> str:
         if target == "auto":
-            try:
-                from runtime.detect import detect_target
-            except ImportError:
-                raise EnvironmentProblem("cannot detect this device's target (runtime.detect is missing); "
-                                         "pass --target ID") from None
+            from runtime.detect import detect_target
+
             target, _reason = detect_target()
         manifest.target(target)  # EnvironmentProblem listing the targets the bundle has
         return target

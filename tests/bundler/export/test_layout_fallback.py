@@ -1,0 +1,27 @@
+"""A model the in-place KV cache graph cannot run gets the concat graph at create time, not a failure on the device."""
+
+from __future__ import annotations
+
+import logging
+
+from bundler.engines import prepare_targets
+from bundler.export_gqa import unsupported_reason
+from runtime.engines.onnxruntime import OnnxRuntimeEngine
+from tests.models import make_tiny_checkpoint
+
+
+def test_head_dim_not_multiple_of_16_falls_back_to_concat(tmp_path, caplog):
+    target = make_tiny_checkpoint(tmp_path / "t", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                  intermediate_size=64, max_positions=64)
+    draft = make_tiny_checkpoint(tmp_path / "d", hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                                 intermediate_size=32, max_positions=64, tokenizer_from=target)
+    assert unsupported_reason(target) is None
+    assert "head_dim 8 is not a multiple of 16" in unsupported_reason(draft)
+    with caplog.at_level(logging.WARNING):
+        files, targets = prepare_targets(["cpu"], {"target": target, "draft": draft}, tmp_path / "work", {})
+    assert "draft model cannot use the in-place KV cache graph" in caplog.text
+    assert {e.build["kv_cache"] for e in targets[0].engines} == {"concat"}
+    src = {f.path: f.src for f in files}
+    draft_engine = next(e for e in targets[0].engines if e.model == "draft")
+    engine = OnnxRuntimeEngine(src[draft_engine.path], max_context=64, kv_cache="concat")
+    assert engine.forward([1, 2, 3]).shape == (3, 512)  # runs, where the shared graph would fail at run time
