@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 from bundler.export import KV_CACHE_LAYOUTS, ExportResult, export_onnx, file_sha256, past_names
+from bundler.export_gqa import SharedLayoutUnsupported
 from bundler.pack import PackFile
 from manifests.errors import ModelError, UsageError
 from manifests.schema import Engine, Target
@@ -193,20 +194,15 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
     if kv_cache not in KV_CACHE_LAYOUTS:
         raise UsageError(f"expected kv_cache to be one of {', '.join(KV_CACHE_LAYOUTS)}, found {kv_cache!r}")
     profiles = [get_profile(t, tuple(extra_dirs)) for t in target_ids]
-    if kv_cache == "shared":
-        from bundler.export_gqa import unsupported_reason
-
-        for role, checkpoint in models.items():
-            reason = unsupported_reason(Path(checkpoint))
-            if reason is not None:
-                log.warning("the %s model cannot use the in-place KV cache graph (%s); ONNX Runtime targets "
-                            "get the concat graph", role, reason)
-                kv_cache = "concat"
-                break
     users = {}  # layout -> ids of the targets that run it
     for p in profiles:
         users.setdefault(_layout_for(p, kv_cache), []).append(p.id)
-    exported = export_models(models, Path(work_dir), export, layouts=tuple(users))
+    try:
+        exported = export_models(models, Path(work_dir), export, layouts=tuple(users))
+    except SharedLayoutUnsupported as e:
+        log.warning("%s; ONNX Runtime targets get the concat graph instead", e)
+        return prepare_targets(target_ids, models, work_dir, serve, num_speculative_tokens=num_speculative_tokens,
+                               extra_dirs=extra_dirs, backend=backend, export=export, kv_cache="concat")
     limit = min(m.export.max_positions for m in exported)
     shape = serve_shape(serve, limit, num_speculative_tokens)
     device = None

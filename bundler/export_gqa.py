@@ -124,21 +124,19 @@ def rotary_tables(family: str, config, max_positions: int, head_dim: int) -> tup
 GQA_HEAD_DIM_MULTIPLE = 16
 
 
-def unsupported_reason(checkpoint_dir: Path) -> str | None:
-    """Why the shared-cache graph cannot run this checkpoint, or None if it can; checked before exporting,
-    because ONNX Runtime only reports some of these on the first run, on the device."""
-    from bundler.checks import read_config
+class SharedLayoutUnsupported(ModelError):
+    """The in-place cache graph cannot run this model; the concat graph can (bundler.engines falls back)."""
 
-    cfg = read_config(Path(checkpoint_dir))
-    heads = int(cfg.get("num_attention_heads") or 0)
-    head_dim = int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // heads if heads else 0))
+
+def check_supported(config, head_dim: int, what: str) -> None:
+    """Refuse before exporting what ONNX Runtime would only refuse on the first run, on the device."""
     if head_dim <= 0 or head_dim % GQA_HEAD_DIM_MULTIPLE:
-        return (f"head_dim {head_dim} is not a multiple of {GQA_HEAD_DIM_MULTIPLE} "
-                f"(ONNX Runtime's GroupQueryAttention needs one)")
-    act = cfg.get("hidden_act", "silu")
+        raise SharedLayoutUnsupported(f"{what} cannot use the in-place KV cache graph: head_dim {head_dim} is not "
+                                      f"a multiple of {GQA_HEAD_DIM_MULTIPLE} (ONNX Runtime's GroupQueryAttention)")
+    act = getattr(config, "hidden_act", "silu")
     if act != "silu":
-        return f"activation {act!r} is not silu"
-    return None
+        raise SharedLayoutUnsupported(f"{what} cannot use the in-place KV cache graph: activation {act!r} is not "
+                                      f"silu (SwiGLU MLP)")
 
 
 def build_shared_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool) -> None:
@@ -147,8 +145,7 @@ def build_shared_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm:
     from onnx import helper as h
 
     cfg = config
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        raise ModelError(f"activation {cfg.hidden_act!r} is not supported; expected silu (SwiGLU MLP)")
+    check_supported(cfg, result.head_dim, str(checkpoint_dir))
     family, layers = result.family, result.num_layers
     heads, kv, hd = int(cfg.num_attention_heads), result.num_kv_heads, result.head_dim
     eps = float(cfg.rms_norm_eps)

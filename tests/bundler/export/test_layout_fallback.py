@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from bundler.engines import prepare_targets
-from bundler.export_gqa import unsupported_reason
+from bundler.export import export_onnx
+from bundler.export_gqa import SharedLayoutUnsupported
 from runtime.engines.onnxruntime import OnnxRuntimeEngine
 from tests.models import make_tiny_checkpoint
 
@@ -15,11 +18,13 @@ def test_head_dim_not_multiple_of_16_falls_back_to_concat(tmp_path, caplog):
                                   intermediate_size=64, max_positions=64)
     draft = make_tiny_checkpoint(tmp_path / "d", hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
                                  intermediate_size=32, max_positions=64, tokenizer_from=target)
-    assert unsupported_reason(target) is None
-    assert "head_dim 8 is not a multiple of 16" in unsupported_reason(draft)
+    export_onnx(target, tmp_path / "ok", kv_cache="shared")
+    with pytest.raises(SharedLayoutUnsupported, match="head_dim 8 is not a multiple of 16"):
+        export_onnx(draft, tmp_path / "no", kv_cache="shared")
+    assert not (tmp_path / "no" / "model.onnx").exists()
     with caplog.at_level(logging.WARNING):
         files, targets = prepare_targets(["cpu"], {"target": target, "draft": draft}, tmp_path / "work", {})
-    assert "draft model cannot use the in-place KV cache graph" in caplog.text
+    assert "cannot use the in-place KV cache graph" in caplog.text
     assert {e.build["kv_cache"] for e in targets[0].engines} == {"concat"}
     src = {f.path: f.src for f in files}
     draft_engine = next(e for e in targets[0].engines if e.model == "draft")
