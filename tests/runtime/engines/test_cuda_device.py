@@ -1,0 +1,94 @@
+"""The CUDA half of the TensorRT engine on a real GPU: device memory, copies, KV-cache rollback, detection.
+
+TensorRT itself cannot be installed on any machine here, but cuda-python and a GPU exist on the project's
+GPU machine: everything runtime/engines/tensorrt.py does with CUDA (not with TensorRT) runs there for real.
+Elsewhere these tests skip and say why.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+
+def _cudart():
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        try:
+            from cuda import cudart
+        except ImportError:
+            return None
+    err, count = cudart.cudaGetDeviceCount()
+    return cudart if int(err) == 0 and count > 0 else None
+
+
+CUDART = _cudart()
+pytestmark = pytest.mark.skipif(CUDART is None, reason="no CUDA device here (needs cuda-python and an NVIDIA "
+                                                       "GPU; run on the GPU machine)")
+
+
+def _engine_without_tensorrt(kv_heads: int, head_dim: int, max_context: int, layers: int = 2):
+    """A TensorRTEngine with its CUDA state only (the TensorRT context is what cannot exist here)."""
+    from runtime.engines.tensorrt import TensorRTEngine, _check, _DeviceBuffer
+
+    eng = object.__new__(TensorRTEngine)
+    eng._cudart = CUDART
+    eng.stream = _check(CUDART.cudaStreamCreate())
+    eng.num_kv_heads, eng.head_dim, eng.max_context = kv_heads, head_dim, max_context
+    per = kv_heads * max_context * head_dim * 4
+    eng._kv = [[_DeviceBuffer(CUDART, per) for _ in range(layers)] for _ in range(2)]
+    eng._current, eng._length = 0, 0
+    return eng
+
+
+def _d2h(buf, nbytes: int) -> np.ndarray:
+    from runtime.engines.tensorrt import _check
+
+    host = np.empty(nbytes // 4, np.float32)
+    _check(CUDART.cudaMemcpy(host.ctypes.data, buf.ptr, nbytes, CUDART.cudaMemcpyKind.cudaMemcpyDeviceToHost))
+    return host
+
+
+def test_rollback_keeps_each_heads_first_rows_on_the_device():
+    kv, hd, length, keep = 4, 8, 10, 6
+    eng = _engine_without_tensorrt(kv, hd, max_context=32)
+    # TensorRT writes present as a contiguous [1, kv, length, hd] tensor.
+    caches = [np.random.default_rng(i).standard_normal((kv, length, hd)).astype(np.float32) for i in range(2)]
+    for buf, cache in zip(eng._kv[eng._current], caches):
+        eng._h2d(buf, cache)
+    from runtime.engines.tensorrt import _check
+    _check(CUDART.cudaStreamSynchronize(eng.stream))
+    eng._length = length
+
+    eng.rollback(keep)
+    assert eng.length == keep
+    for buf, cache in zip(eng._kv[eng._current], caches):  # the new past: [kv, keep, hd], contiguous
+        got = _d2h(buf, kv * keep * hd * 4).reshape(kv, keep, hd)
+        np.testing.assert_array_equal(got, cache[:, :keep, :])
+    eng.rollback(0)
+    assert eng.length == 0
+    with pytest.raises(ValueError):
+        eng.rollback(1)
+    for pair in eng._kv:
+        for buf in pair:
+            buf.free()
+    CUDART.cudaStreamDestroy(eng.stream)
+
+
+def test_compute_capability_probe_matches_nvidia_smi():
+    from runtime.detect import detect_target, probe_compute_capability
+
+    cc = probe_compute_capability()
+    assert cc is not None and re.fullmatch(r"\d+\.\d+", cc)
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                             text=True, check=True).stdout.split()[0]
+        assert cc == out
+    target, reason = detect_target()
+    assert cc in reason or target != "cpu", (target, reason)
