@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import zstandard
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -189,14 +189,21 @@ class _Packer:
             raise UsageError(f"{what} changed while packing: expected more bytes, found end of file")
         return view[:got]
 
-    def _hash_range(self, fh, offset: int, length: int, hashers: Iterable) -> None:
+    def _hashed_chunks(self, fh, offset: int, length: int, hashers: Iterable) -> Iterator[memoryview]:
+        """Read [offset, offset+length) of fh in chunks, feeding each to `hashers` before yielding it.
+        A chunk is a view of the one reused buffer: use it before asking for the next."""
         fh.seek(offset)
         remaining = length
         while remaining:
             chunk = self._read_into(fh, min(READ_CHUNK, remaining), fh.name)
             for h in hashers:
                 h.update(chunk)
+            yield chunk
             remaining -= len(chunk)
+
+    def _hash_range(self, fh, offset: int, length: int, hashers: Iterable) -> None:
+        for _ in self._hashed_chunks(fh, offset, length, hashers):
+            pass
 
     def _compress_range(self, fh, offset: int, length: int, hashers: list) -> tuple[str, int]:
         """Compress [offset, offset+length) of fh into one zstd frame in a new blob; return (digest, size)."""
@@ -205,14 +212,8 @@ class _Packer:
             with open(tmp, "wb") as raw:
                 sink = _DigestWriter(raw)
                 with self.cctx.stream_writer(sink, size=length, closefd=False) as zw:
-                    fh.seek(offset)
-                    remaining = length
-                    while remaining:
-                        chunk = self._read_into(fh, min(READ_CHUNK, remaining), fh.name)
-                        for h in hashers:
-                            h.update(chunk)
+                    for chunk in self._hashed_chunks(fh, offset, length, hashers):
                         zw.write(chunk)
-                        remaining -= len(chunk)
                         self.bar.update(len(chunk))
                 raw.flush()
                 os.fsync(raw.fileno())
