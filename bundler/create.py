@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -38,6 +38,8 @@ class ModelInput:
     name: str | None = None
     #: exactly the files to pack (relative POSIX paths), as the resolver chose them; None: the whole folder
     files: tuple[str, ...] | None = None
+    #: path -> (size, sha256) the resolver already checked, so nothing is hashed twice
+    digests: Mapping[str, tuple[int, str]] | None = None
 
     @property
     def root(self) -> str:
@@ -117,7 +119,7 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
             return None
         source = replace(r.source, type="embedded") if embedded else r.source
         return ModelInput(role=role, local_dir=Path(r.local_dir), source=source, name=r.name,
-                          files=tuple(f.path for f in r.files))
+                          files=tuple(f.path for f in r.files), digests={f.path: (f.size, f.sha256) for f in r.files})
 
     return as_input("target"), as_input("draft"), resolved  # type: ignore[return-value]
 
@@ -216,6 +218,27 @@ def _targets(target_ids: Sequence[str]) -> list[Target]:
     return [Target(id=t, backend=get_profile(t).backend) for t in target_ids]
 
 
+def _omit_checkpoint_weights(files: list[PackFile], inputs: Sequence[ModelInput],
+                             models: list[Model]) -> tuple[list[PackFile], list[Model]]:
+    """Drop the weight files no target installs; record each one (path, size, sha256) in its model's entry."""
+    from bundler.export import file_sha256
+
+    by_root = {m.root: m for m in inputs}
+    omitted: dict[str, list[dict]] = {}
+    kept = []
+    for pf in files:
+        root, _, rel = pf.path.partition("/")[2].partition("/")
+        m = by_root.get(f"{MODELS_ROOT}/{root}")
+        if m is None or pf.targets != ():
+            kept.append(pf)
+            continue
+        size, sha = (m.digests or {}).get(rel) or (pf.src.stat().st_size, file_sha256(pf.src))
+        omitted.setdefault(m.root, []).append({"path": rel, "size": size, "sha256": sha})
+    models = [replace(md, extra={**md.extra, "omitted_files": omitted[md.root]}) if md.root in omitted else md
+              for md in models]
+    return kept, models
+
+
 # --- the call --------------------------------------------------------------------------------
 
 def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draft: ModelInput | None,
@@ -224,11 +247,13 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
                   num_speculative_tokens: int = 3, target_files: TargetFilesHook | None = None,
                   serve: dict | None = None, force: bool = False, jobs: int | None = None,
                   now: datetime | None = None, progress: bool = True,
-                  builder: Builder | None = None) -> Manifest:
+                  builder: Builder | None = None, checkpoint_weights: bool = True) -> Manifest:
     """Pack a target model (and optional draft) for `targets` into a signed bundle at `out`.
 
     `targets` are validated ids (manifests.targets.parse_targets); `expires` is RFC 3339 or
-    a form parse_expires() takes ("90d"), counted from `now`.
+    a form parse_expires() takes ("90d"), counted from `now`. `checkpoint_weights=False` leaves the
+    checkpoint's weight files out when every target's engines carry their own weights (a bundle about
+    half the size); the manifest then lists what was left out, with sizes and sha256.
     """
     now = now or datetime.now(timezone.utc)
     if now.tzinfo is None:
@@ -261,14 +286,21 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
         return replace(manifest, models=pinned)
 
     with tempfile.TemporaryDirectory(prefix="bundle-create-") as work:
+        engines_carry_weights = False
         if target_files is not None:
             extra, target_list = target_files(inputs, target_list, Path(work))
-            if any(e.backend for t in target_list for e in t.engines):
+            engines_carry_weights = all(t.engines for t in target_list)
+            if engines_carry_weights:
                 # Every engine carries its own weights: the checkpoint's weights travel for provenance
                 # (and re-export on another host) but no device installs them.
                 from bundler.select_files import is_weight_file
                 files = [replace(pf, targets=()) if is_weight_file(pf.path) else pf for pf in files]
             files += list(extra)
+        if not checkpoint_weights:
+            if not engines_carry_weights:
+                raise UsageError("expected engines for every target before leaving the checkpoint's weights out "
+                                 "(--no-checkpoint-weights), found targets without: the weights are their only copy")
+            files, models = _omit_checkpoint_weights(files, inputs, models)
         return pack_bundle(out, name=name, version=version, models=models, files=files, targets=target_list,
                            speculative=speculative, serve=serve, expires=expires, sign_keys=sign_keys,
                            unsigned=unsigned, max_part_size=max_part_size, jobs=jobs, now=now,
