@@ -240,7 +240,17 @@ def test_target_files_hook_adds_per_target_files(model_copy, signing_key, tmp_pa
     manifest = _create(tmp_path / "b", model_copy, [signing_key], target_files=hook)
     onnx = next(f for f in manifest.files if f.path == "engines/cpu/model.onnx")
     assert onnx.targets == ("cpu",) and manifest.target("cpu").engines[0].path == onnx.path
-    # Engines carry their own weights: the checkpoint's weights are bundled but installed by no target.
+    # jetson-thor got no engine here, so the checkpoint's weights are still its only copy: every target keeps them.
+    weights = next(f for f in manifest.files if f.path == "models/target/model.safetensors")
+    assert weights.targets is None
+    assert len(manifest.files_for("jetson-thor")) == len(manifest.files) - 1
+
+    def hook_for_all(models, targets, work):
+        files, _ = hook(models, targets, work)
+        engine = Engine("target", "onnxruntime", "onnx", "engines/cpu/model.onnx")
+        return files, [Target(t.id, t.backend, engines=(engine,)) for t in targets]
+
+    # When every target's engines carry the weights, the checkpoint's copy is bundled but installed by none.
+    manifest = _create(tmp_path / "b2", model_copy, [signing_key], target_files=hook_for_all)
     weights = next(f for f in manifest.files if f.path == "models/target/model.safetensors")
     assert weights.targets == () and not weights.needed_by("cpu") and not weights.needed_by("jetson-thor")
-    assert len(manifest.files_for("jetson-thor")) == len(manifest.files) - 2
