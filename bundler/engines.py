@@ -4,7 +4,10 @@ The ONNX export of each model is shared by every target that runs it and stored 
 two graph layouts (bundler.export.KV_CACHE_LAYOUTS): ONNX Runtime targets get the "shared" graph
 (engines/onnx-shared/<role>/, GroupQueryAttention, KV cache updated in place), TensorRT targets
 the "concat" graph (engines/onnx/<role>/), which is also what they fall back to on ONNX Runtime.
-The engine record's build["kv_cache"] names the layout. A TensorRT target gets the exact build options
+The engine record's build["kv_cache"] names the layout. TensorRT targets whose profile lists fp16
+get the concat graph exported in fp16 (engines/onnx-fp16/<role>/, half the bytes; TensorRT 11 has
+no FP16 builder flag and takes the graph's types), the others the fp32 one; build["dtype"] names it
+and, being in the build options, in the engine key. A TensorRT target gets the exact build options
 (precision, optimisation profiles from max context, prefill chunk and draft tokens + 1) and the
 key the engine will have on a matching device; the plan itself is built here only when this
 host's GPU compute capability and TensorRT version equal the target's (see TARGETS.md: there is no
@@ -29,7 +32,9 @@ from runtime.engine_cache import DeviceInfo, engine_key, onnx_digest
 log = logging.getLogger(__name__)
 
 ONNX_ROOT = "engines/onnx"
-ONNX_ROOTS = {"concat": ONNX_ROOT, "shared": "engines/onnx-shared"}  # KV-cache layout -> folder in the bundle
+#: (KV-cache layout, dtype) -> folder in the bundle. One graph per pair, shared by its targets.
+ONNX_ROOTS = {("concat", "float32"): ONNX_ROOT, ("concat", "float16"): "engines/onnx-fp16",
+              ("shared", "float32"): "engines/onnx-shared"}
 #: ONNX Runtime that runs the shared layout: CPU GroupQueryAttention with new tokens after a past
 #: (verification, chunked prefill) arrived in 1.20 (microsoft/onnxruntime#21523).
 ONNXRUNTIME_MIN_SHARED = "1.20"
@@ -83,13 +88,22 @@ def optimization_profiles(shape: ServeShape, num_layers: int, kv_heads: int, hea
 
 
 def precision_for(profile: TargetProfile) -> str:
-    """fp16 where the target has it (the ONNX is fp32; TensorRT 10 lowers it), else fp32."""
+    """fp16 where the target has it (and then its ONNX is fp16 too, see graph_dtype), else fp32."""
     return "fp16" if "fp16" in profile.precisions else "fp32"
+
+
+def graph_dtype(profile: TargetProfile) -> str:
+    """The dtype of the ONNX a target carries: float16 for TensorRT targets with fp16, else float32.
+
+    ONNX Runtime targets (cpu) keep fp32: there fp16 only adds casts around kernels it lacks.
+    """
+    return "float16" if profile.backend == "tensorrt" and precision_for(profile) == "fp16" else "float32"
 
 
 def build_options(profile: TargetProfile, export: ExportResult, shape: ServeShape) -> dict:
     """Exactly what the TensorRT builder is given; its sha256 is part of the engine key."""
     return {"format": BUILD_OPTIONS_FORMAT, "precision": precision_for(profile),
+            "dtype": getattr(export, "dtype", "float32"),
             "max_context": shape.max_context, "prefill_chunk": shape.prefill_chunk,
             "draft_tokens": shape.draft_tokens, "builder_optimization_level": 3,
             "hardware_compatibility_level": "none",
@@ -107,12 +121,20 @@ class ExportedModel:
         return getattr(self.export, "kv_cache", "concat")
 
     @property
+    def dtype(self) -> str:
+        return getattr(self.export, "dtype", "float32")
+
+    @property
+    def variant(self) -> tuple[str, str]:
+        return self.layout, self.dtype
+
+    @property
     def graph_path(self) -> str:
-        return f"{ONNX_ROOTS[self.layout]}/{self.role}/{self.export.graph.name}"
+        return f"{ONNX_ROOTS[self.variant]}/{self.role}/{self.export.graph.name}"
 
     @property
     def paths(self) -> tuple[str, ...]:
-        return tuple(f"{ONNX_ROOTS[self.layout]}/{self.role}/{p.name}" for p in self.export.files)
+        return tuple(f"{ONNX_ROOTS[self.variant]}/{self.role}/{p.name}" for p in self.export.files)
 
     def pack_files(self, targets: tuple[str, ...] | None = None) -> list[PackFile]:
         return [PackFile(src=src, path=path, targets=targets) for src, path in zip(self.export.files, self.paths)]
@@ -120,20 +142,26 @@ class ExportedModel:
 
 def export_models(models: Mapping[str, Path], work_dir: Path,
                   export: Callable[..., ExportResult] = export_onnx,
-                  layouts: Sequence[str] = ("concat",)) -> list[ExportedModel]:
+                  variants: Sequence[tuple[str, str]] = (("concat", "float32"),)) -> list[ExportedModel]:
+    """Export every model once per (layout, dtype) variant; only non-default choices are passed to `export`."""
     out = []
     for role, checkpoint in models.items():
-        for layout in layouts:
-            folder = Path(work_dir) / ("onnx" if layout == "concat" else f"onnx-{layout}") / role
-            result = export(Path(checkpoint), folder) if layout == "concat" else \
-                export(Path(checkpoint), folder, kv_cache=layout)
+        for layout, dtype in variants:
+            folder = Path(work_dir) / ONNX_ROOTS[layout, dtype].split("/")[-1] / role
+            options = {**({"kv_cache": layout} if layout != "concat" else {}),
+                       **({"dtype": dtype} if dtype != "float32" else {})}
+            result = export(Path(checkpoint), folder, **options)
+            if getattr(result, "dtype", "float32") != dtype:
+                raise ModelError(f"expected a {dtype} export of {checkpoint}, found "
+                                 f"{getattr(result, 'dtype', 'float32')}")
             digest = onnx_digest({p.name: file_sha256(p) for p in result.files})
             out.append(ExportedModel(role, result, digest))
     return out
 
 
-def _layout_for(profile: TargetProfile, onnxruntime_layout: str) -> str:
-    return onnxruntime_layout if profile.backend == "onnxruntime" else "concat"
+def _variant_for(profile: TargetProfile, onnxruntime_layout: str) -> tuple[str, str]:
+    """(KV-cache layout, dtype) of the graph a target runs."""
+    return (onnxruntime_layout if profile.backend == "onnxruntime" else "concat"), graph_dtype(profile)
 
 
 def host_device(backend=None) -> DeviceInfo | None:
@@ -151,8 +179,9 @@ def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], sh
     files: list[PackFile] = []
     engines: list[Engine] = []
     precision = "fp32" if profile.backend == "onnxruntime" else precision_for(profile)
-    layout = _layout_for(profile, onnxruntime_layout)
-    for m in (m for m in exported if m.layout == layout):
+    variant = _variant_for(profile, onnxruntime_layout)
+    layout = variant[0]
+    for m in (m for m in exported if m.variant == variant):
         if profile.backend == "onnxruntime":
             minimum = ONNXRUNTIME_MIN_SHARED if layout == "shared" else ONNXRUNTIME_MIN
             engines.append(Engine(model=m.role, backend="onnxruntime", format="onnx", path=m.graph_path,
@@ -194,11 +223,11 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
     if kv_cache not in KV_CACHE_LAYOUTS:
         raise UsageError(f"expected kv_cache to be one of {', '.join(KV_CACHE_LAYOUTS)}, found {kv_cache!r}")
     profiles = [get_profile(t, tuple(extra_dirs)) for t in target_ids]
-    users = {}  # layout -> ids of the targets that run it
+    users = {}  # (layout, dtype) -> ids of the targets that run it
     for p in profiles:
-        users.setdefault(_layout_for(p, kv_cache), []).append(p.id)
+        users.setdefault(_variant_for(p, kv_cache), []).append(p.id)
     try:
-        exported = export_models(models, Path(work_dir), export, layouts=tuple(users))
+        exported = export_models(models, Path(work_dir), export, variants=tuple(users))
     except SharedLayoutUnsupported as e:
         log.warning("%s; ONNX Runtime targets get the concat graph instead", e)
         return prepare_targets(target_ids, models, work_dir, serve, num_speculative_tokens=num_speculative_tokens,
@@ -213,7 +242,7 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
         device = backend.device()
     # Each graph is stored once, for every target that runs it (no restriction when that is all of them).
     files = [pf for m in exported
-             for pf in m.pack_files(None if len(users) == 1 else tuple(users[m.layout]))]
+             for pf in m.pack_files(None if len(users) == 1 else tuple(users[m.variant]))]
     targets = []
     for profile in profiles:
         extra, target = target_engines(profile, exported, shape, Path(work_dir), device, backend, kv_cache)

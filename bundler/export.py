@@ -6,9 +6,16 @@ sequence axis is dynamic. Names follow ONNX Runtime GenAI / Optimum so other too
     inputs   input_ids [batch, sequence_length] int64
              attention_mask [batch, total_sequence_length] int64   (ones; past + new)
              position_ids [batch, sequence_length] int64
-             past_key_values.<i>.key / .value [batch, kv_heads, past_sequence_length, head_dim] float32
+             past_key_values.<i>.key / .value [batch, kv_heads, past_sequence_length, head_dim] DTYPE
     outputs  logits [batch, sequence_length, vocab] float32
-             present.<i>.key / .value [batch, kv_heads, total_sequence_length, head_dim] float32
+             present.<i>.key / .value [batch, kv_heads, total_sequence_length, head_dim] DTYPE
+
+DTYPE (metadata `bundle.dtype`) is float32, or float16 for GPU targets (`dtype="float16"`, concat
+layout only): weights, activations and KV cache in fp16, half the bytes to ship and to read per
+token. Logits stay float32 in both (one Cast after the fp16 lm_head): sampling and the
+speculative acceptance test p/q compare probabilities, and fp16 logits would round them for no
+saving worth having ([new, vocab] per step). Norms and softmax run in fp32 inside the graph where
+transformers upcasts them.
 
 The weights go to one external-data file next to the graph, so the graph stays small and both
 are ordinary bundle files. Facts the runtime needs (layers, heads, context) are written into the
@@ -51,6 +58,9 @@ MAX_CONFIG_BYTES = 1024 * 1024
 #: GroupQueryAttention, past and present are one fixed [.., max_context, ..] buffer updated in
 #: place (ONNX Runtime only: GQA is a contrib op).
 KV_CACHE_LAYOUTS = ("concat", "shared")
+#: Graph dtypes (weights, activations, KV cache). float16 only for the concat layout: the shared
+#: layout is for ONNX Runtime on CPU, where fp16 buys nothing but casts.
+DTYPES = ("float32", "float16")
 
 
 def past_names(num_layers: int) -> list[str]:
@@ -74,6 +84,7 @@ class ExportResult:
     max_positions: int
     opset: int
     kv_cache: str = "concat"  # graph layout, see KV_CACHE_LAYOUTS
+    dtype: str = "float32"  # weights / activations / KV cache, see DTYPES (logits are float32 always)
 
     @property
     def files(self) -> tuple[Path, Path]:
@@ -85,7 +96,7 @@ class ExportResult:
                 "bundle.num_layers": str(self.num_layers), "bundle.num_kv_heads": str(self.num_kv_heads),
                 "bundle.head_dim": str(self.head_dim), "bundle.vocab_size": str(self.vocab_size),
                 "bundle.max_positions": str(self.max_positions), "bundle.format": "kv-cache-decoder-v1",
-                "bundle.kv_cache": self.kv_cache}
+                "bundle.kv_cache": self.kv_cache, "bundle.dtype": self.dtype}
 
 
 def read_config(checkpoint_dir: Path) -> dict:
@@ -138,12 +149,13 @@ def _wrapper(model, num_layers: int):
             present = []
             for layer in cache.layers:
                 present += [layer.keys, layer.values]
-            return (out.logits, *present)
+            return (out.logits.float(), *present)  # no-op in fp32; see the module doc for fp16
 
     return DecoderWithCache()
 
 
-def _result(cfg, family: str, arch: str, out_dir: Path, opset: int, kv_cache: str) -> ExportResult:
+def _result(cfg, family: str, arch: str, out_dir: Path, opset: int, kv_cache: str,
+            dtype: str = "float32") -> ExportResult:
     max_positions = int(cfg.max_position_embeddings)
     window = getattr(cfg, "sliding_window", None)
     if window and (family == "mistral" or getattr(cfg, "use_sliding_window", False)):
@@ -155,19 +167,26 @@ def _result(cfg, family: str, arch: str, out_dir: Path, opset: int, kv_cache: st
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     return ExportResult(out_dir / GRAPH_NAME, out_dir / WEIGHTS_NAME, family, arch, num_layers, kv_heads,
-                        head_dim, int(cfg.vocab_size), max_positions, opset, kv_cache)
+                        head_dim, int(cfg.vocab_size), max_positions, opset, kv_cache, dtype)
 
 
 def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None,
-                kv_cache: str = "concat") -> ExportResult:
-    """Export the checkpoint in fp32 to out_dir/model.onnx + model.onnx.data (deterministic for the same input).
+                kv_cache: str = "concat", dtype: str = "float32") -> ExportResult:
+    """Export the checkpoint to out_dir/model.onnx + model.onnx.data (deterministic for the same input).
 
     kv_cache="concat" traces the transformers model (every backend); "shared" writes the in-place
     GroupQueryAttention graph of bundler.export_gqa (ONNX Runtime only, no per-step cache copy).
+    dtype="float16" (concat only) loads the checkpoint in fp16 and traces that: the graph TensorRT
+    builds from on fp16 targets (TensorRT 11 takes the graph's types, there is no FP16 flag).
     """
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if kv_cache not in KV_CACHE_LAYOUTS:
         raise UsageError(f"expected kv_cache to be one of {', '.join(KV_CACHE_LAYOUTS)}, found {kv_cache!r}")
+    if dtype not in DTYPES:
+        raise UsageError(f"expected dtype to be one of {', '.join(DTYPES)}, found {dtype!r}")
+    if kv_cache == "shared" and dtype != "float32":
+        raise UsageError(f"the shared KV-cache graph is float32 only (it is for ONNX Runtime on CPU); "
+                         f"found dtype {dtype!r}: export float16 with kv_cache='concat'")
     config = read_config(checkpoint_dir)
     family, arch = check_family(config, str(checkpoint_dir))
     opset = opset or DEFAULT_OPSET
@@ -181,10 +200,11 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # create prints its own progress; a bar per loaded model is noise
-    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32,
+    torch_dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch_dtype,
                                                  attn_implementation="eager").eval()
     cfg = model.config
-    result = _result(cfg, family, arch, out_dir, opset, "concat")
+    result = _result(cfg, family, arch, out_dir, opset, "concat", dtype)
     num_layers, kv_heads, head_dim = result.num_layers, result.num_kv_heads, result.head_dim
 
     # Trace with a non-empty past and several new tokens so no shape is specialised to 0 or 1.
@@ -192,7 +212,7 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     ids = torch.zeros((1, new), dtype=torch.int64)
     mask = torch.ones((1, past_len + new), dtype=torch.int64)
     pos = torch.arange(past_len, past_len + new, dtype=torch.int64)[None]
-    past = [torch.zeros((1, kv_heads, past_len, head_dim)) for _ in range(2 * num_layers)]
+    past = [torch.zeros((1, kv_heads, past_len, head_dim), dtype=torch_dtype) for _ in range(2 * num_layers)]
     inputs = ["input_ids", "attention_mask", "position_ids", *past_names(num_layers)]
     outputs = ["logits", *present_names(num_layers)]
     dynamic = {"input_ids": {0: "batch", 1: "sequence_length"},
@@ -218,7 +238,7 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     result.weights.unlink(missing_ok=True)  # onnx appends to an existing external-data file
     onnx.save_model(proto, str(result.graph), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=WEIGHTS_NAME, size_threshold=1024)
-    log.info("exported %s (%s, %d layers) to %s", checkpoint_dir, arch, num_layers, result.graph)
+    log.info("exported %s (%s, %d layers, %s) to %s", checkpoint_dir, arch, num_layers, dtype, result.graph)
     return result
 
 

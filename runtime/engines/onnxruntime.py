@@ -13,6 +13,10 @@ step allocates nothing. How they are bound depends on the graph's layout (metada
   overwrite the next head's rows). Each step the graph copies the whole cache into the other
   buffer; rollback compacts the kept prefix.
 
+The cache takes the graph's dtype (past_key_values inputs: float32, or float16 for the graphs
+made for fp16 GPU targets, which this engine runs when TensorRT is absent); logits are returned
+as float32 whatever the graph emits.
+
 Intra-op threads do not spin-wait between runs (`allow_spinning=False`): speculative decoding
 alternates a draft and a target session on the same cores, and a pool spinning after its run
 steals the cores the other session needs (measured on 2 cores: target steps 2-5x slower).
@@ -34,6 +38,8 @@ log = logging.getLogger(__name__)
 
 
 LAYOUTS = ("concat", "shared")
+#: ONNX Runtime's type strings -> numpy dtypes this engine can hold a cache or logits in.
+NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 SHARED_MIN_VERSION = (1, 20)
 
 
@@ -89,13 +95,13 @@ class OnnxRuntimeEngine(Engine):
         if self.kv_cache == "shared" and _version(ort.__version__) < SHARED_MIN_VERSION:
             raise EnvironmentProblem(f"{graph} needs onnxruntime >= 1.20 (GroupQueryAttention with a past), "
                                      f"found {ort.__version__}")
-        # [buffer][layer*2 + (0 key | 1 value)] flat fp32 arrays of capacity max_context tokens.
+        # [buffer][layer*2 + (0 key | 1 value)] flat arrays (graph's KV dtype) of capacity max_context tokens.
         per = self.num_kv_heads * self.max_context * self.head_dim
         copies = 1 if self.kv_cache == "shared" else 2
-        self._buffers = [[np.zeros(per, np.float32) for _ in self._past] for _ in range(copies)]
+        self._buffers = [[np.zeros(per, self.kv_dtype) for _ in self._past] for _ in range(copies)]
         self._current = 0  # which buffer holds the live cache
         self._length = 0
-        self._logits = np.zeros(0, np.float32)
+        self._logits = np.zeros(0, self._logits_dtype)
         self._positions = np.arange(self.max_context, dtype=np.int64).reshape(1, -1)
         self._mask = np.ones((1, self.max_context), np.int64)
         self._binding = self.session.io_binding()
@@ -103,9 +109,10 @@ class OnnxRuntimeEngine(Engine):
         if self.kv_cache == "shared":  # same memory in and out, fixed shape: bound once, GQA appends in place
             shape = [1, self.num_kv_heads, self.max_context, self.head_dim]
             for past_name, present_name, buf in zip(self._past, self._present, self._buffers[0]):
-                self._binding.bind_input(past_name, "cpu", 0, np.float32, shape, buf.ctypes.data)
-                self._binding.bind_output(present_name, "cpu", 0, np.float32, shape, buf.ctypes.data)
-        self.description = (f"onnxruntime {ort.__version__} {self.session.get_providers()[0]} fp32 "
+                self._binding.bind_input(past_name, "cpu", 0, self.kv_dtype, shape, buf.ctypes.data)
+                self._binding.bind_output(present_name, "cpu", 0, self.kv_dtype, shape, buf.ctypes.data)
+        precision = "fp16" if self.kv_dtype == np.float16 else "fp32"
+        self.description = (f"onnxruntime {ort.__version__} {self.session.get_providers()[0]} {precision} "
                             f"kv-cache {self.kv_cache}")
 
     # --- graph signature -----------------------------------------------------------------------
@@ -128,6 +135,12 @@ class OnnxRuntimeEngine(Engine):
             raise ModelError(f"{self._graph}: expected static kv_heads, head_dim and vocab, found "
                              f"past {shape}, logits {outs['logits'].shape}")
         self.num_layers, self.num_kv_heads, self.head_dim, self.vocab_size = layers, shape[1], shape[3], vocab
+        types = {ins[n].type for n in self._past} | {outs[n].type for n in self._present}
+        if len(types) != 1 or next(iter(types)) not in NUMPY_TYPES or outs["logits"].type not in NUMPY_TYPES:
+            raise ModelError(f"{self._graph}: expected one float32 or float16 type for the KV cache and "
+                             f"float32/float16 logits, found cache {sorted(types)}, logits {outs['logits'].type}")
+        self.kv_dtype = np.dtype(NUMPY_TYPES[next(iter(types))])
+        self._logits_dtype = np.dtype(NUMPY_TYPES[outs["logits"].type])
         self._has_mask = "attention_mask" in ins
         self._has_positions = "position_ids" in ins
 
@@ -155,19 +168,19 @@ class OnnxRuntimeEngine(Engine):
             kv, hd = self.num_kv_heads, self.head_dim
             src, dst = self._buffers[self._current], self._buffers[1 - self._current]
             for name, buf in zip(self._past, src):
-                b.bind_input(name, "cpu", 0, np.float32, [1, kv, past, hd], buf.ctypes.data)
+                b.bind_input(name, "cpu", 0, self.kv_dtype, [1, kv, past, hd], buf.ctypes.data)
             for name, buf in zip(self._present, dst):
-                b.bind_output(name, "cpu", 0, np.float32, [1, kv, total, hd], buf.ctypes.data)
+                b.bind_output(name, "cpu", 0, self.kv_dtype, [1, kv, total, hd], buf.ctypes.data)
         if self._logits.size < n * self.vocab_size:
-            self._logits = np.zeros(max(n, 8) * self.vocab_size, np.float32)
+            self._logits = np.zeros(max(n, 8) * self.vocab_size, self._logits_dtype)
         if self._bound_logits != (self._logits.ctypes.data, n):
-            b.bind_output("logits", "cpu", 0, np.float32, [1, n, self.vocab_size], self._logits.ctypes.data)
+            b.bind_output("logits", "cpu", 0, self._logits_dtype, [1, n, self.vocab_size], self._logits.ctypes.data)
             self._bound_logits = (self._logits.ctypes.data, n)
         self.session.run_with_iobinding(b)
         if self.kv_cache == "concat":
             self._current = 1 - self._current
         self._length = total
-        return self._logits[: n * self.vocab_size].reshape(n, self.vocab_size).copy()
+        return self._logits[: n * self.vocab_size].reshape(n, self.vocab_size).astype(np.float32)  # a copy
 
     def _view(self, which: int, layer_slot: int, length: int) -> np.ndarray:
         flat = self._buffers[which][layer_slot]

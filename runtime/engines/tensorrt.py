@@ -7,7 +7,10 @@ only on a device that asked for a TensorRT engine. It cannot run on the build ma
 project (no GPU, no libnvinfer); the logic above it is tested with the ONNX Runtime engine standing in.
 
 TensorRT 11 removed weak typing (BuilderFlag.FP16 and friends): there the precision is the ONNX
-graph's own; on TensorRT 10 an fp32 graph is built with the FP16 flag when the options ask for fp16.
+graph's own. So fp16 targets ship an fp16 graph (build option "dtype": "float16"), which TensorRT
+10 builds strongly typed too, keeping the fp32 the graph asks for (norms, softmax, logits); an
+fp32 graph with precision fp16 (older bundles) still gets TensorRT 10's FP16 flag. Buffer sizes
+and rollback pitches come from the engine's own tensor dtypes; logits reach the host as float32.
 """
 
 from __future__ import annotations
@@ -78,6 +81,9 @@ class TensorRTBackend:
         flags = 0
         if hasattr(trt.NetworkDefinitionCreationFlag, "EXPLICIT_BATCH"):
             flags |= 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
+        typed = options.get("dtype", "float32") != "float32"  # the graph carries its precision: keep its types
+        if typed and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
+            flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
         network = builder.create_network(flags)
         parser = trt.OnnxParser(network, logger)
         if not parser.parse_from_file(str(onnx_path)):  # reads model.onnx.data beside it
@@ -87,7 +93,9 @@ class TensorRTBackend:
         if options.get("workspace_bytes"):
             config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options["workspace_bytes"]))
         config.builder_optimization_level = int(options.get("builder_optimization_level", 3))
-        if options.get("precision") == "fp16" and hasattr(trt.BuilderFlag, "FP16"):
+        if typed:  # precision flags are refused on strongly typed networks
+            log.info("building the %s graph %s strongly typed", options["dtype"], onnx_path)
+        elif options.get("precision") == "fp16" and hasattr(trt.BuilderFlag, "FP16"):
             config.set_flag(trt.BuilderFlag.FP16)
         elif options.get("precision") not in (None, "fp32"):
             log.warning("TensorRT %s is strongly typed: building %s in the graph's own precision",
@@ -141,13 +149,16 @@ class TensorRTEngine(Engine):
         self.num_kv_heads, self.head_dim = int(shape[1]), int(shape[3])
         self.vocab_size = int(self.engine.get_tensor_shape("logits")[-1])
         self._has_mask = "attention_mask" in names
-        per = self.num_kv_heads * self.max_context * self.head_dim * 4
+        # Element sizes from the plan itself (fp16 or fp32 graph), not from the options.
+        self._itemsize = np.dtype(trt.nptype(self.engine.get_tensor_dtype(self._past[0]))).itemsize
+        self._logits_dtype = np.dtype(trt.nptype(self.engine.get_tensor_dtype("logits")))
+        per = self.num_kv_heads * self.max_context * self.head_dim * self._itemsize
         self._kv = [[_DeviceBuffer(cudart, per) for _ in self._past] for _ in range(2)]
         self._max_new = max(p["shapes"]["input_ids"]["max"][1] for p in self._profiles)
         self._ids = _DeviceBuffer(cudart, self.max_context * 8)
         self._pos = _DeviceBuffer(cudart, self.max_context * 8)
         self._mask = _DeviceBuffer(cudart, self.max_context * 8)
-        self._logits = _DeviceBuffer(cudart, self._max_new * self.vocab_size * 4)
+        self._logits = _DeviceBuffer(cudart, self._max_new * self.vocab_size * self._logits_dtype.itemsize)
         self.stream = _check(cudart.cudaStreamCreate())
         self._profile = -1
         self._current, self._length = 0, 0
@@ -206,19 +217,19 @@ class TensorRTEngine(Engine):
         ctx.set_tensor_address("logits", self._logits.ptr)
         if not ctx.execute_async_v3(self.stream):
             raise EnvironmentProblem("TensorRT execution failed (see its log above)")
-        host = np.empty((n, self.vocab_size), np.float32)
+        host = np.empty((n, self.vocab_size), self._logits_dtype)
         _check(self._cudart.cudaMemcpyAsync(host.ctypes.data, self._logits.ptr, host.nbytes,
                                             self._cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
         _check(self._cudart.cudaStreamSynchronize(self.stream))
         self._current, self._length = 1 - self._current, total
-        return host
+        return host.astype(np.float32, copy=False)
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self._length:
             raise ValueError(f"rollback to {length}: expected 0..{self._length}")
         if 0 < length < self._length:  # 2D copy: every head's first `length` rows into the other buffer
-            row = length * self.head_dim * 4
-            pitch_src, pitch_dst = self._length * self.head_dim * 4, row
+            row = length * self.head_dim * self._itemsize
+            pitch_src, pitch_dst = self._length * self.head_dim * self._itemsize, row
             for s, d in zip(self._kv[self._current], self._kv[1 - self._current]):
                 _check(self._cudart.cudaMemcpy2DAsync(d.ptr, pitch_dst, s.ptr, pitch_src, row, self.num_kv_heads,
                                                       self._cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice,

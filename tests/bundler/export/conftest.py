@@ -21,6 +21,16 @@ def family_exports(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def family_fp16_exports(family_exports, tmp_path_factory) -> dict:
+    """family -> (checkpoint dir, ExportResult) of the concat graph in float16 (fp16 TensorRT targets)."""
+    from bundler.export import export_onnx
+
+    root = tmp_path_factory.mktemp("export-fp16")
+    return {family: (ckpt, export_onnx(ckpt, root / family, dtype="float16"))
+            for family, (ckpt, _) in family_exports.items()}
+
+
+@pytest.fixture(scope="session")
 def family_shared_exports(family_exports, tmp_path_factory) -> dict:
     """family -> (checkpoint dir, ExportResult) of the in-place GroupQueryAttention graph ("shared")."""
     from bundler.export import export_onnx

@@ -8,14 +8,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from tests.runtime.engines.standin import StandInBackend
 
 
-def exported_once(family_exports, family_shared_exports, family="llama"):
-    """An `export` for prepare_targets that hands out the session's exports of each layout."""
-    results = {"concat": family_exports[family][1], "shared": family_shared_exports[family][1]}
-    return lambda ckpt, out, kv_cache="concat": results[kv_cache]
+def exported_once(family_exports, family_shared_exports, family_fp16_exports, family="llama"):
+    """An `export` for prepare_targets that hands out the session's exports of each (layout, dtype)."""
+    results = {("concat", "float32"): family_exports[family][1],
+               ("shared", "float32"): family_shared_exports[family][1],
+               ("concat", "float16"): family_fp16_exports[family][1]}
+    return lambda ckpt, out, kv_cache="concat", dtype="float32": results[kv_cache, dtype]
 
 
 @pytest.fixture(scope="module")
-def planned(family_exports, family_shared_exports, tmp_path_factory):
+def planned(family_exports, family_shared_exports, family_fp16_exports, tmp_path_factory):
     from bundler.engines import prepare_targets
 
     checkpoint, result = family_exports["llama"]
@@ -23,33 +25,42 @@ def planned(family_exports, family_shared_exports, tmp_path_factory):
     files, targets = prepare_targets(["jetson-thor", "igx-thor", "cpu"], {"target": checkpoint}, work,
                                      {"max_model_len": 256, "prefill_chunk": 64}, num_speculative_tokens=3,
                                      backend=StandInBackend(None),
-                                     export=exported_once(family_exports, family_shared_exports))
+                                     export=exported_once(family_exports, family_shared_exports,
+                                                          family_fp16_exports))
     return files, targets
 
 
 def test_each_onnx_layout_is_stored_once_for_the_targets_that_run_it(planned):
     files, targets = planned
     thors = ("jetson-thor", "igx-thor")
-    assert [(f.path, f.targets) for f in files] == [("engines/onnx/target/model.onnx", thors),
-                                                    ("engines/onnx/target/model.onnx.data", thors),
+    assert [(f.path, f.targets) for f in files] == [("engines/onnx-fp16/target/model.onnx", thors),
+                                                    ("engines/onnx-fp16/target/model.onnx.data", thors),
                                                     ("engines/onnx-shared/target/model.onnx", ("cpu",)),
                                                     ("engines/onnx-shared/target/model.onnx.data", ("cpu",))]
     assert [t.id for t in targets] == ["jetson-thor", "igx-thor", "cpu"]
-    assert {e.path for t in targets[:2] for e in t.engines} == {"engines/onnx/target/model.onnx"}
+    assert {e.path for t in targets[:2] for e in t.engines} == {"engines/onnx-fp16/target/model.onnx"}
     (cpu,) = targets[2].engines  # ONNX Runtime gets the in-place (GroupQueryAttention) graph
     assert cpu.path == "engines/onnx-shared/target/model.onnx" and cpu.build["kv_cache"] == "shared"
 
 
-def test_one_layout_for_every_target_is_not_restricted(family_exports, family_shared_exports, tmp_path):
+def test_one_graph_for_every_target_is_not_restricted(family_exports, family_shared_exports, family_fp16_exports,
+                                                      tmp_path):
     from bundler.engines import prepare_targets
 
     checkpoint, _ = family_exports["llama"]
-    export = exported_once(family_exports, family_shared_exports)
+    export = exported_once(family_exports, family_shared_exports, family_fp16_exports)
     files, (thor, cpu) = prepare_targets(["jetson-thor", "cpu"], {"target": checkpoint}, tmp_path, {},
                                          backend=StandInBackend(None), export=export, kv_cache="concat")
-    assert [(f.path, f.targets) for f in files] == [("engines/onnx/target/model.onnx", None),
-                                                    ("engines/onnx/target/model.onnx.data", None)]
+    # Same layout, but the Thor's is fp16 and the cpu's fp32: two graphs, each for its target.
+    assert [(f.path, f.targets) for f in files] == [("engines/onnx-fp16/target/model.onnx", ("jetson-thor",)),
+                                                    ("engines/onnx-fp16/target/model.onnx.data", ("jetson-thor",)),
+                                                    ("engines/onnx/target/model.onnx", ("cpu",)),
+                                                    ("engines/onnx/target/model.onnx.data", ("cpu",))]
     assert cpu.engines[0].build["kv_cache"] == "concat" and cpu.engines[0].key["onnxruntime_min"] == "1.18"
+    assert thor.engines[0].build["dtype"] == "float16" and cpu.engines[0].path == "engines/onnx/target/model.onnx"
+    files, _ = prepare_targets(["jetson-thor", "igx-thor"], {"target": checkpoint}, tmp_path, {},
+                               backend=StandInBackend(None), export=export)
+    assert [f.targets for f in files] == [None, None]
     files, (cpu,) = prepare_targets(["cpu"], {"target": checkpoint}, tmp_path, {}, export=export)
     assert [f.targets for f in files] == [None, None] and cpu.engines[0].key["onnxruntime_min"] == "1.20"
 
@@ -61,10 +72,11 @@ def test_gpu_targets_carry_exact_build_options_and_key(planned):
     thor, igx, cpu = targets
     (engine,) = thor.engines
     assert (engine.backend, engine.format, engine.model) == ("tensorrt", "onnx", "target")
-    assert engine.files == ("engines/onnx/target/model.onnx", "engines/onnx/target/model.onnx.data")
+    assert engine.files == ("engines/onnx-fp16/target/model.onnx", "engines/onnx-fp16/target/model.onnx.data")
     assert engine.key["build_options_sha256"] == canonical_sha256(engine.build)
     assert (engine.key["compute_capability"], engine.key["tensorrt_version"]) == ("11.0", "10.13.3.9")
     assert engine.build["precision"] == "fp16" and engine.build["max_context"] == 256
+    assert engine.build["dtype"] == "float16"  # the graph itself is fp16 (TensorRT 11: no FP16 flag)
     assert igx.engines[0].key == engine.key  # same GPU, same TensorRT, same options: same engine
     assert thor.build == {"compute_capability": "11.0", "tensorrt_version": "10.13.3.9", "cuda_version": "13.0",
                           "precision": "fp16", "max_context": 256}
@@ -82,14 +94,15 @@ def test_optimisation_profiles_follow_serve_settings(planned):
     assert prefill["shapes"]["attention_mask"]["max"] == [1, 256]
 
 
-def test_serve_settings_beyond_the_model_are_refused(family_exports, family_shared_exports, tmp_path):
+def test_serve_settings_beyond_the_model_are_refused(family_exports, family_shared_exports, family_fp16_exports,
+                                                     tmp_path):
     from bundler.engines import prepare_targets
     from manifests.errors import ModelError
 
     checkpoint, result = family_exports["llama"]
     with pytest.raises(ModelError, match="max_model_len 100000 exceeds the model's limit; expected at most 512"):
         prepare_targets(["cpu"], {"target": checkpoint}, tmp_path, {"max_model_len": 100000},
-                        export=exported_once(family_exports, family_shared_exports))
+                        export=exported_once(family_exports, family_shared_exports, family_fp16_exports))
 
 
 def test_bundle_for_two_thor_targets_stores_the_onnx_once(planned, tmp_path):
@@ -105,7 +118,7 @@ def test_bundle_for_two_thor_targets_stores_the_onnx_once(planned, tmp_path):
                                   PackFile(readme, "models/target/README.txt")], targets=targets[:2],
                            speculative=None, serve={"max_model_len": 256}, expires=None,
                            sign_keys=[Ed25519PrivateKey.generate()], progress=False)
-    onnx_entries = [f for f in manifest.files if f.path.startswith("engines/onnx/")]
+    onnx_entries = [f for f in manifest.files if f.path.startswith("engines/onnx-fp16/")]
     assert len(onnx_entries) == 2 and all(f.targets == ("jetson-thor", "igx-thor") for f in onnx_entries)
     assert {t.id for t in manifest.targets} == {"jetson-thor", "igx-thor"}
     stored = sum(p.stat().st_size for p in (tmp_path / "b" / "blobs" / "sha256").iterdir())

@@ -32,33 +32,38 @@ pytestmark = pytest.mark.skipif(CUDART is None, reason="no CUDA device here (nee
                                                        "GPU; run on the GPU machine)")
 
 
-def _engine_without_tensorrt(kv_heads: int, head_dim: int, max_context: int, layers: int = 2):
-    """A TensorRTEngine with its CUDA state only (the TensorRT context is what cannot exist here)."""
+def _engine_without_tensorrt(kv_heads: int, head_dim: int, max_context: int, layers: int = 2,
+                             dtype=np.float32):
+    """A TensorRTEngine with its CUDA state only (the TensorRT context is what cannot exist here).
+
+    `_itemsize` is what __init__ reads from the plan's KV tensor dtype (2 for an fp16 graph)."""
     from runtime.engines.tensorrt import TensorRTEngine, _check, _DeviceBuffer
 
     eng = object.__new__(TensorRTEngine)
     eng._cudart = CUDART
     eng.stream = _check(CUDART.cudaStreamCreate())
     eng.num_kv_heads, eng.head_dim, eng.max_context = kv_heads, head_dim, max_context
-    per = kv_heads * max_context * head_dim * 4
+    eng._itemsize = np.dtype(dtype).itemsize
+    per = kv_heads * max_context * head_dim * eng._itemsize
     eng._kv = [[_DeviceBuffer(CUDART, per) for _ in range(layers)] for _ in range(2)]
     eng._current, eng._length = 0, 0
     return eng
 
 
-def _d2h(buf, nbytes: int) -> np.ndarray:
+def _d2h(buf, nbytes: int, dtype=np.float32) -> np.ndarray:
     from runtime.engines.tensorrt import _check
 
-    host = np.empty(nbytes // 4, np.float32)
+    host = np.empty(nbytes // np.dtype(dtype).itemsize, dtype)
     _check(CUDART.cudaMemcpy(host.ctypes.data, buf.ptr, nbytes, CUDART.cudaMemcpyKind.cudaMemcpyDeviceToHost))
     return host
 
 
-def test_rollback_keeps_each_heads_first_rows_on_the_device():
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+def test_rollback_keeps_each_heads_first_rows_on_the_device(dtype):
     kv, hd, length, keep = 4, 8, 10, 6
-    eng = _engine_without_tensorrt(kv, hd, max_context=32)
-    # TensorRT writes present as a contiguous [1, kv, length, hd] tensor.
-    caches = [np.random.default_rng(i).standard_normal((kv, length, hd)).astype(np.float32) for i in range(2)]
+    eng = _engine_without_tensorrt(kv, hd, max_context=32, dtype=dtype)
+    # TensorRT writes present as a contiguous [1, kv, length, hd] tensor of the graph's dtype.
+    caches = [np.random.default_rng(i).standard_normal((kv, length, hd)).astype(dtype) for i in range(2)]
     for buf, cache in zip(eng._kv[eng._current], caches):
         eng._h2d(buf, cache)
     from runtime.engines.tensorrt import _check
@@ -68,7 +73,7 @@ def test_rollback_keeps_each_heads_first_rows_on_the_device():
     eng.rollback(keep)
     assert eng.length == keep
     for buf, cache in zip(eng._kv[eng._current], caches):  # the new past: [kv, keep, hd], contiguous
-        got = _d2h(buf, kv * keep * hd * 4).reshape(kv, keep, hd)
+        got = _d2h(buf, kv * keep * hd * np.dtype(dtype).itemsize, dtype).reshape(kv, keep, hd)
         np.testing.assert_array_equal(got, cache[:, :keep, :])
     eng.rollback(0)
     assert eng.length == 0

@@ -39,7 +39,8 @@ def plan_bundle(tiny_exports, tmp_path, target_ids, host_backend, **options):
     checkpoint = tiny_exports["concat"].graph  # unused by the export below: every layout is exported once
     files, targets = prepare_targets(target_ids, {"target": checkpoint}, tmp_path / "work",
                                      {"max_model_len": 128}, backend=host_backend,
-                                     export=lambda ckpt, out_dir, kv_cache="concat": tiny_exports[kv_cache],
+                                     export=lambda ckpt, out_dir, kv_cache="concat", dtype="float32":
+                                     tiny_exports["fp16" if dtype == "float16" else kv_cache],
                                      **options)
     root = tmp_path / "installed"
     return root, install_tree(files, targets, root)
@@ -126,7 +127,7 @@ def test_key_mismatch_falls_back_to_a_local_build_and_records_why(tiny_exports, 
     assert len(newer.builds) == 1 and engine.plan["built_for"] == ["11.0", "10.14.1.48"]
     record = json.loads((newer.loads[0].parent / BUILD_NAME).read_text())
     assert record["reason"] == "tensorrt_version is '10.13.3.9', this device needs '10.14.1.48'"
-    assert record["source"] == "engines/onnx/target/model.onnx" and record["bundle"] == "demo:1"
+    assert record["source"] == "engines/onnx-fp16/target/model.onnx" and record["bundle"] == "demo:1"
 
     other_gpu = StandInBackend("12.1", "10.13.3.9")  # never confused across devices: its own entry
     load_engine(root, manifest, "jetson-thor", "target", cache_dir=tmp_path / "cache", backend=other_gpu)
