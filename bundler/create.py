@@ -8,7 +8,6 @@ hub references through `model_from_reference()` (the resolver's seam). Per-targe
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import tempfile
@@ -22,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from bundler.pack import DEFAULT_MAX_PART_SIZE, PackFile, pack_bundle, rfc3339
 from manifests.errors import UsageError
 from manifests.schema import Builder, FileEntry, Manifest, Model, ModelSource, Speculative, Target
+from runtime.fsutil import file_sha256
 
 #: serve default for max_model_len: the model's own limit, capped so a small device does not run out of KV cache
 MAX_MODEL_LEN_CAP = 4096
@@ -178,11 +178,12 @@ def content_digest(entries: Sequence[FileEntry], root: str) -> str:
 
     Same formula as bundler.resolve.content_digest, so a folder gets one revision whichever path pinned it.
     """
+    from bundler.resolve import ResolvedFile
+    from bundler.resolve import content_digest as folder_digest
+
     prefix = root.rstrip("/") + "/"
-    h = hashlib.sha256()
-    for e in sorted((e for e in entries if e.path.startswith(prefix)), key=lambda e: e.path):
-        h.update(f"{e.path[len(prefix):]}\0{e.size}\0{e.sha256}\n".encode())
-    return h.hexdigest()
+    return folder_digest(ResolvedFile(e.path[len(prefix):], e.size, e.sha256)
+                         for e in entries if e.path.startswith(prefix))
 
 
 # --- options ---------------------------------------------------------------------------------
@@ -221,8 +222,6 @@ def _targets(target_ids: Sequence[str]) -> list[Target]:
 def _omit_checkpoint_weights(files: list[PackFile], inputs: Sequence[ModelInput],
                              models: list[Model]) -> tuple[list[PackFile], list[Model]]:
     """Drop the weight files no target installs; record each one (path, size, sha256) in its model's entry."""
-    from bundler.export import file_sha256
-
     by_root = {m.root: m for m in inputs}
     omitted: dict[str, list[dict]] = {}
     kept = []

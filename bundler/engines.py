@@ -21,13 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-from bundler.export import KV_CACHE_LAYOUTS, ExportResult, export_onnx, file_sha256, past_names
+from bundler.export import KV_CACHE_LAYOUTS, ExportResult, export_onnx, past_names
 from bundler.export_gqa import SharedLayoutUnsupported
 from bundler.pack import PackFile
 from manifests.errors import ModelError, UsageError
 from manifests.schema import Engine, Target
 from manifests.targets import TargetProfile, get_profile
 from runtime.engine_cache import DeviceInfo, engine_key, onnx_digest
+from runtime.fsutil import file_sha256
 
 log = logging.getLogger(__name__)
 

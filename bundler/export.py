@@ -30,7 +30,6 @@ tells the runtime which one it got.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import tempfile
@@ -257,11 +256,3 @@ def _export_shared(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, 
         result.weights.unlink(missing_ok=True)
         raise
     return result
-
-
-def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()

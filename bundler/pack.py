@@ -43,7 +43,7 @@ from manifests.layout import (
 )
 from manifests.schema import Builder, FileEntry, Manifest, Model, Part, Speculative, Target
 from runtime import settings
-from runtime.fsutil import fsync_dir, write_atomic
+from runtime.fsutil import file_sha256, fsync_dir, write_atomic
 
 __all__ = ["PackFile", "pack_bundle", "part_length", "DEFAULT_MAX_PART_SIZE", "DEFAULT_LEVEL", "JOURNAL_FILE"]
 
@@ -269,14 +269,6 @@ class _Packer:
         return digest, len(data)
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(READ_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def rfc3339(moment: datetime) -> str:
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=timezone.utc)
@@ -400,7 +392,7 @@ def _pack_files(packer: _Packer, files: list[PackFile], sizes: list[int], bar: t
     entries = []
     done: dict[str, tuple[Part, ...]] = {}  # file sha256 -> parts already stored
     for pf, size in zip(files, sizes):
-        known = _sha256_file(pf.src) if count_by_size[size] > 1 and size > 0 else None
+        known = file_sha256(pf.src, READ_CHUNK) if count_by_size[size] > 1 and size > 0 else None
         if known is not None and known in done:
             sha, parts = known, done[known]
             bar.update(size)

@@ -1,8 +1,10 @@
-"""Durable small writes, shared by pack, copy and install: USB sticks lose unsynced writes when pulled."""
+"""File helpers shared by pack, copy, install and export: durable small writes (USB sticks lose unsynced
+writes when pulled) and streamed hashing."""
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import secrets
 from pathlib import Path
@@ -28,3 +30,12 @@ def write_atomic(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    """sha256 of a file, streamed: memory stays flat for a 20 GB weight file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

@@ -31,7 +31,8 @@ def test_files_names_and_dynamic_axes(family_exports):
 
 
 def test_export_is_deterministic(family_exports, tmp_path):
-    from bundler.export import export_onnx, file_sha256
+    from bundler.export import export_onnx
+    from runtime.fsutil import file_sha256
 
     checkpoint, first = family_exports["qwen3"]
     again = export_onnx(checkpoint, tmp_path / "again")
@@ -61,7 +62,8 @@ def test_shared_kv_layout_names_shapes_and_in_place_attention(family_shared_expo
 
 
 def test_shared_kv_export_is_deterministic(family_shared_exports, tmp_path):
-    from bundler.export import export_onnx, file_sha256
+    from bundler.export import export_onnx
+    from runtime.fsutil import file_sha256
 
     checkpoint, first = family_shared_exports["qwen2"]
     again = export_onnx(checkpoint, tmp_path / "again", kv_cache="shared")

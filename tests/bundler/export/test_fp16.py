@@ -43,7 +43,8 @@ def test_fp16_weights_are_half_the_fp32_ones(family_fp16_exports, family_exports
 
 
 def test_fp16_export_is_deterministic(family_fp16_exports, tmp_path):
-    from bundler.export import export_onnx, file_sha256
+    from bundler.export import export_onnx
+    from runtime.fsutil import file_sha256
 
     checkpoint, first = family_fp16_exports["llama"]
     again = export_onnx(checkpoint, tmp_path / "again", dtype="float16")

@@ -20,7 +20,7 @@ from tests.runtime.engines.standin import StandInBackend
 
 def install_tree(files, targets, root: Path) -> Manifest:
     """Lay files out as an installed bundle would, with a manifest describing them."""
-    from bundler.export import file_sha256
+    from runtime.fsutil import file_sha256
 
     entries = []
     for pf in files:
