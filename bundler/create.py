@@ -18,9 +18,9 @@ from typing import Callable, Mapping, Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from bundler.pack import DEFAULT_MAX_PART_SIZE, PackFile, pack_bundle, rfc3339
+from bundler.pack import DEFAULT_MAX_PART_SIZE, PackFile, pack_bundle
 from manifests.errors import UsageError
-from manifests.schema import Builder, FileEntry, Manifest, Model, ModelSource, Speculative, Target
+from manifests.schema import Builder, FileEntry, Manifest, Model, ModelSource, Speculative, Target, format_time
 from runtime.fsutil import file_sha256
 
 #: serve default for max_model_len: the model's own limit, capped so a small device does not run out of KV cache
@@ -207,8 +207,8 @@ def parse_expires(text: str | None, now: datetime) -> str | None:
         if moment.tzinfo is None:
             moment = moment.replace(tzinfo=timezone.utc)
     if moment <= now:
-        raise UsageError(f"expected --expires after now ({rfc3339(now)}), found {rfc3339(moment)}")
-    return rfc3339(moment)
+        raise UsageError(f"expected --expires after now ({format_time(now)}), found {format_time(moment)}")
+    return format_time(moment)
 
 
 def _targets(target_ids: Sequence[str]) -> list[Target]:

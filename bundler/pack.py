@@ -41,7 +41,7 @@ from manifests.layout import (
     MANIFEST_MEDIA_TYPE, OCI_INDEX_MEDIA_TYPE, OCI_LAYOUT_CONTENT, OCI_LAYOUT_FILE, OCI_MANIFEST_MEDIA_TYPE,
     PART_MEDIA_TYPE, REF_NAME_ANNOTATION, SIGNATURE_MEDIA_TYPE, b64, digest_of, pae,
 )
-from manifests.schema import Builder, FileEntry, Manifest, Model, Part, Speculative, Target
+from manifests.schema import Builder, FileEntry, Manifest, Model, Part, Speculative, Target, format_time
 from runtime import settings
 from runtime.fsutil import file_sha256, fsync_dir, write_atomic
 
@@ -269,10 +269,6 @@ class _Packer:
         return digest, len(data)
 
 
-def rfc3339(moment: datetime) -> str:
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def default_builder() -> Builder:
@@ -339,7 +335,7 @@ def pack_bundle(out: Path, *, name: str, version: int, models: list[Model], file
     if len(set(key_ids)) != len(key_ids):
         raise UsageError("expected distinct signing keys, found the same key given twice")
     part_length(max_part_size)  # refuse a too-small size before any work
-    created = rfc3339(now or datetime.now(timezone.utc))
+    created = format_time(now or datetime.now(timezone.utc))
     builder = builder or default_builder()
 
     # Check names and paths before any work: a placeholder manifest goes through the same parser the device uses.

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import PurePosixPath
 from typing import Any, Mapping
 
@@ -24,6 +25,23 @@ MEDIA_TYPE = "application/vnd.bundle.manifest.v1+json"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+
+
+def format_time(moment: datetime) -> str:
+    """The manifest's timestamp form: RFC 3339 in UTC to the second, "2026-11-29T14:00:00Z" (naive = UTC)."""
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str, what: str) -> datetime:
+    """RFC 3339 ("2026-11-29T14:00:00Z") -> aware datetime; BadBundleError naming `what` if malformed."""
+    try:
+        t = datetime.fromisoformat(text.replace("Z", "+00:00") if isinstance(text, str) else "")
+    except ValueError:
+        raise BadBundleError(f"{what}: expected an RFC 3339 time like 2026-11-29T14:00:00Z, found {text!r}") \
+            from None
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
 def _check(cond: bool, message: str) -> None:

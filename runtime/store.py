@@ -34,7 +34,7 @@ from typing import Callable
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from manifests.errors import BadBundleError, EnvironmentProblem, PolicyError, UsageError
-from manifests.schema import Manifest
+from manifests.schema import Manifest, format_time, parse_time
 from runtime import settings
 from runtime.hooks import pause
 from runtime.reader import open_bundle
@@ -54,18 +54,6 @@ def utc_now() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def parse_time(text: str, what: str) -> datetime:
-    """RFC 3339 UTC ("2026-11-29T14:00:00Z") -> aware datetime; BadBundleError if malformed."""
-    try:
-        t = datetime.fromisoformat(text.replace("Z", "+00:00") if isinstance(text, str) else "")
-    except ValueError:
-        raise BadBundleError(f"{what}: expected an RFC 3339 time like 2026-11-29T14:00:00Z, found {text!r}") \
-            from None
-    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
-
-
-def _iso(t: datetime) -> str:
-    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)
@@ -157,7 +145,7 @@ class Store:
         if floor is not None and floor >= created:
             return
         tmp = self.root / f".state-{secrets.token_hex(6)}"
-        _write_file(tmp, json.dumps({"clock_floor": _iso(created)}).encode())
+        _write_file(tmp, json.dumps({"clock_floor": format_time(created)}).encode())
         os.replace(tmp, self.state_file)
         fsync_dir(self.root)
 
@@ -289,7 +277,7 @@ class Store:
                     _write_file(staging / ENVELOPE_FILE, layout.envelope_bytes)
                 _write_file(staging / INSTALL_FILE, json.dumps({
                     "name": manifest.name, "version": manifest.version, "target": target_id,
-                    "installed_at": _iso(self.clock()), "signers": signers,
+                    "installed_at": format_time(self.clock()), "signers": signers,
                     "source": str(Path(bundle_dir).resolve())}, indent=1).encode())
                 first = [True]
 
@@ -362,9 +350,9 @@ class Store:
         clock, floor = self.clock(), self.clock_floor()
         now = max(clock, floor) if floor else clock
         if now >= expires:
-            why = f"the clock says {_iso(clock)}" if now == clock else \
-                f"the store has already accepted a bundle created {_iso(floor)} (clock says {_iso(clock)})"
-            raise PolicyError(f"bundle {manifest.name} v{manifest.version} expired at {_iso(expires)}: "
+            why = f"the clock says {format_time(clock)}" if now == clock else \
+                f"the store has already accepted a bundle created {format_time(floor)} (clock says {format_time(clock)})"
+            raise PolicyError(f"bundle {manifest.name} v{manifest.version} expired at {format_time(expires)}: "
                               f"expected a time before that, but {why} (pass --ignore-expiry)")
 
     def _free_dirname(self, name_dir: Path, version: int) -> str:
