@@ -28,7 +28,7 @@ import stat
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Callable
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -39,13 +39,13 @@ from runtime import settings
 from runtime.hooks import pause
 from runtime.reader import open_bundle
 from runtime.unpack import check_space, os_error, space_needed, unpack_files
+from runtime.validate import check_bundle
 from runtime.verify import check_signature
 from runtime.fsutil import fsync_dir
 
 MANIFEST_FILE = "manifest.json"
 ENVELOPE_FILE = "envelope.json"
 INSTALL_FILE = "install.json"
-RESERVED = {MANIFEST_FILE, ENVELOPE_FILE, INSTALL_FILE}
 _VERSION_DIR = re.compile(r"^[0-9]+(\.[0-9]+)?$")
 _MAX_STATE_BYTES = 64 * 1024
 
@@ -87,14 +87,6 @@ def _switch_link(link: Path, target_name: str) -> None:
     tmp = link.with_name(f".{link.name}-{secrets.token_hex(6)}")
     os.symlink(target_name, tmp)
     os.replace(tmp, link)
-
-
-def _check_reserved(manifest: Manifest) -> None:
-    for f in manifest.files:
-        top = PurePosixPath(f.path).parts[0]
-        if top.casefold() in RESERVED:
-            raise BadBundleError(f"invalid manifest: path {f.path!r} collides with the store's own "
-                                 f"{top.casefold()} (expected files under other names)")
 
 
 class Store:
@@ -247,7 +239,7 @@ class Store:
             layout = open_bundle(Path(bundle_dir))
             # Trust first: no part blob is read before the signature over the manifest holds.
             manifest, signers = check_signature(layout, trusted, allow_unsigned=allow_unsigned)
-            _check_reserved(manifest)
+            check_bundle(layout, manifest)  # the rules verify and copy apply (runtime.validate)
             target_id = self._pick_target(manifest, target)
             created = parse_time(manifest.created, "manifest created")
             self._check_expiry(manifest, ignore_expiry)
