@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from manifests.errors import BadBundleError, EnvironmentProblem, PolicyError, UsageError
 from manifests.schema import Manifest, format_time, parse_time
+from manifests.strict_json import parse as parse_json
 from runtime import settings
 from runtime.hooks import pause
 from runtime.reader import open_bundle
@@ -120,7 +121,7 @@ class Store:
         except FileNotFoundError:
             return None
         try:
-            state = json.loads(data)
+            state = parse_json(data, what=str(self.state_file), max_bytes=_MAX_STATE_BYTES)
             floor = state.get("clock_floor")
             return parse_time(floor, "store state") if floor else None
         except (ValueError, AttributeError, BadBundleError):
@@ -152,8 +153,11 @@ class Store:
     def _load(self, name: str, dirname: str) -> Installed:
         path = (self.bundles_dir / name / dirname).resolve()
         try:
-            manifest = Manifest.from_json_bytes((path / MANIFEST_FILE).read_bytes())
-            info = json.loads((path / INSTALL_FILE).read_bytes())
+            manifest = Manifest.from_json_bytes((path / MANIFEST_FILE).read_bytes(), str(path / MANIFEST_FILE))
+            info = parse_json((path / INSTALL_FILE).read_bytes(), what=str(path / INSTALL_FILE),
+                              max_bytes=_MAX_STATE_BYTES, error=ValueError)
+            if not isinstance(info, dict):
+                raise ValueError(f"{path / INSTALL_FILE}: expected a JSON object")
         except (OSError, ValueError) as e:
             raise EnvironmentProblem(f"installed bundle {name} at {path} is damaged: {e}; "
                                      f"install it again") from None
