@@ -87,12 +87,12 @@ def parse(data: bytes | str, *, what: str, max_bytes: int, limits: JSONLimits = 
     except _Refused as e:
         raise error(f"{what}: {e}") from None
     except json.JSONDecodeError as e:
-        raise error(f"{what}: expected valid JSON, found {e.msg} at line {e.lineno} column {e.colno}") from None
+        raise error(f"{what}: expected JSON, found {e.msg} at line {e.lineno} column {e.colno}") from None
     except RecursionError:  # the C scanner stops at Python's recursion limit (about 1000 deep)
         raise error(f"{what}: expected JSON nested at most {limits.max_depth} deep, found deeper nesting") \
             from None
     except ValueError as e:  # belt and braces: the hooks above should catch these first
-        raise error(f"{what}: expected valid JSON, found {type(e).__name__}") from None
+        raise error(f"{what}: expected JSON, found {type(e).__name__}") from None
     # Only now is `text` known to be valid JSON, so the string scan below is linear.
     _check_depth(text, what, limits.max_depth, error)
     if _SURROGATE_ESCAPE.search(text):
