@@ -198,3 +198,38 @@ def test_copy_replaces_a_symlinked_blob_at_dst_without_writing_through_it(bundle
     assert r.blobs_copied == 1 and victim.read_bytes() == b"keep me"
     assert not blob.is_symlink()
     verify_bundle(dst, trusted)
+
+
+def test_copy_does_not_copy_a_symlinked_src_blob(bundle_copy, tmp_path):
+    b = bundle_copy("v1")
+    blob = part_blob(b)
+    moved = tmp_path / "moved"
+    shutil.move(blob, moved)
+    blob.symlink_to(moved)
+    with pytest.raises(BadBundleError, match="symbolic link"):
+        copy_bundle(b, tmp_path / "dst", progress=False)
+    assert not (tmp_path / "dst" / L.COMPLETE_MARKER).exists()
+    assert not (tmp_path / "dst" / L.BLOBS_DIR / blob.name).exists()
+
+
+def test_inspect_does_not_hang_on_a_fifo(bundle_copy):
+    b = bundle_copy("v1")
+    to_fifo(b / L.INDEX_FILE)
+    r = run_cli(["inspect", b])
+    assert r.returncode == BadBundleError.exit_code and "FIFO" in r.stderr, r.stderr
+
+
+def test_oci_layout_version_is_checked(bundle_copy, trusted):
+    b = bundle_copy("v1")
+    (b / L.OCI_LAYOUT_FILE).write_bytes(b'{"imageLayoutVersion":"2.0.0"}')
+    with pytest.raises(BadBundleError, match="expected imageLayoutVersion '1.0.0', found '2.0.0'"):
+        verify_bundle(b, trusted)
+
+
+def test_trust_key_reached_through_a_link_is_fine(bundles, keys, tmp_path):
+    """The trust directory is the administrator's, not the bundle's: links there are followed."""
+    from runtime.trust import trusted_keys
+    d = tmp_path / "trust.d"
+    d.mkdir()
+    (d / "release.pub").symlink_to(keys.release_pub)
+    assert list(trusted_keys([], trust_dir=d)) == [keys.release_id]

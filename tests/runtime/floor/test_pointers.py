@@ -229,3 +229,13 @@ def test_valid_bundle_still_passes_all_three(bundles, trusted, tmp_path, clock):
     verify_bundle(tmp_path / "dst", trusted)
     Store(tmp_path / "store", clock=clock).install(tmp_path / "dst", target="jetson-thor", trusted=trusted)
     assert open_bundle(tmp_path / "dst").ref_name == "demo:1"
+
+
+def test_unsigned_bundle_allowed_still_gets_every_structural_check(bundle_copy, tmp_path, capsys):
+    b = bundle_copy("unsigned")
+    edit_index(b, lambda i: i["manifests"][0]["annotations"].update({L.REF_NAME_ANNOTATION: "demo:9"}))
+    for argv in (["verify", str(b), "--allow-unsigned", "--no-progress"],
+                 ["install", str(b), "--store", str(tmp_path / "s"), "--target", "jetson-thor", "--allow-unsigned",
+                  "--no-progress"]):
+        assert main(argv) == BadBundleError.exit_code
+        assert "index.json names the bundle 'demo:9'" in capsys.readouterr().err
