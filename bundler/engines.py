@@ -1,9 +1,11 @@
 """Per-target engine plan: which files each target carries, the exact build options, the engine key.
 
-The ONNX export of each model is shared by every target that runs it and stored once. There are
-two graph layouts (bundler.export.KV_CACHE_LAYOUTS): ONNX Runtime targets get the "shared" graph
-(engines/onnx-shared/<role>/, GroupQueryAttention, KV cache updated in place), TensorRT targets
-the "concat" graph (engines/onnx/<role>/), which is also what they fall back to on ONNX Runtime.
+The ONNX export of each model is shared by every target that runs it and stored once. Graph
+layouts (bundler.export.KV_CACHE_LAYOUTS): ONNX Runtime targets get the "batched" graph
+(engines/onnx-batched/<role>/, TensorScatter + Attention: many sequences per call, KV cache
+updated in place; chosen over the "shared" GroupQueryAttention graph, which cannot batch
+verification or prefill rows, on benchmarks/bench_graphs.py), TensorRT targets the "concat" graph
+(engines/onnx/<role>/), which is also what they fall back to on ONNX Runtime.
 The engine record's build["kv_cache"] names the layout. TensorRT targets whose profile lists fp16
 get the concat graph exported in fp16 (engines/onnx-fp16/<role>/, half the bytes; TensorRT 11 has
 no FP16 builder flag and takes the graph's types), the others the fp32 one; build["dtype"] names it
@@ -35,10 +37,13 @@ log = logging.getLogger(__name__)
 ONNX_ROOT = "engines/onnx"
 #: (KV-cache layout, dtype) -> folder in the bundle. One graph per pair, shared by its targets.
 ONNX_ROOTS = {("concat", "float32"): ONNX_ROOT, ("concat", "float16"): "engines/onnx-fp16",
-              ("shared", "float32"): "engines/onnx-shared"}
+              ("shared", "float32"): "engines/onnx-shared", ("batched", "float32"): "engines/onnx-batched"}
 #: ONNX Runtime that runs the shared layout: CPU GroupQueryAttention with new tokens after a past
 #: (verification, chunked prefill) arrived in 1.20 (microsoft/onnxruntime#21523).
 ONNXRUNTIME_MIN_SHARED = "1.20"
+#: ONNX Runtime that runs the batched layout: opset 24 TensorScatter, opset 23 Attention,
+#: RotaryEmbedding and RMSNormalization on the CPU provider (checked on 1.30 and 1.32).
+ONNXRUNTIME_MIN_BATCHED = "1.30"
 PLAN_ROOT = "engines/plans"
 DEFAULT_MAX_CONTEXT_CAP = 4096  # same cap as bundle create's serve default
 DEFAULT_PREFILL_CHUNK = 512
@@ -175,7 +180,7 @@ def host_device(backend=None) -> DeviceInfo | None:
 
 def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], shape: ServeShape,
                    work_dir: Path, device: DeviceInfo | None = None, backend=None,
-                   onnxruntime_layout: str = "shared") -> tuple[list[PackFile], Target]:
+                   onnxruntime_layout: str = "batched") -> tuple[list[PackFile], Target]:
     """Engine records (and plan files, when this host can build them) for one target."""
     files: list[PackFile] = []
     engines: list[Engine] = []
@@ -184,7 +189,7 @@ def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], sh
     layout = variant[0]
     for m in (m for m in exported if m.variant == variant):
         if profile.backend == "onnxruntime":
-            minimum = ONNXRUNTIME_MIN_SHARED if layout == "shared" else ONNXRUNTIME_MIN
+            minimum = {"shared": ONNXRUNTIME_MIN_SHARED, "batched": ONNXRUNTIME_MIN_BATCHED}.get(layout, ONNXRUNTIME_MIN)
             engines.append(Engine(model=m.role, backend="onnxruntime", format="onnx", path=m.graph_path,
                                   files=m.paths, key={"onnx_sha256": m.onnx_sha256, "onnxruntime_min": minimum},
                                   build={"max_context": shape.max_context, "kv_cache": layout}))
@@ -213,11 +218,12 @@ def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], sh
 def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_dir: Path, serve: Mapping, *,
                     num_speculative_tokens: int | None = None, extra_dirs: Iterable[Path] = (),
                     backend=None, export: Callable[..., ExportResult] = export_onnx,
-                    kv_cache: str = "shared") -> tuple[list[PackFile], list[Target]]:
+                    kv_cache: str = "batched") -> tuple[list[PackFile], list[Target]]:
     """Export every model once per layout its targets need and plan every target: (files to pack, Targets).
 
-    `kv_cache` is the layout ONNX Runtime targets get ("shared", or "concat" to ship one graph
-    for every target); TensorRT targets always get "concat".
+    `kv_cache` is the layout ONNX Runtime targets get ("batched"; "shared" for the older
+    GroupQueryAttention graph, or "concat" to ship one graph for every target); TensorRT targets
+    always get "concat".
     """
     if not target_ids:
         raise UsageError("expected at least one target, found none")
@@ -253,7 +259,7 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
 
 
 def target_files_hook(*, serve: Mapping | None = None, num_speculative_tokens: int | None = None,
-                      extra_dirs: Iterable[Path] = (), backend=None, kv_cache: str = "shared"):
+                      extra_dirs: Iterable[Path] = (), backend=None, kv_cache: str = "batched"):
     """Adapter to bundler.create's `target_files` hook (models, targets, work_dir) -> (files, targets)."""
     def hook(inputs, targets, work_dir):
         return prepare_targets([t.id for t in targets], {m.role: m.local_dir for m in inputs}, work_dir,

@@ -24,8 +24,9 @@ We use the TorchScript exporter (dynamo=False): it traces transformers' cache co
 Concat/MatMul/Softmax, which both ONNX Runtime and TensorRT run, and it needs no onnxscript.
 That is the "concat" layout: present = Concat(past, new) copies the cache every step.
 `kv_cache="shared"` instead writes the in-place GroupQueryAttention graph of bundler.export_gqa
-(ONNX Runtime only), whose past and present are one fixed-size buffer; metadata `bundle.kv_cache`
-tells the runtime which one it got.
+(ONNX Runtime only), whose past and present are one fixed-size buffer; `kv_cache="batched"` the
+in-place graph of standard ops (TensorScatter + Attention) that advances many sequences in one
+call (what ONNX Runtime targets ship); metadata `bundle.kv_cache` tells the runtime which one it got.
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ MAX_CONFIG_BYTES = 1024 * 1024
 #: step; runs anywhere (ONNX Runtime, TensorRT). "shared": written by bundler.export_gqa with
 #: GroupQueryAttention, past and present are one fixed [.., max_context, ..] buffer updated in
 #: place (ONNX Runtime only: GQA is a contrib op).
-KV_CACHE_LAYOUTS = ("concat", "shared")
+#: "batched": written by bundler.export_gqa with the standard TensorScatter + Attention ops (opset
+#: 24): one cache region per slot, [slots, kv_heads, capacity, head_dim], updated in place, and one
+#: call advances many slots with different numbers of new tokens (what the scheduler batches).
+KV_CACHE_LAYOUTS = ("concat", "shared", "batched")
 #: Graph dtypes (weights, activations, KV cache). float16 only for the concat layout: the shared
 #: layout is for ONNX Runtime on CPU, where fp16 buys nothing but casts.
 DTYPES = ("float32", "float16")
@@ -183,15 +187,15 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
         raise UsageError(f"expected kv_cache to be one of {', '.join(KV_CACHE_LAYOUTS)}, found {kv_cache!r}")
     if dtype not in DTYPES:
         raise UsageError(f"expected dtype to be one of {', '.join(DTYPES)}, found {dtype!r}")
-    if kv_cache == "shared" and dtype != "float32":
-        raise UsageError(f"the shared KV-cache graph is float32 only (it is for ONNX Runtime on CPU); "
+    if kv_cache != "concat" and dtype != "float32":
+        raise UsageError(f"the {kv_cache} KV-cache graph is float32 only (it is for ONNX Runtime on CPU); "
                          f"found dtype {dtype!r}: export float16 with kv_cache='concat'")
     config = read_config(checkpoint_dir)
     family, arch = check_family(config, str(checkpoint_dir))
     opset = opset or DEFAULT_OPSET
     out_dir.mkdir(parents=True, exist_ok=True)
-    if kv_cache == "shared":
-        return _export_shared(checkpoint_dir, out_dir, family, arch, opset)
+    if kv_cache != "concat":
+        return _export_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache)
 
     import onnx
     import torch
@@ -241,16 +245,18 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     return result
 
 
-def _export_shared(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int) -> ExportResult:
+def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int,
+                     layout: str) -> ExportResult:
     from transformers import AutoConfig
 
-    from bundler.export_gqa import build_shared_kv_graph
+    from bundler.export_gqa import BATCHED_OPSET, build_batched_kv_graph, build_shared_kv_graph
 
     cfg = AutoConfig.from_pretrained(checkpoint_dir)
-    result = _result(cfg, family, arch, out_dir, opset, "shared")
+    build = build_batched_kv_graph if layout == "batched" else build_shared_kv_graph
+    result = _result(cfg, family, arch, out_dir, BATCHED_OPSET if layout == "batched" else opset, layout)
     result.weights.unlink(missing_ok=True)
     try:
-        build_shared_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family == "qwen3")
+        build(checkpoint_dir, result, cfg, has_q_k_norm=family == "qwen3")
     except BaseException:  # no half-written graph that looks complete
         result.graph.unlink(missing_ok=True)
         result.weights.unlink(missing_ok=True)

@@ -37,6 +37,13 @@ from manifests.errors import ModelError
 log = logging.getLogger(__name__)
 
 KV_LAYOUT = "shared"
+BATCHED_LAYOUT = "batched"
+#: TensorScatter, RotaryEmbedding, RMSNormalization and Attention: ONNX opset 23/24 (ONNX 1.19).
+BATCHED_OPSET = 24
+BATCHED_IR_VERSION = 11
+#: Rows past max_context a slot's cache has room for: a batch pads every row to its longest one,
+#: and the padding (never attended to) is written there. Rows longer than this are split by the runtime.
+BATCHED_HEADROOM = 64
 MS_DOMAIN = "com.microsoft"
 IR_VERSION = 9
 ALIGN = 64  # byte alignment of each tensor in the external-data file
@@ -141,16 +148,30 @@ def check_supported(config, head_dim: int, what: str) -> None:
 
 def build_shared_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool) -> None:
     """Write result.graph + result.weights (the ExportResult from bundler.export) for the shared layout."""
+    check_supported(config, result.head_dim, str(checkpoint_dir))
+    _build(checkpoint_dir, result, config, has_q_k_norm=has_q_k_norm, layout="shared")
+
+
+def build_batched_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool) -> None:
+    """Write result.graph + result.weights for the batched layout (standard TensorScatter + Attention)."""
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise SharedLayoutUnsupported(f"{checkpoint_dir} cannot use the in-place KV cache graph: activation "
+                                      f"{act!r} is not silu (SwiGLU MLP)")
+    _build(checkpoint_dir, result, config, has_q_k_norm=has_q_k_norm, layout=BATCHED_LAYOUT)
+
+
+def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: str) -> None:
     from onnx import TensorProto as TP
     from onnx import helper as h
 
     cfg = config
-    check_supported(cfg, result.head_dim, str(checkpoint_dir))
+    batched = layout == BATCHED_LAYOUT
     family, layers = result.family, result.num_layers
     heads, kv, hd = int(cfg.num_attention_heads), result.num_kv_heads, result.head_dim
     eps = float(cfg.rms_norm_eps)
     ckpt = _Checkpoint(Path(checkpoint_dir))
-    cos, sin = rotary_tables(family, cfg, result.max_positions, hd)
+    cos, sin = rotary_tables(family, cfg, result.max_positions + (BATCHED_HEADROOM if batched else 0), hd)
     w = _Writer(result.weights)
     nodes: list = []
 
@@ -160,7 +181,13 @@ def build_shared_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm:
         nodes.append(h.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
         return outputs[0] if len(outputs) == 1 else outputs
 
+    def const(name, values):
+        return w.add(name, np.array(values, np.int64))
+
     def rms(x, weight_name):
+        if batched:  # the standard op (opset 23), the same computation as ONNX Runtime's contrib one
+            return node("RMSNormalization", [x, w.add(weight_name, ckpt.get(weight_name))], axis=-1,
+                        epsilon=eps, stash_type=1)
         return node("SimplifiedLayerNormalization", [x, w.add(weight_name, ckpt.get(weight_name))],
                     axis=-1, epsilon=eps, stash_type=1)
 
@@ -171,16 +198,21 @@ def build_shared_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm:
         return y
 
     def head_norm(x, n_heads, weight_name):  # Qwen3: RMSNorm over each head's vector before rotary
-        x4 = node("Reshape", [x, w.add(f"shape_{n_heads}_{hd}", np.array([0, 0, n_heads, hd], np.int64))])
+        x4 = node("Reshape", [x, const(f"shape_{n_heads}_{hd}", [0, 0, n_heads, hd])])
         y = rms(x4, weight_name)
-        return node("Reshape", [y, w.add(f"shape_{n_heads * hd}", np.array([0, 0, n_heads * hd], np.int64))])
+        return node("Reshape", [y, const(f"shape_{n_heads * hd}", [0, 0, n_heads * hd])])
 
-    # seqlens_k = total tokens - 1 per row; total_sequence_length = attention_mask's length (scalar)
-    tokens = node("ReduceSum", ["attention_mask", w.add("axes_1", np.array([1], np.int64))], keepdims=0)
-    seqlens_k = node("Cast", [node("Sub", [tokens, w.add("one", np.array(1, np.int64))])], to=TP.INT32)
-    total = node("Cast", [node("Squeeze", [node("Shape", ["attention_mask"], start=1, end=2),
-                                           w.add("axes_0", np.array([0], np.int64))])], to=TP.INT32)
+    def heads_first(x, n_heads):  # [batch, seq, n*hd] -> [batch, n, seq, hd]
+        x4 = node("Reshape", [x, const(f"shape_{n_heads}_{hd}", [0, 0, n_heads, hd])])
+        return node("Transpose", [x4], perm=[0, 2, 1, 3])
+
     cos_name, sin_name = w.add("cos_cache", cos), w.add("sin_cache", sin)
+    if not batched:
+        # seqlens_k = total tokens - 1 per row; total_sequence_length = attention_mask's length (scalar)
+        tokens = node("ReduceSum", ["attention_mask", const("axes_1", [1])], keepdims=0)
+        seqlens_k = node("Cast", [node("Sub", [tokens, w.add("one", np.array(1, np.int64))])], to=TP.INT32)
+        total = node("Cast", [node("Squeeze", [node("Shape", ["attention_mask"], start=1, end=2),
+                                               const("axes_0", [0])])], to=TP.INT32)
 
     x = node("Gather", [w.add("model.embed_tokens.weight", ckpt.get("model.embed_tokens.weight")), "input_ids"])
     for i in range(layers):
@@ -190,12 +222,22 @@ def build_shared_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm:
         if has_q_k_norm:
             q = head_norm(q, heads, f"{p}.self_attn.q_norm.weight")
             k = head_norm(k, kv, f"{p}.self_attn.k_norm.weight")
-        attn = node("GroupQueryAttention",
-                    [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total,
-                     cos_name, sin_name],
-                    [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN,
-                    num_heads=heads, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0,
-                    scale=float(hd) ** -0.5)[0]
+        past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
+        if batched:
+            q4 = node("RotaryEmbedding", [heads_first(q, heads), cos_name, sin_name, "position_ids"], interleaved=0)
+            k4 = node("RotaryEmbedding", [heads_first(k, kv), cos_name, sin_name, "position_ids"], interleaved=0)
+            present_k = node("TensorScatter", [past_k, k4, "write_indices"], [f"present.{i}.key"], axis=2)
+            present_v = node("TensorScatter", [past_v, heads_first(v, kv), "write_indices"],
+                             [f"present.{i}.value"], axis=2)
+            y4 = node("Attention", [q4, present_k, present_v, "attention_mask"], scale=float(hd) ** -0.5)
+            attn = node("Reshape", [node("Transpose", [y4], perm=[0, 2, 1, 3]),
+                                    const(f"shape_{heads * hd}", [0, 0, heads * hd])])
+        else:
+            attn = node("GroupQueryAttention",
+                        [q, k, v, past_k, past_v, seqlens_k, total, cos_name, sin_name],
+                        [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN,
+                        num_heads=heads, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0,
+                        scale=float(hd) ** -0.5)[0]
         x = node("Add", [x, linear(attn, f"{p}.self_attn.o_proj")])
         hs = rms(x, f"{p}.post_attention_layernorm.weight")
         gate, up = linear(hs, f"{p}.mlp.gate_proj"), linear(hs, f"{p}.mlp.up_proj")
@@ -206,20 +248,33 @@ def build_shared_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm:
     node("MatMul", [x, w.add("lm_head.weight.T", ckpt.get(head).T)], ["logits"])
     w.close()
 
-    cache = ["batch", kv, "max_sequence_length", hd]
-    inputs = [h.make_tensor_value_info("input_ids", TP.INT64, ["batch", "sequence_length"]),
-              h.make_tensor_value_info("attention_mask", TP.INT64, ["batch", "total_sequence_length"])]
+    inputs = [h.make_tensor_value_info("input_ids", TP.INT64, ["batch", "sequence_length"])]
+    if batched:
+        cache = ["batch", kv, "capacity", hd]
+        inputs += [h.make_tensor_value_info("position_ids", TP.INT64, ["batch", "sequence_length"]),
+                   h.make_tensor_value_info("write_indices", TP.INT64, ["batch"]),
+                   h.make_tensor_value_info("attention_mask", TP.BOOL, ["batch", 1, "sequence_length", "capacity"])]
+    else:
+        cache = ["batch", kv, "max_sequence_length", hd]
+        inputs.append(h.make_tensor_value_info("attention_mask", TP.INT64, ["batch", "total_sequence_length"]))
     outputs = [h.make_tensor_value_info("logits", TP.FLOAT, ["batch", "sequence_length", result.vocab_size])]
     for i in range(layers):
         for part in ("key", "value"):
             inputs.append(h.make_tensor_value_info(f"past_key_values.{i}.{part}", TP.FLOAT, cache))
             outputs.append(h.make_tensor_value_info(f"present.{i}.{part}", TP.FLOAT, cache))
     graph = h.make_graph(nodes, "decoder", inputs, outputs, w.initializers)
-    model = h.make_model(graph, opset_imports=[h.make_opsetid("", result.opset), h.make_opsetid(MS_DOMAIN, 1)],
-                         producer_name="bundle", doc_string=f"{result.architecture} built by bundle for "
-                         f"in-place KV-cache decoding (GroupQueryAttention, shared past/present buffers)")
-    model.ir_version = IR_VERSION
+    if batched:
+        opsets = [h.make_opsetid("", BATCHED_OPSET)]
+        doc = "batched in-place KV-cache decoding (TensorScatter + Attention, one cache region per slot)"
+    else:
+        opsets = [h.make_opsetid("", result.opset), h.make_opsetid(MS_DOMAIN, 1)]
+        doc = "in-place KV-cache decoding (GroupQueryAttention, shared past/present buffers)"
+    model = h.make_model(graph, opset_imports=opsets, producer_name="bundle",
+                         doc_string=f"{result.architecture} built by bundle for {doc}")
+    model.ir_version = BATCHED_IR_VERSION if batched else IR_VERSION
     for key, value in result.metadata().items():
         model.metadata_props.add(key=key, value=value)
+    if batched:
+        model.metadata_props.add(key="bundle.kv_headroom", value=str(BATCHED_HEADROOM))
     result.graph.write_bytes(model.SerializeToString())
-    log.info("built the shared-KV graph for %s (%d layers) at %s", result.architecture, layers, result.graph)
+    log.info("built the %s-KV graph for %s (%d layers) at %s", layout, result.architecture, layers, result.graph)

@@ -23,7 +23,18 @@ import click
 @click.option("--max-model-len", type=click.IntRange(16, None), default=None,
               help="Context length (prompt + output) in tokens; default: the bundle's setting or the engine's limit.")
 @click.option("--max-queued-requests", type=click.IntRange(0, None), default=16, show_default=True,
-              help="Requests that may wait while one generates; more get HTTP 429.")
+              help="Requests that may wait while --max-num-seqs generate; more get HTTP 429.")
+@click.option("--max-num-seqs", type=click.IntRange(1, 1024), default=8, show_default=True,
+              help="Sequences generated at once (slots); fewer when the KV cache budget holds fewer.")
+@click.option("--max-num-batched-tokens", type=click.IntRange(1, None), default=256, show_default=True,
+              help="Tokens one engine step computes over all sequences; long prompts are prefilled in chunks "
+                   "of what is left after the running sequences' decode tokens.")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+              help="Reuse the KV cache of the longest prompt prefix already computed (shared system prompt, "
+                   "previous chat turn).")
+@click.option("--kv-cache-memory-bytes", type=click.IntRange(1, None), default=None,
+              help="KV cache budget in bytes; decides how many sequences fit (default: a quarter of the "
+                   "memory available at start).")
 @click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/ routes.")
 @click.option("--served-model-name", default=None, help="Model id clients use (default: the bundle name).")
 @click.option("--trust", "trust", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -32,7 +43,8 @@ import click
 @click.option("--log-interval", type=click.FloatRange(1, None), default=10.0, show_default=True,
               help="Seconds between log lines with tokens/s and acceptance rate.")
 def serve(bundle, store, target, host, port, speculative_config, no_speculation, max_model_len,
-          max_queued_requests, api_key, served_model_name, trust, allow_unsigned, log_interval):
+          max_queued_requests, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_memory_bytes,
+          api_key, served_model_name, trust, allow_unsigned, log_interval):
     """Serve an installed bundle (by NAME) or a bundle directory over an OpenAI-compatible API.
 
     A bundle directory is verified first (signature and digests, as `bundle install`) and
@@ -58,4 +70,6 @@ def serve(bundle, store, target, host, port, speculative_config, no_speculation,
                speculative_config=parse_speculative_config(speculative_config), no_speculation=no_speculation,
                max_model_len=max_model_len, max_queued_requests=max_queued_requests, api_key=api_key,
                trust=tuple(trust), allow_unsigned=allow_unsigned, log_interval_s=log_interval,
-               served_model_name=served_model_name, echo=click.echo)
+               served_model_name=served_model_name, max_num_seqs=max_num_seqs,
+               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+               kv_cache_memory_bytes=kv_cache_memory_bytes, echo=click.echo)

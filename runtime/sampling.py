@@ -4,11 +4,20 @@ Speculative sampling is only exact when the draft's q and the target's p go thro
 processing, so both call `probabilities` with the request's `SamplingParams`. Temperature 0 means
 greedy: the distribution is one-hot on the argmax (ties go to the lowest id, as numpy's argmax).
 Each request owns a seeded `numpy.random.Generator`, so the same seed gives the same output.
+
+Logits processors are the per-request hook for masks (grammar-constrained decoding, banned
+tokens): `processor(output_ids, logits) -> logits`, as vLLM's, called with the tokens generated so
+far and one row of raw logits. Plain decoding, the draft's proposals and the target's verification
+rows all pass through `apply_processors` with the output as it would be at that position, so a
+draft proposes under the same mask the target verifies under and acceptance stays exact.
+A processor must depend only on the tokens it is given (speculation calls it for positions that
+may be rolled back); a stateful matcher keys its state by len(output_ids).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -36,6 +45,18 @@ class SamplingParams:
 
     def rng(self) -> np.random.Generator:
         return np.random.default_rng(self.seed)
+
+
+#: (tokens generated so far, float32 logits [vocab]) -> logits of the same shape (e.g. -inf where masked)
+LogitsProcessor = Callable[[Sequence[int], np.ndarray], np.ndarray]
+
+
+def apply_processors(processors: Sequence[LogitsProcessor], output_ids: Sequence[int],
+                     logits: np.ndarray) -> np.ndarray:
+    """One row of logits after every processor of the request, in order."""
+    for processor in processors:
+        logits = processor(output_ids, logits)
+    return logits
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

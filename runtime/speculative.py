@@ -1,9 +1,11 @@
-"""Token generation on one target engine, optionally sped up by speculation.
+"""Speculative decoding: proposals and exact acceptance, per sequence, under batching.
 
 Methods:
-- "none": one target forward per token.
-- "draft_model": a small draft engine proposes g tokens one by one; the target scores all g+1
-  positions in ONE forward; the longest acceptable prefix plus one target token is kept.
+- "none": one target row per token.
+- "draft_model": a small draft engine proposes g tokens one by one (batched over every speculating
+  slot: g draft forwards per step, whatever the number of slots); the target scores all g+1
+  positions of every slot in ONE forward; per slot the longest acceptable prefix plus one target
+  token is kept.
 - "ngram": prompt lookup. The last n tokens are searched for earlier in the sequence and the
   tokens that followed become the proposal (a one-hot q), so no draft weights are needed.
 
@@ -11,13 +13,11 @@ Acceptance follows Leviathan et al. / Chen et al. exactly (see shared/TARGETS.md
 while the draft token equals the target's argmax, so output is token-identical to plain greedy;
 sampling accepts with min(1, p/q), resamples from norm(max(0, p - q)) at the first rejection and
 draws a bonus token from p when every proposal is accepted. p and q both pass through the same
-`runtime.sampling.probabilities`, so the output distribution is the target's.
+request's logits processors and `runtime.sampling.probabilities`, so the output distribution is
+the target's (under the request's mask, if any).
 
-Cache bookkeeping: each engine's cache holds every token of the sequence except the last one
-(the "pending" token, whose logits are not computed yet). After a verification the caches are
-rolled back to the accepted prefix. Between requests the caches keep the previous sequence and
-are rolled back to the longest common prefix with the new prompt, which is both a speed-up for
-chat (same system prompt) and a standing test that rollback is exact.
+`Generator` is one sequence at a time over the same scheduler and model runner the server uses
+(runtime.scheduler, runtime.model_runner): what tests, tools and benchmarks call.
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from manifests.errors import UsageError
-from runtime.engine import Engine
-from runtime.sampling import SamplingParams, draw, probabilities
+from runtime.engine import Engine, SequenceEngine, SequenceSlots
+from runtime.sampling import LogitsProcessor, SamplingParams, apply_processors, draw, probabilities
 
 METHODS = ("none", "draft_model", "ngram")
 
 
 @dataclass(frozen=True)
 class Step:
-    """What one decoding step produced. `finish_reason` is set on the last step only."""
+    """What one decoding step produced for one sequence. `finish_reason` is set on the last step only."""
 
     tokens: list[int]
     drafted: int = 0  # proposals scored in this step (0: plain step)
@@ -85,217 +85,138 @@ def _one_hot(token: int, vocab: int) -> np.ndarray:
     return q
 
 
-class Generator:
-    """Drives a target engine (and a draft engine for "draft_model"). One sequence at a time."""
+def propose_token(logits: np.ndarray, params: SamplingParams, rng, processors: Sequence[LogitsProcessor],
+                  output_ids: Sequence[int]) -> tuple[int, np.ndarray | None]:
+    """One draft token from one row of draft logits: (token, q) with q None on the greedy path."""
+    if processors:
+        logits = apply_processors(processors, output_ids, logits)
+    if params.greedy:
+        return int(logits.argmax()), None
+    q = probabilities(logits, params)
+    return draw(q, rng), q
 
-    def __init__(self, target: Engine, draft: Engine | None = None, method: str = "none",
-                 num_speculative_tokens: int = 3, *, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
-                 clock=time.perf_counter):
-        if method not in METHODS:
-            raise UsageError(f"speculative method must be one of {', '.join(METHODS)}, found {method!r}")
-        if method == "draft_model" and draft is None:
-            raise UsageError("speculative method 'draft_model' needs a draft engine; the bundle has no draft model")
-        if method != "none" and not (1 <= num_speculative_tokens <= 16):
-            raise UsageError(f"num_speculative_tokens must be in 1..16, found {num_speculative_tokens}")
-        if not (1 <= prompt_lookup_min <= prompt_lookup_max):
-            raise UsageError(f"expected 1 <= prompt_lookup_min <= prompt_lookup_max, "
-                             f"found {prompt_lookup_min} and {prompt_lookup_max}")
-        if draft is not None and method == "draft_model" and draft.vocab_size != target.vocab_size:
-            # Logit rows must index the same tokens; a smaller draft vocabulary would need padding.
-            raise UsageError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
-        self.target = target
-        self.draft = draft if method == "draft_model" else None
-        self.method = method
-        self.num_speculative_tokens = num_speculative_tokens if method != "none" else 0
-        self.prompt_lookup_min = prompt_lookup_min
-        self.prompt_lookup_max = prompt_lookup_max
-        self.stats = SpecStats()
-        self._clock = clock
-        # Mirrors of what each engine's cache holds (token ids), for rollback to a common prefix.
-        self._tcache: list[int] = []
-        self._dcache: list[int] = []
+
+def accept(logits: np.ndarray, drafts: Sequence[int], qs: Sequence[np.ndarray], params: SamplingParams, rng,
+           processors: Sequence[LogitsProcessor] = (), output_ids: Sequence[int] = ()) -> list[int]:
+    """Target logits [len(drafts) + 1, vocab] for [pending, *drafts] -> the tokens to append.
+
+    The first len(result) - 1 are accepted drafts; the last is the target's own token (the
+    correction at the first rejection, or the bonus token when every draft was accepted).
+    `qs`: the draft's probabilities per proposal (empty: one-hot proposals, ngram or greedy).
+    """
+    if processors:
+        out = list(output_ids)
+        rows = []
+        for i in range(len(drafts) + 1):
+            rows.append(apply_processors(processors, out + list(drafts[:i]), logits[i]))
+        logits = np.stack(rows)
+    new: list[int] = []
+    if params.greedy:  # argmax of the raw (masked) logits: no probabilities needed
+        best = logits.argmax(axis=1).tolist()
+        for i, d in enumerate(drafts):
+            new.append(best[i])
+            if d != best[i]:
+                return new
+        new.append(best[len(drafts)])  # every proposal accepted (or none made): the bonus token
+        return new
+    for i, d in enumerate(drafts):
+        p = probabilities(logits[i], params)
+        q = qs[i] if qs else _one_hot(d, len(p))
+        if rng.random() < min(1.0, p[d] / q[d]):
+            new.append(d)
+            continue
+        residual = np.maximum(p - q, 0.0)
+        new.append(draw(residual if residual.sum() > 0 else p, rng))
+        return new
+    new.append(draw(probabilities(logits[len(drafts)], params), rng))  # bonus token from the last row
+    return new
+
+
+def ngram_lookup(tokens: Sequence[int], g: int, lo: int, hi: int) -> list[int]:
+    """Most recent earlier occurrence of the longest suffix n-gram (lo <= n <= hi); the g tokens after it.
+
+    Candidates are the earlier positions of the last token (one vectorised compare), narrowed
+    one token further back per n-gram length: far cheaper than comparing every window.
+    """
+    seq = np.asarray(tokens, dtype=np.int64)
+    longest = min(hi, len(seq) - 1)
+    if longest < lo:
+        return []
+    ends = np.flatnonzero(seq[:-1] == seq[-1])  # where an earlier match would end
+    matches = []  # matches[n - 1]: ends of earlier occurrences of the last n tokens
+    for j in range(longest):
+        if j:
+            ends = ends[ends >= j]
+            ends = ends[seq[ends - j] == seq[-1 - j]]
+        matches.append(ends)
+        if not len(ends):
+            break
+    for n in range(min(longest, len(matches)), lo - 1, -1):
+        if len(matches[n - 1]):
+            start = int(matches[n - 1][-1]) + 1
+            return seq[start:start + g].tolist()
+    return []
+
+
+def as_slots(engine):
+    """A slot engine; a single-sequence engine (the interface before slots) becomes one slot."""
+    if engine is None or isinstance(engine, Engine):
+        return engine
+    if isinstance(engine, SequenceEngine) or hasattr(engine, "forward"):
+        return SequenceSlots([engine])
+    raise TypeError(f"expected an Engine, found {type(engine).__name__}")
+
+
+class Generator:
+    """One sequence at a time over the batched scheduler: what tests, tools and benchmarks drive.
+
+    Holds the model runner (engines, speculative method); the server's runtime.engine_client
+    drives the same runner with many sequences at once.
+    """
+
+    def __init__(self, target, draft=None, method: str = "none", num_speculative_tokens: int = 3, *,
+                 prompt_lookup_min: int = 2, prompt_lookup_max: int = 4, clock=time.perf_counter):
+        from runtime.model_runner import ModelRunner
+
+        self.runner = ModelRunner(as_slots(target), as_slots(draft), method, num_speculative_tokens,
+                                  prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
+                                  clock=clock)
         self._busy = threading.Lock()
 
-    @property
-    def max_context(self) -> int:
-        m = self.target.max_context
-        return min(m, self.draft.max_context) if self.draft is not None else m
+    target = property(lambda self: self.runner.target)
+    draft = property(lambda self: self.runner.draft)
+    method = property(lambda self: self.runner.method)
+    num_speculative_tokens = property(lambda self: self.runner.num_speculative_tokens)
+    stats = property(lambda self: self.runner.stats)
+    max_context = property(lambda self: self.runner.max_context)
 
-    # --- public --------------------------------------------------------------------------------
+    def _lookup(self, tokens: list[int], g: int) -> list[int]:
+        return ngram_lookup(tokens, g, self.runner.prompt_lookup_min, self.runner.prompt_lookup_max)
+
     def generate(self, prompt: Sequence[int], params: SamplingParams, *, max_tokens: int,
-                 eos_ids: Sequence[int] = (), speculative: bool = True,
-                 cancel: threading.Event | None = None) -> Iterator[Step]:
+                 eos_ids: Sequence[int] = (), speculative: bool = True, cancel: threading.Event | None = None,
+                 logits_processors: Sequence[LogitsProcessor] = ()) -> Iterator[Step]:
         """Yield Steps of new tokens until eos (not included), `max_tokens`, the context end, or `cancel`."""
-        if not prompt:
-            raise UsageError("prompt must hold at least one token")
-        if max_tokens < 1:
-            raise UsageError(f"max_tokens must be >= 1, found {max_tokens}")
-        if len(prompt) >= self.max_context:
-            raise UsageError(f"prompt has {len(prompt)} tokens, the context holds {self.max_context}")
+        from runtime.scheduler import EngineRequest, Scheduler
+
+        request = EngineRequest(list(prompt), params, max_tokens, eos_ids=frozenset(eos_ids),
+                                speculative=speculative, logits_processors=tuple(logits_processors))
+        self.runner.check(request)
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("Generator.generate is already running; it serves one sequence at a time")
         try:
-            yield from self._generate(list(prompt), params, max_tokens, frozenset(eos_ids),
-                                      self.method if speculative else "none", cancel)
+            steps: list[Step] = []
+            request.on_step = lambda step: steps.append(step)
+            scheduler = Scheduler(self.runner, max_num_seqs=1, max_num_batched_tokens=self.runner.max_context + 16)
+            scheduler.add(request)
+            while request.finish_reason is None:
+                if cancel is not None and cancel.is_set():
+                    request.cancel.set()
+                scheduler.step()
+                yield from steps
+                steps.clear()
         finally:
-            self._check_caches()
             self._busy.release()
 
-    # --- loop ----------------------------------------------------------------------------------
-    def _generate(self, tokens, params, max_tokens, eos, method, cancel):
-        rng = params.rng()
-        produced = 0
-        self._feed(self.target, self._tcache, tokens[:-1], need_logits=False, role="target")
-        while True:
-            if cancel is not None and cancel.is_set():
-                yield Step([], finish_reason="cancelled")
-                return
-            room = self.max_context - len(tokens)  # draft positions the target cache may still take
-            if room < 0:
-                yield Step([], finish_reason="length")
-                return
-            g = min(self.num_speculative_tokens, room, max_tokens - produced - 1) if method != "none" else 0
-            drafts, qs = self._propose(method, tokens, g, params, rng) if g > 0 else ([], [])
-            new, accepted = self._verify(tokens, drafts, qs, params, rng)
-            self.stats.record(len(drafts), accepted)
-            out, finish = [], None
-            for t in new:
-                if t in eos:
-                    finish = "stop"
-                    break
-                out.append(t)
-                produced += 1
-                if produced >= max_tokens:
-                    finish = "length"
-                    break
-            tokens.extend(new)
-            yield Step(out, drafted=len(drafts), accepted=accepted, finish_reason=finish)
-            if finish is not None:
-                return
-
-    def _verify(self, tokens, drafts, qs, params, rng) -> tuple[list[int], int]:
-        """Score [pending] + drafts on the target; return (tokens to append, number accepted)."""
-        L = len(tokens)
-        logits = self._forward(self.target, self._tcache, [tokens[-1], *drafts], role="target")
-        new: list[int] = []
-        if params.greedy:  # argmax of the raw logits: no probabilities needed
-            best = logits.argmax(axis=1).tolist()
-            for i, d in enumerate(drafts):
-                new.append(best[i])
-                if d != best[i]:
-                    break
-            else:  # every proposal accepted (or none made): the bonus token
-                new.append(best[len(drafts)])
-        else:
-            for i, d in enumerate(drafts):
-                p = probabilities(logits[i], params)
-                q = qs[i] if qs else _one_hot(d, len(p))
-                if rng.random() < min(1.0, p[d] / q[d]):
-                    new.append(d)
-                    continue
-                residual = np.maximum(p - q, 0.0)
-                new.append(draw(residual if residual.sum() > 0 else p, rng))
-                break
-            else:  # every proposal accepted (or none made): bonus token from the last row
-                new.append(draw(probabilities(logits[len(drafts)], params), rng))
-        accepted = len(new) - 1
-        # Target cache now holds tokens + every draft; keep tokens + accepted drafts (the new pending is last).
-        self._rollback(self.target, self._tcache, L + accepted)
-        if self.draft is not None:
-            self._rollback(self.draft, self._dcache, min(len(self._dcache), L + accepted))
-        return new, accepted
-
-    # --- proposals -------------------------------------------------------------------------------
-    def _propose(self, method, tokens, g, params, rng) -> tuple[list[int], list[np.ndarray]]:
-        """(drafts, their q rows). qs is empty when _verify does not need it: greedy, or ngram,
-        whose deterministic proposal is a one-hot q that _verify builds on demand."""
-        if method == "ngram":
-            return self._lookup(tokens, g), []
-        # Catch-up and the first proposal in ONE call: the draft cache lacks at least the pending
-        # token, plus every token of the last step it has not seen (bonus token, last accepted draft).
-        logits = self._feed(self.draft, self._dcache, tokens, need_logits=True, role="draft")[-1]
-        drafts, qs = [], []
-        for i in range(g):
-            if params.greedy:
-                d = int(logits.argmax())
-            else:
-                q = probabilities(logits, params)
-                d = draw(q, rng)
-                qs.append(q)
-            drafts.append(d)
-            if i < g - 1:  # the last proposal is fed to the draft next step, only if it is accepted
-                logits = self._forward(self.draft, self._dcache, [d], role="draft")[-1]
-        return drafts, qs
-
-    def _lookup(self, tokens: list[int], g: int) -> list[int]:
-        """Most recent earlier occurrence of the longest suffix n-gram; the tokens after it.
-
-        Candidates are the earlier positions of the last token (one vectorised compare), narrowed
-        one token further back per n-gram length: far cheaper than comparing every window.
-        """
-        seq = np.asarray(tokens, dtype=np.int64)
-        longest = min(self.prompt_lookup_max, len(seq) - 1)
-        if longest < self.prompt_lookup_min:
-            return []
-        ends = np.flatnonzero(seq[:-1] == seq[-1])  # where an earlier match would end
-        matches = []  # matches[n - 1]: ends of earlier occurrences of the last n tokens
-        for j in range(longest):
-            if j:
-                ends = ends[ends >= j]
-                ends = ends[seq[ends - j] == seq[-1 - j]]
-            matches.append(ends)
-            if not len(ends):
-                break
-        for n in range(min(longest, len(matches)), self.prompt_lookup_min - 1, -1):
-            if len(matches[n - 1]):
-                start = int(matches[n - 1][-1]) + 1
-                return seq[start:start + g].tolist()
-        return []
-
-    # --- cache helpers ---------------------------------------------------------------------------
-    def _forward(self, engine: Engine, cache: list[int], ids: list[int], role: str) -> np.ndarray:
-        t0 = self._clock()
-        logits = engine.forward(ids)
-        cache.extend(ids)
-        dt = self._clock() - t0
-        if role == "target":
-            self.stats.target_forwards += 1
-            self.stats.target_seconds += dt
-        else:
-            self.stats.draft_forwards += 1
-            self.stats.draft_seconds += dt
-        return logits
-
-    def _rollback(self, engine: Engine, cache: list[int], length: int) -> None:
-        if length < len(cache):
-            engine.rollback(length)
-            del cache[length:]
-
-    def _feed(self, engine, cache, want, *, need_logits, role):
-        """Make the cache hold `want`: roll back to the common prefix, forward the rest."""
-        if len(cache) <= len(want) and cache == want[:len(cache)]:
-            n = len(cache)
-        else:
-            n = 0
-            for a, b in zip(cache, want):
-                if a != b:
-                    break
-                n += 1
-        if need_logits:
-            n = min(n, len(want) - 1)  # logits come only from a forward of at least one token
-        self._rollback(engine, cache, n)
-        rest = list(want[n:])
-        return self._forward(engine, cache, rest, role) if rest else None
-
-    def _check_caches(self) -> None:
-        """After an engine error the mirrors may be wrong: then start the next request from empty caches."""
-        for engine, cache in ((self.target, self._tcache), (self.draft, self._dcache)):
-            if engine is not None and engine.length != len(cache):
-                engine.reset()
-                cache.clear()
-
     def reset(self) -> None:
-        for engine, cache in ((self.target, self._tcache), (self.draft, self._dcache)):
-            if engine is not None:
-                engine.reset()
-                cache.clear()
+        self.runner.reset()

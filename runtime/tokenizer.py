@@ -19,6 +19,7 @@ from manifests.strict_json import parse as parse_json
 # A tokenizer config is a few KB; tokenizer.json for a 250k vocabulary is ~30 MB.
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 MAX_TOKENIZER_BYTES = 256 * 1024 * 1024
+GIL_FREE_ABOVE = 4096  # characters
 
 
 def _read_json(path: Path, limit: int) -> dict:
@@ -81,6 +82,10 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        # encode_batch releases the GIL while Rust tokenizes (encode holds it): a megabyte prompt
+        # tokenized in a worker thread must not stop the event loop's thread.
+        if len(text) > GIL_FREE_ABOVE:
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

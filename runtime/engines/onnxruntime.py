@@ -1,26 +1,29 @@
-"""ONNX Runtime engine over the exported KV-cache decoder graph (every target; the only one on `cpu`).
+"""ONNX Runtime engine over the exported KV-cache decoder graphs (every target; the only one on `cpu`).
 
-The cache lives in preallocated buffers sized for `max_context`, bound with I/O binding, so a
-step allocates nothing. How they are bound depends on the graph's layout (metadata
-`bundle.kv_cache`, see bundler.export.KV_CACHE_LAYOUTS):
+Slots (runtime.engine): each sequence has its own cache region in preallocated buffers, bound with
+I/O binding, so a step allocates nothing. How they are laid out depends on the graph's layout
+(metadata `bundle.kv_cache`, see bundler.export.KV_CACHE_LAYOUTS):
 
-- "shared" (GroupQueryAttention graph): ONE buffer per layer and k/v, [1, kv_heads, max_context,
-  head_dim], bound as both past and present. GQA writes only the new tokens' rows and attends
-  over the first `length + n`: a decode step costs attention, not a copy of the cache. Rollback
-  only changes `length` (later rows are overwritten by the next forward).
+- "batched" (TensorScatter + Attention, what ONNX Runtime targets ship): ONE buffer per layer and
+  k/v, [slots, kv_heads, capacity, head_dim], bound as both past and present. One session call
+  advances a contiguous range of slots: each row's new K/V rows are scattered at its own offset
+  (`write_indices`), and a boolean mask lets each row attend to its own past and, causally, to its
+  new rows. Rows are padded to the longest row of the call; padding and the slots in the range
+  that take no part write into `capacity - max_context` spare rows past the end that nobody
+  attends to. Rows of very different lengths (a prefill chunk beside decodes) go in separate calls
+  so that a 64-token chunk does not pad eight 1-token decodes to 64 each.
+- "shared" (GroupQueryAttention graph, bundles made before "batched"): one buffer per slot, layer
+  and k/v, [1, kv_heads, max_context, head_dim]. ONNX Runtime's GQA refuses a batch when a row adds
+  more than one token after a past, so rows run one by one (batch 1 per call).
 - "concat" (torch-exported graph, the fallback): `present = Concat(past, new)` in a
-  [kv_heads, length, head_dim] layout, so two buffers ping-pong (written in place, present would
-  overwrite the next head's rows). Each step the graph copies the whole cache into the other
-  buffer; rollback compacts the kept prefix.
+  [kv_heads, length, head_dim] layout, so two buffers per slot ping-pong; rows run one by one.
 
-The cache takes the graph's dtype (past_key_values inputs: float32, or float16 for the graphs
-made for fp16 GPU targets, which this engine runs when TensorRT is absent); logits are returned
-as float32 whatever the graph emits.
+The cache takes the graph's dtype (float32, or float16 for the graphs made for fp16 GPU targets,
+which this engine runs when TensorRT is absent); logits are returned as float32.
 
-Intra-op threads do not spin-wait between runs (`allow_spinning=False`): speculative decoding
+Intra-op threads do not spin-wait between runs unless asked (`allow_spinning`): speculative decoding
 alternates a draft and a target session on the same cores, and a pool spinning after its run
 steals the cores the other session needs (measured on 2 cores: target steps 2-5x slower).
-Per call only the inputs that change are rebound; the shared-layout cache buffers are bound once.
 """
 
 from __future__ import annotations
@@ -31,16 +34,19 @@ from typing import Sequence
 
 import numpy as np
 
-from manifests.errors import EnvironmentProblem, ModelError, ServeError
-from runtime.engine import Engine
+from manifests.errors import EnvironmentProblem, ModelError
+from runtime.engine import ContextFull, Engine, Row
 
 log = logging.getLogger(__name__)
 
+__all__ = ["ContextFull", "OnnxRuntimeEngine", "LAYOUTS"]
 
-LAYOUTS = ("concat", "shared")
+LAYOUTS = ("concat", "shared", "batched")
 #: ONNX Runtime's type strings -> numpy dtypes this engine can hold a cache or logits in.
 NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
-SHARED_MIN_VERSION = (1, 20)
+MIN_VERSION = {"shared": (1, 20), "batched": (1, 30)}  # batched: checked on 1.30 and 1.32
+#: A row at most this long may share a call with shorter rows (padded); longer rows run alone.
+PAD_LIMIT_FACTOR = 2
 
 
 def _version(text: str) -> tuple[int, int]:
@@ -48,14 +54,10 @@ def _version(text: str) -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-class ContextFull(ServeError):
-    """A forward() would hold more tokens than the engine's max_context."""
-
-
 class OnnxRuntimeEngine(Engine):
-    def __init__(self, graph: Path, *, max_context: int | None = None, threads: int | None = None,
-                 providers: Sequence[str] = ("CPUExecutionProvider",), session_options=None,
-                 kv_cache: str | None = None, allow_spinning: bool = False):
+    def __init__(self, graph: Path, *, max_context: int | None = None, num_slots: int = 1,
+                 threads: int | None = None, providers: Sequence[str] = ("CPUExecutionProvider",),
+                 session_options=None, kv_cache: str | None = None, allow_spinning: bool = False):
         """`kv_cache`: the layout the bundle's engine record promises; refused if the graph says otherwise.
         `allow_spinning`: let intra-op threads busy-wait for the next run (only pays off when this is
         the only session on otherwise idle cores)."""
@@ -77,8 +79,18 @@ class OnnxRuntimeEngine(Engine):
         except Exception as e:  # onnxruntime raises its own untyped errors
             raise ModelError(f"ONNX Runtime cannot load {graph}: {str(e).splitlines()[0]}") from None
         self._graph = graph
-        self._read_signature()
         meta = self.session.get_modelmeta().custom_metadata_map
+        self.kv_cache = meta.get("bundle.kv_cache", "concat")
+        if self.kv_cache not in LAYOUTS:
+            raise ModelError(f"{graph}: expected bundle.kv_cache {', '.join(LAYOUTS)}, found {self.kv_cache!r}")
+        if kv_cache is not None and kv_cache != self.kv_cache:
+            raise ModelError(f"{graph}: the engine record expects a {kv_cache!r} KV-cache graph, "
+                             f"the graph is {self.kv_cache!r}")
+        need = MIN_VERSION.get(self.kv_cache)
+        if need and _version(ort.__version__) < need:
+            raise EnvironmentProblem(f"{graph} ({self.kv_cache} KV cache) needs onnxruntime >= "
+                                     f"{need[0]}.{need[1]}, found {ort.__version__}")
+        self._read_signature()
         graph_max = int(meta.get("bundle.max_positions", 0)) or None
         limit = max_context or graph_max
         if limit is None:
@@ -86,34 +98,18 @@ class OnnxRuntimeEngine(Engine):
         if graph_max is not None and limit > graph_max:
             raise ModelError(f"max context {limit} exceeds what the model supports; expected at most {graph_max}")
         self.max_context = int(limit)
-        self.kv_cache = meta.get("bundle.kv_cache", "concat")
-        if self.kv_cache not in LAYOUTS:
-            raise ModelError(f"{graph}: expected bundle.kv_cache concat or shared, found {self.kv_cache!r}")
-        if kv_cache is not None and kv_cache != self.kv_cache:
-            raise ModelError(f"{graph}: the engine record expects a {kv_cache!r} KV-cache graph, "
-                             f"the graph is {self.kv_cache!r}")
-        if self.kv_cache == "shared" and _version(ort.__version__) < SHARED_MIN_VERSION:
-            raise EnvironmentProblem(f"{graph} needs onnxruntime >= 1.20 (GroupQueryAttention with a past), "
-                                     f"found {ort.__version__}")
-        # [buffer][layer*2 + (0 key | 1 value)] flat arrays (graph's KV dtype) of capacity max_context tokens.
-        per = self.num_kv_heads * self.max_context * self.head_dim
-        copies = 1 if self.kv_cache == "shared" else 2
-        self._buffers = [[np.zeros(per, self.kv_dtype) for _ in self._past] for _ in range(copies)]
-        self._current = 0  # which buffer holds the live cache
-        self._length = 0
-        self._logits = np.zeros(0, self._logits_dtype)
-        self._positions = np.arange(self.max_context, dtype=np.int64).reshape(1, -1)
-        self._mask = np.ones((1, self.max_context), np.int64)
+        self.batched = self.kv_cache == "batched"
+        self._headroom = int(meta.get("bundle.kv_headroom", 0)) if self.batched else 0
+        #: rows one slot's region holds: max_context, plus the spare rows padding writes into
+        self.capacity = self.max_context + self._headroom
         self._binding = self.session.io_binding()
-        self._bound_logits = (0, 0)  # (address, rows) of the bound logits output
-        if self.kv_cache == "shared":  # same memory in and out, fixed shape: bound once, GQA appends in place
-            shape = [1, self.num_kv_heads, self.max_context, self.head_dim]
-            for past_name, present_name, buf in zip(self._past, self._present, self._buffers[0]):
-                self._binding.bind_input(past_name, "cpu", 0, self.kv_dtype, shape, buf.ctypes.data)
-                self._binding.bind_output(present_name, "cpu", 0, self.kv_dtype, shape, buf.ctypes.data)
+        self._logits = np.zeros(0, self._logits_dtype)
+        self._bound_logits = (0, ())
+        self._bound_cache: tuple | None = None  # what the cache inputs are bound to now
         precision = "fp16" if self.kv_dtype == np.float16 else "fp32"
         self.description = (f"onnxruntime {ort.__version__} {self.session.get_providers()[0]} {precision} "
                             f"kv-cache {self.kv_cache}")
+        self.allocate_slots(num_slots)
 
     # --- graph signature -----------------------------------------------------------------------
     def _read_signature(self) -> None:
@@ -126,7 +122,9 @@ class OnnxRuntimeEngine(Engine):
         layers = sum(1 for n in ins if n.startswith("past_key_values.") and n.endswith(".key"))
         self._past = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
         self._present = [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
-        missing = [n for n in self._past if n not in ins] + [n for n in ["logits", *self._present] if n not in outs]
+        wanted_in = self._past + (["position_ids", "write_indices", "attention_mask"]
+                                  if self.kv_cache == "batched" else [])
+        missing = [n for n in wanted_in if n not in ins] + [n for n in ["logits", *self._present] if n not in outs]
         if missing:
             raise ModelError(f"{self._graph}: expected KV-cache inputs/outputs, missing {missing[:4]}")
         shape = ins["past_key_values.0.key"].shape  # [batch, kv_heads, past, head_dim]
@@ -144,67 +142,198 @@ class OnnxRuntimeEngine(Engine):
         self._has_mask = "attention_mask" in ins
         self._has_positions = "position_ids" in ins
 
-    # --- Engine --------------------------------------------------------------------------------
-    @property
-    def length(self) -> int:
-        return self._length
+    # --- slots ---------------------------------------------------------------------------------
+    def _rows_per_slot(self) -> int:
+        """Cache rows (token positions) per head that one slot's buffers hold, all copies together."""
+        return {"batched": self.capacity, "shared": self.max_context, "concat": 2 * self.max_context}[self.kv_cache]
 
-    def forward(self, token_ids: Sequence[int]) -> np.ndarray:
-        n = len(token_ids)
-        if n == 0:
-            return np.zeros((0, self.vocab_size), np.float32)
-        past, total = self._length, self._length + n
-        if total > self.max_context:
-            raise ContextFull(f"context full: expected at most {self.max_context} tokens, "
-                              f"found {past} cached + {n} new")
+    def kv_bytes_per_slot(self) -> int:
+        return len(self._past) * self.num_kv_heads * self._rows_per_slot() * self.head_dim * self.kv_dtype.itemsize
+
+    def allocate_slots(self, num_slots: int) -> None:
+        """(Re)allocate the caches for `num_slots` sequences; every slot starts empty."""
+        if num_slots < 1:
+            raise ValueError(f"expected at least one slot, found {num_slots}")
+        self.num_slots = int(num_slots)
+        per = self.num_kv_heads * self.head_dim
+        if self.batched:  # [layer*2 + kv] -> flat [slots, kv_heads, capacity, head_dim]
+            self._buffers = [np.zeros(num_slots * per * self.capacity, self.kv_dtype) for _ in self._past]
+        else:  # [slot][copy][layer*2 + kv] -> flat [kv_heads, max_context, head_dim]
+            copies = 1 if self.kv_cache == "shared" else 2
+            self._buffers = [[[np.zeros(per * self.max_context, self.kv_dtype) for _ in self._past]
+                              for _ in range(copies)] for _ in range(num_slots)]
+        self._current = [0] * num_slots  # concat: which copy holds the live cache
+        self._lengths = [0] * num_slots
+        self._bound_cache = None
+
+    def length(self, slot: int) -> int:
+        return self._lengths[slot]
+
+    # --- forward -------------------------------------------------------------------------------
+    def forward(self, rows: Sequence[Row]) -> list[np.ndarray]:
+        seen = set()
+        for r in rows:
+            if r.slot in seen or not 0 <= r.slot < self.num_slots:
+                raise ValueError(f"expected each slot in 0..{self.num_slots - 1} at most once, found slot {r.slot}")
+            seen.add(r.slot)
+            if self._lengths[r.slot] + len(r.tokens) > self.max_context:
+                raise ContextFull(f"context full: expected at most {self.max_context} tokens, found "
+                                  f"{self._lengths[r.slot]} cached + {len(r.tokens)} new in slot {r.slot}")
+        out: dict[int, np.ndarray] = {}
+        live = [r for r in rows if len(r.tokens)]
+        for r in rows:
+            if not len(r.tokens):
+                out[r.slot] = np.zeros((0, self.vocab_size), np.float32)
+        if self.batched:
+            for group in self._groups(live):
+                out.update(self._run_batched(group))
+        else:
+            for r in live:
+                out[r.slot] = self._run_one(r.slot, r.tokens)
+        return [out[r.slot] for r in rows]
+
+    def _groups(self, rows: list[Row]) -> list[list[Row]]:
+        """Rows that go into one call each: similar lengths together, so padding costs at most about
+        PAD_LIMIT_FACTOR times the real tokens; a row longer than the headroom goes alone (no padding)."""
+        groups: list[list[Row]] = []
+        current: list[Row] = []
+        for r in sorted(rows, key=lambda r: -len(r.tokens)):
+            n = len(r.tokens)
+            if n > self._headroom:
+                groups.append([r])
+                continue
+            if current:
+                width = len(current[0].tokens)
+                real = sum(len(x.tokens) for x in current) + n
+                if (len(current) + 1) * width > PAD_LIMIT_FACTOR * real and width > 4:
+                    groups.append(current)
+                    current = []
+            current.append(r)
+        if current:
+            groups.append(current)
+        return groups
+
+    def _logits_buffer(self, shape: tuple) -> np.ndarray:
+        size = int(np.prod(shape))
+        if self._logits.size < size:
+            self._logits = np.zeros(max(size, 8 * self.vocab_size), self._logits_dtype)
+        if self._bound_logits != (self._logits.ctypes.data, shape):
+            self._binding.bind_output("logits", "cpu", 0, self._logits_dtype, list(shape), self._logits.ctypes.data)
+            self._bound_logits = (self._logits.ctypes.data, shape)
+        return self._logits[:size].reshape(shape)
+
+    def _run_batched(self, group: list[Row]) -> dict[int, np.ndarray]:
+        lo, hi = min(r.slot for r in group), max(r.slot for r in group) + 1
+        width = max(len(r.tokens) for r in group)
+        batch, cap = hi - lo, self.capacity
+        by_slot = {r.slot: r for r in group}
+        ids = np.zeros((batch, width), np.int64)
+        write = np.full(batch, cap - width, np.int64)  # slots without a row: spare rows at the end
+        for r in group:
+            ids[r.slot - lo, :len(r.tokens)] = r.tokens
+            write[r.slot - lo] = self._lengths[r.slot]
+        steps = np.arange(width, dtype=np.int64)
+        positions = write[:, None] + steps[None, :]
+        # Row b, new token i attends to every cached row before it and to new tokens 0..i.
+        mask = np.arange(cap)[None, None, None, :] <= positions[:, None, :, None]
         b = self._binding
-        # Rebinding a name replaces its previous binding, so only what changes is bound here.
+        b.bind_cpu_input("input_ids", ids)
+        b.bind_cpu_input("position_ids", positions)
+        b.bind_cpu_input("write_indices", write)
+        b.bind_cpu_input("attention_mask", mask)
+        if self._bound_cache != ("batched", lo, hi):
+            per = self.num_kv_heads * cap * self.head_dim
+            shape = [batch, self.num_kv_heads, cap, self.head_dim]
+            offset = lo * per * self.kv_dtype.itemsize
+            for past, present, buf in zip(self._past, self._present, self._buffers):
+                b.bind_input(past, "cpu", 0, self.kv_dtype, shape, buf.ctypes.data + offset)
+                b.bind_output(present, "cpu", 0, self.kv_dtype, shape, buf.ctypes.data + offset)
+            self._bound_cache = ("batched", lo, hi)
+        logits = self._logits_buffer((batch, width, self.vocab_size))
+        self.session.run_with_iobinding(b)
+        out = {}
+        for slot, r in by_slot.items():
+            n = len(r.tokens)
+            out[slot] = logits[slot - lo, :n].astype(np.float32)  # a copy
+            self._lengths[slot] += n
+        return out
+
+    def _run_one(self, slot: int, token_ids: Sequence[int]) -> np.ndarray:
+        """Batch 1: the graphs made before "batched"."""
+        n = len(token_ids)
+        past, total = self._lengths[slot], self._lengths[slot] + n
+        b = self._binding
         b.bind_cpu_input("input_ids", np.asarray(token_ids, dtype=np.int64).reshape(1, n))
         if self._has_positions:
-            b.bind_cpu_input("position_ids", self._positions[:, past:total])
+            b.bind_cpu_input("position_ids", np.arange(past, total, dtype=np.int64).reshape(1, n))
         if self._has_mask:
-            b.bind_cpu_input("attention_mask", self._mask[:, :total])
-        if self.kv_cache == "concat":
-            kv, hd = self.num_kv_heads, self.head_dim
-            src, dst = self._buffers[self._current], self._buffers[1 - self._current]
+            b.bind_cpu_input("attention_mask", np.ones((1, total), np.int64))
+        kv, hd = self.num_kv_heads, self.head_dim
+        if self.kv_cache == "shared":  # same memory in and out, fixed shape: GQA appends in place
+            if self._bound_cache != ("shared", slot):
+                shape = [1, kv, self.max_context, hd]
+                for past_name, present_name, buf in zip(self._past, self._present, self._buffers[slot][0]):
+                    b.bind_input(past_name, "cpu", 0, self.kv_dtype, shape, buf.ctypes.data)
+                    b.bind_output(present_name, "cpu", 0, self.kv_dtype, shape, buf.ctypes.data)
+                self._bound_cache = ("shared", slot)
+        else:
+            src, dst = self._buffers[slot][self._current[slot]], self._buffers[slot][1 - self._current[slot]]
             for name, buf in zip(self._past, src):
                 b.bind_input(name, "cpu", 0, self.kv_dtype, [1, kv, past, hd], buf.ctypes.data)
             for name, buf in zip(self._present, dst):
                 b.bind_output(name, "cpu", 0, self.kv_dtype, [1, kv, total, hd], buf.ctypes.data)
-        if self._logits.size < n * self.vocab_size:
-            self._logits = np.zeros(max(n, 8) * self.vocab_size, self._logits_dtype)
-        if self._bound_logits != (self._logits.ctypes.data, n):
-            b.bind_output("logits", "cpu", 0, self._logits_dtype, [1, n, self.vocab_size], self._logits.ctypes.data)
-            self._bound_logits = (self._logits.ctypes.data, n)
+        logits = self._logits_buffer((1, n, self.vocab_size))
         self.session.run_with_iobinding(b)
         if self.kv_cache == "concat":
-            self._current = 1 - self._current
-        self._length = total
-        return self._logits[: n * self.vocab_size].reshape(n, self.vocab_size).astype(np.float32)  # a copy
+            self._current[slot] = 1 - self._current[slot]
+        self._lengths[slot] = total
+        return logits[0].astype(np.float32)  # a copy
 
-    def _view(self, which: int, layer_slot: int, length: int) -> np.ndarray:
-        flat = self._buffers[which][layer_slot]
-        return flat[: self.num_kv_heads * length * self.head_dim].reshape(self.num_kv_heads, length, self.head_dim)
+    # --- rollback, prefix copies ---------------------------------------------------------------
+    def _view(self, slot: int, layer_slot: int, length: int, which: int | None = None) -> np.ndarray:
+        """[kv_heads, length, head_dim] view of one slot's cache for one layer's key or value."""
+        kv, hd = self.num_kv_heads, self.head_dim
+        if self.batched:
+            flat = self._buffers[layer_slot]
+            per = kv * self.capacity * hd
+            return flat[slot * per:(slot + 1) * per].reshape(kv, self.capacity, hd)[:, :length]
+        if self.kv_cache == "shared":
+            return self._buffers[slot][0][layer_slot].reshape(kv, self.max_context, hd)[:, :length]
+        which = self._current[slot] if which is None else which
+        return self._buffers[slot][which][layer_slot][: kv * length * hd].reshape(kv, length, hd)
 
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self._length:
-            raise ValueError(f"rollback to {length}: expected 0..{self._length}")
-        if length == self._length:
+    def rollback(self, slot: int, length: int) -> None:
+        have = self._lengths[slot]
+        if not 0 <= length <= have:
+            raise ValueError(f"rollback of slot {slot} to {length}: expected 0..{have}")
+        if length == have:
             return
-        # shared: rows at >= length are simply overwritten by the next forward. concat: compact the
-        # kept prefix of every head into the other buffer, then swap.
+        # batched/shared: rows at >= length are simply overwritten by the next forward. concat:
+        # compact the kept prefix of every head into the other buffer, then swap.
         if length > 0 and self.kv_cache == "concat":
-            other = 1 - self._current
-            for slot in range(len(self._past)):
-                self._view(other, slot, length)[:] = self._view(self._current, slot, self._length)[:, :length]
-            self._current = other
-        self._length = length
+            other = 1 - self._current[slot]
+            for i in range(len(self._past)):
+                self._view(slot, i, length, which=other)[:] = self._view(slot, i, have)[:, :length]
+            self._current[slot] = other
+        self._lengths[slot] = length
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        if not 0 <= length <= self._lengths[src]:
+            raise ValueError(f"copy of {length} tokens from slot {src}: it holds {self._lengths[src]}")
+        if src != dst and length:
+            have = self._lengths[src]
+            for i in range(len(self._past)):  # concat rows are packed per head: take the first `length` of each
+                self._view(dst, i, length)[:] = self._view(src, i, have)[:, :length]
+        elif src == dst:
+            self.rollback(dst, length)
+            return
+        self._lengths[dst] = length
 
     def memory(self) -> dict:
         data = self._graph.with_name(self._graph.name + ".data")
         weights = self._graph.stat().st_size + (data.stat().st_size if data.exists() else 0)
-        return {"weights": weights, "kv_cache": sum(b.nbytes for pair in self._buffers for b in pair)}
+        return {"weights": weights, "kv_cache": self.kv_bytes_per_slot() * self.num_slots}
 
     def close(self) -> None:
-        self._buffers = [[], []]
+        self._buffers = []
         self.session = None  # type: ignore[assignment]

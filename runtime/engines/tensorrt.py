@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from manifests.errors import EnvironmentProblem, ModelError
-from runtime.engine import Engine
+from runtime.engine import Engine, Row
 from runtime.engine_cache import DeviceInfo
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class TensorRTBackend:
         Path(out_plan).write_bytes(bytes(plan))
 
     def load(self, plan: Path, *, options: dict, max_context: int | None = None) -> Engine:
-        return TensorRTEngine(plan, options=options, max_context=max_context)
+        return TensorRTEngine(plan, options=options, max_context=max_context)  # one slot; the server allocates more
 
 
 class _DeviceBuffer:
@@ -125,10 +125,30 @@ class _DeviceBuffer:
             self.ptr = 0
 
 
-class TensorRTEngine(Engine):
-    """Runs a plan with the KV cache in two device buffers (ping-pong), like the ONNX Runtime engine."""
+class _SlotKV:
+    """One slot's cache: two device buffers per layer and k/v (ping-pong, like the concat graph on
+    ONNX Runtime), which one is live, and how many tokens it holds."""
 
-    def __init__(self, plan: Path, *, options: dict, max_context: int | None = None):
+    def __init__(self, cudart, nbytes: int, tensors: int):
+        self.kv = [[_DeviceBuffer(cudart, nbytes) for _ in range(tensors)] for _ in range(2)]
+        self.current, self.length = 0, 0
+
+    def free(self) -> None:
+        for buf in [*self.kv[0], *self.kv[1]]:
+            buf.free()
+
+
+class TensorRTEngine(Engine):
+    """Runs a plan with each slot's KV cache in its own two device buffers (ping-pong).
+
+    Batch 1 inside: plans are built from the concat graph with batch-1 profiles, so a forward over
+    several slots runs its rows one after another (`batched = False`); slots, rollback, release
+    and prefix copies follow the same interface as the batched ONNX Runtime engine.
+    """
+
+    batched = False
+
+    def __init__(self, plan: Path, *, options: dict, max_context: int | None = None, num_slots: int = 1):
         trt, cudart = _modules()
         self._trt, self._cudart = trt, cudart
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
@@ -152,8 +172,7 @@ class TensorRTEngine(Engine):
         # Element sizes from the plan itself (fp16 or fp32 graph), not from the options.
         self._itemsize = np.dtype(trt.nptype(self.engine.get_tensor_dtype(self._past[0]))).itemsize
         self._logits_dtype = np.dtype(trt.nptype(self.engine.get_tensor_dtype("logits")))
-        per = self.num_kv_heads * self.max_context * self.head_dim * self._itemsize
-        self._kv = [[_DeviceBuffer(cudart, per) for _ in self._past] for _ in range(2)]
+        self._slots: list[_SlotKV] = []
         self._max_new = max(p["shapes"]["input_ids"]["max"][1] for p in self._profiles)
         self._ids = _DeviceBuffer(cudart, self.max_context * 8)
         self._pos = _DeviceBuffer(cudart, self.max_context * 8)
@@ -161,12 +180,27 @@ class TensorRTEngine(Engine):
         self._logits = _DeviceBuffer(cudart, self._max_new * self.vocab_size * self._logits_dtype.itemsize)
         self.stream = _check(cudart.cudaStreamCreate())
         self._profile = -1
-        self._current, self._length = 0, 0
         self.description = f"tensorrt {trt.__version__} {options.get('precision', 'fp32')}"
+        self.allocate_slots(num_slots)
 
-    @property
-    def length(self) -> int:
-        return self._length
+    # --- slots -----------------------------------------------------------------------------------
+    def _slot_bytes(self) -> int:
+        """Bytes of one of a slot's buffers: [kv_heads, max_context, head_dim] of the plan's dtype."""
+        return self.num_kv_heads * self.max_context * self.head_dim * self._itemsize
+
+    def kv_bytes_per_slot(self) -> int:
+        return 2 * len(self._past) * self._slot_bytes()
+
+    def allocate_slots(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"expected at least one slot, found {num_slots}")
+        for slot in self._slots:
+            slot.free()
+        self._slots = [_SlotKV(self._cudart, self._slot_bytes(), len(self._past)) for _ in range(num_slots)]
+        self.num_slots = num_slots
+
+    def length(self, slot: int) -> int:
+        return self._slots[slot].length
 
     def _h2d(self, buf: _DeviceBuffer, array: np.ndarray) -> None:
         _check(self._cudart.cudaMemcpyAsync(buf.ptr, array.ctypes.data, array.nbytes,
@@ -178,18 +212,27 @@ class TensorRTEngine(Engine):
                 return i
         return len(self._profiles) - 1
 
-    def forward(self, token_ids: Sequence[int]) -> np.ndarray:
+    # --- forward ---------------------------------------------------------------------------------
+    def forward(self, rows: Sequence[Row]) -> list[np.ndarray]:
+        from runtime.engine import ContextFull
+
+        slots = [r.slot for r in rows]
+        if len(set(slots)) != len(slots) or any(not 0 <= s < self.num_slots for s in slots):
+            raise ValueError(f"expected each slot in 0..{self.num_slots - 1} at most once, found {slots}")
+        for r in rows:
+            if self._slots[r.slot].length + len(r.tokens) > self.max_context:
+                raise ContextFull(f"context full: expected at most {self.max_context} tokens, found "
+                                  f"{self._slots[r.slot].length} + {len(r.tokens)} in slot {r.slot}")
+        return [self._forward_slot(self._slots[r.slot], list(r.tokens)) for r in rows]
+
+    def _forward_slot(self, slot: _SlotKV, token_ids: list[int]) -> np.ndarray:
         n = len(token_ids)
         if n == 0:
             return np.zeros((0, self.vocab_size), np.float32)
         if n > self._max_new:  # longer prompts go through in chunks of the largest profile
-            out = [self.forward(token_ids[i:i + self._max_new]) for i in range(0, n, self._max_new)]
-            return np.concatenate(out)
-        from runtime.engines.onnxruntime import ContextFull
-
-        past, total = self._length, self._length + n
-        if total > self.max_context:
-            raise ContextFull(f"context full: expected at most {self.max_context} tokens, found {past} + {n}")
+            return np.concatenate([self._forward_slot(slot, token_ids[i:i + self._max_new])
+                                   for i in range(0, n, self._max_new)])
+        past, total = slot.length, slot.length + n
         ctx, kv, hd = self.context, self.num_kv_heads, self.head_dim
         profile = self._pick_profile(n)
         if profile != self._profile:
@@ -208,7 +251,7 @@ class TensorRTEngine(Engine):
             self._h2d(self._mask, mask)
             ctx.set_input_shape("attention_mask", (1, total))
             ctx.set_tensor_address("attention_mask", self._mask.ptr)
-        src, dst = self._kv[self._current], self._kv[1 - self._current]
+        src, dst = slot.kv[slot.current], slot.kv[1 - slot.current]
         for name, buf in zip(self._past, src):
             ctx.set_input_shape(name, (1, kv, past, hd))
             ctx.set_tensor_address(name, buf.ptr)
@@ -221,28 +264,48 @@ class TensorRTEngine(Engine):
         _check(self._cudart.cudaMemcpyAsync(host.ctypes.data, self._logits.ptr, host.nbytes,
                                             self._cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
         _check(self._cudart.cudaStreamSynchronize(self.stream))
-        self._current, self._length = 1 - self._current, total
+        slot.current, slot.length = 1 - slot.current, total
         return host.astype(np.float32, copy=False)
 
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self._length:
-            raise ValueError(f"rollback to {length}: expected 0..{self._length}")
-        if 0 < length < self._length:  # 2D copy: every head's first `length` rows into the other buffer
-            row = length * self.head_dim * self._itemsize
-            pitch_src, pitch_dst = self._length * self.head_dim * self._itemsize, row
-            for s, d in zip(self._kv[self._current], self._kv[1 - self._current]):
-                _check(self._cudart.cudaMemcpy2DAsync(d.ptr, pitch_dst, s.ptr, pitch_src, row, self.num_kv_heads,
-                                                      self._cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
-                                                      self.stream))
-            _check(self._cudart.cudaStreamSynchronize(self.stream))
-            self._current = 1 - self._current
-        self._length = length
+    # --- rollback and prefix copies --------------------------------------------------------------
+    def _copy_rows(self, src: _SlotKV, dst_buffers: list, length: int) -> None:
+        """2D copy: every head's first `length` rows of src's live cache into `dst_buffers`, packed."""
+        row = length * self.head_dim * self._itemsize
+        pitch_src = src.length * self.head_dim * self._itemsize
+        for s, d in zip(src.kv[src.current], dst_buffers):
+            _check(self._cudart.cudaMemcpy2DAsync(d.ptr, row, s.ptr, pitch_src, row, self.num_kv_heads,
+                                                  self._cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+                                                  self.stream))
+        _check(self._cudart.cudaStreamSynchronize(self.stream))
+
+    def rollback(self, slot: int, length: int) -> None:
+        s = self._slots[slot]
+        if not 0 <= length <= s.length:
+            raise ValueError(f"rollback of slot {slot} to {length}: expected 0..{s.length}")
+        if 0 < length < s.length:  # compact into the other buffer, then swap
+            self._copy_rows(s, s.kv[1 - s.current], length)
+            s.current = 1 - s.current
+        s.length = length
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        a, b = self._slots[src], self._slots[dst]
+        if not 0 <= length <= a.length:
+            raise ValueError(f"copy of {length} tokens from slot {src}: it holds {a.length}")
+        if src == dst:
+            self.rollback(dst, length)
+            return
+        if length:
+            self._copy_rows(a, b.kv[b.current], length)
+        b.length = length
 
     def memory(self) -> dict:
-        return {"weights": int(getattr(self.engine, "device_memory_size_v2", 0) or 0),
-                "kv_cache": sum(b.nbytes for pair in self._kv for b in pair)}
+        # device_memory_size_v2 is activation (scratch) memory, not weights: report it as such.
+        return {"activations": int(getattr(self.engine, "device_memory_size_v2", 0) or 0),
+                "kv_cache": self.kv_bytes_per_slot() * self.num_slots}
 
     def close(self) -> None:
-        for buf in [*self._kv[0], *self._kv[1], self._ids, self._pos, self._mask, self._logits]:
+        for slot in self._slots:
+            slot.free()
+        for buf in [self._ids, self._pos, self._mask, self._logits]:
             buf.free()
         self._cudart.cudaStreamDestroy(self.stream)

@@ -1,7 +1,9 @@
 """`bundle serve`: an OpenAI-compatible server for one installed bundle, with speculative decoding.
 
-Modules: protocol (request/response bodies), serving (endpoint logic, queue, worker thread),
-app (routes and error handlers), metrics (Prometheus), loader (bundle -> engines + tokenizer).
+Modules, split as vLLM's: protocol (request/response bodies), body (bounded strict JSON input),
+serving_engine (what generating endpoints share), serving_chat / serving_completion /
+serving_models (one per endpoint), app (routes, error handlers, the server object owning the
+engine client of runtime.engine_client), metrics (Prometheus), loader (bundle -> engines + tokenizer).
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ def serve(name_or_dir, *, store: Path | None = None, host: str = "127.0.0.1", po
           no_speculation: bool = False,
           max_model_len: int | None = None, max_queued_requests: int = 16, api_key: str | None = None,
           trust: tuple[Path, ...] = (), allow_unsigned: bool = False, log_interval_s: float = 10.0,
-          served_model_name: str | None = None, echo: Callable[[str], None] = print) -> None:
+          served_model_name: str | None = None, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
+          enable_prefix_caching: bool = True, kv_cache_memory_bytes: int | None = None,
+          echo: Callable[[str], None] = print) -> None:
     """Load the bundle, print what is served, run uvicorn until interrupted.
 
     `name_or_dir`: an installed bundle's name (looked up in `store`), a bundle directory (verified
@@ -91,9 +95,9 @@ def serve(name_or_dir, *, store: Path | None = None, host: str = "127.0.0.1", po
 
     import uvicorn
 
-    from runtime.server.app import build_app
+    from runtime.server.app import OpenAIServer, build_app
     from runtime.server.loader import load_serving_model
-    from runtime.server.serving import OpenAIServing, ServeOptions
+    from runtime.server.serving_engine import ServeOptions
 
     if isinstance(speculative_config, (str, dict)):
         from runtime.server.loader import parse_speculative_config
@@ -111,8 +115,10 @@ def serve(name_or_dir, *, store: Path | None = None, host: str = "127.0.0.1", po
                                        max_model_len=max_model_len, cache_dir=getattr(st, "engine_cache_dir", None))
             if served_model_name:
                 model.name = served_model_name
-            serving = OpenAIServing(model, ServeOptions(max_queued_requests=max_queued_requests, api_key=api_key,
-                                                        log_interval_s=log_interval_s))
+            serving = OpenAIServer(model, ServeOptions(
+                max_queued_requests=max_queued_requests, api_key=api_key, log_interval_s=log_interval_s,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                enable_prefix_caching=enable_prefix_caching, kv_cache_memory_bytes=kv_cache_memory_bytes))
             app = build_app(serving)
             bound_host, bound_port = sock.getsockname()[:2]
             info = model.info
@@ -120,6 +126,8 @@ def serve(name_or_dir, *, store: Path | None = None, host: str = "127.0.0.1", po
             echo(f"target:      {info['target']}")
             echo(f"engine:      {info['engine']}")
             echo(f"speculative: {info['speculative']}")
+            echo(f"batching:    {serving.slot_plan.describe()}; max_num_batched_tokens "
+                 f"{max_num_batched_tokens}; prefix caching {'on' if enable_prefix_caching else 'off'}")
             echo(f"auth:        {'API key required' if api_key else 'none'}")
             echo(f"serving at   http://{bound_host}:{bound_port}/v1  (Ctrl-C to stop)")
             sys.stdout.flush()

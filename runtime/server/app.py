@@ -1,4 +1,8 @@
-"""HTTP routes. Everything a route does lives in `serving.OpenAIServing`; errors become OpenAI JSON.
+"""HTTP routes and the server object that owns the engine client; errors become OpenAI JSON.
+
+`OpenAIServer` builds, for one ServingModel: the slot plan (KV budget -> slots), the engine
+client (scheduler + model runner, runtime.engine_client), one handler per endpoint
+(serving_chat, serving_completion, serving_models) and the worker threads for request input.
 
 Bad input of any kind (malformed JSON, wrong types, unknown routes, wrong methods) is a 4xx in
 OpenAI's error shape; a catch-all handler logs anything unexpected and answers 500 in the same
@@ -17,9 +21,51 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.server.serving import APIError, OpenAIServing
+from runtime.engine_client import EngineClient, SlotPlan, plan_slots
+from runtime.scheduler import SchedulerConfig
+from runtime.server.errors import APIError
+from runtime.server.metrics import Metrics
+from runtime.server.serving_chat import ServingChat
+from runtime.server.serving_completion import ServingCompletion
+from runtime.server.serving_engine import PREPROCESS_THREADS, Admission, ServeOptions, ServingModel
+from runtime.server.serving_models import ServingModels
 
 log = logging.getLogger("bundle.serve")
+
+
+class OpenAIServer:
+    """One model served: engine client, endpoint handlers, metrics. `close()` stops the engine thread."""
+
+    def __init__(self, model: ServingModel, options: ServeOptions = ServeOptions(), metrics: Metrics | None = None):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.model, self.options = model, options
+        runner = model.generator.runner
+        self.metrics = metrics or Metrics(runner.num_speculative_tokens)
+        self.slot_plan: SlotPlan = plan_slots(runner, options.max_num_seqs, options.kv_cache_memory_bytes)
+        if runner.num_slots != self.slot_plan.num_slots:
+            try:
+                runner.allocate_slots(self.slot_plan.num_slots)
+            except NotImplementedError:  # an engine with a fixed number of slots
+                self.slot_plan = SlotPlan(min(runner.num_slots, options.max_num_seqs), self.slot_plan.kv_bytes_per_slot,
+                                          self.slot_plan.kv_budget_bytes, "engine")
+        config = SchedulerConfig(max_num_seqs=self.slot_plan.num_slots,
+                                 max_num_batched_tokens=options.max_num_batched_tokens,
+                                 enable_prefix_caching=options.enable_prefix_caching)
+        self.engine = EngineClient(runner, config, on_step_done=self._gauges)
+        self._preprocess = ThreadPoolExecutor(max_workers=PREPROCESS_THREADS, thread_name_prefix="preprocess")
+        shared = (model, options, self.metrics, self.engine, self._preprocess, Admission())
+        self.chat = ServingChat(*shared)
+        self.completion = ServingCompletion(*shared)
+        self.models = ServingModels(model, self.engine, self.slot_plan)
+
+    def _gauges(self, scheduler) -> None:
+        self.metrics.running.set(scheduler.num_running)
+        self.metrics.waiting.set(scheduler.num_waiting)
+
+    def close(self) -> None:
+        self.engine.close()
+        self._preprocess.shutdown(wait=False, cancel_futures=True)
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
@@ -44,7 +90,7 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(serving: OpenAIServing) -> FastAPI:
+def build_app(serving: OpenAIServer) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         async def periodic_log():
@@ -90,13 +136,13 @@ def build_app(serving: OpenAIServing) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200)
+        return serving.models.health()
 
     @app.get("/health/ready")
     async def ready():
         if not app.state.ready:
             return _error(503, "model is loading", type="unavailable")
-        return {"status": "ready", "model": serving.model.name, **serving.model.info}
+        return {**serving.models.health(), "status": "ready", "model": serving.model.name, **serving.model.info}
 
     @app.get("/metrics")
     async def metrics():
@@ -106,14 +152,14 @@ def build_app(serving: OpenAIServing) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return serving.models()
+        return serving.models.list()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await serving.chat(request)
+        return await serving.chat.create(request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serving.completions(request)
+        return await serving.completion.create(request)
 
     return app

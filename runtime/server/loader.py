@@ -13,7 +13,7 @@ from pathlib import Path
 from manifests.errors import ModelError, UsageError
 from manifests.schema import Manifest, Speculative
 from runtime.chat_template import ChatTemplate
-from runtime.server.serving import ServingModel
+from runtime.server.serving_engine import ServingModel
 from runtime.speculative import METHODS, Generator
 from runtime.tokenizer import Tokenizer
 

@@ -38,3 +38,13 @@ def family_shared_exports(family_exports, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("export-shared")
     return {family: (ckpt, export_onnx(ckpt, root / family, kv_cache="shared"))
             for family, (ckpt, _) in family_exports.items()}
+
+
+@pytest.fixture(scope="session")
+def family_batched_exports(family_exports, tmp_path_factory) -> dict:
+    """family -> (checkpoint dir, ExportResult) of the batched in-place graph (TensorScatter + Attention)."""
+    from bundler.export import export_onnx
+
+    root = tmp_path_factory.mktemp("export-batched")
+    return {family: (ckpt, export_onnx(ckpt, root / family, kv_cache="batched"))
+            for family, (ckpt, _) in family_exports.items()}

@@ -8,16 +8,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from tests.runtime.engines.standin import StandInBackend
 
 
-def exported_once(family_exports, family_shared_exports, family_fp16_exports, family="llama"):
+def exported_once(family_exports, family_batched_exports, family_fp16_exports, family="llama"):
     """An `export` for prepare_targets that hands out the session's exports of each (layout, dtype)."""
     results = {("concat", "float32"): family_exports[family][1],
-               ("shared", "float32"): family_shared_exports[family][1],
+               ("batched", "float32"): family_batched_exports[family][1],
                ("concat", "float16"): family_fp16_exports[family][1]}
     return lambda ckpt, out, kv_cache="concat", dtype="float32": results[kv_cache, dtype]
 
 
 @pytest.fixture(scope="module")
-def planned(family_exports, family_shared_exports, family_fp16_exports, tmp_path_factory):
+def planned(family_exports, family_batched_exports, family_fp16_exports, tmp_path_factory):
     from bundler.engines import prepare_targets
 
     checkpoint, result = family_exports["llama"]
@@ -25,7 +25,7 @@ def planned(family_exports, family_shared_exports, family_fp16_exports, tmp_path
     files, targets = prepare_targets(["jetson-thor", "igx-thor", "cpu"], {"target": checkpoint}, work,
                                      {"max_model_len": 256, "prefill_chunk": 64}, num_speculative_tokens=3,
                                      backend=StandInBackend(None),
-                                     export=exported_once(family_exports, family_shared_exports,
+                                     export=exported_once(family_exports, family_batched_exports,
                                                           family_fp16_exports))
     return files, targets
 
@@ -35,20 +35,20 @@ def test_each_onnx_layout_is_stored_once_for_the_targets_that_run_it(planned):
     thors = ("jetson-thor", "igx-thor")
     assert [(f.path, f.targets) for f in files] == [("engines/onnx-fp16/target/model.onnx", thors),
                                                     ("engines/onnx-fp16/target/model.onnx.data", thors),
-                                                    ("engines/onnx-shared/target/model.onnx", ("cpu",)),
-                                                    ("engines/onnx-shared/target/model.onnx.data", ("cpu",))]
+                                                    ("engines/onnx-batched/target/model.onnx", ("cpu",)),
+                                                    ("engines/onnx-batched/target/model.onnx.data", ("cpu",))]
     assert [t.id for t in targets] == ["jetson-thor", "igx-thor", "cpu"]
     assert {e.path for t in targets[:2] for e in t.engines} == {"engines/onnx-fp16/target/model.onnx"}
-    (cpu,) = targets[2].engines  # ONNX Runtime gets the in-place (GroupQueryAttention) graph
-    assert cpu.path == "engines/onnx-shared/target/model.onnx" and cpu.build["kv_cache"] == "shared"
+    (cpu,) = targets[2].engines  # ONNX Runtime gets the batched in-place graph (TensorScatter + Attention)
+    assert cpu.path == "engines/onnx-batched/target/model.onnx" and cpu.build["kv_cache"] == "batched"
 
 
-def test_one_graph_for_every_target_is_not_restricted(family_exports, family_shared_exports, family_fp16_exports,
+def test_one_graph_for_every_target_is_not_restricted(family_exports, family_batched_exports, family_fp16_exports,
                                                       tmp_path):
     from bundler.engines import prepare_targets
 
     checkpoint, _ = family_exports["llama"]
-    export = exported_once(family_exports, family_shared_exports, family_fp16_exports)
+    export = exported_once(family_exports, family_batched_exports, family_fp16_exports)
     files, (thor, cpu) = prepare_targets(["jetson-thor", "cpu"], {"target": checkpoint}, tmp_path, {},
                                          backend=StandInBackend(None), export=export, kv_cache="concat")
     # Same layout, but the Thor's is fp16 and the cpu's fp32: two graphs, each for its target.
@@ -62,7 +62,7 @@ def test_one_graph_for_every_target_is_not_restricted(family_exports, family_sha
                                backend=StandInBackend(None), export=export)
     assert [f.targets for f in files] == [None, None]
     files, (cpu,) = prepare_targets(["cpu"], {"target": checkpoint}, tmp_path, {}, export=export)
-    assert [f.targets for f in files] == [None, None] and cpu.engines[0].key["onnxruntime_min"] == "1.20"
+    assert [f.targets for f in files] == [None, None] and cpu.engines[0].key["onnxruntime_min"] == "1.30"
 
 
 def test_gpu_targets_carry_exact_build_options_and_key(planned):
@@ -94,7 +94,7 @@ def test_optimisation_profiles_follow_serve_settings(planned):
     assert prefill["shapes"]["attention_mask"]["max"] == [1, 256]
 
 
-def test_serve_settings_beyond_the_model_are_refused(family_exports, family_shared_exports, family_fp16_exports,
+def test_serve_settings_beyond_the_model_are_refused(family_exports, family_batched_exports, family_fp16_exports,
                                                      tmp_path):
     from bundler.engines import prepare_targets
     from manifests.errors import ModelError
@@ -102,7 +102,7 @@ def test_serve_settings_beyond_the_model_are_refused(family_exports, family_shar
     checkpoint, result = family_exports["llama"]
     with pytest.raises(ModelError, match="max_model_len 100000 exceeds the model's limit; expected at most 512"):
         prepare_targets(["cpu"], {"target": checkpoint}, tmp_path, {"max_model_len": 100000},
-                        export=exported_once(family_exports, family_shared_exports, family_fp16_exports))
+                        export=exported_once(family_exports, family_batched_exports, family_fp16_exports))
 
 
 def test_bundle_for_two_thor_targets_stores_the_onnx_once(planned, tmp_path):

@@ -73,7 +73,7 @@ def test_shared_kv_export_is_deterministic(family_shared_exports, tmp_path):
 def test_unknown_kv_layout_is_a_usage_error(family_exports, tmp_path):
     from bundler.export import export_onnx
 
-    with pytest.raises(UsageError, match="expected kv_cache to be one of concat, shared, found 'paged'"):
+    with pytest.raises(UsageError, match="expected kv_cache to be one of concat, shared, batched, found 'paged'"):
         export_onnx(family_exports["llama"][0], tmp_path / "out", kv_cache="paged")
     assert not (tmp_path / "out").exists()
 

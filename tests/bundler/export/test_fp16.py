@@ -62,7 +62,7 @@ def test_bad_dtypes_are_refused_by_name(family_exports, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_thor_and_cpu_bundle_carries_one_fp16_graph_and_one_fp32_shared_graph(family_exports, tmp_path):
+def test_thor_and_cpu_bundle_carries_one_fp16_graph_and_one_fp32_batched_graph(family_exports, tmp_path):
     """Real exports through prepare_targets, then a real signed pack: what each target gets, and its size."""
     from bundler.engines import prepare_targets
     from bundler.pack import pack_bundle
@@ -76,15 +76,15 @@ def test_thor_and_cpu_bundle_carries_one_fp16_graph_and_one_fp32_shared_graph(fa
                            files=files, targets=targets, speculative=None, serve={"max_model_len": 256},
                            expires=None, sign_keys=[Ed25519PrivateKey.generate()], progress=False)
     entries = {f.path: f for f in manifest.files}
-    assert sorted(entries) == ["engines/onnx-fp16/target/model.onnx", "engines/onnx-fp16/target/model.onnx.data",
-                               "engines/onnx-shared/target/model.onnx",
-                               "engines/onnx-shared/target/model.onnx.data"]
+    assert sorted(entries) == ["engines/onnx-batched/target/model.onnx",
+                               "engines/onnx-batched/target/model.onnx.data",
+                               "engines/onnx-fp16/target/model.onnx", "engines/onnx-fp16/target/model.onnx.data"]
     fp16, shared = entries["engines/onnx-fp16/target/model.onnx.data"], entries[
-        "engines/onnx-shared/target/model.onnx.data"]
+        "engines/onnx-batched/target/model.onnx.data"]
     assert fp16.targets == ("jetson-thor", "igx-thor") and shared.targets == ("cpu",)
     assert 0.45 <= fp16.size / shared.size <= 0.55  # same parameters, two bytes each instead of four
     thor, igx, cpu = manifest.targets
     assert thor.engines[0].build["dtype"] == igx.engines[0].build["dtype"] == "float16"
     assert thor.engines[0].key == igx.engines[0].key  # one graph, one engine for both Thors
-    assert cpu.engines[0].build == {"max_context": 256, "kv_cache": "shared"}
+    assert cpu.engines[0].build == {"max_context": 256, "kv_cache": "batched"}
     assert thor.engines[0].key["onnx_sha256"] != cpu.engines[0].key["onnx_sha256"]

@@ -6,7 +6,8 @@ the reference's top two are further apart than that tolerance.
 
 Three shapes of use, the ones speculative decoding needs: prefill, incremental decode through the
 cache, and multi-token verification after rejected draft tokens were rolled back. Both KV-cache
-layouts: "concat" (torch export) and "shared" (GroupQueryAttention graph, cache updated in place).
+layouts: "concat" (torch export), "shared" (GroupQueryAttention graph, cache updated in place) and
+"batched" (TensorScatter + Attention, standard ops, one cache region per slot).
 """
 
 from __future__ import annotations
@@ -51,23 +52,23 @@ def check_parity(checkpoint: Path, graph: Path, vocab: int, n: int = 48, seed: i
     atol = ATOL if rtol is None else rtol * float(np.abs(ref).max())
     engine = OnnxRuntimeEngine(graph, max_context=128)
 
-    prefill = engine.forward(tokens[:16])
+    prefill = engine.forward_one(tokens[:16])
     assert_logits(prefill, ref[:16], atol, "prefill")
 
     for i in range(16, 24):  # one token at a time through the cache
-        assert_logits(engine.forward([tokens[i]]), ref[i:i + 1], atol, f"decode {i}")
+        assert_logits(engine.forward_one([tokens[i]]), ref[i:i + 1], atol, f"decode {i}")
 
     wrong = [(t + 1) % vocab for t in tokens[24:28]]  # a draft the target rejects entirely
-    engine.forward(wrong)
-    assert engine.length == 28
-    engine.rollback(24)
-    verify = engine.forward(tokens[24:29])  # verification of 4 draft tokens + the bonus position
+    engine.forward_one(wrong)
+    assert engine.length(0) == 28
+    engine.rollback(0, 24)
+    verify = engine.forward_one(tokens[24:29])  # verification of 4 draft tokens + the bonus position
     assert_logits(verify, ref[24:29], atol, "verify after rollback")
 
-    engine.rollback(26)  # partial acceptance: keep two of the verified tokens
-    rest = engine.forward(tokens[26:n])
+    engine.rollback(0, 26)  # partial acceptance: keep two of the verified tokens
+    rest = engine.forward_one(tokens[26:n])
     assert_logits(rest, ref[26:n], atol, "continue after partial rollback")
-    assert engine.length == n
+    assert engine.length(0) == n
     return engine
 
 
@@ -85,6 +86,14 @@ def test_shared_kv_graph_matches_transformers(family, family_shared_exports):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_batched_kv_graph_matches_transformers(family, family_batched_exports):
+    checkpoint, result = family_batched_exports[family]
+    assert result.kv_cache == "batched" and result.opset == 24
+    engine = check_parity(checkpoint, result.graph, result.vocab_size)
+    assert engine.batched
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fp16_graph_matches_transformers_within_fp16_tolerance(family, family_fp16_exports, family_exports):
     checkpoint, result = family_fp16_exports[family]
     assert result.dtype == "float16" and result.kv_cache == "concat"
@@ -96,7 +105,8 @@ def test_fp16_graph_matches_transformers_within_fp16_tolerance(family, family_fp
     assert engine.memory()["kv_cache"] * 2 == fp32.memory()["kv_cache"]  # same capacity, half the bytes
 
 
-def test_shared_kv_graph_matches_with_scaled_rope(family_exports, tmp_path):
+@pytest.mark.parametrize("layout", ["shared", "batched"])
+def test_in_place_kv_graphs_match_with_scaled_rope(family_exports, tmp_path, layout):
     """Llama 3 rope scaling: the cos/sin tables come from transformers' own rotary code."""
     import json
     import shutil
@@ -111,7 +121,7 @@ def test_shared_kv_graph_matches_with_scaled_rope(family_exports, tmp_path):
                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 32}
     (checkpoint / "config.json").write_text(json.dumps(config))
-    result = export_onnx(checkpoint, tmp_path / "onnx", kv_cache="shared")
+    result = export_onnx(checkpoint, tmp_path / "onnx", kv_cache=layout)
     check_parity(checkpoint, result.graph, result.vocab_size)
 
 
@@ -125,7 +135,7 @@ def _demo_dirs() -> list:
 
 
 @pytest.mark.skipif(not _demo_dirs(), reason="the demo pair (bundler/demo/models) is not in this tree yet")
-@pytest.mark.parametrize("layout", ["concat", "shared", "fp16"])
+@pytest.mark.parametrize("layout", ["concat", "shared", "batched", "fp16"])
 @pytest.mark.parametrize("which", [0, 1], ids=["target", "draft"])
 def test_demo_pair_matches_transformers(which, layout, tmp_path):
     """A trained pair (logits up to ~18, unlike the random models' ~1): fp16 measured 8e-4 relative."""

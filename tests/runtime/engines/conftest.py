@@ -19,11 +19,12 @@ def tiny_export(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_exports(tiny_export, tmp_path_factory) -> dict:
-    """"concat" | "shared" | "fp16" (concat, float16: what fp16 TensorRT targets carry) -> ExportResult
-    of the same tiny llama."""
+    """"concat" | "shared" | "batched" | "fp16" (concat, float16: what fp16 TensorRT targets carry) ->
+    ExportResult of the same tiny llama."""
     from bundler.export import export_onnx
 
     ckpt, concat = tiny_export
     return {"concat": concat, "shared": export_onnx(ckpt, tmp_path_factory.mktemp("engines-shared"),
                                                      kv_cache="shared"),
+            "batched": export_onnx(ckpt, tmp_path_factory.mktemp("engines-batched"), kv_cache="batched"),
             "fp16": export_onnx(ckpt, tmp_path_factory.mktemp("engines-fp16"), dtype="float16")}

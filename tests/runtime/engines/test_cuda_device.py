@@ -37,16 +37,16 @@ def _engine_without_tensorrt(kv_heads: int, head_dim: int, max_context: int, lay
     """A TensorRTEngine with its CUDA state only (the TensorRT context is what cannot exist here).
 
     `_itemsize` is what __init__ reads from the plan's KV tensor dtype (2 for an fp16 graph)."""
-    from runtime.engines.tensorrt import TensorRTEngine, _check, _DeviceBuffer
+    from runtime.engines.tensorrt import TensorRTEngine, _check
 
     eng = object.__new__(TensorRTEngine)
     eng._cudart = CUDART
     eng.stream = _check(CUDART.cudaStreamCreate())
     eng.num_kv_heads, eng.head_dim, eng.max_context = kv_heads, head_dim, max_context
     eng._itemsize = np.dtype(dtype).itemsize
-    per = kv_heads * max_context * head_dim * eng._itemsize
-    eng._kv = [[_DeviceBuffer(CUDART, per) for _ in range(layers)] for _ in range(2)]
-    eng._current, eng._length = 0, 0
+    eng._past = [f"past_key_values.{i}" for i in range(layers)]
+    eng._slots = []
+    eng.allocate_slots(2)
     return eng
 
 
@@ -64,24 +64,29 @@ def test_rollback_keeps_each_heads_first_rows_on_the_device(dtype):
     eng = _engine_without_tensorrt(kv, hd, max_context=32, dtype=dtype)
     # TensorRT writes present as a contiguous [1, kv, length, hd] tensor of the graph's dtype.
     caches = [np.random.default_rng(i).standard_normal((kv, length, hd)).astype(dtype) for i in range(2)]
-    for buf, cache in zip(eng._kv[eng._current], caches):
+    slot = eng._slots[1]
+    for buf, cache in zip(slot.kv[slot.current], caches):
         eng._h2d(buf, cache)
     from runtime.engines.tensorrt import _check
     _check(CUDART.cudaStreamSynchronize(eng.stream))
-    eng._length = length
+    slot.length = length
 
-    eng.rollback(keep)
-    assert eng.length == keep
-    for buf, cache in zip(eng._kv[eng._current], caches):  # the new past: [kv, keep, hd], contiguous
+    eng.copy_prefix(1, 0, keep - 2)  # another slot gets the first keep-2 rows of every head
+    first = eng._slots[0]
+    for buf, cache in zip(first.kv[first.current], caches):
+        got = _d2h(buf, kv * (keep - 2) * hd * np.dtype(dtype).itemsize, dtype).reshape(kv, keep - 2, hd)
+        np.testing.assert_array_equal(got, cache[:, :keep - 2, :])
+    eng.rollback(1, keep)
+    assert eng.length(1) == keep and eng.length(0) == keep - 2
+    for buf, cache in zip(slot.kv[slot.current], caches):  # the new past: [kv, keep, hd], contiguous
         got = _d2h(buf, kv * keep * hd * np.dtype(dtype).itemsize, dtype).reshape(kv, keep, hd)
         np.testing.assert_array_equal(got, cache[:, :keep, :])
-    eng.rollback(0)
-    assert eng.length == 0
+    eng.rollback(1, 0)
+    assert eng.length(1) == 0
     with pytest.raises(ValueError):
-        eng.rollback(1)
-    for pair in eng._kv:
-        for buf in pair:
-            buf.free()
+        eng.rollback(1, 1)
+    for s in eng._slots:
+        s.free()
     CUDART.cudaStreamDestroy(eng.stream)
 
 

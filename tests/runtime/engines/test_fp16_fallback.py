@@ -56,9 +56,9 @@ def test_fallback_runs_the_fp16_graph_and_speculation_equals_plain_greedy(fp16_b
                for role in ("target", "draft")}
     for engine in engines.values():
         assert engine.kv_dtype == np.float16 and "fallback from TensorRT" in engine.description
-    logits = engines["target"].forward([1, 2, 3])
+    logits = engines["target"].forward_one([1, 2, 3])
     assert logits.dtype == np.float32 and logits.shape == (3, 512)
-    engines["target"].reset()
+    engines["target"].release(0)
 
     prompt, greedy = [5, 17, 42, 9, 300], SamplingParams(temperature=0.0)
     plain = [t for s in Generator(engines["target"]).generate(prompt, greedy, max_tokens=40) for t in s.tokens]

@@ -51,12 +51,12 @@ def test_cpu_target_runs_onnxruntime_over_the_shipped_onnx(tiny_exports, tmp_pat
 
     root, manifest = plan_bundle(tiny_exports, tmp_path, ["cpu"], StandInBackend(None))
     (record,) = manifest.target("cpu").engines
-    assert record.path == "engines/onnx-shared/target/model.onnx" and record.build["kv_cache"] == "shared"
-    assert record.key["onnxruntime_min"] == "1.20"
+    assert record.path == "engines/onnx-batched/target/model.onnx" and record.build["kv_cache"] == "batched"
+    assert record.key["onnxruntime_min"] == "1.30"
     engine = load_engine(root, manifest, "cpu", "target", cache_dir=tmp_path / "cache")
     assert engine.description.startswith("onnxruntime") and engine.max_context == 128
-    assert engine.kv_cache == "shared" and engine.description.endswith("kv-cache shared")
-    assert engine.forward([1, 2, 3]).shape == (3, 512)
+    assert engine.kv_cache == "batched" and engine.description.endswith("kv-cache batched") and engine.batched
+    assert engine.forward_one([1, 2, 3]).shape == (3, 512)
     assert not (tmp_path / "cache").exists()  # nothing to build or record on cpu
 
 
@@ -67,7 +67,7 @@ def test_cpu_target_can_ship_the_concat_graph(tiny_exports, tmp_path):
     (record,) = manifest.target("cpu").engines
     assert record.path == "engines/onnx/target/model.onnx" and record.build["kv_cache"] == "concat"
     engine = load_engine(root, manifest, "cpu", "target")
-    assert engine.kv_cache == "concat" and engine.forward([1, 2, 3]).shape == (3, 512)
+    assert engine.kv_cache == "concat" and engine.forward_one([1, 2, 3]).shape == (3, 512)
 
 
 def test_a_record_whose_layout_differs_from_the_graph_is_refused(tiny_exports, tmp_path):
@@ -81,7 +81,7 @@ def test_a_record_whose_layout_differs_from_the_graph_is_refused(tiny_exports, t
     wrong = dataclasses.replace(record, build={**record.build, "kv_cache": "concat"})
     target = dataclasses.replace(manifest.target("cpu"), engines=(wrong,))
     manifest = dataclasses.replace(manifest, targets=(target,))
-    with pytest.raises(ModelError, match="expects a 'concat' KV-cache graph, the graph is 'shared'"):
+    with pytest.raises(ModelError, match="expects a 'concat' KV-cache graph, the graph is 'batched'"):
         load_engine(root, manifest, "cpu", "target")
 
 
@@ -102,7 +102,7 @@ def test_no_shipped_engine_builds_locally_once_and_caches(tiny_exports, tmp_path
 
     again = load_engine(root, manifest, "jetson-thor", "target", cache_dir=tmp_path / "cache", backend=device)
     assert len(device.builds) == 1 and device.loads[-1] == device.loads[0]  # second start: no build
-    np.testing.assert_allclose(again.forward([4, 5]), engine.forward([4, 5]), atol=1e-6)
+    np.testing.assert_allclose(again.forward_one([4, 5]), engine.forward_one([4, 5]), atol=1e-6)
 
 
 def test_shipped_plan_is_used_when_its_key_matches(tiny_exports, tmp_path):
@@ -164,7 +164,7 @@ def test_without_tensorrt_onnxruntime_stands_in_and_it_is_recorded(tiny_exports,
     assert data["used"] == "onnxruntime" and NOT_INSTALLED in data["reason"]
     assert data["key"]["compute_capability"] == "11.0"
     assert "instead of TensorRT" in caplog.text
-    assert engine.forward([1, 2]).shape == (2, 512)
+    assert engine.forward_one([1, 2]).shape == (2, 512)
 
 
 def test_unknown_role_and_target_are_clear_errors(tiny_exports, tmp_path):

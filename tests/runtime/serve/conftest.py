@@ -107,13 +107,16 @@ class RunningServer:
         self.server.should_exit = True
         self.thread.join(15)
         self.sock.close()
+        self.serving.close()
 
 
 @pytest.fixture(scope="session")
 def server(serving_model):
-    from runtime.server.serving import OpenAIServing, ServeOptions
+    from runtime.server.app import OpenAIServer
+    from runtime.server.serving_engine import ServeOptions
 
-    s = RunningServer(OpenAIServing(serving_model, ServeOptions(max_queued_requests=2, log_interval_s=1.0)))
+    s = RunningServer(OpenAIServer(serving_model, ServeOptions(max_queued_requests=2, max_num_seqs=2,
+                                                               log_interval_s=1.0)))
     yield s
     s.stop()
 

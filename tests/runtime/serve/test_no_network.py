@@ -17,7 +17,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 FORBIDDEN = {"huggingface_hub", "requests", "httpx", "urllib3", "torch", "transformers", "bundler"}
-SERVE_MODULES = ["runtime.cli_serve", "runtime.server", "runtime.server.app", "runtime.server.serving",
+SERVE_MODULES = ["runtime.cli_serve", "runtime.server", "runtime.server.app", "runtime.server.serving_engine",
+                 "runtime.server.serving_chat", "runtime.server.serving_completion", "runtime.server.serving_models",
+                 "runtime.server.body", "runtime.engine_client", "runtime.scheduler", "runtime.model_runner",
                  "runtime.server.loader", "runtime.server.metrics", "runtime.server.protocol",
                  "runtime.speculative", "runtime.sampling", "runtime.tokenizer", "runtime.chat_template",
                  "runtime.engines", "runtime.engines.onnxruntime", "runtime.store", "runtime.verify",

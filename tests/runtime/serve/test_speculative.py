@@ -71,7 +71,8 @@ def test_cache_rollback_across_requests_matches_fresh_engines(engine_factory, pr
     order = [5, 1, 5, 0, 0, 2, 1, 9, 5, 3]
     for i in order:
         assert run(gen, prompts[i], max_tokens=40) == plain_outputs[(i, 40)], f"prompt {i}"
-        assert gen.target.length == len(gen._tcache) and gen.draft.length == len(gen._dcache)
+        assert gen.target.length(0) == len(gen.runner.target_cache[0])
+        assert gen.draft.length(0) == len(gen.runner.draft_cache[0])
     # Continuing a previous answer (a chat's next turn) reuses the cache and still matches.
     prev, _ = run(gen, prompts[0], max_tokens=7)
     turn = prompts[0] + prev
@@ -94,7 +95,7 @@ def test_context_end_finishes_with_length(engine_factory):
                     "draft_model", 3)
     out, reason = run(gen, list(range(10, 30)), max_tokens=100, eos_ids=())
     assert reason == "length" and len(out) == 24 - 20 + 1
-    assert gen.target.length <= 24
+    assert gen.target.length(0) <= 24
     with pytest.raises(UsageError, match="prompt has 24 tokens"):
         run(gen, list(range(10, 34)))
 
@@ -118,7 +119,7 @@ def test_cancel_stops_between_steps(engine_factory, prompts):
             cancel.set()
     assert seen[-1].finish_reason == "cancelled" and len(seen) == 4
     # The engine is reusable and consistent afterwards.
-    assert gen.target.length == len(gen._tcache)
+    assert gen.target.length(0) == len(gen.runner.target_cache[0])
 
 
 def test_bad_configuration_is_refused(engine_factory):

@@ -40,14 +40,17 @@ def test_each_step_is_one_target_pass_and_g_draft_passes_with_minimal_catch_up(p
     spec = [s for s in steps if s.drafted]
     assert 0 < gen.stats.num_accepted_tokens < gen.stats.num_draft_tokens, "both accepting and rejecting happen"
     assert len(target.calls) == 1 + len(steps)  # prefill, then exactly one pass per step
-    assert len(draft.calls) == sum(s.drafted for s in spec)  # g passes per step, catch-up included
+    # The draft is prefilled beside the target (prompt minus its pending token, one call), then g
+    # passes per step, catch-up included.
+    assert draft.calls[0] == prompt[:-1]
+    assert len(draft.calls) == 1 + sum(s.drafted for s in spec)
     # The draft never sees a token twice: its first call of a step feeds only what it lacks (the
     # new pending token, plus the last proposal when all were accepted); later calls one token each.
-    i = 0
+    i = 1
     for n, s in enumerate(spec):
         first = draft.calls[i]
         if n == 0:
-            assert first == prompt
+            assert first == prompt[-1:]
         else:
             prev = spec[n - 1]
             assert len(first) == (2 if prev.accepted == prev.drafted else 1), (n, first)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.engine import Engine
+from runtime.engine import SequenceEngine
 
 
-class MarkovEngine(Engine):
+class MarkovEngine(SequenceEngine):
     description = "numpy first-order Markov chain"
 
     def __init__(self, table: np.ndarray, max_context: int = 4096):

@@ -1,0 +1,256 @@
+"""One scheduled step on the engines: draft proposals for every speculating slot, ONE target forward
+for every slot (prefill chunks and [pending + drafts] rows together), exact acceptance per slot.
+
+Cache bookkeeping per slot: the target slot holds every token of the sequence except the last
+("pending", whose logits are not computed yet) once its prompt is prefilled; a verification
+appends pending + drafts and rolls back to the accepted prefix. `target_cache[slot]` /
+`draft_cache[slot]` mirror what each slot holds (token ids): the draft catches up from the common
+prefix, and a new request reuses the longest prefix any slot holds (prefix caching).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from manifests.errors import UsageError
+from runtime.engine import Engine, Row
+from runtime.speculative import METHODS, SpecStats, Step, accept, ngram_lookup, propose_token
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ModelRunner:
+    def __init__(self, target: Engine, draft: Engine | None = None, method: str = "none",
+                 num_speculative_tokens: int = 3, *, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
+                 clock=time.perf_counter):
+        if method not in METHODS:
+            raise UsageError(f"speculative method must be one of {', '.join(METHODS)}, found {method!r}")
+        if method == "draft_model" and draft is None:
+            raise UsageError("speculative method 'draft_model' needs a draft engine; the bundle has no draft model")
+        if method != "none" and not (1 <= num_speculative_tokens <= 16):
+            raise UsageError(f"num_speculative_tokens must be in 1..16, found {num_speculative_tokens}")
+        if not (1 <= prompt_lookup_min <= prompt_lookup_max):
+            raise UsageError(f"expected 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                             f"found {prompt_lookup_min} and {prompt_lookup_max}")
+        if draft is not None and method == "draft_model" and draft.vocab_size != target.vocab_size:
+            # Logit rows must index the same tokens; a smaller draft vocabulary would need padding.
+            raise UsageError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
+        self.target = target
+        self.draft = draft if method == "draft_model" else None
+        self.method = method
+        self.num_speculative_tokens = num_speculative_tokens if method != "none" else 0
+        self.prompt_lookup_min = prompt_lookup_min
+        self.prompt_lookup_max = prompt_lookup_max
+        self.stats = SpecStats()
+        self._clock = clock
+        self._mirrors()
+
+    def _mirrors(self) -> None:
+        self.target_cache: list[list[int]] = [[] for _ in range(self.num_slots)]
+        self.draft_cache: list[list[int]] = [[] for _ in range(self.num_slots)]
+
+    @property
+    def num_slots(self) -> int:
+        n = self.target.num_slots
+        return min(n, self.draft.num_slots) if self.draft is not None else n
+
+    @property
+    def max_context(self) -> int:
+        m = self.target.max_context
+        return min(m, self.draft.max_context) if self.draft is not None else m
+
+    def kv_bytes_per_slot(self) -> int:
+        return self.target.kv_bytes_per_slot() + (self.draft.kv_bytes_per_slot() if self.draft else 0)
+
+    def allocate_slots(self, num_slots: int) -> None:
+        """Give both engines `num_slots` caches (only engines that can: ONNX Runtime, TensorRT)."""
+        for engine in (self.target, self.draft):
+            if engine is not None and engine.num_slots != num_slots:
+                engine.allocate_slots(num_slots)
+        self._mirrors()
+
+    def check(self, request) -> None:
+        if not request.prompt:
+            raise UsageError("prompt must hold at least one token")
+        if request.max_tokens < 1:
+            raise UsageError(f"max_tokens must be >= 1, found {request.max_tokens}")
+        if len(request.prompt) >= self.max_context:
+            raise UsageError(f"prompt has {len(request.prompt)} tokens, the context holds {self.max_context}")
+
+    def uses_draft(self, request) -> bool:
+        return self.draft is not None and request.speculative
+
+    # --- slots and the prefix cache -------------------------------------------------------------
+    def prefix_length(self, slot: int, tokens: Sequence[int]) -> int:
+        """Tokens of `tokens` that slot's target cache already holds (at most all but the last)."""
+        return min(common_prefix(self.target_cache[slot], tokens), len(tokens) - 1)
+
+    def place(self, request, slot: int, *, reuse: bool) -> int:
+        """Make `slot` hold the longest cached prefix of the request's tokens; return its length.
+
+        reuse=False (prefix caching off): the slot starts empty. Otherwise the slot keeps what it
+        shares with the request, or takes a longer prefix from another slot (a copy of its KV rows).
+        """
+        tokens = request.tokens
+        best, source = 0, slot
+        if reuse:
+            best = self.prefix_length(slot, tokens)
+            for other in range(self.num_slots):
+                n = self.prefix_length(other, tokens) if other != slot else 0
+                if n > best:
+                    best, source = n, other
+        self._reuse(self.target, self.target_cache, source, slot, best)
+        if self.draft is not None:
+            own = min(common_prefix(self.draft_cache[slot], tokens), len(tokens) - 1) if reuse else 0
+            there = min(common_prefix(self.draft_cache[source], tokens), best) if reuse else 0
+            if there > own:
+                self._reuse(self.draft, self.draft_cache, source, slot, there)
+            else:
+                self._reuse(self.draft, self.draft_cache, slot, slot, own)
+        request.slot, request.computed, request.cached_tokens = slot, best, best
+        return best
+
+    @staticmethod
+    def _reuse(engine: Engine, mirror: list[list[int]], source: int, slot: int, n: int) -> None:
+        if source == slot:
+            if n < len(mirror[slot]):
+                engine.rollback(slot, n)
+                del mirror[slot][n:]
+            return
+        engine.copy_prefix(source, slot, n)
+        mirror[slot] = mirror[source][:n]
+
+    def release(self, slot: int) -> None:
+        for engine, mirror in ((self.target, self.target_cache), (self.draft, self.draft_cache)):
+            if engine is not None and mirror[slot]:
+                engine.release(slot)
+                mirror[slot].clear()
+
+    def reset(self) -> None:
+        """Empty every slot (after an engine error the mirrors may be wrong)."""
+        for engine, mirror in ((self.target, self.target_cache), (self.draft, self.draft_cache)):
+            if engine is not None:
+                for slot in range(self.num_slots):
+                    engine.release(slot)
+                    mirror[slot].clear()
+
+    # --- one step ---------------------------------------------------------------------------------
+    def step(self, decodes: Sequence[tuple], prefills: Sequence[tuple]) -> None:
+        """`decodes`: (request, g) with g proposals wanted (0: plain); `prefills`: (request, n prompt tokens).
+
+        Each decoding request gets one Step through `request.emit`.
+        """
+        proposals = self._propose(decodes, prefills)
+        rows = [Row(r.slot, r.tokens[r.computed:r.computed + n]) for r, n in prefills]
+        for r, _ in decodes:
+            drafts, _ = proposals.get(r.slot, ([], []))
+            rows.append(Row(r.slot, [r.tokens[-1], *drafts]))
+        logits = self._forward(self.target, self.target_cache, rows, "target")
+        for r, n in prefills:
+            r.computed += n
+        for (r, _), row_logits in zip(decodes, logits[len(prefills):]):
+            drafts, qs = proposals.get(r.slot, ([], []))
+            new = accept(row_logits, drafts, qs, r.params, r.rng, r.logits_processors, r.output_ids)
+            accepted = len(new) - 1
+            self.stats.record(len(drafts), accepted)
+            keep = len(r.tokens) + accepted  # target now holds tokens + drafts; keep tokens + accepted
+            self._rollback(self.target, self.target_cache, r.slot, keep)
+            if self.draft is not None and self.uses_draft(r):
+                self._rollback(self.draft, self.draft_cache, r.slot, min(len(self.draft_cache[r.slot]), keep))
+            r.tokens.extend(new)
+            r.computed = len(r.tokens) - 1
+            r.emit(new, len(drafts), accepted)
+
+    def _propose(self, decodes, prefills) -> dict[int, tuple[list[int], list]]:
+        out: dict[int, tuple[list[int], list]] = {}
+        if self.method == "ngram":
+            for r, g in decodes:
+                if g > 0:
+                    out[r.slot] = (ngram_lookup(r.tokens, g, self.prompt_lookup_min, self.prompt_lookup_max), [])
+            return out
+        if self.draft is None:
+            return out
+        # First call: every speculating slot's catch-up (what its draft cache lacks: at least the
+        # pending token) plus the draft's share of this step's prefill chunks; then one token per call.
+        rows, wanting = [], []
+        for r, n in prefills:
+            if self.uses_draft(r):
+                end = r.computed + n
+                have = min(common_prefix(self.draft_cache[r.slot], r.tokens[:end]), end)
+                self._rollback(self.draft, self.draft_cache, r.slot, have)
+                if end > have:
+                    rows.append(Row(r.slot, r.tokens[have:end]))
+        for r, g in decodes:
+            if g <= 0 or not self.uses_draft(r):
+                continue
+            have = min(common_prefix(self.draft_cache[r.slot], r.tokens), len(r.tokens) - 1)
+            self._rollback(self.draft, self.draft_cache, r.slot, have)
+            rows.append(Row(r.slot, r.tokens[have:]))
+            wanting.append((r, g))
+            out[r.slot] = ([], [])
+        if not rows:
+            return out
+        logits = dict(zip((row.slot for row in rows), self._forward(self.draft, self.draft_cache, rows, "draft")))
+        last = {r.slot: logits[r.slot][-1] for r, _ in wanting}
+        for i in range(max((g for _, g in wanting), default=0)):
+            rows = []
+            for r, g in wanting:
+                if i >= g:
+                    continue
+                drafts, qs = out[r.slot]
+                d, q = propose_token(last[r.slot], r.params, r.rng, r.logits_processors, r.output_ids + drafts)
+                drafts.append(d)
+                if q is not None:
+                    qs.append(q)
+                if i < g - 1:  # the last proposal is fed to the draft next step, only if it is accepted
+                    rows.append(Row(r.slot, [d]))
+            if rows:
+                for row, lg in zip(rows, self._forward(self.draft, self.draft_cache, rows, "draft")):
+                    last[row.slot] = lg[-1]
+        return out
+
+    # --- cache helpers ---------------------------------------------------------------------------
+    def _forward(self, engine: Engine, mirror: list[list[int]], rows: list[Row], role: str) -> list[np.ndarray]:
+        t0 = self._clock()
+        logits = engine.forward(rows)
+        for row in rows:
+            mirror[row.slot].extend(int(t) for t in row.tokens)
+        dt = self._clock() - t0
+        if role == "target":
+            self.stats.target_forwards += 1
+            self.stats.target_seconds += dt
+        else:
+            self.stats.draft_forwards += 1
+            self.stats.draft_seconds += dt
+        return logits
+
+    @staticmethod
+    def _rollback(engine: Engine, mirror: list[list[int]], slot: int, length: int) -> None:
+        if length < len(mirror[slot]):
+            engine.rollback(slot, length)
+            del mirror[slot][length:]
+
+
+def step_of(tokens: list[int], drafted: int, accepted: int, eos, produced: int, max_tokens: int) -> tuple[Step, int]:
+    """Cut a verification's tokens at eos (not included) and max_tokens: (the Step, tokens produced now)."""
+    out, finish = [], None
+    for t in tokens:
+        if t in eos:
+            finish = "stop"
+            break
+        out.append(t)
+        if produced + len(out) >= max_tokens:
+            finish = "length"
+            break
+    return Step(out, drafted=drafted, accepted=accepted, finish_reason=finish), len(out)

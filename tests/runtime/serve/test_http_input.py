@@ -1,0 +1,95 @@
+"""Hostile and careless request bodies: a bounded, strictly parsed JSON body or a 4xx in OpenAI's shape.
+
+Each case here answered 500 (or was served) before bodies were parsed strictly, checked for
+Content-Type and decoded off the event loop.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+CHAT = "/v1/chat/completions"
+OK_BODY = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+
+
+def _post(server, path, content, content_type="application/json"):
+    headers = {"content-type": content_type} if content_type else {}
+    return httpx.post(server.url + path, content=content, headers=headers, timeout=60)
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_post_without_json_content_type_is_415(server, content_type):
+    """A web page may POST text/plain or a form to a keyless server on localhost without a CORS preflight."""
+    r = _post(server, CHAT, OK_BODY, content_type)
+    assert r.status_code == 415, r.text
+    err = r.json()["error"]
+    assert "application/json" in err["message"] and err["code"] == "unsupported_media_type"
+
+
+def test_json_content_type_with_charset_is_accepted(server):
+    assert _post(server, CHAT, OK_BODY, "application/json; charset=utf-8").status_code == 200
+
+
+@pytest.mark.parametrize("content,pattern", [
+    (b'{"model": "tiny", "messages": ' + b"[" * 1000 + b"]" * 1000 + b"}", "nesting deeper"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"[" * 100 + b'"}], "x": '
+     + b"[" * 100000 + b"]" * 100000 + b"}", "nesting deeper"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', "surrogate"),
+    (b'{"model": "tiny\\udfff", "messages": [{"role": "user", "content": "hi"}]}', "surrogate"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "NaN"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "extra": Infinity}', "Infinity"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}",
+     "digits"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": -' + b"1" * 100 + b"}",
+     "digits"),
+])
+def test_malformed_json_is_400_never_500(server, content, pattern):
+    r = _post(server, CHAT, content)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and pattern in err["message"], err
+    assert _post(server, CHAT, OK_BODY).status_code == 200  # and the server is fine
+
+
+def test_surrogate_in_completion_prompt_is_400(server):
+    r = _post(server, "/v1/completions", b'{"model": "tiny", "prompt": "a\\ud83d b"}')
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+
+
+def test_body_limit_is_413_and_documented(server):
+    from runtime.server.body import MAX_BODY_BYTES
+
+    r = _post(server, CHAT, b" " * (MAX_BODY_BYTES + 1))
+    assert r.status_code == 413 and str(MAX_BODY_BYTES) in r.json()["error"]["message"]
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    assert "413" in readme and "8 MiB" in readme
+
+
+def test_a_huge_prompt_does_not_stop_the_event_loop(server):
+    """Tokenizing ~0.5 MB of text takes seconds here; /health must keep answering meanwhile (it
+    answered nothing until the tokenizer finished when tokenization ran on the event loop)."""
+    text = "def read(path):\n    with open(path) as f:\n" * 12000
+    big = {}
+
+    def send():
+        big["response"] = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": text},
+                                     timeout=300)
+
+    thread = threading.Thread(target=send)
+    answered_during = 0
+    with httpx.Client(base_url=server.url, timeout=60) as probe:
+        probe.get("/health")
+        thread.start()
+        while thread.is_alive():
+            if probe.get("/health").status_code == 200 and thread.is_alive():
+                answered_during += 1
+    thread.join()
+    r = big["response"]
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert answered_during >= 20, f"/health answered only {answered_during} times while the prompt was tokenized"

@@ -1,0 +1,275 @@
+"""The scheduler and model runner with many sequences at once, on the real batched ONNX Runtime engine
+(greedy identity, seeds, budgets, chunked prefill, cancellation, prefix reuse) and on the numpy Markov
+engine (the exact sampled distribution per slot under concurrency)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from manifests.errors import UsageError
+from runtime.engine import Row, SequenceSlots
+from runtime.model_runner import ModelRunner
+from runtime.sampling import SamplingParams
+from runtime.scheduler import EngineRequest, Scheduler
+from runtime.speculative import Generator
+from tests.runtime.serve.test_sampling import LENGTH, PROMPT, _exact, _pvalue, _tables
+from tests.runtime.serve.toy_engines import MarkovEngine
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def batched_graphs(tiny_models, tmp_path_factory):
+    from bundler.export import export_onnx
+
+    root = tmp_path_factory.mktemp("tiny-batched")
+    return {name: export_onnx(tiny_models[name], root / name, kv_cache="batched").graph for name in ("target", "draft")}
+
+
+@pytest.fixture(scope="module")
+def batched(batched_graphs):
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    def make(name: str, num_slots: int = 4, max_context: int = 256):
+        return OnnxRuntimeEngine(batched_graphs[name], max_context=max_context, num_slots=num_slots, threads=1)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(11)
+    return [rng.integers(5, 512, size=n).tolist() for n in (1, 3, 9, 17, 40, 77)]
+
+
+@pytest.fixture(scope="module")
+def alone(engine_factory, prompts):
+    """Plain greedy of the target, one sequence at a time on the concat graph: the reference."""
+    gen = Generator(engine_factory("target", max_context=256))
+    return [[t for s in gen.generate(p, GREEDY, max_tokens=24) for t in s.tokens] for p in prompts]
+
+
+class Recorder:
+    def __init__(self):
+        self.steps = {}
+
+    def request(self, prompt, params=GREEDY, max_tokens=24, **kw) -> EngineRequest:
+        r = EngineRequest(list(prompt), params, max_tokens, **kw)
+        self.steps[r.id] = []
+        r.on_step = self.steps[r.id].append
+        return r
+
+    def tokens(self, r) -> list[int]:
+        return [t for s in self.steps[r.id] for t in s.tokens]
+
+
+def run_together(scheduler, rec, requests, arrive_every=1):
+    """Submit one request every `arrive_every` steps (staggered arrivals), step until all finish."""
+    pending, step, guard = list(requests), 0, 0
+    while pending or scheduler.has_work():
+        if pending and step % arrive_every == 0:
+            scheduler.add(pending.pop(0))
+        scheduler.step()
+        step += 1
+        guard += 1
+        assert guard < 5000, "scheduler made no progress"
+    return [rec.tokens(r) for r in requests]
+
+
+@pytest.mark.parametrize("method,k", [("none", 0), ("draft_model", 1), ("draft_model", 3), ("draft_model", 5),
+                                      ("ngram", 3)])
+def test_concurrent_greedy_equals_each_alone(batched, prompts, alone, method, k):
+    runner = ModelRunner(batched("target"), batched("draft") if method == "draft_model" else None, method,
+                         max(k, 1), prompt_lookup_min=1, prompt_lookup_max=3)
+    scheduler = Scheduler(runner, max_num_seqs=4, max_num_batched_tokens=64)
+    rec = Recorder()
+    # More requests than slots, arriving while others run; one opts out of speculation.
+    requests = [rec.request(p, speculative=(i != 2)) for i, p in enumerate(prompts + prompts[::-1])]
+    out = run_together(scheduler, rec, requests, arrive_every=2)
+    assert out == alone + alone[::-1]
+    if method != "none":
+        assert runner.stats.num_drafts > 0
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_crowd(batched, prompts):
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=s) for s in range(len(prompts))]
+
+    def crowd():
+        runner = ModelRunner(batched("target"), batched("draft"), "draft_model", 3)
+        rec = Recorder()
+        reqs = [rec.request(p, q) for p, q in zip(prompts, params)]
+        return run_together(Scheduler(runner, max_num_seqs=4, max_num_batched_tokens=64), rec, reqs)
+
+    first, second = crowd(), crowd()
+    assert first == second
+    gen = Generator(batched("target", 1), batched("draft", 1), "draft_model", 3)
+    lone = [[t for s in gen.generate(p, q, max_tokens=24) for t in s.tokens] for p, q in zip(prompts, params)]
+    assert first == lone
+
+
+@pytest.mark.parametrize("method,params", [
+    ("draft_model", SamplingParams(temperature=1.0)),
+    ("draft_model", SamplingParams(temperature=0.7, top_p=0.9, top_k=4)),
+    ("ngram", SamplingParams(temperature=1.3, top_k=3)),
+])
+def test_sampled_distribution_is_the_targets_in_every_slot_under_concurrency(method, params):
+    """Four slots generate at once, each request with its own seed: every slot's samples follow the
+    target's exact distribution (chi-square per slot)."""
+    target, draft = _tables()
+    slots = 4
+    runner = ModelRunner(SequenceSlots([MarkovEngine(target) for _ in range(slots)]),
+                         SequenceSlots([MarkovEngine(draft) for _ in range(slots)]) if method == "draft_model" else None,
+                         method, 2, prompt_lookup_min=1, prompt_lookup_max=2)
+    scheduler = Scheduler(runner, max_num_seqs=slots, max_num_batched_tokens=64)
+    rec, by_slot = Recorder(), {s: {} for s in range(slots)}
+    n = 6000
+    reqs = [rec.request(PROMPT, SamplingParams(params.temperature, params.top_p, params.top_k, seed=i),
+                        max_tokens=LENGTH) for i in range(n)]
+    for i in range(0, n, slots):
+        for r in reqs[i:i + slots]:
+            scheduler.add(r)
+        while scheduler.has_work():
+            scheduler.step()
+        for r in reqs[i:i + slots]:
+            seq = tuple(rec.tokens(r))
+            by_slot[r.slot][seq] = by_slot[r.slot].get(seq, 0) + 1
+    exact = _exact(target, params)
+    for slot, counts in by_slot.items():
+        assert sum(counts.values()) == n // slots
+        assert _pvalue(counts, exact, n // slots) > 1e-4, f"slot {slot}"
+    if method == "draft_model":
+        assert 0.2 < runner.stats.acceptance_rate < 0.95
+
+
+class CountingEngine:
+    """Records every forward's rows (slot, number of tokens) of a real engine."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, rows):
+        self.calls.append([(r.slot, len(r.tokens)) for r in rows])
+        return self.inner.forward(rows)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(batched):
+    inner = batched("target", num_slots=3, max_context=512)
+    counting = CountingEngine(inner)
+    runner = ModelRunner(counting, None, "none")
+    budget = 48
+    scheduler = Scheduler(runner, max_num_seqs=3, max_num_batched_tokens=budget)
+    rec = Recorder()
+    running = [rec.request([5, 6, 7], max_tokens=200), rec.request([9, 10], max_tokens=200)]
+    for r in running:
+        scheduler.add(r)
+    for _ in range(3):
+        scheduler.step()
+    counting.calls.clear()
+    long = rec.request(list(np.random.default_rng(0).integers(5, 500, size=400)), max_tokens=5)
+    scheduler.add(long)
+    while long.finish_reason is None:
+        scheduler.step()
+    prefill_steps = [c for c in counting.calls if any(s == long.slot and n > 1 for s, n in c)]
+    assert len(prefill_steps) >= 400 // budget  # in chunks, not in one pass
+    for call in counting.calls:
+        assert sum(n for _, n in call) <= budget  # every step within the token budget...
+        assert {r.slot for r in running} <= {s for s, _ in call}  # ...and the running streams advance in each
+    assert rec.tokens(long) == [t for s in Generator(batched("target", 1, 512)).generate(
+        long.prompt, GREEDY, max_tokens=5) for t in s.tokens]
+
+
+def test_cancel_frees_the_slot_at_the_next_step_and_others_continue(batched, prompts, alone):
+    runner = ModelRunner(batched("target", num_slots=2), None, "none")
+    scheduler = Scheduler(runner, max_num_seqs=2, max_num_batched_tokens=64)
+    rec = Recorder()
+    a, b = rec.request(prompts[2], max_tokens=200), rec.request(prompts[3])
+    c = rec.request(prompts[4])
+    for r in (a, b, c):
+        scheduler.add(r)
+    for _ in range(4):
+        scheduler.step()
+    assert c.slot is None and scheduler.num_waiting == 1  # both slots busy: c waits
+    a.cancel.set()
+    finished = scheduler.step()
+    assert a in finished and a.finish_reason == "cancelled" and c.slot == a.slot
+    while scheduler.has_work():
+        scheduler.step()
+    assert rec.tokens(b) == alone[3] and rec.tokens(c) == alone[4]
+
+
+def test_prefix_reuse_across_slots_gives_the_cold_output(batched, alone, prompts):
+    system = list(np.random.default_rng(5).integers(5, 500, size=120))
+    runner = ModelRunner(batched("target"), batched("draft"), "draft_model", 3)
+    scheduler = Scheduler(runner, max_num_seqs=4, max_num_batched_tokens=256)
+    rec = Recorder()
+    cold = Generator(batched("target", 1), None, "none")
+    first = rec.request(system + [7, 8], max_tokens=40)  # still running when the next ones arrive
+    scheduler.add(first)
+    scheduler.step()
+    scheduler.step()
+    later = [rec.request(system + p, max_tokens=12) for p in prompts[1:4]]
+    for r in later:
+        scheduler.add(r)
+    while scheduler.has_work():
+        scheduler.step()
+    for r in [first, *later]:
+        expected = [t for s in cold.generate(r.prompt, GREEDY, max_tokens=r.max_tokens) for t in s.tokens]
+        assert rec.tokens(r) == expected
+    assert all(r.cached_tokens >= len(system) for r in later)  # copied from the running slot, not recomputed
+    # A request after everything finished reuses a free slot's cache; with prefix caching off, nothing.
+    again = rec.request(system + prompts[1], max_tokens=12)
+    run_together(scheduler, rec, [again])
+    assert again.cached_tokens == len(system) + len(prompts[1]) - 1 and rec.tokens(again) == rec.tokens(later[0])
+    off = Scheduler(ModelRunner(batched("target"), None, "none"), max_num_seqs=4, max_num_batched_tokens=256,
+                    enable_prefix_caching=False)
+    r1, r2 = rec.request(system + [7, 8], max_tokens=4), rec.request(system + [7, 8], max_tokens=4)
+    run_together(off, rec, [r1])
+    run_together(off, rec, [r2])
+    assert r2.cached_tokens == 0 and rec.tokens(r1) == rec.tokens(r2)
+
+
+def test_budget_smaller_than_one_step_is_refused(batched):
+    runner = ModelRunner(batched("target"), batched("draft"), "draft_model", 3)
+    with pytest.raises(UsageError, match="less than one step of 4 sequences with 3 speculative tokens"):
+        Scheduler(runner, max_num_seqs=4, max_num_batched_tokens=15)
+
+
+def test_slot_plan_follows_the_kv_budget(batched):
+    from runtime.engine_client import plan_slots
+
+    runner = ModelRunner(batched("target", 1), batched("draft", 1), "draft_model", 3)
+    per = runner.kv_bytes_per_slot()
+    assert per == batched("target", 1).kv_bytes_per_slot() + batched("draft", 1).kv_bytes_per_slot() > 0
+    plan = plan_slots(runner, max_num_seqs=8, kv_cache_memory_bytes=3 * per + 1)
+    assert (plan.num_slots, plan.limited_by) == (3, "kv budget")
+    assert plan_slots(runner, 2, 3 * per).limited_by == "max_num_seqs"
+    with pytest.raises(UsageError, match="holds no sequence"):
+        plan_slots(runner, 8, per - 1)
+    runner.allocate_slots(3)
+    assert runner.target.num_slots == runner.draft.num_slots == 3 == runner.num_slots
+    assert runner.target.forward([Row(2, [1, 2])])[0].shape == (2, runner.target.vocab_size)
+
+
+def test_logits_processor_masks_plain_draft_and_verification_rows_alike(batched, prompts):
+    """A mask hook that bans every even token: no even token is ever produced, with or without
+    speculation, and speculative greedy equals plain greedy under the same mask."""
+    seen = []
+
+    def ban_even(output_ids, logits):
+        seen.append(len(output_ids))
+        out = logits.copy()
+        out[0::2] = -np.inf
+        return out
+
+    outs = {}
+    for method in ("none", "draft_model"):
+        gen = Generator(batched("target", 1), batched("draft", 1), method, 3)
+        outs[method] = [t for s in gen.generate(prompts[3], GREEDY, max_tokens=30, eos_ids=(),
+                                                logits_processors=[ban_even]) for t in s.tokens]
+    assert outs["none"] == outs["draft_model"] and len(outs["none"]) == 30
+    assert all(t % 2 for t in outs["none"])
+    assert max(seen) >= 29  # called with the output so far, draft positions included
