@@ -42,3 +42,15 @@ def test_build_and_run_matches_onnxruntime(tiny_export, tmp_path):
     ort_engine.forward_one([1, 2, 3, 4])
     ort_engine.rollback(0, 40)
     np.testing.assert_allclose(trt_engine.forward_one([7, 8]), ort_engine.forward_one([7, 8]), atol=1e-3)
+
+
+def test_tensorrt_engine_implements_the_slot_interface_with_batch_1_inside():
+    """Importable without TensorRT: every slot operation is implemented (no abstract method left), and it
+    says it runs rows one after another (the scheduler then does not expect one call to batch them)."""
+    from runtime.engine import Engine
+    from runtime.engines.tensorrt import TensorRTEngine
+
+    assert issubclass(TensorRTEngine, Engine) and not TensorRTEngine.__abstractmethods__
+    assert TensorRTEngine.batched is False
+    for name in ("forward", "length", "rollback", "release", "copy_prefix", "allocate_slots", "kv_bytes_per_slot"):
+        assert getattr(TensorRTEngine, name) is not getattr(Engine, name) or name == "release", name
