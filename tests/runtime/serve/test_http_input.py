@@ -35,9 +35,9 @@ def test_json_content_type_with_charset_is_accepted(server):
 
 
 @pytest.mark.parametrize("content,pattern", [
-    (b'{"model": "tiny", "messages": ' + b"[" * 1000 + b"]" * 1000 + b"}", "nesting deeper"),
+    (b'{"model": "tiny", "messages": ' + b"[" * 1000 + b"]" * 1000 + b"}", "nested at most 64 deep"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"[" * 100 + b'"}], "x": '
-     + b"[" * 100000 + b"]" * 100000 + b"}", "nesting deeper"),
+     + b"[" * 100000 + b"]" * 100000 + b"}", "nested at most 64 deep"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', "surrogate"),
     (b'{"model": "tiny\\udfff", "messages": [{"role": "user", "content": "hi"}]}', "surrogate"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "NaN"),
@@ -46,6 +46,7 @@ def test_json_content_type_with_charset_is_accepted(server):
      "digits"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": -' + b"1" * 100 + b"}",
      "digits"),
+    (b'{"model": "tiny", "model": "other", "messages": [{"role": "user", "content": "hi"}]}', "unique keys"),
 ])
 def test_malformed_json_is_400_never_500(server, content, pattern):
     r = _post(server, CHAT, content)
