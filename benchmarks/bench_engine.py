@@ -1,4 +1,4 @@
-"""Time per decoded token at context 64, 512 and 2048: naive loop, concat engine, shared-buffer engine.
+"""Time per decoded token at context 64, 512 and 2048: naive loop, concat, shared-buffer and batched engines.
 
 - naive (baseline): the torch-exported "concat" graph under plain `session.run`, the cache fed
   back as the numpy arrays the previous step returned (fresh outputs every step).
@@ -6,6 +6,8 @@
   Concat still copies the whole cache every step.
 - shared engine: the GroupQueryAttention graph (bundler.export_gqa), one buffer bound as both
   past and present; a step writes only the new token's K/V.
+- batched engine: the TensorScatter + Attention graph the cpu target ships, one slot (its
+  attention runs over the slot's whole capacity, masked; see bench_graphs.py for many slots).
 All three run attention over the whole past; the growth column (ms at the largest context minus
 ms at the smallest) is what the cache copy adds on top of it.
 
@@ -50,13 +52,13 @@ def naive_decode(session, prefix: list[int], steps: int, layers: int, kv: int, h
 
 
 def engine_decode(engine, prefix: list[int], steps: int) -> list[float]:
-    engine.reset()
+    engine.release(0)
     for i in range(0, len(prefix), 512):
-        engine.forward(prefix[i:i + 512])
+        engine.forward_one(prefix[i:i + 512])
     times = []
     for step in range(steps):
         t = time.perf_counter()
-        engine.forward([step % 100 + 5])
+        engine.forward_one([step % 100 + 5])
         times.append(time.perf_counter() - t)
     return times
 
@@ -85,17 +87,19 @@ def main() -> None:
                                     intermediate_size=4 * args.hidden, max_positions=max(contexts) + args.steps + 8)
         result = export_onnx(ckpt, Path(tmp) / "onnx")
         shared = export_onnx(ckpt, Path(tmp) / "onnx-shared", kv_cache="shared")
+        batched = export_onnx(ckpt, Path(tmp) / "onnx-batched", kv_cache="batched")
         limit = max(contexts) + args.steps + 1
         target = cpu_options("target")  # the threading `bundle serve` gives the target
         engines = {"concat": OnnxRuntimeEngine(result.graph, max_context=limit, **target),
-                   "shared": OnnxRuntimeEngine(shared.graph, max_context=limit, **target)}
+                   "shared": OnnxRuntimeEngine(shared.graph, max_context=limit, **target),
+                   "batched": OnnxRuntimeEngine(batched.graph, max_context=limit, **target)}
         session = ort.InferenceSession(str(result.graph), providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(0)
         kv_per_token = 2 * result.num_layers * result.num_kv_heads * result.head_dim * 4
         print(f"model: {args.layers} layers, hidden {args.hidden}, {result.num_kv_heads} kv heads x "
               f"{result.head_dim}; KV cache {kv_per_token} B/token; onnxruntime {ort.__version__}; "
               f"{args.steps} decode steps; min (median) ms/token, min is robust to other load on the machine")
-        cols = ["naive", "concat engine", "shared engine"]
+        cols = ["naive", "concat engine", "shared engine", "batched engine"]
         print(f"{'context':>8}  {'cache MiB':>9}" + "".join(f"  {c + ' ms/token':>22}" for c in cols)
               + f"  {'shared vs naive':>15}")
         best = {c: [] for c in cols}
@@ -107,7 +111,8 @@ def main() -> None:
             times = {"naive": naive_decode(session, prefix, args.steps, result.num_layers, result.num_kv_heads,
                                            result.head_dim),
                      "concat engine": engine_decode(engines["concat"], prefix, args.steps),
-                     "shared engine": engine_decode(engines["shared"], prefix, args.steps)}
+                     "shared engine": engine_decode(engines["shared"], prefix, args.steps),
+                     "batched engine": engine_decode(engines["batched"], prefix, args.steps)}
             cell = lambda t: f"{min(t) * 1e3:.3f} ({statistics.median(t) * 1e3:.3f})"  # noqa: E731
             for c in cols:
                 best[c].append(min(times[c]))

@@ -4,7 +4,7 @@ Run by hand (not a test):  .venv/bin/python benchmarks/bench_serve.py [--model D
 
 Both sides decode greedily, ignore EOS (every run produces exactly --tokens tokens) and use the
 same number of CPU threads. Ours: the runtime's ONNX Runtime engines over the graphs the cpu target
-ships (bundler.engines, KV-cache layout "shared"; `--layout concat|both` adds the fallback layout),
+ships (bundler.engines, KV-cache layout "batched"; `--layout shared|concat|all` runs the older layouts),
 driven by runtime.speculative.Generator, methods none / draft_model / ngram, interleaved per repeat
 so machine load hits them alike; each row is the median of --repeats runs ("best": the fastest). Peer, measured in the same run:
 transformers `generate()` plain and with `assistant_model=` (assisted generation), same two
@@ -57,7 +57,7 @@ def _peak_rss_mb() -> float:
 # --- our runtime -----------------------------------------------------------------------------------
 def build_engines(args, layout: str) -> dict:
     """The engines `bundle serve` runs for the cpu target: the graphs bundler.engines plans for it
-    (kv_cache=`layout`; the product ships "shared") loaded as runtime.engines loads an ONNX record."""
+    (kv_cache=`layout`; the product ships "batched") loaded as runtime.engines loads an ONNX record."""
     from bundler.engines import prepare_targets
     from runtime.engines import cpu_options
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
@@ -80,18 +80,18 @@ def build_engines(args, layout: str) -> dict:
 
 def step_costs(engine, context: int, k: int, reps: int = 40) -> dict:
     """Median seconds of a 1-token step and of a (k+1)-token verification after `context` tokens."""
-    engine.reset()
-    engine.forward([5 + i % 400 for i in range(context)])
+    engine.release(0)
+    engine.forward_one([5 + i % 400 for i in range(context)])
     out = {}
     for n in (1, k + 1):
         times = []
         for i in range(reps):
             t0 = time.perf_counter()
-            engine.forward([40 + (i + j) % 20 for j in range(n)])
+            engine.forward_one([40 + (i + j) % 20 for j in range(n)])
             times.append(time.perf_counter() - t0)
-            engine.rollback(context)
+            engine.rollback(0, context)
         out[n] = statistics.median(times)
-    engine.reset()
+    engine.release(0)
     return {"step": out[1], "verify": out[k + 1]}
 
 
@@ -246,8 +246,8 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per row (median reported)")
-    ap.add_argument("--layout", choices=["shared", "concat", "both"], default="shared",
-                    help="KV-cache graph layout of our engines (the cpu target ships 'shared')")
+    ap.add_argument("--layout", choices=["batched", "shared", "concat", "all"], default="batched",
+                    help="KV-cache graph layout of our engines (the cpu target ships 'batched')")
     ap.add_argument("--max-context", type=int, default=2048)
     ap.add_argument("--no-peer", action="store_true", help="skip transformers")
     ap.add_argument("--side", choices=["ours", "transformers"], help=argparse.SUPPRESS)
@@ -262,7 +262,7 @@ def main(argv=None) -> int:
             return 2
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     args.max_context = min(args.max_context, cfg.get("max_position_embeddings", args.max_context))
-    args.layouts = ["shared", "concat"] if args.layout == "both" else [args.layout]
+    args.layouts = ["batched", "shared", "concat"] if args.layout == "all" else [args.layout]
     if args.side:
         out = run_ours(args) if args.side == "ours" else run_peer(args)
         print("RESULT " + json.dumps(out))
