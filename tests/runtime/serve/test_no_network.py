@@ -104,7 +104,8 @@ def test_full_request_cycle_opens_no_outbound_connection(installed_bundle, tmp_p
     record = tmp_path / "events.json"
     port = _free_port()
     cmd = [sys.executable, str(script), str(record), str(installed_bundle.dir), "--trust",
-           str(installed_bundle.pubkey), "--target", "cpu", "--port", str(port), "--max-queued-requests", "1"]
+           str(installed_bundle.pubkey), "--target", "cpu", "--port", str(port), "--max-queued-requests", "1",
+           "--max-num-seqs", "3", "--max-num-batched-tokens", "64", "--no-enable-prefix-caching"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -115,10 +116,14 @@ def test_full_request_cycle_opens_no_outbound_connection(installed_bundle, tmp_p
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
         assert client.completions.create(model="tiny", prompt="import os", max_tokens=4).usage.prompt_tokens > 0
         assert "spec_decode_num_drafts_total" in httpx.get(url + "/metrics").text
+        health = httpx.get(url + "/health").json()
+        assert (health["slots"], health["max_num_batched_tokens"], health["prefix_caching"]) == (3, 64, False)
     finally:
         proc.send_signal(signal.SIGINT)
         output = proc.communicate(timeout=30)[0]
     assert "verifying" in output and f"http://127.0.0.1:{port}/v1" in output and "speculative: draft_model" in output
+    assert "batching:    3 slots x" in output and "limited by max_num_seqs" in output, output
+    assert "prefix caching off" in output
     data = json.loads(record.read_text())
     connects = [e for e in data["events"] if e[0] == "connect"]
     assert ["connect", "127.0.0.1"] in connects, "the audit hook did not see the test connection"
