@@ -194,22 +194,26 @@ def _guidellm(exe: str | None, url: str, tokenizer_dir: Path, out: Path, streams
         print("guidellm is not installed: no guidellm row (install it in its own venv, pass --guidellm PATH)")
         return None
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [exe, "benchmark", "--target", url, "--model", "demo", "--processor", str(tokenizer_dir),
-           "--data", f"prompt_tokens=64,output_tokens={tokens}", "--rate-type", "concurrent",
-           "--rate", str(streams), "--max-requests", str(4 * streams), "--output-path", str(out / "guidellm.json")]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", GUIDELLM__REQUEST_TIMEOUT="600")
+    report = out / "guidellm.json"
+    # guidellm 0.8's CLI (`guidellm run`, kind=... options); synthetic prompts, the demo tokenizer, offline.
+    cmd = [exe, "run", "--backend", f"kind=openai_http,target={url},model=demo",
+           "--profile", f"kind=concurrent,streams={streams}",
+           "--data", f"kind=synthetic_text,prompt_tokens=64,output_tokens={tokens}",
+           "--tokenizer", f"kind=huggingface_auto,model={tokenizer_dir}",
+           "--constraint", f"kind=max_requests,count={4 * streams}",
+           "--output", f"kind=json,path={report}", "--disable-console-interactive"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     (out / "guidellm.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         print(f"guidellm failed (exit {proc.returncode}); see {out / 'guidellm.log'}")
         return {"error": proc.returncode, "command": cmd}
-    return {"command": cmd, "seconds": time.perf_counter() - t0, "report": str(out / "guidellm.json"),
-            **_guidellm_summary(out / "guidellm.json")}
+    return {"command": cmd, "seconds": time.perf_counter() - t0, "report": str(report), **_guidellm_summary(report)}
 
 
 def _guidellm_summary(path: Path) -> dict:
-    """Output tokens/s and TTFT median from guidellm's JSON report (keys as guidellm 0.x writes them)."""
+    """Output tokens/s and TTFT median from guidellm's JSON report (keys as guidellm 0.8 writes them)."""
     try:
         data = json.loads(path.read_text())
         bench = data["benchmarks"][0]
@@ -340,8 +344,9 @@ def _report(results: dict, streams: list[int]) -> None:
               f"from the cache)")
     g = results["servers"].get("batched, speculative", {}).get("guidellm")
     if g and "tokens_per_s" in g:
-        print(f"guidellm (8 concurrent, synthetic 64-token prompts): {g['tokens_per_s']:.0f} output tok/s, "
-              f"TTFT p50 {g['ttft_p50_ms']:.1f} ms")
+        print(f"guidellm row (batched, speculative; 8 concurrent streams, synthetic 64-token prompts, "
+              f"{results['tokens']} output tokens): {g['tokens_per_s']:.0f} output tok/s, TTFT p50 "
+              f"{g['ttft_p50_ms']:.1f} ms")
 
 
 if __name__ == "__main__":
