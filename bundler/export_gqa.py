@@ -207,6 +207,9 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
         return node("Transpose", [x4], perm=[0, 2, 1, 3])
 
     cos_name, sin_name = w.add("cos_cache", cos), w.add("sin_cache", sin)
+    if batched:
+        window = node("Shape", ["attention_mask"], start=3, end=4)
+        zero, two = const("zero_1d", [0]), const("two_1d", [2])
     if not batched:
         # seqlens_k = total tokens - 1 per row; total_sequence_length = attention_mask's length (scalar)
         tokens = node("ReduceSum", ["attention_mask", const("axes_1", [1])], keepdims=0)
@@ -229,7 +232,11 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
             present_k = node("TensorScatter", [past_k, k4, "write_indices"], [f"present.{i}.key"], axis=2)
             present_v = node("TensorScatter", [past_v, heads_first(v, kv), "write_indices"],
                              [f"present.{i}.value"], axis=2)
-            y4 = node("Attention", [q4, present_k, present_v, "attention_mask"], scale=float(hd) ** -0.5)
+            # Attend over the first `window` cache rows only (the mask's last axis): ONNX Runtime's
+            # Attention expands grouped K/V heads over every row it is given.
+            k_win = node("Slice", [present_k, zero, window, two])
+            v_win = node("Slice", [present_v, zero, window, two])
+            y4 = node("Attention", [q4, k_win, v_win, "attention_mask"], scale=float(hd) ** -0.5)
             attn = node("Reshape", [node("Transpose", [y4], perm=[0, 2, 1, 3]),
                                     const(f"shape_{heads * hd}", [0, 0, heads * hd])])
         else:
@@ -253,7 +260,7 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
         cache = ["batch", kv, "capacity", hd]
         inputs += [h.make_tensor_value_info("position_ids", TP.INT64, ["batch", "sequence_length"]),
                    h.make_tensor_value_info("write_indices", TP.INT64, ["batch"]),
-                   h.make_tensor_value_info("attention_mask", TP.BOOL, ["batch", 1, "sequence_length", "capacity"])]
+                   h.make_tensor_value_info("attention_mask", TP.BOOL, ["batch", 1, "sequence_length", "window"])]
     else:
         cache = ["batch", kv, "max_sequence_length", hd]
         inputs.append(h.make_tensor_value_info("attention_mask", TP.INT64, ["batch", "total_sequence_length"]))
@@ -276,5 +283,7 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
         model.metadata_props.add(key=key, value=value)
     if batched:
         model.metadata_props.add(key="bundle.kv_headroom", value=str(BATCHED_HEADROOM))
+        # The mask's last axis is the attention window (rows attended over), not the whole capacity.
+        model.metadata_props.add(key="bundle.attention_window", value="1")
     result.graph.write_bytes(model.SerializeToString())
     log.info("built the %s-KV graph for %s (%d layers) at %s", layout, result.architecture, layers, result.graph)

@@ -8,9 +8,11 @@ I/O binding, so a step allocates nothing. How they are laid out depends on the g
   k/v, [slots, kv_heads, capacity, head_dim], bound as both past and present. One session call
   advances a contiguous range of slots: each row's new K/V rows are scattered at its own offset
   (`write_indices`), and a boolean mask lets each row attend to its own past and, causally, to its
-  new rows. Rows are padded to the longest row of the call; padding and the slots in the range
-  that take no part write into `capacity - max_context` spare rows past the end that nobody
-  attends to. Rows of very different lengths (a prefill chunk beside decodes) go in separate calls
+  new rows; attention runs over the first `window` rows only (the mask's last axis: the longest
+  row's past plus the new tokens), since ONNX Runtime's Attention expands grouped K/V heads over
+  every row it is given. Rows are padded to the longest row of the call; padding and the slots in
+  the range that take no part write into `capacity - max_context` spare rows past the end that
+  nobody attends to. Rows of very different lengths (a prefill chunk beside decodes) go in separate calls
   so that a 64-token chunk does not pad eight 1-token decodes to 64 each.
 - "shared" (GroupQueryAttention graph, bundles made before "batched"): one buffer per slot, layer
   and k/v, [1, kv_heads, max_context, head_dim]. ONNX Runtime's GQA refuses a batch when a row adds
@@ -100,6 +102,7 @@ class OnnxRuntimeEngine(Engine):
         self.max_context = int(limit)
         self.batched = self.kv_cache == "batched"
         self._headroom = int(meta.get("bundle.kv_headroom", 0)) if self.batched else 0
+        self._windowed = meta.get("bundle.attention_window") == "1"  # else the mask spans the capacity
         #: rows one slot's region holds: max_context, plus the spare rows padding writes into
         self.capacity = self.max_context + self._headroom
         self._binding = self.session.io_binding()
@@ -234,8 +237,12 @@ class OnnxRuntimeEngine(Engine):
             write[r.slot - lo] = self._lengths[r.slot]
         steps = np.arange(width, dtype=np.int64)
         positions = write[:, None] + steps[None, :]
+        # Attention runs over the first `window` rows: every real row's past and new (padded) tokens.
+        # Slots without a row write past max_context, outside it: their rows attend to nothing
+        # (their outputs are thrown away).
+        window = max(self._lengths[r.slot] for r in group) + width if self._windowed else cap
         # Row b, new token i attends to every cached row before it and to new tokens 0..i.
-        mask = np.arange(cap)[None, None, None, :] <= positions[:, None, :, None]
+        mask = np.arange(window)[None, None, None, :] <= positions[:, None, :, None]
         b = self._binding
         b.bind_cpu_input("input_ids", ids)
         b.bind_cpu_input("position_ids", positions)
