@@ -11,6 +11,8 @@ server), and the client is httpx streaming OpenAI chat completions, `stream_opti
 Configurations: "one at a time" is --max-num-seqs 1 (every other request waits in the queue: the
 server before batching); "batched" is --max-num-seqs 16. Each stream sends --requests requests
 back to back, each a different held-out chat prompt, --tokens tokens each (ignore_eos), greedy.
+All four servers run at once and every row's runs interleave over them (--repeats, median
+reported), so other load on the machine hits every configuration alike.
 Printed per row: aggregate tokens/s (all tokens / wall time), TTFT p50/p99/max. Then the targets
 (8 streams: aggregate >= 3x one stream alone; slowest first token <= 2x a lone one; speculation
 >= 1.1x over none), KV bytes per slot and each server's peak RSS, prefix caching's TTFT with a
@@ -257,6 +259,7 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", default="1,4,8,16")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=2, help="requests per stream, back to back")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs per row (median reported)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--guidellm", default=None, metavar="PATH",
                     help="guidellm executable (default: on PATH); it pins other transformers versions than "
@@ -290,17 +293,27 @@ def main(argv=None) -> int:
                    ("batched, speculative", 16, "draft_model"), ("batched, no speculation", 16, "none")]
         print(f"demo pair, cpu graphs ({layout}), {os.cpu_count()} cores, {args.tokens} tokens per request, "
               f"{args.requests} requests per stream, greedy\n")
-        print(f"{'configuration':<32}{'streams':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>9}{'max':>9}")
-        for name, seqs, method in configs:
-            server = Server({"graphs": str(graphs), "tokenizer": str(demo.DEMO_TARGET_DIR), "max_model_len": 512,
-                             "max_num_seqs": seqs, "method": method,
-                             "max_num_batched_tokens": args.max_num_batched_tokens})
-            try:
-                for n in streams:
-                    row = {"config": name, **asyncio.run(_load(server.url, n, args.requests, args.tokens, questions))}
+        print(f"{'configuration':<32}{'streams':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>9}{'max':>9}"
+              f"   (median of {args.repeats} interleaved runs)")
+        servers = {}
+        try:
+            for name, seqs, method in configs:  # all up at once: runs interleave, so load hits them alike
+                servers[name] = Server({"graphs": str(graphs), "tokenizer": str(demo.DEMO_TARGET_DIR),
+                                        "max_model_len": 512, "max_num_seqs": seqs, "method": method,
+                                        "max_num_batched_tokens": args.max_num_batched_tokens})
+            for n in streams:
+                runs = {name: [] for name in servers}
+                for _ in range(args.repeats):
+                    for name, server in servers.items():
+                        runs[name].append(asyncio.run(_load(server.url, n, args.requests, args.tokens, questions)))
+                for name, rs in runs.items():
+                    row = {"config": name, "runs": rs,
+                           **{k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "streams"},
+                           "streams": n}
                     results["rows"].append(row)
                     print(f"{name:<32}{n:>8}{row['tokens_per_s']:>9.0f}{row['ttft_p50_ms']:>8.1f}ms"
                           f"{row['ttft_p99_ms']:>7.1f}ms{row['ttft_max_ms']:>7.1f}ms", flush=True)
+            for name, server in servers.items():
                 info = {"health": server.health()}
                 if name == "batched, speculative":
                     info["prefix_cache"] = asyncio.run(_prefix(server.url, questions))
@@ -309,7 +322,8 @@ def main(argv=None) -> int:
                                                      args.tokens)
                 info["peak_rss_mb"] = server.peak_rss_mb()
                 results["servers"][name] = info
-            finally:
+        finally:
+            for server in servers.values():
                 server.stop()
     _report(results, streams)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
