@@ -40,7 +40,7 @@ def onnx_sha256_of(manifest: Manifest, record: EngineRecord) -> str:
 
 
 def cpu_options(role: str) -> dict:
-    """ONNX Runtime threading per model role, for one generation at a time.
+    """ONNX Runtime threading per model role (one engine thread drives both, whatever the number of slots).
 
     The target owns the cores: its worker threads may spin between runs, which saves a wake-up per
     operator. The draft runs on the caller's thread alone, so it neither wakes a pool of its own nor
