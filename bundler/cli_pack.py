@@ -12,7 +12,7 @@ from runtime import settings
 
 
 def _passphrase_from_env() -> bytes | None:
-    return settings.KEY_PASSPHRASE.encode() if settings.KEY_PASSPHRASE else None
+    return settings.key_passphrase()
 
 
 @click.command(epilog="""\b
@@ -103,7 +103,7 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     from bundler.engines import target_files_hook
     from bundler.keys import load_private_key
     from bundler.lockfile import write_lock
-    from manifests.targets import parse_targets
+    from runtime.profiles import parse_targets
 
     targets = parse_targets(targets_text)
     part_size = parse_size(max_part_size)

@@ -90,7 +90,7 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
     from bundler.checks import read_config, run_preflight_checks
     from bundler.lockfile import read_lock, refs_from_lock
     from bundler.resolve import resolve_models
-    from manifests.targets import get_profile
+    from runtime.profiles import get_profile
 
     embedded = False
     if model_ref is None and lock_path is not None:
@@ -212,7 +212,7 @@ def parse_expires(text: str | None, now: datetime) -> str | None:
 
 
 def _targets(target_ids: Sequence[str]) -> list[Target]:
-    from manifests.targets import get_profile
+    from runtime.profiles import get_profile
 
     if not target_ids:
         raise UsageError("expected at least one target id in --targets, found none")

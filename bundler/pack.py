@@ -357,7 +357,7 @@ def pack_bundle(out: Path, *, name: str, version: int, models: list[Model], file
     except BadBundleError as e:
         raise UsageError(str(e).replace("invalid manifest: ", "cannot create bundle: ")) from None
 
-    jobs = jobs or settings.JOBS
+    jobs = jobs or settings.jobs()
     show = progress and sys.stderr.isatty()
     try:
         _prepare_out(out, force)

@@ -168,7 +168,7 @@ def fetch_model(plan: ModelPlan, *, jobs: int | None = None) -> ResolvedModel:
     if missing:
         raise ResolveError(f"{plan.role} model {plan.name}: expected {', '.join(missing[:5])} in {folder}, "
                            f"found {'nothing' if len(missing) == 1 else 'none of them'}")
-    with ThreadPoolExecutor(max_workers=max(1, jobs or settings.JOBS)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, jobs or settings.jobs())) as pool:
         hashed = list(pool.map(lambda p: (p, *_hash_file(folder / p)), plan.files))
     files = []
     for path, size, sha256, git_sha1 in hashed:

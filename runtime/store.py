@@ -95,7 +95,7 @@ class Store:
 
     def __init__(self, root: Path | None = None, clock: Callable[[], datetime] = utc_now, *,
                  lock_timeout: float = 600.0):
-        self.root = Path(root if root is not None else settings.DEFAULT_STORE)
+        self.root = Path(root if root is not None else settings.default_store())
         self.clock = clock
         self.lock_timeout = lock_timeout
 

@@ -87,7 +87,7 @@ def _tensorrt(root: Path, manifest: Manifest, records: list[EngineRecord], onnx:
     if backend is None:
         from runtime.engines.tensorrt import TensorRTBackend
         backend = TensorRTBackend()
-    cache = EngineCache(cache_dir or settings.DEFAULT_STORE / "engine-cache")
+    cache = EngineCache(cache_dir or settings.default_store() / "engine-cache")
     device = backend.device()
     if device is None:
         reason = getattr(backend, "unavailable", "TensorRT is not available")

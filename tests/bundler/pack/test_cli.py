@@ -8,7 +8,6 @@ from bundler.cli import main
 from bundler.keys import generate_key
 from manifests.errors import UsageError
 from manifests.layout import COMPLETE_MARKER
-from runtime import settings
 from tests.bundler.pack.helpers import read_layout
 
 
@@ -57,10 +56,10 @@ def test_missing_model_dir_and_existing_bundle(tiny_pair, tmp_path, capsys):
 
 def test_encrypted_key_uses_environment_passphrase(tiny_pair, tmp_path, capsys, monkeypatch):
     generate_key(tmp_path / "enc.key", b"pw")
-    monkeypatch.setattr(settings, "KEY_PASSPHRASE", None)
+    monkeypatch.delenv("BUNDLE_KEY_PASSPHRASE", raising=False)
     assert main(_args(tiny_pair[0], tmp_path / "b", "--sign-key", str(tmp_path / "enc.key"))) == 2
     assert "BUNDLE_KEY_PASSPHRASE" in capsys.readouterr().err
-    monkeypatch.setattr(settings, "KEY_PASSPHRASE", "pw")
+    monkeypatch.setenv("BUNDLE_KEY_PASSPHRASE", "pw")
     assert main(_args(tiny_pair[0], tmp_path / "b", "--sign-key", str(tmp_path / "enc.key"))) == 0
 
 

@@ -14,7 +14,6 @@ from bundler import cli_pack
 from bundler.cli import main
 from bundler.keys import generate_key, load_private_key, public_key_id
 from manifests.errors import UsageError
-from runtime import settings
 
 
 def test_generate_writes_private_0600_and_public_pem(tmp_path):
@@ -89,7 +88,7 @@ def test_cli_keygen_passphrase_prompts_twice(tmp_path):
 
 
 def test_cli_keygen_passphrase_from_environment_for_scripts(tmp_path, monkeypatch):
-    monkeypatch.setattr(settings, "KEY_PASSPHRASE", "from-env")
+    monkeypatch.setenv("BUNDLE_KEY_PASSPHRASE", "from-env")
     # No input given: a prompt here would fail the command, so this proves nothing prompts.
     result = CliRunner().invoke(cli_pack.keygen, [str(tmp_path / "k"), "--passphrase"], input="")
     assert result.exit_code == 0, result.output
