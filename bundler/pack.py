@@ -260,12 +260,8 @@ class _Packer:
 
     def write_blob(self, data: bytes) -> tuple[str, int]:
         digest = digest_of(data)
-        tmp = self.blobs / f".tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        self._land(tmp, digest.partition(":")[2])
+        if not (self.blobs / digest.partition(":")[2]).exists():  # same digest, same bytes
+            write_atomic(self.blobs / digest.partition(":")[2], data)
         return digest, len(data)
 
 

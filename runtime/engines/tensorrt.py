@@ -24,6 +24,7 @@ import numpy as np
 from manifests.errors import EnvironmentProblem, ModelError
 from runtime.engine import Engine
 from runtime.engine_cache import DeviceInfo
+from runtime.fsutil import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class TensorRTBackend:
         plan = builder.build_serialized_network(network, config)
         if plan is None:
             raise EnvironmentProblem(f"TensorRT failed to build an engine from {onnx_path} (see its log above)")
-        Path(out_plan).write_bytes(bytes(plan))
+        write_atomic(Path(out_plan), bytes(plan))
 
     def load(self, plan: Path, *, options: dict, max_context: int | None = None) -> Engine:
         return TensorRTEngine(plan, options=options, max_context=max_context)
