@@ -108,12 +108,12 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     targets = parse_targets(targets_text)
     part_size = parse_size(max_part_size)
     if spec_config is not None:
-        from bundler.spec_config import parse_speculative_config
+        from manifests.speculative import parse_speculative_config
 
         if draft_ref is not None:
             raise UsageError("expected either --draft or --speculative-config, found both")
-        spec = parse_speculative_config(spec_config)
-        draft_ref, num_speculative_tokens = spec.draft_ref, spec.num_speculative_tokens
+        draft_ref, tokens = parse_speculative_config(spec_config).bundled_draft()
+        num_speculative_tokens = tokens or num_speculative_tokens
     if not sign_key_paths and not unsigned:
         raise UsageError("expected --sign-key KEY (or an explicit --unsigned), found neither")
     keys = [load_private_key(p, _passphrase_from_env()) for p in sign_key_paths]  # fail before any download
