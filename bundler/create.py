@@ -19,6 +19,7 @@ from typing import Callable, Mapping, Sequence
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from bundler.pack import DEFAULT_MAX_PART_SIZE, PackFile, pack_bundle
+from bundler.provenance import local_source
 from manifests.errors import UsageError
 from manifests.schema import Builder, FileEntry, Manifest, Model, ModelSource, Speculative, Target, format_time
 from runtime.fsutil import file_sha256
@@ -60,7 +61,7 @@ def local_model(path: Path, role: str, *, source_type: str = "local") -> ModelIn
                          f"directory, found {what}")
     resolved = path.resolve()
     return ModelInput(role=role, local_dir=resolved, name=resolved.name,
-                      source=ModelSource(type=source_type, path=str(resolved)))
+                      source=local_source(resolved, None, source_type))
 
 
 def demo_models() -> tuple[ModelInput, ModelInput]:
@@ -117,7 +118,7 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
         r = resolved.get(role)
         if r is None:
             return None
-        source = replace(r.source, type="embedded") if embedded else r.source
+        source = local_source(r.local_dir, r.source.revision, "embedded") if embedded else r.source
         return ModelInput(role=role, local_dir=Path(r.local_dir), source=source, name=r.name,
                           files=tuple(f.path for f in r.files), digests={f.path: (f.size, f.sha256) for f in r.files})
 
@@ -280,7 +281,7 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
     def amend(manifest: Manifest) -> Manifest:
         """Local folders have no commit: pin them by the digest of what was actually packed."""
         pinned = tuple(m if m.source.revision else
-                       replace(m, source=replace(m.source, revision=content_digest(manifest.files, m.root)))
+                       replace(m, source=replace(m.source, revision="sha256:" + content_digest(manifest.files, m.root)))
                        for m in manifest.models)
         return replace(manifest, models=pinned)
 

@@ -66,8 +66,10 @@ class LockEntry:
 
 
 def entry_from_resolved(model: "ResolvedModel") -> LockEntry:
+    # The lock file stays on the build host, so it may say where a local folder is (to rebuild from it).
+    path = str(model.local_dir) if model.source.type == "local" else None
     return LockEntry(model.role, model.source.type, model.repo, model.revision, model.requested_revision,
-                     model.source.path, tuple(LockedFile(f.path, f.size, f.sha256) for f in model.files))
+                     path, tuple(LockedFile(f.path, f.size, f.sha256) for f in model.files))
 
 
 def write_lock(path: Path, models: Mapping[str, "ResolvedModel"] | Iterable["ResolvedModel"]) -> Path:

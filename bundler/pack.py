@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import re
-import socket
 import sys
 import uuid
 from dataclasses import dataclass, replace
@@ -272,7 +271,7 @@ def default_builder() -> Builder:
         version = importlib.metadata.version("bundle")
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
-    return Builder(tool="bundle", tool_version=version, host=socket.gethostname(),
+    return Builder(tool="bundle", tool_version=version,  # no host name: it identifies nothing where bundles go
                    platform=f"{platform.system().lower()}-{platform.machine()}")
 
 

@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Mapping
 
 from bundler import hub
 from bundler.lockfile import LockEntry, check_against_lock, check_roles, read_lock
+from bundler.provenance import local_source
 from bundler.resolve_errors import DigestMismatch
 from bundler.select_files import is_weight_file, select_files
 from manifests.errors import ResolveError, UsageError
@@ -176,7 +177,7 @@ def fetch_model(plan: ModelPlan, *, jobs: int | None = None) -> ResolvedModel:
         files.append(ResolvedFile(path, size, sha256))
     if mref.kind == "local":
         revision = "sha256:" + content_digest(files)
-        source = ModelSource("local", revision=revision, path=str(mref.path))
+        source = local_source(mref.path, revision)  # type: ignore[arg-type]
         repo, requested = None, None
     else:
         revision = plan.revision or ""

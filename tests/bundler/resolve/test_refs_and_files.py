@@ -106,7 +106,7 @@ def test_local_folder_model(checkpoints, local_copy):
                                          "tokenizer.json", "tokenizer_config.json"]
     f = {f.path: f for f in m.files}["model.safetensors"]
     assert f.sha256 == hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
-    assert m.source.type == "local" and m.source.path == str(folder)
+    assert m.source.type == "local" and m.source.path is None
     assert m.revision.startswith("sha256:") and m.source.revision == m.revision
     # The revision is a digest of the contents: same bytes elsewhere, same revision; one byte changed, another.
     assert resolve_model(str(checkpoints.target), role="target").revision == m.revision
