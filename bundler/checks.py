@@ -208,12 +208,47 @@ def check_fits(model_dir: Path | Iterable[Any], profile: Any, max_model_len: int
     return est
 
 
+def check_servable(model_dir: Path, name: str | None = None, *, allow_no_chat_template: bool = False,
+                   warn: Callable[[str], None] | None = None) -> bool:
+    """What `bundle serve` will need from the target's files, loaded by the very classes it uses
+    (runtime.tokenizer, runtime.chat_template): a loadable tokenizer.json, and a chat template that
+    parses. No template: ModelError, or under `allow_no_chat_template` a warning (the bundle then
+    serves /v1/completions only; /v1/chat/completions answers 400). Returns whether it has a template."""
+    from runtime.chat_template import ChatTemplate
+    from runtime.tokenizer import Tokenizer
+
+    who = name or str(model_dir)
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        raise ModelError(f"{who}: expected tokenizer.json (the device tokenizes with it; tokenizer.model or "
+                         f"vocab.json alone cannot be served), found none; convert the tokenizer with "
+                         f"transformers' save_pretrained")
+    try:
+        tokenizer = Tokenizer(Path(model_dir))
+        template = ChatTemplate.for_tokenizer(tokenizer)
+    except ModelError as e:
+        raise ModelError(f"{who}: {e}") from None
+    if template is not None:
+        return True
+    msg = (f"{who}: has no chat template (tokenizer_config.json \"chat_template\", chat_template.jinja or "
+           f"chat_template.json)")
+    if not allow_no_chat_template:
+        raise ModelError(f"{msg}: expected one for /v1/chat/completions; pass --allow-no-chat-template to bundle "
+                         f"it for /v1/completions only")
+    (warn or _stderr)(f"warning: {msg}: the bundle serves /v1/completions only "
+                      f"(/v1/chat/completions answers 400), as --allow-no-chat-template asked")
+    return False
+
+
 def run_preflight_checks(models: Mapping[str, Any], profiles: Iterable[Any], max_model_len: int, *,
-                         force: bool = False, warn: Callable[[str], None] | None = None) -> None:
+                         force: bool = False, warn: Callable[[str], None] | None = None,
+                         allow_no_chat_template: bool = False) -> None:
     """All checks for `bundle create`, on plans or resolved models ({role: obj with .local_dir, .name,
-    .weight_bytes}); the architecture and tokenizer checks are not overridable, the memory check is."""
+    .weight_bytes}); the architecture, tokenizer and chat-template checks are not overridable (the
+    template's absence can be allowed explicitly), the memory check is (--force)."""
     for m in models.values():
         check_architecture(m.local_dir, m.name)
+    target = models["target"]
+    check_servable(target.local_dir, target.name, allow_no_chat_template=allow_no_chat_template, warn=warn)
     if "draft" in models:
         t, d = models["target"], models["draft"]
         check_pair(t.local_dir, d.local_dir, target_name=t.name, draft_name=d.name)

@@ -89,11 +89,14 @@ Examples:
 @click.option("--force", is_flag=True,
               help="Replace a finished bundle already at --out, and build even if a model does not fit a "
                    "target's memory (a warning instead of a refusal).")
+@click.option("--allow-no-chat-template", is_flag=True,
+              help="Bundle a target with no chat template (a warning instead of a refusal, exit 8): the device "
+                   "then serves /v1/completions only.")
 @click.option("--jobs", type=click.IntRange(min=1), help="Compression threads. Default: every core (BUNDLE_JOBS).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_model_len, targets_text, name,
            version, sign_key_paths, unsigned, max_part_size, out, expires, num_speculative_tokens,
-           no_checkpoint_weights, force, jobs, no_progress) -> None:
+           no_checkpoint_weights, force, allow_no_chat_template, jobs, no_progress) -> None:
     """Pack a model (and draft) into a signed, zstd-compressed bundle directory (an OCI image layout).
 
     Every file is recorded in a signed manifest with its sha256; files larger than --max-part-size are
@@ -120,7 +123,7 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     out = out or Path(f"{name}-{version}")
     model, draft, resolved = resolve_inputs(model_ref, draft_ref, targets=targets, include=include,
                                             exclude=exclude, lock_path=lock_path, max_model_len=max_model_len,
-                                            force=force)
+                                            force=force, allow_no_chat_template=allow_no_chat_template)
     serve = {"max_model_len": max_model_len} if max_model_len else None
     manifest = create_bundle(out, name=name, version=version, model=model, draft=draft, targets=targets,
                              sign_keys=keys, unsigned=unsigned, max_part_size=part_size, expires=expires,

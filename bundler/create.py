@@ -80,7 +80,7 @@ def demo_models() -> tuple[ModelInput, ModelInput]:
 
 def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Sequence[str],
                    include: Sequence[str] = (), exclude: Sequence[str] = (), lock_path: Path | None = None,
-                   max_model_len: int | None = None, force: bool = False,
+                   max_model_len: int | None = None, force: bool = False, allow_no_chat_template: bool = False,
                    cache_dir: Path | None = None) -> tuple[ModelInput, ModelInput | None, dict]:
     """Turn what the user typed into pinned, verified local files, refusing early what cannot work.
 
@@ -109,7 +109,7 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
         if length is None:
             cfg = read_config(plans["target"].local_dir, plans["target"].name)
             length = min(int(cfg.get("max_position_embeddings") or MAX_MODEL_LEN_CAP), MAX_MODEL_LEN_CAP)
-        run_preflight_checks(plans, profiles, length, force=force)
+        run_preflight_checks(plans, profiles, length, force=force, allow_no_chat_template=allow_no_chat_template)
 
     resolved = resolve_models(model_ref, draft_ref, include=include, exclude=exclude, lock_path=lock_path,
                               cache_dir=cache_dir, preflight=preflight)
