@@ -206,7 +206,8 @@ def engine_layout(profile: Any) -> EngineLayout:
 
 
 FORMULA = ("weights = (parameters + vocab x hidden when the embeddings are tied: the graph holds its own "
-           "lm_head) x B (+ 2 x positions x head_dim/2 x 4 rotary tables on ONNX Runtime); KV cache = copies x 2 x layers x kv_heads x head_dim x max_model_len x B; "
+           "lm_head) x B (+ 2 x positions x head_dim/2 x 4 rotary tables on ONNX Runtime); "
+           "KV cache = copies x 2 x layers x kv_heads x head_dim x max_model_len x B; "
            "activations = T x vocab x 4 (fp32 logits) + T x (4 x hidden + 2 x intermediate) x B "
            "(+ heads x T x max_model_len x 4 attention scores on ONNX Runtime); B = 2 for fp16 TensorRT targets "
            "else 4, copies = 2 (TensorRT's ping-pong buffers) or 1 (ONNX Runtime's in-place cache), T = tokens "

@@ -126,7 +126,8 @@ class Store:
         floor = self.clock_floor()
         if floor is not None and floor >= created:
             return
-        write_atomic(self.state_file, json.dumps({"clock_floor": format_time(created)}).encode(), tmp_prefix=".state-")
+        write_atomic(self.state_file, json.dumps({"clock_floor": format_time(created)}).encode(),
+                     tmp_prefix=".state-")
 
     # --- reading ---------------------------------------------------------------------------
     def _link(self, name: str, which: str) -> str | None:
