@@ -6,7 +6,6 @@ can refuse an impossible request in seconds, before a 20 GB download or an engin
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from manifests.errors import ModelError
+from manifests.strict_json import parse as parse_json
 from manifests.sizes import format_size
 
 #: config.json model_type values the ONNX export supports (Llama-style decoder blocks).
@@ -51,11 +51,9 @@ def read_config(model_dir: Path, name: str | None = None) -> dict:
         size = path.stat().st_size
         if size > MAX_CONFIG_BYTES:
             raise ModelError(f"{who}: expected config.json under {MAX_CONFIG_BYTES} bytes, found {size}")
-        cfg = json.loads(path.read_bytes())
+        cfg = parse_json(path.read_bytes(), what=f"{who}: config.json", max_bytes=MAX_CONFIG_BYTES, error=ModelError)
     except FileNotFoundError as e:
         raise ModelError(f"{who}: expected config.json in {model_dir}, found none") from e
-    except ValueError as e:
-        raise ModelError(f"{who}: expected config.json to be JSON, found {e}") from e
     if not isinstance(cfg, dict):
         raise ModelError(f"{who}: expected config.json to be an object, found {type(cfg).__name__}")
     # Multimodal wrappers keep the language model's numbers in text_config.
@@ -123,10 +121,8 @@ def _safetensors_headers(files: Iterable[Path]) -> Iterable[tuple[Path, str, dic
             if n > MAX_SAFETENSORS_HEADER or n > Path(f).stat().st_size:
                 raise ModelError(f"{f}: expected a safetensors header under {MAX_SAFETENSORS_HEADER} bytes, "
                                  f"found a length of {n}")
-            try:
-                header = json.loads(fh.read(n))
-            except (ValueError, RecursionError) as e:
-                raise ModelError(f"{f}: expected a JSON safetensors header, found {str(e)[:100]}") from e
+            header = parse_json(fh.read(n), what=f"{f}: safetensors header", max_bytes=MAX_SAFETENSORS_HEADER,
+                                error=ModelError)
         if not isinstance(header, dict):
             raise ModelError(f"{f}: expected a JSON object as safetensors header, found {type(header).__name__}")
         for key, t in header.items():

@@ -12,13 +12,13 @@ Stdlib only, no I/O.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
 from manifests.errors import UsageError
 from manifests.schema import Manifest, Speculative
+from manifests.strict_json import parse as parse_json
 
 FLAG = "--speculative-config"
 #: What serve runs ("none" is ours: plain decoding); create bundles only draft_model.
@@ -83,10 +83,6 @@ def _bad(message: str) -> UsageError:
     return UsageError(f"{FLAG}: {message}")
 
 
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
 def _int(d: dict, key: str, low: int = 1, high: int = MAX_SPECULATIVE_TOKENS) -> int | None:
     v = d.get(key)
     if v is None:
@@ -112,10 +108,8 @@ def parse_speculative_config(text: str | dict) -> SpeculativeConfig:
     if isinstance(text, str):
         if len(text) > MAX_CONFIG_CHARS:
             raise _bad(f"expected at most {MAX_CONFIG_CHARS} characters, found {len(text)}")
-        try:
-            d: Any = json.loads(text, parse_constant=_refuse_constant)
-        except (ValueError, RecursionError) as e:
-            raise _bad(f"expected JSON like {EXAMPLE}, found {text[:80]!r} ({str(e)[:80]})") from None
+        d: Any = parse_json(text, what=FLAG, max_bytes=4 * MAX_CONFIG_CHARS,
+                            error=lambda msg: UsageError(f"{msg}; expected JSON like {EXAMPLE}"))
     else:
         d = text
     if not isinstance(d, dict):
