@@ -364,7 +364,7 @@ def main() -> None:
     results: dict = {"cores": cores, "runs": [], "sweep": []}
     try:
         steps = [s for s in args.steps.split(",") if s]
-        for size_gb in (float(x) for x in args.size_gb.split(",") if x):
+        for size_gb in (float(x) for x in args.size_gb.split(",") if x and steps):
             rows = run_steps(work, int(size_gb * GiB), steps, args.jobs)
             print_table(rows)
             results["runs"].append({"size_gb": size_gb, "jobs": args.jobs or cores,
