@@ -51,7 +51,7 @@ from manifests.layout import (
 from manifests.schema import Builder, FileEntry, Manifest, Model, Part, Speculative, Target, format_time
 from runtime import settings
 from runtime.fsutil import fsync_dir, write_atomic
-from runtime.parallel import InOrderHash, ShortRead, Stopped, read_span, run_parallel
+from runtime.parallel import MAX_WORKERS, InOrderHash, ShortRead, Stopped, read_span, run_parallel
 
 __all__ = ["PackFile", "pack_bundle", "part_length", "DEFAULT_MAX_PART_SIZE", "DEFAULT_LEVEL", "JOURNAL_FILE",
            "PART_CHUNK"]
@@ -65,8 +65,6 @@ JOURNAL_FILE = ".pack-journal"
 PART_CHUNK = 128 * 1024 * 1024
 # zstd frame header (<= 18 bytes) + checksum (4) + a final empty block (3), with room to spare.
 _FRAME_OVERHEAD = 64
-# Threads beyond this add little for a stream read from one disk, and each holds about 6 MB.
-MAX_WORKERS = 64
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -191,7 +189,7 @@ class _PendingFile:
         self._left = len(self.spans)
         self._lock = threading.Lock()
         # Without a known digest the parts are hashed in order as they finish; with one, not at all.
-        self.hasher = None if sha256 is not None else InOrderHash(self.spans, self._open, str(src))
+        self.hasher = None if sha256 is not None else InOrderHash(self.spans, self._open, str(src), packer.stop)
 
     def _open(self) -> int:
         fd = os.open(self.src, os.O_RDONLY | os.O_CLOEXEC)

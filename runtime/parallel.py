@@ -23,6 +23,9 @@ from manifests.errors import BundleError
 
 T = TypeVar("T")
 HASH_CHUNK = 1024 * 1024
+#: Threads beyond this add little for data read from one disk, and each holds a few MB of buffers:
+#: the cap keeps peak memory bounded on a 128-core host too.
+MAX_WORKERS = 64
 
 
 class Stopped(Exception):
@@ -54,7 +57,9 @@ class InOrderHash:
     caller that hashed the last part. `open_fd()` opens the file for reading (closed after each run).
     """
 
-    def __init__(self, spans: Sequence[tuple[int, int]], open_fd: Callable[[], int], what: str):
+    def __init__(self, spans: Sequence[tuple[int, int]], open_fd: Callable[[], int], what: str,
+                 stop: threading.Event | None = None):
+        self._stop = stop
         self._spans = list(spans)
         self._open = open_fd
         self._what = what
@@ -79,6 +84,8 @@ class InOrderHash:
                         self._busy = False
                         return False
                     k = self._next
+                if self._stop is not None and self._stop.is_set():
+                    raise Stopped()
                 if fd is None:
                     fd = self._open()
                 offset, length = self._spans[k]
@@ -111,10 +118,19 @@ def run_parallel(tasks: Iterable[Callable[[], T]], jobs: int, stop: threading.Ev
     started and is raised once the running ones end; a BundleError wins over a secondary error.
     Ctrl-C in the calling thread does the same.
     """
-    pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="bundle")
+    pool = ThreadPoolExecutor(max_workers=min(max(1, jobs), MAX_WORKERS), thread_name_prefix="bundle")
     first: BaseException | None = None
     try:
-        pending: set[Future] = {pool.submit(t) for t in tasks}
+        def guarded(task: Callable[[], T]) -> T:
+            try:
+                return task()
+            except Stopped:
+                raise
+            except BaseException:
+                stop.set()  # before this thread takes the next task
+                raise
+
+        pending: set[Future] = {pool.submit(guarded, t) for t in tasks}
         while pending:
             done, pending = wait(pending, return_when=FIRST_EXCEPTION)
             for fut in done:

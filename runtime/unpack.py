@@ -65,7 +65,7 @@ class _FileWrite:
         os.close(os.open(self.dest, flags, 0o755 if entry.executable else 0o644))
         spans = [(p.offset, p.length) for p in entry.parts]
         # One part: hashed inline as it is written. Several: in part order, whoever finishes the next one.
-        self.hasher = InOrderHash(spans, self._open_read, entry.path) if len(spans) > 1 else None
+        self.hasher = InOrderHash(spans, self._open_read, entry.path, stop) if len(spans) > 1 else None
 
     def _open_read(self) -> int:
         return os.open(self.dest, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
