@@ -4,15 +4,17 @@ Streaming and parallel: every file is cut into parts of at most PART_CHUNK bytes
 than --max-part-size once compressed), and each part is one task on a pool of `jobs` threads that
 reads its byte range, compresses it with single-threaded zstd into one independent frame, hashes
 the compressed bytes and writes its blob. zstd and hashlib release the GIL, so the threads keep
-every core busy on a single multi-GB file as well as on many files; each thread holds about 6 MB
-(a level-3 zstd context and 1 MiB buffers), so memory is bounded by the thread count, never by part
-or model size. Independent frames also let `bundle install` decompress the parts of one file in
+every core busy on a single multi-GB file as well as on many files. Compression runs in `jobs`
+slots of about 5 MB each (a level-3 zstd context and 1 MiB buffers), so memory is bounded by the
+slot count, never by part or model size; there are twice as many threads as slots, so a thread
+waiting for its blob's fsync leaves its slot to another part and the disk writes while every core
+compresses. Independent frames also let `bundle install` decompress the parts of one file in
 parallel. The output does not depend on the thread count: same input, same blobs on any machine.
 
 Each file's sha256 (what the device checks) is hashed once: taken from the resolver, which already
-hashed every downloaded file in this run (PackFile.sha256), or else computed here in part order by
-whichever thread finishes the part it waits for (runtime.parallel.InOrderHash). A file whose size,
-mtime or inode changes while it is packed is refused.
+hashed every downloaded file in this run (PackFile.sha256), or else computed here by one more task
+that reads the file front to back while its parts compress. A file whose size, mtime or inode
+changes while it is packed is refused.
 
 Crash safety: a blob appears under its digest only after fsync + rename, and a small resume
 journal ((file sha256, offset, length, level) -> blob) lets a rerun skip parts already done.
@@ -28,6 +30,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import queue
 import re
 import sys
 import threading
@@ -51,7 +54,7 @@ from manifests.layout import (
 from manifests.schema import Builder, FileEntry, Manifest, Model, Part, Speculative, Target, format_time
 from runtime import settings
 from runtime.fsutil import fsync_dir, write_atomic
-from runtime.parallel import MAX_WORKERS, InOrderHash, ShortRead, Stopped, read_span, run_parallel
+from runtime.parallel import MAX_WORKERS, ShortRead, Stopped, read_span, run_parallel
 
 __all__ = ["PackFile", "pack_bundle", "part_length", "DEFAULT_MAX_PART_SIZE", "DEFAULT_LEVEL", "JOURNAL_FILE",
            "PART_CHUNK"]
@@ -176,7 +179,8 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
 
 
 class _PendingFile:
-    """One file being packed: its part tasks, and the file sha256 once every part is done."""
+    """One file being packed: its tasks (a hash of the whole file unless its digest is known, and one per
+    part), and its sha256 and parts once the last of them is done."""
 
     def __init__(self, packer: "_Packer", src: Path, size: int, sha256: str | None):
         self.packer, self.src, self.size, self.sha256 = packer, src, size, sha256
@@ -186,10 +190,12 @@ class _PendingFile:
         step = packer.part_len
         self.spans = [(o, min(step, size - o)) for o in range(0, size, step)]
         self.parts: list[Part | None] = [None] * len(self.spans)
-        self._left = len(self.spans)
+        # Without a known digest, one task hashes the file front to back while the parts compress (the
+        # sha256 of a file is sequential; its pages are read once from disk and shared through the cache).
+        self._hash_needed = sha256 is None and size > 0
+        self._computed: str | None = None
+        self._left = len(self.spans) + self._hash_needed
         self._lock = threading.Lock()
-        # Without a known digest the parts are hashed in order as they finish; with one, not at all.
-        self.hasher = None if sha256 is not None else InOrderHash(self.spans, self._open, str(src), packer.stop)
 
     def _open(self) -> int:
         fd = os.open(self.src, os.O_RDONLY | os.O_CLOEXEC)
@@ -199,20 +205,35 @@ class _PendingFile:
                              f"when packing started")
         return fd
 
-    def hash_first(self) -> None:
+    def _hash_all(self) -> str:
         fd = self._open()
         try:
             h = hashlib.sha256()
             for chunk in read_span(fd, 0, self.size, bytearray(READ_CHUNK), str(self.src)):
+                if self.packer.stop.is_set():
+                    raise Stopped()
                 h.update(chunk)
+            return h.hexdigest()
         except ShortRead as e:
             raise UsageError(f"{self.src} changed while packing: {e}") from None
         finally:
             os.close(fd)
-        self.sha256, self.hasher = h.hexdigest(), None
+
+    def hash_first(self) -> None:
+        """Hash before any part is packed (resume: the journal is keyed by the file's sha256)."""
+        self.sha256 = self._hash_all()
+        self._hash_needed = False
+        self._left = len(self.spans)
 
     def tasks(self) -> list[Callable[[], "_PendingFile | None"]]:
-        return [lambda i=i: self._pack_part(i) for i in range(len(self.spans))]
+        parts = [lambda i=i: self._pack_part(i) for i in range(len(self.spans))]
+        return ([self._hash_task] if self._hash_needed else []) + parts
+
+    def _hash_task(self) -> "_PendingFile | None":
+        if self.packer.stop.is_set():
+            raise Stopped()
+        self._computed = self._hash_all()
+        return self._done_one()
 
     def _pack_part(self, i: int) -> "_PendingFile | None":
         """Compress part i (or reuse it from the journal); returns self to the task that completed the file."""
@@ -233,8 +254,9 @@ class _PendingFile:
         self.parts[i] = part = Part(digest=digest, size=csize, offset=offset, length=length)
         if self.sha256 is not None and hit is None:
             packer.journal.add(self.sha256, part, packer.level)
-        if self.hasher is not None:
-            return self._finish() if self.hasher.part_done(i) else None
+        return self._done_one()
+
+    def _done_one(self) -> "_PendingFile | None":
         with self._lock:
             self._left -= 1
             last = self._left == 0
@@ -244,10 +266,10 @@ class _PendingFile:
         if _identity(os.stat(self.src)) != self.ident:
             raise UsageError(f"{self.src} changed while packing: its size, mtime or inode is not what it was "
                              f"when packing started")
-        if self.hasher is not None:
-            self.sha256 = self.hasher.hexdigest()
+        if self._hash_needed:
+            self.sha256 = self._computed
             for part in self.parts:  # journaled now that the key is known
-                self.packer.journal.add(self.sha256, part, self.packer.level)
+                self.packer.journal.add(self.sha256, part, self.packer.level)  # type: ignore[arg-type]
         return self
 
     def result(self) -> tuple[str, tuple[Part, ...]]:
@@ -272,7 +294,11 @@ class _Packer:
         # multithreaded mode, and parts give the parallelism (see benchmarks/bench_bundle.py).
         self.params = zstandard.ZstdCompressionParameters.from_level(level, write_checksum=1, write_content_size=1)
         self.stop = threading.Event()
-        self._local = threading.local()
+        # `jobs` slots bound the CPU work and the memory; twice as many threads let a thread wait for
+        # its blob's fsync while another compresses in its slot, so the disk writes while every core works.
+        self._slots: queue.LifoQueue = queue.LifoQueue()
+        for _ in range(self.jobs):
+            self._slots.put(None)
         self._bar_lock = threading.Lock()
         self.journal = _Journal(out / JOURNAL_FILE, self.blobs)
         self.resuming = bool(self.journal.entries)
@@ -281,11 +307,11 @@ class _Packer:
         with self._bar_lock:
             self.bar.update(n)
 
-    def _thread_state(self) -> tuple[zstandard.ZstdCompressor, bytearray]:
-        state = getattr(self._local, "state", None)
+    def _take_slot(self) -> tuple[zstandard.ZstdCompressor, bytearray]:
+        """One of `jobs` compression slots (a zstd context and a read buffer), waiting for a free one."""
+        state = self._slots.get()
         if state is None:
-            state = self._local.state = (zstandard.ZstdCompressor(compression_params=self.params),
-                                         bytearray(READ_CHUNK))
+            state = (zstandard.ZstdCompressor(compression_params=self.params), bytearray(READ_CHUNK))
         return state
 
     def _land(self, tmp: Path, digest_hex: str) -> None:
@@ -299,21 +325,28 @@ class _Packer:
 
     def _compress_range(self, fd: int, offset: int, length: int, what: str) -> tuple[str, int]:
         """Compress [offset, offset+length) of fd into one zstd frame in a new blob; return (digest, size)."""
-        cctx, buf = self._thread_state()
         tmp = self.blobs / f".tmp-{uuid.uuid4().hex}"
         try:
             with open(tmp, "wb") as raw:
                 sink = _DigestWriter(raw)
-                # No `with`: closing the writer after an error (a full disk) would mask it with a zstd one.
-                zw = cctx.stream_writer(sink, size=length, closefd=False, write_size=READ_CHUNK)
-                for chunk in read_span(fd, offset, length, buf, what):
-                    if self.stop.is_set():
-                        raise Stopped()
-                    zw.write(chunk)
-                    self.progress(len(chunk))
-                zw.flush(zstandard.FLUSH_FRAME)
+                state = self._take_slot()
+                try:
+                    cctx, buf = state
+                    # No `with`: closing the writer after an error (a full disk) would mask it with a zstd one.
+                    zw = cctx.stream_writer(sink, size=length, closefd=False, write_size=READ_CHUNK)
+                    for chunk in read_span(fd, offset, length, buf, what):
+                        if self.stop.is_set():
+                            raise Stopped()
+                        zw.write(chunk)
+                        self.progress(len(chunk))
+                    zw.flush(zstandard.FLUSH_FRAME)
+                except BaseException:
+                    state = None  # a context left mid-frame is not reused
+                    raise
+                finally:
+                    self._slots.put(state)
                 raw.flush()
-                os.fsync(raw.fileno())
+                os.fsync(raw.fileno())  # outside the slot: another part compresses meanwhile
             if sink.size > self.max_part_size:  # cannot happen given part_length(); never ship it if it does
                 raise BundleError(f"internal error: part of {what} compressed to {sink.size} bytes, "
                                   f"over the limit of {self.max_part_size}")
@@ -322,7 +355,6 @@ class _Packer:
             return "sha256:" + hexd, sink.size
         except BaseException as e:
             tmp.unlink(missing_ok=True)
-            self._local.state = None  # a context left mid-frame is not reused
             if isinstance(e, ShortRead):
                 raise UsageError(f"{what} changed while packing: {e}") from None
             raise
@@ -339,7 +371,7 @@ class _Packer:
     def run(self, pending: list[_PendingFile]) -> None:
         """Every part of every file on the pool, largest files first (they decide the wall time)."""
         order = sorted(pending, key=lambda p: -p.size)
-        run_parallel((t for p in order for t in p.tasks()), self.jobs, self.stop)
+        run_parallel((t for p in order for t in p.tasks()), 2 * self.jobs, self.stop, max_threads=2 * MAX_WORKERS)
 
     def write_blob(self, data: bytes) -> tuple[str, int]:
         digest = digest_of(data)

@@ -111,14 +111,14 @@ class InOrderHash:
 
 
 def run_parallel(tasks: Iterable[Callable[[], T]], jobs: int, stop: threading.Event,
-                 on_result: Callable[[T], None] = lambda r: None) -> None:
+                 on_result: Callable[[T], None] = lambda r: None, max_threads: int = MAX_WORKERS) -> None:
     """Run every task on `jobs` threads; `on_result` sees each result in the calling thread.
 
     The first error sets `stop` (tasks check it between chunks and raise Stopped), cancels what has not
     started and is raised once the running ones end; a BundleError wins over a secondary error.
     Ctrl-C in the calling thread does the same.
     """
-    pool = ThreadPoolExecutor(max_workers=min(max(1, jobs), MAX_WORKERS), thread_name_prefix="bundle")
+    pool = ThreadPoolExecutor(max_workers=min(max(1, jobs), max_threads), thread_name_prefix="bundle")
     first: BaseException | None = None
     try:
         def guarded(task: Callable[[], T]) -> T:

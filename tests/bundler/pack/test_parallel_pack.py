@@ -61,7 +61,7 @@ def test_known_digest_is_trusted_not_recomputed(tmp_path, monkeypatch):
     """The resolver's digest goes into the manifest as given: pack hashes nothing (the device checks it)."""
     src = tmp_path / "w.bin"
     _weights(src, 3 * CHUNK)
-    monkeypatch.setattr(pack_module.InOrderHash, "part_done", lambda *a: pytest.fail("pack hashed the file"))
+    monkeypatch.setattr(pack_module._PendingFile, "_hash_all", lambda *a: pytest.fail("pack hashed the file"))
     manifest = _pack(tmp_path / "b", [PackFile(src, "w.bin", sha256=file_sha256(src))], jobs=2)
     assert manifest.files[0].sha256 == file_sha256(src)
 
@@ -83,9 +83,10 @@ def test_file_changed_while_packing_is_refused(tmp_path, monkeypatch, known):
     real, calls = pack_module._Packer._compress_range, []
 
     def edit_after_first(self, fd, offset, length, what):
+        first = not calls
         calls.append(offset)
         result = real(self, fd, offset, length, what)
-        if len(calls) == 1:
+        if first:
             with open(src, "r+b") as f:  # same size, new content (mtime moves)
                 f.seek(3 * CHUNK + 10)
                 f.write(b"\xff\xff")
