@@ -359,12 +359,11 @@ class _Packer:
                 raise UsageError(f"{what} changed while packing: {e}") from None
             raise
 
-    def pack_file(self, src: Path, size: int, sha256: str | None = None, *, prehash: bool = False) -> _PendingFile:
-        """Plan one file; its parts run as tasks (`_PendingFile.tasks`). Without a known digest, a file is
-        hashed first when resuming (to ask the journal which parts are done) or when `prehash` (it may
-        be a copy of another file); otherwise while its parts are packed."""
+    def pack_file(self, src: Path, size: int, sha256: str | None = None) -> _PendingFile:
+        """Plan one file; its work runs as tasks (`_PendingFile.tasks`). Resuming without a known digest
+        hashes the file first, so the journal can be asked which parts are already done."""
         pending = _PendingFile(self, src, size, sha256)
-        if pending.sha256 is None and size > 0 and (self.resuming or prehash):
+        if pending.sha256 is None and size > 0 and self.resuming:
             pending.hash_first()
         return pending
 
@@ -495,16 +494,14 @@ def pack_bundle(out: Path, *, name: str, version: int, models: list[Model], file
 
 
 def _pack_files(packer: _Packer, files: list[PackFile], sizes: list[int], bar: tqdm) -> list[FileEntry]:
-    # Files of a size shared with another file may be identical: hash those first (unless the digest
-    # is known) to store them once.
-    count_by_size: dict[int, int] = {}
-    for size in sizes:
-        count_by_size[size] = count_by_size.get(size, 0) + 1
+    # A file whose known digest was already planned is not packed twice. Copies nobody hashed yet are
+    # packed twice but stored once: the same bytes compress to the same blob, kept under one digest
+    # (hashing same-size files up front, one after another, cost more than it saved).
     planned: list[_PendingFile] = []
     by_sha: dict[str, _PendingFile] = {}
     holders = []  # per file: the planned file that holds its bytes
     for pf, size in zip(files, sizes):
-        pending = packer.pack_file(pf.src, size, pf.sha256, prehash=count_by_size[size] > 1)
+        pending = packer.pack_file(pf.src, size, pf.sha256)
         if pending.sha256 is not None and pending.sha256 in by_sha:
             holders.append(by_sha[pending.sha256])
             packer.progress(size)
