@@ -2,12 +2,13 @@
 
 Both ends split large files into parts (one zstd frame per part blob, bundler.pack.PART_CHUNK) and
 run one task per part on a pool of threads: zstd and hashlib release the GIL on large buffers, so
-the threads use every core. Two pieces make that safe and bounded:
+the threads use every core. Pieces that make that safe and bounded:
 
 - `run_parallel`: submit tasks, stop the rest on the first error, raise the most telling error.
-- `InOrderHash`: the sha256 of a whole file is sequential by definition, but its parts finish in any
-  order. Whichever thread finishes the part the hash waits for hashes it (re-reading the bytes
-  through the page cache) and every later part already finished, so no thread ever waits for
+- `read_span`: positioned reads of one byte range into a reused buffer (threads share no offset).
+- `InOrderHash` (install): the sha256 of a whole file is sequential by definition, but its parts land
+  in any order. Whichever thread finishes the part the hash waits for hashes it (re-reading the
+  bytes through the page cache) and every later part already finished, so no thread ever waits for
   another and memory holds one chunk, not a part.
 """
 
