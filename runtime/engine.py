@@ -85,7 +85,8 @@ class Engine(ABC):
         raise NotImplementedError(f"{type(self).__name__} has a fixed number of slots ({self.num_slots})")
 
     def memory(self) -> dict:
-        """Bytes used, for /metrics and logs: {"weights": int, "kv_cache": int}."""
+        """Bytes used, for /metrics and logs: {"weights", "kv_cache"} and, where known, "activations"
+        (scratch the runtime allocates per execution) and "buffers" (inputs and logits)."""
         return {}
 
     def close(self) -> None:
@@ -117,6 +118,8 @@ class SequenceEngine(ABC):
         """Forget every cached token at position >= length."""
 
     def memory(self) -> dict:
+        """Bytes used, for /metrics and logs: {"weights", "kv_cache"} and, where known, "activations"
+        (scratch the runtime allocates per execution) and "buffers" (inputs and logits)."""
         return {}
 
     def close(self) -> None:

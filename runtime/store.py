@@ -42,7 +42,7 @@ from runtime.reader import open_bundle
 from runtime.unpack import check_space, os_error, space_needed, unpack_files
 from runtime.validate import check_bundle
 from runtime.verify import check_signature
-from runtime.fsutil import fsync_dir
+from runtime.fsutil import fsync_dir, write_atomic, write_new
 
 MANIFEST_FILE = "manifest.json"
 ENVELOPE_FILE = "envelope.json"
@@ -72,17 +72,6 @@ class Installed:
     noop: bool = False  # install found this exact version already installed and intact
 
 
-def _write_file(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _switch_link(link: Path, target_name: str) -> None:
     """Point `link` at `target_name` atomically: a new symlink under a temp name, then rename over."""
     tmp = link.with_name(f".{link.name}-{secrets.token_hex(6)}")
@@ -95,7 +84,7 @@ class Store:
 
     def __init__(self, root: Path | None = None, clock: Callable[[], datetime] = utc_now, *,
                  lock_timeout: float = 600.0):
-        self.root = Path(root if root is not None else settings.DEFAULT_STORE)
+        self.root = Path(root if root is not None else settings.default_store())
         self.clock = clock
         self.lock_timeout = lock_timeout
 
@@ -137,10 +126,8 @@ class Store:
         floor = self.clock_floor()
         if floor is not None and floor >= created:
             return
-        tmp = self.root / f".state-{secrets.token_hex(6)}"
-        _write_file(tmp, json.dumps({"clock_floor": format_time(created)}).encode())
-        os.replace(tmp, self.state_file)
-        fsync_dir(self.root)
+        write_atomic(self.state_file, json.dumps({"clock_floor": format_time(created)}).encode(),
+                     tmp_prefix=".state-")
 
     # --- reading ---------------------------------------------------------------------------
     def _link(self, name: str, which: str) -> str | None:
@@ -268,10 +255,10 @@ class Store:
             staging = self.root / f".staging-{secrets.token_hex(8)}"
             try:
                 staging.mkdir()
-                _write_file(staging / MANIFEST_FILE, layout.manifest_bytes)
+                write_new(staging / MANIFEST_FILE, layout.manifest_bytes)
                 if layout.envelope_bytes is not None:
-                    _write_file(staging / ENVELOPE_FILE, layout.envelope_bytes)
-                _write_file(staging / INSTALL_FILE, json.dumps({
+                    write_new(staging / ENVELOPE_FILE, layout.envelope_bytes)
+                write_new(staging / INSTALL_FILE, json.dumps({
                     "name": manifest.name, "version": manifest.version, "target": target_id,
                     "installed_at": format_time(self.clock()), "signers": signers,
                     "source": str(Path(bundle_dir).resolve())}, indent=1).encode())
