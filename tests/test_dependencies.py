@@ -79,13 +79,13 @@ def test_the_floor_needs_only_the_base_install():
 
 
 def test_lower_bounds_cover_what_the_code_needs():
-    from bundler.engines import ONNXRUNTIME_MIN_SHARED
-    from runtime.engines.onnxruntime import SHARED_MIN_VERSION
+    from bundler.engines import ONNXRUNTIME_MIN_BATCHED
+    from runtime.engines.onnxruntime import BATCHED_MIN_VERSION
 
     declared = {**_declared(), **_declared("build")}
     needs = dict(NEEDS)
-    ort = max(tuple(int(x) for x in ONNXRUNTIME_MIN_SHARED.split(".")), SHARED_MIN_VERSION)
-    needs["onnxruntime"] = (ort, "the default cpu graph (GroupQueryAttention with a past)")
+    ort = max(tuple(int(x) for x in ONNXRUNTIME_MIN_BATCHED.split(".")), BATCHED_MIN_VERSION)
+    needs["onnxruntime"] = (ort, "the default cpu graph (TensorScatter + Attention, opset 24)")
     too_low = {name: f"{declared[name]!r}, needs >= {'.'.join(map(str, v))}: {why}"
                for name, (v, why) in needs.items()
                if _lower_bound(declared[name]) is None or _lower_bound(declared[name]) < v}

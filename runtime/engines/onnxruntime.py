@@ -46,7 +46,9 @@ __all__ = ["ContextFull", "OnnxRuntimeEngine", "LAYOUTS"]
 LAYOUTS = ("concat", "shared", "batched")
 #: ONNX Runtime's type strings -> numpy dtypes this engine can hold a cache or logits in.
 NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
-MIN_VERSION = {"shared": (1, 20), "batched": (1, 30)}  # batched: checked on 1.30 and 1.32
+SHARED_MIN_VERSION = (1, 20)  # CPU GroupQueryAttention with new tokens after a past
+BATCHED_MIN_VERSION = (1, 30)  # opset 24 TensorScatter, opset 23 Attention on CPU (checked on 1.30 and 1.32)
+MIN_VERSION = {"shared": SHARED_MIN_VERSION, "batched": BATCHED_MIN_VERSION}
 #: A row at most this long may share a call with shorter rows (padded); longer rows run alone.
 PAD_LIMIT_FACTOR = 2
 
