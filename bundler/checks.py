@@ -189,21 +189,26 @@ class EngineLayout:
     kv_copies: int  # 2: "concat" graph, ping-pong buffers (TensorRT); 1: "shared" in-place cache (ONNX Runtime)
     tokens_per_pass: Callable[[int], int]  # prompt tokens one forward takes, given max_model_len
     attention_scores: bool  # unfused attention keeps heads x tokens x context scores (ONNX Runtime's CPU GQA)
-    rotary_tables: bool = False  # the shared graph carries cos/sin tables for every position (fp32)
+    rotary_tables: bool = False  # the in-place graphs carry cos/sin tables for every position (fp32)
+    kv_spare_rows: int = 0  # rows past max_model_len each sequence's cache has (the batched graph's padding)
 
 
 def engine_layout(profile: Any) -> EngineLayout:
     from bundler.engines import DEFAULT_PREFILL_CHUNK
+    from bundler.export_gqa import BATCHED_HEADROOM
 
     if profile.backend == "tensorrt":  # fp16 concat graph where the profile lists fp16; prefill in chunks
         return EngineLayout(2 if "fp16" in profile.precisions else 4, 2,
                             lambda n: min(DEFAULT_PREFILL_CHUNK, n), attention_scores=False)
-    return EngineLayout(4, 1, lambda n: n, attention_scores=True, rotary_tables=True)  # cpu: fp32 shared graph
+    return EngineLayout(4, 1, lambda n: n, attention_scores=True, rotary_tables=True,  # cpu: fp32 batched graph
+                        kv_spare_rows=BATCHED_HEADROOM)
 
 
 FORMULA = ("weights = (parameters + vocab x hidden when the embeddings are tied: the graph holds its own "
            "lm_head) x B (+ 2 x positions x head_dim/2 x 4 rotary tables on ONNX Runtime); "
-           "KV cache = copies x 2 x layers x kv_heads x head_dim x max_model_len x B; "
+           "KV cache (per sequence: `bundle serve` holds as many as its KV budget allows, at most --max-num-seqs) "
+           "= copies x 2 x layers x kv_heads x head_dim x (max_model_len + spare) x B; spare = 64 padding rows "
+           "on ONNX Runtime's batched graph, else 0; "
            "activations = T x vocab x 4 (fp32 logits) + T x (4 x hidden + 2 x intermediate) x B "
            "(+ heads x T x max_model_len x 4 attention scores on ONNX Runtime); B = 2 for fp16 TensorRT targets "
            "else 4, copies = 2 (TensorRT's ping-pong buffers) or 1 (ONNX Runtime's in-place cache), T = tokens "
@@ -219,8 +224,8 @@ def device_memory(cfg: Mapping[str, Any], parameters: int, max_model_len: int, p
     tied_head = s["vocab"] * s["hidden"] if cfg.get("tie_word_embeddings") else 0
     weights = (parameters + tied_head) * b
     if lay.rotary_tables:
-        weights += 2 * s["positions"] * (s["head_dim"] // 2) * 4
-    kv = kv_cache_bytes(cfg, max_model_len, b, lay.kv_copies)
+        weights += 2 * (s["positions"] + lay.kv_spare_rows) * (s["head_dim"] // 2) * 4
+    kv = kv_cache_bytes(cfg, max_model_len + lay.kv_spare_rows, b, lay.kv_copies)
     tokens = lay.tokens_per_pass(max_model_len)
     activations = tokens * s["vocab"] * 4 + tokens * (4 * s["hidden"] + 2 * s["inter"]) * b
     if lay.attention_scores:
