@@ -14,6 +14,7 @@ import click
 
 from manifests.errors import EXIT_CODES, BundleError
 from runtime import settings
+from runtime.signals import Terminated, exit_on_signals
 
 # command name -> "module:attribute"; connected-side commands live in bundler, floor-side in runtime.
 COMMANDS = {
@@ -65,8 +66,12 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = settings.DEBUG or "--debug" in argv
     try:
-        cli.main(args=argv, prog_name="bundle", standalone_mode=False)
+        with exit_on_signals():  # SIGTERM unwinds like Ctrl-C: temporary folders are removed
+            cli.main(args=argv, prog_name="bundle", standalone_mode=False)
         return 0
+    except Terminated as e:
+        click.echo(f"terminated (signal {e.signum})", err=True)
+        return e.code
     except BundleError as e:
         if debug:
             raise

@@ -129,16 +129,20 @@ def unpack_files(layout: BundleLayout, files: tuple[FileEntry, ...], dest_root: 
     try:
         with ThreadPoolExecutor(max_workers=jobs or settings.JOBS) as pool:
             futures = [pool.submit(one, f) for f in sorted(files, key=lambda f: -f.size)]
-            for fut in as_completed(futures):
-                try:
-                    on_file_done(fut.result())
-                except _Stopped:
-                    pass
-                except BaseException as e:
-                    stop.set()
-                    # Prefer the real cause over a "stopped" or secondary error.
-                    if first is None or (not isinstance(first, BundleError) and isinstance(e, BundleError)):
-                        first = e
+            try:
+                for fut in as_completed(futures):
+                    try:
+                        on_file_done(fut.result())
+                    except _Stopped:
+                        pass
+                    except Exception as e:
+                        stop.set()
+                        # Prefer the real cause over a "stopped" or secondary error.
+                        if first is None or (not isinstance(first, BundleError) and isinstance(e, BundleError)):
+                            first = e
+            except BaseException:  # Ctrl-C or SIGTERM in the main thread: stop the workers, then unwind
+                stop.set()
+                raise
     finally:
         if bar is not None:
             bar.close()
