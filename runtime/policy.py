@@ -102,6 +102,8 @@ def check_expiry(manifest: Manifest, facts: Facts, action: str = "install") -> N
 def check_version(manifest: Manifest, facts: Facts, manifest_digest: str | None) -> None:
     """Never below the highest version accepted, nor a different manifest under an accepted version."""
     v = manifest.version
+    if v == facts.current_version and facts.current_same is not False:
+        return  # the installed version itself (a no-op, a repair, another target): not a downgrade
     floor = max((x for x in (facts.current_version, facts.highest_version) if x is not None), default=None)
     if floor is None:
         return

@@ -283,10 +283,13 @@ class Store:
     """Installed bundles under one root; see the module docstring for the layout."""
 
     def __init__(self, root: Path | None = None, clock: Callable[[], datetime] = utc_now, *,
-                 lock_timeout: float = 600.0):
+                 lock_timeout: float = 600.0, time_from: "Store | None" = None):
+        """`time_from`: another store whose clock floor also bounds "now" here (a private store of
+        `bundle serve DIR` judges expiry by the device store's trusted time)."""
         self.root = Path(root if root is not None else settings.DEFAULT_STORE)
         self.clock = clock
         self.lock_timeout = lock_timeout
+        self.time_from = time_from
 
     # --- paths ---------------------------------------------------------------------------
     @property
@@ -372,7 +375,8 @@ class Store:
         return self._facts(self.state()).now
 
     def _facts(self, state: StoreState, **kw) -> Facts:
-        return Facts(clock=self.clock(), floor=state.clock_floor, **kw)
+        floors = [state.clock_floor, self.time_from.clock_floor() if self.time_from is not None else None]
+        return Facts(clock=self.clock(), floor=max((f for f in floors if f is not None), default=None), **kw)
 
     # --- reading ---------------------------------------------------------------------------
     def _name_dirs(self) -> list[Path]:
@@ -521,12 +525,18 @@ class Store:
     def clean_leftovers(self) -> list[Path]:
         """Remove what a killed install left: staging dirs, temp links, versions nothing points to.
 
-        A name whose `current` link is missing keeps every version directory: nothing is deleted that
-        the store cannot account for (the next install of that name repairs the link)."""
+        Kept: `current`, `previous` and the newest directory of the highest version ever accepted. A name
+        whose `current` link is missing keeps every version directory: nothing is deleted that the store
+        cannot account for (the next install of that name repairs the link)."""
         removed = self._clean_staging()
+        state = self.state()
         for name_dir in self._name_dirs():
             cur = self._link(name_dir.name, "current")
             keep = {cur, self._link(name_dir.name, "previous")}
+            rec = state.bundles.get(name_dir.name)
+            if rec is not None:  # the highest version ever accepted stays too, even if no link names it
+                keep |= set([d for d in self._version_dirs(name_dir.name)
+                             if _version_of_dirname(d) == rec.highest_version][-1:])
             for p in name_dir.iterdir():
                 if p.name in ("current", "previous") or p.name in keep:
                     continue
