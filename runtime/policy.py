@@ -102,18 +102,16 @@ def check_expiry(manifest: Manifest, facts: Facts, action: str = "install") -> N
 def check_version(manifest: Manifest, facts: Facts, manifest_digest: str | None) -> None:
     """Never below the highest version accepted, nor a different manifest under an accepted version."""
     v = manifest.version
-    if v == facts.current_version and facts.current_same is not False:
+    replaced = (v == facts.current_version and facts.current_same is False) or (
+        v == facts.highest_version and facts.highest_digest is not None and manifest_digest is not None
+        and manifest_digest != facts.highest_digest)
+    if replaced:
+        raise PolicyError(f"bundle {manifest.name} v{v} was already installed with a different manifest: "
+                          f"expected a higher version (pass --allow-downgrade to replace it)")
+    if v == facts.current_version:
         return  # the installed version itself (a no-op, a repair, another target): not a downgrade
     floor = max((x for x in (facts.current_version, facts.highest_version) if x is not None), default=None)
-    if floor is None:
-        return
-    if v < floor:
+    if floor is not None and v < floor:
         which = "installed" if floor == facts.current_version else "highest ever installed"
         raise PolicyError(f"bundle {manifest.name}: expected a version of at least the {which} v{floor}, "
                           f"found v{v} (pass --allow-downgrade)")
-    differs = (v == facts.current_version and facts.current_same is False) or (
-        v == facts.highest_version and facts.highest_digest is not None and manifest_digest is not None
-        and manifest_digest != facts.highest_digest)
-    if differs:
-        raise PolicyError(f"bundle {manifest.name} v{v} was already installed with a different manifest: "
-                          f"expected a higher version (pass --allow-downgrade to replace it)")

@@ -45,7 +45,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from manifests.errors import BadBundleError, EnvironmentProblem, TrustError, UsageError
 from manifests.schema import _NAME as NAME_PATTERN
-from manifests.schema import FileEntry, Manifest, format_time, parse_time
+from manifests.schema import MAX_MANIFEST_BYTES, FileEntry, Manifest, format_time, parse_time
 from runtime import settings
 from runtime.fsutil import fsync_dir
 from runtime.hooks import pause
@@ -168,7 +168,7 @@ class StoreState:
         bundles = dict(self.bundles)
         if rec is None or manifest.version > rec.highest_version:
             bundles[manifest.name] = Record(manifest.version, manifest_sha256, rec.extra if rec else {})
-        elif manifest.version == rec.highest_version and not rec.manifest_sha256:
+        elif manifest.version == rec.highest_version:  # the same, or replaced on purpose (--allow-downgrade)
             bundles[manifest.name] = replace(rec, manifest_sha256=manifest_sha256)
         return replace(self, clock_floor=floor, bundles=bundles)
 
@@ -331,7 +331,7 @@ class Store:
                 if p.is_symlink() or _version_of_dirname(p.name) is None:
                     continue
                 try:
-                    mbytes = _read_small(p / MANIFEST_FILE, 16 << 20)
+                    mbytes = _read_small(p / MANIFEST_FILE, MAX_MANIFEST_BYTES)
                     manifest = Manifest.from_json_bytes(mbytes)
                     info = json.loads(_read_small(p / INSTALL_FILE, _MAX_INFO_BYTES))
                     signed = bool(info.get("signers"))
@@ -354,18 +354,17 @@ class Store:
         os.replace(tmp, self.state_file)
         fsync_dir(self.root)
 
-    def _state_for_write(self) -> StoreState:
-        """Under the lock: the state, and a corrupt file moved aside (state.json.corrupt) and rewritten."""
-        state, problem = self._read_state()
-        if problem is None:
-            return state
-        state = self._rebuilt_state(problem)
-        try:
-            os.replace(self.state_file, self.root / "state.json.corrupt")
-        except FileNotFoundError:
-            pass
+    def _commit_state(self, state: StoreState, before: StoreState | None) -> None:
+        """Under the lock: write `state` unless it is what the file holds (`before`: None when the file
+        was corrupt, which is then moved aside to state.json.corrupt rather than overwritten)."""
+        if before is not None and state == before:
+            return
+        if before is None:
+            try:
+                os.replace(self.state_file, self.root / "state.json.corrupt")
+            except FileNotFoundError:
+                pass
         self._write_state(state)
-        return state
 
     def clock_floor(self) -> datetime | None:
         """Newest signed creation time ever accepted here: "now" is never earlier than this."""
@@ -399,7 +398,7 @@ class Store:
     def _load(self, name: str, dirname: str) -> Installed:
         path = self.bundles_dir / name / dirname
         try:
-            manifest = Manifest.from_json_bytes(_read_small(path / MANIFEST_FILE, 16 << 20))
+            manifest = Manifest.from_json_bytes(_read_small(path / MANIFEST_FILE, MAX_MANIFEST_BYTES))
             info = json.loads(_read_small(path / INSTALL_FILE, _MAX_INFO_BYTES))
             if not isinstance(info, dict) or not isinstance(info.get("target"), str):
                 raise ValueError("install.json: expected an object with a target")
@@ -525,7 +524,7 @@ class Store:
     def clean_leftovers(self) -> list[Path]:
         """Remove what a killed install left: staging dirs, temp links, versions nothing points to.
 
-        Kept: `current`, `previous` and the newest directory of the highest version ever accepted. A name
+        Kept: `current`, `previous`, and the highest version ever accepted if neither link names it. A name
         whose `current` link is missing keeps every version directory: nothing is deleted that the store
         cannot account for (the next install of that name repairs the link)."""
         removed = self._clean_staging()
@@ -534,7 +533,8 @@ class Store:
             cur = self._link(name_dir.name, "current")
             keep = {cur, self._link(name_dir.name, "previous")}
             rec = state.bundles.get(name_dir.name)
-            if rec is not None:  # the highest version ever accepted stays too, even if no link names it
+            if rec is not None and rec.highest_version not in {_version_of_dirname(k) for k in keep if k}:
+                # The highest version ever accepted stays too when no link names it (a hand-deleted link).
                 keep |= set([d for d in self._version_dirs(name_dir.name)
                              if _version_of_dirname(d) == rec.highest_version][-1:])
             for p in name_dir.iterdir():
@@ -563,7 +563,10 @@ class Store:
             # Trust first: no part blob is read before the signature over the manifest holds.
             manifest, signers = check_signature(layout, trusted, allow_unsigned=allow_unsigned)
             target_id = self._pick_target(target)
-            state = self._state_for_write()
+            state, problem = self._read_state()
+            on_disk = state if problem is None else None  # a corrupt file is replaced at commit, not before
+            if problem is not None:
+                state = self._rebuilt_state(problem)
             digest = _sha256_digest(layout.manifest_bytes)
             cur = self._current_for_install(manifest.name)
             same_version = cur is not None and cur.version == manifest.version
@@ -575,7 +578,7 @@ class Store:
             rec = state.bundles.get(manifest.name)
             cur_same = None
             if cur is not None and cur.installed is not None:
-                cur_same = (cur.path / MANIFEST_FILE).read_bytes() == layout.manifest_bytes
+                cur_same = _read_small(cur.path / MANIFEST_FILE, MAX_MANIFEST_BYTES) == layout.manifest_bytes
             facts = self._facts(state, current_version=cur.version if cur else None, current_same=cur_same,
                                 highest_version=rec.highest_version if rec else None,
                                 highest_digest=(rec.manifest_sha256 or None) if rec else None,
@@ -587,8 +590,7 @@ class Store:
 
             if same_version and cur_same and cur.installed.target == target_id and \
                     len(good) == len(decision.files) and self._metadata_matches(cur.path, layout):
-                if new_state != state:
-                    self._write_state(new_state)
+                self._commit_state(new_state, on_disk)
                 if not cur.linked:
                     _switch_link(name_dir / "current", cur.dirname)
                     fsync_dir(name_dir)
@@ -634,8 +636,7 @@ class Store:
             pause("renamed")
             try:
                 # Before the switch: "a bundle this new was accepted" stays true whatever happens next.
-                if new_state != state:
-                    self._write_state(new_state)
+                self._commit_state(new_state, on_disk)
                 if cur is not None and not same_version and cur.installed is not None:
                     _switch_link(name_dir / "previous", cur.dirname)
                 _switch_link(name_dir / "current", final)
@@ -731,7 +732,7 @@ class Store:
             name = names[0]
         inst = self.current(name)
         path = inst.path
-        manifest_bytes = _read_small(path / MANIFEST_FILE, 16 << 20)
+        manifest_bytes = _read_small(path / MANIFEST_FILE, MAX_MANIFEST_BYTES)
         try:
             env_bytes = _read_small(path / ENVELOPE_FILE, 1 << 20)
         except FileNotFoundError:
