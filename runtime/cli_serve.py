@@ -64,7 +64,8 @@ def serve(bundle, store, as_dir, ignore_expiry, target, host, port, speculative_
 
     if no_speculation and speculative_config:
         raise UsageError("--no-speculation and --speculative-config contradict each other; pass one")
-    run_server(bundle_ref(bundle, is_dir=as_dir), store=store, ignore_expiry=ignore_expiry, host=host, port=port, target=target,
+    run_server(bundle_ref(bundle, is_dir=as_dir), store=store, ignore_expiry=ignore_expiry, host=host, port=port,
+               target=target,
                speculative_config=parse_speculative_config(speculative_config), no_speculation=no_speculation,
                max_model_len=max_model_len, max_queued_requests=max_queued_requests, api_key=api_key,
                trust=tuple(trust), allow_unsigned=allow_unsigned, log_interval_s=log_interval,

@@ -49,7 +49,7 @@ from manifests.schema import MAX_MANIFEST_BYTES, FileEntry, Manifest, format_tim
 from runtime import settings
 from runtime.fsutil import fsync_dir
 from runtime.hooks import pause
-from runtime.policy import ENVELOPE_FILE, INSTALL_FILE, MANIFEST_FILE, RESERVED, Facts, decide
+from runtime.policy import ENVELOPE_FILE, INSTALL_FILE, MANIFEST_FILE, RESERVED, Decision, Facts, decide
 from runtime.reader import CHUNK, open_bundle
 from runtime.unpack import os_error, unpack_files
 from runtime.verify import check_signature
@@ -209,6 +209,21 @@ class _Current:
     path: Path
     installed: Installed | None  # None: damaged metadata
     linked: bool  # False: the `current` link is missing or broken; this is the newest directory
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What install decided before writing anything."""
+
+    manifest: Manifest
+    decision: Decision
+    cur: _Current | None
+    same_version: bool
+    good: frozenset[str]  # paths of installed files (same version) that are exactly the signed ones
+    noop: bool
+    on_disk: StoreState | None  # the state file as read (None: it was corrupt)
+    new_state: StoreState
+    signers: list[str]
 
 
 def _sha256_digest(data: bytes) -> str:
@@ -562,94 +577,117 @@ class Store:
             layout = open_bundle(Path(bundle_dir))
             # Trust first: no part blob is read before the signature over the manifest holds.
             manifest, signers = check_signature(layout, trusted, allow_unsigned=allow_unsigned)
-            target_id = self._pick_target(target)
-            state, problem = self._read_state()
-            on_disk = state if problem is None else None  # a corrupt file is replaced at commit, not before
-            if problem is not None:
-                state = self._rebuilt_state(problem)
-            digest = _sha256_digest(layout.manifest_bytes)
-            cur = self._current_for_install(manifest.name)
-            same_version = cur is not None and cur.version == manifest.version
-            good: set[str] = set()
-            if same_version:  # what may be reused: files that are exactly the signed ones
-                needed = manifest.files_for(target_id)
-                bad = {f.path for f in _check_files(cur.path, needed, jobs)}
-                good = {f.path for f in needed} - bad
-            rec = state.bundles.get(manifest.name)
-            cur_same = None
-            if cur is not None and cur.installed is not None:
-                cur_same = _read_small(cur.path / MANIFEST_FILE, MAX_MANIFEST_BYTES) == layout.manifest_bytes
-            facts = self._facts(state, current_version=cur.version if cur else None, current_same=cur_same,
-                                highest_version=rec.highest_version if rec else None,
-                                highest_digest=(rec.manifest_sha256 or None) if rec else None,
-                                free_bytes=shutil.disk_usage(self.root).free, where=str(self.root))
-            decision = decide("install", manifest, facts, target=target_id, manifest_digest=digest,
-                              allow_downgrade=allow_downgrade, ignore_expiry=ignore_expiry, already_there=good)
-            name_dir = self.bundles_dir / manifest.name
-            new_state = state.accepting(manifest, digest) if signers else state
-
-            if same_version and cur_same and cur.installed.target == target_id and \
-                    len(good) == len(decision.files) and self._metadata_matches(cur.path, layout):
-                self._commit_state(new_state, on_disk)
-                if not cur.linked:
-                    _switch_link(name_dir / "current", cur.dirname)
-                    fsync_dir(name_dir)
-                self.clean_leftovers()
-                result = self.current(manifest.name)
-                return replace(result, noop=cur.linked, repaired="" if cur.linked else "current link restored")
-
-            staging = self.root / f".staging-{secrets.token_hex(8)}"
-            try:
-                staging.mkdir()
-                _write_file(staging / MANIFEST_FILE, layout.manifest_bytes)
-                if layout.envelope_bytes is not None:
-                    _write_file(staging / ENVELOPE_FILE, layout.envelope_bytes)
-                _write_file(staging / INSTALL_FILE, json.dumps({
-                    "name": manifest.name, "version": manifest.version, "target": target_id,
-                    "installed_at": format_time(self.clock()), "signers": signers,
-                    "source": str(Path(bundle_dir).resolve())}, indent=1).encode())
-                reused = self._link_files(cur.path, staging, [f for f in decision.files if f.path in good]) \
-                    if good else set()
-                to_unpack = tuple(f for f in decision.files if f.path not in reused)
-                first = [True]
-
-                def done(_entry):
-                    if first[0]:
-                        first[0] = False
-                        pause("staging")
-
-                unpack_files(layout, to_unpack, staging, jobs=jobs, progress=progress, on_file_done=done)
-                for d, _, _ in os.walk(staging, topdown=False):
-                    fsync_dir(Path(d))
-                pause("staged")
-                name_dir.mkdir(parents=True, exist_ok=True)
-                final = self._free_dirname(name_dir, manifest.version)
-                os.rename(staging, name_dir / final)
-                fsync_dir(name_dir)
-                fsync_dir(self.root)
-            except OSError as e:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise os_error(e, staging) from None
-            except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
-            pause("renamed")
-            try:
-                # Before the switch: "a bundle this new was accepted" stays true whatever happens next.
-                self._commit_state(new_state, on_disk)
-                if cur is not None and not same_version and cur.installed is not None:
-                    _switch_link(name_dir / "previous", cur.dirname)
-                _switch_link(name_dir / "current", final)
-                fsync_dir(name_dir)
-                pause("switched")
-                self.clean_leftovers()
-            except OSError as e:  # the old version is still current unless the final rename happened
-                raise os_error(e, name_dir) from None
-            result = self.current(manifest.name)
-            if same_version:
-                return replace(result, repaired=f"{len(to_unpack)} of {len(decision.files)} files unpacked "
-                                                f"again, {len(reused)} verified and kept")
+            plan = self._plan(layout, manifest, signers, self._pick_target(target), allow_downgrade=allow_downgrade,
+                              ignore_expiry=ignore_expiry, jobs=jobs)
+            if plan.noop:
+                return self._keep(plan)
+            final, reused = self._stage(plan, layout, Path(bundle_dir), jobs=jobs, progress=progress)
+            result = self._commit(plan, final)
+            if plan.same_version:
+                n = len(plan.decision.files)
+                return replace(result, repaired=f"{n - reused} of {n} files unpacked again, {reused} verified "
+                                                f"and kept")
             return result
+
+    def _plan(self, layout, manifest: Manifest, signers: list[str], target_id: str, *, allow_downgrade: bool,
+              ignore_expiry: bool, jobs: int | None) -> "_Plan":
+        """Gather what the store knows and ask runtime.policy.decide; nothing is written here."""
+        state, problem = self._read_state()
+        on_disk = state if problem is None else None  # a corrupt file is replaced at commit, not before
+        if problem is not None:
+            state = self._rebuilt_state(problem)
+        digest = _sha256_digest(layout.manifest_bytes)
+        cur = self._current_for_install(manifest.name)
+        same_version = cur is not None and cur.version == manifest.version
+        good: frozenset[str] = frozenset()
+        if same_version:  # what a repair may keep: installed files that are exactly the signed ones
+            needed = manifest.files_for(target_id)
+            good = frozenset(f.path for f in needed) - {f.path for f in _check_files(cur.path, needed, jobs)}
+        rec = state.bundles.get(manifest.name)
+        cur_same = None
+        if cur is not None and cur.installed is not None:
+            cur_same = _read_small(cur.path / MANIFEST_FILE, MAX_MANIFEST_BYTES) == layout.manifest_bytes
+        facts = self._facts(state, current_version=cur.version if cur else None, current_same=cur_same,
+                            highest_version=rec.highest_version if rec else None,
+                            highest_digest=(rec.manifest_sha256 or None) if rec else None,
+                            free_bytes=shutil.disk_usage(self.root).free, where=str(self.root))
+        decision = decide("install", manifest, facts, target=target_id, manifest_digest=digest,
+                          allow_downgrade=allow_downgrade, ignore_expiry=ignore_expiry, already_there=good)
+        noop = bool(same_version and cur_same and cur.installed.target == target_id
+                    and len(good) == len(decision.files) and self._metadata_matches(cur.path, layout))
+        return _Plan(manifest, decision, cur, same_version, good, noop, on_disk,
+                     state.accepting(manifest, digest) if signers else state, signers)
+
+    def _keep(self, plan: "_Plan") -> Installed:
+        """Nothing to unpack: record the state, restore a missing `current` link, report a no-op."""
+        name_dir = self.bundles_dir / plan.manifest.name
+        self._commit_state(plan.new_state, plan.on_disk)
+        if not plan.cur.linked:
+            _switch_link(name_dir / "current", plan.cur.dirname)
+            fsync_dir(name_dir)
+        self.clean_leftovers()
+        result = self.current(plan.manifest.name)
+        return replace(result, noop=plan.cur.linked, repaired="" if plan.cur.linked else "current link restored")
+
+    def _stage(self, plan: "_Plan", layout, bundle_dir: Path, *, jobs: int | None,
+               progress: bool) -> tuple[str, int]:
+        """Build the version in STORE/.staging-*, fsync it, rename it into bundles/<name>/; (dirname, kept)."""
+        manifest = plan.manifest
+        name_dir = self.bundles_dir / manifest.name
+        staging = self.root / f".staging-{secrets.token_hex(8)}"
+        try:
+            staging.mkdir()
+            _write_file(staging / MANIFEST_FILE, layout.manifest_bytes)
+            if layout.envelope_bytes is not None:
+                _write_file(staging / ENVELOPE_FILE, layout.envelope_bytes)
+            _write_file(staging / INSTALL_FILE, json.dumps({
+                "name": manifest.name, "version": manifest.version, "target": plan.decision.target,
+                "installed_at": format_time(self.clock()), "signers": plan.signers,
+                "source": str(bundle_dir.resolve())}, indent=1).encode())
+            reused = self._link_files(plan.cur.path, staging, [f for f in plan.decision.files if f.path in plan.good]) \
+                if plan.good else set()
+            first = [True]
+
+            def done(_entry):
+                if first[0]:
+                    first[0] = False
+                    pause("staging")
+
+            unpack_files(layout, tuple(f for f in plan.decision.files if f.path not in reused), staging, jobs=jobs,
+                         progress=progress, on_file_done=done)
+            for d, _, _ in os.walk(staging, topdown=False):
+                fsync_dir(Path(d))
+            pause("staged")
+            name_dir.mkdir(parents=True, exist_ok=True)
+            final = self._free_dirname(name_dir, manifest.version)
+            os.rename(staging, name_dir / final)
+            fsync_dir(name_dir)
+            fsync_dir(self.root)
+        except OSError as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise os_error(e, staging) from None
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        pause("renamed")
+        return final, len(reused)
+
+    def _commit(self, plan: "_Plan", final: str) -> Installed:
+        """Record the state, then switch `previous` and `current` (each one atomic rename), then clean up."""
+        name_dir = self.bundles_dir / plan.manifest.name
+        cur = plan.cur
+        try:
+            # Before the switch: "a bundle this new was accepted" stays true whatever happens next.
+            self._commit_state(plan.new_state, plan.on_disk)
+            if cur is not None and not plan.same_version and cur.installed is not None:
+                _switch_link(name_dir / "previous", cur.dirname)
+            _switch_link(name_dir / "current", final)
+            fsync_dir(name_dir)
+            pause("switched")
+            self.clean_leftovers()
+        except OSError as e:  # the old version is still current unless the final rename happened
+            raise os_error(e, name_dir) from None
+        return self.current(plan.manifest.name)
 
     def _metadata_matches(self, path: Path, layout) -> bool:
         try:

@@ -67,9 +67,9 @@ def open_installed(name_or_dir, *, store: Path | None, target: str, trust: tuple
             try:
                 echo(f"verifying and unpacking {ref} ...")
                 # The device store's trusted clock judges expiry here too (never before its floor).
-                installed = Store(tmp, time_from=home).install(ref, target=target, trusted=trusted_keys(list(trust)),
-                                                               allow_unsigned=allow_unsigned,
-                                                               ignore_expiry=ignore_expiry)
+                installed = Store(tmp, time_from=home).install(
+                    ref, target=target, trusted=trusted_keys(list(trust)), allow_unsigned=allow_unsigned,
+                    ignore_expiry=ignore_expiry)
                 yield installed, Store(tmp)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
