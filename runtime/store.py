@@ -634,6 +634,10 @@ class Store:
         """Build the version in STORE/.staging-*, fsync it, rename it into bundles/<name>/; (dirname, kept)."""
         manifest = plan.manifest
         name_dir = self.bundles_dir / manifest.name
+        for d in (self.bundles_dir, name_dir):
+            if d.is_symlink():
+                raise EnvironmentProblem(f"{d} is a symbolic link: expected a directory of the store "
+                                         f"(nothing is written through it; remove the link)")
         staging = self.root / f".staging-{secrets.token_hex(8)}"
         try:
             staging.mkdir()
@@ -715,8 +719,7 @@ class Store:
         with self._lock():
             cur, prev = self._link(name, "current"), self._link(name, "previous")
             if cur is None:
-                raise UsageError(f"bundle {name!r} is not installed in {self.root}; installed: "
-                                 f"{', '.join(self.names()) or 'none'}")
+                self.current(name)  # raises: not installed (and why, and what repairs it)
             if prev is None or prev == cur:
                 try:
                     have = f"v{self._load(name, cur).version}"

@@ -59,6 +59,28 @@ def test_serve_dir_killed_while_unpacking_removes_its_temporary_store(bundles, k
     assert list(tmpdir.iterdir()) == [], list(tmpdir.rglob("*"))[:10]
 
 
+def test_install_sigterm_removes_staging_and_keeps_the_previous_version(bundles, keys, trusted, tmp_path):
+    from runtime.store import Store
+    from tests.runtime.floor.helpers import assert_no_leftovers, assert_serving_ready
+    store = Store(tmp_path / "store")
+    store.install(bundles["v1"], target="jetson-thor", trusted=trusted)
+    proc = subprocess.Popen([sys.executable, "-m", "bundler.cli", "install", str(bundles["v2"]), "--store",
+                             str(store.root), "--target", "jetson-thor", "--trust", str(keys.release_pub),
+                             "--no-progress"], env=_env(tmp_path / "tmp", BUNDLE_PAUSE_AT="staging:120"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        _wait_for_line(proc.stderr, "paused at staging")
+        assert list(store.root.glob(".staging-*"))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not list(store.root.glob(".staging-*")), "SIGTERM left the staging directory behind"
+    assert_serving_ready(store, version=1)
+    assert_no_leftovers(store)
+
+
 def test_create_sigterm_removes_its_work_folder(tmp_path):
     from tests.models import make_tiny_checkpoint
     model = make_tiny_checkpoint(tmp_path / "model", hidden_size=64, num_layers=2)

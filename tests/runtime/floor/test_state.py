@@ -138,7 +138,7 @@ def test_other_manifest_under_the_highest_version_refused_when_current_is_lower(
 
 # --- a corrupt state file ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("damage", ["empty", "truncated", "garbage", "deep", "wrong-types", "huge", "fifo",
-                                    "symlink"])
+                                    "symlink", "directory", "newer-format"])
 def test_corrupt_state_is_rebuilt_and_protection_holds(bundles, keys, tmp_path, capsys, damage):
     store = tmp_path / "store"
     assert install_cli(bundles["v1"], store, keys) == 0
@@ -162,6 +162,10 @@ def test_corrupt_state_is_rebuilt_and_protection_holds(bundles, keys, tmp_path, 
         state.write_bytes(b" " * (2 << 20) + good)
     elif damage == "fifo":
         os.mkfifo(state)
+    elif damage == "directory":
+        state.mkdir()
+    elif damage == "newer-format":
+        state.write_text(json.dumps({**json.loads(good), "format": 99}))
     else:
         state.symlink_to(outside)
     # Readers go on working with a state rebuilt from the installed versions.
@@ -201,3 +205,41 @@ def test_concurrent_installs_are_serialised(bundles, keys, tmp_path):
     assert_serving_ready(s, version=2)
     assert_no_leftovers(s)
     assert state_of(store)["bundles"]["demo"]["highest_version"] == 2
+
+
+# --- links and directories replaced by hand (or by an attacker with write access to the store) -------------
+def test_bundle_name_dir_replaced_by_a_symlink_is_never_written_through(bundles, keys, tmp_path, capsys):
+    store = tmp_path / "store"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (store / "bundles").mkdir(parents=True)
+    (store / "bundles/demo").symlink_to(elsewhere)
+    assert install_cli(bundles["v1"], store, keys) == 6
+    assert "is a symbolic link" in capsys.readouterr().err
+    assert list(elsewhere.iterdir()) == [] and not list(store.glob(".staging-*"))
+
+
+def test_version_dir_replaced_by_a_symlink_is_not_followed(bundles, keys, tmp_path):
+    store = tmp_path / "store"
+    assert install_cli(bundles["v1"], store, keys) == 0
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine")
+    d = store / "bundles/demo"
+    os.replace(d / "1", tmp_path / "moved-away")
+    (d / "1").symlink_to(victim)
+    assert Store(store).names() == []  # `current` -> a symlink is not an installed version
+    assert install_cli(bundles["v1"], store, keys) == 0
+    assert (victim / "keep.txt").read_text() == "mine" and sorted(p.name for p in victim.iterdir()) == ["keep.txt"]
+    assert not (d / "1").is_symlink()
+    assert_serving_ready(Store(store), version=1)
+
+
+def test_rollback_with_current_link_missing_changes_nothing(bundles, keys, tmp_path, capsys):
+    store = tmp_path / "store"
+    assert install_cli(bundles["v1"], store, keys) == 0
+    assert install_cli(bundles["v2"], store, keys) == 0
+    (store / "bundles/demo/current").unlink()
+    assert main(["rollback", "demo", "--store", str(store)]) == 2
+    assert "current` link is missing" in capsys.readouterr().err
+    assert sorted(p.name for p in (store / "bundles/demo").iterdir()) == ["1", "2", "previous"]
