@@ -742,9 +742,11 @@ class Store:
             return self.current(name)
 
     # --- checks without writing ------------------------------------------------------------
-    def servable(self, name: str | None, *, target: str = "auto", ignore_expiry: bool = False) -> Installed:
-        """The current version of `name`, if policy lets it be served now (expiry against this store's clock)."""
-        installed = self.current(name)
+    def servable(self, name: "str | None | Installed", *, target: str = "auto",
+                 ignore_expiry: bool = False) -> Installed:
+        """The current version of `name` (or that Installed), if policy lets it be served now (expiry by this
+        store's trusted clock)."""
+        installed = name if isinstance(name, Installed) else self.current(name)
         if target not in ("auto", installed.target):
             raise UsageError(f"bundle {installed.name} is installed for target {installed.target}, "
                              f"not {target}; reinstall with --target {target}")

@@ -45,11 +45,11 @@ def open_installed(name_or_dir, *, store: Path | None, target: str, trust: tuple
     from runtime import settings
     from runtime.store import Store, bundle_ref
 
-    if hasattr(name_or_dir, "manifest"):  # already an Installed
-        yield name_or_dir, Store(store or settings.DEFAULT_STORE)
+    home = Store(store or settings.DEFAULT_STORE)
+    if hasattr(name_or_dir, "manifest"):  # already an Installed: the same policy applies
+        yield home.servable(name_or_dir, target=target, ignore_expiry=ignore_expiry), home
         return
     ref = bundle_ref(name_or_dir)
-    home = Store(store or settings.DEFAULT_STORE)
     if isinstance(ref, Path):
         from runtime.signals import exit_on_signals
         from runtime.trust import trusted_keys

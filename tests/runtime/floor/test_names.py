@@ -95,6 +95,10 @@ def test_serve_and_rollback_refuse_expired_the_same_way(bundles, keys, tmp_path,
     assert "cannot roll back: bundle demo v3 expired at 2026-12-01T00:00:00Z" in messages[0]
     assert "cannot serve: bundle demo v3 expired at 2026-12-01T00:00:00Z" in messages[1]
     assert store.servable("demo", ignore_expiry=True).version == 3
+    # A library caller handing serve an Installed meets the same policy (the store's clock: real time here).
+    with pytest.raises(PolicyError, match="cannot serve"):
+        with open_installed(store.current("demo"), store=store.root, target="auto", echo=lambda s: None):
+            pass
 
 
 def test_serve_dir_judges_expiry_by_the_device_store_clock(bundles, inputs, keys, trusted, tmp_path, clock,

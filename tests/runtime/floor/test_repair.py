@@ -35,7 +35,8 @@ def current_dir(store):
 
 # --- damaged metadata -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("damage", ["install.json empty", "manifest.json missing", "install.json not an object",
-                                    "manifest.json of another bundle", "envelope.json missing"])
+                                    "manifest.json of another bundle", "envelope.json missing",
+                                    "install.json huge", "install.json a symlink"])
 def test_install_repairs_damaged_current_version(store_v1, bundles, keys, capsys, damage):
     d = current_dir(store_v1)
     plan_inode = os.stat(d / PLAN).st_ino
@@ -48,6 +49,12 @@ def test_install_repairs_damaged_current_version(store_v1, bundles, keys, capsys
     elif damage == "manifest.json of another bundle":
         doc = json.loads((d / "manifest.json").read_bytes())
         (d / "manifest.json").write_text(json.dumps({**doc, "name": "other"}))
+    elif damage == "install.json huge":
+        (d / "install.json").write_bytes(b" " * (1 << 20) + (d / "install.json").read_bytes())
+    elif damage == "install.json a symlink":
+        info = d.parent / "elsewhere.json"
+        os.replace(d / "install.json", info)
+        (d / "install.json").symlink_to(info)
     else:
         (d / "envelope.json").unlink()
     if damage != "envelope.json missing":
