@@ -47,8 +47,9 @@ def copy(src: Path, dst: Path, jobs, no_progress) -> None:
     """Copy bundle SRC to DST, checking every blob's sha256 as it is copied and fsyncing it.
 
     Blobs already complete at DST are skipped, so an interrupted copy resumes and only missing or
-    damaged blobs are copied again. DST is marked COMPLETE only at the very end. SRC is never modified.
-    Needs no key: run `bundle verify` to check the signature.
+    damaged blobs are copied again. DST is marked COMPLETE only at the very end. SRC is never modified
+    and never read through a link; nothing is written outside DST. Needs no key: run `bundle verify`
+    to check the signature (copy applies the same structural checks as verify and install).
     """
     from runtime.copy import copy_bundle
 

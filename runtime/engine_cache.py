@@ -22,7 +22,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Mapping
 
-from manifests.errors import EnvironmentProblem
+from manifests.errors import BundleError, EnvironmentProblem
+from manifests.strict_json import parse as parse_json
+from runtime.bundle_files import open_regular_path
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,10 @@ KEY_NAME = "key.json"
 BUILD_NAME = "build.json"
 FALLBACK_NAME = "fallback.json"
 MAX_KEY_BYTES = 64 * 1024
+
+
+class _Damaged(BundleError):
+    """A cache entry's key.json that is not strict JSON: the entry is ignored and rebuilt."""
 
 
 def canonical_json(obj) -> bytes:
@@ -95,10 +101,13 @@ class EngineCache:
         if not (plan.is_file() and key_file.is_file()) or key_file.stat().st_size > MAX_KEY_BYTES:
             return None
         try:
-            stored = json.loads(key_file.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+            with open_regular_path(key_file) as f:
+                stored = parse_json(f.read(MAX_KEY_BYTES + 1), what=str(key_file), max_bytes=MAX_KEY_BYTES,
+                                    error=_Damaged)
+        except (OSError, BundleError) as e:
+            log.warning("ignoring engine cache entry %s: %s", folder, e)
             return None
-        why = mismatch(stored, key)
+        why = mismatch(stored, key) if isinstance(stored, dict) else "key.json is not a JSON object"
         if why is not None:
             log.warning("ignoring engine cache entry %s: %s", folder, why)
             return None

@@ -11,19 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
-from manifests.errors import BadBundleError, PolicyError
+from manifests.errors import PolicyError
 from manifests.schema import FileEntry, Manifest, format_time, parse_time
 from runtime.unpack import check_space, space_needed
 
 ACTIONS = ("install", "verify", "rollback", "serve")
-
-# Names the store writes beside a version's files; a bundle path may not start with one.
-MANIFEST_FILE = "manifest.json"
-ENVELOPE_FILE = "envelope.json"
-INSTALL_FILE = "install.json"
-RESERVED = (MANIFEST_FILE, ENVELOPE_FILE, INSTALL_FILE)
 
 
 @dataclass(frozen=True)
@@ -57,12 +51,12 @@ class Decision:
 def decide(action: str, manifest: Manifest, facts: Facts, *, target: str | None = None,
            manifest_digest: str | None = None, allow_downgrade: bool = False,
            ignore_expiry: bool = False, already_there: frozenset[str] | set[str] = frozenset()) -> Decision:
-    """Yes, or the first reason not to, as the BundleError to show: reserved paths (3), target (6),
-    expiry (5), version (5, install only), space (6, when facts.free_bytes is given) for the files not
-    `already_there` (installed and verified, reused by a repair)."""
+    """Yes, or the first reason not to, as the BundleError to show: target (6), expiry (5), version (5,
+    install only), space (6, when facts.free_bytes is given) for the files not `already_there`
+    (installed and verified, reused by a repair). Paths (reserved names, `..`, length) are not policy
+    but validity: manifests.schema refuses them when the manifest is parsed, for every command."""
     if action not in ACTIONS:
         raise ValueError(f"action must be one of {ACTIONS}, found {action!r}")
-    check_reserved(manifest)
     if target is not None:
         manifest.target(target)  # EnvironmentProblem listing the targets the bundle has
     if not ignore_expiry:
@@ -74,14 +68,6 @@ def decide(action: str, manifest: Manifest, facts: Facts, *, target: str | None 
     if facts.free_bytes is not None:
         check_space(Path(facts.where), needed, facts.free_bytes)
     return Decision(action, target, files, needed)
-
-
-def check_reserved(manifest: Manifest) -> None:
-    for f in manifest.files:
-        top = PurePosixPath(f.path).parts[0]
-        if top.casefold() in RESERVED:
-            raise BadBundleError(f"invalid manifest: path {f.path!r} collides with the store's own "
-                                 f"{top.casefold()} (expected files under other names)")
 
 
 def check_expiry(manifest: Manifest, facts: Facts, action: str = "install") -> None:

@@ -28,12 +28,12 @@ import errno
 import fcntl
 import hashlib
 import json
-import logging
 import os
 import re
 import secrets
 import shutil
 import stat
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -46,18 +46,21 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from manifests.errors import BadBundleError, EnvironmentProblem, TrustError, UsageError
 from manifests.schema import _NAME as NAME_PATTERN
 from manifests.schema import MAX_MANIFEST_BYTES, FileEntry, Manifest, format_time, parse_time
+from manifests.strict_json import parse as parse_json
 from runtime import settings
+from runtime.bundle_files import NotRegularFile, open_regular_path
 from runtime.fsutil import fsync_dir
 from runtime.hooks import pause
-from runtime.policy import ENVELOPE_FILE, INSTALL_FILE, MANIFEST_FILE, RESERVED, Decision, Facts, decide
+from runtime.policy import Decision, Facts, decide
 from runtime.reader import CHUNK, open_bundle
 from runtime.unpack import os_error, unpack_files
+from runtime.validate import check_bundle
 from runtime.verify import check_signature
 
-__all__ = ["Store", "Installed", "Damaged", "StoreState", "Record", "bundle_ref", "utc_now",
-           "MANIFEST_FILE", "ENVELOPE_FILE", "INSTALL_FILE", "RESERVED"]
-
-log = logging.getLogger("bundle.store")
+# Written beside a version's files; manifests.schema.RESERVED_TOP_LEVEL keeps bundle paths off them.
+MANIFEST_FILE = "manifest.json"
+ENVELOPE_FILE = "envelope.json"
+INSTALL_FILE = "install.json"
 
 _VERSION_DIR = re.compile(r"^([0-9]+)(\.[0-9]+)?$")
 _MAX_STATE_BYTES = 1024 * 1024
@@ -74,7 +77,7 @@ def bundle_ref(text: str | Path, *, is_dir: bool = False) -> Path | str:
     or is given with --dir; anything else is an installed bundle's name. `./demo` never shadows `demo`."""
     if isinstance(text, Path) or is_dir or "/" in text or text in (".", ".."):
         return Path(text)
-    if not NAME_PATTERN.match(text):
+    if not NAME_PATTERN.fullmatch(text):
         raise UsageError(f"expected an installed bundle name (lowercase letters, digits, '.', '_', '-') or a "
                          f"directory path containing '/', found {text!r}; write ./{text} or --dir {text} for a "
                          f"directory")
@@ -131,10 +134,7 @@ class StoreState:
     @classmethod
     def from_json_bytes(cls, data: bytes) -> "StoreState":
         """ValueError (with what was expected) for anything but a well-formed state."""
-        try:
-            d = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, RecursionError, ValueError) as e:
-            raise ValueError(f"expected JSON ({e})") from None
+        d = parse_json(data, what="state", max_bytes=_MAX_STATE_BYTES, error=ValueError)
         if not isinstance(d, dict):
             raise ValueError(f"expected a JSON object, found {type(d).__name__}")
         fmt = d.get("format", STATE_FORMAT)
@@ -151,7 +151,7 @@ class StoreState:
             raise ValueError(f"expected bundles to be an object, found {type(raw).__name__}")
         bundles = {}
         for name, rec in raw.items():
-            if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
                 raise ValueError(f"expected bundle names, found {name!r}")
             try:
                 bundles[name] = Record.from_dict(rec)
@@ -231,41 +231,35 @@ def _sha256_digest(data: bytes) -> str:
 
 
 def _read_small(path: Path, limit: int) -> bytes:
-    """A small store file, not following links, never past `limit` bytes."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    """A small store file: a regular file (no link, no FIFO; else OSError), never past `limit` bytes."""
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(limit + 1)
-    finally:
-        os.close(fd)
+        f = open_regular_path(path)
+    except NotRegularFile as e:
+        raise OSError(errno.EINVAL, str(e)) from None
+    with f:
+        data = f.read(limit + 1)
     if len(data) > limit:
-        raise OSError(errno.EFBIG, f"larger than {limit} bytes")
+        raise OSError(errno.EFBIG, f"{path}: larger than {limit} bytes")
     return data
 
 
 def _file_matches(path: Path, entry: FileEntry) -> bool:
     """An installed file is exactly the signed one: a regular file (no link), size, mode bit and sha256."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        f = open_regular_path(path)
+    except (OSError, NotRegularFile):
         return False
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
-            return False
-        if bool(st.st_mode & stat.S_IXUSR) != bool(entry.executable):
+    with f:
+        st = os.fstat(f.fileno())
+        if st.st_size != entry.size or bool(st.st_mode & stat.S_IXUSR) != bool(entry.executable):
             return False
         h = hashlib.sha256()
-        with os.fdopen(fd, "rb", closefd=False) as f:
+        try:
             while block := f.read(CHUNK):
                 h.update(block)
-        return h.hexdigest() == entry.sha256
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+        except OSError:
+            return False
+    return h.hexdigest() == entry.sha256
 
 
 def _check_files(root: Path, files: tuple[FileEntry, ...], jobs: int | None) -> list[FileEntry]:
@@ -305,6 +299,7 @@ class Store:
         self.clock = clock
         self.lock_timeout = lock_timeout
         self.time_from = time_from
+        self._warned = False
 
     # --- paths ---------------------------------------------------------------------------
     @property
@@ -347,8 +342,9 @@ class Store:
                     continue
                 try:
                     mbytes = _read_small(p / MANIFEST_FILE, MAX_MANIFEST_BYTES)
-                    manifest = Manifest.from_json_bytes(mbytes)
-                    info = json.loads(_read_small(p / INSTALL_FILE, _MAX_INFO_BYTES))
+                    manifest = Manifest.from_json_bytes(mbytes, str(p / MANIFEST_FILE))
+                    info = parse_json(_read_small(p / INSTALL_FILE, _MAX_INFO_BYTES), what=str(p / INSTALL_FILE),
+                                      max_bytes=_MAX_INFO_BYTES, error=ValueError)
                     signed = bool(info.get("signers"))
                 except (OSError, ValueError, AttributeError, RecursionError, BadBundleError):
                     continue
@@ -359,8 +355,11 @@ class Store:
                 rec = bundles.get(manifest.name)
                 if rec is None or manifest.version > rec.highest_version:
                     bundles[manifest.name] = Record(manifest.version, _sha256_digest(mbytes))
-        log.warning("store state %s is corrupt (%s); rebuilt from the installed versions: %s", self.state_file,
-                    problem, ", ".join(f"{n} v{r.highest_version}" for n, r in sorted(bundles.items())) or "none")
+        if not self._warned:  # once per Store: readers rebuild it on every call until an install rewrites it
+            self._warned = True
+            rebuilt = ", ".join(f"{n} v{r.highest_version}" for n, r in sorted(bundles.items())) or "none"
+            print(f"bundle: warning: store state {self.state_file} is corrupt ({problem}); rebuilt from the "
+                  f"installed versions: {rebuilt}", file=sys.stderr, flush=True)
         return StoreState(floor, bundles)
 
     def _write_state(self, state: StoreState) -> None:
@@ -397,7 +396,7 @@ class Store:
         if not self.bundles_dir.is_dir():
             return []
         return sorted(p for p in self.bundles_dir.iterdir()
-                      if not p.is_symlink() and p.is_dir() and NAME_PATTERN.match(p.name))
+                      if not p.is_symlink() and p.is_dir() and NAME_PATTERN.fullmatch(p.name))
 
     def _link(self, name: str, which: str) -> str | None:
         """The version directory a link names, if it is one that exists."""
@@ -413,8 +412,10 @@ class Store:
     def _load(self, name: str, dirname: str) -> Installed:
         path = self.bundles_dir / name / dirname
         try:
-            manifest = Manifest.from_json_bytes(_read_small(path / MANIFEST_FILE, MAX_MANIFEST_BYTES))
-            info = json.loads(_read_small(path / INSTALL_FILE, _MAX_INFO_BYTES))
+            manifest = Manifest.from_json_bytes(_read_small(path / MANIFEST_FILE, MAX_MANIFEST_BYTES),
+                                                str(path / MANIFEST_FILE))
+            info = parse_json(_read_small(path / INSTALL_FILE, _MAX_INFO_BYTES), what=str(path / INSTALL_FILE),
+                              max_bytes=_MAX_INFO_BYTES, error=ValueError)
             if not isinstance(info, dict) or not isinstance(info.get("target"), str):
                 raise ValueError("install.json: expected an object with a target")
             if manifest.name != name:
@@ -577,6 +578,7 @@ class Store:
             layout = open_bundle(Path(bundle_dir))
             # Trust first: no part blob is read before the signature over the manifest holds.
             manifest, signers = check_signature(layout, trusted, allow_unsigned=allow_unsigned)
+            check_bundle(layout, manifest)  # the rules verify and copy apply (runtime.validate)
             plan = self._plan(layout, manifest, signers, self._pick_target(target), allow_downgrade=allow_downgrade,
                               ignore_expiry=ignore_expiry, jobs=jobs)
             if plan.noop:

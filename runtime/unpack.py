@@ -62,7 +62,7 @@ def unpack_file(layout: BundleLayout, entry: FileEntry, dest_root: Path, *,
         n = len(entry.parts)
         for i, part in enumerate(entry.parts, 1):
             name = entry.path if n == 1 else f"{entry.path} part {i}/{n}"
-            with BlobReader(layout.blob_file(part.digest), part.digest, part.size, name) as src:
+            with BlobReader(layout.path, part.digest, part.size, name) as src:
                 dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_SIZE)
                 try:
                     with dctx.stream_reader(src, read_size=CHUNK, read_across_frames=True, closefd=False) as z:
