@@ -5,15 +5,20 @@ re-raising the signal it shut down on) kills the process outright by default: `b
 then left a whole unpacked model in /tmp/bundle-serve-*, `bundle create` its /tmp/bundle-create-*.
 Inside `exit_on_signals()` SIGTERM raises `Terminated` (a SystemExit with code 143) instead; a
 second signal while the first unwinds is ignored, so the cleanup it started finishes. SIGKILL
-cannot be caught: what it leaves is removed by the next run where the layout allows (install's
-staging directories), nowhere else.
+cannot be caught: what it leaves is removed by the next run (install's staging directories;
+`scratch_dir`'s folders once their owner process is gone).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import signal
+import stat
+import tempfile
 import threading
+from pathlib import Path
 
 
 class Terminated(SystemExit):
@@ -52,3 +57,56 @@ def exit_on_signals():
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+_OWNER_FILE = ".owner-pid"
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str):
+    """A private temporary directory ($TMPDIR/PREFIX*), removed on exit, Ctrl-C and SIGTERM included.
+
+    SIGKILL (the OOM killer on a small device, `kill -9`) cannot be caught: such a directory (a whole
+    unpacked model for `bundle serve DIR`) is removed by the next scratch_dir with the same prefix,
+    once the process named in its owner file is gone. Only directories of this user are touched."""
+    base = Path(tempfile.gettempdir())
+    remove_stale(base, prefix)
+    with exit_on_signals():
+        path = Path(tempfile.mkdtemp(prefix=prefix))
+        try:
+            (path / _OWNER_FILE).write_text(str(os.getpid()))
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale(base: Path, prefix: str) -> list[Path]:
+    """Remove base/PREFIX* directories whose owner process no longer exists; returns what was removed."""
+    removed = []
+    try:
+        candidates = [p for p in base.iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return removed
+    for p in candidates:
+        try:
+            st = os.lstat(p)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            pid = int((p / _OWNER_FILE).read_text()[:20])
+        except (OSError, ValueError):
+            continue  # no owner file (yet): not ours to judge
+        if pid == os.getpid() or _alive(pid):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

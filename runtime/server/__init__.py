@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import socket
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -51,7 +49,7 @@ def open_installed(name_or_dir, *, store: Path | None, target: str, trust: tuple
         return
     ref = bundle_ref(name_or_dir)
     if isinstance(ref, Path):
-        from runtime.signals import exit_on_signals
+        from runtime.signals import scratch_dir
         from runtime.trust import trusted_keys
 
         echo(f"bundle:      directory {ref} (a path)")
@@ -62,17 +60,13 @@ def open_installed(name_or_dir, *, store: Path | None, target: str, trust: tuple
 
             target, reason = detect_target()
             echo(f"target: {target} ({reason})")
-        with exit_on_signals():
-            tmp = Path(tempfile.mkdtemp(prefix="bundle-serve-"))
-            try:
-                echo(f"verifying and unpacking {ref} ...")
-                # The device store's trusted clock judges expiry here too (never before its floor).
-                installed = Store(tmp, time_from=home).install(
-                    ref, target=target, trusted=trusted_keys(list(trust)), allow_unsigned=allow_unsigned,
-                    ignore_expiry=ignore_expiry)
-                yield installed, Store(tmp)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+        with scratch_dir("bundle-serve-") as tmp:  # removed on exit, SIGTERM too; after SIGKILL, next time
+            echo(f"verifying and unpacking {ref} ...")
+            # The device store's trusted clock judges expiry here too (never before its floor).
+            installed = Store(tmp, time_from=home).install(
+                ref, target=target, trusted=trusted_keys(list(trust)), allow_unsigned=allow_unsigned,
+                ignore_expiry=ignore_expiry)
+            yield installed, Store(tmp)
         return
     echo(f"bundle:      installed {ref!r} from {home.root} (a name: no '/' in it)")
     yield home.servable(ref, target=target, ignore_expiry=ignore_expiry), home

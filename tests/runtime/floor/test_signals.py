@@ -59,6 +59,39 @@ def test_serve_dir_killed_while_unpacking_removes_its_temporary_store(bundles, k
     assert list(tmpdir.iterdir()) == [], list(tmpdir.rglob("*"))[:10]
 
 
+def test_serve_dir_killed_by_sigkill_is_cleaned_by_the_next_serve(bundles, keys, tmp_path):
+    """SIGKILL (the OOM killer) cannot be caught: the next `serve DIR` removes what it left."""
+    tmpdir = tmp_path / "tmp"
+    cmd = [sys.executable, "-m", "bundler.cli", "serve", str(bundles["v1"]), "--target", "jetson-thor", "--trust",
+           str(keys.release_pub), "--port", "0"]
+    env = _env(tmpdir, BUNDLE_PAUSE_AT="staging:120")
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        _wait_for_line(first.stderr, "paused at staging")
+        first.kill()
+        first.wait(timeout=30)
+        left = list(tmpdir.glob("bundle-serve-*"))
+        assert len(left) == 1, "SIGKILL should leave the unpacked store behind"
+        alive = tmpdir / "bundle-serve-alive"  # another live server's folder must stay
+        alive.mkdir()
+        (alive / ".owner-pid").write_text(str(os.getpid()))
+        second = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                  cwd=ROOT)
+        try:
+            _wait_for_line(second.stderr, "paused at staging")
+            assert not left[0].exists(), "the next serve should remove the killed one's folder"
+            assert alive.is_dir()
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(timeout=60) == 143
+        finally:
+            second.kill()
+            second.wait()
+    finally:
+        first.kill()
+        first.wait()
+    assert sorted(p.name for p in tmpdir.iterdir()) == ["bundle-serve-alive"]
+
+
 def test_install_sigterm_removes_staging_and_keeps_the_previous_version(bundles, keys, trusted, tmp_path):
     from runtime.store import Store
     from tests.runtime.floor.helpers import assert_no_leftovers, assert_serving_ready
