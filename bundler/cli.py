@@ -59,12 +59,12 @@ def cli(ctx, debug):
     Transfer:        bundle copy, bundle verify, bundle inspect
     Device:          bundle install, bundle list, bundle rollback, bundle serve
     """
-    ctx.obj = {"debug": debug or settings.DEBUG}
+    ctx.obj = {"debug": debug or settings.debug()}
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = settings.DEBUG or "--debug" in argv
+    debug = settings.debug() or "--debug" in argv
     try:
         with exit_on_signals():  # SIGTERM unwinds like Ctrl-C: temporary folders are removed
             cli.main(args=argv, prog_name="bundle", standalone_mode=False)

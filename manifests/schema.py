@@ -322,7 +322,7 @@ class Speculative(_Record):
 class Builder(_Record):
     tool: str = "bundle"
     tool_version: str = ""
-    host: str = ""
+    host: str | None = None  # written by format-1 tools before 0.2; new manifests leave it out
     platform: str = ""
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -330,7 +330,7 @@ class Builder(_Record):
     def from_dict(cls, d: Mapping[str, Any]) -> "Builder":
         k, extra = _split(d, {"tool", "tool_version", "host", "platform"})
         return cls(str(k.get("tool", "bundle")), str(k.get("tool_version", "")),
-                   str(k.get("host", "")), str(k.get("platform", "")), extra)
+                   k["host"] if isinstance(k.get("host"), str) else None, str(k.get("platform", "")), extra)
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ def copy_bundle(src: Path, dst: Path, *, jobs: int | None = None, progress: bool
 
         order = sorted(blobs.items(), key=lambda kv: -kv[1])
         try:
-            with ThreadPoolExecutor(max_workers=jobs or settings.JOBS) as pool:
+            with ThreadPoolExecutor(max_workers=jobs or settings.jobs()) as pool:
                 copied = list(pool.map(one, order))
         finally:
             if bar is not None:

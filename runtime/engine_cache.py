@@ -25,6 +25,7 @@ from typing import Callable, Mapping
 from manifests.errors import BundleError, EnvironmentProblem
 from manifests.strict_json import parse as parse_json
 from runtime.bundle_files import open_regular_path
+from runtime.fsutil import fsync_dir, fsync_tree, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +123,13 @@ class EngineCache:
             build(tmp / PLAN_NAME)
             if not (tmp / PLAN_NAME).is_file():
                 raise EnvironmentProblem(f"engine build finished without writing {PLAN_NAME}")
-            (tmp / KEY_NAME).write_bytes(canonical_json(dict(key)))
-            (tmp / BUILD_NAME).write_bytes(canonical_json({**info, "built": self._now()}))
+            write_atomic(tmp / KEY_NAME, canonical_json(dict(key)))
+            write_atomic(tmp / BUILD_NAME, canonical_json({**info, "built": self._now()}))
+            fsync_tree(tmp)  # the plan the builder wrote, too: the rename below must not outrun the data
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
+            fsync_dir(self.root)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -137,9 +140,7 @@ class EngineCache:
         folder = self.entry(key)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / FALLBACK_NAME
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(canonical_json({"key": dict(key), "reason": reason, "used": used, "time": self._now()}))
-        os.replace(tmp, path)
+        write_atomic(path, canonical_json({"key": dict(key), "reason": reason, "used": used, "time": self._now()}))
         return path
 
     def _now(self) -> str:

@@ -49,7 +49,7 @@ from manifests.schema import MAX_MANIFEST_BYTES, FileEntry, Manifest, format_tim
 from manifests.strict_json import parse as parse_json
 from runtime import settings
 from runtime.bundle_files import NotRegularFile, open_regular_path
-from runtime.fsutil import fsync_dir
+from runtime.fsutil import fsync_dir, write_atomic, write_new
 from runtime.hooks import pause
 from runtime.policy import Decision, Facts, decide
 from runtime.reader import CHUNK, open_bundle
@@ -265,20 +265,9 @@ def _file_matches(path: Path, entry: FileEntry) -> bool:
 def _check_files(root: Path, files: tuple[FileEntry, ...], jobs: int | None) -> list[FileEntry]:
     """The entries whose installed file under `root` is NOT exactly the signed one (hashed in parallel)."""
     order = sorted(files, key=lambda f: -f.size)
-    with ThreadPoolExecutor(max_workers=jobs or settings.JOBS) as pool:
+    with ThreadPoolExecutor(max_workers=jobs or settings.jobs()) as pool:
         ok = list(pool.map(lambda f: _file_matches(root / f.path, f), order))
     return [f for f, good in zip(order, ok) if not good]
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _switch_link(link: Path, target_name: str) -> None:
@@ -295,7 +284,7 @@ class Store:
                  lock_timeout: float = 600.0, time_from: "Store | None" = None):
         """`time_from`: another store whose clock floor also bounds "now" here (a private store of
         `bundle serve DIR` judges expiry by the device store's trusted time)."""
-        self.root = Path(root if root is not None else settings.DEFAULT_STORE)
+        self.root = Path(root if root is not None else settings.default_store())
         self.clock = clock
         self.lock_timeout = lock_timeout
         self.time_from = time_from
@@ -363,10 +352,7 @@ class Store:
         return StoreState(floor, bundles)
 
     def _write_state(self, state: StoreState) -> None:
-        tmp = self.root / f".state-{secrets.token_hex(6)}"
-        _write_file(tmp, state.to_json_bytes())
-        os.replace(tmp, self.state_file)
-        fsync_dir(self.root)
+        write_atomic(self.state_file, state.to_json_bytes(), tmp_prefix=".state-")
 
     def _commit_state(self, state: StoreState, before: StoreState | None) -> None:
         """Under the lock: write `state` unless it is what the file holds (`before`: None when the file
@@ -643,10 +629,10 @@ class Store:
         staging = self.root / f".staging-{secrets.token_hex(8)}"
         try:
             staging.mkdir()
-            _write_file(staging / MANIFEST_FILE, layout.manifest_bytes)
+            write_new(staging / MANIFEST_FILE, layout.manifest_bytes)
             if layout.envelope_bytes is not None:
-                _write_file(staging / ENVELOPE_FILE, layout.envelope_bytes)
-            _write_file(staging / INSTALL_FILE, json.dumps({
+                write_new(staging / ENVELOPE_FILE, layout.envelope_bytes)
+            write_new(staging / INSTALL_FILE, json.dumps({
                 "name": manifest.name, "version": manifest.version, "target": plan.decision.target,
                 "installed_at": format_time(self.clock()), "signers": plan.signers,
                 "source": str(bundle_dir.resolve())}, indent=1).encode())

@@ -66,6 +66,8 @@ class Tokenizer:
             template = named.get("default") or next(iter(named.values()), None)
         if template is None and (model_dir / "chat_template.jinja").is_file():
             template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+        if template is None:  # transformers' other file for it: {"chat_template": "..."}
+            template = _read_json(model_dir / "chat_template.json", MAX_CONFIG_BYTES).get("chat_template")
         self.chat_template: str | None = template if isinstance(template, str) else None
         eos: set[int] = set()
         raw = gen.get("eos_token_id")

@@ -76,15 +76,17 @@ def _warn(message: str) -> None:
     print(f"bundle: warning: {message}", file=sys.stderr, flush=True)
 
 
-def trusted_keys(paths: list[Path] | tuple[Path, ...] = (), trust_dir: Path | None = settings.TRUST_DIR, *,
+def trusted_keys(paths: list[Path] | tuple[Path, ...] = (), trust_dir: Path | None | str = "settings", *,
                  warn: Callable[[str], None] = _warn) -> dict[str, Ed25519PublicKey]:
-    """Keys from explicit `--trust` files plus every *.pub in the trust directory (missing dir = none).
+    """Keys from explicit `--trust` files plus every *.pub in the trust directory (missing dir = none;
+    "settings": BUNDLE_TRUST_DIR or its default, read now; None: no directory).
 
     A bad `--trust` file is the user's command: UsageError (exit 2). A bad file in the trust
     directory is reported through `warn` and skipped, so one stray file does not stop every verify
     and install on the device; the other keys still count. Dotfiles there are never keys (editor
     backups, `.tmp` files of a provisioning tool).
     """
+    trust_dir = settings.trust_dir() if trust_dir == "settings" else trust_dir
     keys: dict[str, Ed25519PublicKey] = {}
     for p in paths:
         kid, key = load_public_key(Path(p))
@@ -186,4 +188,4 @@ def check_envelope(envelope: Envelope, trusted: dict[str, Ed25519PublicKey], *,
         return []
     raise TrustError(f"bundle is signed by key(s) {_short(envelope.key_ids)}, expected a signature by a "
                      f"trusted key ({_short(trusted)}); add the signer's .pub with --trust or to "
-                     f"{settings.TRUST_DIR}")
+                     f"{settings.trust_dir()}")

@@ -127,7 +127,7 @@ def unpack_files(layout: BundleLayout, files: tuple[FileEntry, ...], dest_root: 
 
     first: BaseException | None = None
     try:
-        with ThreadPoolExecutor(max_workers=jobs or settings.JOBS) as pool:
+        with ThreadPoolExecutor(max_workers=jobs or settings.jobs()) as pool:
             futures = [pool.submit(one, f) for f in sorted(files, key=lambda f: -f.size)]
             try:
                 for fut in as_completed(futures):

@@ -132,7 +132,7 @@ def scan_blobs(layout: BundleLayout, manifest: Manifest, *, jobs: int | None = N
 
     # Largest first so one big blob does not start last and leave the other threads idle.
     order = sorted(sizes.items(), key=lambda kv: -kv[1])
-    with ThreadPoolExecutor(max_workers=jobs or settings.JOBS) as pool:
+    with ThreadPoolExecutor(max_workers=jobs or settings.jobs()) as pool:
         problems += [p for p in pool.map(one, order) if p is not None]
     if bar is not None:
         bar.close()

@@ -43,7 +43,7 @@ def open_installed(name_or_dir, *, store: Path | None, target: str, trust: tuple
     from runtime import settings
     from runtime.store import Store, bundle_ref
 
-    home = Store(store or settings.DEFAULT_STORE)
+    home = Store(store or settings.default_store())
     if hasattr(name_or_dir, "manifest"):  # already an Installed: the same policy applies
         yield home.servable(name_or_dir, target=target, ignore_expiry=ignore_expiry), home
         return
