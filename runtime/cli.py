@@ -112,7 +112,6 @@ def verify(bundle: str, store: Path, as_dir: bool, trust, allow_unsigned, ignore
         click.echo(f"OK installed {inst.name} v{inst.version} ({inst.target}) at {inst.path}: {len(files)} files, "
                    f"{format_size(sum(f.size for f in files))}, every sha256 matches; signed by {signers}")
         return
-    click.echo(f"bundle directory {ref} (a path)", err=True)
     try:
         vb = st.verify_dir(ref, _keys(trust), allow_unsigned=allow_unsigned, ignore_expiry=ignore_expiry,
                            jobs=jobs, progress=_show_progress(no_progress))
