@@ -2,8 +2,9 @@
 
     STORE/
       .lock                         flock held by install and rollback
-      state.json                    StoreState: the clock floor (newest *signed* `created` accepted) and, per
-                                    name, the highest signed version ever installed and its manifest digest
+      state.json                    runtime.store_state.StoreState: the clock floor (newest *signed* `created`
+                                    accepted) and, per name, the highest signed version ever installed and
+                                    its manifest digest
       engine-cache/                 engines built on the device (runtime.engines)
       bundles/<name>/<version>/     files at their manifest paths + manifest.json (the exact signed
                                     bytes), envelope.json, install.json (target, time, signers)
@@ -36,7 +37,7 @@ import stat
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -53,6 +54,7 @@ from runtime.fsutil import fsync_dir, write_atomic, write_new
 from runtime.hooks import pause
 from runtime.policy import Decision, Facts, decide
 from runtime.reader import CHUNK, open_bundle
+from runtime.store_state import MAX_STATE_BYTES, Record, StoreState
 from runtime.unpack import os_error, unpack_files
 from runtime.validate import check_bundle
 from runtime.verify import check_signature
@@ -63,9 +65,7 @@ ENVELOPE_FILE = "envelope.json"
 INSTALL_FILE = "install.json"
 
 _VERSION_DIR = re.compile(r"^([0-9]+)(\.[0-9]+)?$")
-_MAX_STATE_BYTES = 1024 * 1024
 _MAX_INFO_BYTES = 64 * 1024
-STATE_FORMAT = 1
 
 
 def utc_now() -> datetime:
@@ -87,90 +87,6 @@ def bundle_ref(text: str | Path, *, is_dir: bool = False) -> Path | str:
 def _version_of_dirname(dirname: str) -> int | None:
     m = _VERSION_DIR.match(dirname)
     return int(m.group(1)) if m else None
-
-
-# --- state ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Record:
-    """Per bundle name: the highest signed version ever installed, and the sha256 of its manifest."""
-
-    highest_version: int
-    manifest_sha256: str = ""
-    extra: dict = field(default_factory=dict, compare=False)
-
-    def to_dict(self) -> dict:
-        return {**self.extra, "highest_version": self.highest_version, "manifest_sha256": self.manifest_sha256}
-
-    @classmethod
-    def from_dict(cls, d) -> "Record":
-        if not isinstance(d, dict):
-            raise ValueError(f"expected an object, found {type(d).__name__}")
-        v, digest = d.get("highest_version"), d.get("manifest_sha256", "")
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"expected highest_version >= 1, found {v!r}")
-        if not isinstance(digest, str) or not re.fullmatch(r"(sha256:[0-9a-f]{64})?", digest):
-            raise ValueError(f"expected manifest_sha256 'sha256:<64 hex>', found {digest!r}")
-        extra = {k: x for k, x in d.items() if k not in ("highest_version", "manifest_sha256")}
-        return cls(v, digest, extra)
-
-
-@dataclass(frozen=True)
-class StoreState:
-    """STORE/state.json: what the store has accepted, written atomically and fsynced under the lock.
-
-    Only signature-verified data moves it: an unsigned bundle (--allow-unsigned) raises neither the
-    clock floor nor a highest version. Unknown fields are kept (a newer tool may add some)."""
-
-    clock_floor: datetime | None = None
-    bundles: dict[str, Record] = field(default_factory=dict)
-    extra: dict = field(default_factory=dict, compare=False)
-
-    def to_json_bytes(self) -> bytes:
-        d = {**self.extra, "format": STATE_FORMAT,
-             "clock_floor": format_time(self.clock_floor) if self.clock_floor else None,
-             "bundles": {n: r.to_dict() for n, r in sorted(self.bundles.items())}}
-        return json.dumps(d, indent=1, sort_keys=True).encode()
-
-    @classmethod
-    def from_json_bytes(cls, data: bytes) -> "StoreState":
-        """ValueError (with what was expected) for anything but a well-formed state."""
-        d = parse_json(data, what="state", max_bytes=_MAX_STATE_BYTES, error=ValueError)
-        if not isinstance(d, dict):
-            raise ValueError(f"expected a JSON object, found {type(d).__name__}")
-        fmt = d.get("format", STATE_FORMAT)
-        if fmt != STATE_FORMAT:
-            raise ValueError(f"expected format {STATE_FORMAT}, found {fmt!r}")
-        floor = d.get("clock_floor")
-        if floor is not None:
-            try:
-                floor = parse_time(floor, "clock_floor")
-            except BadBundleError as e:
-                raise ValueError(str(e)) from None
-        raw = d.get("bundles", {})
-        if not isinstance(raw, dict):
-            raise ValueError(f"expected bundles to be an object, found {type(raw).__name__}")
-        bundles = {}
-        for name, rec in raw.items():
-            if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-                raise ValueError(f"expected bundle names, found {name!r}")
-            try:
-                bundles[name] = Record.from_dict(rec)
-            except ValueError as e:
-                raise ValueError(f"bundles[{name!r}]: {e}") from None
-        extra = {k: v for k, v in d.items() if k not in ("format", "clock_floor", "bundles")}
-        return cls(floor, bundles, extra)
-
-    def accepting(self, manifest: Manifest, manifest_sha256: str) -> "StoreState":
-        """The state after a signature-verified install of `manifest`."""
-        created = parse_time(manifest.created, "manifest created")
-        floor = max(self.clock_floor, created) if self.clock_floor else created
-        rec = self.bundles.get(manifest.name)
-        bundles = dict(self.bundles)
-        if rec is None or manifest.version > rec.highest_version:
-            bundles[manifest.name] = Record(manifest.version, manifest_sha256, rec.extra if rec else {})
-        elif manifest.version == rec.highest_version:  # the same, or replaced on purpose (--allow-downgrade)
-            bundles[manifest.name] = replace(rec, manifest_sha256=manifest_sha256)
-        return replace(self, clock_floor=floor, bundles=bundles)
 
 
 # --- what is installed ---------------------------------------------------------------------
@@ -311,7 +227,7 @@ class Store:
 
     def _read_state(self) -> tuple[StoreState, str | None]:
         try:
-            data = _read_small(self.state_file, _MAX_STATE_BYTES)
+            data = _read_small(self.state_file, MAX_STATE_BYTES)
         except FileNotFoundError:
             return StoreState(), None
         except OSError as e:
