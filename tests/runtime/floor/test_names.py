@@ -108,9 +108,32 @@ def test_serve_dir_judges_expiry_by_the_device_store_clock(bundles, inputs, keys
     from tests.runtime.floor.craft import build_bundle
     home = Store(tmp_path / "home", clock=clock)
     v4 = tmp_path / "v4"
-    build_bundle(v4, inputs, version=4, sign_keys=[keys.release], now=datetime(2026, 12, 5, tzinfo=timezone.utc))
+    build_bundle(v4, inputs, version=4, sign_keys=[keys.release], now=datetime(2099, 1, 5, tzinfo=timezone.utc))
     home.install(v4, target="jetson-thor", trusted=trusted)
-    with pytest.raises(PolicyError, match="already accepted a bundle created 2026-12-05"):
+    with pytest.raises(PolicyError, match="already accepted a bundle created 2099-01-05"):
         with open_installed(Path(bundles["v3-expiring"]), store=home.root, target="jetson-thor",
                             trust=(keys.release_pub,), echo=lambda s: None):
             pass
+
+
+def test_verify_dir_reports_expiry_as_install_would(bundles, inputs, keys, tmp_path, capsys):
+    """verify said OK for an expired bundle; now exit 5 (the real clock is past 2026-12-01), unless asked."""
+    pub = str(keys.release_pub)
+    empty = str(tmp_path / "no-store")
+    assert main(["verify", str(bundles["v3-expiring"]), "--trust", pub, "--store", empty]) == PolicyError.exit_code
+    err = capsys.readouterr().err
+    assert "bundle demo v3 expired at 2026-12-01T00:00:00Z" in err and "--ignore-expiry" in err
+    assert main(["verify", str(bundles["v3-expiring"]), "--trust", pub, "--store", empty, "--ignore-expiry"]) == 0
+    # Not expired by the clock, but the device store has accepted a (signed) bundle created after the expiry.
+    from datetime import datetime, timezone
+    from tests.runtime.floor.craft import build_bundle
+    later = tmp_path / "later"
+    build_bundle(later, inputs, version=5, sign_keys=[keys.release], now=datetime(2099, 1, 5, tzinfo=timezone.utc))
+    soon = tmp_path / "soon"
+    build_bundle(soon, inputs, version=4, sign_keys=[keys.release], expires="2099-01-01T00:00:00Z")
+    store = tmp_path / "store"
+    assert main(["verify", str(soon), "--trust", pub, "--store", str(store)]) == 0
+    assert install_cli(later, store, keys) == 0
+    capsys.readouterr()
+    assert main(["verify", str(soon), "--trust", pub, "--store", str(store)]) == PolicyError.exit_code
+    assert "already accepted a bundle created 2099-01-05" in capsys.readouterr().err
