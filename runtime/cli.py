@@ -11,6 +11,7 @@ import click
 
 from manifests.sizes import format_size
 from runtime import settings
+from runtime.cli_registry import authfile_option, ca_file_option, registry_options
 
 _trust_option = click.option(
     "--trust", "trust", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="PUB",
@@ -112,8 +113,9 @@ Examples:
   bundle install /media/usb/assistant-3 --trust release.pub
   bundle install ./assistant-3 --store /data/bundles --target jetson-thor
   bundle install ./assistant-2 --store /data/bundles --allow-downgrade
+  bundle install registry.factory.lan/llm/assistant:3 --store /data/bundles --ca-file factory-ca.pem
 """)
-@click.argument("bundle_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("bundle_dir", metavar="DIR|REGISTRY/REPO:TAG")
 @_store_option
 @click.option("--target", default="auto", show_default=True, metavar="auto|ID",
               help="Target profile to install for; auto detects this device (see `bundle targets`).")
@@ -123,8 +125,10 @@ Examples:
 @click.option("--ignore-expiry", is_flag=True, help="Install even if the bundle has expired.")
 @_jobs_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def install(bundle_dir: Path, store: Path, target, trust, allow_unsigned, allow_downgrade, ignore_expiry, jobs,
-            no_progress) -> None:
+@ca_file_option
+@authfile_option
+def install(bundle_dir: str, store: Path, target, trust, allow_unsigned, allow_downgrade, ignore_expiry, jobs,
+            no_progress, ca_file, authfile) -> None:
     """Verify and install a bundle into the store, then make it current.
 
     The signature is checked before any blob is read; only the files the target needs are unpacked,
@@ -132,7 +136,10 @@ def install(bundle_dir: Path, store: Path, target, trust, allow_unsigned, allow_
     and the previous version is kept for `bundle rollback`. Re-installing the installed version is a
     quick no-op; a lower version is refused unless --allow-downgrade; an expired bundle is refused
     unless --ignore-expiry (the store never lets "now" go back before the newest bundle it accepted).
+    From a registry, the bundle is pulled into STORE/registry-cache/ (kept: the next version fetches
+    only its new blobs), then installed from there with every check above.
     """
+    from runtime.registry import looks_like_reference
     from runtime.store import Store
 
     if target == "auto":
@@ -140,9 +147,17 @@ def install(bundle_dir: Path, store: Path, target, trust, allow_unsigned, allow_
 
         target, reason = detect_target()
         click.echo(f"target: {target} ({reason})")
-    inst = Store(store).install(bundle_dir, target=target, trusted=_keys(trust), allow_unsigned=allow_unsigned,
-                                allow_downgrade=allow_downgrade, ignore_expiry=ignore_expiry, jobs=jobs,
-                                progress=_show_progress(no_progress))
+    args = dict(target=target, trusted=_keys(trust), allow_unsigned=allow_unsigned, allow_downgrade=allow_downgrade,
+                ignore_expiry=ignore_expiry, jobs=jobs, progress=_show_progress(no_progress))
+    if looks_like_reference(bundle_dir):
+        from runtime.registry import install_from_registry
+
+        pulled, inst = install_from_registry(bundle_dir, store, options=registry_options(ca_file, authfile),
+                                             quiet=not _show_progress(no_progress), **args)
+        click.echo(f"pulled {pulled.ref}@{pulled.digest}: fetched {pulled.blobs_fetched} blobs "
+                   f"({format_size(pulled.bytes_fetched)}), reused {pulled.blobs_reused}")
+    else:
+        inst = Store(store).install(Path(bundle_dir), **args)
     verb = "already installed" if inst.noop else "installed"
     prev = f"; previous v{inst.previous_version} kept for rollback" if inst.previous_version else ""
     click.echo(f"{verb} {inst.name} v{inst.version} for {inst.target} at {inst.path}{prev}")
