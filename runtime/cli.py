@@ -139,7 +139,7 @@ def install(bundle_dir: str, store: Path, target, trust, allow_unsigned, allow_d
     From a registry, the bundle is pulled into STORE/registry-cache/ (kept: the next version fetches
     only its new blobs), then installed from there with every check above.
     """
-    from runtime.registry import looks_like_reference
+    from runtime.skopeo import looks_like_reference
     from runtime.store import Store
 
     if target == "auto":

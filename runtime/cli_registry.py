@@ -24,7 +24,7 @@ authfile_option = click.option(
 
 
 def registry_options(ca_file, authfile):
-    from runtime.registry import RegistryOptions
+    from runtime.skopeo import RegistryOptions
 
     return RegistryOptions(ca_file=ca_file, authfile=authfile)
 

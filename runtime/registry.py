@@ -1,17 +1,15 @@
 """Push, pull and install bundles through an OCI registry (Harbor, the CNCF distribution registry, ...).
 
-The bundle is already an OCI image layout, so the registry's own protocol carries it unchanged. The
-transfer is done by skopeo (containers/image) run as a subprocess, not by a Python HTTP client:
-- it reads the standard credential files (Podman's auth.json, Docker's config.json, credential
-  helpers) and does basic and bearer-token auth, TLS with extra CAs from a cert dir, registry mirrors;
-- a push HEADs every blob and uploads only those the registry lacks; a pull into an existing OCI layout
-  reuses the blobs already there, so a device that holds v1 fetches only what v2 changed, and a pull
-  that broke off resumes with the blobs it did not land; every blob is digest-checked as it arrives;
-- it is packaged by Debian and Ubuntu, and the floor runtime imports no network library at all.
+The bundle is already an OCI image layout, so the registry's own protocol carries it unchanged, and
+skopeo (runtime.skopeo) moves it: a push uploads only the blobs the registry lacks; a pull into a
+directory that holds an earlier version (or a broken-off pull) reuses its intact blobs, so a device
+with v1 fetches only what v2 changed and a rerun resumes; every blob is digest-checked as it lands.
 
-Nothing a registry says is trusted: the manifest is fetched once, pinned by its digest for the copy,
-its descriptors are bounded like a directory bundle's, and `install_from_registry` installs the
-pulled directory through `Store.install`, which checks the signature before it reads any part blob.
+Nothing a registry says is trusted: the manifest is fetched once and the copy is pinned to its digest,
+its descriptors are bounded like a directory bundle's, and a pull with trusted keys checks the
+signature (runtime.referrer) before any part blob is downloaded when the registry has the signature
+as a referrer. `install_from_registry` then installs through `Store.install`, which checks it again
+before it reads any part blob, exactly as for a bundle on a USB stick.
 """
 
 from __future__ import annotations
@@ -19,94 +17,24 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import re
 import shutil
-import subprocess
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
 from manifests import layout as L
-from manifests.errors import (BadBundleError, EnvironmentProblem, RegistryAuthError, RegistryError,
-                              RegistryTLSError, UsageError)
+from manifests.errors import BadBundleError, EnvironmentProblem, RegistryError, UsageError
 from manifests.schema import Manifest
 from runtime.fsutil import fsync_dir, write_atomic
 from runtime.hooks import pause
-from runtime.reader import Descriptor, open_bundle
-from runtime.verify import CorruptBundleError, check_blob, scan_blobs
+from runtime.reader import BundleLayout, Descriptor, open_bundle
+from runtime.referrer import fetch_signature, push_signature
+from runtime.skopeo import MAX_REMOTE_CONFIG_BYTES, Reference, RegistryOptions, parse_reference, skopeo
+from runtime.verify import CorruptBundleError, check_blob, check_signature, scan_blobs
 
-SKOPEO = "skopeo"
-#: containers/image reads a config blob into memory up to this size (iolimits.MaxConfigBodySize).
-MAX_REMOTE_CONFIG_BYTES = 4 * 1024 * 1024
-_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
-_REFERENCE = re.compile(
-    rf"^(?P<host>[A-Za-z0-9.-]+(?::[0-9]+)?|\[[0-9a-fA-F:]+\](?::[0-9]+)?)/(?P<repo>{_COMPONENT}(?:/{_COMPONENT})*)"
-    r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")
 _OWN = {L.OCI_LAYOUT_FILE, L.INDEX_FILE, L.COMPLETE_MARKER, "blobs"}
-
-
-@dataclass(frozen=True)
-class Reference:
-    """REGISTRY/REPO[:TAG][@DIGEST], as a user types it. `pinned` is the same repo at one digest."""
-
-    host: str
-    repo: str
-    tag: str | None = None
-    digest: str | None = None
-
-    def __str__(self) -> str:
-        return f"{self.host}/{self.repo}" + (f":{self.tag}" if self.tag else "") + (
-            f"@{self.digest}" if self.digest else "")
-
-    def with_tag(self, tag: str) -> "Reference":
-        return Reference(self.host, self.repo, tag, None)
-
-    def pinned(self, digest: str) -> "Reference":
-        return Reference(self.host, self.repo, None, digest)
-
-    @property
-    def transport(self) -> str:
-        return f"docker://{self}"
-
-    @property
-    def cache_key(self) -> str:
-        """A directory name for this repository's pull cache (no tag: versions share blobs)."""
-        return f"{self.host.replace(':', '_')}/{self.repo}"
-
-
-def looks_like_reference(text: str) -> bool:
-    """True for `host[:port]/repo...` (Docker's rule: the first part names a host when it has '.' or ':'
-    or is localhost) that is not an existing local path; `docker://` forces it."""
-    if text.startswith("docker://"):
-        return True
-    if text.startswith(("/", "./", "../", "~")) or Path(text).exists():
-        return False
-    first = text.split("/", 1)[0]
-    return "/" in text and ("." in first or ":" in first or first == "localhost")
-
-
-def parse_reference(text: str) -> Reference:
-    raw = text[len("docker://"):] if text.startswith("docker://") else text
-    m = _REFERENCE.match(raw)
-    if not m:
-        raise UsageError(f"expected a registry reference REGISTRY[:PORT]/REPO[:TAG|@sha256:DIGEST] "
-                         f"(repository in lower case), found {text!r}")
-    host = m["host"]
-    if not ("." in host or ":" in host or host == "localhost"):
-        raise UsageError(f"expected the reference to start with a registry host (a name with a '.' or a "
-                         f"':PORT', or localhost), found {host!r} in {text!r}")
-    return Reference(host, m["repo"], m["tag"], m["digest"])
-
-
-@dataclass(frozen=True)
-class RegistryOptions:
-    """How to reach the registry. None means skopeo's defaults: REGISTRY_AUTH_FILE, then
-    $XDG_RUNTIME_DIR/containers/auth.json, then ~/.docker/config.json; CAs from /etc/containers/certs.d."""
-
-    ca_file: Path | None = None
-    authfile: Path | None = None
-    skopeo: str = SKOPEO
 
 
 @dataclass(frozen=True)
@@ -130,108 +58,7 @@ class PullReport:
     blobs_reused: int
     bytes_fetched: int
     bytes_reused: int
-
-
-# --- skopeo ------------------------------------------------------------------------------------------
-def _message(stderr: str) -> str:
-    """skopeo's own one-line reason (the msg="..." of its fatal log line), or its last line."""
-    found = re.findall(r'level=fatal msg="((?:[^"\\]|\\.)*)"', stderr)
-    text = found[-1].encode().decode("unicode_escape", errors="replace") if found else (
-        stderr.strip().splitlines() or ["no output"])[-1]
-    return text.strip()
-
-
-def classify(stderr: str, ref: Reference, *, pushing: bool = False) -> Exception:
-    """Turn skopeo's failure into the error class (and exit code) whose next step fits it."""
-    why = _message(stderr)
-    low = why.lower()
-    if "x509:" in low or "certificate" in low or "tls:" in low:
-        return RegistryTLSError(f"registry {ref.host}: TLS certificate not trusted: expected one signed by a CA "
-                                f"given with --ca-file (or in /etc/containers/certs.d/{ref.host}/); skopeo said: {why}")
-    if "unauthorized" in low or "authentication required" in low or "denied" in low or "forbidden" in low:
-        return RegistryAuthError(f"registry {ref.host} refused the credentials for {ref.repo}: expected a login "
-                                 f"for {ref.host} in --authfile, REGISTRY_AUTH_FILE, "
-                                 f"$XDG_RUNTIME_DIR/containers/auth.json or ~/.docker/config.json; "
-                                 f"skopeo said: {why}")
-    if "digest did not match" in low or "size mismatch" in low or "digest mismatch" in low:
-        return BadBundleError(f"registry {ref.host} served content that does not match its digest for {ref}: "
-                              f"{why}")
-    if "no space left" in low:
-        return EnvironmentProblem(f"no space left while {'pushing' if pushing else 'pulling'} {ref}: {why}")
-    if "manifest unknown" in low or "name unknown" in low or "not found" in low:
-        return RegistryError(f"registry {ref.host} has no {ref}: expected an existing repository and tag; "
-                             f"skopeo said: {why}")
-    return RegistryError(f"registry {ref.host} could not be used for {ref}: {why}")
-
-
-class _Skopeo:
-    """One skopeo invocation style: the same credentials and CA for every call on one reference."""
-
-    def __init__(self, options: RegistryOptions, certs: Path | None):
-        self.options, self.certs = options, certs
-        if shutil.which(options.skopeo) is None:
-            raise EnvironmentProblem(f"{options.skopeo} not found: expected the skopeo tool for registry "
-                                     f"transfers (apt-get install skopeo)")
-
-    def inspect_raw(self, ref: Reference, *, config: bool = False, limit: int) -> bytes:
-        args = [self.options.skopeo, "inspect", "--raw", *(["--config"] if config else [])]
-        args += ["--authfile", str(self.options.authfile)] if self.options.authfile else []
-        args += ["--cert-dir", str(self.certs)] if self.certs is not None else []
-        return self._run([*args, ref.transport], ref, limit=limit)
-
-    def copy(self, src: str, dst: str, ref: Reference, *, src_remote: bool, quiet: bool) -> None:
-        args = [self.options.skopeo, "copy", *(["--quiet"] if quiet else [])]
-        args += ["--authfile", str(self.options.authfile)] if self.options.authfile else []
-        if self.certs is not None:
-            args += ["--src-cert-dir" if src_remote else "--dest-cert-dir", str(self.certs)]
-        self._run([*args, src, dst], ref, limit=1024 * 1024, pushing=not src_remote, show=not quiet)
-
-    @staticmethod
-    def _run(args: list[str], ref: Reference, *, limit: int, pushing: bool = False, show: bool = False) -> bytes:
-        """Run skopeo; stdout is read at most to `limit` bytes (a registry's answer is untrusted)."""
-        with tempfile.TemporaryFile() as err:
-            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
-            try:
-                out = bytearray()
-                while chunk := proc.stdout.read(64 * 1024):
-                    if show:
-                        os.write(2, chunk)
-                    elif len(out) + len(chunk) > limit:
-                        proc.kill()
-                        proc.wait()
-                        raise BadBundleError(f"registry {ref.host} answered more than {limit} bytes for {ref}: "
-                                             f"expected a small OCI manifest or bundle manifest")
-                    else:
-                        out += chunk
-                proc.wait()
-            except BaseException:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                raise
-            finally:
-                proc.stdout.close()
-            if proc.returncode != 0:
-                err.seek(0)
-                raise classify(err.read(64 * 1024).decode(errors="replace"), ref, pushing=pushing)
-        return bytes(out)
-
-
-@contextmanager
-def _skopeo(options: RegistryOptions):
-    """skopeo takes CAs from a directory of *.crt files: make one around --ca-file for the call."""
-    if options.ca_file is None:
-        yield _Skopeo(options, None)
-        return
-    try:
-        pem = Path(options.ca_file).read_bytes()[:1024 * 1024]
-    except OSError as e:
-        raise UsageError(f"cannot read --ca-file {options.ca_file}: {e.strerror or e}") from None
-    if b"-----BEGIN CERTIFICATE-----" not in pem:
-        raise UsageError(f"expected a PEM CA certificate in --ca-file {options.ca_file}, found none")
-    with tempfile.TemporaryDirectory(prefix="bundle-certs-") as d:
-        (Path(d) / "ca.crt").write_bytes(pem)
-        yield _Skopeo(options, Path(d))
+    signature: str = "not checked"  # or "checked before download" / "checked after download"
 
 
 # --- push --------------------------------------------------------------------------------------------
@@ -255,12 +82,13 @@ def push(bundle_dir: Path, target: str, *, options: RegistryOptions = RegistryOp
                                  f"first: {problems[0]}", problems)
     ref = ref if ref.tag else ref.with_tag(str(manifest.version))
     source = f"oci:{bundle_dir.resolve()}" + (f":{layout.ref_name}" if layout.ref_name else "")
-    with _skopeo(options) as sk:
+    with skopeo(options) as sk:
         sk.copy(source, ref.transport, ref, src_remote=False, quiet=quiet)
         pushed = sk.inspect_raw(ref, limit=L.MAX_OCI_MANIFEST_BYTES)
-    if L.digest_of(pushed) != layout.oci_manifest.digest:
-        raise RegistryError(f"registry {ref.host} now serves {L.digest_of(pushed)} for {ref}, expected the "
-                            f"pushed manifest {layout.oci_manifest.digest} (another push at the same time?)")
+        if L.digest_of(pushed) != layout.oci_manifest.digest:
+            raise RegistryError(f"registry {ref.host} now serves {L.digest_of(pushed)} for {ref}, expected the "
+                                f"pushed manifest {layout.oci_manifest.digest} (another push at the same time?)")
+        push_signature(sk, ref, layout, quiet=quiet)
     blobs = {d.digest: d.size for d in (layout.config, *layout.layers)}
     return PushReport(ref, layout.oci_manifest.digest, manifest.name, manifest.version, len(blobs),
                       sum(blobs.values()))
@@ -356,12 +184,36 @@ def _finish(dest: Path, oci_bytes: bytes, keep: set[str]) -> Manifest:
     return manifest
 
 
+def _check_early(sk, ref: Reference, digest: str, oci_bytes: bytes, config: Descriptor, layers: list[Descriptor],
+                 dest: Path, trusted: dict[str, Ed25519PublicKey], allow_unsigned: bool) -> bool:
+    """The trust decision before any part blob moves: the config and the envelope alone, fetched bounded.
+    False when the registry holds no signature referrer (a skopeo mirror): then it is checked afterwards."""
+    envelopes = [d for d in layers if d.media_type == L.SIGNATURE_MEDIA_TYPE]
+    envelope = envelopes[0] if envelopes else None
+    envelope_bytes = None
+    if envelope is not None:
+        envelope_bytes = fetch_signature(sk, ref, digest, envelope, dest)
+        if envelope_bytes is None:
+            return False
+    config_bytes = sk.inspect_raw(ref.pinned(digest), config=True, limit=config.size)
+    if len(config_bytes) != config.size or L.digest_of(config_bytes) != config.digest:
+        raise BadBundleError(f"registry {ref.host} served a bundle manifest for {ref} that does not match its "
+                             f"digest {config.digest}")
+    layout = BundleLayout(dest, False, b"", None, Descriptor(digest, len(oci_bytes), L.OCI_MANIFEST_MEDIA_TYPE),
+                          oci_bytes, config, config_bytes, tuple(layers), envelope, envelope_bytes)
+    check_signature(layout, trusted, allow_unsigned=allow_unsigned)
+    return True
+
+
 def pull(source: str | Reference, dest: Path, *, options: RegistryOptions = RegistryOptions(),
-         quiet: bool = True) -> PullReport:
+         quiet: bool = True, trusted: dict[str, Ed25519PublicKey] | None = None,
+         allow_unsigned: bool = False) -> PullReport:
     """Pull REGISTRY/REPO[:TAG|@DIGEST] into bundle directory DEST, fetching only the blobs DEST lacks.
 
-    DEST may hold an earlier version (or an interrupted pull): its intact blobs are reused. Needs no
-    key, like `bundle copy`; the result verifies and installs exactly as a copied bundle does.
+    DEST may hold an earlier version (or an interrupted pull): its intact blobs are reused. Without
+    `trusted` it needs no key, like `bundle copy`; with it, the signature is checked before the part
+    blobs are downloaded (or, lacking a signature referrer, right after). The result verifies and
+    installs exactly as a copied bundle does.
     """
     ref = source if isinstance(source, Reference) else parse_reference(source)
     dest = Path(dest)
@@ -370,7 +222,7 @@ def pull(source: str | Reference, dest: Path, *, options: RegistryOptions = Regi
     if ":" in str(dest.resolve()):
         raise UsageError(f"expected a destination path without ':' (skopeo's oci: syntax), found {dest}")
     ref = ref if ref.tag or ref.digest else ref.with_tag("latest")
-    with _skopeo(options) as sk:
+    with skopeo(options) as sk:
         oci_bytes = sk.inspect_raw(ref, limit=L.MAX_OCI_MANIFEST_BYTES)
         digest = L.digest_of(oci_bytes)
         if ref.digest and digest != ref.digest:
@@ -385,14 +237,20 @@ def pull(source: str | Reference, dest: Path, *, options: RegistryOptions = Regi
                 if need > free:
                     raise EnvironmentProblem(f"not enough space in {dest} to pull {ref}: need {need} bytes, "
                                              f"found {free} free")
+                signature = "not checked"
+                if trusted is not None:
+                    early = _check_early(sk, ref, digest, oci_bytes, config, layers, dest, trusted, allow_unsigned)
+                    signature = "checked before download" if early else "checked after download"
                 # Pinned by digest: the copy cannot get another manifest than the one just checked.
                 sk.copy(ref.pinned(digest).transport, f"oci:{dest.resolve()}:pull", ref, src_remote=True,
                         quiet=quiet)
                 manifest = _finish(dest, oci_bytes, {h.split(":", 1)[1] for h in (*wanted, digest)})
+                if signature == "checked after download":
+                    check_signature(open_bundle(dest), trusted, allow_unsigned=allow_unsigned)
         except OSError as e:
             raise EnvironmentProblem(f"cannot write {dest} while pulling {ref}: {e.strerror or e}") from None
     return PullReport(ref, dest, digest, manifest.name, manifest.version, len(wanted) - len(reused), len(reused),
-                      need, sum(wanted[d] for d in reused))
+                      need, sum(wanted[d] for d in reused), signature)
 
 
 def install_from_registry(source: str, store_root: Path, *, options: RegistryOptions = RegistryOptions(),
@@ -404,5 +262,6 @@ def install_from_registry(source: str, store_root: Path, *, options: RegistryOpt
     ref = parse_reference(source)
     store = Store(store_root)
     dest = Path(pull_dir) if pull_dir is not None else store.root / "registry-cache" / ref.cache_key
-    report = pull(ref, dest, options=options, quiet=quiet)
+    report = pull(ref, dest, options=options, quiet=quiet, trusted=install_args["trusted"],
+                  allow_unsigned=install_args.get("allow_unsigned", False))
     return report, store.install(dest, **install_args)

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from runtime.registry import RegistryOptions
+from runtime.skopeo import RegistryOptions
 from tests.runtime.floor.conftest import bundles, inputs, keys, trusted  # noqa: F401  (shared fixtures)
 from tests.runtime.registry.server import REGISTRY_BIN, start_registry
 

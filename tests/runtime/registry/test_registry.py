@@ -17,13 +17,16 @@ from manifests.errors import (BadBundleError, RegistryAuthError, RegistryError, 
                               UsageError)
 from runtime.copy import copy_bundle
 from runtime.reader import open_bundle
-from runtime.registry import RegistryOptions, looks_like_reference, parse_reference, pull, push
+from runtime.referrer import EMPTY_CONFIG, referrers_tag
+from runtime.registry import pull, push
+from runtime.skopeo import RegistryOptions, looks_like_reference, parse_reference
 from runtime.store import Store
 from runtime.verify import verify_bundle
 from tests.runtime.floor.craft import oci_manifest, resign, tree_digests
 from tests.runtime.floor.helpers import assert_no_leftovers, assert_serving_ready
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+EMPTY = L.digest_of(EMPTY_CONFIG)  # the OCI empty config of the signature referrer
 
 
 def blob_set(bundle: Path) -> set[str]:
@@ -59,7 +62,7 @@ def test_push_pull_round_trip_is_identical_to_a_copy(registry, options, bundles,
     ref = f"{registry.host}/fleet/demo"
     assert main(["push", str(bundles["v1"]), ref, *reg_args(registry)]) == 0
     uploads = registry.blob_uploads("fleet/demo")
-    assert sorted(uploads) == sorted(blob_set(bundles["v1"]))  # each blob uploaded once
+    assert sorted(uploads) == sorted(blob_set(bundles["v1"]) | {EMPTY})  # each blob once, + the referrer's
     # Tagged with the bundle's version; the registry serves exactly the local manifest bytes.
     report = pull(f"{ref}:1", tmp_path / "pulled", options=options)
     assert report.digest == open_bundle(bundles["v1"]).oci_manifest.digest
@@ -161,7 +164,10 @@ def test_install_from_registry_then_v2_fetches_only_new_blobs(registry, options,
     assert json.loads((cur.path / "install.json").read_text())["signers"] == [keys.release_id]
     registry.mark()
     assert main(["install", f"{ref}:2", *install_args(registry, store, keys)]) == 0
-    assert sorted(registry.blob_gets()) == sorted(blob_set(bundles["v2"]) - blob_set(bundles["v1"]))
+    gets = registry.blob_gets()
+    new_parts = {d.digest for d in open_bundle(bundles["v2"]).parts} - blob_set(bundles["v1"])
+    assert set(gets) - {EMPTY} == blob_set(bundles["v2"]) - blob_set(bundles["v1"])
+    assert all(gets.count(d) == 1 for d in new_parts), "a part blob was fetched twice"
     assert_serving_ready(Store(store), version=2)
     assert Store(store).current("demo").previous_version == 1
     assert "reused" in capsys.readouterr().out
@@ -204,8 +210,12 @@ def test_substituted_manifest_is_refused_and_nothing_installed(registry, options
     assert main(["install", f"{ref}:1", *install_args(registry, store, keys)]) == 0
     push(evil, f"{ref}:2", options=options)
     capsys.readouterr()
+    registry.mark()
     assert main(["install", f"{ref}:2", *install_args(registry, store, keys)]) == TrustError.exit_code
     assert "untrusted bundle" in capsys.readouterr().err
+    # Refused from the manifest and the envelope alone: not one of v2's new part blobs was downloaded.
+    new_parts = {d.digest for d in open_bundle(evil).parts} - blob_set(bundles["v1"])
+    assert new_parts and not new_parts & set(registry.blob_gets())
     assert_serving_ready(Store(store), version=1)
     assert_no_leftovers(Store(store))
 
@@ -280,3 +290,26 @@ def test_push_refuses_a_damaged_bundle_before_contacting_any_registry(bundles, t
     flip_byte(b / L.blob_path(open_bundle(b).parts[0].digest))
     with pytest.raises(BadBundleError, match="nothing pushed"):
         push(b, "127.0.0.1:1/fleet/demo", options=RegistryOptions())
+
+
+@pytest.mark.slow
+def test_without_a_signature_referrer_the_signature_is_checked_after_the_download(registry, options, bundles,
+                                                                                  keys, trusted, tmp_path):
+    """A mirror made with `skopeo copy` carries the bundle (envelope layer included) but not its referrer."""
+    ref = f"{registry.host}/fleet/demo:1"
+    push(bundles["v1"], ref, options=options)
+    digest = open_bundle(bundles["v1"]).oci_manifest.digest
+    tag = registry.storage / f"docker/registry/v2/repositories/fleet/demo/_manifests/tags/{referrers_tag(digest)}"
+    assert tag.is_dir()  # push wrote the referrers tag
+    early = pull(ref, tmp_path / "a", options=options, trusted=trusted)
+    assert early.signature == "checked before download"
+    import shutil
+    shutil.rmtree(tag)
+    late = pull(ref, tmp_path / "b", options=options, trusted=trusted)
+    assert late.signature == "checked after download"
+    from runtime.trust import trusted_keys
+    with pytest.raises(TrustError):
+        pull(ref, tmp_path / "c", options=options, trusted=trusted_keys([keys.other_pub], trust_dir=None))
+    store = tmp_path / "store"
+    assert main(["install", ref, *install_args(registry, store, keys)]) == 0
+    assert_serving_ready(Store(store), version=1)

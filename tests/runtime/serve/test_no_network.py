@@ -18,7 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 FORBIDDEN = {"huggingface_hub", "requests", "httpx", "urllib3", "torch", "transformers", "bundler", "oras"}
 # The registry client (skopeo, run by these) is reached only by push / pull / install from a registry.
-FORBIDDEN_RUNTIME = {"runtime.registry", "runtime.cli_registry"}
+FORBIDDEN_RUNTIME = {"runtime.registry", "runtime.cli_registry", "runtime.skopeo", "runtime.referrer"}
 SERVE_MODULES = ["runtime.cli_serve", "runtime.server", "runtime.server.app", "runtime.server.serving",
                  "runtime.server.loader", "runtime.server.metrics", "runtime.server.protocol",
                  "runtime.speculative", "runtime.sampling", "runtime.tokenizer", "runtime.chat_template",
