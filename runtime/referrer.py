@@ -18,7 +18,7 @@ from pathlib import Path
 from manifests import layout as L
 from manifests.errors import RegistryError
 from runtime.reader import BundleLayout, Descriptor
-from runtime.skopeo import Reference, Skopeo
+from runtime.skopeo import Reference, RegistryNotFound, Skopeo
 
 EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
 EMPTY_CONFIG = b"{}"
@@ -49,10 +49,8 @@ def _entries(sk: Skopeo, ref: Reference) -> list[dict]:
     """The referrers index's manifest entries at the tag, or [] when the registry has none."""
     try:
         raw = sk.inspect_raw(ref, limit=MAX_REFERRER_MANIFEST_BYTES)
-    except RegistryError as e:
-        if type(e) is RegistryError and "has no" in str(e):
-            return []
-        raise
+    except RegistryNotFound:
+        return []
     try:
         index = json.loads(raw)
     except ValueError:

@@ -29,6 +29,10 @@ _REFERENCE = re.compile(
     r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")
 
 
+class RegistryNotFound(RegistryError):
+    """The registry answers but has no such repository, tag or digest (same exit code as RegistryError)."""
+
+
 @dataclass(frozen=True)
 class Reference:
     """REGISTRY/REPO[:TAG][@DIGEST], as a user types it. `pinned` is the same repo at one digest."""
@@ -118,7 +122,7 @@ def classify(stderr: str, ref: Reference, *, pushing: bool = False) -> Exception
     if "no space left" in low:
         return EnvironmentProblem(f"no space left while {'pushing' if pushing else 'pulling'} {ref}: {why}")
     if "manifest unknown" in low or "name unknown" in low or "not found" in low:
-        return RegistryError(f"registry {ref.host} has no {ref}: expected an existing repository and tag; "
+        return RegistryNotFound(f"registry {ref.host} has no {ref}: expected an existing repository and tag; "
                              f"skopeo said: {why}")
     return RegistryError(f"registry {ref.host} could not be used for {ref}: {why}")
 

@@ -35,6 +35,13 @@ def blob_set(bundle: Path) -> set[str]:
     return {layout.config.digest, *(d.digest for d in layout.layers)}
 
 
+def _closed_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def reg_args(registry, *extra) -> list[str]:
     return ["--ca-file", str(registry.ca), "--authfile", str(registry.authfile), "--no-progress", *extra]
 
@@ -256,7 +263,10 @@ def test_credentials_certificates_and_missing_tags_have_their_own_exit_codes(reg
         pull(ref, tmp_path / "y", options=RegistryOptions(ca_file=ca2, authfile=registry.authfile))
     with pytest.raises(RegistryError, match="has no") as e:
         pull(f"{registry.host}/fleet/demo:9", tmp_path / "z", options=options)
-    assert type(e.value) is RegistryError
+    assert e.value.exit_code == RegistryError.exit_code
+    with pytest.raises(RegistryError, match="could not be used") as e:  # nothing listens there
+        pull(f"127.0.0.1:{_closed_port()}/fleet/demo:1", tmp_path / "z", options=options)
+    assert "connection refused" in str(e.value)
     with pytest.raises(UsageError, match="PEM"):
         pull(ref, tmp_path / "z", options=RegistryOptions(ca_file=registry.authfile))
     assert not (tmp_path / "x" / L.COMPLETE_MARKER).exists()
