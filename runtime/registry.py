@@ -207,13 +207,13 @@ def _check_early(sk, ref: Reference, digest: str, oci_bytes: bytes, config: Desc
 
 def pull(source: str | Reference, dest: Path, *, options: RegistryOptions = RegistryOptions(),
          quiet: bool = True, trusted: dict[str, Ed25519PublicKey] | None = None,
-         allow_unsigned: bool = False) -> PullReport:
+         allow_unsigned: bool = False, then=None) -> PullReport:
     """Pull REGISTRY/REPO[:TAG|@DIGEST] into bundle directory DEST, fetching only the blobs DEST lacks.
 
     DEST may hold an earlier version (or an interrupted pull): its intact blobs are reused. Without
     `trusted` it needs no key, like `bundle copy`; with it, the signature is checked before the part
     blobs are downloaded (or, lacking a signature referrer, right after). The result verifies and
-    installs exactly as a copied bundle does.
+    installs exactly as a copied bundle does. `then(dest)` runs while DEST is still locked.
     """
     ref = source if isinstance(source, Reference) else parse_reference(source)
     dest = Path(dest)
@@ -247,6 +247,8 @@ def pull(source: str | Reference, dest: Path, *, options: RegistryOptions = Regi
                 manifest = _finish(dest, oci_bytes, {h.split(":", 1)[1] for h in (*wanted, digest)})
                 if signature == "checked after download":
                     check_signature(open_bundle(dest), trusted, allow_unsigned=allow_unsigned)
+                if then is not None:
+                    then(dest)
         except OSError as e:
             raise EnvironmentProblem(f"cannot write {dest} while pulling {ref}: {e.strerror or e}") from None
     return PullReport(ref, dest, digest, manifest.name, manifest.version, len(wanted) - len(reused), len(reused),
@@ -262,6 +264,9 @@ def install_from_registry(source: str, store_root: Path, *, options: RegistryOpt
     ref = parse_reference(source)
     store = Store(store_root)
     dest = Path(pull_dir) if pull_dir is not None else store.root / "registry-cache" / ref.cache_key
+    installed = []
+    # Installed while the pull cache is still locked: a second pull cannot change it under the install.
     report = pull(ref, dest, options=options, quiet=quiet, trusted=install_args["trusted"],
-                  allow_unsigned=install_args.get("allow_unsigned", False))
-    return report, store.install(dest, **install_args)
+                  allow_unsigned=install_args.get("allow_unsigned", False),
+                  then=lambda d: installed.append(store.install(d, **install_args)))
+    return report, installed[0]

@@ -123,7 +123,7 @@ def classify(stderr: str, ref: Reference, *, pushing: bool = False) -> Exception
         return EnvironmentProblem(f"no space left while {'pushing' if pushing else 'pulling'} {ref}: {why}")
     if "manifest unknown" in low or "name unknown" in low or "not found" in low:
         return RegistryNotFound(f"registry {ref.host} has no {ref}: expected an existing repository and tag; "
-                             f"skopeo said: {why}")
+                                f"skopeo said: {why}")
     return RegistryError(f"registry {ref.host} could not be used for {ref}: {why}")
 
 
@@ -188,7 +188,8 @@ def skopeo(options: RegistryOptions):
         yield Skopeo(options, None)
         return
     try:
-        pem = Path(options.ca_file).read_bytes()[:1024 * 1024]
+        with open(options.ca_file, "rb") as f:
+            pem = f.read(1024 * 1024)
     except OSError as e:
         raise UsageError(f"cannot read --ca-file {options.ca_file}: {e.strerror or e}") from None
     if b"-----BEGIN CERTIFICATE-----" not in pem:

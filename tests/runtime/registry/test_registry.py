@@ -323,3 +323,28 @@ def test_without_a_signature_referrer_the_signature_is_checked_after_the_downloa
     store = tmp_path / "store"
     assert main(["install", ref, *install_args(registry, store, keys)]) == 0
     assert_serving_ready(Store(store), version=1)
+
+
+@pytest.mark.slow
+def test_push_keeps_other_referrers_at_the_referrers_tag(registry, options, bundles, trusted, tmp_path,
+                                                         monkeypatch):
+    """Another tool (cosign, notation, a second signing run) may list its own referrer at the same tag."""
+    import runtime.referrer as referrer
+    from runtime.skopeo import skopeo as skopeo_client
+    ref = f"{registry.host}/fleet/demo:1"
+    push(bundles["v1"], ref, options=options)
+    original = referrer.signature_manifest
+
+    def annotated(layout):
+        m = json.loads(original(layout))
+        m["annotations"] = {"org.example.other": "yes"}
+        return json.dumps(m, sort_keys=True, separators=(",", ":")).encode()
+    monkeypatch.setattr(referrer, "signature_manifest", annotated)
+    push(bundles["v1"], ref, options=options)
+    monkeypatch.setattr(referrer, "signature_manifest", original)
+    push(bundles["v1"], ref, options=options)  # ours again: not listed twice
+    digest = open_bundle(bundles["v1"]).oci_manifest.digest
+    with skopeo_client(options) as sk:
+        entries = referrer._entries(sk, parse_reference(f"{registry.host}/fleet/demo:{referrers_tag(digest)}"))
+    assert len(entries) == 2
+    assert pull(ref, tmp_path / "d", options=options, trusted=trusted).signature == "checked before download"
