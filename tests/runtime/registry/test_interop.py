@@ -91,3 +91,18 @@ def test_oras_reads_every_blob_of_a_pushed_bundle(registry, options, bundles, tr
     (out / L.OCI_LAYOUT_FILE).write_bytes(L.OCI_LAYOUT_CONTENT)
     (out / L.COMPLETE_MARKER).write_text(layout.oci_manifest.digest)
     assert verify_bundle(out, trusted).manifest.version == 1
+
+
+@pytest.mark.parametrize("sample", sorted((Path(__file__).resolve().parents[2] / "samples").glob("format-v*")),
+                         ids=lambda p: p.name)
+def test_frozen_samples_install_from_a_registry(registry, options, sample, tmp_path):
+    """Bundles made by earlier releases travel through a registry unchanged and install from it."""
+    from runtime.registry import install_from_registry
+    from runtime.trust import load_public_key
+
+    trusted = dict([load_public_key(sample / "sample.key.pub")])
+    pushed = push(sample / "bundle", f"{registry.host}/samples/{sample.name}", options=options)
+    assert pushed.digest == open_bundle(sample / "bundle").oci_manifest.digest
+    report, installed = install_from_registry(str(pushed.ref), tmp_path / "store", options=options,
+                                              target="cpu", trusted=trusted)
+    assert report.signature == "checked before download" and installed.signers == tuple(trusted)
