@@ -155,7 +155,8 @@ def install(bundle_dir: str, store: Path, target, trust, allow_unsigned, allow_d
         pulled, inst = install_from_registry(bundle_dir, store, options=registry_options(ca_file, authfile),
                                              quiet=not _show_progress(no_progress), **args)
         click.echo(f"pulled {pulled.ref}@{pulled.digest}: fetched {pulled.blobs_fetched} blobs "
-                   f"({format_size(pulled.bytes_fetched)}), reused {pulled.blobs_reused}")
+                   f"({format_size(pulled.bytes_fetched)}), reused {pulled.blobs_reused}; signature "
+                   f"{pulled.signature}")
     else:
         inst = Store(store).install(Path(bundle_dir), **args)
     verb = "already installed" if inst.noop else "installed"
