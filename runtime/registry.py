@@ -146,6 +146,9 @@ def _prepare(dest: Path, wanted: dict[str, int]) -> set[str]:
     if marker.exists():
         marker.unlink()
         fsync_dir(dest)
+    # skopeo rewrites index.json in place (not atomically) and _finish writes it anew: a torn one from a
+    # killed run must not stop the rerun.
+    (dest / L.INDEX_FILE).unlink(missing_ok=True)
     blobs = dest / L.BLOBS_DIR
     blobs.mkdir(parents=True, exist_ok=True)
     reused = set()
