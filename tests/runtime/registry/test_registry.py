@@ -13,8 +13,8 @@ import pytest
 
 from bundler.cli import main
 from manifests import layout as L
-from manifests.errors import (BadBundleError, RegistryAuthError, RegistryError, RegistryTLSError, TrustError,
-                              UsageError)
+from manifests.errors import (BadBundleError, EnvironmentProblem, RegistryAuthError, RegistryError, RegistryTLSError,
+                              TrustError, UsageError)
 from runtime.copy import copy_bundle
 from runtime.reader import open_bundle
 from runtime.referrer import EMPTY_CONFIG, referrers_tag
@@ -349,3 +349,27 @@ def test_push_keeps_other_referrers_at_the_referrers_tag(registry, options, bund
         entries = referrer._entries(sk, parse_reference(f"{registry.host}/fleet/demo:{referrers_tag(digest)}"))
     assert len(entries) == 2
     assert pull(ref, tmp_path / "d", options=options, trusted=trusted).signature == "checked before download"
+
+
+def test_skopeo_answers_are_read_bounded_and_its_errors_classified(tmp_path):
+    """skopeo's stdout is the registry's untrusted answer: read at most to the limit, then killed."""
+    from runtime.skopeo import Skopeo, classify
+    chatty = tmp_path / "skopeo"
+    chatty.write_text("#!/bin/sh\nyes '{\"padding\": \"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"}'\n")
+    chatty.chmod(0o755)
+    ref = parse_reference("registry.lan/fleet/demo:1")
+    with pytest.raises(BadBundleError, match="answered more than 65536 bytes"):
+        Skopeo(RegistryOptions(skopeo=str(chatty)), None).inspect_raw(ref, limit=65536)
+    fatal = 'time="2026-12-01T08:47:08Z" level=fatal msg="reading manifest 1 in {}: {}"'
+    cases = {"unauthorized: authentication required": RegistryAuthError,
+             'Get \\"https://r/v2/\\": x509: certificate signed by unknown authority': RegistryTLSError,
+             "manifest unknown: manifest unknown": RegistryError,
+             "Digest did not match, expected sha256:ab, got sha256:cd": BadBundleError,
+             "dial tcp 127.0.0.1:1: connect: connection refused": RegistryError}
+    for why, cls in cases.items():
+        err = classify(fatal.format(ref, why), ref)
+        assert type(err) is cls or (cls is RegistryError and isinstance(err, RegistryError)
+                                    and err.exit_code == RegistryError.exit_code), (why, err)
+        assert "registry.lan" in str(err)
+    with pytest.raises(EnvironmentProblem, match="skopeo tool"):
+        Skopeo(RegistryOptions(skopeo=str(tmp_path / "no-such-skopeo")), None)
