@@ -129,8 +129,9 @@ class Registry:
                 self.proc.wait()
 
 
-def start_registry(root: Path, *, ca_name: str = "test-ca") -> Registry:
-    """Start docker-registry on 127.0.0.1 with TLS and htpasswd auth; returns once it answers /v2/."""
+def start_registry(root: Path, *, ca_name: str = "test-ca", token_server=None) -> Registry:
+    """Start docker-registry on 127.0.0.1 with TLS and htpasswd auth (or bearer tokens from
+    `token_server`, a TokenServer); returns once it answers /v2/."""
     import bcrypt
 
     if shutil.which(REGISTRY_BIN) is None:
@@ -150,7 +151,8 @@ def start_registry(root: Path, *, ca_name: str = "test-ca") -> Registry:
                     "cache": {"blobdescriptor": ""}},
         "http": {"addr": f"127.0.0.1:{port}", "secret": "test-secret",
                  "tls": {"certificate": str(cert), "key": str(key)}},
-        "auth": {"htpasswd": {"realm": "bundle-test", "path": str(htpasswd)}},
+        "auth": token_server.registry_auth() if token_server else {
+            "htpasswd": {"realm": "bundle-test", "path": str(htpasswd)}},
     }))
     log_path = root / "registry.log"
     log = open(log_path, "wb")

@@ -373,3 +373,30 @@ def test_skopeo_answers_are_read_bounded_and_its_errors_classified(tmp_path):
         assert "registry.lan" in str(err)
     with pytest.raises(EnvironmentProblem, match="skopeo tool"):
         Skopeo(RegistryOptions(skopeo=str(tmp_path / "no-such-skopeo")), None)
+
+
+@pytest.mark.slow
+def test_bearer_token_auth_as_harbor_does_it(bundles, keys, tmp_path):
+    """The registry sends the client to a token realm; the client gets a token with the same credentials."""
+    from tests.runtime.registry.server import PASSWORD, USER, start_registry
+    from tests.runtime.registry.token_server import TokenServer
+    tokens = TokenServer(tmp_path / "token", USER, PASSWORD)
+    registry = start_registry(tmp_path / "registry", token_server=tokens)
+    try:
+        options = RegistryOptions(ca_file=registry.ca, authfile=registry.authfile)
+        ref = f"{registry.host}/fleet/demo:1"
+        push(bundles["v1"], ref, options=options)
+        store = tmp_path / "store"
+        assert main(["install", ref, *install_args(registry, store, keys)]) == 0
+        assert_serving_ready(Store(store), version=1)
+        granted = [scope for status, scope in tokens.requests if status == 200]
+        assert any("repository:fleet/demo:" in s and "push" in s for s in granted)
+        assert any("repository:fleet/demo:pull" in s for s in granted)
+        wrong = tmp_path / "wrong.json"
+        wrong.write_text(json.dumps({"auths": {registry.host: {"auth": "ZmxlZXQ6d3Jvbmc="}}}))
+        with pytest.raises(RegistryAuthError):
+            pull(ref, tmp_path / "x", options=RegistryOptions(ca_file=registry.ca, authfile=wrong))
+        assert any(status == 401 for status, _ in tokens.requests)
+    finally:
+        registry.stop()
+        tokens.stop()
