@@ -11,7 +11,7 @@ import click
 
 from manifests.sizes import format_size
 from runtime import settings
-from runtime.cli_registry import authfile_option, ca_file_option, registry_options
+from runtime.cli_registry import authfile_option, ca_file_option, looks_like_reference, registry_options
 
 _trust_option = click.option(
     "--trust", "trust", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="PUB",
@@ -139,7 +139,6 @@ def install(bundle_dir: str, store: Path, target, trust, allow_unsigned, allow_d
     From a registry, the bundle is pulled into STORE/registry-cache/ (kept: the next version fetches
     only its new blobs), then installed from there with every check above.
     """
-    from runtime.skopeo import looks_like_reference
     from runtime.store import Store
 
     if target == "auto":

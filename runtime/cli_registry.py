@@ -23,6 +23,17 @@ authfile_option = click.option(
          "$XDG_RUNTIME_DIR/containers/auth.json, ~/.docker/config.json (`podman login` / `docker login`).")
 
 
+def looks_like_reference(text: str) -> bool:
+    """True for `host[:port]/repo...` (Docker's rule: the first part names a host when it has '.' or ':'
+    or is localhost) that is not an existing local path; `docker://` forces it."""
+    if text.startswith("docker://"):
+        return True
+    if text.startswith(("/", "./", "../", "~")) or Path(text).exists():
+        return False
+    first = text.split("/", 1)[0]
+    return "/" in text and ("." in first or ":" in first or first == "localhost")
+
+
 def registry_options(ca_file, authfile):
     from runtime.skopeo import RegistryOptions
 

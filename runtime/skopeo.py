@@ -62,17 +62,6 @@ class Reference:
         return f"{self.host.replace(':', '_')}/{self.repo}"
 
 
-def looks_like_reference(text: str) -> bool:
-    """True for `host[:port]/repo...` (Docker's rule: the first part names a host when it has '.' or ':'
-    or is localhost) that is not an existing local path; `docker://` forces it."""
-    if text.startswith("docker://"):
-        return True
-    if text.startswith(("/", "./", "../", "~")) or Path(text).exists():
-        return False
-    first = text.split("/", 1)[0]
-    return "/" in text and ("." in first or ":" in first or first == "localhost")
-
-
 def parse_reference(text: str) -> Reference:
     raw = text[len("docker://"):] if text.startswith("docker://") else text
     m = _REFERENCE.match(raw)

@@ -19,7 +19,8 @@ from runtime.copy import copy_bundle
 from runtime.reader import open_bundle
 from runtime.referrer import EMPTY_CONFIG, referrers_tag
 from runtime.registry import pull, push
-from runtime.skopeo import RegistryOptions, looks_like_reference, parse_reference
+from runtime.cli_registry import looks_like_reference
+from runtime.skopeo import RegistryOptions, parse_reference
 from runtime.store import Store
 from runtime.verify import verify_bundle
 from tests.runtime.floor.craft import oci_manifest, resign, tree_digests
@@ -400,3 +401,15 @@ def test_bearer_token_auth_as_harbor_does_it(bundles, keys, tmp_path):
     finally:
         registry.stop()
         tokens.stop()
+
+
+def test_a_directory_install_loads_no_registry_code(bundles, keys, tmp_path):
+    code = ("import json, sys\nfrom bundler.cli import main\n"
+            f"rc = main(['install', {str(bundles['v1'])!r}, '--store', {str(tmp_path / 's')!r}, '--target', "
+            f"'jetson-thor', '--trust', {str(keys.release_pub)!r}, '--no-progress'])\n"
+            "print(json.dumps([rc, sorted(sys.modules)]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), timeout=120)
+    rc, modules = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rc == 0 and "runtime.store" in modules, out.stderr
+    assert not {"runtime.registry", "runtime.skopeo", "runtime.referrer"} & set(modules)
