@@ -29,7 +29,7 @@ from manifests.errors import BadBundleError, EnvironmentProblem, RegistryError, 
 from manifests.schema import Manifest
 from runtime.fsutil import fsync_dir, write_atomic
 from runtime.hooks import pause
-from runtime.reader import BundleLayout, Descriptor, open_bundle
+from runtime.reader import BundleLayout, Descriptor, open_bundle, read_blob
 from runtime.referrer import fetch_signature, push_signature
 from runtime.skopeo import MAX_REMOTE_CONFIG_BYTES, Reference, RegistryOptions, parse_reference, skopeo
 from runtime.verify import CorruptBundleError, check_blob, check_signature, scan_blobs
@@ -166,11 +166,9 @@ def _finish(dest: Path, oci_bytes: bytes, keep: set[str]) -> Manifest:
     """Leave DEST exactly a bundle: one index entry, only this manifest's blobs, COMPLETE last."""
     digest = L.digest_of(oci_bytes)
     blobs = dest / L.BLOBS_DIR
-    if (blobs / digest.split(":", 1)[1]).read_bytes() != oci_bytes:
-        raise BadBundleError(f"pulled OCI manifest in {dest} differs from the one the registry served ({digest})")
-    oci = json.loads(oci_bytes)
-    config = Descriptor.parse(oci["config"], "pulled config", MAX_REMOTE_CONFIG_BYTES)
-    manifest = Manifest.from_json_bytes((blobs / config.digest.split(":", 1)[1]).read_bytes())
+    read_blob(dest, Descriptor(digest, len(oci_bytes), L.OCI_MANIFEST_MEDIA_TYPE), "pulled OCI manifest")
+    config = Descriptor.parse(json.loads(oci_bytes)["config"], "pulled config", MAX_REMOTE_CONFIG_BYTES)
+    manifest = Manifest.from_json_bytes(read_blob(dest, config, "pulled bundle manifest"))
     for p in blobs.iterdir():  # what an earlier version (or skopeo's temp files) left
         if p.name not in keep:
             p.unlink()
