@@ -16,7 +16,8 @@ import tempfile
 from pathlib import Path
 
 from manifests import layout as L
-from manifests.errors import RegistryError
+from manifests.errors import BadBundleError, RegistryError
+from manifests.strict_json import parse as parse_json
 from runtime.reader import BundleLayout, Descriptor
 from runtime.skopeo import Reference, RegistryNotFound, Skopeo
 
@@ -52,8 +53,8 @@ def _entries(sk: Skopeo, ref: Reference) -> list[dict]:
     except RegistryNotFound:
         return []
     try:
-        index = json.loads(raw)
-    except ValueError:
+        index = parse_json(raw, what=f"referrers index {ref}", max_bytes=MAX_REFERRER_MANIFEST_BYTES)
+    except BadBundleError:
         return []
     items = index.get("manifests") if isinstance(index, dict) else None
     return [m for m in items if isinstance(m, dict)][:MAX_REFERRERS] if isinstance(items, list) else []
@@ -99,8 +100,8 @@ def fetch_signature(sk: Skopeo, ref: Reference, digest: str, envelope: Descripto
         try:
             L.blob_path(entry_digest)
             raw = sk.inspect_raw(ref.pinned(entry_digest), limit=MAX_REFERRER_MANIFEST_BYTES)
-            art = json.loads(raw)
-        except (ValueError, RegistryError):
+            art = parse_json(raw, what=f"referrer {entry_digest}", max_bytes=MAX_REFERRER_MANIFEST_BYTES)
+        except (ValueError, BadBundleError, RegistryError):
             continue
         if L.digest_of(raw) != entry_digest or not isinstance(art, dict):
             continue

@@ -27,11 +27,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from manifests import layout as L
 from manifests.errors import BadBundleError, EnvironmentProblem, RegistryError, UsageError
 from manifests.schema import Manifest
+from manifests.strict_json import parse as parse_json
+from runtime.bundle_files import NotRegularFile, open_dir
 from runtime.fsutil import fsync_dir, write_atomic
 from runtime.hooks import pause
 from runtime.reader import BundleLayout, Descriptor, open_bundle, read_blob
 from runtime.referrer import fetch_signature, push_signature
 from runtime.skopeo import MAX_REMOTE_CONFIG_BYTES, Reference, RegistryOptions, parse_reference, skopeo
+from runtime.validate import check_bundle
 from runtime.verify import CorruptBundleError, check_blob, check_signature, scan_blobs
 
 _OWN = {L.OCI_LAYOUT_FILE, L.INDEX_FILE, L.COMPLETE_MARKER, "blobs"}
@@ -76,6 +79,7 @@ def push(bundle_dir: Path, target: str, *, options: RegistryOptions = RegistryOp
     if layout.config.size > MAX_REMOTE_CONFIG_BYTES:
         raise UsageError(f"bundle manifest is {layout.config.size} bytes: registries are used through skopeo, "
                          f"which carries config blobs up to {MAX_REMOTE_CONFIG_BYTES} bytes")
+    check_bundle(layout, manifest)  # the rules verify, install and copy apply
     problems = scan_blobs(layout, manifest)
     if problems:  # never publish a damaged bundle to a whole fleet
         raise CorruptBundleError(f"{len({p.digest for p in problems})} blobs are bad, nothing pushed; "
@@ -100,10 +104,7 @@ def parse_remote_manifest(data: bytes, ref: Reference) -> tuple[Descriptor, list
     what = f"registry manifest for {ref}"
     if len(data) > L.MAX_OCI_MANIFEST_BYTES:
         raise BadBundleError(f"{what} is {len(data)} bytes, expected at most {L.MAX_OCI_MANIFEST_BYTES}")
-    try:
-        oci = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadBundleError(f"{what} is not valid UTF-8 JSON: {e}") from None
+    oci = parse_json(data, what=what, max_bytes=L.MAX_OCI_MANIFEST_BYTES)
     if not isinstance(oci, dict):
         raise BadBundleError(f"{what}: expected a JSON object")
     mt = oci.get("mediaType")
@@ -149,13 +150,15 @@ def _prepare(dest: Path, wanted: dict[str, int]) -> set[str]:
     # skopeo rewrites index.json in place (not atomically) and _finish writes it anew: a torn one from a
     # killed run must not stop the rerun.
     (dest / L.INDEX_FILE).unlink(missing_ok=True)
-    blobs = dest / L.BLOBS_DIR
-    blobs.mkdir(parents=True, exist_ok=True)
+    try:  # a symlinked DEST/blobs would send every blob (and the clean-up) elsewhere
+        os.close(open_dir(dest, L.BLOBS_DIR, create=True))
+    except NotRegularFile as e:
+        raise UsageError(f"refusing to pull into {dest}: {e}") from None
     reused = set()
     for digest, size in wanted.items():
-        path = blobs / digest.split(":", 1)[1]
-        if path.exists():
-            if check_blob(path, digest, size) is None:
+        path = dest / L.blob_path(digest)
+        if os.path.lexists(path):
+            if check_blob(dest, digest, size) is None:
                 reused.add(digest)
             else:
                 path.unlink()
@@ -167,7 +170,8 @@ def _finish(dest: Path, oci_bytes: bytes, keep: set[str]) -> Manifest:
     digest = L.digest_of(oci_bytes)
     blobs = dest / L.BLOBS_DIR
     read_blob(dest, Descriptor(digest, len(oci_bytes), L.OCI_MANIFEST_MEDIA_TYPE), "pulled OCI manifest")
-    config = Descriptor.parse(json.loads(oci_bytes)["config"], "pulled config", MAX_REMOTE_CONFIG_BYTES)
+    config = Descriptor.parse(parse_json(oci_bytes, what="pulled OCI manifest", max_bytes=len(oci_bytes))["config"],
+                              "pulled config", MAX_REMOTE_CONFIG_BYTES)
     manifest = Manifest.from_json_bytes(read_blob(dest, config, "pulled bundle manifest"))
     for p in blobs.iterdir():  # what an earlier version (or skopeo's temp files) left
         if p.name not in keep:

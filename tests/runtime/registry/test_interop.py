@@ -50,11 +50,16 @@ def test_skopeo_reads_manifest_and_config_blob_and_copies_between_registries(reg
     pulled = pull(mirror, tmp_path / "from-mirror", options=options)
     assert pulled.digest == layout.oci_manifest.digest  # skopeo changed nothing: same manifest digest
     assert verify_bundle(tmp_path / "from-mirror", trusted).manifest.version == 1
-    # Registry to an OCI layout with skopeo alone: every blob there, the signature verifies.
+    # Registry to an OCI layout with skopeo alone: every blob there, byte for byte. skopeo writes its own
+    # index.json (no mediaType, artifactType or NAME:VERSION ref), which the strict reader does not take
+    # as a bundle's: with the bundle's index.json (what `bundle pull` writes) it verifies.
     out = tmp_path / "skopeo-oci"
-    cp = skopeo(registry, certs, "copy", "--src-cert-dir", str(certs), f"docker://{ref}", f"oci:{out}:demo")
+    cp = skopeo(registry, certs, "copy", "--src-cert-dir", str(certs), f"docker://{ref}", f"oci:{out}:demo:1")
     assert cp.returncode == 0, cp.stderr
-    copied = open_bundle(out, require_complete=False)
+    assert (out / L.blob_path(layout.oci_manifest.digest)).read_bytes() == layout.oci_manifest_bytes
+    (out / L.INDEX_FILE).write_bytes(layout.index_bytes)
+    (out / L.COMPLETE_MARKER).write_text(layout.oci_manifest.digest + "\n")
+    copied = open_bundle(out)
     manifest, signers = check_signature(copied, trusted)
     assert signers and scan_blobs(copied, manifest) == []
 
