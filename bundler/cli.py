@@ -29,6 +29,8 @@ COMMANDS = {
     "targets": "runtime.cli_targets:targets",
     "build-engines": "bundler.cli_engines:build_engines",
     "serve": "runtime.cli_serve:serve",
+    "push": "runtime.cli_registry:push",
+    "pull": "runtime.cli_registry:pull",
 }
 
 _EXIT_HELP = "\n".join(f"  {code:>2}  {text}" for code, text in sorted(EXIT_CODES.items()))
@@ -56,7 +58,7 @@ def cli(ctx, debug):
 
     \b
     Connected host:  bundle keygen, bundle create
-    Transfer:        bundle copy, bundle verify, bundle inspect
+    Transfer:        bundle copy, bundle verify, bundle inspect, bundle push, bundle pull
     Device:          bundle install, bundle list, bundle rollback, bundle serve
     """
     ctx.obj = {"debug": debug or settings.debug()}

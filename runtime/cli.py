@@ -11,6 +11,7 @@ import click
 
 from manifests.sizes import format_size
 from runtime import settings
+from runtime.cli_registry import authfile_option, ca_file_option, looks_like_reference, registry_options
 
 _trust_option = click.option(
     "--trust", "trust", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="PUB",
@@ -148,8 +149,9 @@ Examples:
   bundle install /media/usb/assistant-3 --trust release.pub
   bundle install ./assistant-3 --store /data/bundles --target jetson-thor
   bundle install ./assistant-2 --store /data/bundles --allow-downgrade
+  bundle install registry.factory.lan/llm/assistant:3 --store /data/bundles --ca-file factory-ca.pem
 """)
-@click.argument("bundle_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("bundle_dir", metavar="DIR|REGISTRY/REPO:TAG")
 @_store_option
 @click.option("--target", default="auto", show_default=True, metavar="auto|ID",
               help="Target profile to install for; auto detects this device (see `bundle targets`).")
@@ -161,8 +163,10 @@ Examples:
 @_expiry_option
 @_jobs_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def install(bundle_dir: Path, store: Path, target, trust, allow_unsigned, allow_downgrade, ignore_expiry, jobs,
-            no_progress) -> None:
+@ca_file_option
+@authfile_option
+def install(bundle_dir: str, store: Path, target, trust, allow_unsigned, allow_downgrade, ignore_expiry, jobs,
+            no_progress, ca_file, authfile) -> None:
     """Verify and install a bundle into the store, then make it current.
 
     The signature is checked before any blob is read, then the policy decides (target, version,
@@ -178,6 +182,8 @@ def install(bundle_dir: Path, store: Path, target, trust, allow_unsigned, allow_
     Repair: re-installing the installed version re-checks every installed file's sha256; when all
     match it is a no-op, otherwise the bad files (or damaged install.json/manifest.json, or a
     missing `current` link) are repaired from the bundle and the good ones kept.
+    Registry: DIR may be REGISTRY/REPO:TAG; the bundle is pulled into STORE/registry-cache/ (kept:
+    the next version fetches only its new blobs), then installed from there with every check above.
     """
     from runtime.store import Store
 
@@ -186,9 +192,18 @@ def install(bundle_dir: Path, store: Path, target, trust, allow_unsigned, allow_
 
         target, reason = detect_target()
         click.echo(f"target: {target} ({reason})")
-    inst = Store(store).install(bundle_dir, target=target, trusted=_keys(trust), allow_unsigned=allow_unsigned,
-                                allow_downgrade=allow_downgrade, ignore_expiry=ignore_expiry, jobs=jobs,
-                                progress=_show_progress(no_progress))
+    args = dict(target=target, trusted=_keys(trust), allow_unsigned=allow_unsigned, allow_downgrade=allow_downgrade,
+                ignore_expiry=ignore_expiry, jobs=jobs, progress=_show_progress(no_progress))
+    if looks_like_reference(bundle_dir):
+        from runtime.registry import install_from_registry
+
+        pulled, inst = install_from_registry(bundle_dir, store, options=registry_options(ca_file, authfile),
+                                             quiet=not _show_progress(no_progress), **args)
+        click.echo(f"pulled {pulled.ref}@{pulled.digest}: fetched {pulled.blobs_fetched} blobs "
+                   f"({format_size(pulled.bytes_fetched)}), reused {pulled.blobs_reused}; signature "
+                   f"{pulled.signature}")
+    else:
+        inst = Store(store).install(Path(bundle_dir), **args)
     verb = "already installed (every file checked)" if inst.noop else "installed"
     if inst.repaired:
         verb = f"repaired ({inst.repaired})"
