@@ -14,6 +14,7 @@ import click
 
 from manifests.errors import EXIT_CODES, BundleError
 from runtime import settings
+from runtime.signals import Terminated, exit_on_signals
 
 # command name -> "module:attribute"; connected-side commands live in bundler, floor-side in runtime.
 COMMANDS = {
@@ -28,6 +29,8 @@ COMMANDS = {
     "targets": "runtime.cli_targets:targets",
     "build-engines": "bundler.cli_engines:build_engines",
     "serve": "runtime.cli_serve:serve",
+    "push": "runtime.cli_registry:push",
+    "pull": "runtime.cli_registry:pull",
 }
 
 _EXIT_HELP = "\n".join(f"  {code:>2}  {text}" for code, text in sorted(EXIT_CODES.items()))
@@ -55,7 +58,7 @@ def cli(ctx, debug):
 
     \b
     Connected host:  bundle keygen, bundle create
-    Transfer:        bundle copy, bundle verify, bundle inspect
+    Transfer:        bundle copy, bundle verify, bundle inspect, bundle push, bundle pull
     Device:          bundle install, bundle list, bundle rollback, bundle serve
     """
     ctx.obj = {"debug": debug or settings.debug()}
@@ -65,8 +68,12 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = settings.debug() or "--debug" in argv
     try:
-        cli.main(args=argv, prog_name="bundle", standalone_mode=False)
+        with exit_on_signals():  # SIGTERM unwinds like Ctrl-C: temporary folders are removed
+            cli.main(args=argv, prog_name="bundle", standalone_mode=False)
         return 0
+    except Terminated as e:
+        click.echo(f"terminated (signal {e.signum})", err=True)
+        return e.code
     except BundleError as e:
         if debug:
             raise
