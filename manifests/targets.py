@@ -19,7 +19,8 @@ from manifests.errors import UsageError
 from manifests.strict_json import parse as parse_json
 from manifests.sizes import parse_size
 
-BACKENDS = ("tensorrt", "onnxruntime")
+#: "onnxruntime-cuda": ONNX Runtime's CUDA provider (the `cuda` target; GPU detected on the device).
+BACKENDS = ("tensorrt", "onnxruntime", "onnxruntime-cuda")
 #: A profile file is a few hundred bytes; refuse anything absurd before parsing.
 MAX_PROFILE_BYTES = 64 * 1024
 
@@ -39,7 +40,7 @@ class TargetProfile:
     precisions: tuple[str, ...]
     cuda_version: str | None
     tensorrt_version: str | None
-    backend: str  # "tensorrt" | "onnxruntime"
+    backend: str  # "tensorrt" | "onnxruntime" | "onnxruntime-cuda"
     #: substrings of /proc/device-tree/model that identify this device (detection)
     device_tree_models: tuple[str, ...] = ()
     #: other names the same GPU reports (Thor is sm_101 under CUDA 12.9 and older, sm_110 under CUDA 13)

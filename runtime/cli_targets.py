@@ -46,7 +46,12 @@ def targets(detect, as_json, profile_dirs):
     else:
         click.echo(format_table(profile_rows(profiles)))
     if detect:
+        from runtime.cuda import gpu
         from runtime.detect import detect_target
 
         target_id, reason = detect_target(profiles)
+        found = gpu()
+        if found is not None:  # what the cuda profile leaves to the device: its compute capability and memory
+            click.echo(f"\ngpu: {found.name}, compute capability {found.compute_capability}, "
+                       f"{format_size(found.memory_bytes)}")
         click.echo(f"\ndetected: {target_id} ({reason})")

@@ -2,8 +2,10 @@
 
 Order, most specific first: the device-tree model string (Jetson, IGX and DRIVE boards name
 themselves there; it also tells a Jetson Thor from an IGX Thor, which share a GPU), then the GPU's
-compute capability (cuda-python if installed, else `nvidia-smi`), else `cpu`. The probes are
-parameters so tests feed a fake device-tree file and a fixed compute capability.
+compute capability (cuda-python if installed, else `nvidia-smi`). A GPU no TensorRT profile names
+(an x86 edge PC, a workstation) is the `cuda` target when onnxruntime-gpu's CUDA provider can run
+here, else `cpu`, with the reason. The probes are parameters so tests feed a fake device-tree file,
+a fixed compute capability and a fixed answer about the CUDA provider.
 """
 
 from __future__ import annotations
@@ -57,9 +59,16 @@ def probe_compute_capability() -> str | None:
     return first or None
 
 
+def probe_cuda_provider() -> str | None:
+    """None when onnxruntime-gpu's CUDA provider can run here, else why not."""
+    from runtime.cuda import onnxruntime_cuda
+
+    return onnxruntime_cuda()[1]
+
+
 def detect_target(profiles: Sequence[TargetProfile] | None = None, *, device_tree: Path = DEVICE_TREE_MODEL,
-                  compute_capability: Callable[[], str | None] | str | None = probe_compute_capability
-                  ) -> tuple[str, str]:
+                  compute_capability: Callable[[], str | None] | str | None = probe_compute_capability,
+                  cuda_provider: Callable[[], str | None] = probe_cuda_provider) -> tuple[str, str]:
     """(target id, why). EnvironmentProblem when the GPU fits several profiles and nothing tells them apart."""
     profiles = list(profiles) if profiles is not None else all_profiles()
     model = read_device_tree_model(device_tree)
@@ -81,7 +90,13 @@ def detect_target(profiles: Sequence[TargetProfile] | None = None, *, device_tre
             seen = f"device tree model {model!r}" if model else "no device tree model"
             raise EnvironmentProblem(f"GPU compute capability {cc} fits several targets ({ids}) and {seen} "
                                      f"does not tell them apart; expected one: pass --target ID")
-        return "cpu", (f"GPU compute capability {cc} matches no target profile (add one to a profile "
-                       f"directory); using cpu")
+        unmatched = f"GPU compute capability {cc} matches no TensorRT target profile"
+        cuda = next((p for p in profiles if p.backend == "onnxruntime-cuda"), None)
+        if cuda is not None:
+            why_not = cuda_provider()
+            if why_not is None:
+                return cuda.id, f"{unmatched}; ONNX Runtime's CUDA provider runs here: {cuda.id}"
+            return "cpu", f"{unmatched} and {why_not}; using cpu"
+        return "cpu", f"{unmatched} (add one to a profile directory); using cpu"
     where = f"device tree model {model!r} matches no profile" if model else "no device tree model"
     return "cpu", f"{where} and no NVIDIA GPU found; using cpu"

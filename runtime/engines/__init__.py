@@ -1,13 +1,17 @@
 """Pick and load the engine for one model of an installed bundle on this device.
 
     cpu target                -> ONNX Runtime over the shipped ONNX
+    cuda target               -> ONNX Runtime's CUDA provider over the fp16 in-place graph (runtime.engines.cuda);
+                                 without onnxruntime-gpu or a GPU, ONNX Runtime on the CPU, recorded and logged.
     GPU target (TensorRT)     -> a shipped plan whose key matches this device, else
                                  a plan built here from the shipped ONNX + build options (cached under its key), else,
-                                 when TensorRT is not importable at all, ONNX Runtime, recorded and logged.
+                                 when TensorRT is not importable at all, the CUDA provider over the shipped ONNX when
+                                 onnxruntime-gpu runs here, else ONNX Runtime on the CPU; recorded and logged.
 
 The key check and the cache live in runtime.engine_cache; the TensorRT calls in
 runtime.engines.tensorrt (imported only when a GPU target asks for it). `backend` is the seam:
-tests pass a stand-in that implements TensorRTBackend's three methods over ONNX Runtime.
+tests pass a stand-in that implements TensorRTBackend's three methods over ONNX Runtime. `cuda` is the
+seam for the CUDA provider: a callable (graph path, record, max_context) -> (engine, None) | (None, why not).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from runtime.engine_cache import EngineCache, engine_key, mismatch, onnx_digest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["cpu_options", "load_engine", "onnx_sha256_of"]
+__all__ = ["cpu_options", "cuda_engine", "load_engine", "onnx_sha256_of"]
 
 
 def onnx_sha256_of(manifest: Manifest, record: EngineRecord) -> str:
@@ -56,7 +60,7 @@ def _onnxruntime(root: Path, record: EngineRecord, manifest: Manifest, max_conte
                  threads: int | None) -> Engine:
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
 
-    limit = max_context or manifest.serve.get("max_model_len") or record.build.get("max_context")
+    limit = _limit(manifest, record, max_context)
     options = cpu_options(record.model)
     if threads is not None:
         options["threads"] = threads
@@ -64,9 +68,47 @@ def _onnxruntime(root: Path, record: EngineRecord, manifest: Manifest, max_conte
                              **options)
 
 
+def cuda_engine(graph: Path, record: EngineRecord, max_context: int | None):
+    """(CudaEngine, None) when onnxruntime-gpu's CUDA provider runs here, else (None, why not)."""
+    from runtime.cuda import onnxruntime_cuda
+
+    ort, why = onnxruntime_cuda()
+    if ort is None:
+        return None, why
+    from runtime.engines.cuda import CudaEngine
+
+    return CudaEngine(graph, max_context=max_context, kv_cache=record.build.get("kv_cache")), None
+
+
+def _limit(manifest: Manifest, record: EngineRecord, max_context: int | None) -> int | None:
+    return max_context or manifest.serve.get("max_model_len") or record.build.get("max_context")
+
+
+def _on_cuda(root: Path, manifest: Manifest, onnx: EngineRecord, cache_dir: Path | None, max_context: int | None,
+             threads: int | None, cuda, fallback_from: str | None = None) -> Engine:
+    """The CUDA provider over `onnx`, else ONNX Runtime on the CPU; a CPU run is recorded and logged."""
+    engine, why = (cuda or cuda_engine)(root / onnx.path, onnx, _limit(manifest, onnx, max_context))
+    if engine is not None:
+        if fallback_from:
+            engine.description += f" (fallback from TensorRT: {fallback_from})"
+            engine.fallback = fallback_from  # type: ignore[attr-defined]
+        log.info("running %s on ONNX Runtime's CUDA provider", onnx.path)
+        return engine
+    reason = f"{fallback_from}; and {why}" if fallback_from else why
+    cache = EngineCache(cache_dir or settings.DEFAULT_STORE / "engine-cache")
+    where = cache.record_fallback({**onnx.key, "onnx_sha256": onnx_sha256_of(manifest, onnx)}, reason,
+                                  used="onnxruntime")
+    log.warning("running %s on ONNX Runtime's CPU provider (correct, not fast): %s (recorded in %s)",
+                onnx.path, reason, where)
+    engine = _onnxruntime(root, onnx, manifest, max_context, threads)
+    engine.description += f" (fallback: {reason})"
+    engine.fallback = reason  # type: ignore[attr-defined]
+    return engine
+
+
 def load_engine(installed_root: Path, manifest: Manifest, target_id: str, role: str, *,
                 cache_dir: Path | None = None, max_context: int | None = None, backend=None,
-                threads: int | None = None) -> Engine:
+                threads: int | None = None, cuda=None) -> Engine:
     """The engine for model `role` ("target" | "draft") of the bundle installed at `installed_root`."""
     root = Path(installed_root)
     target = manifest.target(target_id)
@@ -78,12 +120,14 @@ def load_engine(installed_root: Path, manifest: Manifest, target_id: str, role: 
     if not any(e.backend == "tensorrt" for e in records):
         if onnx is None:
             raise EnvironmentProblem(f"target {target_id!r} has no ONNX graph for model {role!r}")
+        if onnx.backend == "onnxruntime-cuda":
+            return _on_cuda(root, manifest, onnx, cache_dir, max_context, threads, cuda)
         return _onnxruntime(root, onnx, manifest, max_context, threads)
-    return _tensorrt(root, manifest, records, onnx, cache_dir, max_context, backend, threads)
+    return _tensorrt(root, manifest, records, onnx, cache_dir, max_context, backend, threads, cuda)
 
 
 def _tensorrt(root: Path, manifest: Manifest, records: list[EngineRecord], onnx: EngineRecord | None,
-              cache_dir: Path | None, max_context: int | None, backend, threads: int | None) -> Engine:
+              cache_dir: Path | None, max_context: int | None, backend, threads: int | None, cuda=None) -> Engine:
     if backend is None:
         from runtime.engines.tensorrt import TensorRTBackend
         backend = TensorRTBackend()
@@ -93,10 +137,15 @@ def _tensorrt(root: Path, manifest: Manifest, records: list[EngineRecord], onnx:
         reason = getattr(backend, "unavailable", "TensorRT is not available")
         if onnx is None:
             raise EnvironmentProblem(f"{reason}; and the bundle ships no ONNX to run with ONNX Runtime instead")
+        engine, why = (cuda or cuda_engine)(root / onnx.path, onnx, _limit(manifest, onnx, max_context))
+        used = "onnxruntime-cuda" if engine is not None else "onnxruntime"
         where = cache.record_fallback({**onnx.key, "onnx_sha256": onnx_sha256_of(manifest, onnx)},
-                                      reason, used="onnxruntime")
-        log.warning("running %s on ONNX Runtime instead of TensorRT: %s (recorded in %s)", onnx.path, reason, where)
-        engine = _onnxruntime(root, onnx, manifest, max_context, threads)
+                                      reason if engine is not None else f"{reason}; and {why}", used=used)
+        log.warning("running %s on ONNX Runtime's %s provider instead of TensorRT: %s (recorded in %s)", onnx.path,
+                    "CUDA" if engine is not None else "CPU", reason if engine is not None else f"{reason}; {why}",
+                    where)
+        if engine is None:
+            engine = _onnxruntime(root, onnx, manifest, max_context, threads)
         engine.description += f" (fallback from TensorRT: {reason})"
         engine.fallback = reason  # type: ignore[attr-defined]
         return engine

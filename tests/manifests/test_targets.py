@@ -44,7 +44,7 @@ def test_user_profile_adds_a_device_and_overrides_a_built_in(tmp_path):
     ({"id": "x", "backend": "tensorrt", "memory_bytes": 1, "precisions": ["fp32"]},
      "expected a compute_capability for a tensorrt target, found null"),
     ({"id": "x", "backend": "openvino", "memory_bytes": 1, "precisions": ["fp32"]},
-     "expected backend one of tensorrt, onnxruntime, found 'openvino'"),
+     "expected backend one of tensorrt, onnxruntime, onnxruntime-cuda, found 'openvino'"),
     ({"id": "X Y", "backend": "onnxruntime", "memory_bytes": 1, "precisions": ["fp32"]}, "expected id of"),
     ({"id": "x", "backend": "onnxruntime", "memory_bytes": 0, "precisions": ["fp32"]}, "expected memory_bytes > 0"),
     ({"id": "x", "backend": "tensorrt", "compute_capability": "sm_110", "memory_bytes": 1, "precisions": ["fp32"]},
@@ -65,7 +65,7 @@ def test_profile_file_that_is_not_json(tmp_path):
 
 def test_parse_targets():
     assert parse_targets(" jetson-thor , igx-thor") == ["jetson-thor", "igx-thor"]
-    with pytest.raises(UsageError, match="unknown target 'jetson-nano'; expected one of: cpu, dgx-spark"):
+    with pytest.raises(UsageError, match="unknown target 'jetson-nano'; expected one of: cpu, cuda, dgx-spark"):
         parse_targets("jetson-nano")
     with pytest.raises(UsageError, match="listed twice"):
         parse_targets("cpu,cpu")

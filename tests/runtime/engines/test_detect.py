@@ -39,10 +39,33 @@ def test_ambiguous_gpu_without_a_board_name_is_refused(tmp_path):
 
 
 def test_unknown_gpu_and_no_gpu_give_cpu_with_a_reason(tmp_path):
-    assert detect_target(device_tree=tmp_path / "absent", compute_capability="7.5") == (
-        "cpu", "GPU compute capability 7.5 matches no target profile (add one to a profile directory); using cpu")
+    assert detect_target(device_tree=tmp_path / "absent", compute_capability="7.5",
+                         cuda_provider=lambda: "onnxruntime 1.2 has no CUDAExecutionProvider") == (
+        "cpu", "GPU compute capability 7.5 matches no TensorRT target profile and onnxruntime 1.2 has no "
+               "CUDAExecutionProvider; using cpu")
     target, reason = detect_target(device_tree=device_tree(tmp_path, "Raspberry Pi 5"), compute_capability=None)
     assert target == "cpu" and "'Raspberry Pi 5' matches no profile and no NVIDIA GPU" in reason
+
+
+def test_gpu_no_tensorrt_profile_names_is_the_cuda_target_when_its_provider_runs(tmp_path):
+    target, reason = detect_target(device_tree=tmp_path / "absent", compute_capability="9.0",
+                                   cuda_provider=lambda: None)
+    assert target == "cuda" and "9.0 matches no TensorRT target profile" in reason and "CUDA provider" in reason
+
+
+def test_a_board_with_a_tensorrt_profile_stays_that_target_with_onnxruntime_gpu_present(tmp_path):
+    """Thor/Orin keep their target: the CUDA provider is their fallback engine, not another target."""
+    target, _ = detect_target(device_tree=device_tree(tmp_path, "NVIDIA Jetson AGX Thor Developer Kit"),
+                              compute_capability="11.0", cuda_provider=lambda: None)
+    assert target == "jetson-thor"
+
+
+def test_cuda_profile_leaves_the_gpu_to_detection():
+    from manifests.targets import get_profile
+
+    cuda = get_profile("cuda")
+    assert (cuda.backend, cuda.compute_capability, cuda.cpu_arch) == ("onnxruntime-cuda", None, "any")
+    assert "fp16" in cuda.precisions and "bf16" in cuda.precisions
 
 
 def test_targets_command_prints_the_table_and_detection():

@@ -179,7 +179,8 @@ def test_without_tensorrt_onnxruntime_stands_in_and_it_is_recorded(tiny_exports,
         pytest.skip("a real TensorRT GPU is present; the fallback path is not taken")
     root, manifest = plan_bundle(tiny_exports, tmp_path, ["igx-thor"], StandInBackend(None))
     with caplog.at_level(logging.WARNING):
-        engine = load_engine(root, manifest, "igx-thor", "target", cache_dir=tmp_path / "cache")
+        engine = load_engine(root, manifest, "igx-thor", "target", cache_dir=tmp_path / "cache",
+                             cuda=lambda *_: (None, "no NVIDIA GPU"))
     assert engine.description.startswith("onnxruntime") and NOT_INSTALLED in engine.fallback
     records = list((tmp_path / "cache").glob(f"*/{FALLBACK_NAME}"))
     assert len(records) == 1
