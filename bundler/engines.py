@@ -9,7 +9,10 @@ verification or prefill rows, on benchmarks/bench_graphs.py), TensorRT targets t
 The engine record's build["kv_cache"] names the layout. TensorRT targets whose profile lists fp16
 get the concat graph exported in fp16 (engines/onnx-fp16/<role>/, half the bytes; TensorRT 11 has
 no FP16 builder flag and takes the graph's types), the others the fp32 one; build["dtype"] names it
-and, being in the build options, in the engine key. A TensorRT target gets the exact build options
+and, being in the build options, in the engine key. The `cuda` target (ONNX Runtime's CUDA provider)
+gets the batched graph in fp16, or bf16 when the checkpoint was trained in bf16
+(engines/onnx-batched-fp16/<role>/, bundler.export_half; logits fp32), stored once for every target
+that runs it. A TensorRT target gets the exact build options
 (precision, optimisation profiles from max context, prefill chunk and draft tokens + 1) and the
 key the engine will have on a matching device; the plan itself is built here only when this
 host's GPU compute capability and TensorRT version equal the target's (see TARGETS.md: there is no
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-from bundler.export import KV_CACHE_LAYOUTS, ExportResult, export_onnx, past_names
+from bundler.export import KV_CACHE_LAYOUTS, ExportResult, export_onnx, past_names, read_config
 from bundler.export_gqa import SharedLayoutUnsupported
 from bundler.pack import PackFile
 from manifests.errors import ModelError, UsageError
@@ -38,7 +41,9 @@ log = logging.getLogger(__name__)
 ONNX_ROOT = "engines/onnx"
 #: (KV-cache layout, dtype) -> folder in the bundle. One graph per pair, shared by its targets.
 ONNX_ROOTS = {("concat", "float32"): ONNX_ROOT, ("concat", "float16"): "engines/onnx-fp16",
-              ("shared", "float32"): "engines/onnx-shared", ("batched", "float32"): "engines/onnx-batched"}
+              ("shared", "float32"): "engines/onnx-shared", ("batched", "float32"): "engines/onnx-batched",
+              ("batched", "float16"): "engines/onnx-batched-fp16", ("batched", "bfloat16"): "engines/onnx-batched-bf16",
+              ("shared", "float16"): "engines/onnx-shared-fp16", ("shared", "bfloat16"): "engines/onnx-shared-bf16"}
 #: ONNX Runtime that runs the shared layout: CPU GroupQueryAttention with new tokens after a past
 #: (verification, chunked prefill) arrived in 1.20 (microsoft/onnxruntime#21523).
 ONNXRUNTIME_MIN_SHARED = "1.20"
@@ -99,11 +104,26 @@ def precision_for(profile: TargetProfile) -> str:
     return "fp16" if "fp16" in profile.precisions else "fp32"
 
 
-def graph_dtype(profile: TargetProfile) -> str:
-    """The dtype of the ONNX a target carries: float16 for TensorRT targets with fp16, else float32.
+def half_dtype(models: Mapping[str, Path]) -> str:
+    """bfloat16 when every model was trained in it (config torch_dtype), else float16: the `cuda` target's dtype.
 
-    ONNX Runtime targets (cpu) keep fp32: there fp16 only adds casts around kernels it lacks.
+    A bf16-trained model's activations may leave fp16's range; fp16 keeps more mantissa otherwise."""
+    dtypes = set()
+    for checkpoint in models.values():
+        config = Path(checkpoint) / "config.json"
+        cfg = read_config(Path(checkpoint)) if config.is_file() else {}
+        dtypes.add(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16").replace("torch.", ""))
+    return "bfloat16" if dtypes == {"bfloat16"} else "float16"
+
+
+def graph_dtype(profile: TargetProfile, half: str = "float16") -> str:
+    """The dtype of the ONNX a target carries: float16 for TensorRT targets with fp16, `half` for the
+    `cuda` target (ONNX Runtime's CUDA provider), else float32.
+
+    ONNX Runtime targets on the CPU keep fp32: there fp16 only adds casts around kernels it lacks.
     """
+    if profile.backend == "onnxruntime-cuda":
+        return half
     return "float16" if profile.backend == "tensorrt" and precision_for(profile) == "fp16" else "float32"
 
 
@@ -169,8 +189,10 @@ def export_models(models: Mapping[str, Path], work_dir: Path,
     return out
 
 
-def _variant_for(profile: TargetProfile, onnxruntime_layout: str) -> tuple[str, str]:
+def _variant_for(profile: TargetProfile, onnxruntime_layout: str, half: str = "float16") -> tuple[str, str]:
     """(KV-cache layout, dtype) of the graph a target runs."""
+    if profile.backend == "onnxruntime-cuda":
+        return onnxruntime_layout, half if onnxruntime_layout != "concat" else "float16"
     return (onnxruntime_layout if profile.backend == "onnxruntime" else "concat"), graph_dtype(profile)
 
 
@@ -184,14 +206,22 @@ def host_device(backend=None) -> DeviceInfo | None:
 
 def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], shape: ServeShape,
                    work_dir: Path, device: DeviceInfo | None = None, backend=None,
-                   onnxruntime_layout: str = "batched") -> tuple[list[PackFile], Target]:
+                   onnxruntime_layout: str = "batched", half: str = "float16") -> tuple[list[PackFile], Target]:
     """Engine records (and plan files, when this host can build them) for one target."""
     files: list[PackFile] = []
     engines: list[Engine] = []
     precision = "fp32" if profile.backend == "onnxruntime" else precision_for(profile)
-    variant = _variant_for(profile, onnxruntime_layout)
+    variant = _variant_for(profile, onnxruntime_layout, half)
     layout = variant[0]
+    if profile.backend == "onnxruntime-cuda":
+        precision = {"float16": "fp16", "bfloat16": "bf16"}[variant[1]]
     for m in (m for m in exported if m.variant == variant):
+        if profile.backend == "onnxruntime-cuda":
+            engines.append(Engine(model=m.role, backend="onnxruntime-cuda", format="onnx", path=m.graph_path,
+                                  files=m.paths, key={"onnx_sha256": m.onnx_sha256,
+                                                      "onnxruntime_min": ONNXRUNTIME_MIN_BATCHED},
+                                  build={"max_context": shape.max_context, "kv_cache": layout, "dtype": m.dtype}))
+            continue
         if profile.backend == "onnxruntime":
             minimum = {"shared": ONNXRUNTIME_MIN_SHARED, "batched": ONNXRUNTIME_MIN_BATCHED}.get(layout, ONNXRUNTIME_MIN)
             engines.append(Engine(model=m.role, backend="onnxruntime", format="onnx", path=m.graph_path,
@@ -235,8 +265,9 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
         raise UsageError(f"expected kv_cache to be one of {', '.join(KV_CACHE_LAYOUTS)}, found {kv_cache!r}")
     profiles = [get_profile(t, tuple(extra_dirs)) for t in target_ids]
     users = {}  # (layout, dtype) -> ids of the targets that run it
+    half = half_dtype(models)
     for p in profiles:
-        users.setdefault(_variant_for(p, kv_cache), []).append(p.id)
+        users.setdefault(_variant_for(p, kv_cache, half), []).append(p.id)
     try:
         exported = export_models(models, Path(work_dir), export, variants=tuple(users))
     except SharedLayoutUnsupported as e:
@@ -256,7 +287,7 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
              for pf in m.pack_files(None if len(users) == 1 else tuple(users[m.variant]))]
     targets = []
     for profile in profiles:
-        extra, target = target_engines(profile, exported, shape, Path(work_dir), device, backend, kv_cache)
+        extra, target = target_engines(profile, exported, shape, Path(work_dir), device, backend, kv_cache, half)
         files += extra
         targets.append(target)
     return files, targets

@@ -63,7 +63,7 @@ MAX_CONFIG_BYTES = 1024 * 1024
 KV_CACHE_LAYOUTS = ("concat", "shared", "batched")
 #: Graph dtypes (weights, activations, KV cache). float16 only for the concat layout: the shared
 #: layout is for ONNX Runtime on CPU, where fp16 buys nothing but casts.
-DTYPES = ("float32", "float16")
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def past_names(num_layers: int) -> list[str]:
@@ -181,20 +181,24 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     GroupQueryAttention graph of bundler.export_gqa (ONNX Runtime only, no per-step cache copy).
     dtype="float16" (concat only) loads the checkpoint in fp16 and traces that: the graph TensorRT
     builds from on fp16 targets (TensorRT 11 takes the graph's types, there is no FP16 flag).
+    dtype="float16"/"bfloat16" with an in-place layout writes the float32 graph and rewrites it in half
+    precision (bundler.export_half): what ONNX Runtime's CUDA provider runs (the `cuda` target).
     """
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if kv_cache not in KV_CACHE_LAYOUTS:
         raise UsageError(f"expected kv_cache to be one of {', '.join(KV_CACHE_LAYOUTS)}, found {kv_cache!r}")
     if dtype not in DTYPES:
         raise UsageError(f"expected dtype to be one of {', '.join(DTYPES)}, found {dtype!r}")
-    if kv_cache != "concat" and dtype != "float32":
-        raise UsageError(f"the {kv_cache} KV-cache graph is float32 only (it is for ONNX Runtime on CPU); "
-                         f"found dtype {dtype!r}: export float16 with kv_cache='concat'")
+    if kv_cache == "concat" and dtype == "bfloat16":
+        raise UsageError("the concat KV-cache graph is float32 or float16; found dtype 'bfloat16': export "
+                         "bfloat16 with an in-place layout (kv_cache='batched')")
     config = read_config(checkpoint_dir)
     family, arch = check_family(config, str(checkpoint_dir))
     opset = opset or DEFAULT_OPSET
     out_dir.mkdir(parents=True, exist_ok=True)
     if kv_cache != "concat":
+        if dtype != "float32":  # the float32 graph, rewritten in half precision (bundler.export_half)
+            return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype)
         return _export_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache)
 
     import onnx
@@ -243,6 +247,23 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
                     location=WEIGHTS_NAME, size_threshold=1024)
     log.info("exported %s (%s, %d layers, %s) to %s", checkpoint_dir, arch, num_layers, dtype, result.graph)
     return result
+
+
+def _half_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int, layout: str,
+                   dtype: str) -> ExportResult:
+    import dataclasses
+    import shutil
+
+    from bundler.export_half import convert_graph
+
+    work = out_dir / ".float32"
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        full = _export_in_place(checkpoint_dir, work, family, arch, opset, layout)
+        graph = convert_graph(full.graph, out_dir / full.graph.name, dtype)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return dataclasses.replace(full, graph=graph, weights=graph.with_name(graph.name + ".data"), dtype=dtype)
 
 
 def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int,

@@ -55,10 +55,10 @@ def test_bad_dtypes_are_refused_by_name(family_exports, tmp_path):
     from bundler.export import export_onnx
 
     checkpoint = family_exports["llama"][0]
-    with pytest.raises(UsageError, match="expected dtype to be one of float32, float16, found 'bfloat16'"):
-        export_onnx(checkpoint, tmp_path / "a", dtype="bfloat16")
-    with pytest.raises(UsageError, match="shared KV-cache graph is float32 only.*found dtype 'float16'"):
-        export_onnx(checkpoint, tmp_path / "b", kv_cache="shared", dtype="float16")
+    with pytest.raises(UsageError, match="expected dtype to be one of float32, float16, bfloat16, found 'int8'"):
+        export_onnx(checkpoint, tmp_path / "a", dtype="int8")
+    with pytest.raises(UsageError, match="concat KV-cache graph is float32 or float16; found dtype 'bfloat16'"):
+        export_onnx(checkpoint, tmp_path / "b", dtype="bfloat16")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 

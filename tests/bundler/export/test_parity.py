@@ -43,14 +43,15 @@ def assert_logits(got: np.ndarray, ref: np.ndarray, atol: float, what: str) -> N
 
 
 def check_parity(checkpoint: Path, graph: Path, vocab: int, n: int = 48, seed: int = 0,
-                 rtol: float | None = None) -> None:
-    """`rtol`: tolerance relative to the largest reference |logit| (fp16); None: fp32's ATOL."""
+                 rtol: float | None = None, engine=None) -> None:
+    """`rtol`: tolerance relative to the largest reference |logit| (fp16); None: fp32's ATOL.
+    `engine`: the engine to check (slot 0 is used), default ONNX Runtime's CPU engine over `graph`."""
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
 
     tokens = np.random.default_rng(seed).integers(0, vocab, n).tolist()
     ref = reference_logits(checkpoint, tokens)
     atol = ATOL if rtol is None else rtol * float(np.abs(ref).max())
-    engine = OnnxRuntimeEngine(graph, max_context=128)
+    engine = engine or OnnxRuntimeEngine(graph, max_context=128)
 
     prefill = engine.forward_one(tokens[:16])
     assert_logits(prefill, ref[:16], atol, "prefill")

@@ -1,0 +1,457 @@
+"""ONNX Runtime's CUDA provider over the shipped graph: the `cuda` target, and TensorRT targets without TensorRT.
+
+Slots (runtime.engine) as in runtime.engines.onnxruntime, with nothing on the host that need not be:
+
+- the KV cache lives in device memory (cudaMalloc), bound to the graph's past and present with
+  I/O binding, so a step writes only the new tokens' keys and values, on the device;
+- logits are computed into a device buffer and only the rows asked for come back: all of a row's
+  (the `forward` contract), its last one (`forward(rows, last_only=True)`, what a prefill needs), or
+  none, just the argmax of every position (`forward_greedy`, from the graph's `argmax` output:
+  8 bytes a token instead of a vocab-sized row);
+- single-token decode steps run as CUDA graphs (ONNX Runtime's `enable_cuda_graph`), one graph per
+  batch bucket (1, 2, 4, 8, ... slots; slots 0..bucket-1, always at the same device addresses:
+  inputs are copied into fixed device buffers, a slot without a row writes into the spare rows),
+  captured on first use. Prefill, verification and mixed steps run without a graph.
+
+Layouts: "batched" (TensorScatter + Attention; the `cuda` target's graph, fp16 or bf16 from
+bundler.export_half): one call for every row of a step. "concat" (the fp16 graph TensorRT targets
+carry, run here when TensorRT is absent): rows one by one, batch 1, two device buffers per slot that
+take turns. The "shared" GroupQueryAttention graph is a cpu-target graph and is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from manifests.errors import EnvironmentProblem, ModelError
+from runtime.cuda import D2D, D2H, H2D, Cudart, onnxruntime_cuda
+from runtime.engine import ContextFull, Engine, Row
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CudaEngine", "batch_buckets"]
+
+#: ONNX type strings -> (numpy dtype for host copies, element type for binding). bf16 has no numpy type.
+TYPES = {"tensor(float)": (np.float32, np.float32), "tensor(float16)": (np.float16, np.float16),
+         "tensor(bfloat16)": (np.uint16, 16)}
+PRECISION = {"tensor(float)": "fp32", "tensor(float16)": "fp16", "tensor(bfloat16)": "bf16"}
+PAD_LIMIT_FACTOR = 2
+
+
+def batch_buckets(num_slots: int) -> list[int]:
+    """Batch sizes a decode step is padded to (one CUDA graph each): powers of two, and num_slots."""
+    out, b = [], 1
+    while b < num_slots:
+        out.append(b)
+        b *= 2
+    return out + [num_slots]
+
+
+class _Device:
+    """One device allocation, freed with the engine."""
+
+    def __init__(self, cudart: Cudart, nbytes: int):
+        self.cudart, self.nbytes, self.ptr = cudart, int(nbytes), cudart.malloc(nbytes)
+
+    def free(self) -> None:
+        if self.ptr:
+            self.cudart.free(self.ptr)
+            self.ptr = 0
+
+
+class CudaEngine(Engine):
+    def __init__(self, graph: Path, *, max_context: int | None = None, num_slots: int = 1,
+                 kv_cache: str | None = None, cuda_graphs: bool = True, device_id: int = 0, memory=None,
+                 profile: bool = False):
+        """`memory`: None for the GPU; tests pass a host-memory object with Cudart's methods, and the
+        engine then binds host buffers and runs on ONNX Runtime's CPU provider (its bookkeeping, no GPU).
+        `profile`: ONNX Runtime's profiler on, for `node_providers` (which provider ran each node)."""
+        if memory is None:
+            ort, why = onnxruntime_cuda()
+            if ort is None:
+                raise EnvironmentProblem(f"the CUDA engine cannot run here: {why}")
+            self.cudart, self._device, self._provider = Cudart.load(), "cuda", "CUDAExecutionProvider"
+        else:
+            import onnxruntime as ort
+
+            self.cudart, self._device, self._provider, cuda_graphs = memory, "cpu", "CPUExecutionProvider", False
+        graph = Path(graph)
+        if not graph.is_file():
+            raise EnvironmentProblem(f"expected the ONNX graph at {graph}, found nothing")
+        self._ort, self._graph, self.device_id, self._profile = ort, graph, device_id, profile
+        self.cuda_graphs, self.cuda_graph_error = False, None
+        self.session = None
+        if cuda_graphs:
+            try:
+                self.session = self._session(True)
+                self.cuda_graphs = True
+            except Exception as e:  # ONNX Runtime refuses graphs when some node is not on the CUDA provider
+                self.cuda_graph_error = str(e).splitlines()[0]
+                log.warning("CUDA graphs are off for %s: %s", graph, self.cuda_graph_error)
+        if self.session is None:
+            try:
+                self.session = self._session(False)
+            except Exception as e:
+                raise ModelError(f"ONNX Runtime's CUDA provider cannot load {graph}: {str(e).splitlines()[0]}") from None
+        if self.session.get_providers()[0] != self._provider:
+            raise EnvironmentProblem(f"expected ONNX Runtime to run {graph} on {self._provider}, "
+                                     f"found {self.session.get_providers()}")
+        meta = self.session.get_modelmeta().custom_metadata_map
+        self.kv_cache = meta.get("bundle.kv_cache", "concat")
+        if self.kv_cache not in ("batched", "concat"):
+            raise ModelError(f"{graph}: the CUDA engine runs the batched or concat KV-cache graphs, "
+                             f"found {self.kv_cache!r}")
+        if kv_cache is not None and kv_cache != self.kv_cache:
+            raise ModelError(f"{graph}: the engine record expects a {kv_cache!r} KV-cache graph, the graph is "
+                             f"{self.kv_cache!r}")
+        self._read_signature()
+        graph_max = int(meta.get("bundle.max_positions", 0)) or None
+        limit = int(max_context or graph_max or 0)
+        if not limit:
+            raise ModelError(f"{graph}: no bundle.max_positions in the graph metadata; pass max_context")
+        if graph_max is not None and limit > graph_max:
+            raise ModelError(f"max context {limit} exceeds what the model supports; expected at most {graph_max}")
+        self.batched = self.kv_cache == "batched"
+        self._headroom = int(meta.get("bundle.kv_headroom", 0)) if self.batched else 0
+        self._graphs: dict[tuple, int] = {}  # (bucket, allocation) -> gpu_graph_id
+        self._generation = 0
+        self._buffers: list = []
+        self._scratch: dict[str, _Device] = {}
+        self.description = (f"onnxruntime {ort.__version__} {self._provider} {self.precision} "
+                            f"kv-cache {self.kv_cache}{' cuda-graphs' if self.cuda_graphs else ''}")
+        self.allocate_slots(num_slots, max_context=limit)
+
+    def _session(self, cuda_graphs: bool):
+        ort = self._ort
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if self._profile:
+            so.enable_profiling = True
+        if self._device == "cpu":
+            return ort.InferenceSession(str(self._graph), so, providers=["CPUExecutionProvider"])
+        options = {"device_id": str(self.device_id), "enable_cuda_graph": "1" if cuda_graphs else "0"}
+        return ort.InferenceSession(str(self._graph), so, providers=[("CUDAExecutionProvider", options)])
+
+    def _read_signature(self) -> None:
+        ins = {i.name: i for i in self.session.get_inputs()}
+        outs = {o.name: o for o in self.session.get_outputs()}
+        layers = sum(1 for n in ins if n.startswith("past_key_values.") and n.endswith(".key"))
+        if not layers or "input_ids" not in ins or "logits" not in outs:
+            raise ModelError(f"{self._graph}: expected a KV-cache decoder graph, found inputs {sorted(ins)[:6]}")
+        self._past = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+        self._present = [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+        shape = ins[self._past[0]].shape
+        self.num_layers, self.num_kv_heads, self.head_dim = layers, int(shape[1]), int(shape[3])
+        self.vocab_size = int(outs["logits"].shape[-1])
+        kv_type = ins[self._past[0]].type
+        if kv_type not in TYPES or outs["logits"].type != "tensor(float)":
+            raise ModelError(f"{self._graph}: expected a float32/float16/bfloat16 KV cache and float32 logits, "
+                             f"found {kv_type} and {outs['logits'].type}")
+        self.kv_dtype = np.dtype(TYPES[kv_type][0])
+        self._kv_element = TYPES[kv_type][1]
+        self.precision = PRECISION[kv_type]
+        self._itemsize = self.kv_dtype.itemsize
+        self._has_argmax = "argmax" in outs
+        self._has_mask = "attention_mask" in ins
+        self._has_positions = "position_ids" in ins
+
+    # --- memory --------------------------------------------------------------------------------
+    def _rows_per_slot(self) -> int:
+        return self.capacity if self.batched else 2 * self.max_context
+
+    def kv_bytes_per_slot(self) -> int:
+        return len(self._past) * self.num_kv_heads * self._rows_per_slot() * self.head_dim * self._itemsize
+
+    def allocate_slots(self, num_slots: int, max_context: int | None = None) -> None:
+        """(Re)allocate the device caches for `num_slots` empty slots (and a new max_context, if given)."""
+        if num_slots < 1:
+            raise ValueError(f"expected at least one slot, found {num_slots}")
+        for buf in self._flat_buffers():
+            buf.free()
+        self.max_context = int(max_context or self.max_context)
+        self.capacity = self.max_context + self._headroom
+        self.num_slots = int(num_slots)
+        per_head = self.num_kv_heads * self.head_dim * self._itemsize
+        if self.batched:  # [layer*2 + kv] -> [slots, kv_heads, capacity, head_dim]
+            self._buffers = [_Device(self.cudart, num_slots * per_head * self.capacity) for _ in self._past]
+        else:  # [slot][copy][layer*2 + kv] -> [kv_heads, length, head_dim], packed
+            self._buffers = [[[_Device(self.cudart, per_head * self.max_context) for _ in self._past]
+                              for _ in range(2)] for _ in range(num_slots)]
+        self._current = [0] * num_slots
+        self._lengths = [0] * num_slots
+        self._generation += 1
+        self._bound: tuple | None = None
+        self.buckets = batch_buckets(num_slots)
+
+    def _flat_buffers(self) -> list[_Device]:
+        if self.batched:
+            return list(self._buffers)
+        return [b for slot in self._buffers for copy in slot for b in copy]
+
+    def _scratch_buffer(self, name: str, nbytes: int) -> _Device:
+        """A device buffer that only grows (its address changes only when it grows)."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            if buf is not None:
+                buf.free()
+            buf = self._scratch[name] = _Device(self.cudart, max(nbytes, 256))
+        return buf
+
+    def memory(self) -> dict:
+        data = self._graph.with_name(self._graph.name + ".data")
+        weights = self._graph.stat().st_size + (data.stat().st_size if data.exists() else 0)
+        return {"weights": weights, "kv_cache": self.kv_bytes_per_slot() * self.num_slots}
+
+    def close(self) -> None:
+        for buf in self._flat_buffers() + list(self._scratch.values()):
+            buf.free()
+        self._buffers, self._scratch, self.session = [], {}, None
+
+    # --- slots ---------------------------------------------------------------------------------
+    def length(self, slot: int) -> int:
+        return self._lengths[slot]
+
+    def _check_rows(self, rows: Sequence[Row]) -> None:
+        seen = set()
+        for r in rows:
+            if r.slot in seen or not 0 <= r.slot < self.num_slots:
+                raise ValueError(f"expected each slot in 0..{self.num_slots - 1} at most once, found slot {r.slot}")
+            seen.add(r.slot)
+            if self._lengths[r.slot] + len(r.tokens) > self.max_context:
+                raise ContextFull(f"context full: expected at most {self.max_context} tokens, found "
+                                  f"{self._lengths[r.slot]} cached + {len(r.tokens)} new in slot {r.slot}")
+
+    def forward(self, rows: Sequence[Row], *, last_only: bool = False) -> list[np.ndarray]:
+        """float32 logits per row: [len(tokens), vocab], or [1, vocab] of its last token with last_only."""
+        return self._forward(rows, "last" if last_only else "all")
+
+    def forward_greedy(self, rows: Sequence[Row]) -> list[np.ndarray]:
+        """The argmax token after each of a row's tokens (int64 [len(tokens)]): greedy decoding and
+        greedy verification without copying logits to the host."""
+        if not self._has_argmax:
+            return [lg.argmax(-1) for lg in self._forward(rows, "all")]
+        return self._forward(rows, "argmax")
+
+    def _forward(self, rows: Sequence[Row], want: str) -> list[np.ndarray]:
+        self._check_rows(rows)
+        out: dict[int, np.ndarray] = {}
+        live = [r for r in rows if len(r.tokens)]
+        for r in rows:
+            if not len(r.tokens):
+                out[r.slot] = (np.zeros(0, np.int64) if want == "argmax"
+                               else np.zeros((0, self.vocab_size), np.float32))
+        if self.batched:
+            for group in self._groups(live):
+                out.update(self._run_batched(group, want))
+        else:
+            for r in live:
+                out[r.slot] = self._run_one(r.slot, r.tokens, want)
+        return [out[r.slot] for r in rows]
+
+    def _groups(self, rows: list[Row]) -> list[list[Row]]:
+        """Similar lengths share a call (padding at most ~PAD_LIMIT_FACTOR x the real tokens); a row longer
+        than the headroom goes alone. Same rule as the CPU engine."""
+        groups: list[list[Row]] = []
+        current: list[Row] = []
+        for r in sorted(rows, key=lambda r: -len(r.tokens)):
+            n = len(r.tokens)
+            if n > self._headroom:
+                groups.append([r])
+                continue
+            if current:
+                width = len(current[0].tokens)
+                real = sum(len(x.tokens) for x in current) + n
+                if (len(current) + 1) * width > PAD_LIMIT_FACTOR * real and width > 4:
+                    groups.append(current)
+                    current = []
+            current.append(r)
+        if current:
+            groups.append(current)
+        return groups
+
+    # --- batched -------------------------------------------------------------------------------
+    def _run_batched(self, group: list[Row], want: str) -> dict[int, np.ndarray]:
+        width = max(len(r.tokens) for r in group)
+        hi = max(r.slot for r in group) + 1
+        graph_id = None
+        if self.cuda_graphs and width == 1:  # decode: pad to a bucket of slots 0..bucket-1
+            lo, hi = 0, next(b for b in self.buckets if b >= hi)
+            graph_id = self._graphs.setdefault((hi, self._generation), len(self._graphs) + 1)
+        else:
+            lo = min(r.slot for r in group)
+        batch, cap = hi - lo, self.capacity
+        ids = np.zeros((batch, width), np.int64)
+        write = np.full(batch, cap - width, np.int64)  # slots without a row: the spare rows at the end
+        for r in group:
+            ids[r.slot - lo, :len(r.tokens)] = r.tokens
+            write[r.slot - lo] = self._lengths[r.slot]
+        positions = write[:, None] + np.arange(width, dtype=np.int64)[None, :]
+        mask = np.arange(cap)[None, None, None, :] <= positions[:, None, :, None]
+        self._bind_inputs(batch, width, ids, positions, write, mask)
+        self._bind_cache(lo, hi)
+        logits, argmax = self._bind_outputs(batch, width, want)
+        run_options = self._ort.RunOptions()
+        if self.cuda_graphs:
+            run_options.add_run_config_entry("gpu_graph_id", str(graph_id if graph_id is not None else -1))
+        self.session.run_with_iobinding(self._binding, run_options)
+        out = {}
+        for r in group:
+            n, row = len(r.tokens), r.slot - lo
+            out[r.slot] = self._fetch(logits, argmax, batch, width, row, n, want)
+            self._lengths[r.slot] += n
+        return out
+
+    def _bind_inputs(self, batch, width, ids, positions, write, mask) -> None:
+        """One host-to-device copy of every small input into a fixed device buffer (what graphs replay)."""
+        parts = [("input_ids", ids, np.int64), ("position_ids", positions, np.int64),
+                 ("write_indices", write, np.int64), ("attention_mask", mask, np.bool_)]
+        offsets, total = [], 0
+        for _, array, _ in parts:
+            offsets.append(total)
+            total += -(-array.nbytes // 256) * 256
+        host = np.zeros(total, np.uint8)
+        for (_, array, _), off in zip(parts, offsets):
+            host[off:off + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).ravel()
+        buf = self._scratch_buffer(f"inputs-{batch}x{width}", total)
+        self.cudart.memcpy(buf.ptr, host.ctypes.data, total, H2D)
+        self.cudart.synchronize()  # a pageable copy may still be in flight; ONNX Runtime's stream does not wait
+        key = ("inputs", batch, width, buf.ptr)
+        if self._bound_inputs != key:
+            for (name, array, dtype), off in zip(parts, offsets):
+                self._binding.bind_input(name, self._device, self.device_id, dtype, list(array.shape), buf.ptr + off)
+            self._bound_inputs = key
+
+    def _bind_cache(self, lo: int, hi: int) -> None:
+        key = ("batched", lo, hi, self._generation)
+        if self._bound != key:
+            per = self.num_kv_heads * self.capacity * self.head_dim * self._itemsize
+            shape = [hi - lo, self.num_kv_heads, self.capacity, self.head_dim]
+            for past, present, buf in zip(self._past, self._present, self._buffers):
+                self._binding.bind_input(past, self._device, self.device_id, self._kv_element, shape, buf.ptr + lo * per)
+                self._binding.bind_output(present, self._device, self.device_id, self._kv_element, shape,
+                                          buf.ptr + lo * per)
+            self._bound = key
+
+    def _bind_outputs(self, batch: int, width: int, want: str):
+        logits = self._scratch_buffer(f"logits-{batch}x{width}", batch * width * self.vocab_size * 4)
+        argmax = self._scratch_buffer(f"argmax-{batch}x{width}", batch * width * 8)
+        key = (batch, width, logits.ptr, argmax.ptr)
+        if self._bound_outputs != key:
+            self._binding.bind_output("logits", self._device, self.device_id, np.float32,
+                                      [batch, width, self.vocab_size], logits.ptr)
+            if self._has_argmax:
+                self._binding.bind_output("argmax", self._device, self.device_id, np.int64, [batch, width], argmax.ptr)
+            self._bound_outputs = key
+        return logits, argmax
+
+    def _fetch(self, logits: _Device, argmax: _Device, batch: int, width: int, row: int, n: int,
+               want: str) -> np.ndarray:
+        """Copy back only what was asked for: row `row`'s first n positions (or its last, or its argmax)."""
+        if want == "argmax":
+            host = np.empty(n, np.int64)
+            self.cudart.memcpy(host.ctypes.data, argmax.ptr + row * width * 8, n * 8, D2H)
+            return host
+        first = n - 1 if want == "last" else 0
+        host = np.empty((n - first, self.vocab_size), np.float32)
+        row_bytes = self.vocab_size * 4
+        self.cudart.memcpy(host.ctypes.data, logits.ptr + (row * width + first) * row_bytes, host.nbytes, D2H)
+        return host
+
+    # --- concat (batch 1, two buffers per slot) ------------------------------------------------
+    def _run_one(self, slot: int, token_ids: Sequence[int], want: str) -> np.ndarray:
+        n = len(token_ids)
+        past, total = self._lengths[slot], self._lengths[slot] + n
+        b = self._binding
+        b.bind_cpu_input("input_ids", np.asarray(token_ids, dtype=np.int64).reshape(1, n))
+        if self._has_positions:
+            b.bind_cpu_input("position_ids", np.arange(past, total, dtype=np.int64).reshape(1, n))
+        if self._has_mask:
+            b.bind_cpu_input("attention_mask", np.ones((1, total), np.int64))
+        kv, hd = self.num_kv_heads, self.head_dim
+        src, dst = self._buffers[slot][self._current[slot]], self._buffers[slot][1 - self._current[slot]]
+        for name, buf in zip(self._past, src):
+            b.bind_input(name, self._device, self.device_id, self._kv_element, [1, kv, past, hd], buf.ptr)
+        for name, buf in zip(self._present, dst):
+            b.bind_output(name, self._device, self.device_id, self._kv_element, [1, kv, total, hd], buf.ptr)
+        self._bound = None
+        logits, argmax = self._bind_outputs(1, n, want)
+        self.session.run_with_iobinding(b, self._plain_run())
+        self._current[slot] = 1 - self._current[slot]
+        self._lengths[slot] = total
+        return self._fetch(logits, argmax, 1, n, 0, n, want)
+
+    def _plain_run(self):
+        ro = self._ort.RunOptions()
+        if self.cuda_graphs:
+            ro.add_run_config_entry("gpu_graph_id", "-1")
+        return ro
+
+    # --- rollback, prefix copies (device to device) --------------------------------------------
+    def _copy_rows(self, dst: int, dst_pitch_rows: int, src: int, src_pitch_rows: int, rows: int) -> None:
+        """Copy the first `rows` positions of every head: [kv_heads, pitch, head_dim] -> same, other pitch."""
+        row = self.head_dim * self._itemsize
+        self.cudart.memcpy2d(dst, dst_pitch_rows * row, src, src_pitch_rows * row, rows * row, self.num_kv_heads,
+                             D2D)
+        self.cudart.synchronize()  # device-to-device copies are asynchronous: done before the next run
+
+    def rollback(self, slot: int, length: int) -> None:
+        have = self._lengths[slot]
+        if not 0 <= length <= have:
+            raise ValueError(f"rollback of slot {slot} to {length}: expected 0..{have}")
+        if length == have:
+            return
+        if length > 0 and not self.batched:  # concat: compact the kept prefix into the other buffer
+            other = 1 - self._current[slot]
+            for s, d in zip(self._buffers[slot][self._current[slot]], self._buffers[slot][other]):
+                self._copy_rows(d.ptr, length, s.ptr, have, length)
+            self._current[slot] = other
+        self._lengths[slot] = length
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        if not 0 <= length <= self._lengths[src]:
+            raise ValueError(f"copy of {length} tokens from slot {src}: it holds {self._lengths[src]}")
+        if src == dst:
+            self.rollback(dst, length)
+            return
+        if length and self.batched:
+            per = self.num_kv_heads * self.capacity * self.head_dim * self._itemsize
+            for buf in self._buffers:
+                self._copy_rows(buf.ptr + dst * per, self.capacity, buf.ptr + src * per, self.capacity, length)
+        elif length:
+            have = self._lengths[src]
+            for s, d in zip(self._buffers[src][self._current[src]], self._buffers[dst][self._current[dst]]):
+                self._copy_rows(d.ptr, length, s.ptr, have, length)
+        self._lengths[dst] = length
+
+    def node_providers(self) -> dict[str, dict[str, int]]:
+        """{provider: {op type: nodes run}} over the runs so far (needs profile=True). A node on
+        CPUExecutionProvider in a CUDA session means host round trips (ONNX Runtime's "Memcpy nodes")."""
+        import json
+
+        if not self._profile:
+            raise ValueError("expected an engine made with profile=True")
+        path = Path(self.session.end_profiling())
+        seen: dict[str, dict[str, set]] = {}
+        for event in json.loads(path.read_text()):
+            args = event.get("args", {})
+            if event.get("cat") == "Node" and "provider" in args:
+                seen.setdefault(args["provider"], {}).setdefault(args.get("op_name", "?"), set()).add(
+                    event.get("name", "").rsplit("_kernel_time", 1)[0])
+        path.unlink(missing_ok=True)
+        return {p: {op: len(names) for op, names in ops.items()} for p, ops in seen.items()}
+
+    # --- I/O binding state ---------------------------------------------------------------------
+    @property
+    def _binding(self):
+        binding = getattr(self, "_io", None)
+        if binding is None:
+            binding = self._io = self.session.io_binding()
+            self._bound_inputs = self._bound_outputs = None
+        return binding
+
+    _bound_inputs = None
+    _bound_outputs = None

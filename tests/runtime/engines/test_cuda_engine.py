@@ -1,0 +1,127 @@
+"""The CUDA engine on a real GPU: parity with transformers (fp16, bf16), CUDA graphs, batching, speculation.
+
+Needs an NVIDIA GPU and onnxruntime-gpu (the [cuda] extra); elsewhere every test here skips and
+says so. The same engine's bookkeeping on host memory runs everywhere: test_cuda_engine_host.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.engine import Row
+from tests.bundler.export.test_parity import FP16_RTOL, check_parity
+
+
+def _why_not() -> str | None:
+    from runtime.cuda import onnxruntime_cuda
+
+    return onnxruntime_cuda()[1]
+
+
+WHY_NOT = _why_not()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"needs an NVIDIA GPU with onnxruntime-gpu "
+                                                            f"(run on the GPU machine): {WHY_NOT}")
+BF16_RTOL = 4e-2  # bf16 keeps 8 bits of mantissa: weights, activations and cache each rounded once
+
+
+@pytest.fixture(scope="module")
+def gpu_graphs(tiny_export, tmp_path_factory) -> dict:
+    from bundler.export import export_onnx
+
+    ckpt = tiny_export[0]
+    root = tmp_path_factory.mktemp("cuda")
+    return {"checkpoint": ckpt,
+            "fp16": export_onnx(ckpt, root / "h", kv_cache="batched", dtype="float16"),
+            "bf16": export_onnx(ckpt, root / "b", kv_cache="batched", dtype="bfloat16")}
+
+
+def cuda_engine(graph, **kw):
+    from runtime.engines.cuda import CudaEngine
+
+    return CudaEngine(graph, **kw)
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_fp16_parity_with_transformers_prefill_decode_verify_rollback(gpu_graphs, cuda_graphs):
+    result = gpu_graphs["fp16"]
+    engine = cuda_engine(result.graph, max_context=128, cuda_graphs=cuda_graphs)
+    assert "CUDAExecutionProvider fp16 kv-cache batched" in engine.description
+    assert engine.cuda_graphs == cuda_graphs, engine.cuda_graph_error
+    check_parity(gpu_graphs["checkpoint"], result.graph, result.vocab_size, rtol=FP16_RTOL, engine=engine)
+
+
+def test_bf16_parity_with_transformers(gpu_graphs):
+    result = gpu_graphs["bf16"]
+    engine = cuda_engine(result.graph, max_context=128)
+    assert " bf16 " in engine.description
+    check_parity(gpu_graphs["checkpoint"], result.graph, result.vocab_size, rtol=BF16_RTOL, engine=engine)
+
+
+def test_batched_decode_with_cuda_graphs_equals_without_and_each_slot_alone(gpu_graphs):
+    result = gpu_graphs["fp16"]
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, result.vocab_size, n).tolist() for n in (7, 12, 3)]
+    runs = {}
+    for graphs in (True, False):
+        engine = cuda_engine(result.graph, max_context=96, num_slots=4, cuda_graphs=graphs)
+        engine.forward([Row(s, p) for s, p in enumerate(prompts)])
+        tokens, out = [[p[-1]] for p in prompts], []
+        for _ in range(12):  # three slots decoding: bucket 4, slot 3 idle (writes only spare rows)
+            greedy = engine.forward_greedy([Row(s, t[-1:]) for s, t in enumerate(tokens)])
+            for t, g in zip(tokens, greedy):
+                t.append(int(g[0]))
+        runs[graphs] = tokens
+    assert runs[True] == runs[False]
+    alone = cuda_engine(result.graph, max_context=96, cuda_graphs=False)
+    for prompt, tokens in zip(prompts, runs[True]):
+        alone.release(0)
+        got = [int(alone.forward_greedy([Row(0, prompt)])[0][-1])]
+        for _ in range(11):
+            got.append(int(alone.forward_greedy([Row(0, got[-1:])])[0][0]))
+        assert got == tokens[1:]
+
+
+def test_decode_runs_every_node_on_the_gpu(gpu_graphs):
+    """ONNX Runtime's "Memcpy nodes are added" means nodes on the CPU; the decode path must have none."""
+    result = gpu_graphs["fp16"]
+    engine = cuda_engine(result.graph, max_context=64, num_slots=2, cuda_graphs=False, profile=True)
+    engine.forward([Row(0, [1, 2, 3]), Row(1, [4, 5])])
+    engine.forward_greedy([Row(0, [6]), Row(1, [7])])
+    placed = engine.node_providers()
+    assert set(placed) == {"CUDAExecutionProvider"}, placed
+
+
+def test_speculation_is_greedy_token_for_token(gpu_graphs, tmp_path):
+    from bundler.export import export_onnx
+    from runtime.sampling import SamplingParams
+    from runtime.speculative import Generator
+    from tests.runtime.engines.test_fp16_fallback import noisy_copy
+
+    draft_ckpt = noisy_copy(gpu_graphs["checkpoint"], tmp_path / "draft")
+    draft = cuda_engine(export_onnx(draft_ckpt, tmp_path / "d", kv_cache="batched", dtype="float16").graph,
+                        max_context=128)
+    target = cuda_engine(gpu_graphs["fp16"].graph, max_context=128)
+    prompt, greedy = [5, 17, 42, 9, 300], SamplingParams(temperature=0.0)
+    plain = [t for s in Generator(target).generate(prompt, greedy, max_tokens=40) for t in s.tokens]
+    steps = list(Generator(target, draft, "draft_model", 3).generate(prompt, greedy, max_tokens=40))
+    assert [t for s in steps for t in s.tokens] == plain and len(plain) == 40
+    assert {"all", "some", "none"} <= {"all" if s.accepted == s.drafted else "none" if s.accepted == 0 else "some"
+                                       for s in steps if s.drafted}
+
+
+def test_thor_fallback_concat_graph_on_the_gpu_matches_transformers(tiny_export, tmp_path):
+    from bundler.export import export_onnx
+
+    ckpt = tiny_export[0]
+    result = export_onnx(ckpt, tmp_path / "c", dtype="float16")
+    engine = cuda_engine(result.graph, max_context=128)
+    assert "fp16 kv-cache concat" in engine.description
+    check_parity(ckpt, result.graph, result.vocab_size, rtol=FP16_RTOL, engine=engine)
+
+
+def test_detection_reads_the_gpu():
+    from runtime.cuda import gpu
+
+    found = gpu()
+    assert found is not None and found.memory_bytes > 2**30 and found.compute_capability.count(".") == 1

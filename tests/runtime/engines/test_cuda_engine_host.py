@@ -1,0 +1,111 @@
+"""The CUDA engine's bookkeeping without a GPU: its slots, buckets, rollback, prefix copies and fetches, on host memory.
+
+runtime.engines.cuda given `memory=HostMemory()` binds host buffers and runs on ONNX Runtime's CPU
+provider; everything else (one call for all rows, the bucket padding, the spare rows, the pitch
+arithmetic of its device-to-device copies, which rows come back) is the code that runs on the GPU.
+The same checks on a real GPU are tests/runtime/engines/test_cuda_engine.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.engine import ContextFull, Row
+from tests.runtime.engines.host_memory import HostMemory
+
+
+@pytest.fixture(scope="module")
+def graphs(tiny_export, tmp_path_factory) -> dict:
+    """"batched" (fp32), "batched-fp16", "concat-fp16" graphs of the tiny llama."""
+    from bundler.export import export_onnx
+
+    ckpt = tiny_export[0]
+    root = tmp_path_factory.mktemp("cuda-host")
+    return {"batched": export_onnx(ckpt, root / "b", kv_cache="batched").graph,
+            "batched-fp16": export_onnx(ckpt, root / "h", kv_cache="batched", dtype="float16").graph,
+            "concat-fp16": export_onnx(ckpt, root / "c", dtype="float16").graph}
+
+
+def host_engine(graph, **kw):
+    from runtime.engines.cuda import CudaEngine
+
+    return CudaEngine(graph, memory=HostMemory(), **kw)
+
+
+def test_buckets():
+    from runtime.engines.cuda import batch_buckets
+
+    assert batch_buckets(1) == [1] and batch_buckets(8) == [1, 2, 4, 8] and batch_buckets(6) == [1, 2, 4, 6]
+
+
+def test_rows_of_many_slots_in_one_call_match_each_slot_alone(graphs):
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, 500, n).tolist() for n in (5, 9, 3)]
+    engine = host_engine(graphs["batched"], max_context=64, num_slots=4)
+    assert engine.description.endswith("fp32 kv-cache batched") and engine.batched
+    first = engine.forward([Row(s, p) for s, p in enumerate(prompts)])
+    steps = engine.forward([Row(0, [7]), Row(2, [11, 12]), Row(3, [1, 2, 3])])
+    for slot, prompt, extra, step in ((0, prompts[0], [7], steps[0]), (2, prompts[2], [11, 12], steps[1])):
+        alone = OnnxRuntimeEngine(graphs["batched"], max_context=64)
+        np.testing.assert_allclose(first[slot], alone.forward_one(prompt), atol=1e-5)
+        np.testing.assert_allclose(step, alone.forward_one(extra), atol=1e-5)
+    assert [engine.length(s) for s in range(4)] == [6, 9, 5, 3]
+
+
+def test_greedy_returns_the_argmax_and_last_only_the_last_row(graphs):
+    engine = host_engine(graphs["batched-fp16"], max_context=64, num_slots=2)
+    assert engine.kv_dtype == np.float16 and "fp16" in engine.description
+    full = engine.forward([Row(0, [5, 6, 7, 8]), Row(1, [9, 10])])
+    engine.release(0), engine.release(1)
+    greedy = engine.forward_greedy([Row(0, [5, 6, 7, 8]), Row(1, [9, 10])])
+    assert [g.tolist() for g in greedy] == [f.argmax(-1).tolist() for f in full]
+    engine.release(0), engine.release(1)
+    last = engine.forward([Row(0, [5, 6, 7, 8])], last_only=True)[0]
+    assert last.shape == (1, engine.vocab_size) and np.array_equal(last[0], full[0][-1])
+
+
+def test_rollback_and_prefix_copy_give_what_a_fresh_slot_gives(graphs):
+    for name in ("batched-fp16", "concat-fp16"):
+        engine = host_engine(graphs[name], max_context=64, num_slots=3)
+        prompt = list(range(3, 23))
+        engine.forward([Row(0, prompt)])
+        engine.forward([Row(0, [400, 401, 402])])  # a rejected draft
+        engine.rollback(0, 20)
+        after_rollback = engine.forward([Row(0, [30, 31])])[0]
+        engine.copy_prefix(0, 2, 20)  # slot 2 starts from slot 0's first 20 tokens
+        assert engine.length(2) == 20
+        after_copy = engine.forward([Row(2, [30, 31])])[0]
+        fresh = host_engine(graphs[name], max_context=64)
+        expected = fresh.forward([Row(0, prompt + [30, 31])])[0][-2:]
+        np.testing.assert_allclose(after_rollback, expected, atol=2e-3, err_msg=name)
+        np.testing.assert_allclose(after_copy, expected, atol=2e-3, err_msg=name)
+
+
+def test_context_full_and_bad_rows_are_refused(graphs):
+    engine = host_engine(graphs["batched"], max_context=8, num_slots=2)
+    with pytest.raises(ContextFull, match="expected at most 8 tokens, found 0 cached \\+ 9 new in slot 1"):
+        engine.forward([Row(1, list(range(9)))])
+    with pytest.raises(ValueError, match="at most once"):
+        engine.forward([Row(0, [1]), Row(0, [2])])
+    with pytest.raises(ValueError, match="rollback of slot 0 to 3: expected 0..0"):
+        engine.rollback(0, 3)
+
+
+def test_reallocating_slots_changes_capacity_and_empties_them(graphs):
+    engine = host_engine(graphs["batched"], max_context=16, num_slots=1)
+    engine.forward([Row(0, [1, 2, 3])])
+    before = engine.kv_bytes_per_slot()
+    engine.allocate_slots(4, max_context=32)
+    assert engine.num_slots == 4 and engine.length(0) == 0 and engine.max_context == 32
+    assert engine.kv_bytes_per_slot() > before and engine.memory()["kv_cache"] == 4 * engine.kv_bytes_per_slot()
+    assert engine.forward([Row(3, [1, 2])])[0].shape == (2, engine.vocab_size)
+
+
+def test_the_shared_cpu_graph_is_refused_by_name(tiny_exports):
+    from manifests.errors import ModelError
+
+    with pytest.raises(ModelError, match="runs the batched or concat KV-cache graphs, found 'shared'"):
+        host_engine(tiny_exports["shared"].graph, max_context=16)
