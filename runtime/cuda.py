@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 #: Libraries onnxruntime-gpu's CUDA provider links or dlopens, as the nvidia-* pip packages name them.
 CUDA_LIBRARY_PREFIXES = ("libcudart.", "libcublasLt.", "libcublas.", "libcurand.", "libcufft.", "libcudnn",
-                         "libnvrtc", "libnvJitLink.", "libcupti.")
+                         "libnvrtc", "libnvJitLink.")
 H2D, D2H, D2D = 1, 2, 3  # cudaMemcpyKind
 
 _loaded: list[str] | None = None
