@@ -233,12 +233,16 @@ def placement(graph: Path) -> dict:
 
     engine = CudaEngine(graph, max_context=256, num_slots=2, cuda_graphs=False, profile=True)
     engine.forward([Row(0, [1, 2, 3]), Row(1, [4, 5])], last_only=True)
-    for _ in range(3):
+    for _ in range(10):
         engine.forward_greedy([Row(0, [6]), Row(1, [7])])
     placed = engine.node_providers()
     engine.close()
+    cuda = placed.get("CUDAExecutionProvider", {})
+    total = sum(v["us"] for v in cuda.values()) or 1
     return {"cpu_nodes": placed.get("CPUExecutionProvider", {}),
-            "cuda_node_count": sum(placed.get("CUDAExecutionProvider", {}).values())}
+            "cuda_node_count": sum(v["nodes"] for v in cuda.values()),
+            "cuda_time_share": {op: round(v["us"] / total, 3) for op, v in
+                                sorted(cuda.items(), key=lambda kv: -kv[1]["us"])[:8]}}
 
 
 def plot(results: dict, path: Path) -> None:
