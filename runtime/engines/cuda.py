@@ -32,6 +32,7 @@ import numpy as np
 from manifests.errors import EnvironmentProblem, ModelError
 from runtime.cuda import D2D, D2H, H2D, Cudart, onnxruntime_cuda
 from runtime.engine import ContextFull, Engine, Row
+from runtime.engines.onnxruntime import OnnxRuntimeEngine
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,6 @@ __all__ = ["CudaEngine", "batch_buckets"]
 TYPES = {"tensor(float)": (np.float32, np.float32), "tensor(float16)": (np.float16, np.float16),
          "tensor(bfloat16)": (np.uint16, 16)}
 PRECISION = {"tensor(float)": "fp32", "tensor(float16)": "fp16", "tensor(bfloat16)": "bf16"}
-PAD_LIMIT_FACTOR = 2
 #: Steps whose rows are at most this many tokens run as CUDA graphs (decode; verification of k+1 drafts).
 GRAPH_MAX_WIDTH = 8
 
@@ -256,26 +256,8 @@ class CudaEngine(Engine):
                 out[r.slot] = self._run_one(r.slot, r.tokens, want)
         return [out[r.slot] for r in rows]
 
-    def _groups(self, rows: list[Row]) -> list[list[Row]]:
-        """Similar lengths share a call (padding at most ~PAD_LIMIT_FACTOR x the real tokens); a row longer
-        than the headroom goes alone. Same rule as the CPU engine."""
-        groups: list[list[Row]] = []
-        current: list[Row] = []
-        for r in sorted(rows, key=lambda r: -len(r.tokens)):
-            n = len(r.tokens)
-            if n > self._headroom:
-                groups.append([r])
-                continue
-            if current:
-                width = len(current[0].tokens)
-                real = sum(len(x.tokens) for x in current) + n
-                if (len(current) + 1) * width > PAD_LIMIT_FACTOR * real and width > 4:
-                    groups.append(current)
-                    current = []
-            current.append(r)
-        if current:
-            groups.append(current)
-        return groups
+    #: Similar lengths share a call, a row longer than the headroom goes alone: the CPU engine's rule.
+    _groups = OnnxRuntimeEngine._groups
 
     # --- batched -------------------------------------------------------------------------------
     def _run_batched(self, group: list[Row], want: str) -> dict[int, np.ndarray]:
