@@ -32,10 +32,16 @@ class ContextFull(ServeError):
 
 @dataclass(frozen=True)
 class Row:
-    """Tokens to append after what slot `slot` holds; logits come back for each of them."""
+    """Tokens to append after what slot `slot` holds; logits come back for each of them.
+
+    `fetch` says which logits the caller reads: "all", "last" (a prefill chunk whose next token is
+    sampled) or "none" (a prefill chunk whose logits nobody reads). An engine may return only those
+    ([1, vocab] or [0, vocab]), which saves a GPU engine a device-to-host copy of chunk x vocab floats;
+    engines whose logits are host memory anyway may return all of them."""
 
     slot: int
     tokens: Sequence[int]
+    fetch: str = "all"
 
 
 class Engine(ABC):

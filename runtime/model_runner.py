@@ -152,7 +152,7 @@ class ModelRunner:
         Each decoding request gets one Step through `request.emit`.
         """
         proposals = self._propose(decodes, prefills)
-        rows = [Row(r.slot, r.tokens[r.computed:r.computed + n]) for r, n in prefills]
+        rows = [Row(r.slot, r.tokens[r.computed:r.computed + n], fetch="none") for r, n in prefills]
         for r, _ in decodes:
             drafts, _ = proposals.get(r.slot, ([], []))
             rows.append(Row(r.slot, [r.tokens[-1], *drafts]))
@@ -190,13 +190,13 @@ class ModelRunner:
                 have = min(common_prefix(self.draft_cache[r.slot], r.tokens[:end]), end)
                 self._rollback(self.draft, self.draft_cache, r.slot, have)
                 if end > have:
-                    rows.append(Row(r.slot, r.tokens[have:end]))
+                    rows.append(Row(r.slot, r.tokens[have:end], fetch="none"))
         for r, g in decodes:
             if g <= 0 or not self.uses_draft(r):
                 continue
             have = min(common_prefix(self.draft_cache[r.slot], r.tokens), len(r.tokens) - 1)
             self._rollback(self.draft, self.draft_cache, r.slot, have)
-            rows.append(Row(r.slot, r.tokens[have:]))
+            rows.append(Row(r.slot, r.tokens[have:], fetch="last"))
             wanting.append((r, g))
             out[r.slot] = ([], [])
         if not rows:

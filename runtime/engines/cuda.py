@@ -4,10 +4,10 @@ Slots (runtime.engine) as in runtime.engines.onnxruntime, with nothing on the ho
 
 - the KV cache lives in device memory (cudaMalloc), bound to the graph's past and present with
   I/O binding, so a step writes only the new tokens' keys and values, on the device;
-- logits are computed into a device buffer and only the rows asked for come back: all of a row's
-  (the `forward` contract), its last one (`forward(rows, last_only=True)`, what a prefill needs), or
-  none, just the argmax of every position (`forward_greedy`, from the graph's `argmax` output:
-  8 bytes a token instead of a vocab-sized row);
+- logits are computed into a device buffer and only the rows asked for come back: what each Row's
+  `fetch` names (all, the last, none: a prefill chunk's logits nobody reads never leave the GPU),
+  the last of every row (`forward(rows, last_only=True)`), or just the argmax of every position
+  (`forward_greedy`, from the graph's `argmax` output: 8 bytes a token instead of a vocab-sized row);
 - steps whose rows hold at most GRAPH_MAX_WIDTH tokens (decode, verification of k+1 draft tokens)
   run as CUDA graphs (ONNX Runtime's `enable_cuda_graph`), one graph per (batch bucket, width):
   buckets of 1, 2, 4, 8, ... slots, slots 0..bucket-1, always at the same device addresses (inputs
@@ -253,7 +253,7 @@ class CudaEngine(Engine):
                 out.update(self._run_batched(group, want))
         else:
             for r in live:
-                out[r.slot] = self._run_one(r.slot, r.tokens, want)
+                out[r.slot] = self._run_one(r.slot, r.tokens, want if want != "all" else r.fetch)
         return [out[r.slot] for r in rows]
 
     #: Similar lengths share a call, a row longer than the headroom goes alone: the CPU engine's rule.
@@ -287,7 +287,7 @@ class CudaEngine(Engine):
         out = {}
         for r in group:
             n, row = len(r.tokens), r.slot - lo
-            out[r.slot] = self._fetch(logits, argmax, batch, width, row, n, want)
+            out[r.slot] = self._fetch(logits, argmax, batch, width, row, n, want if want != "all" else r.fetch)
             self._lengths[r.slot] += n
         return out
 
@@ -341,10 +341,11 @@ class CudaEngine(Engine):
             host = np.empty(n, np.int64)
             self.cudart.memcpy(host.ctypes.data, argmax.ptr + row * width * 8, n * 8, D2H)
             return host
-        first = n - 1 if want == "last" else 0
+        first = {"last": n - 1, "none": n}.get(want, 0)
         host = np.empty((n - first, self.vocab_size), np.float32)
         row_bytes = self.vocab_size * 4
-        self.cudart.memcpy(host.ctypes.data, logits.ptr + (row * width + first) * row_bytes, host.nbytes, D2H)
+        if host.size:
+            self.cudart.memcpy(host.ctypes.data, logits.ptr + (row * width + first) * row_bytes, host.nbytes, D2H)
         return host
 
     # --- concat (batch 1, two buffers per slot) ------------------------------------------------

@@ -67,6 +67,18 @@ def test_greedy_returns_the_argmax_and_last_only_the_last_row(graphs):
     assert last.shape == (1, engine.vocab_size) and np.array_equal(last[0], full[0][-1])
 
 
+def test_rows_fetch_only_the_logits_they_name(graphs):
+    engine = host_engine(graphs["batched-fp16"], max_context=64, num_slots=3)
+    memory = engine.cudart
+    copies = memory.copies
+    none, last, full = engine.forward([Row(0, [5, 6, 7], fetch="none"), Row(1, [5, 6, 7], fetch="last"),
+                                       Row(2, [5, 6, 7])])
+    assert none.shape == (0, engine.vocab_size) and last.shape == (1, engine.vocab_size)
+    assert np.array_equal(last[0], full[-1]) and full.shape == (3, engine.vocab_size)
+    assert memory.copies - copies == 1 + 2  # the inputs once, then one copy for each row that fetches
+    assert [engine.length(s) for s in range(3)] == [3, 3, 3]  # "none" still appended its tokens
+
+
 def test_rollback_and_prefix_copy_give_what_a_fresh_slot_gives(graphs):
     for name in ("batched-fp16", "concat-fp16"):
         engine = host_engine(graphs[name], max_context=64, num_slots=3)
