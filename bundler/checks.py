@@ -200,6 +200,9 @@ def engine_layout(profile: Any) -> EngineLayout:
     if profile.backend == "tensorrt":  # fp16 concat graph where the profile lists fp16; prefill in chunks
         return EngineLayout(2 if "fp16" in profile.precisions else 4, 2,
                             lambda n: min(DEFAULT_PREFILL_CHUNK, n), attention_scores=False)
+    if profile.backend == "onnxruntime-cuda":  # fp16/bf16 batched graph on the GPU: in-place cache, chunked prefill
+        return EngineLayout(2, 1, lambda n: min(DEFAULT_PREFILL_CHUNK, n), attention_scores=False, rotary_tables=True,
+                            kv_spare_rows=BATCHED_HEADROOM)
     return EngineLayout(4, 1, lambda n: n, attention_scores=True, rotary_tables=True,  # cpu: fp32 batched graph
                         kv_spare_rows=BATCHED_HEADROOM)
 
@@ -210,7 +213,7 @@ FORMULA = ("weights = (parameters + vocab x hidden when the embeddings are tied:
            "= copies x 2 x layers x kv_heads x head_dim x (max_model_len + spare) x B; spare = 64 padding rows "
            "on ONNX Runtime's batched graph, else 0; "
            "activations = T x vocab x 4 (fp32 logits) + T x (4 x hidden + 2 x intermediate) x B "
-           "(+ heads x T x max_model_len x 4 attention scores on ONNX Runtime); B = 2 for fp16 TensorRT targets "
+           "(+ heads x T x max_model_len x 4 attention scores on ONNX Runtime); B = 2 for fp16 TensorRT targets and cuda "
            "else 4, copies = 2 (TensorRT's ping-pong buffers) or 1 (ONNX Runtime's in-place cache), T = tokens "
            "per forward pass (the 512-token prefill chunk on TensorRT, the whole prompt on ONNX Runtime)")
 
