@@ -12,8 +12,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_PARTY = {"bundler", "runtime", "manifests"}
-#: Provided by the device's JetPack / CUDA install, never pip-installed by us (runtime.engines.tensorrt).
-DEVICE_PROVIDED = {"tensorrt", "cuda"}
+#: Provided by the device's JetPack / CUDA install, never pip-installed by us (runtime.engines.tensorrt);
+#: `nvidia`: the namespace of the nvidia-* CUDA library wheels, looked for (ImportError is fine) by runtime.cuda.
+DEVICE_PROVIDED = {"tensorrt", "cuda", "nvidia"}
 #: What the code needs, and why (the bound in pyproject.toml may be higher, never lower).
 NEEDS = {
     "transformers": ((4, 56), "from_pretrained(dtype=...) in bundler/export.py"),
