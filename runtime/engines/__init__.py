@@ -95,7 +95,7 @@ def _on_cuda(root: Path, manifest: Manifest, onnx: EngineRecord, cache_dir: Path
         log.info("running %s on ONNX Runtime's CUDA provider", onnx.path)
         return engine
     reason = f"{fallback_from}; and {why}" if fallback_from else why
-    cache = EngineCache(cache_dir or settings.DEFAULT_STORE / "engine-cache")
+    cache = EngineCache(cache_dir or settings.default_store() / "engine-cache")
     where = cache.record_fallback({**onnx.key, "onnx_sha256": onnx_sha256_of(manifest, onnx)}, reason,
                                   used="onnxruntime")
     log.warning("running %s on ONNX Runtime's CPU provider (correct, not fast): %s (recorded in %s)",

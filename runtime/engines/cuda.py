@@ -9,7 +9,8 @@ Slots (runtime.engine) as in runtime.engines.onnxruntime, with nothing on the ho
   the last of every row (`forward(rows, last_only=True)`), or just the argmax of every position
   (`forward_greedy`, from the graph's `argmax` output: 8 bytes a token instead of a vocab-sized row);
 - steps whose rows hold at most GRAPH_MAX_WIDTH tokens (decode, verification of k+1 draft tokens)
-  run as CUDA graphs (ONNX Runtime's `enable_cuda_graph`), one graph per (batch bucket, width):
+  run as CUDA graphs (ONNX Runtime's `enable_cuda_graph`), one graph per (batch bucket, width, and
+  for graphs that attend over a window, the window rounded up to a power of two):
   buckets of 1, 2, 4, 8, ... slots, slots 0..bucket-1, always at the same device addresses (inputs
   are copied into fixed device buffers, a slot without a row writes into the spare rows), captured
   on first use. Prefill chunks run without a graph. Measured on an H200 (benchmarks/bench_cuda.py):
@@ -121,7 +122,8 @@ class CudaEngine(Engine):
             raise ModelError(f"max context {limit} exceeds what the model supports; expected at most {graph_max}")
         self.batched = self.kv_cache == "batched"
         self._headroom = int(meta.get("bundle.kv_headroom", 0)) if self.batched else 0
-        self._graphs: dict[tuple, int] = {}  # (bucket, allocation) -> gpu_graph_id
+        self._windowed = meta.get("bundle.attention_window") == "1"  # else the mask spans the capacity
+        self._graphs: dict[tuple, int] = {}  # (bucket, width, window, allocation) -> gpu_graph_id
         self._generation = 0
         self._buffers: list = []
         self._scratch: dict[str, _Device] = {}
@@ -263,10 +265,9 @@ class CudaEngine(Engine):
     def _run_batched(self, group: list[Row], want: str) -> dict[int, np.ndarray]:
         width = max(len(r.tokens) for r in group)
         hi = max(r.slot for r in group) + 1
-        graph_id = None
-        if self.cuda_graphs and width <= GRAPH_MAX_WIDTH:  # decode, verify: a bucket of slots 0..bucket-1
+        use_graph = self.cuda_graphs and width <= GRAPH_MAX_WIDTH
+        if use_graph:  # decode, verify: a bucket of slots 0..bucket-1
             lo, hi = 0, next(b for b in self.buckets if b >= hi)
-            graph_id = self._graphs.setdefault((hi, width, self._generation), len(self._graphs) + 1)
         else:
             lo = min(r.slot for r in group)
         batch, cap = hi - lo, self.capacity
@@ -276,7 +277,16 @@ class CudaEngine(Engine):
             ids[r.slot - lo, :len(r.tokens)] = r.tokens
             write[r.slot - lo] = self._lengths[r.slot]
         positions = write[:, None] + np.arange(width, dtype=np.int64)[None, :]
-        mask = np.arange(cap)[None, None, None, :] <= positions[:, None, :, None]
+        # Attention runs over the first `window` cache rows (windowed graphs): every real row's past and
+        # new tokens. A graph's shapes are fixed, so graph steps round it up to a power of two (>= 256).
+        window = cap
+        if self._windowed:
+            window = max(self._lengths[r.slot] for r in group) + width
+            if use_graph:
+                window = min(cap, max(256, 1 << (window - 1).bit_length()))
+        graph_id = self._graphs.setdefault((hi, width, window, self._generation), len(self._graphs) + 1) \
+            if use_graph else None
+        mask = np.arange(window)[None, None, None, :] <= positions[:, None, :, None]
         self._bind_inputs(batch, width, ids, positions, write, mask)
         self._bind_cache(lo, hi)
         logits, argmax = self._bind_outputs(batch, width, want)
@@ -302,10 +312,10 @@ class CudaEngine(Engine):
         host = np.zeros(total, np.uint8)
         for (_, array, _), off in zip(parts, offsets):
             host[off:off + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).ravel()
-        buf = self._scratch_buffer(f"inputs-{batch}x{width}", total)
+        buf = self._scratch_buffer(f"inputs-{batch}x{width}x{mask.shape[-1]}", total)
         self.cudart.memcpy(buf.ptr, host.ctypes.data, total, H2D)
         self.cudart.synchronize()  # a pageable copy may still be in flight; ONNX Runtime's stream does not wait
-        key = ("inputs", batch, width, buf.ptr)
+        key = ("inputs", batch, width, mask.shape[-1], buf.ptr)
         if self._bound_inputs != key:
             for (name, array, dtype), off in zip(parts, offsets):
                 self._binding.bind_input(name, self._device, self.device_id, dtype, list(array.shape), buf.ptr + off)
