@@ -130,13 +130,14 @@ class Constraint:
         self._text = grammar_text
         self._matcher = compiler.matcher(grammar_text)
         self._consumed: list[int] = []
-        self._dead = False  # a token the grammar refuses was forced in (ignore_eos past the end, say)
         self.vocab_size = compiler.vocab_size
         self._words = (self.vocab_size + 31) // 32
 
     def _sync(self, generated: Sequence[int]) -> bool:
-        """Move the matcher to `generated`; False if that prefix is outside the grammar."""
-        generated = list(generated)
+        """Move the matcher to `generated`; False if that prefix leaves the grammar (the matcher then
+        holds its longest valid part: tokens are validated before they are consumed, because a refused
+        token would put the matcher in an error state it never leaves)."""
+        generated = [int(t) for t in generated]
         n = 0
         for a, b in zip(self._consumed, generated):
             if a != b:
@@ -144,17 +145,16 @@ class Constraint:
             n += 1
         back = len(self._consumed) - n
         if back:
-            if self._dead or back > MAX_ROLLBACK or not self._matcher.rollback(back):
+            if back > MAX_ROLLBACK or not self._matcher.rollback(back):
                 self._matcher = self._compiler.matcher(self._text)
-                self._dead, n = False, 0
+                n = 0
             del self._consumed[n:]
-        if self._dead:
-            return False
-        for t in generated[n:]:
-            if self._matcher.is_stopped() or not self._matcher.consume_token(int(t)):
-                self._dead = True
-                return False
-            self._consumed.append(int(t))
+        rest = generated[n:]
+        if rest:
+            ok = self._matcher.validate_tokens(rest)
+            if ok and self._matcher.consume_tokens(rest[:ok]):
+                self._consumed.extend(rest[:ok])
+            return ok == len(rest)
         return True
 
     def allowed(self, generated: Sequence[int]) -> np.ndarray:

@@ -44,6 +44,7 @@ class Step:
     drafted: int = 0  # proposals scored in this step (0: plain step)
     accepted: int = 0  # proposals accepted, 0..drafted
     finish_reason: str | None = None  # "stop" (eos) | "length" | "cancelled"
+    logprobs: list | None = None  # runtime.logits_process.TokenLogprob per token, when asked for
 
 
 @dataclass
@@ -115,6 +116,10 @@ class Generator:
         self._tcache: list[int] = []
         self._dcache: list[int] = []
         self._busy = threading.Lock()
+        self._processor = None
+        self._logprobs = None
+        self._start = 0
+        self._raw = None
 
     @property
     def max_context(self) -> int:
@@ -124,8 +129,15 @@ class Generator:
     # --- public --------------------------------------------------------------------------------
     def generate(self, prompt: Sequence[int], params: SamplingParams, *, max_tokens: int,
                  eos_ids: Sequence[int] = (), speculative: bool = True,
-                 cancel: threading.Event | None = None) -> Iterator[Step]:
-        """Yield Steps of new tokens until eos (not included), `max_tokens`, the context end, or `cancel`."""
+                 cancel: threading.Event | None = None, processor=None,
+                 logprobs: int | None = None) -> Iterator[Step]:
+        """Yield Steps of new tokens until eos (not included), `max_tokens`, the context end, or `cancel`.
+
+        `processor` (runtime.logits_process.LogitsProcessor): applied to every row the target scores and
+        every row the draft proposes from, each at its own prefix of the output, so greedy output under a
+        grammar or penalties is the same with and without speculation. `logprobs`: report each token's
+        raw log-probability and this many top alternatives (0: the token's only).
+        """
         if not prompt:
             raise UsageError("prompt must hold at least one token")
         if max_tokens < 1:
@@ -135,6 +147,8 @@ class Generator:
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("Generator.generate is already running; it serves one sequence at a time")
         try:
+            self._processor = processor if processor is not None and processor.active else None
+            self._logprobs = logprobs
             yield from self._generate(list(prompt), params, max_tokens, frozenset(eos_ids),
                                       self.method if speculative else "none", cancel)
         finally:
@@ -145,6 +159,7 @@ class Generator:
     def _generate(self, tokens, params, max_tokens, eos, method, cancel):
         rng = params.rng()
         produced = 0
+        self._start = len(tokens)  # tokens[self._start:] is the output so far
         self._feed(self.target, self._tcache, tokens[:-1], need_logits=False, role="target")
         while True:
             if cancel is not None and cancel.is_set():
@@ -159,17 +174,22 @@ class Generator:
             new, accepted = self._verify(tokens, drafts, qs, params, rng)
             self.stats.record(len(drafts), accepted)
             out, finish = [], None
-            for t in new:
+            lps = [] if self._logprobs is not None else None
+            for i, t in enumerate(new):
                 if t in eos:
                     finish = "stop"
                     break
                 out.append(t)
+                if lps is not None:
+                    from runtime.logits_process import token_logprobs
+
+                    lps.append(token_logprobs(self._raw[i], t, self._logprobs))
                 produced += 1
                 if produced >= max_tokens:
                     finish = "length"
                     break
             tokens.extend(new)
-            yield Step(out, drafted=len(drafts), accepted=accepted, finish_reason=finish)
+            yield Step(out, drafted=len(drafts), accepted=accepted, finish_reason=finish, logprobs=lps)
             if finish is not None:
                 return
 
@@ -177,6 +197,10 @@ class Generator:
         """Score [pending] + drafts on the target; return (tokens to append, number accepted)."""
         L = len(tokens)
         logits = self._forward(self.target, self._tcache, [tokens[-1], *drafts], role="target")
+        self._raw = logits
+        if self._processor is not None:  # row i scores the position after output + drafts[:i]
+            out = tokens[self._start:]
+            logits = np.stack([self._processor.apply(logits[i], out + drafts[:i]) for i in range(len(logits))])
         new: list[int] = []
         if params.greedy:  # argmax of the raw logits: no probabilities needed
             best = logits.argmax(axis=1).tolist()
@@ -216,6 +240,8 @@ class Generator:
         logits = self._feed(self.draft, self._dcache, tokens, need_logits=True, role="draft")[-1]
         drafts, qs = [], []
         for i in range(g):
+            if self._processor is not None:  # the same processing the target's row will get
+                logits = self._processor.apply(logits, tokens[self._start:] + drafts)
             if params.greedy:
                 d = int(logits.argmax())
             else:

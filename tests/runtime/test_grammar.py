@@ -133,3 +133,49 @@ def test_token_logprobs_are_normalised_and_sorted():
     assert np.isclose(np.exp([v for _, v in token_logprobs(logits, 0, top_n=4).top]).sum(), 1.0)
     assert [t for t, _ in lp.top] == [1, 3, 2]  # ties: lower id first
     assert lp.logprob == dict(lp.top)[2]
+
+
+# --- with the generator: the demo pair, speculation on and off ------------------------------------
+@pytest.fixture(scope="module")
+def demo_engines(tmp_path_factory):
+    from bundler.demo import DEMO_DRAFT_DIR
+    from bundler.export import export_onnx
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    root = tmp_path_factory.mktemp("demo-onnx")
+    graphs = {n: export_onnx(d, root / n).files[0] for n, d in (("target", DEMO), ("draft", DEMO_DRAFT_DIR))}
+    return lambda n: OnnxRuntimeEngine(graphs[n], max_context=512, threads=1)
+
+
+@pytest.mark.parametrize("spec", [GrammarSpec("json_schema", {
+    "type": "object", "properties": {"function": {"type": "string", "maxLength": 24},
+                                     "returns": {"enum": ["int", "str", "None"]}},
+    "required": ["function", "returns"], "additionalProperties": False}),
+    GrammarSpec("regex", r"It returns (an int|a string|None)\.")])
+def test_constrained_greedy_output_is_the_same_with_and_without_speculation(demo_engines, tok, spec):
+    from runtime.sampling import SamplingParams
+    from runtime.speculative import Generator
+
+    prompt = tok.encode("<|user|>\nWhat does `os.path.join(a, *p)` do?<|end|>\n<|assistant|>\n",
+                        add_special_tokens=False)
+    outputs = {}
+    for method, draft in (("none", None), ("draft_model", "draft"), ("ngram", None)):
+        target = demo_engines("target")
+        gen = Generator(target, demo_engines(draft) if draft else None, method, 3)
+        compiler = GrammarCompiler.for_tokenizer(tok, target.vocab_size)
+        proc = LogitsProcessor(grammar=compiler.compile(spec), penalties=Penalties(frequency=0.3))
+        steps = list(gen.generate(prompt, SamplingParams(temperature=0.0), max_tokens=80,
+                                  eos_ids=tok.eos_token_ids, processor=proc, logprobs=2))
+        outputs[method] = ([t for s in steps for t in s.tokens], steps[-1].finish_reason,
+                           [lp.logprob for s in steps for lp in s.logprobs])
+        if method == "draft_model":
+            assert gen.stats.num_drafts > 0
+    for method in ("draft_model", "ngram"):  # same tokens; logprobs equal up to batched-forward rounding
+        assert outputs[method][:2] == outputs["none"][:2], method
+        assert np.allclose(outputs[method][2], outputs["none"][2], atol=1e-4), method
+    text = tok.decode(outputs["none"][0])
+    assert outputs["none"][1] == "stop"
+    if spec.kind == "regex":
+        assert re.fullmatch(spec.value, text), text
+    else:
+        assert set(json.loads(text)) == {"function", "returns"}
