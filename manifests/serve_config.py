@@ -350,7 +350,7 @@ def parse_args(args: Iterable[str]) -> dict[str, Any]:
             if flag.multiple:
                 value = [*config.get(flag.dest, []), value]
         config[flag.dest] = convert(flag, value)
-    check(config)
+    check(config, complete=False)
     return config
 
 
@@ -386,19 +386,33 @@ def verdicts(config: Mapping[str, Any]) -> list[Verdict]:
     return [f.verdict(config[f.dest]) for f in FLAGS if f.dest in config and config[f.dest] is not None]
 
 
-def check(config: Mapping[str, Any]) -> list[str]:
-    """Refuse what cannot run (first refusal, as a UsageError); return the startup notes, one line each."""
+def check(config: Mapping[str, Any], *, complete: bool = True) -> list[str]:
+    """Refuse what cannot run (first refusal, as a UsageError); return the startup notes, one line each.
+
+    `complete=False` checks flags one by one only (the command line before the bundle's defaults are known);
+    flags that need each other are checked on the complete config.
+    """
     notes = []
     for v in verdicts(config):
         if v.refused:
             raise UsageError(f"{v.flag}: {v.note}" if not v.note.startswith(v.flag) else v.note)
         if v.note:
             notes.append(f"{v.flag}: {v.note}" if not v.note.startswith(v.flag) else v.note)
+    _check_ranges(config)
+    if complete:
+        _check_together(config)
+    return notes
+
+
+def _check_together(config: Mapping[str, Any]) -> None:
     if config.get("tool_call_parser") is None and config.get("enable_auto_tool_choice"):
         raise UsageError("--enable-auto-tool-choice needs --tool-call-parser NAME to read the model's calls; "
                          f"expected one of {', '.join(TOOL_CALL_PARSERS)}")
     if bool(config.get("ssl_keyfile")) != bool(config.get("ssl_certfile")):
         raise UsageError("--ssl-keyfile and --ssl-certfile go together; pass both or neither")
+
+
+def _check_ranges(config: Mapping[str, Any]) -> None:
     for key, low in (("max_model_len", 16), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
                      ("max_logprobs", 0), ("port", 0)):
         v = config.get(key)
@@ -409,7 +423,6 @@ def check(config: Mapping[str, Any]) -> list[str]:
     g = config.get("gpu_memory_utilization")
     if g is not None and not 0.0 < g <= 1.0:
         raise UsageError(f"--gpu-memory-utilization: expected a fraction in (0, 1], found {g}")
-    return notes
 
 
 def to_args(config: Mapping[str, Any]) -> list[str]:

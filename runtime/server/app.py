@@ -1,4 +1,5 @@
-"""HTTP routes. Everything a route does lives in `serving.OpenAIServing`; errors become OpenAI JSON.
+"""HTTP routes. What a route does lives in `serving.OpenAIServing` (chat, completions), `responses`
+and `tokenize` (/tokenize, /detokenize, /version); errors become OpenAI JSON.
 
 Bad input of any kind (malformed JSON, wrong types, unknown routes, wrong methods) is a 4xx in
 OpenAI's error shape; a catch-all handler logs anything unexpected and answers 500 in the same
@@ -17,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from runtime.server import tokenize
 from runtime.server.serving import APIError, OpenAIServing
 
 log = logging.getLogger("bundle.serve")
@@ -48,7 +50,7 @@ def build_app(serving: OpenAIServing) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         async def periodic_log():
-            while True:
+            while serving.options.log_stats:
                 await asyncio.sleep(serving.options.log_interval_s)
                 serving.metrics.log_window()
 
@@ -115,5 +117,23 @@ def build_app(serving: OpenAIServing) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await serving.completions(request)
+
+    @app.post("/v1/responses")
+    async def responses_create(request: Request):
+        from runtime.server import responses
+
+        return await responses.create(serving, request)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await tokenize.tokenize(serving, request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await tokenize.detokenize(serving, request)
+
+    @app.get("/version")
+    async def version_route():
+        return tokenize.version()
 
     return app

@@ -65,7 +65,7 @@ def test_forms_equals_underscores_negation_and_human_ints():
 ])
 def test_refusals_name_what_to_do(args, words):
     with pytest.raises(UsageError) as e:
-        sc.parse_args(args)
+        sc.check(sc.parse_args(args))  # flags alone refuse in parse_args; flags that go together in check
     assert all(w in str(e.value) for w in words), str(e.value)
     assert "No such option" not in str(e.value)
 
