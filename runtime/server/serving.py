@@ -281,7 +281,7 @@ class OpenAIServing:
 
     @staticmethod
     def _chat_finish(plan: Plan, out, finish: str) -> str:
-        if plan.tool_mode == "auto" and out.tool_calls:
+        if plan.tool_mode == "auto" and finish == "stop" and any(c.arguments for c in out.tool_calls):
             return "tool_calls"
         if plan.tool_mode == "required" and finish == "stop":
             return "tool_calls"
