@@ -104,7 +104,7 @@ def serve(ctx, bundle, store, target, no_speculation, max_queued_requests, trust
     from runtime.server import serve as run_server
 
     args = given_serve_args(ctx, vllm)
-    if no_speculation and args.get("speculative_config"):
+    if no_speculation and "speculative_config" in args:
         raise UsageError("--no-speculation and --speculative-config contradict each other; pass one")
     serve_config.check(args, complete=False)  # refusals before anything is opened
     run_server(bundle, store=store, target=target, no_speculation=no_speculation,

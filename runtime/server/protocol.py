@@ -10,7 +10,7 @@ stop_token_ids, structured_outputs, include_reasoning, chat_template_kwargs, and
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 

@@ -152,7 +152,7 @@ def plan_for(req, *, chat: bool, features: Features, defaults: dict, vocab_size:
         return LogitsProcessor(prompt=prompt, penalties=penalties, logit_bias=bias, min_tokens=min_tokens,
                                end_ids=end_ids, grammar=constraint_factory() if constraint_factory else None)
 
-    make_output = None
+    output_factory = None
     if chat:
         kwargs = req.chat_template_kwargs or {}
         use_reasoning = features.reasoning_parser and mode in ("none", "auto") and spec is None
@@ -169,5 +169,7 @@ def plan_for(req, *, chat: bool, features: Features, defaults: dict, vocab_size:
                 parser = NamedToolCallParser(named["name"], tools)
             return ChatOutput(reasoning, parser, include_reasoning=req.include_reasoning is not False)
 
+        output_factory = make_output
+
     return Plan(params=params, n=int(req.n or 1), make_processor=make_processor, logprobs=logprobs,
-                end_ids=end_ids, make_output=make_output, tool_mode=mode, tools=tools)
+                end_ids=end_ids, make_output=output_factory, tool_mode=mode, tools=tools)

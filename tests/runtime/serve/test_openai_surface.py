@@ -19,7 +19,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from click.testing import CliRunner
 
 from tests.runtime.serve.conftest import RunningServer
 
@@ -56,34 +55,16 @@ TOOLS = [{"type": "function", "function": {
                        "required": ["severity"], "additionalProperties": False}}}]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "Cell B is jammed. Slow it down."}]
-SERVE_ARGS = ("--served-model-name demo --served-model-name plant-assistant --enable-auto-tool-choice "
-              "--tool-call-parser hermes --reasoning-parser qwen3 --trust-remote-code --max-logprobs 10")
-
-
-@pytest.fixture(scope="session")
-def demo_installed(tmp_path_factory):
-    from bundler.cli_pack import create
-    from runtime.store import Store
-
-    root = tmp_path_factory.mktemp("demo-surface")
-    r = CliRunner().invoke(create, ["--targets", "cpu", "--name", "demo", "--version", "1", "--unsigned",
-                                    "--out", str(root / "bundle"), "--no-progress", "--serve-arg", SERVE_ARGS,
-                                    "--serve-arg", "--max-model-len=512"], catch_exceptions=False)
-    assert r.exit_code == 0, r.output
-    assert "--tool-call-parser hermes" in r.output  # create prints the serve defaults it signed in
-    installed = Store(root / "store").install(root / "bundle", target="cpu", trusted={}, allow_unsigned=True)
-    assert installed.manifest.serve["tool_call_parser"] == "hermes"
-    (root / "template.jinja").write_text(TEMPLATE)
-    return installed, root
 
 
 @pytest.fixture(scope="module")
-def surface(demo_installed):
+def surface(demo_installed, tmp_path_factory):
     from runtime.server.options import apply_serve_config
 
-    installed, root = demo_installed
-    lines = []
-    setup = apply_serve_config(installed, {"chat_template": str(root / "template.jinja")}, echo=lines.append)
+    installed, _ = demo_installed
+    template = tmp_path_factory.mktemp("template") / "hermes.jinja"
+    template.write_text(TEMPLATE)
+    setup = apply_serve_config(installed, {"chat_template": str(template)})
     server = RunningServer(setup.serving)
     yield server, setup
     server.stop()
