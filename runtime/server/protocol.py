@@ -4,7 +4,8 @@ Unknown request fields are accepted and named in a warning log line, as vLLM doe
 read back through `model_extra`); known fields whose feature this server lacks are refused with a 400
 naming the field. Explicit `null` is accepted wherever OpenAI accepts it. Extensions (vLLM's, passed
 with the openai client's `extra_body`): top_k, min_p, min_tokens, repetition_penalty, ignore_eos,
-stop_token_ids, structured_outputs, include_reasoning, chat_template_kwargs, and speculative
+stop_token_ids, structured_outputs, skip_special_tokens, include_reasoning, chat_template_kwargs, and
+speculative
 (false = opt out of speculative decoding for this request).
 """
 
@@ -70,6 +71,7 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False
     structured_outputs: dict | None = None
+    skip_special_tokens: bool | None = True
     speculative: bool | None = True
 
     def stop_list(self) -> list[str]:

@@ -21,6 +21,10 @@ from runtime.server.reasoning_parsers import make_reasoning_parser
 from runtime.server.tool_parsers import NamedToolCallParser, RequiredToolCallParser, make_tool_parser
 
 
+#: Tool parsers whose start marker is a special token, so the text must keep special tokens.
+SPECIAL_TOKEN_PARSERS = ("mistral",)
+
+
 class RequestError(UsageError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
@@ -47,6 +51,7 @@ class Plan:
     make_output: Callable[[str], ChatOutput] | None = None  # rendered prompt -> per-choice parser (chat)
     tool_mode: str = "none"  # none | auto | required | named
     tools: list[dict] = field(default_factory=list)
+    skip_special_tokens: bool = True
 
     def seeds(self) -> list[int | None]:
         s = self.params.seed
@@ -171,5 +176,9 @@ def plan_for(req, *, chat: bool, features: Features, defaults: dict, vocab_size:
 
         output_factory = make_output
 
+    # the mistral parser reads [TOOL_CALLS], a special token (vLLM turns skip_special_tokens off for it too)
+    skip_special = req.skip_special_tokens is not False and not (
+        mode == "auto" and features.tool_call_parser in SPECIAL_TOKEN_PARSERS)
     return Plan(params=params, n=int(req.n or 1), make_processor=make_processor, logprobs=logprobs,
-                end_ids=end_ids, make_output=output_factory, tool_mode=mode, tools=tools)
+                end_ids=end_ids, make_output=output_factory, tool_mode=mode, tools=tools,
+                skip_special_tokens=skip_special)

@@ -96,6 +96,7 @@ class Job:
     arrived: float
     processor: LogitsProcessor | None = None
     logprobs: int | None = None
+    skip_special_tokens: bool = True
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     # filled in by the worker, read by the request log line
@@ -355,7 +356,8 @@ class OpenAIServing:
         for i, prompt in enumerate(prompts):
             params = replace(plan.params, seed=seeds[i % plan.n])
             jobs.append(Job(prompt, params, max_tokens, req.stop_list(), plan.end_ids, req.speculative is not False,
-                            loop, self._clock(), processor=plan.make_processor(prompt), logprobs=plan.logprobs))
+                            loop, self._clock(), processor=plan.make_processor(prompt), logprobs=plan.logprobs,
+                            skip_special_tokens=plan.skip_special_tokens))
         self._admitted += 1
         self.metrics.request_params_n.observe(plan.n)
         futures = []
@@ -523,7 +525,7 @@ class OpenAIServing:
             job.post("done", "cancelled", 0)
             return
         m.running.inc()
-        text = TextStream(tok, tuple(job.stop))
+        text = TextStream(tok, tuple(job.stop), skip_special_tokens=job.skip_special_tokens)
         finish, last = None, None
         try:
             steps = self.model.generator.generate(

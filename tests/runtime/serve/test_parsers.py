@@ -137,3 +137,22 @@ def test_reasoning_split_whole_and_streamed(name, kwargs, prompt, text, reasonin
         d = p.finish()
         r, c = r + d.reasoning, c + d.content
         assert (r or None, c or None) == (reasoning, content), seed
+
+
+def test_mistral_keeps_special_tokens_in_the_text(tiny_models):
+    """[TOOL_CALLS] is a special token: with the mistral parser the text keeps special tokens, as vLLM does."""
+    from runtime.server import protocol as P
+    from runtime.server.request_plan import Features, plan_for
+    from runtime.tokenizer import TextStream, Tokenizer
+
+    req = P.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=TOOLS,
+                                  tool_choice="auto")
+    common = dict(chat=True, defaults={}, vocab_size=512, eos_ids=frozenset({1}), compiler=None)
+    for parser, skip in (("mistral", False), ("hermes", True)):
+        plan = plan_for(req, features=Features(tool_call_parser=parser, enable_auto_tool_choice=True), **common)
+        assert plan.skip_special_tokens is skip and plan.tool_mode == "auto"
+    tok = Tokenizer(tiny_models["target"])
+    special = next(t for t in ("<|end|>", "</s>", "<|endoftext|>", "<eos>") if tok.token_to_id(t) is not None)
+    ids = [tok.token_to_id(special)] + tok.encode("ok", add_special_tokens=False)
+    kept, dropped = TextStream(tok, skip_special_tokens=False), TextStream(tok)
+    assert kept.push(ids).startswith(special) and not dropped.push(ids).startswith(special)
