@@ -1,5 +1,8 @@
 """Per-request logits processing before sampling: grammar mask, min_tokens, logit_bias, penalties.
 
+With a reasoning parser, the grammar applies from the end of the thinking on (`grammar_start`), as in
+vLLM: the model thinks freely, then answers in the grammar.
+
 Order as vLLM's sampler: grammar mask, then min_tokens (end tokens barred), logit_bias, then the
 repetition / frequency / presence penalties; temperature, min_p, top_k and top_p follow in
 `runtime.sampling.probabilities`. Every step is a function of (logits row, prompt, tokens generated
@@ -14,7 +17,7 @@ model's own distribution, before any of the processing above).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -51,6 +54,8 @@ class LogitsProcessor:
     min_tokens: int = 0
     end_ids: frozenset[int] = frozenset()  # barred while fewer than min_tokens were generated
     grammar: object | None = None  # runtime.grammar.Constraint
+    #: generated -> index where the grammar starts (after the reasoning), None while still reasoning
+    grammar_start: Callable[[Sequence[int]], int | None] | None = None
 
     @property
     def active(self) -> bool:
@@ -61,7 +66,9 @@ class LogitsProcessor:
         """`logits` [vocab] for the position after `generated` (this request's output so far)."""
         x = np.array(logits, dtype=np.float64)
         if self.grammar is not None:
-            x = self.grammar.apply(x, generated)
+            start = 0 if self.grammar_start is None else self.grammar_start(generated)
+            if start is not None:
+                x = self.grammar.apply(x, list(generated)[start:])
         if self.min_tokens and len(generated) < self.min_tokens:
             for t in self.end_ids:
                 if t < len(x):
@@ -124,3 +131,35 @@ def token_logprobs(logits: np.ndarray, token: int, top_n: int = 0) -> TokenLogpr
         idx = sorted(idx.tolist(), key=lambda i: (-lp[i], i))
         top = tuple((int(i), float(lp[i])) for i in idx)
     return TokenLogprob(int(token), float(lp[int(token)]), top)
+
+
+class ReasoningGate:
+    """`grammar_start` for a request with a reasoning parser: the first output token after the thinking.
+
+    The output is decoded and the parser finds where the answer starts; the token index is the shortest
+    prefix whose text reaches it (binary search, the text only grows). Once found for a prefix it is
+    reused for every longer query that shares it, so speculative rows cost one comparison.
+    """
+
+    def __init__(self, tokenizer, parser):
+        self._decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)
+        self._parser = parser
+        self._known: list[int] | None = None  # a prefix whose answer starts at self._start
+        self._start = 0
+
+    def __call__(self, generated: Sequence[int]) -> int | None:
+        generated = list(generated)
+        k = self._known
+        if k is not None and len(generated) >= self._start and generated[:self._start] == k[:self._start]:
+            return self._start
+        if self._parser.content_start(self._decode(generated)) is None:
+            return None
+        lo, hi = 0, len(generated)  # smallest n whose decoded text already has the answer's start
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._parser.content_start(self._decode(generated[:mid])) is not None:
+                hi = mid
+            else:
+                lo = mid + 1
+        self._known, self._start = generated, lo
+        return lo

@@ -41,6 +41,7 @@ class ReasoningParser:
 
     def __init__(self, *, prompt: str = "", chat_template_kwargs: dict | None = None):
         kwargs = chat_template_kwargs or {}
+        self._args = {"prompt": prompt, "chat_template_kwargs": chat_template_kwargs}
         self.thinking_disabled = kwargs.get("enable_thinking") is False
         self._in_reasoning = not (self._prompt_ends_reasoning(prompt)
                                   or (self.thinking_disabled and self.disabled_means_content))
@@ -99,6 +100,29 @@ class ReasoningParser:
         a, b = self.feed(text), self.finish()
         reasoning, content = a.reasoning + b.reasoning, a.content + b.content
         return reasoning or None, content or None
+
+    def content_start(self, text: str) -> int | None:
+        """Where in the output `text` the answer begins (after the thinking), or None while still thinking.
+
+        Structured output applies from there on, as in vLLM: the model thinks freely, then answers in
+        the grammar. A pure function of `text` (this parser's own state is not touched)."""
+        fresh = type(self)(**self._args)
+        stripped = text.lstrip()
+        i = len(text) - len(stripped)
+        if stripped.startswith(START):
+            i += len(START)
+        elif len(stripped) < len(START) and START.startswith(stripped):
+            return None if fresh._in_reasoning else 0  # may still open <think>
+        elif not fresh._in_reasoning:
+            return 0
+        found = []
+        j = text.find(END, i)
+        if j >= 0:
+            found.append(j + len(END))
+        cut = fresh._implicit_end(text[i:])
+        if cut is not None:
+            found.append(i + cut)
+        return min(found) if found else None
 
     # --- per-model hooks ---------------------------------------------------------------------
     def _implicit_end(self, buf: str) -> int | None:

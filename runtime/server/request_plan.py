@@ -14,7 +14,7 @@ from typing import Callable
 
 from manifests.errors import UsageError
 from runtime.grammar import GrammarCompiler, GrammarError, GrammarSpec, spec_from_request, tool_call_schema
-from runtime.logits_process import LogitsProcessor, Penalties, parse_logit_bias
+from runtime.logits_process import LogitsProcessor, Penalties, ReasoningGate, parse_logit_bias
 from runtime.sampling import SamplingParams
 from runtime.server.chat_output import ChatOutput
 from runtime.server.reasoning_parsers import make_reasoning_parser
@@ -92,7 +92,8 @@ def _tool_mode(req, features: Features) -> tuple[str, dict | None]:
 
 
 def plan_for(req, *, chat: bool, features: Features, defaults: dict, vocab_size: int,
-             eos_ids: frozenset[int], compiler: GrammarCompiler | None) -> Plan:
+             eos_ids: frozenset[int], compiler: GrammarCompiler | None, tokenizer=None) -> Plan:
+    """`tokenizer` (runtime.tokenizer.Tokenizer): needed when a reasoning parser gates a grammar."""
     d = defaults
 
     def pick(name, default):
@@ -152,16 +153,21 @@ def plan_for(req, *, chat: bool, features: Features, defaults: dict, vocab_size:
         constraint_factory = lambda: compiler.compile(spec)  # noqa: E731
 
     min_tokens = int(req.min_tokens or 0)
+    kwargs = (req.chat_template_kwargs or {}) if chat else {}
+    use_reasoning = bool(chat and features.reasoning_parser)
 
     def make_processor(prompt: list[int]) -> LogitsProcessor:
+        gate = None
+        if constraint_factory and use_reasoning and tokenizer is not None:
+            prompt_text = tokenizer.decode(prompt, skip_special_tokens=False)
+            gate = ReasoningGate(tokenizer, make_reasoning_parser(features.reasoning_parser, prompt=prompt_text,
+                                                                  chat_template_kwargs=kwargs))
         return LogitsProcessor(prompt=prompt, penalties=penalties, logit_bias=bias, min_tokens=min_tokens,
-                               end_ids=end_ids, grammar=constraint_factory() if constraint_factory else None)
+                               end_ids=end_ids, grammar=constraint_factory() if constraint_factory else None,
+                               grammar_start=gate)
 
     output_factory = None
     if chat:
-        kwargs = req.chat_template_kwargs or {}
-        use_reasoning = features.reasoning_parser and mode in ("none", "auto") and spec is None
-
         def make_output(prompt_text: str) -> ChatOutput:
             reasoning = make_reasoning_parser(features.reasoning_parser, prompt=prompt_text,
                                               chat_template_kwargs=kwargs) if use_reasoning else None

@@ -187,7 +187,7 @@ class OpenAIServing:
             return plan_for(req, chat=chat, features=self.options.features, defaults=self.model.defaults,
                             vocab_size=self.model.generator.target.vocab_size,
                             eos_ids=self.model.tokenizer.eos_token_ids,
-                            compiler=self.compiler() if needs_grammar else None)
+                            compiler=self.compiler() if needs_grammar else None, tokenizer=self.model.tokenizer)
         except RequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         except UsageError as e:

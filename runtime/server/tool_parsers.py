@@ -425,4 +425,4 @@ class NamedToolCallParser(ToolParser):
             json.loads(region)
         except ValueError:
             return None
-        return [(self.function_name, region)]
+        return [(self.function_name, region.strip())]

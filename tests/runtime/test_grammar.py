@@ -179,3 +179,24 @@ def test_constrained_greedy_output_is_the_same_with_and_without_speculation(demo
         assert re.fullmatch(spec.value, text), text
     else:
         assert set(json.loads(text)) == {"function", "returns"}
+
+
+def test_with_a_reasoning_parser_the_grammar_starts_after_the_thinking(compiler, tok):
+    """vLLM's rule: the model thinks freely, the grammar applies from the first token after </think>."""
+    from runtime.logits_process import ReasoningGate
+    from runtime.server.reasoning_parsers import make_reasoning_parser
+
+    spec = GrammarSpec("choice", ["stop", "go"])
+    gate = ReasoningGate(tok, make_reasoning_parser("qwen3", prompt="<|assistant|>\n<think>\n"))
+    proc = LogitsProcessor(grammar=compiler.compile(spec), grammar_start=gate)
+    thinking = tok.encode("the belt is jammed so", add_special_tokens=False)
+    closed = tok.encode("the belt is jammed so</think>", add_special_tokens=False)
+    logits = np.zeros(compiler.vocab_size)
+    assert np.isfinite(proc.apply(logits, thinking)).all()  # still thinking: nothing masked
+    masked = proc.apply(logits, closed)
+    allowed = {tok.decode([int(i)]) for i in np.flatnonzero(np.isfinite(masked))}
+    assert allowed and all("stop".startswith(a) or "go".startswith(a) for a in allowed), allowed
+    assert gate(closed) == len(closed) and gate(closed + [5, 6]) == len(closed)  # cached for longer prefixes
+    # a prompt that already closed the thinking (enable_thinking false): the grammar applies from the start
+    off = ReasoningGate(tok, make_reasoning_parser("qwen3", prompt="<think>\n\n</think>\n\n"))
+    assert off([]) == 0
