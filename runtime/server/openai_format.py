@@ -8,7 +8,14 @@ changes (`content`, `reasoning`, `tool_calls`); the finish chunk has an empty de
 
 from __future__ import annotations
 
+import json
+
 from runtime.logits_process import TokenLogprob
+
+
+def sse(obj) -> str:
+    """One server-sent event carrying a JSON object."""
+    return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
 
 
 def token_text(tokenizer, token: int) -> str:

@@ -421,19 +421,16 @@ class OpenAIServing:
 
     def _error_event(self, message: str) -> str:
         err = APIError(500, f"generation failed: {message}", type="internal_error")
-        return "data: " + json.dumps(err.body()) + "\n\n"
+        return F.sse(err.body())
 
     async def _chat_stream(self, jobs: list[Job], rid: str, plan: Plan, prompt_text: str,
                            include_usage: bool) -> AsyncIterator[str]:
         created, name, tok = int(time.time()), self.model.name, self.model.tokenizer
 
-        def data(obj) -> str:
-            return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
-
         try:
             for index, job in enumerate(jobs):
                 out = plan.make_output(prompt_text)
-                yield data(F.chat_chunk(rid, created, name, index, F.message_delta(None, first=True)))
+                yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(None, first=True)))
                 async for kind, text, lps in self.events(job):
                     if kind == "error":
                         yield self._error_event(text)
@@ -443,16 +440,16 @@ class OpenAIServing:
                         delta = out.feed(text)
                         logprobs = F.chat_logprobs(lps, tok) if lps else None
                         if delta or logprobs:
-                            yield data(F.chat_chunk(rid, created, name, index, F.message_delta(delta),
+                            yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(delta),
                                                     logprobs=logprobs))
                         continue
                     tail = out.finish()
                     if tail:
-                        yield data(F.chat_chunk(rid, created, name, index, F.message_delta(tail)))
-                    yield data(F.chat_chunk(rid, created, name, index, {}, self._chat_finish(plan, out, text)))
+                        yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(tail)))
+                    yield F.sse(F.chat_chunk(rid, created, name, index, {}, self._chat_finish(plan, out, text)))
             if include_usage:
                 prompt_tokens = sum(len(j.prompt) for j in jobs[:1])
-                yield data({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                yield F.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
                             "choices": [], "usage": F.usage(prompt_tokens, sum(j.tokens for j in jobs))})
             yield "data: [DONE]\n\n"
             self._log_request(rid, jobs)
@@ -464,14 +461,11 @@ class OpenAIServing:
                                  include_usage: bool) -> AsyncIterator[str]:
         created, name, tok = int(time.time()), self.model.name, self.model.tokenizer
 
-        def data(obj) -> str:
-            return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
-
         try:
             for index, job in enumerate(jobs):
                 offset = len(echo[index])
                 if echo[index]:
-                    yield data(F.completion_chunk(rid, created, name, index, echo[index]))
+                    yield F.sse(F.completion_chunk(rid, created, name, index, echo[index]))
                 async for kind, text, lps in self.events(job):
                     if kind == "error":
                         yield self._error_event(text)
@@ -480,11 +474,11 @@ class OpenAIServing:
                     if kind == "delta":
                         logprobs = F.completion_logprobs(lps, tok, offset) if lps else None
                         offset += len(text)
-                        yield data(F.completion_chunk(rid, created, name, index, text, logprobs=logprobs))
+                        yield F.sse(F.completion_chunk(rid, created, name, index, text, logprobs=logprobs))
                     else:
-                        yield data(F.completion_chunk(rid, created, name, index, "", finish_reason=text))
+                        yield F.sse(F.completion_chunk(rid, created, name, index, "", finish_reason=text))
             if include_usage:
-                yield data({"id": rid, "object": "text_completion", "created": created, "model": name,
+                yield F.sse({"id": rid, "object": "text_completion", "created": created, "model": name,
                             "choices": [], "usage": F.usage(sum(len(j.prompt) for j in jobs),
                                                             sum(j.tokens for j in jobs))})
             yield "data: [DONE]\n\n"
