@@ -49,18 +49,14 @@ def keygen(key: Path, passphrase: bool, force: bool) -> None:
 def read_serve_defaults(path: Path | None, args: tuple[str, ...], max_model_len: int | None) -> dict:
     """--serve-config FILE, then --serve-arg flags, then --max-model-len: one config, checked as bundle serve
     will check it (a refused flag fails the create, not the device)."""
-    import json
-
-    from manifests import serve_config
+    from manifests import serve_config, strict_json
 
     config: dict = {}
     if path is not None:
         if path.stat().st_size > serve_config.MAX_ARG_CHARS:
             raise UsageError(f"--serve-config {path}: expected at most {serve_config.MAX_ARG_CHARS} bytes")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise UsageError(f"--serve-config {path}: expected a JSON object, found invalid JSON ({e})") from None
+        data = strict_json.parse(path.read_bytes(), what=f"--serve-config {path}",
+                                 max_bytes=serve_config.MAX_ARG_CHARS, error=UsageError)
         config, unknown = serve_config.parse_config(data, source=f"--serve-config {path}")
         if unknown:
             raise UsageError(f"--serve-config {path}: unknown keys {sorted(unknown)}; expected vLLM argument "

@@ -20,6 +20,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
+from manifests import strict_json
 from manifests.errors import UsageError
 
 #: vLLM's tool-call parser names this runtime implements (runtime.server.tool_parsers).
@@ -270,12 +271,7 @@ def convert(flag: Flag, value: Any) -> Any:
             raise UsageError(f"{name}: expected a number, found {value!r}") from None
     if flag.kind == "json":
         if isinstance(value, str):
-            if len(value) > MAX_ARG_CHARS:
-                raise UsageError(f"{name}: expected at most {MAX_ARG_CHARS} characters, found {len(value)}")
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise UsageError(f"{name}: expected JSON, found {value!r} ({e})") from None
+            value = strict_json.parse(value, what=name, max_bytes=MAX_ARG_CHARS, error=UsageError)
         if not isinstance(value, dict):
             raise UsageError(f"{name}: expected a JSON object, found {type(value).__name__}")
         return value

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from manifests import strict_json
 from manifests.errors import EnvironmentProblem, UsageError
 
 #: The longest grammar text (a schema, a regex...) a request may send.
@@ -83,12 +84,7 @@ class GrammarCompiler:
             return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=compact)
         if spec.kind == "json_schema":
             if isinstance(v, str):
-                if len(v) > MAX_GRAMMAR_CHARS:
-                    raise GrammarError(f"JSON schema has {len(v)} characters, expected at most {MAX_GRAMMAR_CHARS}")
-                try:
-                    v = json.loads(v)
-                except ValueError as e:
-                    raise GrammarError(f"JSON schema is not valid JSON: {e}") from None
+                v = strict_json.parse(v, what="JSON schema", max_bytes=MAX_GRAMMAR_CHARS, error=GrammarError)
             if not isinstance(v, (dict, bool)):
                 raise GrammarError(f"expected a JSON schema object, found {type(v).__name__}")
             if len(json.dumps(v)) > MAX_GRAMMAR_CHARS:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from manifests import serve_config
+from manifests import serve_config, strict_json
 from manifests.errors import UsageError
 from manifests.schema import Manifest, Speculative
 
@@ -90,10 +90,7 @@ def generation_defaults(model_dir: Path, choice: str | None) -> dict:
         return {}
     if path.stat().st_size > MAX_TEMPLATE_BYTES:
         raise UsageError(f"{path}: expected at most {MAX_TEMPLATE_BYTES} bytes")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path} is not valid JSON: {e}") from None
+    data = strict_json.parse(path.read_bytes(), what=str(path), max_bytes=MAX_TEMPLATE_BYTES, error=UsageError)
     return {ours: data[theirs] for theirs, ours in GENERATION_KEYS.items()
             if isinstance(data, dict) and isinstance(data.get(theirs), (int, float))
             and not isinstance(data.get(theirs), bool)}

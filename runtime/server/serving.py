@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator
 
 from pydantic import BaseModel, ValidationError
 
+from manifests import strict_json
 from manifests.errors import UsageError
 from runtime.chat_template import ChatTemplate, ChatTemplateError
 from runtime.logits_process import LogitsProcessor
@@ -139,10 +140,8 @@ class OpenAIServing:
             if total > MAX_BODY_BYTES:
                 raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
             chunks.append(chunk)
-        try:
-            data = json.loads(b"".join(chunks))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        data = strict_json.parse(b"".join(chunks), what="request body", max_bytes=MAX_BODY_BYTES,
+                                 error=lambda message: APIError(400, message, code="invalid_json"))
         if not isinstance(data, dict):
             raise APIError(400, f"request body must be a JSON object, found {type(data).__name__}")
         return data

@@ -178,7 +178,7 @@ class HermesToolParser(ToolParser):
             if closed or final:
                 try:
                     call = _json_call(json.loads(body))
-                except ValueError:
+                except (ValueError, RecursionError):
                     call = None
                 if call is None:
                     return None if final else out
@@ -253,7 +253,7 @@ def _convert(value: str, kind) -> object:
         return value.lower() == "true"
     try:
         return json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     try:
         return ast.literal_eval(value)
@@ -299,7 +299,7 @@ class Llama3JsonToolParser(ToolParser):
                 break
             try:
                 obj, i = decoder.raw_decode(s, i)
-            except ValueError:
+            except (ValueError, RecursionError):
                 if final:
                     return None
                 m = _NAME.search(s[i:])
@@ -327,7 +327,7 @@ class MistralToolParser(ToolParser):
         if body.startswith("["):
             try:
                 arr, _ = decoder.raw_decode(body)
-            except ValueError:
+            except (ValueError, RecursionError):
                 if final:
                     return None
                 m = _NAME.search(body)
@@ -347,7 +347,7 @@ class MistralToolParser(ToolParser):
                 break
             try:
                 args, _ = decoder.raw_decode(part, part.index("{"))
-            except ValueError:
+            except (ValueError, RecursionError):
                 if final:
                     return None
                 out.append((name, None))
@@ -376,7 +376,7 @@ class RequiredToolCallParser(ToolParser):
     def _calls(self, region, final):
         try:
             arr = json.loads(region)
-        except ValueError:
+        except (ValueError, RecursionError):
             if final:
                 return None
             # stream each item once it is complete: scan the array's top-level objects
@@ -397,7 +397,7 @@ class RequiredToolCallParser(ToolParser):
                 i += 1
             try:
                 obj, i = decoder.raw_decode(s, i)
-            except ValueError:
+            except (ValueError, RecursionError):
                 m = _NAME.search(s[i:])
                 if m:
                     out.append((json.loads(f'"{m.group(1)}"'), None))
@@ -423,6 +423,6 @@ class NamedToolCallParser(ToolParser):
             return [(self.function_name, None)]
         try:
             json.loads(region)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         return [(self.function_name, region.strip())]

@@ -75,7 +75,7 @@ def test_rollback_to_any_prefix_gives_the_same_mask(compiler, tok):
 @pytest.mark.parametrize("spec, words", [
     (GrammarSpec("regex", "(unclosed"), ["regex", "unclosed"]),
     (GrammarSpec("json_schema", {"type": "nonsense"}), ["json schema", "nonsense"]),
-    (GrammarSpec("json_schema", "{not json"), ["not valid JSON"]),
+    (GrammarSpec("json_schema", "{not json"), ["JSON schema: expected JSON"]),
     (GrammarSpec("choice", []), ["non-empty list"]),
 ])
 def test_bad_grammars_are_one_line_errors(compiler, spec, words):

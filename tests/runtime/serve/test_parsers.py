@@ -156,3 +156,12 @@ def test_mistral_keeps_special_tokens_in_the_text(tiny_models):
     ids = [tok.token_to_id(special)] + tok.encode("ok", add_special_tokens=False)
     kept, dropped = TextStream(tok, skip_special_tokens=False), TextStream(tok)
     assert kept.push(ids).startswith(special) and not dropped.push(ids).startswith(special)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_deeply_nested_model_output_stays_text(name):
+    """A model can write nesting deep enough to exhaust json's recursion: it stays text, never a 500."""
+    text = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "", "qwen3_coder": "<tool_call>",
+            "qwen3_xml": "<tool_call>"}[name] + '{"name": "f", "arguments": ' + "[" * 5000 + "]" * 5000 + "}"
+    content, calls = make_tool_parser(name, TOOLS).parse(text)
+    assert (content, calls) == (text, [])

@@ -189,9 +189,12 @@ def test_chat_errors_have_openai_shape(server, body, status, param, pattern):
 
 
 @pytest.mark.parametrize("path,content,status,pattern", [
-    ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/chat/completions", b"{not json", 400, "request body: expected JSON"),
     ("/v1/chat/completions", b"[1, 2]", 400, "JSON object"),
-    ("/v1/chat/completions", b"\xff\xfe", 400, "not valid JSON"),
+    ("/v1/chat/completions", b"\xff\xfe", 400, "request body: expected UTF-8 JSON"),
+    ("/v1/chat/completions", b"[" * 100 + b"]" * 100, 400, "nested at most 64"),
+    ("/v1/chat/completions", b'{"model": "tiny", "model": "x"}', 400, "unique keys"),
+    ("/v1/chat/completions", b'{"model": "tiny", "temperature": NaN}', 400, "finite numbers"),
     ("/v1/completions", b'{"model": "tiny", "prompt": []}', 400, "1 to 64 prompts"),
     ("/v1/completions", b'{"model": "tiny", "prompt": [999999]}', 400, "token ids"),
     ("/v1/completions", b'{"model": "tiny", "prompt": ""}', 400, "empty"),
