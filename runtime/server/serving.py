@@ -306,7 +306,8 @@ class OpenAIServing:
         echo = [self.model.tokenizer.decode(p) if req.echo else "" for p in prompts for _ in range(plan.n)]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._sse(self._completion_stream(jobs, rid, echo, include_usage))
+            return self._sse(self._completion_stream(jobs, rid, echo, include_usage,
+                                                     sum(len(p) for p in prompts)))
         choices = []
         for index, job in enumerate(jobs):
             pieces, finish, lps = await self._collect(job, request)
@@ -446,8 +447,8 @@ class OpenAIServing:
                     if tail:
                         yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(tail)))
                     yield F.sse(F.chat_chunk(rid, created, name, index, {}, self._chat_finish(plan, out, text)))
-            if include_usage:
-                prompt_tokens = sum(len(j.prompt) for j in jobs[:1])
+            if include_usage:  # the prompt counts once, whatever n is
+                prompt_tokens = len(jobs[0].prompt)
                 yield F.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
                             "choices": [], "usage": F.usage(prompt_tokens, sum(j.tokens for j in jobs))})
             yield "data: [DONE]\n\n"
@@ -456,8 +457,8 @@ class OpenAIServing:
             for job in jobs:
                 job.cancel.set()  # the client went away (or we are done): stop generating
 
-    async def _completion_stream(self, jobs: list[Job], rid: str, echo: list[str],
-                                 include_usage: bool) -> AsyncIterator[str]:
+    async def _completion_stream(self, jobs: list[Job], rid: str, echo: list[str], include_usage: bool,
+                                 prompt_tokens: int) -> AsyncIterator[str]:
         created, name, tok = int(time.time()), self.model.name, self.model.tokenizer
 
         try:
@@ -478,8 +479,7 @@ class OpenAIServing:
                         yield F.sse(F.completion_chunk(rid, created, name, index, "", finish_reason=text))
             if include_usage:
                 yield F.sse({"id": rid, "object": "text_completion", "created": created, "model": name,
-                            "choices": [], "usage": F.usage(sum(len(j.prompt) for j in jobs),
-                                                            sum(j.tokens for j in jobs))})
+                            "choices": [], "usage": F.usage(prompt_tokens, sum(j.tokens for j in jobs))})
             yield "data: [DONE]\n\n"
             self._log_request(rid, jobs)
         finally:

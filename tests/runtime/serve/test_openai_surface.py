@@ -339,6 +339,27 @@ def test_responses_api_text_tools_and_streaming(sdk):
     assert "response.output_text.delta" in kinds and [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert events[-1].response.output_text == text
+    # thinking on: the reasoning is its own output item; text.format json_schema constrains the answer
+    thought = sdk.responses.create(model="demo", input="Cell B?", max_output_tokens=6, temperature=0)
+    assert [o.type for o in thought.output] == ["reasoning"] and thought.status == "incomplete"
+    report = sdk.responses.create(model="demo", input="Report line 3.", temperature=0, max_output_tokens=80,
+                                  text={"format": {"type": "json_schema", "name": "report", "schema": SHIFT_REPORT}},
+                                  extra_body=NO_THINK)
+    jsonschema.validate(json.loads(report.output_text), SHIFT_REPORT)
+    with pytest.raises(openai.BadRequestError, match="no conversation state"):
+        sdk.responses.create(model="demo", input="x", previous_response_id="resp_1")
+
+
+def test_usage_counts_the_prompt_once_per_prompt(sdk):
+    kw = dict(model="demo", prompt=["import os\n", "def read(path):"], max_tokens=3, n=2, temperature=0.7, seed=1)
+    whole = sdk.completions.create(**kw)
+    chunks = list(sdk.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert len(whole.choices) == 4 and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    chat = sdk.chat.completions.create(model="demo", messages=ASK, n=2, max_tokens=2, stream=True,
+                                       stream_options={"include_usage": True})
+    single = sdk.chat.completions.create(model="demo", messages=ASK, max_tokens=2)
+    assert list(chat)[-1].usage.prompt_tokens == single.usage.prompt_tokens
 
 
 def test_tokenize_detokenize_version_and_models(surface, sdk):
