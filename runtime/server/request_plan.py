@@ -70,12 +70,11 @@ def _tool_mode(req, features: Features) -> tuple[str, dict | None]:
                 or not isinstance(fn.get("name"), str):
             raise RequestError(f"expected tools[{i}] to be {{'type': 'function', 'function': {{'name': ...}}}}",
                                f"tools.{i}")
-    if choice in (None, "auto"):
+    if choice in (None, "auto"):  # tools without a tool_choice mean "auto", as in OpenAI and vLLM
         if not (features.enable_auto_tool_choice and features.tool_call_parser):
-            if choice is None:
-                return "none", None  # tools only rendered into the prompt
             raise RequestError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-                               "to be set on bundle serve", "tool_choice")
+                               'to be set on bundle serve; or send tool_choice "none", "required" or a named '
+                               "function", "tool_choice")
         return "auto", None
     if choice == "none":
         return "none", None

@@ -339,6 +339,15 @@ def test_responses_api_text_tools_and_streaming(sdk):
     assert "response.output_text.delta" in kinds and [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert events[-1].response.output_text == text
+    streamed = list(sdk.responses.create(model="demo", input="Cell B is jammed.", temperature=0, stream=True,
+                                         max_output_tokens=80, tool_choice="required", parallel_tool_calls=False,
+                                         tools=[{"type": "function", **t["function"]} for t in TOOLS],
+                                         extra_body=NO_THINK))
+    args = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in streamed if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == args == fc.arguments  # greedy: the same call as the non-streamed request
+    (item,) = [o for o in streamed[-1].response.output if o.type == "function_call"]
+    assert item.name == fc.name and item.call_id.startswith("call_")
     # thinking on: the reasoning is its own output item; text.format json_schema constrains the answer
     thought = sdk.responses.create(model="demo", input="Cell B?", max_output_tokens=6, temperature=0)
     assert [o.type for o in thought.output] == ["reasoning"] and thought.status == "incomplete"

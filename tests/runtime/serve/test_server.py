@@ -162,6 +162,8 @@ def _post(server, path, body=None, content=None, headers=None):
     ({"model": "tiny", "messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools.0", "expected tools"),
     ({"model": "tiny", "messages": MESSAGES, "tool_choice": "auto",
       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice", "--enable-auto-tool-choice"),
+    ({"model": "tiny", "messages": MESSAGES,
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice", "--enable-auto-tool-choice"),
     ({"model": "tiny", "messages": MESSAGES, "tool_choice": {"type": "function", "function": {"name": "g"}},
       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice", "not in tools"),
     ({"model": "tiny", "messages": MESSAGES, "presence_penalty": 3}, 400, "presence_penalty", "less than"),
