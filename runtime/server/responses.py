@@ -136,17 +136,17 @@ async def create(serving, request):
         raise APIError(400, f"invalid value for 'input': {e}", param="input") from None
 
     async def render(http_request, chat_req, plan, prompt, prompt_text, max_tokens):
-        job = serving._submit(chat_req, plan, [prompt], max_tokens)[0]
+        job = serving.submit(chat_req, plan, [(prompt, max_tokens)])[0]
         rid = "resp_" + uuid.uuid4().hex
         base = _base(rid, req, serving.model.name)
         if req.stream:
-            return serving._sse(_stream(serving, job, rid, base, plan, prompt_text))
-        pieces, finish, _ = await serving._collect(job, http_request)
+            return serving.sse_response(_stream(serving, job, rid, base, plan, prompt_text))
+        pieces, finish, _ = await serving.collect(job, http_request)
         out = plan.make_output(prompt_text)
         out.feed("".join(pieces))
         out.finish()
-        serving._log_request(rid, [job])
-        return serving._json(_final(base, _items(out), job, finish))
+        serving.log_request(rid, [job])
+        return serving.json_response(_final(base, _items(out), job, finish))
 
     return await serving.chat_request(request, chat, render=render)
 
@@ -297,6 +297,6 @@ async def _stream(serving, job, rid: str, base: dict, plan, prompt_text: str) ->
                             arguments=item["arguments"])
                 yield event("response.output_item.done", output_index=index, item=item)
         yield event("response.completed", response=_final(base, items, job, finish))
-        serving._log_request(rid, [job])
+        serving.log_request(rid, [job])
     finally:
         job.cancel.set()

@@ -260,13 +260,12 @@ class OpenAIServing:
         if render is not None:  # another API's shape (Responses) over the same generation
             return await render(request, req, plan, prompt, text, max_tokens)
         rid = "chatcmpl-" + uuid.uuid4().hex
-        jobs = self._submit(req, plan, [prompt] * plan.n, max_tokens)
+        jobs = self.submit(req, plan, [(prompt, max_tokens)] * plan.n)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._sse(self._chat_stream(jobs, rid, plan, text, include_usage))
+            return self.sse_response(self._chat_stream(jobs, rid, plan, text, include_usage))
         choices, total = [], 0
-        for index, job in enumerate(jobs):
-            pieces, finish, lps = await self._collect(job, request)
+        for index, (job, (pieces, finish, lps)) in enumerate(zip(jobs, await self.collect_all(jobs, request))):
             out = plan.make_output(text)
             out.feed("".join(pieces))
             out.finish()
@@ -274,10 +273,10 @@ class OpenAIServing:
                             "logprobs": F.chat_logprobs(lps, self.model.tokenizer) if lps is not None else None,
                             "finish_reason": self._chat_finish(plan, out, finish)})
             total += job.tokens
-        self._log_request(rid, jobs)
+        self.log_request(rid, jobs)
         body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model.name,
                 "choices": choices, "usage": F.usage(len(prompt), total)}
-        return self._json(body)
+        return self.json_response(body)
 
     @staticmethod
     def _chat_finish(plan: Plan, out, finish: str) -> str:
@@ -300,25 +299,22 @@ class OpenAIServing:
         prompts = self._completion_prompts(req.prompt)
         limits = [self._max_tokens(req.max_tokens, len(p)) for p in prompts]
         rid = "cmpl-" + uuid.uuid4().hex
-        jobs: list[Job] = []
-        for p, limit in zip(prompts, limits):
-            jobs += self._submit(req, plan, [p] * plan.n, limit)
+        jobs = self.submit(req, plan, [(p, limit) for p, limit in zip(prompts, limits) for _ in range(plan.n)])
         echo = [self.model.tokenizer.decode(p) if req.echo else "" for p in prompts for _ in range(plan.n)]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._sse(self._completion_stream(jobs, rid, echo, include_usage,
+            return self.sse_response(self._completion_stream(jobs, rid, echo, include_usage,
                                                      sum(len(p) for p in prompts)))
         choices = []
-        for index, job in enumerate(jobs):
-            pieces, finish, lps = await self._collect(job, request)
+        for index, (pieces, finish, lps) in enumerate(await self.collect_all(jobs, request)):
             choices.append({"index": index, "text": echo[index] + "".join(pieces), "finish_reason": finish,
                             "logprobs": F.completion_logprobs(lps, self.model.tokenizer, len(echo[index]))
                             if lps is not None else None})
-        self._log_request(rid, jobs)
+        self.log_request(rid, jobs)
         prompt_tokens = sum(len(p) for p in prompts)
         body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model.name,
                 "choices": choices, "usage": F.usage(prompt_tokens, sum(j.tokens for j in jobs))}
-        return self._json(body)
+        return self.json_response(body)
 
     def _completion_prompts(self, prompt) -> list[list[int]]:
         """A string, token ids, or a list of either (prompt lists)."""
@@ -343,8 +339,9 @@ class OpenAIServing:
         return out
 
     # --- generation ------------------------------------------------------------------------------
-    def _submit(self, req: P._Common, plan: Plan, prompts: list[list[int]], max_tokens: int) -> list[Job]:
-        """Admit one request (429 beyond the queue) and queue one Job per choice."""
+    def submit(self, req: P._Common, plan: Plan, choices: list[tuple[list[int], int]]) -> list[Job]:
+        """Admit one request (429 beyond the queue) and queue one Job per choice: (prompt, max_tokens),
+        `plan.n` consecutive choices per prompt."""
         if self._admitted >= 1 + self.options.max_queued_requests:
             self.metrics.outcome("rejected")
             raise APIError(429, f"server busy: {self._admitted} requests running or queued "
@@ -353,7 +350,7 @@ class OpenAIServing:
         loop = asyncio.get_running_loop()
         seeds = plan.seeds()
         jobs = []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, max_tokens) in enumerate(choices):
             params = replace(plan.params, seed=seeds[i % plan.n])
             jobs.append(Job(prompt, params, max_tokens, req.stop_list(), plan.end_ids, req.speculative is not False,
                             loop, self._clock(), processor=plan.make_processor(prompt), logprobs=plan.logprobs,
@@ -372,18 +369,26 @@ class OpenAIServing:
     def _release(self, _future) -> None:
         self._admitted -= 1
 
-    def _json(self, body: dict):
+    def json_response(self, body: dict):
         from fastapi.responses import JSONResponse
 
         return JSONResponse(body)
 
-    def _sse(self, events: AsyncIterator[str]):
+    def sse_response(self, events: AsyncIterator[str]):
         from fastapi.responses import StreamingResponse
 
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _collect(self, job: Job, request) -> tuple[list[str], str, list | None]:
+    async def collect_all(self, jobs: list[Job], request) -> list[tuple[list[str], str, list | None]]:
+        """Every choice's (text pieces, finish reason, logprobs); an error or a disconnect cancels them all."""
+        try:
+            return [await self.collect(job, request) for job in jobs]
+        finally:
+            for job in jobs:
+                job.cancel.set()
+
+    async def collect(self, job: Job, request) -> tuple[list[str], str, list | None]:
         parts: list[str] = []
         lps: list | None = [] if job.logprobs is not None else None
         try:
@@ -452,7 +457,7 @@ class OpenAIServing:
                 yield F.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
                             "choices": [], "usage": F.usage(prompt_tokens, sum(j.tokens for j in jobs))})
             yield "data: [DONE]\n\n"
-            self._log_request(rid, jobs)
+            self.log_request(rid, jobs)
         finally:
             for job in jobs:
                 job.cancel.set()  # the client went away (or we are done): stop generating
@@ -481,12 +486,12 @@ class OpenAIServing:
                 yield F.sse({"id": rid, "object": "text_completion", "created": created, "model": name,
                             "choices": [], "usage": F.usage(prompt_tokens, sum(j.tokens for j in jobs))})
             yield "data: [DONE]\n\n"
-            self._log_request(rid, jobs)
+            self.log_request(rid, jobs)
         finally:
             for job in jobs:
                 job.cancel.set()
 
-    def _log_request(self, rid: str, jobs: list[Job]) -> None:
+    def log_request(self, rid: str, jobs: list[Job]) -> None:
         """One line per request: id, tokens, time to first token, tokens/s, acceptance, outcome."""
         if not self.options.log_requests or not jobs:
             return
