@@ -296,6 +296,25 @@ def _unknown(token: str) -> UsageError:
     return UsageError(f"expected a vllm serve flag, found {token!r}{hint}")
 
 
+def expand_multiple(args: list[str]) -> list[str]:
+    """vLLM takes `--served-model-name a b` (one or more values): spell it `--served-model-name a
+    --served-model-name b` for parsers that take one value per flag. Values run to the next `-` token."""
+    multi = {f.name for f in FLAGS if f.multiple}
+    out, i = [], 0
+    while i < len(args):
+        token = args[i]
+        out.append(token)
+        i += 1
+        if token in multi:
+            if i < len(args):
+                out.append(args[i])
+                i += 1
+            while i < len(args) and not args[i].startswith("-"):
+                out += [token, args[i]]
+                i += 1
+    return out
+
+
 def parse_args(args: Iterable[str]) -> dict[str, Any]:
     """vLLM-style arguments -> serve config.
 
@@ -315,6 +334,7 @@ def parse_args(args: Iterable[str]) -> dict[str, Any]:
             tokens.extend(shlex.split(item))
         except ValueError as e:
             raise UsageError(f"serve argument {item!r}: {e}") from None
+    tokens = expand_multiple(tokens)
     config: dict[str, Any] = {}
     i = 0
     while i < len(tokens):

@@ -62,8 +62,15 @@ def given_serve_args(ctx: click.Context, values: dict) -> dict:
     return out
 
 
+class VllmServeCommand(click.Command):
+    """Takes vLLM's multi-value form `--served-model-name a b` as well."""
+
+    def parse_args(self, ctx, args):
+        return super().parse_args(ctx, serve_config.expand_multiple(list(args)))
+
+
 @vllm_flags
-@click.command("serve", context_settings={"max_content_width": 110})
+@click.command("serve", cls=VllmServeCommand, context_settings={"max_content_width": 110})
 @click.argument("bundle")
 @click.option("--store", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Store to serve an installed bundle from (default: $BUNDLE_STORE).")

@@ -45,6 +45,7 @@ def test_forms_equals_underscores_negation_and_human_ints():
     assert config == {"max_model_len": 32000, "enable_prefix_caching": False, "port": 9000,
                       "served_model_name": ["a", "b"]}
     assert sc.parse_args(["--max-model-len 4K"])["max_model_len"] == 4096
+    assert sc.parse_args(["--served-model-name a b --port 1"])["served_model_name"] == ["a", "b"]
 
 
 @pytest.mark.parametrize("args, words", [

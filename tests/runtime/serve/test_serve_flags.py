@@ -66,6 +66,14 @@ def test_the_issues_command_line_parses_whole(captured):
     assert args["speculative_config"]["model"] == "org/draft" and args["enable_prefix_caching"] is True
 
 
+def test_served_model_name_takes_several_values_as_in_vllm(captured):
+    r = CliRunner().invoke(serve_cmd, ["demo", "--served-model-name", "qwen38", "qwen3-8b", "--port", "1"],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert captured[0][0] == ("demo",)
+    assert captured[0][1]["serve_args"]["served_model_name"] == ["qwen38", "qwen3-8b"]
+
+
 @pytest.mark.parametrize("args, words", [
     (["--tensor-parallel-size", "2"], ["one device", "remove --tensor-parallel-size"]),
     (["--quantization", "awq"], ["quantiz"]),
