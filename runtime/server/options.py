@@ -111,7 +111,7 @@ def apply_serve_config(installed, given: dict, *, spec_override: Speculative | N
     notes = serve_config.check(config)
     if unknown:
         notes.append(f"bundle serve config: keys this runtime does not know, ignored: {', '.join(sorted(unknown))}")
-    notes += [f"--{k.replace('_', '-')}: {why}" for k, why in NOT_IN_THIS_CORE.items() if k in given]
+    notes += [f"--{k.replace('_', '-')}: {why}" for k, why in NOT_IN_THIS_CORE.items() if k in config]
 
     spec = spec_override
     if spec is None and config.get("speculative_config") is not None:
