@@ -15,7 +15,7 @@ from runtime.logits_process import TokenLogprob
 
 def sse(obj) -> str:
     """One server-sent event carrying a JSON object."""
-    return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
 def token_text(tokenizer, token: int) -> str:
