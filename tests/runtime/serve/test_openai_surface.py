@@ -351,6 +351,11 @@ def test_responses_api_text_tools_and_streaming(sdk):
     # thinking on: the reasoning is its own output item; text.format json_schema constrains the answer
     thought = sdk.responses.create(model="demo", input="Cell B?", max_output_tokens=6, temperature=0)
     assert [o.type for o in thought.output] == ["reasoning"] and thought.status == "incomplete"
+    thinking = list(sdk.responses.create(model="demo", input="Cell B?", max_output_tokens=6, temperature=0,
+                                         stream=True))
+    deltas = "".join(e.delta for e in thinking if e.type == "response.reasoning_text.delta")
+    assert deltas == thought.output[0].content[0].text
+    assert [o.type for o in thinking[-1].response.output] == ["reasoning"]
     report = sdk.responses.create(model="demo", input="Report line 3.", temperature=0, max_output_tokens=80,
                                   text={"format": {"type": "json_schema", "name": "report", "schema": SHIFT_REPORT}},
                                   extra_body=NO_THINK)
