@@ -46,11 +46,35 @@ def keygen(key: Path, passphrase: bool, force: bool) -> None:
     click.echo(f"key id:      {kid}")
 
 
+def read_serve_defaults(path: Path | None, args: tuple[str, ...], max_model_len: int | None) -> dict:
+    """--serve-config FILE, then --serve-arg flags, then --max-model-len: one config, checked as bundle serve
+    will check it (a refused flag fails the create, not the device)."""
+    from manifests import serve_config, strict_json
+
+    config: dict = {}
+    if path is not None:
+        if path.stat().st_size > serve_config.MAX_ARG_CHARS:
+            raise UsageError(f"--serve-config {path}: expected at most {serve_config.MAX_ARG_CHARS} bytes")
+        data = strict_json.parse(path.read_bytes(), what=f"--serve-config {path}",
+                                 max_bytes=serve_config.MAX_ARG_CHARS, error=UsageError)
+        config, unknown = serve_config.parse_config(data, source=f"--serve-config {path}")
+        if unknown:
+            raise UsageError(f"--serve-config {path}: unknown keys {sorted(unknown)}; expected vLLM argument "
+                             f"names such as tool_call_parser, max_model_len")
+    config = serve_config.merge(config, serve_config.parse_args(args))
+    if max_model_len:
+        config["max_model_len"] = max_model_len
+    serve_config.check(config)
+    return config
+
+
 @click.command(epilog="""\b
 Examples:
   bundle create --model ./llama-1b --draft ./llama-draft --targets jetson-thor,igx-thor \\
       --name assistant --version 3 --sign-key keys/release.key --out /media/usb/assistant-3
   bundle create --targets cpu --name demo --version 1 --unsigned      # the embedded demo pair
+  bundle create --targets cpu --name demo --version 2 --unsigned \\
+      --serve-arg '--enable-auto-tool-choice --tool-call-parser hermes --served-model-name assistant'
 """)
 @click.option("--model", "model_ref", metavar="REPO[@REV]|DIR",
               help="Target model: a Hugging Face repo (org/name, optionally @branch, @tag or @commit; pinned to "
@@ -83,6 +107,13 @@ Examples:
 @click.option("--expires", metavar="DATE|Nd", help="Devices refuse the bundle after this: 2027-06-01, or 90d from now.")
 @click.option("--num-speculative-tokens", default=3, show_default=True, type=click.IntRange(1, 16),
               help="Draft tokens proposed per step (with --draft).")
+@click.option("--serve-arg", "serve_args", multiple=True, metavar="FLAGS",
+              help="vllm serve flags the bundle carries as its serve defaults (repeatable; quote a group): "
+                   "--serve-arg '--tool-call-parser hermes --enable-auto-tool-choice' --serve-arg --max-model-len=4k. "
+                   "A device then needs only `bundle serve NAME`; its command line still wins.")
+@click.option("--serve-config", "serve_config_path", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              metavar="FILE", help="JSON object of serve defaults keyed by vLLM's argument names "
+                                   "({\"tool_call_parser\": \"hermes\"}); --serve-arg values win over it.")
 @click.option("--no-checkpoint-weights", "no_checkpoint_weights", is_flag=True,
               help="Leave the checkpoint's weight files out (their sizes and sha256 stay in the manifest): every "
                    "target's engine carries its own weights, so devices never install them. About halves the bundle.")
@@ -96,7 +127,8 @@ Examples:
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_model_len, targets_text, name,
            version, sign_key_paths, unsigned, max_part_size, out, expires, num_speculative_tokens,
-           no_checkpoint_weights, force, allow_no_chat_template, jobs, no_progress) -> None:
+           serve_args, serve_config_path, no_checkpoint_weights, force, allow_no_chat_template, jobs,
+           no_progress) -> None:
     """Pack a model (and draft) into a signed, zstd-compressed bundle directory (an OCI image layout).
 
     Every file is recorded in a signed manifest with its sha256; files larger than --max-part-size are
@@ -110,6 +142,8 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
 
     targets = parse_targets(targets_text)
     part_size = parse_size(max_part_size)
+    serve = read_serve_defaults(serve_config_path, serve_args, max_model_len)
+    max_model_len = serve.get("max_model_len")
     if spec_config is not None:
         from manifests.speculative import parse_speculative_config
 
@@ -124,7 +158,7 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     model, draft, resolved = resolve_inputs(model_ref, draft_ref, targets=targets, include=include,
                                             exclude=exclude, lock_path=lock_path, max_model_len=max_model_len,
                                             force=force, allow_no_chat_template=allow_no_chat_template)
-    serve = {"max_model_len": max_model_len} if max_model_len else None
+    serve = serve or None
     manifest = create_bundle(out, name=name, version=version, model=model, draft=draft, targets=targets,
                              sign_keys=keys, unsigned=unsigned, max_part_size=part_size, expires=expires,
                              num_speculative_tokens=num_speculative_tokens, force=force, jobs=jobs,
@@ -146,3 +180,7 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     if manifest.expires:
         click.echo(f"expires:  {manifest.expires}")
     click.echo(f"lock:     {lock_out}")
+    if manifest.serve:
+        from manifests.serve_config import to_args
+
+        click.echo(f"serve:    {' '.join(to_args(manifest.serve)) or manifest.serve}")

@@ -284,8 +284,8 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
     config = _read_config(model)
     models = [Model(role=m.role, name=m.name or m.local_dir.name, root=m.root, source=m.source,
                     architecture=(_read_config(m).get("architectures") or [None])[0]) for m in inputs]
-    if serve is None:
-        serve = {}
+    serve = dict(serve or {})
+    if "max_model_len" not in serve:
         mpe = config.get("max_position_embeddings")
         if isinstance(mpe, int) and mpe > 0:
             serve["max_model_len"] = min(mpe, MAX_MODEL_LEN_CAP)

@@ -17,6 +17,7 @@ import numpy as np
 
 from manifests.errors import UsageError
 from runtime.engine import Engine, Row
+from runtime.logits_process import token_logprobs
 from runtime.speculative import METHODS, SpecStats, Step, accept, ngram_lookup, propose_token
 
 
@@ -170,7 +171,10 @@ class ModelRunner:
                 self._rollback(self.draft, self.draft_cache, r.slot, min(len(self.draft_cache[r.slot]), keep))
             r.tokens.extend(new)
             r.computed = len(r.tokens) - 1
-            r.emit(new, len(drafts), accepted)
+            # row i of the raw target logits is the distribution new[i] was chosen from
+            logprobs = None if r.logprobs is None else [token_logprobs(row_logits[i], t, r.logprobs)
+                                                         for i, t in enumerate(new)]
+            r.emit(new, len(drafts), accepted, logprobs)
 
     def _propose(self, decodes, prefills) -> dict[int, tuple[list[int], list]]:
         out: dict[int, tuple[list[int], list]] = {}

@@ -1,4 +1,4 @@
-"""Logits -> next-token probabilities (temperature, top-k, top-p), and drawing from them.
+"""Logits -> next-token probabilities (temperature, min-p, top-k, top-p), and drawing from them.
 
 Speculative sampling is only exact when the draft's q and the target's p go through the SAME
 processing, so both call `probabilities` with the request's `SamplingParams`. Temperature 0 means
@@ -30,6 +30,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no limit
     seed: int | None = None
+    min_p: float = 0.0  # keep tokens with at least min_p times the most likely token's probability
 
     def __post_init__(self):
         if not (0.0 <= self.temperature <= 100.0):
@@ -38,6 +39,8 @@ class SamplingParams:
             raise UsageError(f"top_p must be in (0, 1], found {self.top_p}")
         if self.top_k < -1:
             raise UsageError(f"top_k must be -1, 0 (no limit) or a positive count, found {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise UsageError(f"min_p must be in [0, 1], found {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -75,6 +78,9 @@ def _row(x: np.ndarray, params: SamplingParams) -> np.ndarray:
         return out
     x = x / params.temperature
     keep = np.isfinite(x)
+    if params.min_p > 0.0:  # after temperature, before top-k/top-p, as vLLM's sampler
+        top = np.max(x)
+        keep &= x >= top + np.log(params.min_p)
     if params.top_k > 0 and params.top_k < vocab:
         # Keep the k largest (ties at the k-th value are all kept, as in transformers' TopKLogitsWarper).
         kth = np.partition(x, vocab - params.top_k)[vocab - params.top_k]

@@ -20,7 +20,7 @@ import collections
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -44,6 +44,7 @@ class EngineRequest:
     eos_ids: frozenset = frozenset()
     speculative: bool = True
     logits_processors: tuple = ()
+    logprobs: int | None = None  # report raw logprobs of each token, with this many alternatives
     on_step: Callable[[Step], str | None] | None = None
     on_error: Callable[[str], None] | None = None  # the engine failed; the request is over
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -69,8 +70,10 @@ class EngineRequest:
     def prefilling(self) -> bool:
         return self.computed < len(self.tokens) - 1
 
-    def emit(self, new: list[int], drafted: int, accepted: int) -> None:
+    def emit(self, new: list[int], drafted: int, accepted: int, logprobs: list | None = None) -> None:
         step, n = step_of(new, drafted, accepted, self.eos_ids, self.produced, self.max_tokens)
+        if logprobs is not None:
+            step = replace(step, logprobs=logprobs[:n])
         self.produced += n
         self._deliver(step)
 

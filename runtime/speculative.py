@@ -44,6 +44,7 @@ class Step:
     drafted: int = 0  # proposals scored in this step (0: plain step)
     accepted: int = 0  # proposals accepted, 0..drafted
     finish_reason: str | None = None  # "stop" (eos) | "length" | "cancelled"
+    logprobs: list | None = None  # runtime.logits_process.TokenLogprob per token, when the request asks
 
 
 @dataclass
@@ -195,12 +196,16 @@ class Generator:
 
     def generate(self, prompt: Sequence[int], params: SamplingParams, *, max_tokens: int,
                  eos_ids: Sequence[int] = (), speculative: bool = True, cancel: threading.Event | None = None,
-                 logits_processors: Sequence[LogitsProcessor] = ()) -> Iterator[Step]:
-        """Yield Steps of new tokens until eos (not included), `max_tokens`, the context end, or `cancel`."""
+                 logits_processors: Sequence[LogitsProcessor] = (), logprobs: int | None = None) -> Iterator[Step]:
+        """Yield Steps of new tokens until eos (not included), `max_tokens`, the context end, or `cancel`.
+
+        `logprobs`: each token's raw log-probability and this many top alternatives (0: the token's only).
+        """
         from runtime.scheduler import EngineRequest, Scheduler
 
         request = EngineRequest(list(prompt), params, max_tokens, eos_ids=frozenset(eos_ids),
-                                speculative=speculative, logits_processors=tuple(logits_processors))
+                                speculative=speculative, logits_processors=tuple(logits_processors),
+                                logprobs=logprobs)
         self.runner.check(request)
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("Generator.generate is already running; it serves one sequence at a time")

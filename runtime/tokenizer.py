@@ -96,8 +96,8 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def decoder(self) -> "IncrementalDecoder":
-        return IncrementalDecoder(self)
+    def decoder(self, skip_special_tokens: bool = True) -> "IncrementalDecoder":
+        return IncrementalDecoder(self, skip_special_tokens)
 
 
 class IncrementalDecoder:
@@ -127,12 +127,13 @@ class TextStream:
     stopped: bool = False
     text: str = ""  # everything returned so far
     tokens: int = 0  # tokens pushed before the stop (usage counts these)
+    skip_special_tokens: bool = True  # False where a parser reads special tokens ([TOOL_CALLS])
     _held: str = ""
     _decoder: IncrementalDecoder | None = field(default=None, repr=False)
 
     def __post_init__(self):
         self.stop = tuple(s for s in self.stop if s)
-        self._decoder = self.tokenizer.decoder()
+        self._decoder = self.tokenizer.decoder(self.skip_special_tokens)
 
     def push(self, token_ids: Sequence[int]) -> str:
         out = []

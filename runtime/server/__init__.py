@@ -1,9 +1,7 @@
 """`bundle serve`: an OpenAI-compatible server for one installed bundle, with speculative decoding.
 
-Modules, split as vLLM's: protocol (request/response bodies), body (bounded strict JSON input),
-serving_engine (what generating endpoints share), serving_chat / serving_completion /
-serving_models (one per endpoint), app (routes, error handlers, the server object owning the
-engine client of runtime.engine_client), metrics (Prometheus), loader (bundle -> engines + tokenizer).
+Modules: protocol (request/response bodies), serving (endpoint logic, queue, worker thread),
+app (routes and error handlers), metrics (Prometheus), loader (bundle -> engines + tokenizer).
 """
 
 from __future__ import annotations
@@ -74,65 +72,75 @@ def open_installed(name_or_dir, *, store: Path | None, target: str, trust: tuple
     yield home.servable(ref, target=target, ignore_expiry=ignore_expiry), home
 
 
-def serve(name_or_dir, *, store: Path | None = None, host: str = "127.0.0.1", port: int = 8000,
+def serve(name_or_dir, *, store: Path | None = None, host: str | None = None, port: int | None = None,
           target: str = "auto", speculative_config: Speculative | str | dict | None = None,
           no_speculation: bool = False,
           max_model_len: int | None = None, max_queued_requests: int = 16, api_key: str | None = None,
           trust: tuple[Path, ...] = (), allow_unsigned: bool = False, ignore_expiry: bool = False,
-          log_interval_s: float = 10.0, served_model_name: str | None = None, max_num_seqs: int = 8,
-          max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True,
-          kv_cache_memory_bytes: int | None = None, echo: Callable[[str], None] = print) -> None:
+          log_interval_s: float = 10.0,
+          served_model_name: str | None = None, serve_args: dict | None = None,
+          echo: Callable[[str], None] = print) -> None:
     """Load the bundle, print what is served, run uvicorn until interrupted.
 
-    `name_or_dir`: an installed bundle's name (looked up in `store`), a bundle directory (a Path, or a
-    str with a '/': verified and installed into a temporary store first), or a runtime.store.Installed.
+    `name_or_dir`: an installed bundle's name (looked up in `store`), a bundle directory (verified
+    and installed into a temporary store first), or a runtime.store.Installed.
+    `serve_args`: vLLM flags by their argument names (manifests.serve_config), laid over the bundle's
+    serve defaults; the keyword arguments of the same meaning are kept for library callers.
     `speculative_config`: a Speculative, or vLLM-style JSON text / dict.
     """
-    import json
-
     import uvicorn
 
-    from runtime.server.app import OpenAIServer, build_app
-    from runtime.server.loader import load_serving_model
-    from runtime.server.serving_engine import ServeOptions
+    from manifests import serve_config
+    from runtime.server.app import build_app
+    from runtime.server.options import apply_serve_config
 
-    if isinstance(speculative_config, (str, dict)):
-        from runtime.server.loader import parse_speculative_config
-
-        text = speculative_config if isinstance(speculative_config, str) else json.dumps(speculative_config)
-        speculative_config = parse_speculative_config(text)
+    given = dict(serve_args or {})
+    for key, value in (("host", host), ("port", port), ("max_model_len", max_model_len), ("api_key", api_key),
+                       ("served_model_name", [served_model_name] if served_model_name else None)):
+        if value is not None:
+            given.setdefault(key, value)
+    if isinstance(speculative_config, Speculative):
+        spec_override = speculative_config
+    else:
+        spec_override = None
+        if speculative_config is not None:
+            given.setdefault("speculative_config", speculative_config)
     if max_queued_requests < 0:
         raise UsageError(f"--max-queued-requests must be >= 0, found {max_queued_requests}")
+    serve_config.check(given, complete=False)
     _setup_logging()
-    sock = bind_socket(host, port)
+    sock = bind_socket(given.get("host", "127.0.0.1"), given.get("port", 8000)) \
+        if "host" in given or "port" in given else None
     try:
         with open_installed(name_or_dir, store=store, target=target, trust=trust,
                             allow_unsigned=allow_unsigned, ignore_expiry=ignore_expiry,
                             echo=echo) as (installed, st):
-            model = load_serving_model(installed, speculative=speculative_config, no_speculation=no_speculation,
-                                       max_model_len=max_model_len, cache_dir=getattr(st, "engine_cache_dir", None))
-            if served_model_name:
-                model.name = served_model_name
-            serving = OpenAIServer(model, ServeOptions(
-                max_queued_requests=max_queued_requests, api_key=api_key, log_interval_s=log_interval_s,
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                enable_prefix_caching=enable_prefix_caching, kv_cache_memory_bytes=kv_cache_memory_bytes))
-            app = build_app(serving)
+            setup = apply_serve_config(installed, given, spec_override=spec_override,
+                                       no_speculation=no_speculation, max_queued_requests=max_queued_requests,
+                                       log_interval_s=log_interval_s,
+                                       cache_dir=getattr(st, "engine_cache_dir", None), echo=echo)
+            if sock is None:
+                sock = bind_socket(setup.host, setup.port)
+            app = build_app(setup.serving)
             bound_host, bound_port = sock.getsockname()[:2]
+            model = setup.serving.model
             info = model.info
             echo(f"model:       {model.name} ({info['bundle']}, max_model_len {model.max_model_len})")
             echo(f"target:      {info['target']}")
             echo(f"engine:      {info['engine']}")
             echo(f"speculative: {info['speculative']}")
-            echo(f"batching:    {serving.slot_plan.describe()}; max_num_batched_tokens "
-                 f"{max_num_batched_tokens}; prefix caching {'on' if enable_prefix_caching else 'off'}")
-            echo(f"auth:        {'API key required' if api_key else 'none'}")
-            echo(f"serving at   http://{bound_host}:{bound_port}/v1  (Ctrl-C to stop)")
+            for line in setup.features_lines:
+                echo(line)
+            echo(f"auth:        {'API key required' if setup.serving.options.api_key else 'none'}")
+            scheme = "https" if setup.ssl else "http"
+            echo(f"serving at   {scheme}://{bound_host}:{bound_port}/v1  (Ctrl-C to stop)")
             sys.stdout.flush()
-            config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5, access_log=False)
+            config = uvicorn.Config(app, log_level=setup.uvicorn_log_level, timeout_graceful_shutdown=5,
+                                    access_log=False, **setup.ssl)
             uvicorn.Server(config).run(sockets=[sock])
     finally:
-        sock.close()
+        if sock is not None:
+            sock.close()
 
 
 def _setup_logging() -> None:

@@ -2,7 +2,8 @@
 
 `OpenAIServer` builds, for one ServingModel: the slot plan (KV budget -> slots), the engine
 client (scheduler + model runner, runtime.engine_client), one handler per endpoint
-(serving_chat, serving_completion, serving_models) and the worker threads for request input.
+(serving_chat, serving_completion, responses, tokenize, serving_models) and the worker threads for request
+input.
 
 Bad input of any kind (malformed JSON, wrong types, unknown routes, wrong methods) is a 4xx in
 OpenAI's error shape; a catch-all handler logs anything unexpected and answers 500 in the same
@@ -28,7 +29,9 @@ from runtime.server.metrics import Metrics
 from runtime.server.serving_chat import ServingChat
 from runtime.server.serving_completion import ServingCompletion
 from runtime.server.serving_engine import PREPROCESS_THREADS, Admission, ServeOptions, ServingModel
+from runtime.server.responses import ServingResponses
 from runtime.server.serving_models import ServingModels
+from runtime.server.tokenize import ServingTokenize, version
 
 log = logging.getLogger("bundle.serve")
 
@@ -41,7 +44,7 @@ class OpenAIServer:
 
         self.model, self.options = model, options
         runner = model.generator.runner
-        self.metrics = metrics or Metrics(runner.num_speculative_tokens)
+        self.metrics = metrics or Metrics(runner.num_speculative_tokens, model_name=model.name)
         self.slot_plan: SlotPlan = plan_slots(runner, options.max_num_seqs, options.kv_cache_memory_bytes)
         if runner.num_slots != self.slot_plan.num_slots:
             try:
@@ -55,8 +58,11 @@ class OpenAIServer:
         self.engine = EngineClient(runner, config, on_step_done=self._gauges)
         self._preprocess = ThreadPoolExecutor(max_workers=PREPROCESS_THREADS, thread_name_prefix="preprocess")
         shared = (model, options, self.metrics, self.engine, self._preprocess, Admission())
-        self.chat = ServingChat(*shared)
-        self.completion = ServingCompletion(*shared)
+        compiler = [None]  # the grammar compiler, built once on the first structured request
+        self.chat = ServingChat(*shared, compiler=compiler)
+        self.completion = ServingCompletion(*shared, compiler=compiler)
+        self.responses = ServingResponses(*shared, compiler=compiler)
+        self.tokenize = ServingTokenize(*shared, compiler=compiler)
         self.models = ServingModels(model, self.engine, self.slot_plan)
 
     def _gauges(self, scheduler) -> None:
@@ -94,7 +100,7 @@ def build_app(serving: OpenAIServer) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         async def periodic_log():
-            while True:
+            while serving.options.log_stats:
                 await asyncio.sleep(serving.options.log_interval_s)
                 serving.metrics.log_window()
 
@@ -161,5 +167,21 @@ def build_app(serving: OpenAIServer) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await serving.completion.create(request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await serving.responses.create(request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await serving.tokenize.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await serving.tokenize.detokenize(request)
+
+    @app.get("/version")
+    async def version_route():
+        return version()
 
     return app

@@ -10,11 +10,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 log = logging.getLogger("bundle.serve")
 
-OUTCOMES = ("stop", "length", "cancelled", "error", "rejected", "invalid")
+#: vLLM's finished_reason values; our "cancelled" (client went away) is vLLM's "abort".
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -30,31 +31,70 @@ class _Window:
     since: float = field(default_factory=time.monotonic)
 
 
+class _Labelled:
+    """A metric family with the model_name and engine labels vLLM puts on every series, pre-bound."""
+
+    def __init__(self, family, labels: dict, extra: tuple = ()):
+        self._family, self._labels = family, labels
+        if not extra:
+            family.labels(**labels)  # the series exists (at zero) from the start
+
+    def labels(self, **more):
+        return self._family.labels(**self._labels, **more)
+
+    def __getattr__(self, name):  # inc, dec, observe, set on the bound child
+        return getattr(self._family.labels(**self._labels), name)
+
+
 class Metrics:
-    def __init__(self, num_speculative_tokens: int = 0, clock=time.monotonic):
+    """vLLM's metric names exactly (`vllm:` prefix, `model_name` and `engine` labels), so an existing vLLM
+    Grafana dashboard reads this server unchanged. Rejections (429) and invalid requests never reach
+    vLLM's engine either, so they are counted under `bundle:` names of their own."""
+
+    def __init__(self, num_speculative_tokens: int = 0, clock=time.monotonic, model_name: str = "model"):
+        disable_created_metrics()  # as vLLM: no *_created series
         self.registry = CollectorRegistry()
         r = self.registry
-        self.num_drafts = Counter("spec_decode_num_drafts", "Speculative steps that proposed tokens", registry=r)
-        self.num_draft_tokens = Counter("spec_decode_num_draft_tokens", "Tokens proposed", registry=r)
-        self.num_accepted_tokens = Counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted",
-                                           registry=r)
-        self.accepted_per_pos = Counter("spec_decode_num_accepted_tokens_per_pos",
-                                        "Accepted tokens by position in the proposal", ["position"], registry=r)
+        base = {"model_name": model_name, "engine": "0"}
+        names = list(base)
+
+        def counter(name, doc, extra=()):
+            return _Labelled(Counter(name, doc, names + list(extra), registry=r), base, tuple(extra))
+
+        def histogram(name, doc, buckets=_LATENCY_BUCKETS):
+            return _Labelled(Histogram(name, doc, names, buckets=buckets, registry=r), base)
+
+        def gauge(name, doc):
+            return _Labelled(Gauge(name, doc, names, registry=r), base)
+
+        self.num_drafts = counter("vllm:spec_decode_num_drafts", "Speculative steps that proposed tokens")
+        self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Tokens proposed")
+        self.num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted")
+        self.accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted tokens by position in the proposal", ["position"])
         for pos in range(num_speculative_tokens):  # export zeros so every position shows up from the start
             self.accepted_per_pos.labels(position=str(pos))
-        self.ttft = Histogram("time_to_first_token_seconds", "Request arrival to first generated token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("inter_token_latency_seconds", "Time between generated tokens",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("e2e_request_latency_seconds", "Request arrival to last token",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("requests", "Finished requests by outcome", ["outcome"], registry=r)
-        for o in OUTCOMES:
-            self.requests.labels(outcome=o)
-        self.prompt_tokens = Counter("prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("generation_tokens", "Tokens generated", registry=r)
-        self.running = Gauge("num_requests_running", "Requests generating now", registry=r)
-        self.waiting = Gauge("num_requests_waiting", "Requests queued for the generator", registry=r)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Request arrival to first generated token")
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between generated tokens")
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Mean time per output token of a request")
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request arrival to last token")
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Time a request waited for the generator")
+        token_buckets = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Generated tokens per request", token_buckets)
+        self.request_params_n = histogram("vllm:request_params_n", "The n request parameter", (1, 2, 5, 10, 20))
+        self.requests = counter("vllm:request_success", "Finished requests by finish reason", ["finished_reason"])
+        for o in FINISHED_REASONS:
+            self.requests.labels(finished_reason=o)
+        self.refused = counter("bundle:requests_refused", "Requests refused before generation", ["reason"])
+        for o in ("rejected", "invalid"):
+            self.refused.labels(reason=o)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
+        self.running = gauge("vllm:num_requests_running", "Requests generating now")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests queued for the generator")
         self._clock = clock
         self._window = _Window(since=clock())
 
@@ -73,7 +113,12 @@ class Metrics:
             w.accepted += accepted
 
     def outcome(self, name: str) -> None:
-        self.requests.labels(outcome=name).inc()
+        """A finish reason (stop, length, tool_calls, cancelled, error) or a refusal (rejected, invalid)."""
+        if name in ("rejected", "invalid"):
+            self.refused.labels(reason=name).inc()
+            return
+        reason = {"cancelled": "abort", "tool_calls": "stop"}.get(name, name)
+        self.requests.labels(finished_reason=reason if reason in FINISHED_REASONS else "stop").inc()
 
     def log_window(self) -> str | None:
         """One log line about throughput and acceptance since the last call; None when idle."""

@@ -1,15 +1,17 @@
 """Request and response bodies of the OpenAI API, as pydantic models.
 
-Unknown request fields are ignored (clients send fields we do not know, as with vLLM); known
-fields whose feature this server lacks are refused with a 400 naming the field, rather than
-silently ignored, so a client never gets an answer computed differently than it asked.
-Extensions (vLLM-style, passed with the openai client's `extra_body`): top_k, ignore_eos,
-speculative (false = opt out of speculative decoding for this request).
+Unknown request fields are accepted and named in a warning log line, as vLLM does (`extra="allow"`,
+read back through `model_extra`); known fields whose feature this server lacks are refused with a 400
+naming the field. Explicit `null` is accepted wherever OpenAI accepts it. Extensions (vLLM's, passed
+with the openai client's `extra_body`): top_k, min_p, min_tokens, repetition_penalty, ignore_eos,
+stop_token_ids, structured_outputs, skip_special_tokens, include_reasoning, chat_template_kwargs, and
+speculative
+(false = opt out of speculative decoding for this request).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -46,27 +48,31 @@ class ChatMessage(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
-    n: int = Field(1, ge=1, le=128)
+    n: int | None = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
-    top_logprobs: int | None = None
     user: str | None = None
-    # extensions
-    ignore_eos: bool = False
-    speculative: bool = True
+    # extensions (vLLM's names)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    structured_outputs: dict | None = None
+    skip_special_tokens: bool | None = True
+    speculative: bool | None = True
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -78,16 +84,23 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = True
     response_format: dict | None = None
-    add_generation_prompt: bool = True
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0)
+    add_generation_prompt: bool | None = True
+    include_reasoning: bool | None = True
+    chat_template_kwargs: dict | None = None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
-    echo: bool = False
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict | None = None
 
 
 class PromptTokensDetails(BaseModel):

@@ -1,39 +1,137 @@
-"""POST /v1/chat/completions: messages -> chat template -> tokens -> the engine client."""
+"""POST /v1/chat/completions: messages -> chat template -> tokens -> the engine client -> a chat message.
+
+The message is read back by runtime.server.chat_output (reasoning split, tool calls); tools, tool
+messages and assistant tool_calls in the history go through the model's template as vLLM passes them.
+"""
 
 from __future__ import annotations
 
+import json
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
 from runtime.chat_template import ChatTemplateError
+from runtime.server import openai_format as F
 from runtime.server import protocol as P
 from runtime.server.errors import APIError, unsupported
-from runtime.server.serving_engine import OpenAIServing
+from runtime.server.request_plan import Plan
+from runtime.server.serving_engine import Job, OpenAIServing
+
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+@dataclass
+class Prepared:
+    """What the worker thread made of a chat request."""
+
+    plan: Plan
+    text: str  # the rendered prompt
+    prompt: list[int]
+    max_tokens: int
 
 
 class ServingChat(OpenAIServing):
     async def create(self, request):
-        req, prompt = await self.prepare(request, P.ChatCompletionRequest, self.render)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        job = self.submit(req, prompt, max_tokens)
-        return await self.respond(request, job, self.request_id(chat=True), True, req)
+        req, prepared = await self.prepare(request, P.ChatCompletionRequest, self.build)
+        return await self.respond_chat(request, req, prepared)
 
-    def render(self, req: P.ChatCompletionRequest) -> list[int]:
-        """Checks, template and tokenizer: CPU work, called in a worker thread."""
+    def build(self, req: P.ChatCompletionRequest) -> Prepared:
+        """Checks, plan, template and tokenizer: CPU work, called in a worker thread."""
         self.check_common(req)
-        if req.tools or req.tool_choice not in (None, "none"):
-            raise unsupported("tools", "tool calling")
-        if req.response_format and req.response_format.get("type") not in (None, "text"):
-            raise unsupported("response_format", f"response_format {req.response_format.get('type')!r}")
+        plan = self.plan(req, chat=True)
+        text = self.render(req)
+        prompt = self.model.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return Prepared(plan, text, prompt, self.max_tokens(max_tokens, len(prompt)))
+
+    def render(self, req: P.ChatCompletionRequest) -> str:
+        """The model's template over the conversation, tools and chat_template_kwargs."""
         if self.model.template is None:
-            raise APIError(400, "this model has no chat template; use /v1/completions", code="unsupported")
+            raise APIError(400, "this model has no chat template; use /v1/completions or start the server "
+                                "with --chat-template", code="unsupported")
         messages = []
         for i, msg in enumerate(req.messages):
             m = msg.model_dump(exclude_none=True)
             if isinstance(msg.content, list):
-                if any(p.type != "text" or p.text is None for p in msg.content):
+                if any(p.type not in TEXT_PARTS or p.text is None for p in msg.content):
                     raise unsupported(f"messages.{i}.content", "non-text content (images, audio, files)")
                 m["content"] = "".join(p.text for p in msg.content)
+            m.setdefault("content", "")
+            if "reasoning" in m and "reasoning_content" not in m:  # vLLM's newer name; templates read the older
+                m["reasoning_content"] = m["reasoning"]
+            for c in m.get("tool_calls") or []:  # templates expect arguments as objects (as vLLM passes them)
+                fn = c.get("function") if isinstance(c, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except (ValueError, RecursionError):
+                        pass
             messages.append(m)
         try:
-            text = self.model.template.render(messages, add_generation_prompt=req.add_generation_prompt)
+            return self.model.template.render(messages, add_generation_prompt=req.add_generation_prompt is not False,
+                                              tools=req.tools, **(req.chat_template_kwargs or {}))
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
-        return self.model.tokenizer.encode(text, add_special_tokens=False)
+        except TypeError as e:  # a chat_template_kwargs key that collides with the template's own
+            raise APIError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
+
+    async def respond_chat(self, request, req: P.ChatCompletionRequest, prepared: Prepared):
+        plan = prepared.plan
+        rid = self.request_id(chat=True)
+        jobs = self.submit(req, plan, [(prepared.prompt, prepared.max_tokens)] * plan.n)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self.sse_response(self._stream(jobs, rid, plan, prepared.text, include_usage))
+        choices = []
+        for index, (pieces, finish, lps) in enumerate(await self.collect_all(jobs, request)):
+            out = plan.make_output(prepared.text)
+            out.feed("".join(pieces))
+            out.finish()
+            choices.append({"index": index, "message": out.message(),
+                            "logprobs": F.chat_logprobs(lps, self.model.tokenizer) if lps is not None else None,
+                            "finish_reason": finish_reason(plan, out, finish)})
+        self.log_request(rid, jobs)
+        return self.json_response({"id": rid, "object": "chat.completion", "created": int(time.time()),
+                                   "model": self.model.name, "choices": choices,
+                                   "usage": self.usage(len(prepared.prompt), jobs)})
+
+    async def _stream(self, jobs: list[Job], rid: str, plan: Plan, prompt_text: str,
+                      include_usage: bool) -> AsyncIterator[str]:
+        created, name, tok = int(time.time()), self.model.name, self.model.tokenizer
+        try:
+            for index, job in enumerate(jobs):
+                out = plan.make_output(prompt_text)
+                yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(None, first=True)))
+                async for kind, text, lps in self.events(job):
+                    if kind == "error":
+                        yield self.error_event(text)
+                        yield "data: [DONE]\n\n"
+                        return
+                    if kind == "delta":
+                        delta = out.feed(text)
+                        logprobs = F.chat_logprobs(lps, tok) if lps else None
+                        if delta or logprobs:
+                            yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(delta),
+                                                     logprobs=logprobs))
+                        continue
+                    tail = out.finish()
+                    if tail:
+                        yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(tail)))
+                    yield F.sse(F.chat_chunk(rid, created, name, index, {}, finish_reason(plan, out, text)))
+            if include_usage:  # the prompt counts once, whatever n is
+                yield F.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                             "choices": [], "usage": self.usage(len(jobs[0].prompt), jobs)})
+            yield "data: [DONE]\n\n"
+            self.log_request(rid, jobs)
+        finally:
+            self.abort_all(jobs)  # the client went away (or we are done): free the slots
+
+
+def finish_reason(plan: Plan, out, finish: str) -> str:
+    """vLLM's: "tool_calls" when auto mode found calls or tool_choice 'required' stopped; else the engine's."""
+    if plan.tool_mode == "auto" and finish == "stop" and any(c.arguments for c in out.tool_calls):
+        return "tool_calls"
+    if plan.tool_mode == "required" and finish == "stop":
+        return "tool_calls"
+    return finish

@@ -11,23 +11,23 @@ per step) and handed to the request's asyncio queue.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from manifests.errors import UsageError
 from runtime.chat_template import ChatTemplate
 from runtime.engine_client import EngineClient
-from runtime.sampling import SamplingParams
 from runtime.scheduler import EngineRequest
+from runtime.server import openai_format as F
 from runtime.server import protocol as P
 from runtime.server.body import decode, read_body
-from runtime.server.errors import APIError, unsupported
+from runtime.server.errors import APIError
 from runtime.server.metrics import Metrics
+from runtime.server.request_plan import Features, Plan, RequestError, plan_for
 from runtime.speculative import Generator, Step
 from runtime.tokenizer import TextStream, Tokenizer
 
@@ -46,8 +46,12 @@ class ServingModel:
     generator: Generator
     max_model_len: int
     info: dict = field(default_factory=dict)  # target, engine, speculative method, bundle version
-    defaults: dict = field(default_factory=dict)  # the manifest's serve section: temperature, top_p...
+    defaults: dict = field(default_factory=dict)  # default sampling: generation config, manifest, overrides
     created: int = field(default_factory=lambda: int(time.time()))
+    aliases: tuple[str, ...] = ()  # every --served-model-name; requests may use any
+
+    def accepts(self, name: str) -> bool:
+        return name == self.name or name in self.aliases
 
 
 @dataclass(frozen=True)
@@ -59,11 +63,14 @@ class ServeOptions:
     max_num_batched_tokens: int = 256
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None
+    log_requests: bool = True  # one line per request (--disable-log-requests turns it off)
+    log_stats: bool = True  # the periodic throughput line (--disable-log-stats)
+    features: Features = Features()  # tool and reasoning parsers, --max-logprobs
 
 
 @dataclass
 class Job:
-    """The server's side of one EngineRequest: its event queue on the loop, its text stream."""
+    """The server's side of one EngineRequest (one choice): its event queue on the loop, its text stream."""
 
     prompt: list[int]
     loop: asyncio.AbstractEventLoop
@@ -71,6 +78,15 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     engine_request: EngineRequest | None = None
     last_token_at: float | None = None
+    # read by the request log line
+    arrived: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    tokens: int = 0
+    cached: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    finish: str | None = None
 
     def post(self, *event) -> None:
         try:
@@ -91,11 +107,12 @@ class OpenAIServing:
     """Shared state and generation; `ServingChat` and `ServingCompletion` add their endpoint."""
 
     def __init__(self, model: ServingModel, options: ServeOptions, metrics: Metrics, engine: EngineClient,
-                 preprocess: ThreadPoolExecutor, admission: Admission, clock=time.monotonic):
+                 preprocess: ThreadPoolExecutor, admission: Admission, clock=time.monotonic, compiler=None):
         self.model, self.options, self.metrics, self.engine = model, options, metrics, engine
         self._preprocess = preprocess
         self._admission = admission
         self._clock = clock
+        self._compiler = compiler if compiler is not None else [None]  # shared by every endpoint
 
     # --- input, off the loop ----------------------------------------------------------------------
     async def prepare(self, request, cls, build):
@@ -109,39 +126,45 @@ class OpenAIServing:
 
         return await loop.run_in_executor(self._preprocess, work)
 
+    async def in_worker(self, fn, *args):
+        """CPU work (rendering, tokenizing) in the preprocessing threads, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._preprocess, fn, *args)
+
     def check_common(self, req: P._Common) -> None:
-        if req.model != self.model.name:
+        if not self.model.accepts(req.model):
             raise APIError(404, f"model '{req.model}' does not exist; this server serves '{self.model.name}'",
                            param="model", code="model_not_found")
-        if req.n != 1:
-            raise unsupported("n", f"n={req.n} (only n=1)")
-        if req.logprobs not in (None, False) or req.top_logprobs:
-            raise unsupported("logprobs", "logprobs")
-        if req.presence_penalty or req.frequency_penalty:
-            raise unsupported("presence_penalty" if req.presence_penalty else "frequency_penalty",
-                              "presence and frequency penalties")
-        if req.logit_bias:
-            raise unsupported("logit_bias", "logit_bias")
         stops = req.stop_list()
         if len(stops) > P.MAX_STOP_STRINGS or any(len(s) > P.MAX_STOP_LENGTH for s in stops):
             raise APIError(400, f"expected at most {P.MAX_STOP_STRINGS} stop strings of at most "
                                 f"{P.MAX_STOP_LENGTH} characters", param="stop")
+        extra = sorted((req.model_extra or {}).keys())
+        if extra:  # accepted, as vLLM does, but never silently
+            log.warning("%s: ignoring unknown request fields: %s", type(req).__name__, ", ".join(extra))
 
-    def sampling(self, req: P._Common) -> SamplingParams:
-        d = self.model.defaults
-        temperature = req.temperature if req.temperature is not None else float(d.get("temperature", 1.0))
-        top_p = req.top_p if req.top_p is not None else float(d.get("top_p", 1.0))
-        top_k = req.top_k if req.top_k is not None else int(d.get("top_k", 0))
-        seed = None if req.seed is None else req.seed % 2**64
+    def compiler(self):
+        """The grammar compiler (llguidance over the tokenizer), built on the first structured request."""
+        if self._compiler[0] is None:
+            from runtime.grammar import GrammarCompiler
+
+            self._compiler[0] = GrammarCompiler.for_tokenizer(self.model.tokenizer,
+                                                              self.model.generator.target.vocab_size)
+        return self._compiler[0]
+
+    def plan(self, req, *, chat: bool) -> Plan:
+        """Sampling, logits processing, n, logprobs and parsers for this request (runtime.server.request_plan)."""
+        needs_grammar = bool(getattr(req, "response_format", None) and req.response_format.get("type")
+                             not in (None, "text")) or bool(req.structured_outputs) or \
+            getattr(req, "tool_choice", None) not in (None, "none", "auto")
         try:
-            return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed)
+            return plan_for(req, chat=chat, features=self.options.features, defaults=self.model.defaults,
+                            vocab_size=self.model.generator.target.vocab_size,
+                            eos_ids=self.model.tokenizer.eos_token_ids,
+                            compiler=self.compiler() if needs_grammar else None, tokenizer=self.model.tokenizer)
+        except RequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
         except UsageError as e:
             raise APIError(400, str(e)) from None
-
-    def logits_processors(self, req: P._Common) -> tuple:
-        """The request's mask hook (grammar, tool-call formats): none by default. Applied to plain,
-        draft and verification rows alike (runtime.sampling.apply_processors)."""
-        return ()
 
     def max_tokens(self, requested: int | None, prompt_len: int) -> int:
         limit = self.model.max_model_len
@@ -170,15 +193,31 @@ class OpenAIServing:
     def _release(self) -> None:
         self._admission.count -= 1
 
-    def submit(self, req: P._Common, prompt: list[int], max_tokens: int) -> Job:
-        """Admit (or 429), then hand the request to the engine client."""
-        max_tokens = self.max_tokens(max_tokens, len(prompt))
-        params = self.sampling(req)
+    def submit(self, req: P._Common, plan: Plan, choices: list[tuple[list[int], int]]) -> list[Job]:
+        """Admit one request (or 429), then hand each choice to the engine client: (prompt, max_tokens),
+        `plan.n` consecutive choices per prompt. The choices of one request run side by side in the batch."""
         self._admit()
         loop = asyncio.get_running_loop()
         tok, m = self.model.tokenizer, self.metrics
-        job = Job(prompt, loop, TextStream(tok, tuple(req.stop_list())))
-        arrived = self._clock()
+        remaining = [len(choices)]
+        m.request_params_n.observe(plan.n)
+
+        def done_one() -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                self._release()
+
+        seeds = plan.seeds()
+        jobs = []
+        for i, (prompt, max_tokens) in enumerate(choices):
+            job = Job(prompt, loop, TextStream(tok, tuple(req.stop_list()), skip_special_tokens=plan.skip_special_tokens),
+                      arrived=self._clock())
+            jobs.append(job)
+            self._start(job, req, plan, replace(plan.params, seed=seeds[i % plan.n]), max_tokens, done_one)
+        return jobs
+
+    def _start(self, job: Job, req, plan: Plan, params, max_tokens: int, done_one) -> None:
+        loop, m = job.loop, self.metrics
         released = False
 
         def finish(event) -> None:
@@ -186,80 +225,88 @@ class OpenAIServing:
             job.post(*event)
             if not released:
                 released = True
-                loop.call_soon_threadsafe(self._release)
+                loop.call_soon_threadsafe(done_one)
 
         def on_step(step: Step) -> str | None:
             now = self._clock()
             if step.tokens:
                 if job.last_token_at is None:
-                    m.ttft.observe(now - arrived)
+                    m.ttft.observe(now - job.arrived)
+                    job.first_token_at = now
                 else:
                     for _ in step.tokens:
                         m.itl.observe((now - job.last_token_at) / len(step.tokens))
                 job.last_token_at = now
             m.step(len(step.tokens), step.drafted, step.accepted)
+            job.drafted += step.drafted
+            job.accepted += step.accepted
+            before = job.text.tokens
             piece = job.text.push(step.tokens)
-            if piece:
-                job.post("delta", piece)
+            lps = step.logprobs[:job.text.tokens - before] if step.logprobs else None
+            if piece or lps:
+                job.post("delta", piece, lps)
             reason = "stop" if job.text.stopped else step.finish_reason
             if reason is None:
                 return None
             tail = job.text.flush()
             if tail:
-                job.post("delta", tail)
-            m.e2e.observe(now - arrived)
+                job.post("delta", tail, None)
+            job.finished_at, job.tokens, job.finish = now, job.text.tokens, reason
+            job.cached = job.engine_request.cached_tokens
+            m.e2e.observe(now - job.arrived)
+            m.request_generation_tokens.observe(job.tokens)
+            if job.first_token_at is not None and job.tokens > 1:
+                m.tpot.observe((now - job.first_token_at) / (job.tokens - 1))
             m.outcome(reason)
             finish(("done", reason, job.text.tokens, job.engine_request.cached_tokens))
             return reason
 
         def on_error(message: str) -> None:
-            m.outcome("error" if message != "server shutting down" else "cancelled")
+            job.finish = "error" if message != "server shutting down" else "cancelled"
+            m.outcome(job.finish)
             finish(("error", message))
 
-        eos = frozenset() if req.ignore_eos else tok.eos_token_ids
-        er = EngineRequest(prompt, params, max_tokens, eos_ids=eos, speculative=req.speculative,
-                           logits_processors=self.logits_processors(req), on_step=on_step, on_error=on_error,
-                           arrival=arrived)
+        processor = plan.make_processor(job.prompt)
+        er = EngineRequest(job.prompt, params, max_tokens, eos_ids=plan.end_ids, speculative=req.speculative is not False,
+                           logits_processors=(processor,) if processor.active else (), logprobs=plan.logprobs,
+                           on_step=on_step, on_error=on_error, arrival=job.arrived)
         job.engine_request = er
-        m.prompt_tokens.inc(len(prompt))
+        m.prompt_tokens.inc(len(job.prompt))
+        m.request_prompt_tokens.observe(len(job.prompt))
         try:
             self.engine.submit(er)
         except UsageError as e:
             finish(("error", str(e)))
             raise APIError(400, str(e)) from None
-        return job
-
-    async def respond(self, request, job: Job, rid: str, chat: bool, req: P._Common):
-        from fastapi.responses import StreamingResponse
-
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._stream(job, rid, chat, include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._complete(request, job, rid, chat)
-
-    async def _complete(self, request, job: Job, rid: str, chat: bool):
-        from fastapi.responses import JSONResponse
-
-        text, finish, n, cached = await self._collect(job, request)
-        usage = self._usage(job, n, cached)
-        created = int(time.time())
-        if chat:
-            body = P.ChatCompletionResponse(id=rid, created=created, model=self.model.name, usage=usage, choices=[
-                P.ChatChoice(message=P.AssistantMessage(content=text), finish_reason=finish)])
-        else:
-            body = P.CompletionResponse(id=rid, created=created, model=self.model.name, usage=usage, choices=[
-                P.CompletionChoice(text=text, finish_reason=finish)])
-        return JSONResponse(body.model_dump())
 
     @staticmethod
-    def _usage(job: Job, completion: int, cached: int) -> P.Usage:
-        prompt = len(job.prompt)
-        return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                       prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
+    def json_response(body: dict):
+        from fastapi.responses import JSONResponse
 
-    async def _collect(self, job: Job, request) -> tuple[str, str, int, int]:
-        parts = []
+        return JSONResponse(body)
+
+    @staticmethod
+    def sse_response(events: AsyncIterator[str]):
+        from fastapi.responses import StreamingResponse
+
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def abort_all(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            if job.engine_request is not None:
+                self.engine.abort(job.engine_request)  # no-op when finished; frees the slot otherwise
+
+    async def collect_all(self, jobs: list[Job], request) -> list[tuple[list[str], str, list | None]]:
+        """Every choice's (text pieces, finish reason, logprobs); an error or a disconnect cancels them all."""
+        try:
+            return [await self.collect(job, request) for job in jobs]
+        finally:
+            self.abort_all(jobs)
+
+    async def collect(self, job: Job, request) -> tuple[list[str], str, list | None]:
+        parts: list[str] = []
+        lps: list | None = [] if job.engine_request.logprobs is not None else None
         try:
             while True:
                 try:
@@ -270,51 +317,58 @@ class OpenAIServing:
                     continue
                 if event[0] == "delta":
                     parts.append(event[1])
+                    if lps is not None and event[2]:
+                        lps.extend(event[2])
                 elif event[0] == "done":
-                    return "".join(parts), event[1], event[2], event[3]
+                    return parts, event[1], lps
                 else:
                     raise APIError(500, f"generation failed: {event[1]}", type="internal_error")
         finally:
-            self.engine.abort(job.engine_request)  # no-op when finished; frees the slot if this task was cancelled
+            self.abort_all([job])
 
-    async def _stream(self, job: Job, rid: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
-        created, name = int(time.time()), self.model.name
-
-        def chunk(text: str | None, finish: str | None = None, role: str | None = None) -> str:
-            if chat:
-                c = P.ChatCompletionChunk(id=rid, created=created, model=name, choices=[
-                    P.ChatChunkChoice(delta=P.Delta(role=role, content=text), finish_reason=finish)])
-                return "data: " + c.model_dump_json(exclude_none=False) + "\n\n"
-            c = P.CompletionResponse(id=rid, created=created, model=name, choices=[
-                P.CompletionChoice(text=text or "", finish_reason=finish)])
-            return "data: " + c.model_dump_json() + "\n\n"
-
-        try:
-            if chat:
-                yield chunk("", role="assistant")
-            while True:
-                event = await job.events.get()
-                if event[0] == "delta":
-                    yield chunk(event[1])
-                    continue
-                if event[0] == "error":
-                    err = APIError(500, f"generation failed: {event[1]}", type="internal_error")
-                    yield "data: " + json.dumps(err.body()) + "\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
-                _, finish, n, cached = event
-                yield chunk(None if chat else "", finish=finish)
-                if include_usage:
-                    usage = self._usage(job, n, cached)
-                    cls = P.ChatCompletionChunk if chat else P.CompletionResponse
-                    yield "data: " + cls(id=rid, created=created, model=name, choices=[],
-                                         usage=usage).model_dump_json() + "\n\n"
-                yield "data: [DONE]\n\n"
+    async def events(self, job: Job):
+        """(kind, text, logprobs) until done: kind 'delta', then 'done' (text = finish reason) or 'error'."""
+        while True:
+            event = await job.events.get()
+            if event[0] == "delta":
+                yield "delta", event[1], event[2]
+            elif event[0] == "done":
+                yield "done", event[1], None
                 return
-        finally:
-            self.engine.abort(job.engine_request)  # the client went away (or we are done): free the slot
+            else:
+                yield "error", event[1], None
+                return
+
+    @staticmethod
+    def error_event(message: str) -> str:
+        return F.sse(APIError(500, f"generation failed: {message}", type="internal_error").body())
+
+    @staticmethod
+    def usage(prompt_tokens: int, jobs: list[Job]) -> dict:
+        body = F.usage(prompt_tokens, sum(j.tokens for j in jobs))
+        body["prompt_tokens_details"] = {"cached_tokens": max((j.cached for j in jobs), default=0)}
+        return body
+
+    def log_request(self, rid: str, jobs: list[Job]) -> None:
+        """One line per request: id, tokens, time to first token, tokens/s, acceptance, outcome."""
+        if not self.options.log_requests or not jobs:
+            return
+        first = min((j.first_token_at for j in jobs if j.first_token_at is not None), default=None)
+        end = max((j.finished_at for j in jobs if j.finished_at is not None), default=None)
+        tokens = sum(j.tokens for j in jobs)
+        drafted, accepted = sum(j.drafted for j in jobs), sum(j.accepted for j in jobs)
+        parts = [f"request {rid}: prompt {len(jobs[0].prompt)} tokens, completion {tokens} tokens"]
+        if first is not None:
+            parts.append(f"ttft {first - jobs[0].arrived:.3f}s")
+        if first is not None and end is not None and end > first and tokens > 1:
+            parts.append(f"{(tokens - 1) / (end - first):.1f} tokens/s")
+        if drafted:
+            parts.append(f"acceptance {accepted / drafted:.0%}")
+        parts.append(f"finish {','.join(sorted({j.finish or 'stop' for j in jobs}))}")
+        if len(jobs) > 1:
+            parts.append(f"n {len(jobs)}")
+        log.info(", ".join(parts))
 
     @staticmethod
     def request_id(chat: bool) -> str:
         return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-

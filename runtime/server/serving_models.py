@@ -11,8 +11,9 @@ class ServingModels:
 
     def list(self) -> dict:
         m = self.model
-        card = P.ModelCard(id=m.name, created=m.created, max_model_len=m.max_model_len, root=m.info.get("root"))
-        return P.ModelList(data=[card]).model_dump()
+        cards = [P.ModelCard(id=name, created=m.created, max_model_len=m.max_model_len, root=m.info.get("root"))
+                 for name in (m.aliases or (m.name,))]
+        return P.ModelList(data=cards).model_dump()
 
     def health(self) -> dict:
         s, plan = self.engine.scheduler, self.slot_plan

@@ -126,3 +126,29 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+#: serve defaults the demo bundle carries (bundle create --serve-arg), as a vLLM user would type them
+DEMO_SERVE_ARGS = ("--served-model-name demo --served-model-name plant-assistant --enable-auto-tool-choice "
+                   "--tool-call-parser hermes --reasoning-parser qwen3 --trust-remote-code --max-logprobs 10")
+
+
+@pytest.fixture(scope="session")
+def demo_installed(tmp_path_factory):
+    """The demo pair, made by `bundle create --serve-arg ...` (unsigned, cpu) and installed."""
+    from click.testing import CliRunner
+
+    from bundler.cli_pack import create
+    from runtime.store import Store
+
+    root = tmp_path_factory.mktemp("demo-surface")
+    r = CliRunner().invoke(create, ["--targets", "cpu", "--name", "demo", "--version", "1", "--unsigned",
+                                    "--out", str(root / "bundle"), "--no-progress", "--serve-arg", DEMO_SERVE_ARGS,
+                                    "--serve-arg", "--max-model-len=512"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "--tool-call-parser hermes" in r.output  # create prints the serve defaults it signed in
+    installed = Store(root / "store").install(root / "bundle", target="cpu", trusted={}, allow_unsigned=True)
+    assert installed.manifest.serve["tool_call_parser"] == "hermes"
+    return installed, root
+
+

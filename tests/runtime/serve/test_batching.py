@@ -93,7 +93,8 @@ def test_concurrent_seeded_sampling_is_reproducible(busy):
     assert first == second and len(set(first)) > 1
 
 
-def _stream_lines(server, body, stop_after=None, record=None):
+def _stream_lines(server, body, stop_after=None, record=None, until=None):
+    """Read a stream's SSE lines; hang up after `stop_after` of them, or once the event `until` is set."""
     n = 0
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
@@ -102,6 +103,8 @@ def _stream_lines(server, body, stop_after=None, record=None):
             if record is not None and line:
                 record.append(line)
             if stop_after is not None and n >= stop_after:
+                return n
+            if until is not None and until.is_set():
                 return n
     return n
 
@@ -135,7 +138,8 @@ def test_disconnect_frees_its_slot_while_others_continue(busy):
 def test_beyond_the_slots_requests_wait_and_beyond_the_queue_get_429(busy):
     long = {"model": "tiny", "messages": [{"role": "user", "content": "w"}], "max_tokens": 450, "stream": True,
             "ignore_eos": True}
-    streams = [threading.Thread(target=_stream_lines, args=(busy, long), kwargs={"stop_after": 60})
+    hold = threading.Event()  # the four stay connected (running or queued) until the 429 was seen
+    streams = [threading.Thread(target=_stream_lines, args=(busy, long), kwargs={"until": hold})
                for _ in range(4)]
     for t in streams:
         t.start()
@@ -148,6 +152,7 @@ def test_beyond_the_slots_requests_wait_and_beyond_the_queue_get_429(busy):
         time.sleep(0.01)
     with pytest.raises(openai.RateLimitError, match="3 slots \\+ 1 queued"):
         _chat(busy, "one too many")
+    hold.set()
     for t in streams:
         t.join(120)
 

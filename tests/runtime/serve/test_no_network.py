@@ -118,7 +118,7 @@ def test_full_request_cycle_opens_no_outbound_connection(installed_bundle, tmp_p
                                                      max_tokens=8, stream=True))
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
         assert client.completions.create(model="tiny", prompt="import os", max_tokens=4).usage.prompt_tokens > 0
-        assert "spec_decode_num_drafts_total" in httpx.get(url + "/metrics").text
+        assert "vllm:spec_decode_num_drafts_total" in httpx.get(url + "/metrics").text
         health = httpx.get(url + "/health").json()
         assert (health["slots"], health["max_num_batched_tokens"], health["prefix_caching"]) == (3, 64, False)
     finally:

@@ -19,10 +19,13 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 
 def metric(server, name: str, labels: str = "") -> float:
+    """A series of /metrics by vLLM's name, carrying model_name and the given labels ('{k="v"}')."""
     text = httpx.get(server.url + "/metrics").text
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name}{labels} not in /metrics"
-    return float(m.group(1))
+    want = dict(re.findall(r'(\w+)="([^"]*)"', labels), model_name="tiny")
+    for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, re.M):
+        if want.items() <= dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))).items():
+            return float(m.group(2))
+    raise AssertionError(f"{name}{labels} not in /metrics")
 
 
 @pytest.fixture(scope="module")
@@ -121,20 +124,25 @@ def test_stop_string_spanning_token_boundary(client, reference, serving_model):
 
 
 def test_metrics_count_speculation_and_latency(server, client):
-    drafts0 = metric(server, "spec_decode_num_drafts_total")
+    drafts0 = metric(server, "vllm:spec_decode_num_drafts_total")
     client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=10,
                                    extra_body={"ignore_eos": True})
-    assert metric(server, "spec_decode_num_drafts_total") > drafts0
-    assert metric(server, "spec_decode_num_draft_tokens_total") >= metric(server, "spec_decode_num_drafts_total")
-    metric(server, "spec_decode_num_accepted_tokens_per_pos_total", '{position="2"}')
-    assert metric(server, "time_to_first_token_seconds_count") >= 1
-    assert metric(server, "inter_token_latency_seconds_count") >= 9
-    assert metric(server, "requests_total", '{outcome="length"}') >= 1
+    assert metric(server, "vllm:spec_decode_num_drafts_total") > drafts0
+    assert metric(server, "vllm:spec_decode_num_draft_tokens_total") >= metric(server,
+                                                                               "vllm:spec_decode_num_drafts_total")
+    metric(server, "vllm:spec_decode_num_accepted_tokens_per_pos_total", '{position="2"}')
+    assert metric(server, "vllm:spec_decode_num_accepted_tokens_total") >= 0
+    assert metric(server, "vllm:time_to_first_token_seconds_count") >= 1
+    assert metric(server, "vllm:inter_token_latency_seconds_count") >= 9
+    assert metric(server, "vllm:e2e_request_latency_seconds_count") >= 1
+    assert metric(server, "vllm:request_success_total", '{finished_reason="length"}') >= 1
+    assert metric(server, "vllm:generation_tokens_total") >= 10 and metric(server, "vllm:prompt_tokens_total") > 0
+    assert metric(server, "vllm:num_requests_running") == 0 and metric(server, "vllm:num_requests_waiting") == 0
     # Opting out of speculation for one request adds no drafts.
-    drafts1 = metric(server, "spec_decode_num_drafts_total")
+    drafts1 = metric(server, "vllm:spec_decode_num_drafts_total")
     client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=10,
                                    extra_body={"ignore_eos": True, "speculative": False})
-    assert metric(server, "spec_decode_num_drafts_total") == drafts1
+    assert metric(server, "vllm:spec_decode_num_drafts_total") == drafts1
 
 
 def _post(server, path, body=None, content=None, headers=None):
@@ -146,14 +154,28 @@ def _post(server, path, body=None, content=None, headers=None):
     ({"model": "tiny", "messages": MESSAGES, "temperature": 5}, 400, "temperature", "less than or equal"),
     ({"model": "tiny", "messages": MESSAGES, "top_p": 0}, 400, "top_p", "greater than"),
     ({"model": "tiny", "messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens", "greater than"),
-    ({"model": "tiny", "messages": MESSAGES, "n": 2}, 400, "n", "n=2"),
+    ({"model": "tiny", "messages": MESSAGES, "n": 17}, 400, "n", "less than or equal to 16"),
     ({"model": "tiny", "messages": []}, 400, "messages", "at least 1"),
     ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", "user"),
-    ({"model": "tiny", "messages": MESSAGES, "logprobs": True}, 400, "logprobs", "not supported"),
-    ({"model": "tiny", "messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools", "tool calling"),
-    ({"model": "tiny", "messages": MESSAGES, "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
-    ({"model": "tiny", "messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "response_format",
-     "not supported"),
+    ({"model": "tiny", "messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+     "at most 20"),
+    ({"model": "tiny", "messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs", "logprobs: true"),
+    ({"model": "tiny", "messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools.0", "expected tools"),
+    ({"model": "tiny", "messages": MESSAGES, "tool_choice": "auto",
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice", "--enable-auto-tool-choice"),
+    ({"model": "tiny", "messages": MESSAGES,
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice", "--enable-auto-tool-choice"),
+    ({"model": "tiny", "messages": MESSAGES, "tool_choice": {"type": "function", "function": {"name": "g"}},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice", "not in tools"),
+    ({"model": "tiny", "messages": MESSAGES, "presence_penalty": 3}, 400, "presence_penalty", "less than"),
+    ({"model": "tiny", "messages": MESSAGES, "logit_bias": {"9999": 1}}, 400, None, "logit_bias token id"),
+    ({"model": "tiny", "messages": MESSAGES, "stop_token_ids": [-1]}, 400, "stop_token_ids", "must be in"),
+    ({"model": "tiny", "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, 400, "response_format", "invalid json schema"),
+    ({"model": "tiny", "messages": MESSAGES, "response_format": {"type": "xml"}}, 400, "response_format",
+     "json_object or json_schema"),
+    ({"model": "tiny", "messages": MESSAGES, "structured_outputs": {"regex": "("}}, 400, "response_format",
+     "invalid regex"),
     ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
      "messages.0.content", "non-text"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x " * 600}]}, 400, "messages", "context"),
@@ -170,13 +192,15 @@ def test_chat_errors_have_openai_shape(server, body, status, param, pattern):
 
 
 @pytest.mark.parametrize("path,content,status,pattern", [
-    ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/chat/completions", b"{not json", 400, "not valid JSON|expected JSON"),
     ("/v1/chat/completions", b"[1, 2]", 400, "JSON object"),
-    ("/v1/chat/completions", b"\xff\xfe", 400, "not valid JSON"),
-    ("/v1/completions", b'{"model": "tiny", "prompt": ["a", "b"]}', 400, "batch"),
+    ("/v1/chat/completions", b"\xff\xfe", 400, "not valid JSON|expected UTF-8 JSON"),
+    ("/v1/chat/completions", b"[" * 100 + b"]" * 100, 400, "deeper than 64|nested at most 64"),
+    ("/v1/chat/completions", b'{"model": "tiny", "temperature": NaN}', 400, "NaN is not valid JSON|finite"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": []}', 400, "1 to 64 prompts"),
     ("/v1/completions", b'{"model": "tiny", "prompt": [999999]}', 400, "token ids"),
     ("/v1/completions", b'{"model": "tiny", "prompt": ""}', 400, "empty"),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "a", "echo": true}', 400, "echo"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "a", "echo": true, "logprobs": 1}', 400, "echo"),
     ("/v1/nothing", b"{}", 404, "Not Found"),
 ])
 def test_malformed_requests(server, path, content, status, pattern):
@@ -203,7 +227,7 @@ def test_openai_client_raises_typed_errors(client):
 
 def test_concurrent_clients_answered_or_told_429(server):
     results, lock = [], threading.Lock()
-    rejected0 = metric(server, "requests_total", '{outcome="rejected"}')
+    rejected0 = metric(server, "bundle:requests_refused_total", '{reason="rejected"}')
 
     def one(i):
         c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
@@ -229,12 +253,12 @@ def test_concurrent_clients_answered_or_told_429(server):
     assert len(results) == 8 and "lost" not in kinds, results
     assert kinds.count("ok") >= 4 and kinds.count("429") >= 1, kinds  # 2 running + 2 queued fit
     assert all(r[1] == ["length"] for r in results if r[0] == "ok")
-    assert metric(server, "requests_total", '{outcome="rejected"}') == rejected0 + kinds.count("429")
+    assert metric(server, "bundle:requests_refused_total", '{reason="rejected"}') == rejected0 + kinds.count("429")
 
 
 def test_client_disconnect_cancels_generation(server):
-    cancelled0 = metric(server, "requests_total", '{outcome="cancelled"}')
-    tokens0 = metric(server, "generation_tokens_total")
+    cancelled0 = metric(server, "vllm:request_success_total", '{finished_reason="abort"}')
+    tokens0 = metric(server, "vllm:generation_tokens_total")
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 450, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
         seen = 0
@@ -243,10 +267,10 @@ def test_client_disconnect_cancels_generation(server):
             if seen >= 5:
                 break  # leaving the block closes the connection mid-stream
     deadline = time.monotonic() + 20
-    while metric(server, "requests_total", '{outcome="cancelled"}') == cancelled0:
+    while metric(server, "vllm:request_success_total", '{finished_reason="abort"}') == cancelled0:
         assert time.monotonic() < deadline, "generation was not cancelled"
         time.sleep(0.05)
-    assert metric(server, "generation_tokens_total") - tokens0 < 450
+    assert metric(server, "vllm:generation_tokens_total") - tokens0 < 450
     # The engine is free again: a new request is answered at once.
     r = _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
@@ -328,7 +352,7 @@ def test_engine_failure_is_reported_and_server_keeps_serving(serving_model, engi
         # Same engine, next request: the cache was reset after the failure and the answer is normal.
         r = httpx.post(s.url + "/v1/completions", json=body)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
-        assert metric(s, "requests_total", '{outcome="error"}') >= 1
+        assert metric(s, "vllm:request_success_total", '{finished_reason="error"}') >= 1
         # An unexpected bug in a route is a JSON 500, not a dropped connection.
         serving.models.list = lambda: 1 / 0
         r = httpx.get(s.url + "/v1/models")
