@@ -110,27 +110,37 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
 
     targets = parse_targets(targets_text)
     part_size = parse_size(max_part_size)
+    method, head_ref = "draft_model", None
     if spec_config is not None:
         from manifests.speculative import parse_speculative_config
 
         if draft_ref is not None:
             raise UsageError("expected either --draft or --speculative-config, found both")
-        draft_ref, tokens = parse_speculative_config(spec_config).bundled_draft()
+        parsed = parse_speculative_config(spec_config)
+        draft_ref, tokens = parsed.bundled_draft()
         num_speculative_tokens = tokens or num_speculative_tokens
+        if parsed.method == "eagle3":
+            method, head_ref, draft_ref = "eagle3", draft_ref, None
     if not sign_key_paths and not unsigned:
         raise UsageError("expected --sign-key KEY (or an explicit --unsigned), found neither")
     keys = [load_private_key(p, _passphrase_from_env()) for p in sign_key_paths]  # fail before any download
     out = out or Path(f"{name}-{version}")
     model, draft, resolved = resolve_inputs(model_ref, draft_ref, targets=targets, include=include,
                                             exclude=exclude, lock_path=lock_path, max_model_len=max_model_len,
-                                            force=force, allow_no_chat_template=allow_no_chat_template)
+                                            force=force, allow_no_chat_template=allow_no_chat_template,
+                                            demo_draft=method == "draft_model")
+    layers = None
+    if method == "eagle3":
+        from bundler.create import eagle3_head_input
+        draft, layers = eagle3_head_input(head_ref, model)
     serve = {"max_model_len": max_model_len} if max_model_len else None
     manifest = create_bundle(out, name=name, version=version, model=model, draft=draft, targets=targets,
                              sign_keys=keys, unsigned=unsigned, max_part_size=part_size, expires=expires,
                              num_speculative_tokens=num_speculative_tokens, force=force, jobs=jobs,
                              progress=not no_progress, serve=serve, checkpoint_weights=not no_checkpoint_weights,
+                             speculative_method=method,
                              target_files=target_files_hook(num_speculative_tokens=num_speculative_tokens,
-                                                            serve=serve))
+                                                            serve=serve, eagle3_layers=layers))
     lock_out = lock_path or write_lock(out.parent / f"{out.name}.lock.json", resolved)
     from bundler.keys import public_key_id
 

@@ -400,3 +400,14 @@ def export_head_onnx(head_dir: Path, target_dir: Path, out_dir: Path, *, opset: 
     onnx.save_model(proto, str(out_dir / GRAPH_NAME), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=WEIGHTS_NAME, size_threshold=1024)
     return meta
+
+
+def export_head(head_dir: Path, target_dir: Path, out_dir: Path):
+    """export_head_onnx as a bundler.export.ExportResult, so the engines code packs it like any graph."""
+    from bundler.export import ExportResult
+
+    meta = export_head_onnx(head_dir, target_dir, out_dir)
+    out_dir = Path(out_dir)
+    return ExportResult(out_dir / GRAPH_NAME, out_dir / WEIGHTS_NAME, "eagle3", ARCHITECTURES[0], 1,
+                        int(meta["bundle.num_kv_heads"]), int(meta["bundle.head_dim"]), int(meta["bundle.vocab_size"]),
+                        int(meta["bundle.max_positions"]), 17, "concat", "float32")

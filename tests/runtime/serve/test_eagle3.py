@@ -130,3 +130,12 @@ def test_eagle3_needs_a_head_and_target_features():
     gen = Generator(MarkovEngine(target), MarkovHead(target, []), "eagle3", 2)
     with pytest.raises(ModelError, match="aux_hidden_states"):
         list(gen.generate(PROMPT, SamplingParams(temperature=0.0), max_tokens=4))
+
+
+def test_serve_eagle3_on_a_draft_model_bundle_refused(installed_bundle):
+    from runtime.server.loader import load_serving_model, parse_speculative_config
+    from runtime.store import Store
+
+    with pytest.raises(UsageError, match="eagle3 needs an EAGLE-3 head.*carries a draft model"):
+        load_serving_model(Store(installed_bundle.store).current("tiny"),
+                           speculative=parse_speculative_config('{"method": "eagle3"}'))
