@@ -81,7 +81,8 @@ def demo_models() -> tuple[ModelInput, ModelInput]:
 def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Sequence[str],
                    include: Sequence[str] = (), exclude: Sequence[str] = (), lock_path: Path | None = None,
                    max_model_len: int | None = None, force: bool = False, allow_no_chat_template: bool = False,
-                   cache_dir: Path | None = None, demo_draft: bool = True) -> tuple[ModelInput, ModelInput | None, dict]:
+                   cache_dir: Path | None = None,
+                   demo_draft: bool = True) -> tuple[ModelInput, ModelInput | None, dict]:
     """Turn what the user typed into pinned, verified local files, refusing early what cannot work.
 
     Hub references, local folders and the embedded demo pair all go through bundler.resolve, so every

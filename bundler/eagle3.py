@@ -118,7 +118,8 @@ def check_against_target(cfg: HeadConfig, target_config: dict, where: str = "EAG
     th, tv = int(target_config["hidden_size"]), int(target_config["vocab_size"])
     n = int(target_config["num_hidden_layers"])
     if cfg.target_hidden_size != th:
-        raise ModelError(f"{where}: expected target hidden size {th} (fc takes 3 x {th}), found {cfg.target_hidden_size}")
+        raise ModelError(f"{where}: expected target hidden size {th} (fc takes 3 x {th}), "
+                         f"found {cfg.target_hidden_size}")
     if cfg.hidden_size != th:
         raise ModelError(f"{where}: expected hidden size {th} (the head shares the target's embedding), "
                          f"found {cfg.hidden_size}")

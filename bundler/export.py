@@ -247,7 +247,8 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
         raw = Path(tmp) / "raw.onnx"  # the exporter may spill per-tensor files next to it for big models
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # tracer warnings about constant shapes; the parity tests check them
-            torch.onnx.export(_wrapper(model, num_layers, aux_layer_ids), (ids, mask, pos, *past), str(raw), dynamo=False,
+            torch.onnx.export(_wrapper(model, num_layers, aux_layer_ids), (ids, mask, pos, *past), str(raw),
+                              dynamo=False,
                               input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
                               opset_version=opset, do_constant_folding=True)
         del model

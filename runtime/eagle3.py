@@ -158,7 +158,7 @@ class ChainProposer:
             same += 1
         keep = min(self.drafter.length, max(0, same - 1), L - 2)
         self.drafter.rollback(keep)
-        feats = np.stack(self.features[keep:L - 1]) if L - 1 > keep else np.zeros((0, 3 * self.drafter.target_hidden_size))
+        feats = np.stack(self.features[keep:L - 1])  # keep <= L - 2: at least one row
         logits, hidden = self.drafter.forward(list(tokens[keep + 1:L]), feats,
                                               np.zeros((0, self.drafter.hidden_size), np.float32))
         self._covered = list(tokens[:L])

@@ -229,8 +229,8 @@ def train(tokens: Path, target_dir: Path, draft_dir: Path | None, out: Path, cfg
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % 100 == 0 or step == cfg.steps - 1:
-            history.append({"step": step, "loss": round(float(loss.detach()), 4), "agreement": [round(a, 3) for a in agree],
-                            "seconds": round(time.time() - t0, 1)})
+            history.append({"step": step, "loss": round(float(loss.detach()), 4),
+                            "agreement": [round(a, 3) for a in agree], "seconds": round(time.time() - t0, 1)})
             log(f"step {step}: {history[-1]}")
         if time.time() - t0 > cfg.train_seconds:
             break
@@ -249,7 +249,8 @@ def train(tokens: Path, target_dir: Path, draft_dir: Path | None, out: Path, cfg
     for name, r in result.items():
         r["mean_acceptance_length"] = round(1 + r["accepted"] / max(1, r["target_passes"]), 3)
     metrics = {"config": asdict(cfg), "head_parameters": n_params, "draft_vocab_coverage": round(coverage, 4),
-               "steps_done": step + 1, "answer_seconds": round(gen_seconds, 1), "train_seconds": round(train_seconds, 1),
+               "steps_done": step + 1, "answer_seconds": round(gen_seconds, 1),
+               "train_seconds": round(train_seconds, 1),
                "eval_seconds": round(time.time() - t0, 1), "total_seconds": round(time.time() - t_start, 1),
                "acceptance_k3": result, "history": history, "device": device, "torch": torch.__version__}
     (out / "training_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
