@@ -130,7 +130,6 @@ class ModelRunner:
         request.slot, request.computed, request.cached_tokens = slot, best, best
         return best
 
-    @staticmethod
     def _reuse(self, engine: Engine, mirror: list[list[int]], source: int, slot: int, n: int) -> None:
         eagle = self.eagle if engine is self.target else None
         if source == slot:
