@@ -139,3 +139,24 @@ def test_serve_eagle3_on_a_draft_model_bundle_refused(installed_bundle):
     with pytest.raises(UsageError, match="eagle3 needs an EAGLE-3 head.*carries a draft model"):
         load_serving_model(Store(installed_bundle.store).current("tiny"),
                            speculative=parse_speculative_config('{"method": "eagle3"}'))
+
+
+def test_concurrent_greedy_equals_each_alone_with_prefix_reuse(graphs):
+    """Under the scheduler: more requests than slots, staggered, chunked prefill, repeated prompts (prefix
+    reuse across slots copies the target's features), one opting out of speculation."""
+    from runtime.model_runner import ModelRunner
+    from runtime.scheduler import Scheduler
+    from tests.runtime.serve.test_scheduler import Recorder, run_together
+
+    target_graph, head_graph = graphs
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(5, 500, size=n).tolist() for n in (2, 9, 40, 77)]
+    plain = Generator(OnnxRuntimeEngine(target_graph, max_context=256))
+    alone = [_tokens(plain, p, SamplingParams(temperature=0.0), 24) for p in prompts]
+    runner = ModelRunner(OnnxRuntimeEngine(target_graph, max_context=256, num_slots=3), OnnxDrafter(head_graph),
+                         "eagle3", 3)
+    rec = Recorder()
+    requests = [rec.request(p, speculative=(i != 1)) for i, p in enumerate(prompts + prompts[::-1])]
+    out = run_together(Scheduler(runner, max_num_seqs=3, max_num_batched_tokens=32), rec, requests, arrive_every=2)
+    assert out == alone + alone[::-1]
+    assert runner.stats.num_drafts > 0
