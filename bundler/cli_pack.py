@@ -59,7 +59,8 @@ Examples:
               help="Draft model for speculative decoding (must share the target's tokenizer vocabulary).")
 @click.option("--speculative-config", "spec_config", metavar="JSON",
               help="vLLM-style speculative config, instead of --draft/--num-speculative-tokens: "
-                   "'{\"method\": \"draft_model\", \"model\": \"org/draft\", \"num_speculative_tokens\": 3}'.")
+                   "'{\"method\": \"draft_model\", \"model\": \"org/draft\", \"num_speculative_tokens\": 3}', or "
+                   "'{\"method\": \"eagle3\", \"model\": \"HEAD_DIR\"}' for an EAGLE-3 head (no model: the demo's).")
 @click.option("--include", multiple=True, metavar="GLOB", help="Also bundle model files matching GLOB (repeatable).")
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Leave out model files matching GLOB (repeatable).")
 @click.option("--lock", "lock_path", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",

@@ -5,8 +5,9 @@ A user pastes the JSON they already run with `vllm serve --speculative-config`, 
 accept the same keys with the same meaning: vLLM keys that only tune vLLM's own scheduler are
 accepted and kept (`extra`) but change nothing; a key vLLM does not know is refused, as vLLM
 would, because it is almost always a typo. What differs is only what each command can do with
-the result: create bundles a draft (`bundled_draft`), serve runs the bundle's own draft or
-prompt lookup and refuses a `model` that is not the bundle's draft (`check_draft`).
+the result: create bundles a draft model or an EAGLE-3 head (`bundled_draft`), serve runs the
+bundle's own draft or head or prompt lookup and refuses a `model` that is not the bundle's (`check_draft`).
+Methods this version does not run are refused by name with what a bundle would need (NOT_SUPPORTED).
 Stdlib only, no I/O.
 """
 

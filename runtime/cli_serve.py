@@ -17,7 +17,8 @@ import click
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
 @click.option("--speculative-config", "speculative_config", default=None, metavar="JSON",
               help='vLLM-style JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-                   '"prompt_lookup_max": 4}\'. Methods: draft_model (the bundle\'s draft), ngram, none. '
+                   '"prompt_lookup_max": 4}\'. Methods: draft_model (the bundle\'s draft), '
+                   "eagle3 (the bundle's EAGLE-3 head), ngram, none. "
                    "Default: the bundle manifest's setting.")
 @click.option("--no-speculation", is_flag=True, help="Plain decoding with the target only.")
 @click.option("--max-model-len", type=click.IntRange(16, None), default=None,
