@@ -83,7 +83,8 @@ Examples:
               help="Draft model for speculative decoding (must share the target's tokenizer vocabulary).")
 @click.option("--speculative-config", "spec_config", metavar="JSON",
               help="vLLM-style speculative config, instead of --draft/--num-speculative-tokens: "
-                   "'{\"method\": \"draft_model\", \"model\": \"org/draft\", \"num_speculative_tokens\": 3}'.")
+                   "'{\"method\": \"draft_model\", \"model\": \"org/draft\", \"num_speculative_tokens\": 3}', or "
+                   "'{\"method\": \"eagle3\", \"model\": \"HEAD_DIR\"}' for an EAGLE-3 head (no model: the demo's).")
 @click.option("--include", multiple=True, metavar="GLOB", help="Also bundle model files matching GLOB (repeatable).")
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Leave out model files matching GLOB (repeatable).")
 @click.option("--lock", "lock_path", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
@@ -144,27 +145,37 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     part_size = parse_size(max_part_size)
     serve = read_serve_defaults(serve_config_path, serve_args, max_model_len)
     max_model_len = serve.get("max_model_len")
+    method, head_ref = "draft_model", None
     if spec_config is not None:
         from manifests.speculative import parse_speculative_config
 
         if draft_ref is not None:
             raise UsageError("expected either --draft or --speculative-config, found both")
-        draft_ref, tokens = parse_speculative_config(spec_config).bundled_draft()
+        parsed = parse_speculative_config(spec_config)
+        draft_ref, tokens = parsed.bundled_draft()
         num_speculative_tokens = tokens or num_speculative_tokens
+        if parsed.method == "eagle3":
+            method, head_ref, draft_ref = "eagle3", draft_ref, None
     if not sign_key_paths and not unsigned:
         raise UsageError("expected --sign-key KEY (or an explicit --unsigned), found neither")
     keys = [load_private_key(p, _passphrase_from_env()) for p in sign_key_paths]  # fail before any download
     out = out or Path(f"{name}-{version}")
     model, draft, resolved = resolve_inputs(model_ref, draft_ref, targets=targets, include=include,
                                             exclude=exclude, lock_path=lock_path, max_model_len=max_model_len,
-                                            force=force, allow_no_chat_template=allow_no_chat_template)
+                                            force=force, allow_no_chat_template=allow_no_chat_template,
+                                            demo_draft=method == "draft_model")
+    layers = None
+    if method == "eagle3":
+        from bundler.create import eagle3_head_input
+        draft, layers = eagle3_head_input(head_ref, model)
     serve = serve or None
     manifest = create_bundle(out, name=name, version=version, model=model, draft=draft, targets=targets,
                              sign_keys=keys, unsigned=unsigned, max_part_size=part_size, expires=expires,
                              num_speculative_tokens=num_speculative_tokens, force=force, jobs=jobs,
                              progress=not no_progress, serve=serve, checkpoint_weights=not no_checkpoint_weights,
+                             speculative_method=method,
                              target_files=target_files_hook(num_speculative_tokens=num_speculative_tokens,
-                                                            serve=serve))
+                                                            serve=serve, eagle3_layers=layers))
     lock_out = lock_path or write_lock(out.parent / f"{out.name}.lock.json", resolved)
     from bundler.keys import public_key_id
 

@@ -81,7 +81,8 @@ def demo_models() -> tuple[ModelInput, ModelInput]:
 def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Sequence[str],
                    include: Sequence[str] = (), exclude: Sequence[str] = (), lock_path: Path | None = None,
                    max_model_len: int | None = None, force: bool = False, allow_no_chat_template: bool = False,
-                   cache_dir: Path | None = None) -> tuple[ModelInput, ModelInput | None, dict]:
+                   cache_dir: Path | None = None,
+                   demo_draft: bool = True) -> tuple[ModelInput, ModelInput | None, dict]:
     """Turn what the user typed into pinned, verified local files, refusing early what cannot work.
 
     Hub references, local folders and the embedded demo pair all go through bundler.resolve, so every
@@ -101,7 +102,8 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
         if draft_ref is not None:
             raise UsageError("expected --model together with --draft, found only --draft")
         target, draft = demo_models()
-        model_ref, draft_ref, embedded = str(target.local_dir), str(draft.local_dir), True
+        model_ref, embedded = str(target.local_dir), True
+        draft_ref = str(draft.local_dir) if demo_draft else None
     profiles = [get_profile(t) for t in targets]
 
     def preflight(plans):
@@ -123,6 +125,26 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
                           files=tuple(f.path for f in r.files), digests={f.path: (f.size, f.sha256) for f in r.files})
 
     return as_input("target"), as_input("draft"), resolved  # type: ignore[return-value]
+
+
+def eagle3_head_input(head_ref: str | None, target: ModelInput) -> tuple[ModelInput, list[int]]:
+    """The EAGLE-3 head to pack as the bundle's draft, checked against the target (hidden size, vocabulary,
+    d2t/t2d map, layer ids): (input, the target layers whose hidden states it reads). None: the demo head."""
+    from bundler import eagle3
+    from bundler.checks import read_config
+
+    embedded = head_ref is None
+    if embedded:
+        from bundler import demo
+        head_ref = str(demo.DEMO_EAGLE3_DIR)
+    if not Path(head_ref).is_dir():
+        raise UsageError(f"expected the EAGLE-3 head as a local folder (download a hub head first, e.g. "
+                         f"`hf download org/head --local-dir DIR`), found {head_ref!r}")
+    head = local_model(Path(head_ref), "draft", source_type="embedded" if embedded else "local")
+    cfg = eagle3.read_head_config(head.local_dir)
+    ids = eagle3.check_against_target(cfg, read_config(target.local_dir, target.name), f"EAGLE-3 head {head_ref}")
+    eagle3.load_head(head.local_dir)  # the weights match the layout, d2t / t2d map one-to-one
+    return head, ids
 
 
 def model_from_reference(ref: str, role: str) -> ModelInput:
@@ -261,7 +283,8 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
                   num_speculative_tokens: int = 3, target_files: TargetFilesHook | None = None,
                   serve: dict | None = None, force: bool = False, jobs: int | None = None,
                   now: datetime | None = None, progress: bool = True,
-                  builder: Builder | None = None, checkpoint_weights: bool = True) -> Manifest:
+                  builder: Builder | None = None, checkpoint_weights: bool = True,
+                  speculative_method: str = "draft_model") -> Manifest:
     """Pack a target model (and optional draft) for `targets` into a signed bundle at `out`.
 
     `targets` are validated ids (manifests.targets.parse_targets); `expires` is RFC 3339 or
@@ -289,8 +312,8 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
         mpe = config.get("max_position_embeddings")
         if isinstance(mpe, int) and mpe > 0:
             serve["max_model_len"] = min(mpe, MAX_MODEL_LEN_CAP)
-    speculative = (Speculative(method="draft_model", num_speculative_tokens=num_speculative_tokens, model="draft")
-                   if draft is not None else None)
+    speculative = (Speculative(method=speculative_method, num_speculative_tokens=num_speculative_tokens,
+                               model="draft") if draft is not None else None)
 
     def amend(manifest: Manifest) -> Manifest:
         """Local folders have no commit: pin them by the digest of what was actually packed."""

@@ -252,7 +252,8 @@ def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], sh
 def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_dir: Path, serve: Mapping, *,
                     num_speculative_tokens: int | None = None, extra_dirs: Iterable[Path] = (),
                     backend=None, export: Callable[..., ExportResult] = export_onnx,
-                    kv_cache: str = "batched") -> tuple[list[PackFile], list[Target]]:
+                    kv_cache: str = "batched",
+                    eagle3_layers: Sequence[int] | None = None) -> tuple[list[PackFile], list[Target]]:
     """Export every model once per layout its targets need and plan every target: (files to pack, Targets).
 
     `kv_cache` is the layout ONNX Runtime targets get ("batched"; "shared" for the older
@@ -264,6 +265,8 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
     if kv_cache not in KV_CACHE_LAYOUTS:
         raise UsageError(f"expected kv_cache to be one of {', '.join(KV_CACHE_LAYOUTS)}, found {kv_cache!r}")
     profiles = [get_profile(t, tuple(extra_dirs)) for t in target_ids]
+    if eagle3_layers is not None:
+        export, kv_cache = _eagle3_export(models, tuple(eagle3_layers), export, profiles), "concat"
     users = {}  # (layout, dtype) -> ids of the targets that run it
     half = half_dtype(models)
     for p in profiles:
@@ -293,13 +296,34 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
     return files, targets
 
 
+def _eagle3_export(models: Mapping[str, Path], layers: tuple[int, ...], export, profiles):
+    """EAGLE-3: the target graph also returns the head's aux hidden states (concat layout: the shared
+    graph has no such output yet); the draft role is the head, exported by bundler.eagle3."""
+    from bundler.eagle3 import export_head
+
+    trt = [p.id for p in profiles if p.backend != "onnxruntime"]
+    if trt:
+        raise UsageError(f"EAGLE-3 runs on ONNX Runtime targets in this version; found TensorRT targets "
+                         f"{', '.join(trt)}: use method draft_model there")
+    head, target = Path(models["draft"]), Path(models["target"])
+
+    def run(checkpoint: Path, out: Path, **options):
+        if Path(checkpoint) == head:
+            return export_head(head, target, out)
+        return export(checkpoint, out, aux_layer_ids=layers, **options)
+    return run
+
+
 def target_files_hook(*, serve: Mapping | None = None, num_speculative_tokens: int | None = None,
-                      extra_dirs: Iterable[Path] = (), backend=None, kv_cache: str = "batched"):
-    """Adapter to bundler.create's `target_files` hook (models, targets, work_dir) -> (files, targets)."""
+                      extra_dirs: Iterable[Path] = (), backend=None, kv_cache: str = "batched",
+                      eagle3_layers: Sequence[int] | None = None):
+    """Adapter to bundler.create's `target_files` hook (models, targets, work_dir) -> (files, targets).
+    `eagle3_layers`: the draft is an EAGLE-3 head reading those target layers."""
     def hook(inputs, targets, work_dir):
         return prepare_targets([t.id for t in targets], {m.role: m.local_dir for m in inputs}, work_dir,
                                dict(serve or {}), num_speculative_tokens=num_speculative_tokens,
-                               extra_dirs=extra_dirs, backend=backend, kv_cache=kv_cache)
+                               extra_dirs=extra_dirs, backend=backend, kv_cache=kv_cache,
+                               eagle3_layers=eagle3_layers)
     return hook
 
 

@@ -88,6 +88,7 @@ class ExportResult:
     opset: int
     kv_cache: str = "concat"  # graph layout, see KV_CACHE_LAYOUTS
     dtype: str = "float32"  # weights / activations / KV cache, see DTYPES (logits are float32 always)
+    aux_layer_ids: tuple[int, ...] = ()  # EAGLE-3: output aux_hidden_states of these layers' inputs
 
     @property
     def files(self) -> tuple[Path, Path]:
@@ -99,7 +100,9 @@ class ExportResult:
                 "bundle.num_layers": str(self.num_layers), "bundle.num_kv_heads": str(self.num_kv_heads),
                 "bundle.head_dim": str(self.head_dim), "bundle.vocab_size": str(self.vocab_size),
                 "bundle.max_positions": str(self.max_positions), "bundle.format": "kv-cache-decoder-v1",
-                "bundle.kv_cache": self.kv_cache, "bundle.dtype": self.dtype}
+                "bundle.kv_cache": self.kv_cache, "bundle.dtype": self.dtype,
+                **({"bundle.aux_hidden_state_layer_ids": ",".join(map(str, self.aux_layer_ids))}
+                   if self.aux_layer_ids else {})}
 
 
 def read_config(checkpoint_dir: Path) -> dict:
@@ -130,8 +133,9 @@ def check_family(config: dict, where: str = "model") -> tuple[str, str]:
     return model_type, arch or SUPPORTED_FAMILIES[model_type][0]
 
 
-def _wrapper(model, num_layers: int):
-    """A module taking the cache as flat tensors, so the exporter sees plain inputs and outputs."""
+def _wrapper(model, num_layers: int, aux_layer_ids: tuple[int, ...] = ()):
+    """A module taking the cache as flat tensors, so the exporter sees plain inputs and outputs.
+    With aux_layer_ids (EAGLE-3) it also returns the inputs of those decoder layers, concatenated."""
     import inspect
 
     import torch
@@ -147,18 +151,21 @@ def _wrapper(model, num_layers: int):
         def forward(self, input_ids, attention_mask, position_ids, *past):
             cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(num_layers)])
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=True, **{cache_kw: cache})
+                             use_cache=True, output_hidden_states=bool(aux_layer_ids), **{cache_kw: cache})
             cache = getattr(out, "cache", None) or out.past_key_values
             present = []
             for layer in cache.layers:
                 present += [layer.keys, layer.values]
+            if aux_layer_ids:  # hidden_states[i] is the input of layer i, as vLLM's aux_hidden_state_layers
+                aux = torch.cat([out.hidden_states[i] for i in aux_layer_ids], dim=-1)
+                return (out.logits.float(), aux, *present)
             return (out.logits.float(), *present)  # no-op in fp32; see the module doc for fp16
 
     return DecoderWithCache()
 
 
 def _result(cfg, family: str, arch: str, out_dir: Path, opset: int, kv_cache: str,
-            dtype: str = "float32") -> ExportResult:
+            dtype: str = "float32", aux_layer_ids: tuple[int, ...] = ()) -> ExportResult:
     max_positions = int(cfg.max_position_embeddings)
     window = getattr(cfg, "sliding_window", None)
     if window and (family == "mistral" or getattr(cfg, "use_sliding_window", False)):
@@ -170,11 +177,12 @@ def _result(cfg, family: str, arch: str, out_dir: Path, opset: int, kv_cache: st
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     return ExportResult(out_dir / GRAPH_NAME, out_dir / WEIGHTS_NAME, family, arch, num_layers, kv_heads,
-                        head_dim, int(cfg.vocab_size), max_positions, opset, kv_cache, dtype)
+                        head_dim, int(cfg.vocab_size), max_positions, opset, kv_cache, dtype, aux_layer_ids)
 
 
 def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None,
-                kv_cache: str = "concat", dtype: str = "float32") -> ExportResult:
+                kv_cache: str = "concat", dtype: str = "float32",
+                aux_layer_ids: tuple[int, ...] = ()) -> ExportResult:
     """Export the checkpoint to out_dir/model.onnx + model.onnx.data (deterministic for the same input).
 
     kv_cache="concat" traces the transformers model (every backend); "shared" writes the in-place
@@ -183,6 +191,8 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     builds from on fp16 targets (TensorRT 11 takes the graph's types, there is no FP16 flag).
     dtype="float16"/"bfloat16" with an in-place layout writes the float32 graph and rewrites it in half
     precision (bundler.export_half): what ONNX Runtime's CUDA provider runs (the `cuda` target).
+    aux_layer_ids (EAGLE-3 targets) adds the output aux_hidden_states [batch, sequence_length,
+    len(ids) * hidden]: the inputs of those decoder layers, concatenated, what the head's fc reads.
     """
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if kv_cache not in KV_CACHE_LAYOUTS:
@@ -196,7 +206,14 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     family, arch = check_family(config, str(checkpoint_dir))
     opset = opset or DEFAULT_OPSET
     out_dir.mkdir(parents=True, exist_ok=True)
+    aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
+    n_layers = int(config.get("num_hidden_layers", 0))
+    if any(not 0 <= i < n_layers for i in aux_layer_ids):
+        raise UsageError(f"expected aux layer ids in 0..{n_layers - 1}, found {list(aux_layer_ids)}")
     if kv_cache != "concat":
+        if aux_layer_ids:
+            raise UsageError(f"the {kv_cache} KV-cache graph has no aux_hidden_states output yet (EAGLE-3); "
+                             f"found aux layer ids: export with kv_cache='concat'")
         if dtype != "float32":  # the float32 graph, rewritten in half precision (bundler.export_half)
             return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype)
         return _export_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache)
@@ -211,7 +228,7 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch_dtype,
                                                  attn_implementation="eager").eval()
     cfg = model.config
-    result = _result(cfg, family, arch, out_dir, opset, "concat", dtype)
+    result = _result(cfg, family, arch, out_dir, opset, "concat", dtype, aux_layer_ids)
     num_layers, kv_heads, head_dim = result.num_layers, result.num_kv_heads, result.head_dim
 
     # Trace with a non-empty past and several new tokens so no shape is specialised to 0 or 1.
@@ -221,11 +238,12 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     pos = torch.arange(past_len, past_len + new, dtype=torch.int64)[None]
     past = [torch.zeros((1, kv_heads, past_len, head_dim), dtype=torch_dtype) for _ in range(2 * num_layers)]
     inputs = ["input_ids", "attention_mask", "position_ids", *past_names(num_layers)]
-    outputs = ["logits", *present_names(num_layers)]
+    outputs = ["logits", *(["aux_hidden_states"] if aux_layer_ids else []), *present_names(num_layers)]
     dynamic = {"input_ids": {0: "batch", 1: "sequence_length"},
                "attention_mask": {0: "batch", 1: "total_sequence_length"},
                "position_ids": {0: "batch", 1: "sequence_length"},
-               "logits": {0: "batch", 1: "sequence_length"}}
+               "logits": {0: "batch", 1: "sequence_length"},
+               "aux_hidden_states": {0: "batch", 1: "sequence_length"}}
     dynamic.update({n: {0: "batch", 2: "past_sequence_length"} for n in past_names(num_layers)})
     dynamic.update({n: {0: "batch", 2: "total_sequence_length"} for n in present_names(num_layers)})
 
@@ -233,7 +251,8 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
         raw = Path(tmp) / "raw.onnx"  # the exporter may spill per-tensor files next to it for big models
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # tracer warnings about constant shapes; the parity tests check them
-            torch.onnx.export(_wrapper(model, num_layers), (ids, mask, pos, *past), str(raw), dynamo=False,
+            torch.onnx.export(_wrapper(model, num_layers, aux_layer_ids), (ids, mask, pos, *past), str(raw),
+                              dynamo=False,
                               input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
                               opset_version=opset, do_constant_folding=True)
         del model

@@ -5,8 +5,9 @@ A user pastes the JSON they already run with `vllm serve --speculative-config`, 
 accept the same keys with the same meaning: vLLM keys that only tune vLLM's own scheduler are
 accepted and kept (`extra`) but change nothing; a key vLLM does not know is refused, as vLLM
 would, because it is almost always a typo. What differs is only what each command can do with
-the result: create bundles a draft (`bundled_draft`), serve runs the bundle's own draft or
-prompt lookup and refuses a `model` that is not the bundle's draft (`check_draft`).
+the result: create bundles a draft model or an EAGLE-3 head (`bundled_draft`), serve runs the
+bundle's own draft or head or prompt lookup and refuses a `model` that is not the bundle's (`check_draft`).
+Methods this version does not run are refused by name with what a bundle would need (NOT_SUPPORTED).
 Stdlib only, no I/O.
 """
 
@@ -21,8 +22,22 @@ from manifests.schema import Manifest, Speculative
 from manifests.strict_json import parse as parse_json
 
 FLAG = "--speculative-config"
-#: What serve runs ("none" is ours: plain decoding); create bundles only draft_model.
-METHODS = ("draft_model", "ngram", "none")
+#: What serve runs ("none" is ours: plain decoding); create bundles draft_model and eagle3 (a model to pack).
+METHODS = ("draft_model", "eagle3", "ngram", "none")
+BUNDLED_METHODS = ("draft_model", "eagle3")
+#: Methods refused by name, with what a bundle would need to run them.
+NOT_SUPPORTED = {
+    "mtp": "the target's own multi-token-prediction layers exported as a draft graph",
+    "deepseek_mtp": "the target's own multi-token-prediction layers exported as a draft graph",
+    "ernie_mtp": "the target's own multi-token-prediction layers exported as a draft graph",
+    "qwen3_next_mtp": "the target's own multi-token-prediction layers exported as a draft graph",
+    "dflash": "a block-diffusion draft graph that fills several tokens per pass",
+    "dspark": "a parallel draft graph that proposes a block of tokens in one pass",
+    "eagle": "an EAGLE-1 head (it predicts features, not tokens); EAGLE-3 heads run as method eagle3",
+    "suffix": "a suffix tree over earlier outputs kept by the server across requests",
+    "medusa": "Medusa heads on the target graph",
+    "mlp_speculator": "an MLP speculator graph",
+}
 VLLM_METHODS = ("draft_model", "ngram", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp",
                 "ernie_mtp", "qwen3_next_mtp", "suffix")
 #: SpeculativeConfig fields in vLLM's engine arguments.
@@ -61,11 +76,14 @@ class SpeculativeConfig:
             return f"{self.model}@{self.revision}"
         return self.model
 
-    def bundled_draft(self) -> tuple[str, int | None]:
-        """(draft reference, tokens or None) for `bundle create`, which bundles a draft model."""
-        if self.method != "draft_model":
-            raise UsageError(f"bundle create {FLAG}: expected method draft_model (a draft model to bundle), "
+    def bundled_draft(self) -> tuple[str | None, int | None]:
+        """(draft reference, tokens or None) for `bundle create`, which bundles a draft model or an
+        EAGLE-3 head (reference None for eagle3: the demo target's head)."""
+        if self.method not in BUNDLED_METHODS:
+            raise UsageError(f"bundle create {FLAG}: expected method draft_model or eagle3 (a model to bundle), "
                              f"found {self.method!r}; prompt lookup needs no draft: choose it at `bundle serve`")
+        if self.method == "eagle3":
+            return self.draft_ref, self.num_speculative_tokens
         if self.model is None:
             raise UsageError(f"bundle create {FLAG}: method draft_model expects \"model\" (the draft: org/name "
                              f"or a folder), found none")
@@ -122,12 +140,15 @@ def parse_speculative_config(text: str | dict) -> SpeculativeConfig:
     method = _text(d, "method")
     if method is None:  # as vLLM infers it
         method = "ngram" if model in NGRAM_MODELS else "draft_model"
+    if method in NOT_SUPPORTED:
+        raise _bad(f"expected method {', '.join(METHODS)}, found {method!r}: this version does not run it "
+                   f"(it would need {NOT_SUPPORTED[method]})")
     if method not in METHODS:
         known = "a vLLM method this tool does not run" if method in VLLM_METHODS else "not a vLLM method"
         raise _bad(f"expected method {', '.join(METHODS)}, found {method[:40]!r} ({known})")
-    if method != "draft_model" and model is not None and model not in NGRAM_MODELS:
+    if method not in BUNDLED_METHODS and model is not None and model not in NGRAM_MODELS:
         raise _bad(f"method {method} takes no \"model\", found {model[:80]!r}")
-    if method != "draft_model":
+    if method not in BUNDLED_METHODS:
         model = None
     n = _int(d, "num_speculative_tokens")
     lo, hi = _int(d, "prompt_lookup_min"), _int(d, "prompt_lookup_max")
@@ -158,7 +179,7 @@ def _names(manifest: Manifest) -> tuple[set[str], set[str]]:
 def check_draft(spec: Speculative | None, manifest: Manifest) -> None:
     """At serve: a `model` (and `revision`) in --speculative-config must name the bundle's own draft,
     since no other model is on the device. UsageError naming both when it does not."""
-    if spec is None or spec.method != "draft_model" or spec.model is None:
+    if spec is None or spec.method not in BUNDLED_METHODS or spec.model is None:
         return
     draft = manifest.model("draft")
     if draft is None:

@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from manifests.errors import UsageError
+from runtime.eagle3 import ChainProposer
 from runtime.engine import Engine, Row
 from runtime.logits_process import token_logprobs
 from runtime.speculative import METHODS, SpecStats, Step, accept, ngram_lookup, propose_token
@@ -44,11 +45,14 @@ class ModelRunner:
         if not (1 <= prompt_lookup_min <= prompt_lookup_max):
             raise UsageError(f"expected 1 <= prompt_lookup_min <= prompt_lookup_max, "
                              f"found {prompt_lookup_min} and {prompt_lookup_max}")
-        if draft is not None and method == "draft_model" and draft.vocab_size != target.vocab_size:
+        if method == "eagle3" and draft is None:
+            raise UsageError("speculative method 'eagle3' needs an EAGLE-3 head; the bundle has none")
+        if draft is not None and method in ("draft_model", "eagle3") and draft.vocab_size != target.vocab_size:
             # Logit rows must index the same tokens; a smaller draft vocabulary would need padding.
             raise UsageError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
         self.target = target
         self.draft = draft if method == "draft_model" else None
+        self.head = draft if method == "eagle3" else None  # runtime.eagle3.Drafter
         self.method = method
         self.num_speculative_tokens = num_speculative_tokens if method != "none" else 0
         self.prompt_lookup_min = prompt_lookup_min
@@ -60,6 +64,9 @@ class ModelRunner:
     def _mirrors(self) -> None:
         self.target_cache: list[list[int]] = [[] for _ in range(self.num_slots)]
         self.draft_cache: list[list[int]] = [[] for _ in range(self.num_slots)]
+        # EAGLE-3: per slot, the target's features and a head cache of its own
+        self.eagle = ([ChainProposer(self.head if i == 0 else self.head.fork()) for i in range(self.num_slots)]
+                      if self.head is not None else None)
 
     @property
     def num_slots(self) -> int:
@@ -69,6 +76,8 @@ class ModelRunner:
     @property
     def max_context(self) -> int:
         m = self.target.max_context
+        if self.head is not None:
+            m = min(m, self.head.max_context + 1)
         return min(m, self.draft.max_context) if self.draft is not None else m
 
     def kv_bytes_per_slot(self) -> int:
@@ -122,21 +131,28 @@ class ModelRunner:
         request.slot, request.computed, request.cached_tokens = slot, best, best
         return best
 
-    @staticmethod
-    def _reuse(engine: Engine, mirror: list[list[int]], source: int, slot: int, n: int) -> None:
+    def _reuse(self, engine: Engine, mirror: list[list[int]], source: int, slot: int, n: int) -> None:
+        eagle = self.eagle if engine is self.target else None
         if source == slot:
             if n < len(mirror[slot]):
                 engine.rollback(slot, n)
                 del mirror[slot][n:]
+                if eagle is not None:
+                    eagle[slot].on_target_rollback(n)
             return
         engine.copy_prefix(source, slot, n)
         mirror[slot] = mirror[source][:n]
+        if eagle is not None:
+            eagle[slot].reset()
+            eagle[slot].features = list(eagle[source].features[:n])
 
     def release(self, slot: int) -> None:
         for engine, mirror in ((self.target, self.target_cache), (self.draft, self.draft_cache)):
             if engine is not None and mirror[slot]:
                 engine.release(slot)
                 mirror[slot].clear()
+        if self.eagle is not None:
+            self.eagle[slot].reset()
 
     def reset(self) -> None:
         """Empty every slot (after an engine error the mirrors may be wrong)."""
@@ -145,6 +161,8 @@ class ModelRunner:
                 for slot in range(self.num_slots):
                     engine.release(slot)
                     mirror[slot].clear()
+        for proposer in self.eagle or ():
+            proposer.reset()
 
     # --- one step ---------------------------------------------------------------------------------
     def step(self, decodes: Sequence[tuple], prefills: Sequence[tuple]) -> None:
@@ -182,6 +200,16 @@ class ModelRunner:
             for r, g in decodes:
                 if g > 0:
                     out[r.slot] = (ngram_lookup(r.tokens, g, self.prompt_lookup_min, self.prompt_lookup_max), [])
+            return out
+        if self.eagle is not None:
+            t0 = self._clock()
+            for r, g in decodes:
+                if g > 0 and r.speculative and len(r.tokens) >= 2:
+                    def pick(logits, drafts, r=r):
+                        return propose_token(logits, r.params, r.rng, r.logits_processors, r.output_ids + drafts)
+                    out[r.slot] = self.eagle[r.slot].propose(r.tokens, g, pick)
+                    self.stats.draft_forwards += g
+            self.stats.draft_seconds += self._clock() - t0
             return out
         if self.draft is None:
             return out
@@ -230,6 +258,8 @@ class ModelRunner:
         logits = engine.forward(rows)
         for row in rows:
             mirror[row.slot].extend(int(t) for t in row.tokens)
+            if self.eagle is not None and engine is self.target and len(row.tokens):
+                self.eagle[row.slot].on_target_forward(aux_rows(engine, row.slot), len(row.tokens))
         dt = self._clock() - t0
         if role == "target":
             self.stats.target_forwards += 1
@@ -239,11 +269,21 @@ class ModelRunner:
             self.stats.draft_seconds += dt
         return logits
 
-    @staticmethod
-    def _rollback(engine: Engine, mirror: list[list[int]], slot: int, length: int) -> None:
+    def _rollback(self, engine: Engine, mirror: list[list[int]], slot: int, length: int) -> None:
         if length < len(mirror[slot]):
             engine.rollback(slot, length)
             del mirror[slot][length:]
+            if self.eagle is not None and engine is self.target:
+                self.eagle[slot].on_target_rollback(length)
+
+
+def aux_rows(engine, slot: int):
+    """The aux hidden rows of `slot`'s last forward (EAGLE-3 target graphs), or None."""
+    sequences = getattr(engine, "sequences", None)
+    if sequences is not None:  # runtime.engine.SequenceSlots: one single-sequence engine per slot
+        return getattr(sequences[slot], "last_aux_hidden", None)
+    rows = getattr(engine, "last_aux_hidden", None)
+    return rows.get(slot) if isinstance(rows, dict) else rows
 
 
 def step_of(tokens: list[int], drafted: int, accepted: int, eos, produced: int, max_tokens: int) -> tuple[Step, int]:

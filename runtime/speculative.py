@@ -6,6 +6,9 @@ Methods:
   slot: g draft forwards per step, whatever the number of slots); the target scores all g+1
   positions of every slot in ONE forward; per slot the longest acceptable prefix plus one target
   token is kept.
+- "eagle3": an EAGLE-3 head (runtime.eagle3) drafts g tokens in a chain from the target's own
+  hidden states, per slot; acceptance as for draft_model (its q rows are over the target
+  vocabulary, zero outside the head's draft vocabulary).
 - "ngram": prompt lookup. The last n tokens are searched for earlier in the sequence and the
   tokens that followed become the proposal (a one-hot q), so no draft weights are needed.
 
@@ -33,7 +36,7 @@ from manifests.errors import UsageError
 from runtime.engine import Engine, SequenceEngine, SequenceSlots
 from runtime.sampling import LogitsProcessor, SamplingParams, apply_processors, draw, probabilities
 
-METHODS = ("none", "draft_model", "ngram")
+METHODS = ("none", "draft_model", "ngram", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,8 @@ class Generator:
                  prompt_lookup_min: int = 2, prompt_lookup_max: int = 4, clock=time.perf_counter):
         from runtime.model_runner import ModelRunner
 
-        self.runner = ModelRunner(as_slots(target), as_slots(draft), method, num_speculative_tokens,
+        draft = draft if method == "eagle3" else as_slots(draft)  # an EAGLE-3 head is a runtime.eagle3.Drafter
+        self.runner = ModelRunner(as_slots(target), draft, method, num_speculative_tokens,
                                   prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
                                   clock=clock)
         self._busy = threading.Lock()

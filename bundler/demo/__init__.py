@@ -9,6 +9,8 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 DEMO_TARGET_DIR = _HERE / "models" / "target"
 DEMO_DRAFT_DIR = _HERE / "models" / "draft"
+#: The demo target's EAGLE-3 head (train_eagle3.py), the default of --speculative-config '{"method": "eagle3"}'
+DEMO_EAGLE3_DIR = _HERE / "models" / "eagle3"
 HELDOUT_PROMPTS = _HERE / "heldout_prompts.json"   # the chat questions the README's acceptance was measured on
 
-__all__ = ["DEMO_TARGET_DIR", "DEMO_DRAFT_DIR", "HELDOUT_PROMPTS"]
+__all__ = ["DEMO_TARGET_DIR", "DEMO_DRAFT_DIR", "DEMO_EAGLE3_DIR", "HELDOUT_PROMPTS"]

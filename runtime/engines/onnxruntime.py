@@ -146,6 +146,12 @@ class OnnxRuntimeEngine(Engine):
         self._logits_dtype = np.dtype(NUMPY_TYPES[outs["logits"].type])
         self._has_mask = "attention_mask" in ins
         self._has_positions = "position_ids" in ins
+        # EAGLE-3 targets (concat graph) also return the aux layers' hidden states: per slot, the rows
+        # of its last forward, in last_aux_hidden
+        aux = outs.get("aux_hidden_states")
+        self.aux_width = aux.shape[-1] if aux is not None and isinstance(aux.shape[-1], int) else 0
+        self._aux_dtype = np.dtype(NUMPY_TYPES.get(aux.type, "float32")) if aux is not None else None
+        self.last_aux_hidden: dict[int, np.ndarray] = {}
 
     # --- slots ---------------------------------------------------------------------------------
     def _rows_per_slot(self) -> int:
@@ -292,7 +298,12 @@ class OnnxRuntimeEngine(Engine):
             for name, buf in zip(self._present, dst):
                 b.bind_output(name, "cpu", 0, self.kv_dtype, [1, kv, total, hd], buf.ctypes.data)
         logits = self._logits_buffer((1, n, self.vocab_size))
+        if self.aux_width:
+            aux = np.zeros((1, n, self.aux_width), self._aux_dtype)
+            b.bind_output("aux_hidden_states", "cpu", 0, self._aux_dtype, list(aux.shape), aux.ctypes.data)
         self.session.run_with_iobinding(b)
+        if self.aux_width:
+            self.last_aux_hidden[slot] = aux[0].astype(np.float32, copy=False)
         if self.kv_cache == "concat":
             self._current[slot] = 1 - self._current[slot]
         self._lengths[slot] = total

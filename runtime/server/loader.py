@@ -17,6 +17,9 @@ from runtime.server.serving_engine import ServingModel
 from runtime.speculative import Generator
 from runtime.tokenizer import Tokenizer
 
+#: config.json architectures of EAGLE-3 heads (bundler.eagle3.ARCHITECTURES; runtime does not import bundler)
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
 
 def parse_speculative_config(text: str | None) -> Speculative | None:
     """--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}':
@@ -33,18 +36,38 @@ def resolve_speculative(manifest: Manifest, override: Speculative | None, disabl
     elif manifest.speculative is not None:
         spec = manifest.speculative
     else:
-        spec = Speculative(method="draft_model" if manifest.model("draft") else "none")
+        d = manifest.model("draft")
+        spec = Speculative(method="none" if d is None else
+                           "eagle3" if d.architecture in EAGLE3_ARCHITECTURES else "draft_model")
     if spec.method == "draft_model" and manifest.model("draft") is None:
         raise UsageError(f"speculative method draft_model needs a draft model, but bundle {manifest.name} "
                          f"has none; use --speculative-config '{{\"method\": \"ngram\"}}' or --no-speculation")
+    draft = manifest.model("draft")
+    is_head = draft is not None and draft.architecture in EAGLE3_ARCHITECTURES
+    if spec.method == "eagle3" and not is_head:
+        raise UsageError(f"speculative method eagle3 needs an EAGLE-3 head, but bundle {manifest.name} "
+                         f"v{manifest.version} carries {'a draft model' if draft else 'none'}; create the bundle "
+                         f"with --speculative-config '{{\"method\": \"eagle3\", \"model\": DIR}}'")
+    if spec.method == "draft_model" and is_head:
+        raise UsageError(f"speculative method draft_model needs a draft model, but bundle {manifest.name} "
+                         f"v{manifest.version} carries an EAGLE-3 head; use method eagle3")
     return spec
 
 
 def build_generator(target, draft, spec: Speculative) -> Generator:
     lo = spec.prompt_lookup_min or 2
     hi = spec.prompt_lookup_max or max(4, lo)
-    return Generator(target, draft if spec.method == "draft_model" else None, spec.method,
+    return Generator(target, draft if spec.method in ("draft_model", "eagle3") else None, spec.method,
                      spec.num_speculative_tokens, prompt_lookup_min=lo, prompt_lookup_max=hi)
+
+
+def _eagle3_head(root: Path, manifest: Manifest, target_id: str, max_context: int | None):
+    from runtime.eagle3 import OnnxDrafter
+
+    record = next((e for e in manifest.target(target_id).engines if e.model == "draft" and e.format == "onnx"), None)
+    if record is None:
+        raise ModelError(f"bundle {manifest.name} v{manifest.version} has no EAGLE-3 head graph for {target_id!r}")
+    return OnnxDrafter(root / record.path, max_context=max_context)
 
 
 def load_serving_model(installed, *, target_id: str | None = None, speculative: Speculative | None = None,
@@ -64,6 +87,8 @@ def load_serving_model(installed, *, target_id: str | None = None, speculative: 
     wanted = max_model_len or manifest.serve.get("max_model_len")
     target = load_engine(root, manifest, target_id, "target", cache_dir=cache_dir, max_context=wanted)
     draft = None
+    if spec.method == "eagle3":
+        draft = _eagle3_head(root, manifest, target_id, wanted)
     if spec.method == "draft_model":
         draft = load_engine(root, manifest, target_id, "draft", cache_dir=cache_dir, max_context=wanted)
         draft_tok = root / manifest.model("draft").root / "tokenizer.json"

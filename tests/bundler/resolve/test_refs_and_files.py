@@ -83,8 +83,9 @@ def test_spec_config_with_vllm_keys():
     ('["draft_model"]', r"expected a JSON object, found list"),
     ('{"model": "o/d", "num_speculative_tokens": 3, "num_spec_tokens": 3}', r"found unknown 'num_spec_tokens'"),
     ('{"method": "eagle", "model": "o/d", "num_speculative_tokens": 3}',
-     r"expected method draft_model, ngram, none, found 'eagle' \(a vLLM method this tool does not run\)"),
-    ('{"method": "ngram", "num_speculative_tokens": 3}', r"expected method draft_model \(a draft model to bundle\)"),
+     r"expected method draft_model, eagle3, ngram, none, found 'eagle': this version does not run it \(it would "
+     r"need an EAGLE-1 head"),
+    ('{"method": "ngram", "num_speculative_tokens": 3}', r"expected method draft_model or eagle3 \(a model to bundle\)"),
     ('{"method": "draft_model", "num_speculative_tokens": 3}', r"expects \"model\""),
     ('{"model": "o/d", "num_speculative_tokens": 0}',
      r"expected num_speculative_tokens an integer from 1 to 16, found 0"),

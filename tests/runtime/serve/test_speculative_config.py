@@ -56,3 +56,23 @@ def test_serve_command_exits_2_with_both_names(installed_bundle, capsys):
     err = capsys.readouterr().err
     assert code == UsageError.exit_code and err.count("\n") == 1, err
     assert "meta-llama/Llama-3.2-1B" in err and "'draft@" in err
+
+
+@pytest.mark.parametrize("method, needs", [("mtp", "multi-token-prediction"), ("dflash", "block-diffusion"),
+                                           ("dspark", "parallel draft graph"), ("eagle", "EAGLE-1 head"),
+                                           ("suffix", "suffix tree")])
+def test_other_methods_refused_by_name_at_create_and_serve(method, needs):
+    text = '{"method": "%s", "num_speculative_tokens": 3}' % method
+    for parse in (lambda: parse_speculative_config(text).bundled_draft(), lambda: serve_parse(text)):
+        with pytest.raises(UsageError) as e:
+            parse()
+        assert f"expected method draft_model, eagle3, ngram, none, found {method!r}" in str(e.value)
+        assert needs in str(e.value)
+
+
+def test_eagle3_config_at_create_and_serve():
+    text = '{"method": "eagle3", "model": "org/eagle3-head", "num_speculative_tokens": 3}'
+    assert parse_speculative_config(text).bundled_draft() == ("org/eagle3-head", 3)
+    assert parse_speculative_config('{"method": "eagle3"}').bundled_draft() == (None, None)  # the demo head
+    spec = serve_parse(text)
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("eagle3", "org/eagle3-head", 3)

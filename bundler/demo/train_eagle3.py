@@ -1,0 +1,280 @@
+"""Train the demo target's EAGLE-3 head with the published recipe (EAGLE-3, Li et al. 2025; SpecForge).
+
+- The target (bundler/demo/models/target) and its token embedding are frozen.
+- Data: the target's own greedy answers to training questions (what it will be asked to speed up), chat turns
+  and source text, as for the demo draft.
+- Training-time test: each batch unrolls `ttt_steps` draft steps. Step 0 at position t reads
+  (embedding of token t + 1, fc(target aux states at t)); step j > 0 reads the head's own pre-norm output of
+  step j - 1 instead, with rotary position t + j, and attends to step 0's keys at positions <= t plus its own
+  earlier steps' keys at t (exactly what chain drafting sees at inference). Loss at each step: cross-entropy
+  against the target's next-token distribution restricted to the draft vocabulary, weighted 0.8 ** j.
+- Draft vocabulary: the `draft_vocab` most frequent target tokens of the training data; d2t / t2d map it.
+
+    python -m bundler.demo.train_eagle3 --tokens .demo-data/tokens --target bundler/demo/models/target \
+        --draft bundler/demo/models/draft --out .demo-out/eagle3        # GPU, about 3 minutes on one H200
+    python -m bundler.demo.train_eagle3 --tiny ...                      # seconds on a CPU (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bundler import eagle3
+from bundler.demo import corpus
+from bundler.demo import evaluate as ev
+from bundler.demo.train import sample_rows
+
+
+@dataclass(frozen=True)
+class Config:
+    layer_ids: tuple[int, int, int] = (1, 3, 5)  # of the 6-layer demo target; [2, 3, 3] (the default) repeats one
+    intermediate_size: int = 512
+    draft_vocab: int = 384
+    ttt_steps: int = 4
+    batch_size: int = 64
+    seq_len: int = 256
+    steps: int = 3000
+    lr: float = 2e-3
+    warmup: int = 100
+    mix: tuple[float, float, float] = (0.6, 0.1, 0.3)  # target answers, chat turns, source
+    answer_prompts: int = 2000
+    answer_tokens: int = 64
+    max_prompt_tokens: int = 96
+    eval_prompts: int = 200
+    k: int = 3
+    train_seconds: float = 110.0
+    seed: int = 0
+
+
+TINY = Config(intermediate_size=32, draft_vocab=200, ttt_steps=2, batch_size=4, seq_len=32, steps=6, warmup=2,
+              answer_prompts=4, answer_tokens=8, eval_prompts=2, train_seconds=30.0)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def draft_vocabulary(streams: list[np.ndarray], vocab: int, n: int) -> np.ndarray:
+    """The n most frequent ids (sorted), so the reduced head covers most of what the target says."""
+    counts = sum(np.bincount(s.astype(np.int64), minlength=vocab) for s in streams)
+    return np.sort(np.argsort(-counts, kind="stable")[:n])
+
+
+def ttt_mask(T: int, step: int, device):
+    """Additive mask [T, (step + 1) * T]: block 0 causal, later blocks the diagonal only."""
+    import torch
+
+    causal = torch.full((T, T), float("-inf"), device=device).triu(1)
+    diag = torch.full((T, T), float("-inf"), device=device)
+    diag.fill_diagonal_(0.0)
+    return torch.cat([causal] + [diag] * step, dim=1)
+
+
+def ttt_loss(head, target, embed, x, keep, cfg: Config):
+    """x [b, S] token rows. Returns (loss, per-step top-1 agreement with the target's argmax)."""
+    import torch
+    import torch.nn.functional as F
+
+    b, S = x.shape
+    T = S - cfg.ttt_steps - 1
+    with torch.no_grad():
+        aux, logits = eagle3.target_aux_hidden(target, x, cfg.layer_ids)
+        probs = F.softmax(logits.float()[..., keep], dim=-1)  # target distribution over the draft vocabulary
+        best = logits.float().argmax(-1)
+        embeds = embed(x)
+    feat = head.fc(aux[:, :T].to(head.fc.weight.dtype))
+    keys, values = [], []
+    total, agree = 0.0, []
+    kc = head.config.num_kv_heads
+    for j in range(cfg.ttt_steps):
+        pos = (torch.arange(T, device=x.device) + j)[None].expand(b, T)
+        past_k = torch.cat(keys, dim=2) if keys else x.new_zeros((b, kc, 0, head.config.head_dim), dtype=feat.dtype)
+        past_v = torch.cat(values, dim=2) if values else past_k
+        mask = ttt_mask(T, j, x.device)
+        h, k, v = head.midlayer(embeds[:, 1 + j:1 + j + T], feat, pos, past_k, past_v, mask)
+        keys.append(k[:, :, -T:])
+        values.append(v[:, :, -T:])
+        out = head.lm_head(head.norm(h)).float()
+        p = probs[:, 1 + j:1 + j + T]
+        total = total + (0.8 ** j) * -(p * F.log_softmax(out, -1)).sum(-1).mean()
+        agree.append(float((head.target_ids()[out.argmax(-1)] == best[:, 1 + j:1 + j + T]).float().mean()))
+        feat = h
+    return total, agree
+
+
+def speculate_one(target, head, embed, prompt, layer_ids, *, k, max_new_tokens, eos_ids):
+    """Greedy EAGLE-3 speculation of one prompt, no KV cache on the target (as evaluate.speculate_one)."""
+    import torch
+
+    dev = next(target.parameters()).device
+    seq, out = list(prompt), []
+    drafted = accepted = passes = 0
+    ids = head.target_ids()
+    with torch.inference_mode():
+        aux, logits = eagle3.target_aux_hidden(target, torch.tensor([seq], device=dev), layer_ids)
+        while True:
+            # the verified pending token's logits came with the last target pass
+            L = len(seq)
+            x = torch.tensor([seq], device=dev)
+            feat = head.fc(aux[:, :L - 1])
+            pk, pv = head.empty_cache()
+            pk, pv = pk.to(dev), pv.to(dev)
+            dl, h, pk, pv = head(embed(x[:, 1:L]), feat, torch.arange(L - 1, device=dev)[None], pk, pv)
+            proposal = []
+            for i in range(min(k, max_new_tokens - len(out) - 1)):
+                t = int(ids[dl[0, -1].argmax()])
+                proposal.append(t)
+                if t in eos_ids or i == k - 1:
+                    break
+                dl, h, pk, pv = head(embed(torch.tensor([[t]], device=dev)), h[:, -1:],
+                                     torch.tensor([[L - 1 + i]], device=dev), pk, pv)
+            aux, logits = eagle3.target_aux_hidden(target, torch.tensor([seq + proposal], device=dev), layer_ids)
+            passes += 1
+            verified = logits[0, L - 1:].argmax(-1).tolist()
+            n = 0
+            while n < len(proposal) and proposal[n] == verified[n]:
+                n += 1
+            drafted += len(proposal)
+            accepted += n
+            for t in proposal[:n] + [verified[n]]:
+                out.append(t)
+                seq.append(t)
+                if t in eos_ids or len(out) >= max_new_tokens:
+                    return out, drafted, accepted, passes
+            aux = aux[:, :len(seq)]
+
+
+def acceptance(target, head, embed, prompts, cfg: Config, eos_ids) -> dict:
+    drafted = accepted = passes = generated = 0
+    for p in prompts:
+        o, d, a, n = speculate_one(target, head, embed, p, cfg.layer_ids, k=cfg.k,
+                                   max_new_tokens=cfg.answer_tokens, eos_ids=eos_ids)
+        drafted, accepted, passes, generated = drafted + d, accepted + a, passes + n, generated + len(o)
+    return {"prompts": len(prompts), "drafted": drafted, "accepted": accepted, "target_passes": passes,
+            "generated": generated, "rate": round(accepted / max(1, drafted), 4),
+            "tokens_per_pass": round(generated / max(1, passes), 3)}
+
+
+def train(tokens: Path, target_dir: Path, draft_dir: Path | None, out: Path, cfg: Config,
+          device: str | None = None) -> dict:
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    t_start = time.time()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tc = target.config
+    embed = target.get_input_embeddings()
+    tok = Tokenizer.from_file(str(tokens / "tokenizer.json"))
+    eos = tok.token_to_id(corpus.END)
+    newline = tok.encode("\n", add_special_tokens=False).ids
+
+    def encode(split):
+        rows = json.loads((tokens / f"prompts_{split}.json").read_text())
+        return [tok.encode(corpus.qa_prompt(r["question"]), add_special_tokens=False).ids for r in rows]
+
+    train_prompts = [p for p in encode("train") if len(p) <= cfg.max_prompt_tokens][:cfg.answer_prompts]
+    t0 = time.time()
+    answers = ev.greedy_generate(target, train_prompts, max_new_tokens=cfg.answer_tokens, eos_ids={eos})
+    gen = []
+    for p, a in zip(train_prompts, answers):
+        gen.extend(p + a + ([] if a and a[-1] == eos else [eos]) + newline)
+    gen_seconds = time.time() - t0
+    log(f"target answered {len(train_prompts)} questions ({len(gen):,} tokens) in {gen_seconds:.0f} s")
+    streams = [np.asarray(gen, dtype=np.int64), np.load(tokens / "qa_train.npy"), np.load(tokens / "source_train.npy")]
+    keep_np = draft_vocabulary(streams, tc.vocab_size, cfg.draft_vocab)
+    coverage = float(np.isin(streams[0], keep_np).mean())
+    log(f"draft vocabulary {cfg.draft_vocab} of {tc.vocab_size}: covers {coverage:.4f} of the target's answers")
+
+    hc = eagle3.HeadConfig(hidden_size=tc.hidden_size, target_hidden_size=tc.hidden_size,
+                           intermediate_size=cfg.intermediate_size, num_heads=tc.num_attention_heads,
+                           num_kv_heads=tc.num_key_value_heads, head_dim=tc.head_dim, vocab_size=tc.vocab_size,
+                           draft_vocab_size=cfg.draft_vocab, rms_norm_eps=tc.rms_norm_eps,
+                           rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+                           max_positions=tc.max_position_embeddings, layer_ids=tuple(cfg.layer_ids))
+    head = eagle3.new_head(hc)
+    keep = torch.from_numpy(keep_np).to(device)
+    with torch.no_grad():
+        head.d2t.copy_(torch.from_numpy(keep_np - np.arange(cfg.draft_vocab)))
+        head.t2d.zero_()
+        head.t2d[torch.from_numpy(keep_np)] = True
+        head.lm_head.weight.copy_(target.lm_head.weight[keep.cpu()].cpu())  # a head start: the target's rows
+    head = head.to(device).train()
+    params = [p for n, p in head.named_parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    n_params = sum(p.numel() for p in params)
+    log(f"head: {n_params:,} parameters {asdict(hc)}")
+    history, t0, step = [], time.time(), 0
+    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 weights and activations, TF32 matmuls: small enough
+    for step in range(cfg.steps):
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / cfg.steps)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x = torch.from_numpy(sample_rows(rng, streams, cfg.mix, cfg.batch_size, cfg.seq_len)).to(device)
+        loss, agree = ttt_loss(head, target, embed, x, keep, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 100 == 0 or step == cfg.steps - 1:
+            history.append({"step": step, "loss": round(float(loss.detach()), 4),
+                            "agreement": [round(a, 3) for a in agree], "seconds": round(time.time() - t0, 1)})
+            log(f"step {step}: {history[-1]}")
+        if time.time() - t0 > cfg.train_seconds:
+            break
+    train_seconds = time.time() - t0
+    head = head.float().eval()
+    out.mkdir(parents=True, exist_ok=True)
+    eagle3.save_head(head.cpu(), out)
+    head = head.to(device)
+    prompts = encode("heldout")[:cfg.eval_prompts]
+    t0 = time.time()
+    result = {"eagle3": acceptance(target, head, embed, prompts, cfg, {eos})}
+    if draft_dir is not None:
+        draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).to(device).eval()
+        result["draft_model"] = ev.greedy_acceptance(target, draft, prompts, k=cfg.k, max_new_tokens=cfg.answer_tokens,
+                                                     eos_ids={eos}).to_dict()
+    for name, r in result.items():
+        r["mean_acceptance_length"] = round(1 + r["accepted"] / max(1, r["target_passes"]), 3)
+    metrics = {"config": asdict(cfg), "head_parameters": n_params, "draft_vocab_coverage": round(coverage, 4),
+               "steps_done": step + 1, "answer_seconds": round(gen_seconds, 1),
+               "train_seconds": round(train_seconds, 1),
+               "eval_seconds": round(time.time() - t0, 1), "total_seconds": round(time.time() - t_start, 1),
+               "acceptance_k3": result, "history": history, "device": device, "torch": torch.__version__}
+    (out / "training_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    log(f"acceptance {result}")
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bundler.demo.train_eagle3", description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=Path, required=True, help="prepare's token streams (train.py prepare)")
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--draft", type=Path, help="the demo draft, for the baseline acceptance in the same run")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--device")
+    ap.add_argument("--seconds", type=float, help="training time limit")
+    args = ap.parse_args(argv)
+    cfg = TINY if args.tiny else Config()
+    if args.seconds:
+        from dataclasses import replace
+        cfg = replace(cfg, train_seconds=args.seconds)
+    train(args.tokens, args.target, args.draft, args.out, cfg, args.device)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

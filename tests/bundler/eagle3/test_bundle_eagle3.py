@@ -1,0 +1,86 @@
+"""EAGLE-3 through the whole path: `bundle create --speculative-config '{"method": "eagle3", ...}'` resolves
+and checks the head against the target and packs it; install; serve loads the head and its output is
+token-identical to plain greedy decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bundler.cli import main
+from manifests.errors import ModelError, UsageError
+from tests.bundler.pack.helpers import read_layout
+from tests.eagle3_models import make_tiny_head
+from tests.models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    from bundler.keys import generate_key
+
+    root = tmp_path_factory.mktemp("eagle3-keys")
+    generate_key(root / "key")
+    return root
+
+
+def _create(out, keys, spec, *model):
+    return main(["create", *model, "--targets", "cpu", "--name", "e3", "--version", "1", "--sign-key",
+                 str(keys / "key"), "--out", str(out), "--no-progress", "--speculative-config", spec])
+
+
+def _install_and_load(bundle, keys, store, **kw):
+    from runtime.server.loader import load_serving_model
+    from runtime.store import Store
+    from runtime.trust import trusted_keys
+
+    Store(store).install(bundle, target="cpu", trusted=trusted_keys([keys / "key.pub"], trust_dir=None))
+    return load_serving_model(Store(store).current("e3"), **kw)
+
+
+def _greedy(model, prompt, n=24):
+    from runtime.sampling import SamplingParams
+
+    return [t for s in model.generator.generate(prompt, SamplingParams(temperature=0.0), max_tokens=n)
+            for t in s.tokens]
+
+
+def test_tiny_random_head_resolve_pack_install_serve(tmp_path, keys, capsys):
+    target = make_tiny_checkpoint(tmp_path / "target", num_layers=4, seed=2)
+    head = make_tiny_head(tmp_path / "head", target, draft_vocab=400)  # default layer ids [2, 2, 1]
+    spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 4})
+    assert _create(tmp_path / "b", keys, spec, "--model", str(target)) == 0, capsys.readouterr().err
+    manifest = read_layout(tmp_path / "b")[2]
+    assert manifest.speculative.method == "eagle3" and manifest.speculative.num_speculative_tokens == 4
+    assert [(m.role, m.architecture) for m in manifest.models] == [("target", "LlamaForCausalLM"),
+                                                                   ("draft", "LlamaForCausalLMEagle3")]
+    paths = {f.path for f in manifest.files}
+    assert any(p.endswith("/draft/eagle3.onnx") for p in paths), sorted(paths)
+    served = _install_and_load(tmp_path / "b", keys, tmp_path / "store")
+    assert served.generator.method == "eagle3" and served.info["speculative"].startswith("eagle3")
+    plain = _install_and_load(tmp_path / "b", keys, tmp_path / "store", no_speculation=True)
+    prompt = list(range(5, 40, 3))
+    assert _greedy(served, prompt) == _greedy(plain, prompt)
+    assert served.generator.stats.num_drafts > 0
+
+
+def test_demo_target_with_demo_head(tmp_path, keys, capsys):
+    """No --model: the demo target with the shipped head (the issue's one-line example)."""
+    assert _create(tmp_path / "b", keys, '{"method": "eagle3", "num_speculative_tokens": 3}') == 0, \
+        capsys.readouterr().err
+    served = _install_and_load(tmp_path / "b", keys, tmp_path / "store")
+    assert served.generator.method == "eagle3" and served.generator.num_speculative_tokens == 3
+    prompt = served.tokenizer.encode("<|user|>\nWhat does `os.path.join(a, *p)` do?<|end|>\n<|assistant|>\n")
+    _greedy(served, prompt, 40)
+    assert served.generator.stats.acceptance_rate > 0.3
+
+
+def test_head_for_another_target_refused_at_create_leaving_nothing(tmp_path, keys, capsys):
+    target = make_tiny_checkpoint(tmp_path / "target", num_layers=4, seed=2)
+    other = make_tiny_checkpoint(tmp_path / "other", hidden_size=32, num_layers=4, num_heads=2, seed=3)
+    head = make_tiny_head(tmp_path / "head", other)
+    spec = json.dumps({"method": "eagle3", "model": str(head)})
+    assert _create(tmp_path / "b", keys, spec, "--model", str(target)) == ModelError.exit_code
+    err = capsys.readouterr().err
+    assert "expected target hidden size 64" in err and "found 32" in err and err.count("\n") == 1
+    assert not (tmp_path / "b").exists()
