@@ -83,9 +83,10 @@ Examples:
 @click.option("--expires", metavar="DATE|Nd", help="Devices refuse the bundle after this: 2027-06-01, or 90d from now.")
 @click.option("--num-speculative-tokens", default=3, show_default=True, type=click.IntRange(1, 16),
               help="Draft tokens proposed per step (with --draft).")
-@click.option("--no-checkpoint-weights", "no_checkpoint_weights", is_flag=True,
-              help="Leave the checkpoint's weight files out (their sizes and sha256 stay in the manifest): every "
-                   "target's engine carries its own weights, so devices never install them. About halves the bundle.")
+@click.option("--with-checkpoint-weights/--no-checkpoint-weights", "with_checkpoint_weights", default=False,
+              help="Also carry the checkpoint's weight files that no target installs (every target's engine has "
+                   "its own weights), for a site that re-exports on the device; about doubles the bundle. Default "
+                   "(--no-checkpoint-weights): left out, each listed with size and sha256 in the signed manifest.")
 @click.option("--force", is_flag=True,
               help="Replace a finished bundle already at --out, and build even if a model does not fit a "
                    "target's memory (a warning instead of a refusal).")
@@ -96,7 +97,7 @@ Examples:
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_model_len, targets_text, name,
            version, sign_key_paths, unsigned, max_part_size, out, expires, num_speculative_tokens,
-           no_checkpoint_weights, force, allow_no_chat_template, jobs, no_progress) -> None:
+           with_checkpoint_weights, force, allow_no_chat_template, jobs, no_progress) -> None:
     """Pack a model (and draft) into a signed, zstd-compressed bundle directory (an OCI image layout).
 
     Every file is recorded in a signed manifest with its sha256; files larger than --max-part-size are
@@ -128,7 +129,7 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     manifest = create_bundle(out, name=name, version=version, model=model, draft=draft, targets=targets,
                              sign_keys=keys, unsigned=unsigned, max_part_size=part_size, expires=expires,
                              num_speculative_tokens=num_speculative_tokens, force=force, jobs=jobs,
-                             progress=not no_progress, serve=serve, checkpoint_weights=not no_checkpoint_weights,
+                             progress=not no_progress, serve=serve, checkpoint_weights=with_checkpoint_weights,
                              target_files=target_files_hook(num_speculative_tokens=num_speculative_tokens,
                                                             serve=serve))
     lock_out = lock_path or write_lock(out.parent / f"{out.name}.lock.json", resolved)
