@@ -139,6 +139,10 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     click.echo(f"bundle:   {out}  ({manifest.name}:{manifest.version})")
     click.echo(f"files:    {len(manifest.files)}, {format_size(manifest.total_size)} "
                f"-> {format_size(stored)} compressed")
+    left_out = [o for m in manifest.models for o in m.extra.get("omitted_files", ())]
+    if left_out:
+        click.echo(f"left out: {len(left_out)} checkpoint files, {format_size(sum(o['size'] for o in left_out))} "
+                   f"no target installs (size and sha256 in the manifest; --with-checkpoint-weights carries them)")
     click.echo(f"targets:  {', '.join(t.id for t in manifest.targets)}")
     for m in manifest.models:
         click.echo(f"model:    {m.role} {m.name} @ {m.source.revision}")
