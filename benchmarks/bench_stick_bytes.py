@@ -44,10 +44,10 @@ def row(label: str, out: Path, manifest) -> dict:
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"\n{'bundle':<44} {'on stick':>10} {'carried':>10} {'largest':>10} {'stick/largest':>14} "
+    print(f"\n{'bundle':<50} {'on stick':>10} {'carried':>10} {'largest':>10} {'stick/largest':>14} "
           f"{'carried/largest':>16} {'carried/union':>14}")
     for r in rows:
-        print(f"{r['label']:<44} {r['on_stick'] / MiB:>8.1f}MB {r['carried'] / MiB:>8.1f}MB "
+        print(f"{r['label']:<50} {r['on_stick'] / MiB:>8.1f}MB {r['carried'] / MiB:>8.1f}MB "
               f"{r['largest'] / MiB:>8.1f}MB {r['on_stick'] / r['largest']:>13.2f}x "
               f"{r['carried'] / r['largest']:>15.2f}x {r['carried'] / r['union']:>13.2f}x")
 
