@@ -115,9 +115,10 @@ Examples:
 @click.option("--serve-config", "serve_config_path", type=click.Path(dir_okay=False, exists=True, path_type=Path),
               metavar="FILE", help="JSON object of serve defaults keyed by vLLM's argument names "
                                    "({\"tool_call_parser\": \"hermes\"}); --serve-arg values win over it.")
-@click.option("--no-checkpoint-weights", "no_checkpoint_weights", is_flag=True,
-              help="Leave the checkpoint's weight files out (their sizes and sha256 stay in the manifest): every "
-                   "target's engine carries its own weights, so devices never install them. About halves the bundle.")
+@click.option("--with-checkpoint-weights/--no-checkpoint-weights", "with_checkpoint_weights", default=False,
+              help="Also carry the checkpoint's weight files that no target installs (every target's engine has "
+                   "its own weights), for a site that re-exports on the device; about doubles the bundle. Default "
+                   "(--no-checkpoint-weights): left out, each listed with size and sha256 in the signed manifest.")
 @click.option("--force", is_flag=True,
               help="Replace a finished bundle already at --out, and build even if a model does not fit a "
                    "target's memory (a warning instead of a refusal).")
@@ -128,7 +129,7 @@ Examples:
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_model_len, targets_text, name,
            version, sign_key_paths, unsigned, max_part_size, out, expires, num_speculative_tokens,
-           serve_args, serve_config_path, no_checkpoint_weights, force, allow_no_chat_template, jobs,
+           serve_args, serve_config_path, with_checkpoint_weights, force, allow_no_chat_template, jobs,
            no_progress) -> None:
     """Pack a model (and draft) into a signed, zstd-compressed bundle directory (an OCI image layout).
 
@@ -172,7 +173,7 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     manifest = create_bundle(out, name=name, version=version, model=model, draft=draft, targets=targets,
                              sign_keys=keys, unsigned=unsigned, max_part_size=part_size, expires=expires,
                              num_speculative_tokens=num_speculative_tokens, force=force, jobs=jobs,
-                             progress=not no_progress, serve=serve, checkpoint_weights=not no_checkpoint_weights,
+                             progress=not no_progress, serve=serve, checkpoint_weights=with_checkpoint_weights,
                              speculative_method=method,
                              target_files=target_files_hook(num_speculative_tokens=num_speculative_tokens,
                                                             serve=serve, eagle3_layers=layers))
@@ -183,6 +184,10 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     click.echo(f"bundle:   {out}  ({manifest.name}:{manifest.version})")
     click.echo(f"files:    {len(manifest.files)}, {format_size(manifest.total_size)} "
                f"-> {format_size(stored)} compressed")
+    left_out = [o for m in manifest.models for o in m.extra.get("omitted_files", ())]
+    if left_out:
+        click.echo(f"left out: {len(left_out)} checkpoint files, {format_size(sum(o['size'] for o in left_out))} "
+                   f"no target installs (size and sha256 in the manifest; --with-checkpoint-weights carries them)")
     click.echo(f"targets:  {', '.join(t.id for t in manifest.targets)}")
     for m in manifest.models:
         click.echo(f"model:    {m.role} {m.name} @ {m.source.revision}")

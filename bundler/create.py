@@ -210,17 +210,19 @@ def _read_config(model: ModelInput) -> dict:
     return read_config(model.local_dir, model.name) if (model.local_dir / "config.json").is_file() else {}
 
 
-def content_digest(entries: Sequence[FileEntry], root: str) -> str:
+def content_digest(entries: Sequence[FileEntry], root: str, omitted: Sequence[Mapping] = ()) -> str:
     """A folder's revision when it has no commit: sha256 over its sorted "path\\0size\\0sha256" lines.
 
-    Same formula as bundler.resolve.content_digest, so a folder gets one revision whichever path pinned it.
+    Same formula as bundler.resolve.content_digest, so a folder gets one revision whichever path pinned it;
+    files left out of the bundle (`omitted`, the model's omitted_files) count, so leaving them out keeps it.
     """
     from bundler.resolve import ResolvedFile
     from bundler.resolve import content_digest as folder_digest
 
     prefix = root.rstrip("/") + "/"
-    return folder_digest(ResolvedFile(e.path[len(prefix):], e.size, e.sha256)
-                         for e in entries if e.path.startswith(prefix))
+    return folder_digest([ResolvedFile(e.path[len(prefix):], e.size, e.sha256)
+                          for e in entries if e.path.startswith(prefix)]
+                         + [ResolvedFile(o["path"], o["size"], o["sha256"]) for o in omitted])
 
 
 # --- options ---------------------------------------------------------------------------------
@@ -258,7 +260,8 @@ def _targets(target_ids: Sequence[str]) -> list[Target]:
 
 def _omit_checkpoint_weights(files: list[PackFile], inputs: Sequence[ModelInput],
                              models: list[Model]) -> tuple[list[PackFile], list[Model]]:
-    """Drop the weight files no target installs; record each one (path, size, sha256) in its model's entry."""
+    """Drop the checkpoint files no target installs (engines carry their own weights); record each one
+    (path, size, sha256) in its model's entry, so the signed manifest still pins what was left home."""
     by_root = {m.root: m for m in inputs}
     omitted: dict[str, list[dict]] = {}
     kept = []
@@ -268,7 +271,7 @@ def _omit_checkpoint_weights(files: list[PackFile], inputs: Sequence[ModelInput]
         if m is None or pf.targets != ():
             kept.append(pf)
             continue
-        size, sha = (m.digests or {}).get(rel) or (pf.src.stat().st_size, file_sha256(pf.src))
+        size, sha = (m.digests or {}).get(rel) or (pf.src.stat().st_size, pf.sha256 or file_sha256(pf.src))
         omitted.setdefault(m.root, []).append({"path": rel, "size": size, "sha256": sha})
     models = [replace(md, extra={**md.extra, "omitted_files": omitted[md.root]}) if md.root in omitted else md
               for md in models]
@@ -283,14 +286,15 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
                   num_speculative_tokens: int = 3, target_files: TargetFilesHook | None = None,
                   serve: dict | None = None, force: bool = False, jobs: int | None = None,
                   now: datetime | None = None, progress: bool = True,
-                  builder: Builder | None = None, checkpoint_weights: bool = True,
+                  builder: Builder | None = None, checkpoint_weights: bool = False,
                   speculative_method: str = "draft_model") -> Manifest:
     """Pack a target model (and optional draft) for `targets` into a signed bundle at `out`.
 
     `targets` are validated ids (manifests.targets.parse_targets); `expires` is RFC 3339 or
-    a form parse_expires() takes ("90d"), counted from `now`. `checkpoint_weights=False` leaves the
-    checkpoint's weight files out when every target's engines carry their own weights (a bundle about
-    half the size); the manifest then lists what was left out, with sizes and sha256.
+    a form parse_expires() takes ("90d"), counted from `now`. The bundle is the smallest that serves
+    every target: checkpoint files that no target installs (every target's engines carry their own
+    weights) are left out and listed in the manifest with size and sha256; a file some target installs
+    always travels. `checkpoint_weights=True` carries them anyway, for a site that re-exports on the device.
     """
     now = now or datetime.now(timezone.utc)
     if now.tzinfo is None:
@@ -316,27 +320,23 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
                                model="draft") if draft is not None else None)
 
     def amend(manifest: Manifest) -> Manifest:
-        """Local folders have no commit: pin them by the digest of what was actually packed."""
+        """Local folders have no commit: pin them by the digest of what was packed or left out."""
         pinned = tuple(m if m.source.revision else
-                       replace(m, source=replace(m.source, revision="sha256:" + content_digest(manifest.files, m.root)))
+                       replace(m, source=replace(m.source, revision="sha256:" + content_digest(
+                           manifest.files, m.root, m.extra.get("omitted_files", ()))))
                        for m in manifest.models)
         return replace(manifest, models=pinned)
 
     with tempfile.TemporaryDirectory(prefix="bundle-create-") as work:
-        engines_carry_weights = False
         if target_files is not None:
             extra, target_list = target_files(inputs, target_list, Path(work))
-            engines_carry_weights = all(t.engines for t in target_list)
-            if engines_carry_weights:
-                # Every engine carries its own weights: the checkpoint's weights travel for provenance
-                # (and re-export on another host) but no device installs them.
+            if all(t.engines for t in target_list):
+                # Every engine carries its own weights: no device installs the checkpoint's weights (left
+                # out below, or carried installed by none for re-export on another host).
                 from bundler.select_files import is_weight_file
                 files = [replace(pf, targets=()) if is_weight_file(pf.path) else pf for pf in files]
             files += list(extra)
         if not checkpoint_weights:
-            if not engines_carry_weights:
-                raise UsageError("expected engines for every target before leaving the checkpoint's weights out "
-                                 "(--no-checkpoint-weights), found targets without: the weights are their only copy")
             files, models = _omit_checkpoint_weights(files, inputs, models)
         return pack_bundle(out, name=name, version=version, models=models, files=files, targets=target_list,
                            speculative=speculative, serve=serve, expires=expires, sign_keys=sign_keys,

@@ -40,6 +40,7 @@ def inspect_bundle(bundle_dir: Path) -> dict:
     for t in m.targets:
         files = m.files_for(t.id)
         targets.append({"id": t.id, "backend": t.backend, "files": len(files), "size": sum(f.size for f in files),
+                        "compressed_size": sum({p.digest: p.size for f in files for p in f.parts}.values()),
                         "engines": [{"model": e.model, "backend": e.backend, "format": e.format, "path": e.path}
                                     for e in t.engines], "build": t.build})
     return {
@@ -56,8 +57,22 @@ def inspect_bundle(bundle_dir: Path) -> dict:
         "size": m.total_size,
         "compressed_size": sum(compressed.values()),
         "blobs": len(compressed),
+        "left_out": _left_out(m.models),
+        "installed_by_no_target": sum(f.size for f in m.files if f.targets == ()),
         "signatures": {"key_ids": signers, "verified": False, "envelope": envelope_note},
     }
+
+
+def _left_out(models) -> list[dict]:
+    """Files create left home (no target installs them), from each model's omitted_files; malformed entries
+    of this unverified manifest are skipped, not trusted."""
+    out = []
+    for md in models:
+        entries = md.extra.get("omitted_files")
+        for o in entries if isinstance(entries, list) else ():
+            if isinstance(o, dict) and isinstance(o.get("path"), str) and isinstance(o.get("size"), int):
+                out.append({"model": md.role, "path": o["path"], "size": o["size"], "sha256": str(o.get("sha256"))})
+    return out
 
 
 def format_inspect(info: dict) -> str:
@@ -77,7 +92,13 @@ def format_inspect(info: dict) -> str:
                      f"{format_size(m['size'])} ({m['architecture'] or 'unknown architecture'})")
     for t in info["targets"]:
         engines = ", ".join(f"{e['model']}:{e['format']}" for e in t["engines"]) or "no engines"
-        lines.append(f"  target    {t['id']} ({t['backend']}): {format_size(t['size'])} to install, {engines}")
+        lines.append(f"  target    {t['id']} ({t['backend']}): {format_size(t['size'])} to install "
+                     f"({format_size(t['compressed_size'])} compressed), {engines}")
+    if info["installed_by_no_target"]:
+        lines.append(f"  carried   {format_size(info['installed_by_no_target'])} that no target installs "
+                     f"(checkpoint weights, for re-export)")
+    for o in info["left_out"]:
+        lines.append(f"  left out  {o['model']}: {o['path']}  {format_size(o['size'])}  sha256:{o['sha256']}")
     spec = info["speculative"]
     lines.append("  speculative " + (", ".join(f"{k}={v}" for k, v in spec.items()) if spec else "off"))
     if info["serve"]:

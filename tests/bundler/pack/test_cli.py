@@ -23,6 +23,7 @@ def test_create_prints_summary_and_writes_bundle(tiny_pair, key_paths, tmp_path,
     printed = capsys.readouterr()
     assert code == 0, printed.err
     assert "demo:2" in printed.out and "signed:" in printed.out
+    assert "left out: 2 checkpoint files" in printed.out  # target's and draft's weights: the engines carry them
     _, _, manifest, envelope = read_layout(out)
     assert len(envelope["signatures"]) == 2 and manifest.speculative.num_speculative_tokens == 5
     assert (out / COMPLETE_MARKER).exists()

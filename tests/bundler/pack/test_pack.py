@@ -240,9 +240,10 @@ def test_target_files_hook_adds_per_target_files(model_copy, signing_key, tmp_pa
     manifest = _create(tmp_path / "b", model_copy, [signing_key], target_files=hook)
     onnx = next(f for f in manifest.files if f.path == "engines/cpu/model.onnx")
     assert onnx.targets == ("cpu",) and manifest.target("cpu").engines[0].path == onnx.path
-    # jetson-thor got no engine here, so the checkpoint's weights are still its only copy: every target keeps them.
+    # jetson-thor got no engine here, so the checkpoint's weights are still its only copy: every target keeps
+    # them, and the default (leave out what no target installs) leaves nothing out.
     weights = next(f for f in manifest.files if f.path == "models/target/model.safetensors")
-    assert weights.targets is None
+    assert weights.targets is None and "omitted_files" not in manifest.model("target").extra
     assert len(manifest.files_for("jetson-thor")) == len(manifest.files) - 1
 
     def hook_for_all(models, targets, work):
@@ -250,7 +251,11 @@ def test_target_files_hook_adds_per_target_files(model_copy, signing_key, tmp_pa
         engine = Engine("target", "onnxruntime", "onnx", "engines/cpu/model.onnx")
         return files, [Target(t.id, t.backend, engines=(engine,)) for t in targets]
 
-    # When every target's engines carry the weights, the checkpoint's copy is bundled but installed by none.
-    manifest = _create(tmp_path / "b2", model_copy, [signing_key], target_files=hook_for_all)
+    # When every target's engines carry the weights, the checkpoint's copy is bundled (when asked for) but
+    # installed by none; by default it is left out.
+    manifest = _create(tmp_path / "b2", model_copy, [signing_key], target_files=hook_for_all, checkpoint_weights=True)
     weights = next(f for f in manifest.files if f.path == "models/target/model.safetensors")
     assert weights.targets == () and not weights.needed_by("cpu") and not weights.needed_by("jetson-thor")
+    manifest = _create(tmp_path / "b3", model_copy, [signing_key], target_files=hook_for_all)
+    assert "models/target/model.safetensors" not in {f.path for f in manifest.files}
+    assert [o["path"] for o in manifest.model("target").extra["omitted_files"]] == ["model.safetensors"]

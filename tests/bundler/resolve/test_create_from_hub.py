@@ -38,7 +38,11 @@ def test_create_pins_sha_writes_lock_and_rebuilds_from_it(hub, tmp_path):
     assert target.source.revision == hub.shas["v1"] and target.source.requested_revision == "v1"
     assert draft.source.revision == hub.shas["draft"]
     assert manifest.speculative.num_speculative_tokens == 4
-    paths = {f.path for f in manifest.files}
+    # The cpu engine carries the weights, so the checkpoint's safetensors is left out by default and listed
+    # (size, sha256) in the signed manifest; the resolver's choice is what was packed plus what was left out.
+    omitted = target.extra["omitted_files"]
+    assert [o["path"] for o in omitted] == ["model.safetensors"] and len(omitted[0]["sha256"]) == 64
+    paths = {f.path for f in manifest.files} | {f"models/target/{o['path']}" for o in omitted}
     # serving files only: no second copy of the weights, no original/, GGUF, images or README
     assert "models/target/model.safetensors" in paths and "models/target/LICENSE" in paths
     assert not any(p.endswith((".bin", ".gguf", ".png", "README.md")) or "/original/" in p for p in paths)
@@ -53,6 +57,7 @@ def test_create_pins_sha_writes_lock_and_rebuilds_from_it(hub, tmp_path):
     m2 = verify_bundle(out2, trusted).manifest
     models = lambda m: {(f.path, f.sha256) for f in m.files if f.path.startswith("models/")}  # noqa: E731
     assert models(m2) == models(manifest)
+    assert m2.model("target").extra["omitted_files"] == omitted
 
 
 def test_create_refuses_mismatched_draft_before_packing(hub, tmp_path):
