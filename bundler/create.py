@@ -246,13 +246,18 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
                   num_speculative_tokens: int = 3, target_files: TargetFilesHook | None = None,
                   serve: dict | None = None, force: bool = False, jobs: int | None = None,
                   now: datetime | None = None, progress: bool = True,
-                  builder: Builder | None = None, checkpoint_weights: bool = True) -> Manifest:
+                  builder: Builder | None = None, checkpoint_weights: bool = True,
+                  runtime_platforms: Sequence[str] = (), extra_wheels: Path | None = None,
+                  wheel_cache: Path | None = None, wheelhouse=None) -> Manifest:
     """Pack a target model (and optional draft) for `targets` into a signed bundle at `out`.
 
     `targets` are validated ids (manifests.targets.parse_targets); `expires` is RFC 3339 or
     a form parse_expires() takes ("90d"), counted from `now`. `checkpoint_weights=False` leaves the
     checkpoint's weight files out when every target's engines carry their own weights (a bundle about
     half the size); the manifest then lists what was left out, with sizes and sha256.
+    `runtime_platforms` (e.g. ["linux_aarch64-cp312"]) adds the floor runtime's wheelhouse for each and the
+    bootstrap (bundler.wheelhouse); `extra_wheels` is a folder of site wheels to add; `wheel_cache` keeps downloads;
+    `wheelhouse` (a bundler.wheelhouse.Wheelhouse) is used as given instead.
     """
     now = now or datetime.now(timezone.utc)
     if now.tzinfo is None:
@@ -285,6 +290,11 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
         return replace(manifest, models=pinned)
 
     with tempfile.TemporaryDirectory(prefix="bundle-create-") as work:
+        house = wheelhouse
+        if house is None and runtime_platforms:  # first: a pip failure should not come after a long export
+            from bundler.wheelhouse import build_wheelhouse
+            house = build_wheelhouse(runtime_platforms, Path(work) / "wheelhouse", extra_wheels=extra_wheels,
+                                     cache=wheel_cache)
         engines_carry_weights = False
         if target_files is not None:
             extra, target_list = target_files(inputs, target_list, Path(work))
@@ -300,7 +310,10 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
                 raise UsageError("expected engines for every target before leaving the checkpoint's weights out "
                                  "(--no-checkpoint-weights), found targets without: the weights are their only copy")
             files, models = _omit_checkpoint_weights(files, inputs, models)
+        if house is not None:
+            files += list(house.files)
         return pack_bundle(out, name=name, version=version, models=models, files=files, targets=target_list,
                            speculative=speculative, serve=serve, expires=expires, sign_keys=sign_keys,
                            unsigned=unsigned, max_part_size=max_part_size, jobs=jobs, now=now,
-                           progress=progress, force=force, builder=builder, amend=amend)
+                           progress=progress, force=force, builder=builder, amend=amend,
+                           runtime=house.runtime if house is not None else None)

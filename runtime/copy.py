@@ -25,7 +25,7 @@ from runtime.reader import CHUNK, BlobReader, open_bundle, part_names
 from runtime.verify import check_blob
 from runtime.fsutil import fsync_dir, write_atomic
 
-_ours = {L.OCI_LAYOUT_FILE, L.INDEX_FILE, L.COMPLETE_MARKER, "blobs"}
+_ours = {L.OCI_LAYOUT_FILE, L.INDEX_FILE, L.COMPLETE_MARKER, L.BOOTSTRAP_FILE, "blobs"}
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,14 @@ def _prepare_dst(src: Path, dst: Path) -> None:
     (dst / L.BLOBS_DIR).mkdir(parents=True, exist_ok=True)
     for p in (dst / L.BLOBS_DIR).glob(".tmp-*"):  # leftovers of an interrupted copy
         p.unlink(missing_ok=True)
+
+
+def _write_bootstrap(dst: Path, manifest) -> None:
+    """DST/bootstrap from DST's own (digest-checked) blob, never copied from whatever SRC has at the top."""
+    rt = manifest.runtime
+    entry = next((f for f in manifest.files if rt is not None and f.path == rt.bootstrap), None)
+    if entry is not None:
+        write_atomic(dst / L.BOOTSTRAP_FILE, (dst / L.blob_path(entry.parts[0].digest)).read_bytes()[:entry.size])
 
 
 def copy_bundle(src: Path, dst: Path, *, jobs: int | None = None, progress: bool = True) -> CopyReport:
@@ -133,6 +141,7 @@ def copy_bundle(src: Path, dst: Path, *, jobs: int | None = None, progress: bool
         write_atomic(dst / L.OCI_LAYOUT_FILE, (src / L.OCI_LAYOUT_FILE).read_bytes()[:4096]
                      if (src / L.OCI_LAYOUT_FILE).is_file() else L.OCI_LAYOUT_CONTENT)
         write_atomic(dst / L.INDEX_FILE, layout.index_bytes)
+        _write_bootstrap(dst, manifest)
         fsync_dir(dst)
         write_atomic(dst / L.COMPLETE_MARKER, (layout.oci_manifest.digest + "\n").encode())
         fsync_dir(dst)

@@ -16,6 +16,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from manifests.errors import BadBundleError, TrustError
+from manifests.layout import BOOTSTRAP_FILE
 from manifests.schema import Manifest
 from runtime import settings
 from runtime.reader import CHUNK, BundleLayout, open_bundle, part_names
@@ -141,6 +142,17 @@ def scan_blobs(layout: BundleLayout, manifest: Manifest, *, jobs: int | None = N
     return problems
 
 
+def check_top_level_bootstrap(layout: BundleLayout, manifest: Manifest) -> list[Problem]:
+    """BUNDLE/bootstrap (what an operator runs) must be byte-for-byte the signed bootstrap blob."""
+    path = manifest.runtime.bootstrap if manifest.runtime is not None else None
+    entry = next((f for f in manifest.files if f.path == path), None)
+    if entry is None:
+        return []
+    problem = check_blob(layout.path / BOOTSTRAP_FILE, entry.parts[0].digest, entry.size,
+                         (f"{BOOTSTRAP_FILE} (top-level copy)",))
+    return [problem] if problem else []
+
+
 def verify_bundle(bundle_dir: Path, trusted: dict[str, Ed25519PublicKey], *, allow_unsigned: bool = False,
                   check_blobs: bool = True, jobs: int | None = None,
                   progress: bool = False) -> VerifiedBundle:
@@ -149,6 +161,7 @@ def verify_bundle(bundle_dir: Path, trusted: dict[str, Ed25519PublicKey], *, all
     manifest, signers = check_signature(layout, trusted, allow_unsigned=allow_unsigned)
     if check_blobs:
         problems = scan_blobs(layout, manifest, jobs=jobs, progress=progress)
+        problems += check_top_level_bootstrap(layout, manifest)
         if problems:
             total = len({p.digest for f in manifest.files for p in f.parts})
             bad = len({p.digest for p in problems})

@@ -14,7 +14,7 @@ from tests.bundler.pack.helpers import read_layout
 
 def _args(model, out, *extra):
     return ["create", "--model", str(model), "--targets", "cpu", "--name", "demo", "--version", "2",
-            "--out", str(out), "--no-progress", *extra]
+            "--out", str(out), "--no-progress", "--no-runtime", *extra]
 
 
 def test_create_prints_summary_and_writes_bundle(tiny_pair, key_paths, tmp_path, capsys):
@@ -80,7 +80,7 @@ def test_without_model_uses_the_demo_pair_or_says_what_is_missing(tmp_path, caps
     except UsageError:
         have_demo = False
     code = main(["create", "--targets", "cpu", "--name", "demo", "--version", "1", "--unsigned",
-                 "--out", str(tmp_path / "b"), "--no-progress"])
+                 "--out", str(tmp_path / "b"), "--no-progress", "--no-runtime"])
     if not have_demo:
         assert code == UsageError.exit_code and "--model" in capsys.readouterr().err
     else:

@@ -91,7 +91,7 @@ def test_sigkill_mid_pack_then_rerun_completes(model_copy, tmp_path):
     out = tmp_path / "b"
     cmd = [sys.executable, "-m", "bundler.cli", "create", "--model", str(model_copy), "--include", "big.bin", "--targets", "cpu",
            "--name", "resume", "--version", "1", "--unsigned", "--out", str(out), "--max-part-size", "256K",
-           "--jobs", "1", "--no-progress"]
+           "--jobs", "1", "--no-progress", "--no-runtime"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     try:
