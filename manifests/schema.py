@@ -333,6 +333,9 @@ class Runtime(_Record):
             _check(isinstance(wheels, list) and wheels and all(isinstance(w, str) for w in wheels),
                    f"runtime: expected a list of wheel paths for {plat}")
             out[plat] = tuple(safe_relative_path(w) for w in wheels)
+            for w in out[plat]:
+                _check(w.startswith(WHEELHOUSE_PREFIX) and _WHEEL_NAME.match(w[len(WHEELHOUSE_PREFIX):]) is not None,
+                       f"runtime: expected wheel paths like {WHEELHOUSE_PREFIX}NAME.whl, found {w!r}")
         bootstrap = k.get("bootstrap")
         _check(bootstrap in (None, BOOTSTRAP_PATH), f"runtime: expected bootstrap {BOOTSTRAP_PATH!r}, found {bootstrap!r}")
         return cls(k["package"], k["version"], out, bootstrap, extra)
