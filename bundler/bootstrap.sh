@@ -34,9 +34,9 @@ SELF=$BUNDLE/$(basename "$0")
 command -v openssl >/dev/null 2>&1 || die 6 "openssl not found: expected OpenSSL 3.0+ on PATH (apt install openssl)"
 command -v sha256sum >/dev/null 2>&1 || die 6 "sha256sum not found: expected GNU coreutils"
 command -v "$PY" >/dev/null 2>&1 || die 6 "$PY not found: expected Python 3.10+ with venv"
-"$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' 2>/dev/null \
+"$PY" -I -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' 2>/dev/null \
   || die 6 "expected Python 3.10+, found $("$PY" -V 2>&1)"
-"$PY" -c 'import venv, ensurepip' 2>/dev/null \
+"$PY" -I -c 'import venv, ensurepip' 2>/dev/null \
   || die 6 "$PY has no venv/ensurepip: expected the venv module (apt install python3-venv)"
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/bundle-bootstrap-XXXXXX")
@@ -233,7 +233,7 @@ elif cmd == "wheels":
 PY
 
 # 0. can this openssl verify Ed25519 at all? (a known signature; OpenSSL 1.1 has no -rawin)
-"$PY" - "$WORK" <<'PY'
+"$PY" -I - "$WORK" <<'PY'
 import base64, sys
 w = sys.argv[1]
 open(f"{w}/kat.pem", "w").write("-----BEGIN PUBLIC KEY-----\n" + base64.b64encode(bytes.fromhex(
@@ -247,8 +247,8 @@ openssl pkeyutl -verify -rawin -pubin -inkey "$WORK/kat.pem" -in "$WORK/kat.msg"
   >/dev/null 2>&1 || die 6 "this openssl ($(openssl version 2>&1 | head -n 1)) cannot verify Ed25519 signatures: expected OpenSSL 3.0+ with Ed25519"
 
 # 1. the signature
-KEYID=$("$PY" "$HELPER" key "$TRUST" "$WORK/trust.pem") || exit $?
-out=$("$PY" "$HELPER" extract "$BUNDLE" "$WORK") || exit $?
+KEYID=$("$PY" -I "$HELPER" key "$TRUST" "$WORK/trust.pem") || exit $?
+out=$("$PY" -I "$HELPER" extract "$BUNDLE" "$WORK") || exit $?
 set -- $out
 NSIG=$1; shift; CLAIMED=$*
 ok=0; i=0
@@ -261,7 +261,7 @@ done
 echo "bootstrap: signature OK (key id $(echo "$KEYID" | cut -c1-16))"
 
 # 2. the wheels, from the signed manifest only
-out=$("$PY" "$HELPER" wheels "$WORK" "$BUNDLE" "$SELF") || exit $?
+out=$("$PY" -I "$HELPER" wheels "$WORK" "$BUNDLE" "$SELF") || exit $?
 set -- $out
 PACKAGE=$1; VERSION=$2; PLATFORM=$3; NWHEELS=$4; TOTAL=$5; HOUSE=$6
 while read -r size name; do
@@ -280,9 +280,11 @@ VENV=$PREFIX/runtime-$VERSION-$HOUSE
 mkdir -p "$PREFIX" || die 6 "cannot create $PREFIX"
 if [ ! -f "$VENV/.bootstrap-complete" ]; then
   rm -rf "$VENV"
-  "$PY" -m venv "$VENV" >/dev/null || die 6 "python3 -m venv $VENV failed"
-  PIP_CONFIG_FILE=/dev/null PIP_NO_INPUT=1 "$VENV/bin/python" -m pip install --no-index --no-cache-dir \
-      --disable-pip-version-check -q --find-links "$WORK/wheels" "$WORK"/wheels/*.whl \
+  "$PY" -I -m venv "$VENV" >/dev/null || die 6 "python3 -m venv $VENV failed"
+  # -I and --isolated: no PYTHON*/PIP_* variable and no pip.conf (PIP_CONFIG_FILE=/dev/null skips them all)
+  # can add code or another wheel source; the only source is the verified copies.
+  PIP_CONFIG_FILE=/dev/null "$VENV/bin/python" -I -m pip --isolated install --no-index --no-cache-dir \
+      --disable-pip-version-check --no-input -q --find-links "$WORK/wheels" "$WORK"/wheels/*.whl \
     || { rm -rf "$VENV"; die 6 "pip could not install $PACKAGE $VERSION from the verified wheels (see above)"; }
   echo "$PACKAGE $VERSION $PLATFORM $HOUSE" > "$VENV/.bootstrap-complete"
 fi

@@ -297,3 +297,22 @@ def test_second_run_reuses_the_installed_runtime(runtime_bundle, tmp_path):
     assert marker.stat().st_mtime_ns == before
     assert os.readlink(prefix / "current") == marker.parent.name
     assert subprocess.run([str(prefix / "bin" / "bundle"), "--version"], capture_output=True).returncode == 0
+
+
+def test_environment_cannot_inject_code_or_wheels(runtime_bundle, tmp_path):
+    """PYTHONPATH/sitecustomize and PIP_* settings on the device must not reach what the bootstrap runs."""
+    hook = tmp_path / "inject"
+    hook.mkdir()
+    marker = tmp_path / "injected"
+    (hook / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'a').write('ran\\n')\n")
+    evil = tmp_path / "evil-wheels"
+    from tests.wheels import make_wheel
+    make_wheel(evil, "evil-extra", "1.0")
+    env = {**os.environ, "PYTHON": system_python(), "PYTHONPATH": str(hook), "PIP_FIND_LINKS": str(evil),
+           "PIP_INDEX_URL": "http://192.0.2.1/simple", "PIP_NO_INDEX": "0"}
+    prefix = tmp_path / "opt"
+    r = run_bootstrap(runtime_bundle.dir, runtime_bundle.pub, prefix, env=env)
+    assert r.returncode == 0, r.stderr
+    assert not marker.exists(), "a sitecustomize from PYTHONPATH ran inside the bootstrap"
+    site = next(prefix.glob("runtime-*/lib/python3*/site-packages"))
+    assert (site / "runtime" / "main.py").is_file() and not list(site.glob("evil_extra*"))
