@@ -63,6 +63,10 @@ def unpack_file(layout: BundleLayout, entry: FileEntry, dest_root: Path, *,
         for i, part in enumerate(entry.parts, 1):
             name = entry.path if n == 1 else f"{entry.path} part {i}/{n}"
             with BlobReader(layout.blob_file(part.digest), part.digest, part.size, name) as src:
+                if part.stored:  # format 2: the blob is the bytes (sizes and digest equal, checked by the schema)
+                    _copy_stored(src, fd, file_hash, on_bytes, stop)
+                    src.finish()
+                    continue
                 dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_SIZE)
                 try:
                     with dctx.stream_reader(src, read_size=CHUNK, read_across_frames=True, closefd=False) as z:
@@ -95,6 +99,15 @@ def unpack_file(layout: BundleLayout, entry: FileEntry, dest_root: Path, *,
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _copy_stored(src: BlobReader, fd: int, file_hash, on_bytes, stop) -> None:
+    while chunk := src.read(CHUNK):
+        if stop is not None and stop.is_set():
+            raise _Stopped()
+        file_hash.update(chunk)
+        _write_all(fd, chunk)
+        on_bytes(len(chunk))
 
 
 def unpack_files(layout: BundleLayout, files: tuple[FileEntry, ...], dest_root: Path, *,

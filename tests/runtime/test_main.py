@@ -60,3 +60,37 @@ def test_build_host_commands_are_plugins_of_the_full_package():
 
     assert set(BUILD_HOST_COMMANDS) <= set(plugin_commands()), (
         "the full package registers keygen/create/build-engines in the bundle.commands entry-point group")
+
+
+MODULE_RECORDER = """
+import atexit, os, sys
+def _dump(path=os.environ["RECORD_MODULES"]):
+    with open(path, "w") as f:
+        f.write("\\n".join(sorted(sys.modules)))
+atexit.register(_dump)
+"""
+
+
+def record_modules_env(tmp_path):
+    """Environment that makes any Python process write every module it loaded (at exit) to a file."""
+    import os
+
+    hook = tmp_path / "recorder"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(MODULE_RECORDER)
+    record = tmp_path / "modules.txt"
+    return {**os.environ, "PYTHONPATH": str(hook), "RECORD_MODULES": str(record)}, record
+
+
+def test_the_real_entry_point_loads_no_build_host_module_for_floor_commands(tmp_path):
+    """`bundle serve --help` through the installed console script; sys.modules recorded at its exit."""
+    import subprocess
+    from pathlib import Path
+
+    env, record = record_modules_env(tmp_path)
+    exe = Path(sys.executable).with_name("bundle")
+    r = subprocess.run([str(exe), "serve", "--help"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    loaded = record.read_text().split()
+    assert "runtime.main" in loaded and "runtime.cli_serve" in loaded
+    assert not [m for m in loaded if m.split(".")[0] == "bundler"], loaded

@@ -216,3 +216,16 @@ def test_copy_carries_the_bootstrap_from_its_blob(tmp_path):
     boot = next(f for f in verify_bundle(tmp_path / "dst", {}, allow_unsigned=True).manifest.files
                 if f.path == "bootstrap")
     assert (tmp_path / "dst" / "bootstrap").read_bytes() == (out / L.blob_path(boot.parts[0].digest)).read_bytes()
+
+
+def test_a_stored_file_a_target_needs_installs_like_a_compressed_one(tmp_path):
+    """Format 2 lets any file be stored; install copies it (checked) instead of treating it as zstd."""
+    payload = tmp_path / "table.bin"
+    payload.write_bytes(bytes(range(256)) * 4096)
+    out = tmp_path / "b"
+    pack_bundle(out, name="s", version=1, models=[], files=[PackFile(payload, "data/table.bin", media_type="x/y")],
+                targets=[Target("cpu", "onnxruntime")], speculative=None, serve={}, expires=None, sign_keys=[],
+                unsigned=True, progress=False)
+    inst = Store(tmp_path / "store").install(out, target="cpu", trusted={}, allow_unsigned=True, progress=False)
+    assert (inst.path / "data/table.bin").read_bytes() == payload.read_bytes()
+    assert inst.manifest.format_version == 2
