@@ -152,12 +152,18 @@ def build_floor_wheel(dest: Path, source: Path | None = None) -> Path:
         shutil.copytree(source / pkg, stage / pkg, ignore=ignore)
     (stage / "floor").mkdir()
     shutil.copy2(source / "floor" / "pyproject.toml", stage / "floor" / "pyproject.toml")
-    isolation = [] if importlib.util.find_spec("setuptools") else ["--use-pep517"]
-    no_isolation = ["--no-build-isolation", "--no-index"] if not isolation else []
-    _pip(["wheel", "--no-deps", *no_isolation, *isolation, "-w", str(dest), str(stage / "floor")],
-         "building the bundle-runtime wheel")
+    # The installed setuptools when it is new enough (no index needed); else pip's isolated build (needs one).
+    flags = ["--no-build-isolation", "--no-index"] if _setuptools_at_least(77) else ["--use-pep517"]
+    _pip(["wheel", "--no-deps", *flags, "-w", str(dest), str(stage / "floor")], "building the bundle-runtime wheel")
     shutil.rmtree(stage, ignore_errors=True)
     return _one_floor_wheel(dest)
+
+
+def _setuptools_at_least(major: int) -> bool:
+    if importlib.util.find_spec("setuptools") is None:
+        return False
+    head = importlib.metadata.version("setuptools").split(".")[0]
+    return head.isdigit() and int(head) >= major
 
 
 def _one_floor_wheel(folder: Path) -> Path:

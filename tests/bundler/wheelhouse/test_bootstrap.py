@@ -198,7 +198,7 @@ def test_tampered_bundle_is_refused_with_nothing_installed(case, runtime_bundle,
     mutate, code = MUTATIONS[case]
     mutate(bundle_copy, runtime_bundle.key, tmp_path)
     prefix = tmp_path / "opt"
-    r = run_bootstrap(bundle_copy, runtime_bundle.pub, prefix)
+    r = run_bootstrap(bundle_copy, runtime_bundle.pub, prefix, netns=unshare_problem() is None)
     assert r.returncode == code, (r.stdout, r.stderr)
     errors = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(errors) == 1 and errors[0].startswith("bootstrap: error: "), r.stderr
