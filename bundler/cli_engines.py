@@ -40,7 +40,7 @@ def build_engines(bundle_dir, target_id, sign_key_paths, out, trust_paths, allow
 
     if not sign_key_paths:
         raise UsageError("expected at least one --sign-key KEY, found none")
-    passphrase = settings.KEY_PASSPHRASE.encode() if settings.KEY_PASSPHRASE else None
+    passphrase = settings.key_passphrase()
     keys = [load_private_key(p, passphrase) for p in sign_key_paths]
     trusted = trusted_keys(list(trust_paths))
     manifest = build_engines_bundle(bundle_dir, target_id, out, sign_keys=keys, trusted=trusted,

@@ -12,7 +12,7 @@ from runtime import settings
 
 
 def _passphrase_from_env() -> bytes | None:
-    return settings.KEY_PASSPHRASE.encode() if settings.KEY_PASSPHRASE else None
+    return settings.key_passphrase()
 
 
 @click.command(epilog="""\b
@@ -115,12 +115,15 @@ Examples:
 @click.option("--force", is_flag=True,
               help="Replace a finished bundle already at --out, and build even if a model does not fit a "
                    "target's memory (a warning instead of a refusal).")
+@click.option("--allow-no-chat-template", is_flag=True,
+              help="Bundle a target with no chat template (a warning instead of a refusal, exit 8): the device "
+                   "then serves /v1/completions only.")
 @click.option("--jobs", type=click.IntRange(min=1), help="Compression threads. Default: every core (BUNDLE_JOBS).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_model_len, targets_text, name,
            version, sign_key_paths, unsigned, max_part_size, out, expires, num_speculative_tokens,
-           no_checkpoint_weights, with_runtime, no_runtime, extra_wheels, wheel_cache, force, jobs,
-           no_progress) -> None:
+           no_checkpoint_weights, with_runtime, no_runtime, extra_wheels, wheel_cache, force, allow_no_chat_template,
+           jobs, no_progress) -> None:
     """Pack a model (and draft) into a signed, zstd-compressed bundle directory (an OCI image layout).
 
     Every file is recorded in a signed manifest with its sha256; files larger than --max-part-size are
@@ -130,25 +133,25 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     from bundler.engines import target_files_hook
     from bundler.keys import load_private_key
     from bundler.lockfile import write_lock
-    from manifests.targets import parse_targets
+    from runtime.profiles import parse_targets
 
     targets = parse_targets(targets_text)
     part_size = parse_size(max_part_size)
     platforms = runtime_platforms(with_runtime, no_runtime, targets)
     if spec_config is not None:
-        from bundler.spec_config import parse_speculative_config
+        from manifests.speculative import parse_speculative_config
 
         if draft_ref is not None:
             raise UsageError("expected either --draft or --speculative-config, found both")
-        spec = parse_speculative_config(spec_config)
-        draft_ref, num_speculative_tokens = spec.draft_ref, spec.num_speculative_tokens
+        draft_ref, tokens = parse_speculative_config(spec_config).bundled_draft()
+        num_speculative_tokens = tokens or num_speculative_tokens
     if not sign_key_paths and not unsigned:
         raise UsageError("expected --sign-key KEY (or an explicit --unsigned), found neither")
     keys = [load_private_key(p, _passphrase_from_env()) for p in sign_key_paths]  # fail before any download
     out = out or Path(f"{name}-{version}")
     model, draft, resolved = resolve_inputs(model_ref, draft_ref, targets=targets, include=include,
                                             exclude=exclude, lock_path=lock_path, max_model_len=max_model_len,
-                                            force=force)
+                                            force=force, allow_no_chat_template=allow_no_chat_template)
     serve = {"max_model_len": max_model_len} if max_model_len else None
     manifest = create_bundle(out, name=name, version=version, model=model, draft=draft, targets=targets,
                              sign_keys=keys, unsigned=unsigned, max_part_size=part_size, expires=expires,

@@ -19,6 +19,7 @@ from typing import Callable, Mapping, Sequence
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from bundler.pack import DEFAULT_MAX_PART_SIZE, PackFile, pack_bundle
+from bundler.provenance import local_source
 from manifests.errors import UsageError
 from manifests.schema import Builder, FileEntry, Manifest, Model, ModelSource, Speculative, Target, format_time
 from runtime.fsutil import file_sha256
@@ -60,7 +61,7 @@ def local_model(path: Path, role: str, *, source_type: str = "local") -> ModelIn
                          f"directory, found {what}")
     resolved = path.resolve()
     return ModelInput(role=role, local_dir=resolved, name=resolved.name,
-                      source=ModelSource(type=source_type, path=str(resolved)))
+                      source=local_source(resolved, None, source_type))
 
 
 def demo_models() -> tuple[ModelInput, ModelInput]:
@@ -79,7 +80,7 @@ def demo_models() -> tuple[ModelInput, ModelInput]:
 
 def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Sequence[str],
                    include: Sequence[str] = (), exclude: Sequence[str] = (), lock_path: Path | None = None,
-                   max_model_len: int | None = None, force: bool = False,
+                   max_model_len: int | None = None, force: bool = False, allow_no_chat_template: bool = False,
                    cache_dir: Path | None = None) -> tuple[ModelInput, ModelInput | None, dict]:
     """Turn what the user typed into pinned, verified local files, refusing early what cannot work.
 
@@ -90,7 +91,7 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
     from bundler.checks import read_config, run_preflight_checks
     from bundler.lockfile import read_lock, refs_from_lock
     from bundler.resolve import resolve_models
-    from manifests.targets import get_profile
+    from runtime.profiles import get_profile
 
     embedded = False
     if model_ref is None and lock_path is not None:
@@ -108,7 +109,7 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
         if length is None:
             cfg = read_config(plans["target"].local_dir, plans["target"].name)
             length = min(int(cfg.get("max_position_embeddings") or MAX_MODEL_LEN_CAP), MAX_MODEL_LEN_CAP)
-        run_preflight_checks(plans, profiles, length, force=force)
+        run_preflight_checks(plans, profiles, length, force=force, allow_no_chat_template=allow_no_chat_template)
 
     resolved = resolve_models(model_ref, draft_ref, include=include, exclude=exclude, lock_path=lock_path,
                               cache_dir=cache_dir, preflight=preflight)
@@ -117,7 +118,7 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
         r = resolved.get(role)
         if r is None:
             return None
-        source = replace(r.source, type="embedded") if embedded else r.source
+        source = local_source(r.local_dir, r.source.revision, "embedded") if embedded else r.source
         return ModelInput(role=role, local_dir=Path(r.local_dir), source=source, name=r.name,
                           files=tuple(f.path for f in r.files), digests={f.path: (f.size, f.sha256) for f in r.files})
 
@@ -212,7 +213,7 @@ def parse_expires(text: str | None, now: datetime) -> str | None:
 
 
 def _targets(target_ids: Sequence[str]) -> list[Target]:
-    from manifests.targets import get_profile
+    from runtime.profiles import get_profile
 
     if not target_ids:
         raise UsageError("expected at least one target id in --targets, found none")
@@ -285,7 +286,7 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
     def amend(manifest: Manifest) -> Manifest:
         """Local folders have no commit: pin them by the digest of what was actually packed."""
         pinned = tuple(m if m.source.revision else
-                       replace(m, source=replace(m.source, revision=content_digest(manifest.files, m.root)))
+                       replace(m, source=replace(m.source, revision="sha256:" + content_digest(manifest.files, m.root)))
                        for m in manifest.models)
         return replace(manifest, models=pinned)
 

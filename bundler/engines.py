@@ -26,9 +26,10 @@ from bundler.export_gqa import SharedLayoutUnsupported
 from bundler.pack import PackFile
 from manifests.errors import ModelError, UsageError
 from manifests.schema import Engine, Target
-from manifests.targets import TargetProfile, get_profile
+from manifests.targets import TargetProfile
 from runtime.engine_cache import DeviceInfo, engine_key, onnx_digest
 from runtime.fsutil import file_sha256
+from runtime.profiles import get_profile
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from manifests.errors import EnvironmentProblem, UsageError
 from manifests.layout import key_id
+from runtime.fsutil import write_atomic
 
 # A PEM private key is a few hundred bytes; refuse to parse anything much larger.
 MAX_KEY_FILE_BYTES = 64 * 1024
@@ -33,26 +34,30 @@ def public_key_id(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
 
 
 def _write_new(path: Path, data: bytes, mode: int, force: bool) -> None:
-    """Write via a temp file + rename so a crash never leaves half a key; O_EXCL guards against races."""
-    if path.exists() and not force:
-        raise UsageError(f"expected no file at {path}, found one (pass --force to overwrite)")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Durable and atomic (runtime.fsutil.write_atomic): a crash never leaves half a key, and without
+    --force an existing key is never replaced, even by a racing keygen."""
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    except FileNotFoundError:
-        raise UsageError(f"expected directory {path.parent} to exist, found none") from None
+        write_atomic(path, data, mode=mode, overwrite=force)
+    except FileExistsError:
+        raise UsageError(f"expected no file at {path}, found one (pass --force to overwrite)") from None
     except PermissionError as e:
         raise EnvironmentProblem(f"cannot write {path}: {e.strerror}") from None
+
+
+def _make_key_dir(folder: Path) -> None:
+    """Create the key's folder (and missing parents) private to this user: 0700, as ssh-keygen does ~/.ssh."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UsageError(f"expected a directory at {folder} to hold the key, found a file")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)  # the umask may have narrowed or (for .pub) we want it exact
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        for d in reversed(missing):
+            d.mkdir(mode=0o700)
+            os.chmod(d, 0o700)  # mkdir's mode is narrowed by the umask, never widened; make it exact
+    except PermissionError as e:
+        raise EnvironmentProblem(f"cannot create key directory {d}: {e.strerror}") from None
 
 
 def generate_key(path: Path, passphrase: bytes | None = None, *, force: bool = False) -> str:
@@ -69,6 +74,7 @@ def generate_key(path: Path, passphrase: bytes | None = None, *, force: bool = F
     private_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
     public_pem = key.public_key().public_bytes(serialization.Encoding.PEM,
                                                serialization.PublicFormat.SubjectPublicKeyInfo)
+    _make_key_dir(path.parent)
     _write_new(path, private_pem, 0o600, force)
     _write_new(pub_path, public_pem, 0o644, force)
     return public_key_id(key)

@@ -8,15 +8,14 @@ Like `npm ci` or `cargo --locked`: the lock is a promise about bytes, never sile
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from bundler.resolve_errors import LockMismatch
 from manifests.errors import UsageError
+from runtime.fsutil import write_atomic
 
 if TYPE_CHECKING:
     from bundler.resolve import ResolvedModel
@@ -67,26 +66,21 @@ class LockEntry:
 
 
 def entry_from_resolved(model: "ResolvedModel") -> LockEntry:
+    # The lock file stays on the build host, so it may say where a local folder is (to rebuild from it).
+    path = str(model.local_dir) if model.source.type == "local" else None
     return LockEntry(model.role, model.source.type, model.repo, model.revision, model.requested_revision,
-                     model.source.path, tuple(LockedFile(f.path, f.size, f.sha256) for f in model.files))
+                     path, tuple(LockedFile(f.path, f.size, f.sha256) for f in model.files))
 
 
 def write_lock(path: Path, models: Mapping[str, "ResolvedModel"] | Iterable["ResolvedModel"]) -> Path:
-    """Write atomically (temp file + rename): an interrupted create never leaves half a lock file."""
+    """Write atomically and durably (runtime.fsutil.write_atomic): an interrupted create never leaves half a
+    lock file."""
     items = list(models.values()) if isinstance(models, Mapping) else list(models)
     doc = {"lock_version": LOCK_VERSION,
            "models": {m.role: entry_from_resolved(m).to_dict() for m in sorted(items, key=lambda m: m.role)}}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode())
     return path
 
 

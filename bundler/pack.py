@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import re
-import socket
 import sys
 import uuid
 from dataclasses import dataclass, replace
@@ -289,12 +288,8 @@ class _Packer:
 
     def write_blob(self, data: bytes) -> tuple[str, int]:
         digest = digest_of(data)
-        tmp = self.blobs / f".tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        self._land(tmp, digest.partition(":")[2])
+        if not (self.blobs / digest.partition(":")[2]).exists():  # same digest, same bytes
+            write_atomic(self.blobs / digest.partition(":")[2], data)
         return digest, len(data)
 
 
@@ -305,7 +300,7 @@ def default_builder() -> Builder:
         version = importlib.metadata.version("bundle")
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
-    return Builder(tool="bundle", tool_version=version, host=socket.gethostname(),
+    return Builder(tool="bundle", tool_version=version,  # no host name: it identifies nothing where bundles go
                    platform=f"{platform.system().lower()}-{platform.machine()}")
 
 
@@ -388,7 +383,7 @@ def pack_bundle(out: Path, *, name: str, version: int, models: list[Model], file
     except BadBundleError as e:
         raise UsageError(str(e).replace("invalid manifest: ", "cannot create bundle: ")) from None
 
-    jobs = jobs or settings.JOBS
+    jobs = jobs or settings.jobs()
     show = progress and sys.stderr.isatty()
     try:
         _prepare_out(out, force)

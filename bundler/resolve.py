@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Mapping
 
 from bundler import hub
 from bundler.lockfile import LockEntry, check_against_lock, check_roles, read_lock
+from bundler.provenance import local_source
 from bundler.resolve_errors import DigestMismatch
 from bundler.select_files import is_weight_file, select_files
 from manifests.errors import ResolveError, UsageError
@@ -168,7 +169,7 @@ def fetch_model(plan: ModelPlan, *, jobs: int | None = None) -> ResolvedModel:
     if missing:
         raise ResolveError(f"{plan.role} model {plan.name}: expected {', '.join(missing[:5])} in {folder}, "
                            f"found {'nothing' if len(missing) == 1 else 'none of them'}")
-    with ThreadPoolExecutor(max_workers=max(1, jobs or settings.JOBS)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, jobs or settings.jobs())) as pool:
         hashed = list(pool.map(lambda p: (p, *_hash_file(folder / p)), plan.files))
     files = []
     for path, size, sha256, git_sha1 in hashed:
@@ -176,7 +177,7 @@ def fetch_model(plan: ModelPlan, *, jobs: int | None = None) -> ResolvedModel:
         files.append(ResolvedFile(path, size, sha256))
     if mref.kind == "local":
         revision = "sha256:" + content_digest(files)
-        source = ModelSource("local", revision=revision, path=str(mref.path))
+        source = local_source(mref.path, revision)  # type: ignore[arg-type]
         repo, requested = None, None
     else:
         revision = plan.revision or ""

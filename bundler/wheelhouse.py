@@ -78,7 +78,7 @@ def default_platforms(target_ids: Sequence[str]) -> list[str]:
 
     out = []
     for t in target_ids:
-        plat = get_profile(t, settings.PROFILE_DIRS).extra.get("runtime_platform") or host_platform()
+        plat = get_profile(t, settings.profile_dirs()).extra.get("runtime_platform") or host_platform()
         if plat not in out:
             out.append(plat)
     return out

@@ -22,8 +22,10 @@ import base64
 import hashlib
 
 from manifests.schema import MEDIA_TYPE as MANIFEST_MEDIA_TYPE
+from manifests.schema import is_sha256_digest
 
 OCI_LAYOUT_FILE = "oci-layout"
+OCI_IMAGE_LAYOUT_VERSION = "1.0.0"
 OCI_LAYOUT_CONTENT = b'{"imageLayoutVersion":"1.0.0"}'
 INDEX_FILE = "index.json"
 BLOBS_DIR = "blobs/sha256"
@@ -38,12 +40,16 @@ SIGNATURE_MEDIA_TYPE = "application/vnd.dsse.envelope.v1+json"
 WHEEL_MEDIA_TYPE = "application/vnd.bundle.wheel.v1+zip"
 #: the bootstrap script (POSIX sh), stored as is
 BOOTSTRAP_MEDIA_TYPE = "application/vnd.bundle.bootstrap.v1"
+#: layers that hold file bytes: zstd parts, and (format 2) the stored ones
+STORED_MEDIA_TYPES = (WHEEL_MEDIA_TYPE, BOOTSTRAP_MEDIA_TYPE)
+DATA_MEDIA_TYPES = (PART_MEDIA_TYPE, *STORED_MEDIA_TYPES)
 #: the bootstrap's name at the bundle's top level (a copy of its blob, for `sh BUNDLE/bootstrap`)
 BOOTSTRAP_FILE = "bootstrap"
 DSSE_PAYLOAD_TYPE = MANIFEST_MEDIA_TYPE
 REF_NAME_ANNOTATION = "org.opencontainers.image.ref.name"
 
 # Bounds for reading untrusted pointer files before parsing.
+MAX_OCI_LAYOUT_BYTES = 4096
 MAX_INDEX_BYTES = 1024 * 1024
 MAX_OCI_MANIFEST_BYTES = 16 * 1024 * 1024
 MAX_ENVELOPE_BYTES = 16 * 1024 * 1024 + 64 * 1024
@@ -53,11 +59,14 @@ DEFAULT_MAX_PART_SIZE = 4 * 1024**3 - 64 * 1024**2
 
 
 def blob_path(digest: str) -> str:
-    """Relative path of a blob from its "sha256:<hex>" digest."""
-    algo, _, hexd = digest.partition(":")
-    if algo != "sha256" or len(hexd) != 64:
-        raise ValueError(f"expected 'sha256:<64 hex>', found {digest!r}")
-    return f"{BLOBS_DIR}/{hexd}"
+    """Relative path of a blob from its digest, which must be exactly "sha256:" + 64 lowercase hex.
+
+    The one place a path is built from a digest; anything else ("sha256:../../etc/x") is refused
+    here even if a caller forgot to validate it first.
+    """
+    if not is_sha256_digest(digest):
+        raise ValueError(f"expected a digest 'sha256:<64 lowercase hex>', found {ascii(digest)[:80]}")
+    return f"{BLOBS_DIR}/{digest[7:]}"
 
 
 def digest_of(data: bytes) -> str:

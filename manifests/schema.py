@@ -16,6 +16,7 @@ from pathlib import PurePosixPath
 from typing import Any, Mapping
 
 from manifests.errors import BadBundleError, PolicyError
+from manifests.strict_json import parse
 
 #: The newest format this tool reads and writes. A bundle is written with the lowest version that can
 #: express it (`Manifest.required_format_version`), so a bundle without a wheelhouse stays readable by
@@ -25,17 +26,35 @@ FORMAT_VERSION = 2
 MAX_MANIFEST_BYTES = 8 * 1024 * 1024
 MEDIA_TYPE = "application/vnd.bundle.manifest.v1+json"
 
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
-_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+# Always fullmatch: with `match`, "$" also matches before a trailing newline.
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
+# Paths land under STORE/bundles/NAME/VERSION/ on ext4 (255-byte names, 4096-byte paths) and on FAT
+# sticks during copy; a manifest path longer than this cannot be installed, so it is not valid.
+MAX_PATH_BYTES = 1024
+MAX_NAME_BYTES = 255
+# The store keeps these beside the files of an installed version (runtime.store): a bundle file of
+# the same name, in any case (FAT32 and macOS fold case), would overwrite the signed manifest.
+RESERVED_TOP_LEVEL = frozenset({"manifest.json", "envelope.json", "install.json"})
+
+
+def is_sha256_digest(value: object) -> bool:
+    """Whether value is exactly "sha256:" + 64 lowercase hex: the only form a path may be built from."""
+    return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
+
+
+def _is_count(value: object) -> bool:
+    """A JSON integer >= 0 (not a bool: True is an int in Python)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 #: where a bundle's wheels sit in the manifest (and nothing else does), and the bootstrap's path
 WHEELHOUSE_PREFIX = "wheelhouse/"
 BOOTSTRAP_PATH = "bootstrap"
 #: a part's bytes: one zstd frame (the default, format 1) or stored as is (format 2: wheels, the bootstrap)
 COMPRESSIONS = ("zstd", "none")
-_PLATFORM = re.compile(r"^linux_(x86_64|aarch64)-cp3\d{1,2}$")
-_PACKAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-_WHEEL_NAME = re.compile(r"^[A-Za-z0-9_.+!-]+\.whl$")
+_PLATFORM = re.compile(r"linux_(x86_64|aarch64)-cp3\d{1,2}")
+_PACKAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+_WHEEL_NAME = re.compile(r"[A-Za-z0-9_.+!-]+\.whl")
 
 
 def format_time(moment: datetime) -> str:
@@ -63,13 +82,39 @@ def _check(cond: bool, message: str) -> None:
 def safe_relative_path(raw: str) -> str:
     """Normalise a manifest path, refusing anything that could escape the install directory."""
     _check(isinstance(raw, str) and raw != "", f"expected a non-empty relative path, found {raw!r}")
-    _check("\\" not in raw and "\x00" not in raw, f"expected a POSIX path, found {raw!r}")
+    _check("\\" not in raw and not any(c < " " or c == "\x7f" for c in raw),
+           f"expected a POSIX path without backslashes or control characters, found {raw!r}")
     p = PurePosixPath(raw)
     _check(not p.is_absolute(), f"expected a relative path, found absolute path {raw!r}")
     _check(".." not in p.parts, f"expected a path inside the bundle, found {raw!r} (contains '..')")
     _check(all(part not in ("", ".") for part in raw.split("/")),
            f"expected a normalised path, found {raw!r}")
+    _check(len(raw.encode("utf-8", "surrogatepass")) <= MAX_PATH_BYTES,
+           f"expected a path of at most {MAX_PATH_BYTES} bytes, found {raw[:60]!r}... "
+           f"({len(raw.encode('utf-8', 'surrogatepass'))} bytes)")
+    _check(all(len(part.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES for part in p.parts),
+           f"expected path components of at most {MAX_NAME_BYTES} bytes, found {raw[:60]!r}...")
     return str(p)
+
+
+def _list(value: Any, what: str, default: Any = ()) -> list:
+    """A JSON array field (absent = default); anything else is a malformed manifest, not a TypeError."""
+    if value is None:
+        return list(default)
+    _check(isinstance(value, list), f"expected {what} to be a list, found {type(value).__name__}")
+    return value
+
+
+def _dict(value: Any, what: str) -> dict:
+    if value is None:
+        return {}
+    _check(isinstance(value, Mapping), f"expected {what} to be an object, found {type(value).__name__}")
+    return dict(value)
+
+
+def _optional_str(value: Any, what: str) -> str | None:
+    _check(value is None or isinstance(value, str), f"expected {what} to be a string, found {value!r}"[:200])
+    return value
 
 
 def _split(data: Mapping[str, Any], known: set[str]) -> tuple[dict, dict]:
@@ -126,11 +171,10 @@ class Part(_Record):
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Part":
         k, extra = _split(d, {"digest", "size", "offset", "length", "compression"})
-        _check(isinstance(k.get("digest"), str) and _DIGEST.match(k["digest"]) is not None,
-               f"expected part digest 'sha256:<64 hex>', found {k.get('digest')!r}")
+        _check(is_sha256_digest(k.get("digest")),
+               f"expected part digest 'sha256:<64 lowercase hex>', found {str(k.get('digest'))[:80]!r}")
         for n in ("size", "offset", "length"):
-            _check(isinstance(k.get(n), int) and not isinstance(k[n], bool) and k[n] >= 0,
-                   f"expected part {n} >= 0, found {k.get(n)!r}")
+            _check(_is_count(k.get(n)), f"expected part {n} to be an integer >= 0, found {k.get(n)!r}")
         compression = k.get("compression", "zstd")
         _check(compression in COMPRESSIONS, f"expected part compression one of {COMPRESSIONS}, found {compression!r}")
         return cls(k["digest"], k["size"], k["offset"], k["length"], compression, extra)
@@ -167,8 +211,11 @@ class FileEntry(_Record):
     def from_dict(cls, d: Mapping[str, Any]) -> "FileEntry":
         k, extra = _split(d, {"path", "size", "sha256", "parts", "targets", "executable"})
         path = safe_relative_path(k.get("path"))
-        _check(isinstance(k.get("size"), int) and k["size"] >= 0, f"{path}: expected size >= 0")
-        _check(isinstance(k.get("sha256"), str) and _SHA256.match(k["sha256"]) is not None,
+        _check(_is_count(k.get("size")), f"{path}: expected size to be an integer >= 0, found {k.get('size')!r}")
+        _check(path.split("/", 1)[0].casefold() not in RESERVED_TOP_LEVEL,
+               f"path {path!r} collides with the store's own {path.split('/', 1)[0].casefold()} "
+               f"(expected files under other names)")
+        _check(isinstance(k.get("sha256"), str) and _SHA256.fullmatch(k["sha256"]) is not None,
                f"{path}: expected sha256 of 64 hex digits, found {k.get('sha256')!r}")
         _check(isinstance(k.get("parts"), list), f"{path}: expected a list of parts")
         parts = tuple(Part.from_dict(p) for p in k["parts"])
@@ -258,8 +305,8 @@ class Engine(_Record):
         _check(isinstance(k.get("model"), str) and isinstance(k.get("backend"), str),
                "expected engine model and backend")
         return cls(k["model"], k["backend"], k.get("format", ""), safe_relative_path(k.get("path")),
-                   tuple(safe_relative_path(f) for f in k.get("files", [])),
-                   dict(k.get("key") or {}), dict(k.get("build") or {}), extra)
+                   tuple(safe_relative_path(f) for f in _list(k.get("files"), "engine files")),
+                   _dict(k.get("key"), "engine key"), _dict(k.get("build"), "engine build"), extra)
 
 
 @dataclass(frozen=True)
@@ -275,10 +322,11 @@ class Target(_Record):
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Target":
         k, extra = _split(d, {"id", "backend", "engines", "build"})
-        _check(isinstance(k.get("id"), str) and _NAME.match(k["id"]) is not None,
+        _check(isinstance(k.get("id"), str) and _NAME.fullmatch(k["id"]) is not None,
                f"expected target id, found {k.get('id')!r}")
         return cls(k["id"], str(k.get("backend", "")),
-                   tuple(Engine.from_dict(e) for e in k.get("engines", [])), dict(k.get("build") or {}), extra)
+                   tuple(Engine.from_dict(e) for e in _list(k.get("engines"), "target engines")),
+                   _dict(k.get("build"), "target build"), extra)
 
 
 @dataclass(frozen=True)
@@ -319,22 +367,22 @@ class Runtime(_Record):
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Runtime":
         k, extra = _split(d, {"package", "version", "platforms", "bootstrap"})
-        _check(isinstance(k.get("package"), str) and _PACKAGE.match(k["package"]) is not None,
+        _check(isinstance(k.get("package"), str) and _PACKAGE.fullmatch(k["package"]) is not None,
                f"runtime: expected a package name, found {k.get('package')!r}")
-        _check(isinstance(k.get("version"), str) and _PACKAGE.match(k["version"]) is not None,
+        _check(isinstance(k.get("version"), str) and _PACKAGE.fullmatch(k["version"]) is not None,
                f"runtime: expected a version string, found {k.get('version')!r}")
         platforms = k.get("platforms")
         _check(isinstance(platforms, Mapping) and len(platforms) > 0,
                "runtime: expected a non-empty 'platforms' object")
         out = {}
         for plat, wheels in platforms.items():
-            _check(isinstance(plat, str) and _PLATFORM.match(plat) is not None,
+            _check(isinstance(plat, str) and _PLATFORM.fullmatch(plat) is not None,
                    f"runtime: expected a platform like linux_aarch64-cp312, found {plat!r}")
             _check(isinstance(wheels, list) and wheels and all(isinstance(w, str) for w in wheels),
                    f"runtime: expected a list of wheel paths for {plat}")
             out[plat] = tuple(safe_relative_path(w) for w in wheels)
             for w in out[plat]:
-                _check(w.startswith(WHEELHOUSE_PREFIX) and _WHEEL_NAME.match(w[len(WHEELHOUSE_PREFIX):]) is not None,
+                _check(w.startswith(WHEELHOUSE_PREFIX) and _WHEEL_NAME.fullmatch(w[len(WHEELHOUSE_PREFIX):]) is not None,
                        f"runtime: expected wheel paths like {WHEELHOUSE_PREFIX}NAME.whl, found {w!r}")
         bootstrap = k.get("bootstrap")
         _check(bootstrap in (None, BOOTSTRAP_PATH), f"runtime: expected bootstrap {BOOTSTRAP_PATH!r}, found {bootstrap!r}")
@@ -348,7 +396,7 @@ class Runtime(_Record):
 class Builder(_Record):
     tool: str = "bundle"
     tool_version: str = ""
-    host: str = ""
+    host: str | None = None  # written by format-1 tools before 0.2; new manifests leave it out
     platform: str = ""
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -356,7 +404,7 @@ class Builder(_Record):
     def from_dict(cls, d: Mapping[str, Any]) -> "Builder":
         k, extra = _split(d, {"tool", "tool_version", "host", "platform"})
         return cls(str(k.get("tool", "bundle")), str(k.get("tool_version", "")),
-                   str(k.get("host", "")), str(k.get("platform", "")), extra)
+                   k["host"] if isinstance(k.get("host"), str) else None, str(k.get("platform", "")), extra)
 
 
 def _check_runtime_files(runtime: Runtime | None, files: tuple[FileEntry, ...]) -> None:
@@ -371,7 +419,7 @@ def _check_runtime_files(runtime: Runtime | None, files: tuple[FileEntry, ...]) 
         if f.path.startswith(WHEELHOUSE_PREFIX):
             _check(f.path in listed, f"{f.path}: expected every file under {WHEELHOUSE_PREFIX} to be a wheel "
                                      f"of the runtime section")
-            _check(_WHEEL_NAME.match(f.path[len(WHEELHOUSE_PREFIX):]) is not None,
+            _check(_WHEEL_NAME.fullmatch(f.path[len(WHEELHOUSE_PREFIX):]) is not None,
                    f"{f.path}: expected a wheel file name directly under {WHEELHOUSE_PREFIX}")
 
 
@@ -408,18 +456,18 @@ class Manifest(_Record):
                  "targets", "speculative", "serve", "expires", "runtime"}
         k, extra = _split(d, known)
         fv = k.get("format_version")
-        _check(isinstance(fv, int), f"expected integer format_version, found {fv!r}")
+        _check(isinstance(fv, int) and not isinstance(fv, bool), f"expected integer format_version, found {fv!r}")
         if fv > FORMAT_VERSION:
             raise PolicyError(f"bundle format_version {fv} is newer than this tool supports "
                               f"(expected <= {FORMAT_VERSION}); upgrade the runtime")
         name = k.get("name")
-        _check(isinstance(name, str) and _NAME.match(name) is not None,
+        _check(isinstance(name, str) and _NAME.fullmatch(name) is not None,
                f"expected name of lowercase letters, digits, '.', '_', '-', found {name!r}")
         version = k.get("version")
         _check(isinstance(version, int) and not isinstance(version, bool) and version >= 1,
                f"expected integer version >= 1, found {version!r}")
         _check(isinstance(k.get("created"), str), "expected created timestamp")
-        files = tuple(FileEntry.from_dict(f) for f in k.get("files", []))
+        files = tuple(FileEntry.from_dict(f) for f in _list(k.get("files"), "files"))
         seen: dict[str, str] = {}
         for f in files:
             key = f.path.casefold()  # FAT32/exFAT and macOS are case-insensitive
@@ -435,12 +483,12 @@ class Manifest(_Record):
         return cls(
             name=name, version=version, created=k["created"],
             builder=Builder.from_dict(k.get("builder") or {}),
-            models=tuple(Model.from_dict(m) for m in k.get("models", [])),
+            models=tuple(Model.from_dict(m) for m in _list(k.get("models"), "models")),
             files=files,
-            targets=tuple(Target.from_dict(t) for t in k.get("targets", [])),
+            targets=tuple(Target.from_dict(t) for t in _list(k.get("targets"), "targets")),
             speculative=Speculative.from_dict(spec) if spec is not None else None,
-            serve=dict(k.get("serve") or {}),
-            expires=k.get("expires"),
+            serve=_dict(k.get("serve"), "serve"),
+            expires=_optional_str(k.get("expires"), "expires"),
             runtime=runtime,
             format_version=fv,
             extra=extra,
@@ -458,14 +506,8 @@ class Manifest(_Record):
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
     @classmethod
-    def from_json_bytes(cls, data: bytes) -> "Manifest":
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise BadBundleError(f"manifest is {len(data)} bytes, expected at most {MAX_MANIFEST_BYTES}")
-        try:
-            obj = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise BadBundleError(f"manifest is not valid UTF-8 JSON: {e}") from None
-        return cls.from_dict(obj)
+    def from_json_bytes(cls, data: bytes, what: str = "bundle manifest") -> "Manifest":
+        return cls.from_dict(parse(data, what=what, max_bytes=MAX_MANIFEST_BYTES))
 
     # --- queries -------------------------------------------------------------------------
     def target(self, target_id: str) -> Target:

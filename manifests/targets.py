@@ -9,7 +9,6 @@ This module never reads the environment: callers pass the directories (see runti
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from importlib import resources
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from manifests.errors import UsageError
+from manifests.strict_json import parse as parse_json
 from manifests.sizes import parse_size
 
 BACKENDS = ("tensorrt", "onnxruntime")
@@ -113,10 +113,7 @@ def profile_from_dict(d: Mapping[str, Any], source: str = "built-in") -> TargetP
 
 
 def _read_json(text: str, source: str) -> TargetProfile:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"target profile {source}: expected JSON, found a parse error: {e}") from None
+    data = parse_json(text, what=f"target profile {source}", max_bytes=MAX_PROFILE_BYTES, error=UsageError)
     return profile_from_dict(data, source)
 
 

@@ -14,14 +14,14 @@ from runtime import settings
 
 _trust_option = click.option(
     "--trust", "trust", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="PUB",
-    help=f"Trust this public key (repeatable). Every *.pub in {settings.TRUST_DIR} is trusted too "
-         f"(set BUNDLE_TRUST_DIR to use another directory).")
+    help="Trust this public key (repeatable). Every *.pub in the trust directory is trusted too "
+         "(BUNDLE_TRUST_DIR, default /etc/bundle/trust.d).")
 _unsigned_option = click.option("--allow-unsigned", is_flag=True,
                                 help="Accept a bundle without a trusted signature (test bundles only).")
 _jobs_option = click.option("--jobs", type=click.IntRange(min=1),
                             help="Worker threads for hashing and unpacking. Default: every core (BUNDLE_JOBS).")
 _store_option = click.option("--store", type=click.Path(file_okay=False, path_type=Path),
-                             default=lambda: settings.DEFAULT_STORE, show_default="BUNDLE_STORE or ~/.local/share/bundle/store",
+                             default=lambda: settings.default_store(), show_default="BUNDLE_STORE or ~/.local/share/bundle/store",
                              help="Store directory of installed bundles.")
 
 
@@ -31,7 +31,7 @@ def _show_progress(no_progress: bool) -> bool:
 
 def _keys(trust):
     from runtime.trust import trusted_keys
-    return trusted_keys(list(trust), settings.TRUST_DIR)
+    return trusted_keys(list(trust), settings.trust_dir())
 
 
 @click.command(epilog="""\b
@@ -47,8 +47,9 @@ def copy(src: Path, dst: Path, jobs, no_progress) -> None:
     """Copy bundle SRC to DST, checking every blob's sha256 as it is copied and fsyncing it.
 
     Blobs already complete at DST are skipped, so an interrupted copy resumes and only missing or
-    damaged blobs are copied again. DST is marked COMPLETE only at the very end. SRC is never modified.
-    Needs no key: run `bundle verify` to check the signature.
+    damaged blobs are copied again. DST is marked COMPLETE only at the very end. SRC is never modified
+    and never read through a link; nothing is written outside DST. Needs no key: run `bundle verify`
+    to check the signature (copy applies the same structural checks as verify and install).
     """
     from runtime.copy import copy_bundle
 

@@ -7,8 +7,8 @@ import json
 import click
 
 from manifests.sizes import format_size
-from manifests.targets import TargetProfile, all_profiles
-from runtime import settings
+from manifests.targets import TargetProfile
+from runtime.profiles import all_profiles
 
 COLUMNS = ("id", "arch", "gpu", "memory", "precisions", "cuda", "tensorrt", "backend")
 
@@ -40,7 +40,7 @@ def targets(detect, as_json, profile_dirs):
     Example:
       bundle targets --detect
     """
-    profiles = all_profiles(tuple(profile_dirs) + settings.PROFILE_DIRS)
+    profiles = all_profiles(profile_dirs)
     if as_json:
         click.echo(json.dumps([p.to_dict() for p in profiles], indent=2))
     else:

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from manifests.errors import EnvironmentProblem
-from manifests.targets import TargetProfile, all_profiles
-from runtime import settings
+from manifests.targets import TargetProfile
+from runtime.profiles import all_profiles
 
 DEVICE_TREE_MODEL = Path("/proc/device-tree/model")
 MAX_MODEL_BYTES = 4096
@@ -61,7 +61,7 @@ def detect_target(profiles: Sequence[TargetProfile] | None = None, *, device_tre
                   compute_capability: Callable[[], str | None] | str | None = probe_compute_capability
                   ) -> tuple[str, str]:
     """(target id, why). EnvironmentProblem when the GPU fits several profiles and nothing tells them apart."""
-    profiles = list(profiles) if profiles is not None else all_profiles(settings.PROFILE_DIRS)
+    profiles = list(profiles) if profiles is not None else all_profiles()
     model = read_device_tree_model(device_tree)
     if model:
         best: tuple[int, TargetProfile] | None = None

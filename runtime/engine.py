@@ -46,7 +46,8 @@ class Engine(ABC):
         self.rollback(0)
 
     def memory(self) -> dict:
-        """Bytes used, for /metrics and logs: {"weights": int, "kv_cache": int}."""
+        """Bytes used, for /metrics and logs: {"weights", "kv_cache"} and, where known, "activations"
+        (scratch the runtime allocates per execution) and "buffers" (inputs and logits)."""
         return {}
 
     def close(self) -> None:

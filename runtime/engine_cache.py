@@ -22,7 +22,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Mapping
 
-from manifests.errors import EnvironmentProblem
+from manifests.errors import BundleError, EnvironmentProblem
+from manifests.strict_json import parse as parse_json
+from runtime.bundle_files import open_regular_path
+from runtime.fsutil import fsync_dir, fsync_tree, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,10 @@ KEY_NAME = "key.json"
 BUILD_NAME = "build.json"
 FALLBACK_NAME = "fallback.json"
 MAX_KEY_BYTES = 64 * 1024
+
+
+class _Damaged(BundleError):
+    """A cache entry's key.json that is not strict JSON: the entry is ignored and rebuilt."""
 
 
 def canonical_json(obj) -> bytes:
@@ -95,10 +102,13 @@ class EngineCache:
         if not (plan.is_file() and key_file.is_file()) or key_file.stat().st_size > MAX_KEY_BYTES:
             return None
         try:
-            stored = json.loads(key_file.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+            with open_regular_path(key_file) as f:
+                stored = parse_json(f.read(MAX_KEY_BYTES + 1), what=str(key_file), max_bytes=MAX_KEY_BYTES,
+                                    error=_Damaged)
+        except (OSError, BundleError) as e:
+            log.warning("ignoring engine cache entry %s: %s", folder, e)
             return None
-        why = mismatch(stored, key)
+        why = mismatch(stored, key) if isinstance(stored, dict) else "key.json is not a JSON object"
         if why is not None:
             log.warning("ignoring engine cache entry %s: %s", folder, why)
             return None
@@ -113,11 +123,13 @@ class EngineCache:
             build(tmp / PLAN_NAME)
             if not (tmp / PLAN_NAME).is_file():
                 raise EnvironmentProblem(f"engine build finished without writing {PLAN_NAME}")
-            (tmp / KEY_NAME).write_bytes(canonical_json(dict(key)))
-            (tmp / BUILD_NAME).write_bytes(canonical_json({**info, "built": self._now()}))
+            write_atomic(tmp / KEY_NAME, canonical_json(dict(key)))
+            write_atomic(tmp / BUILD_NAME, canonical_json({**info, "built": self._now()}))
+            fsync_tree(tmp)  # the plan the builder wrote, too: the rename below must not outrun the data
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
+            fsync_dir(self.root)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -128,9 +140,7 @@ class EngineCache:
         folder = self.entry(key)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / FALLBACK_NAME
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(canonical_json({"key": dict(key), "reason": reason, "used": used, "time": self._now()}))
-        os.replace(tmp, path)
+        write_atomic(path, canonical_json({"key": dict(key), "reason": reason, "used": used, "time": self._now()}))
         return path
 
     def _now(self) -> str:

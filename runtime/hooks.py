@@ -10,8 +10,7 @@ from runtime import settings
 
 
 def pause(stage: str) -> None:
-    if settings.PAUSE_AT:
-        name, _, seconds = settings.PAUSE_AT.partition(":")
-        if name == stage:
-            print(f"bundle: paused at {stage}", file=sys.stderr, flush=True)
-            time.sleep(float(seconds or 30))
+    at = settings.pause_at()
+    if at is not None and at[0] == stage:
+        print(f"bundle: paused at {stage}", file=sys.stderr, flush=True)
+        time.sleep(at[1])

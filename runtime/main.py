@@ -90,7 +90,7 @@ def cli(ctx, debug):
     Transfer:        bundle copy, bundle verify, bundle inspect
     Device:          bundle install, bundle list, bundle rollback, bundle serve
     """
-    ctx.obj = {"debug": debug or settings.env_flag("BUNDLE_DEBUG")}
+    ctx.obj = {"debug": debug or settings.debug()}
 
 
 def missing_module_error(e: ModuleNotFoundError) -> EnvironmentProblem:
@@ -106,7 +106,7 @@ def missing_module_error(e: ModuleNotFoundError) -> EnvironmentProblem:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = settings.env_flag("BUNDLE_DEBUG") or "--debug" in argv
+    debug = settings.debug() or "--debug" in argv
 
     def report(e: BundleError) -> int:
         if debug:

@@ -1,37 +1,126 @@
-"""Every environment variable the tool reads, and the defaults they override. Nothing else reads os.environ."""
+"""Every environment variable the tool reads, and the defaults they override. Nothing else reads os.environ.
+
+Each setting is a function, read when it is called (never at import time), so a bad value surfaces as a
+one-line `SettingError` (exit 2) naming the variable, the value and what is expected, in the command
+that needs it, and a test or a long-running process sees the environment as it is now.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-#: Root for per-user state (default store, engine cache) when no --store is given.
-BUNDLE_HOME = Path(os.environ.get("BUNDLE_HOME", str(Path.home() / ".local" / "share" / "bundle")))
-#: Where `bundle install` / `serve` / `list` look without --store.
-DEFAULT_STORE = Path(os.environ.get("BUNDLE_STORE", str(BUNDLE_HOME / "store")))
-#: Public keys (*.pub) the device trusts in addition to --trust. Provisioned by the fleet image.
-TRUST_DIR = Path(os.environ.get("BUNDLE_TRUST_DIR", "/etc/bundle/trust.d"))
-#: Passphrase for encrypted private keys, so scripts run unattended (keygen --passphrase prompts instead).
-KEY_PASSPHRASE = os.environ.get("BUNDLE_KEY_PASSPHRASE")
-#: Show tracebacks for every error (same as --debug).
-DEBUG = os.environ.get("BUNDLE_DEBUG", "") not in ("", "0", "false", "no")
-#: Worker threads for compression and hashing; default: every core.
-JOBS = int(os.environ.get("BUNDLE_JOBS", "0")) or (os.cpu_count() or 1)
+from manifests.errors import UsageError
 
-#: Extra target-profile directories (os.pathsep-separated) for devices the built-in profiles do not list;
-#: a profile there with a built-in id replaces the built-in. Always includes BUNDLE_HOME/profiles.
-PROFILE_DIRS = tuple(Path(p) for p in os.environ.get("BUNDLE_PROFILE_DIR", "").split(os.pathsep) if p) + (
-    BUNDLE_HOME / "profiles",)
+#: Most worker threads BUNDLE_JOBS may ask for: more is surely a typo (and each holds a zstd context).
+MAX_JOBS = 1024
+_FALSE = ("", "0", "false", "no", "off")
+_TRUE = ("1", "true", "yes", "on")
 
-#: Test hook for crash-safety tests: "STAGE:SECONDS" makes `bundle install` or `bundle copy` sleep at
-#: STAGE (install: staging, staged, renamed, switched; copy: copying) so a test can SIGKILL it there.
-#: Empty in production. See runtime.hooks.
-PAUSE_AT = os.environ.get("BUNDLE_PAUSE_AT", "")
+
+class SettingError(UsageError):
+    """An environment variable holds a value the tool cannot use."""
+
+
+def _get(name: str) -> str | None:
+    """The variable's value, None when unset or empty (an empty value means "use the default")."""
+    value = os.environ.get(name)
+    return value if value else None
+
+
+def _path(name: str, default: Path) -> Path:
+    value = _get(name)
+    if value is None:
+        return default
+    if "\x00" in value:
+        raise SettingError(f"{name}={value!r}: expected a directory path, found a NUL character")
+    return Path(value).expanduser()
+
+
+def _flag(name: str) -> bool:
+    value = (os.environ.get(name) or "").strip().lower()
+    if value in _FALSE:
+        return False
+    if value in _TRUE:
+        return True
+    raise SettingError(f"{name}={os.environ.get(name)!r}: expected one of 1, true, yes, on "
+                       f"(or 0, false, no, off, unset)")
+
+
+def bundle_home() -> Path:
+    """Root for per-user state (default store, engine cache, extra profiles) when no --store is given."""
+    return _path("BUNDLE_HOME", Path.home() / ".local" / "share" / "bundle")
+
+
+def default_store() -> Path:
+    """Where `bundle install` / `serve` / `list` look without --store."""
+    return _path("BUNDLE_STORE", bundle_home() / "store")
+
+
+def trust_dir() -> Path:
+    """Public keys (*.pub) the device trusts in addition to --trust. Provisioned by the fleet image."""
+    return _path("BUNDLE_TRUST_DIR", Path("/etc/bundle/trust.d"))
+
+
+def key_passphrase() -> bytes | None:
+    """Passphrase for encrypted private keys, so scripts run unattended (keygen --passphrase prompts instead)."""
+    value = _get("BUNDLE_KEY_PASSPHRASE")
+    return value.encode() if value is not None else None
+
+
+def debug() -> bool:
+    """Show tracebacks for every error (same as --debug). Never raises: it decides how errors are shown,
+    so any value but 0/false/no/off/empty turns it on."""
+    return (os.environ.get("BUNDLE_DEBUG") or "").strip().lower() not in _FALSE
+
+
+def jobs() -> int:
+    """Worker threads for compression and hashing: BUNDLE_JOBS, or every core when unset or 0."""
+    value = _get("BUNDLE_JOBS")
+    if value is None:
+        return os.cpu_count() or 1
+    try:
+        n = int(value.strip())
+    except ValueError:
+        n = -1
+    if not 0 <= n <= MAX_JOBS:
+        raise SettingError(f"BUNDLE_JOBS={value!r}: expected a whole number of threads from 1 to {MAX_JOBS} "
+                           f"(0 or unset: every core)")
+    return n or (os.cpu_count() or 1)
+
+
+def profile_dirs() -> tuple[Path, ...]:
+    """Extra target-profile directories: BUNDLE_PROFILE_DIR (os.pathsep-separated), then BUNDLE_HOME/profiles.
+
+    A profile there with a built-in id replaces the built-in.
+    """
+    value = _get("BUNDLE_PROFILE_DIR") or ""
+    if "\x00" in value:
+        raise SettingError(f"BUNDLE_PROFILE_DIR={value!r}: expected directories separated by "
+                           f"{os.pathsep!r}, found a NUL character")
+    return tuple(Path(p).expanduser() for p in value.split(os.pathsep) if p) + (bundle_home() / "profiles",)
+
+
+def pause_at() -> tuple[str, float] | None:
+    """Test hook for crash-safety tests: BUNDLE_PAUSE_AT="STAGE:SECONDS" makes `bundle install` or
+    `bundle copy` sleep at STAGE (install: staging, staged, renamed, switched; copy: copying) so a test
+    can SIGKILL it there. Unset in production. See runtime.hooks."""
+    value = _get("BUNDLE_PAUSE_AT")
+    if value is None:
+        return None
+    stage, _, seconds = value.partition(":")
+    try:
+        delay = float(seconds) if seconds else 30.0
+    except ValueError:
+        delay = -1.0
+    if not stage or not 0 <= delay <= 3600:
+        raise SettingError(f"BUNDLE_PAUSE_AT={value!r}: expected STAGE:SECONDS, e.g. staged:30")
+    return stage, delay
 
 
 def env_flag(name: str) -> bool:
     """For the few switches read at call time by tests (kept here so os.environ is read in one module)."""
-    return os.environ.get(name, "") not in ("", "0", "false", "no")
+    return _flag(name)
 
 
 def hf_token_in_env() -> bool:

@@ -28,24 +28,25 @@ import stat
 import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Callable
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from manifests.errors import BadBundleError, EnvironmentProblem, PolicyError, UsageError
 from manifests.schema import Manifest, format_time, parse_time
+from manifests.strict_json import parse as parse_json
 from runtime import settings
 from runtime.hooks import pause
 from runtime.reader import open_bundle
 from runtime.unpack import check_space, os_error, space_needed, unpack_files
+from runtime.validate import check_bundle
 from runtime.verify import check_signature
-from runtime.fsutil import fsync_dir
+from runtime.fsutil import fsync_dir, write_atomic, write_new
 
 MANIFEST_FILE = "manifest.json"
 ENVELOPE_FILE = "envelope.json"
 INSTALL_FILE = "install.json"
-RESERVED = {MANIFEST_FILE, ENVELOPE_FILE, INSTALL_FILE}
 _VERSION_DIR = re.compile(r"^[0-9]+(\.[0-9]+)?$")
 _MAX_STATE_BYTES = 64 * 1024
 
@@ -71,17 +72,6 @@ class Installed:
     noop: bool = False  # install found this exact version already installed and intact
 
 
-def _write_file(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _switch_link(link: Path, target_name: str) -> None:
     """Point `link` at `target_name` atomically: a new symlink under a temp name, then rename over."""
     tmp = link.with_name(f".{link.name}-{secrets.token_hex(6)}")
@@ -89,20 +79,12 @@ def _switch_link(link: Path, target_name: str) -> None:
     os.replace(tmp, link)
 
 
-def _check_reserved(manifest: Manifest) -> None:
-    for f in manifest.files:
-        top = PurePosixPath(f.path).parts[0]
-        if top.casefold() in RESERVED:
-            raise BadBundleError(f"invalid manifest: path {f.path!r} collides with the store's own "
-                                 f"{top.casefold()} (expected files under other names)")
-
-
 class Store:
     """Installed bundles under one root; see the module docstring for the layout."""
 
     def __init__(self, root: Path | None = None, clock: Callable[[], datetime] = utc_now, *,
                  lock_timeout: float = 600.0):
-        self.root = Path(root if root is not None else settings.DEFAULT_STORE)
+        self.root = Path(root if root is not None else settings.default_store())
         self.clock = clock
         self.lock_timeout = lock_timeout
 
@@ -128,7 +110,7 @@ class Store:
         except FileNotFoundError:
             return None
         try:
-            state = json.loads(data)
+            state = parse_json(data, what=str(self.state_file), max_bytes=_MAX_STATE_BYTES)
             floor = state.get("clock_floor")
             return parse_time(floor, "store state") if floor else None
         except (ValueError, AttributeError, BadBundleError):
@@ -144,10 +126,8 @@ class Store:
         floor = self.clock_floor()
         if floor is not None and floor >= created:
             return
-        tmp = self.root / f".state-{secrets.token_hex(6)}"
-        _write_file(tmp, json.dumps({"clock_floor": format_time(created)}).encode())
-        os.replace(tmp, self.state_file)
-        fsync_dir(self.root)
+        write_atomic(self.state_file, json.dumps({"clock_floor": format_time(created)}).encode(),
+                     tmp_prefix=".state-")
 
     # --- reading ---------------------------------------------------------------------------
     def _link(self, name: str, which: str) -> str | None:
@@ -160,8 +140,11 @@ class Store:
     def _load(self, name: str, dirname: str) -> Installed:
         path = (self.bundles_dir / name / dirname).resolve()
         try:
-            manifest = Manifest.from_json_bytes((path / MANIFEST_FILE).read_bytes())
-            info = json.loads((path / INSTALL_FILE).read_bytes())
+            manifest = Manifest.from_json_bytes((path / MANIFEST_FILE).read_bytes(), str(path / MANIFEST_FILE))
+            info = parse_json((path / INSTALL_FILE).read_bytes(), what=str(path / INSTALL_FILE),
+                              max_bytes=_MAX_STATE_BYTES, error=ValueError)
+            if not isinstance(info, dict):
+                raise ValueError(f"{path / INSTALL_FILE}: expected a JSON object")
         except (OSError, ValueError) as e:
             raise EnvironmentProblem(f"installed bundle {name} at {path} is damaged: {e}; "
                                      f"install it again") from None
@@ -247,7 +230,7 @@ class Store:
             layout = open_bundle(Path(bundle_dir))
             # Trust first: no part blob is read before the signature over the manifest holds.
             manifest, signers = check_signature(layout, trusted, allow_unsigned=allow_unsigned)
-            _check_reserved(manifest)
+            check_bundle(layout, manifest)  # the rules verify and copy apply (runtime.validate)
             target_id = self._pick_target(manifest, target)
             created = parse_time(manifest.created, "manifest created")
             self._check_expiry(manifest, ignore_expiry)
@@ -272,10 +255,10 @@ class Store:
             staging = self.root / f".staging-{secrets.token_hex(8)}"
             try:
                 staging.mkdir()
-                _write_file(staging / MANIFEST_FILE, layout.manifest_bytes)
+                write_new(staging / MANIFEST_FILE, layout.manifest_bytes)
                 if layout.envelope_bytes is not None:
-                    _write_file(staging / ENVELOPE_FILE, layout.envelope_bytes)
-                _write_file(staging / INSTALL_FILE, json.dumps({
+                    write_new(staging / ENVELOPE_FILE, layout.envelope_bytes)
+                write_new(staging / INSTALL_FILE, json.dumps({
                     "name": manifest.name, "version": manifest.version, "target": target_id,
                     "installed_at": format_time(self.clock()), "signers": signers,
                     "source": str(Path(bundle_dir).resolve())}, indent=1).encode())

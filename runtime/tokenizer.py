@@ -9,12 +9,12 @@ token boundaries is found and never leaks to the client.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from manifests.errors import ModelError
+from manifests.strict_json import parse as parse_json
 
 # A tokenizer config is a few KB; tokenizer.json for a 250k vocabulary is ~30 MB.
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
@@ -24,13 +24,8 @@ MAX_TOKENIZER_BYTES = 256 * 1024 * 1024
 def _read_json(path: Path, limit: int) -> dict:
     if not path.is_file():
         return {}
-    size = path.stat().st_size
-    if size > limit:
-        raise ModelError(f"{path.name} is {size} bytes, expected at most {limit}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelError(f"{path} is not valid UTF-8 JSON: {e}") from None
+    with open(path, "rb") as f:
+        data = parse_json(f.read(limit + 1), what=str(path), max_bytes=limit, error=ModelError)
     if not isinstance(data, dict):
         raise ModelError(f"{path} must hold a JSON object, found {type(data).__name__}")
     return data
@@ -71,6 +66,8 @@ class Tokenizer:
             template = named.get("default") or next(iter(named.values()), None)
         if template is None and (model_dir / "chat_template.jinja").is_file():
             template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+        if template is None:  # transformers' other file for it: {"chat_template": "..."}
+            template = _read_json(model_dir / "chat_template.json", MAX_CONFIG_BYTES).get("chat_template")
         self.chat_template: str | None = template if isinstance(template, str) else None
         eos: set[int] = set()
         raw = gen.get("eos_token_id")

@@ -7,57 +7,99 @@ try first and names signers in messages, but a signature counts only if a truste
 
 from __future__ import annotations
 
-import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from manifests.errors import BadBundleError, TrustError, UsageError
-from manifests.layout import DSSE_PAYLOAD_TYPE, key_id, pae, unb64
+from manifests.layout import DSSE_PAYLOAD_TYPE, MAX_ENVELOPE_BYTES, key_id, pae, unb64
+from manifests.strict_json import parse as parse_json
 from runtime import settings
+from runtime.bundle_files import NotRegularFile, open_regular_path
 
 # A PEM or OpenSSH Ed25519 public key is under 200 bytes; anything much larger is not a key.
 MAX_PUBLIC_KEY_BYTES = 64 * 1024
 MAX_SIGNATURES = 64
+_EXPECTED_KEY = "an Ed25519 public key (PEM 'BEGIN PUBLIC KEY' or OpenSSH 'ssh-ed25519 ...', as KEY.pub)"
+
+
+def _describe_key_data(data: bytes) -> str:
+    """What a file that is not a usable public key holds, for the message."""
+    text = data.strip()
+    if not text:
+        return "an empty file"
+    if b"PRIVATE KEY" in text[:100]:
+        return "a PRIVATE key (give the .pub file that keygen wrote beside it; never copy the private key " \
+               "to a device)"
+    if text.startswith(b"-----BEGIN PUBLIC KEY-----"):
+        return "a PEM public key that cannot be read (truncated or damaged)"
+    if text.startswith(b"ssh-"):
+        return "an OpenSSH public key that cannot be read (truncated, damaged or not ssh-ed25519)"
+    return "data that is neither PEM nor OpenSSH"
 
 
 def load_public_key(path: Path) -> tuple[str, Ed25519PublicKey]:
-    """Read a PEM (SubjectPublicKeyInfo) or OpenSSH Ed25519 public key; return (key id, key)."""
+    """Read a PEM (SubjectPublicKeyInfo) or OpenSSH Ed25519 public key; return (key id, key).
+
+    Anything else (empty, truncated, a private key, another algorithm, a FIFO) is a UsageError
+    naming the file and what was expected.
+    """
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular_path(path, follow_links=True) as f:
             data = f.read(MAX_PUBLIC_KEY_BYTES + 1)
+    except NotRegularFile as e:
+        raise UsageError(f"public key {e}: expected {_EXPECTED_KEY}") from None
     except OSError as e:
         raise UsageError(f"cannot read public key {path}: {e.strerror or e}") from None
     if len(data) > MAX_PUBLIC_KEY_BYTES:
-        raise UsageError(f"{path}: expected an Ed25519 public key of a few hundred bytes, found a larger file")
+        raise UsageError(f"{path}: expected {_EXPECTED_KEY} of a few hundred bytes, found a larger file")
     try:
         if data.lstrip().startswith(b"ssh-"):
             key = serialization.load_ssh_public_key(data.strip())
         else:
             key = serialization.load_pem_public_key(data)
-    except (ValueError, TypeError, serialization.UnsupportedAlgorithm) as e:
-        raise UsageError(f"{path}: expected a PEM or OpenSSH Ed25519 public key, found unreadable data ({e})") \
-            from None
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        raise UsageError(f"{path}: expected {_EXPECTED_KEY}, found {_describe_key_data(data)}") from None
     if not isinstance(key, Ed25519PublicKey):
-        raise UsageError(f"{path}: expected an Ed25519 public key, found {type(key).__name__}")
+        raise UsageError(f"{path}: expected {_EXPECTED_KEY}, found a {type(key).__name__.lstrip('_')}")
     raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     return key_id(raw), key
 
 
-def trusted_keys(paths: list[Path] | tuple[Path, ...] = (), trust_dir: Path | None = settings.TRUST_DIR
-                 ) -> dict[str, Ed25519PublicKey]:
-    """Keys from explicit `--trust` files plus every *.pub in the trust directory (missing dir = none)."""
+def _warn(message: str) -> None:
+    print(f"bundle: warning: {message}", file=sys.stderr, flush=True)
+
+
+def trusted_keys(paths: list[Path] | tuple[Path, ...] = (), trust_dir: Path | None | str = "settings", *,
+                 warn: Callable[[str], None] = _warn) -> dict[str, Ed25519PublicKey]:
+    """Keys from explicit `--trust` files plus every *.pub in the trust directory (missing dir = none;
+    "settings": BUNDLE_TRUST_DIR or its default, read now; None: no directory).
+
+    A bad `--trust` file is the user's command: UsageError (exit 2). A bad file in the trust
+    directory is reported through `warn` and skipped, so one stray file does not stop every verify
+    and install on the device; the other keys still count. Dotfiles there are never keys (editor
+    backups, `.tmp` files of a provisioning tool).
+    """
+    trust_dir = settings.trust_dir() if trust_dir == "settings" else trust_dir
     keys: dict[str, Ed25519PublicKey] = {}
     for p in paths:
         kid, key = load_public_key(Path(p))
         keys[kid] = key
     if trust_dir is not None and Path(trust_dir).is_dir():
         for p in sorted(Path(trust_dir).glob("*.pub")):
-            kid, key = load_public_key(p)
+            if p.name.startswith("."):
+                continue
+            try:
+                kid, key = load_public_key(p)
+            except UsageError as e:
+                warn(f"skipping trust directory entry: {e}")
+                continue
             keys[kid] = key
     return keys
 
@@ -81,12 +123,9 @@ class Envelope:
         return [s.keyid for s in self.signatures]
 
 
-def parse_envelope(data: bytes) -> Envelope:
+def parse_envelope(data: bytes, what: str = "signature envelope") -> Envelope:
     """Parse DSSE JSON ({payloadType, payload, signatures:[{keyid, sig}]}); BadBundleError if malformed."""
-    try:
-        obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadBundleError(f"signature envelope is not valid UTF-8 JSON: {e}") from None
+    obj = parse_json(data, what=what, max_bytes=MAX_ENVELOPE_BYTES)
     if not isinstance(obj, dict) or not isinstance(obj.get("payload"), str) \
             or not isinstance(obj.get("payloadType"), str) or not isinstance(obj.get("signatures", []), list):
         raise BadBundleError("signature envelope: expected DSSE fields payloadType, payload, signatures")
@@ -149,4 +188,4 @@ def check_envelope(envelope: Envelope, trusted: dict[str, Ed25519PublicKey], *,
         return []
     raise TrustError(f"bundle is signed by key(s) {_short(envelope.key_ids)}, expected a signature by a "
                      f"trusted key ({_short(trusted)}); add the signer's .pub with --trust or to "
-                     f"{settings.TRUST_DIR}")
+                     f"{settings.trust_dir()}")

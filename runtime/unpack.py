@@ -62,7 +62,7 @@ def unpack_file(layout: BundleLayout, entry: FileEntry, dest_root: Path, *,
         n = len(entry.parts)
         for i, part in enumerate(entry.parts, 1):
             name = entry.path if n == 1 else f"{entry.path} part {i}/{n}"
-            with BlobReader(layout.blob_file(part.digest), part.digest, part.size, name) as src:
+            with BlobReader(layout.path, part.digest, part.size, name) as src:
                 if part.stored:  # format 2: the blob is the bytes (sizes and digest equal, checked by the schema)
                     _copy_stored(src, fd, file_hash, on_bytes, stop)
                     src.finish()
@@ -140,7 +140,7 @@ def unpack_files(layout: BundleLayout, files: tuple[FileEntry, ...], dest_root: 
 
     first: BaseException | None = None
     try:
-        with ThreadPoolExecutor(max_workers=jobs or settings.JOBS) as pool:
+        with ThreadPoolExecutor(max_workers=jobs or settings.jobs()) as pool:
             futures = [pool.submit(one, f) for f in sorted(files, key=lambda f: -f.size)]
             for fut in as_completed(futures):
                 try:

@@ -15,12 +15,15 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from manifests import layout as L
 from manifests.errors import BadBundleError, TrustError
 from manifests.layout import BOOTSTRAP_FILE
 from manifests.schema import Manifest
 from runtime import settings
+from runtime.bundle_files import NotRegularFile, open_regular
 from runtime.reader import CHUNK, BundleLayout, open_bundle, part_names
 from runtime.trust import check_envelope, parse_envelope
+from runtime.validate import check_bundle
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class Problem:
     """One bad blob, named by every file part that uses it."""
 
     digest: str
-    kind: str  # "missing" | "truncated" | "oversized" | "corrupt" | "unlisted" | "unreadable"
+    kind: str  # "missing" | "truncated" | "oversized" | "corrupt" | "not a regular file" | "unreadable"
     detail: str
     names: tuple[str, ...] = ()
 
@@ -68,21 +71,24 @@ def check_signature(layout: BundleLayout, trusted: dict[str, Ed25519PublicKey], 
         if not allow_unsigned:
             raise TrustError("bundle is unsigned (no signature envelope): expected a signature by a trusted "
                              "key (pass --allow-unsigned to accept it anyway)")
-        return Manifest.from_json_bytes(layout.manifest_bytes), []
-    envelope = parse_envelope(layout.envelope_bytes)
+        return layout.unverified_manifest(), []
+    envelope = parse_envelope(layout.envelope_bytes, f"signature envelope (blob {layout.envelope.digest})")
     signers = check_envelope(envelope, trusted, allow_unsigned=allow_unsigned)
     if envelope.payload != layout.manifest_bytes:
         raise TrustError(f"signed manifest ({len(envelope.payload)} bytes) differs from the bundle manifest "
                          f"blob {layout.config.digest} ({len(layout.manifest_bytes)} bytes): "
                          f"expected the signature to cover exactly that blob")
     # Parse the exact bytes that were signed, nothing re-encoded.
-    return Manifest.from_json_bytes(envelope.payload), signers
+    return Manifest.from_json_bytes(envelope.payload, f"bundle manifest (blob {layout.config.digest})"), signers
 
 
-def check_blob(path: Path, digest: str, size: int, names: tuple[str, ...] = ()) -> Problem | None:
-    """Stream one blob (never past size + 1 bytes) and compare size and sha256."""
+def check_blob(root: Path | int, digest: str, size: int, names: tuple[str, ...] = ()) -> Problem | None:
+    """Stream the blob `digest` under root (a bundle path or a blobs-directory fd), never past `size`
+    bytes and never through a link, and compare size and sha256."""
+    rel = L.blob_path(digest) if not isinstance(root, int) else digest[7:]
+    path = root / rel if not isinstance(root, int) else rel
     try:
-        with open(path, "rb") as f:
+        with open_regular(root, rel) as f:
             actual = os.fstat(f.fileno()).st_size
             if actual < size:
                 return Problem(digest, "truncated", f"{actual} of {size} bytes", names)
@@ -98,11 +104,12 @@ def check_blob(path: Path, digest: str, size: int, names: tuple[str, ...] = ()) 
                 left -= len(chunk)
     except FileNotFoundError:
         return Problem(digest, "missing", f"expected file {path}", names)
+    except NotRegularFile as e:
+        return Problem(digest, "not a regular file", str(e), names)
     except OSError as e:
         return Problem(digest, "unreadable", e.strerror or str(e), names)
-    if h.hexdigest() != digest.split(":", 1)[1]:
-        return Problem(digest, "corrupt", f"sha256 is {h.hexdigest()[:16]}..., expected {digest[7:23]}...",
-                       names)
+    if h.hexdigest() != digest[7:]:
+        return Problem(digest, "corrupt", "its sha256 does not match its name", names)
     return None
 
 
@@ -110,17 +117,8 @@ def scan_blobs(layout: BundleLayout, manifest: Manifest, *, jobs: int | None = N
                 progress: bool = False) -> list[Problem]:
     """Every part blob the signed manifest names, checked in parallel; returns the problems found."""
     names = part_names(manifest)
-    sizes: dict[str, int] = {}
+    sizes = {p.digest: p.size for f in manifest.files for p in f.parts}  # one size each: check_bundle
     problems: list[Problem] = []
-    for f in manifest.files:
-        for p in f.parts:
-            if sizes.setdefault(p.digest, p.size) != p.size:
-                problems.append(Problem(p.digest, "corrupt", "manifest declares two sizes for one blob",
-                                        tuple(names[p.digest])))
-    listed = {d.digest for d in layout.layers}
-    for digest in sizes:
-        if digest not in listed:  # registry tools (skopeo, oras) would not carry it
-            problems.append(Problem(digest, "unlisted", "not a layer of the OCI manifest", tuple(names[digest])))
     bar = None
     if progress:
         from tqdm import tqdm
@@ -128,14 +126,14 @@ def scan_blobs(layout: BundleLayout, manifest: Manifest, *, jobs: int | None = N
 
     def one(item):
         digest, size = item
-        result = check_blob(layout.blob_file(digest), digest, size, tuple(names[digest]))
+        result = check_blob(layout.path, digest, size, tuple(names[digest]))
         if bar is not None:
             bar.update(size)
         return result
 
     # Largest first so one big blob does not start last and leave the other threads idle.
     order = sorted(sizes.items(), key=lambda kv: -kv[1])
-    with ThreadPoolExecutor(max_workers=jobs or settings.JOBS) as pool:
+    with ThreadPoolExecutor(max_workers=jobs or settings.jobs()) as pool:
         problems += [p for p in pool.map(one, order) if p is not None]
     if bar is not None:
         bar.close()
@@ -148,9 +146,19 @@ def check_top_level_bootstrap(layout: BundleLayout, manifest: Manifest) -> list[
     entry = next((f for f in manifest.files if f.path == path), None)
     if entry is None:
         return []
-    problem = check_blob(layout.path / BOOTSTRAP_FILE, entry.parts[0].digest, entry.size,
-                         (f"{BOOTSTRAP_FILE} (top-level copy)",))
-    return [problem] if problem else []
+    digest, names = entry.parts[0].digest, (f"{BOOTSTRAP_FILE} (top-level copy)",)
+    try:
+        with open_regular(layout.path, BOOTSTRAP_FILE) as f:
+            data = f.read(entry.size + 1)
+    except FileNotFoundError:
+        return [Problem(digest, "missing", f"expected file {layout.path / BOOTSTRAP_FILE}", names)]
+    except NotRegularFile as e:
+        return [Problem(digest, "not a regular file", str(e), names)]
+    except OSError as e:
+        return [Problem(digest, "unreadable", e.strerror or str(e), names)]
+    if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
+        return [Problem(digest, "corrupt", "differs from the signed bootstrap", names)]
+    return []
 
 
 def verify_bundle(bundle_dir: Path, trusted: dict[str, Ed25519PublicKey], *, allow_unsigned: bool = False,
@@ -159,6 +167,7 @@ def verify_bundle(bundle_dir: Path, trusted: dict[str, Ed25519PublicKey], *, all
     """Check signature, then (unless check_blobs=False) every blob; CorruptBundleError lists all problems."""
     layout = open_bundle(Path(bundle_dir))
     manifest, signers = check_signature(layout, trusted, allow_unsigned=allow_unsigned)
+    check_bundle(layout, manifest)  # the same rules install and copy apply
     if check_blobs:
         problems = scan_blobs(layout, manifest, jobs=jobs, progress=progress)
         problems += check_top_level_bootstrap(layout, manifest)

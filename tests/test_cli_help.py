@@ -26,9 +26,33 @@ def test_group_help_lists_commands_and_exit_codes():
         assert f"  {code:>2}  " in result.output
 
 
-def test_exit_codes_are_distinct_per_error_class():
+#: The documented codes: scripts on devices branch on them, so a change here is a breaking change.
+DOCUMENTED = {1: "BundleError", 2: "UsageError", 3: "BadBundleError", 4: "TrustError", 5: "PolicyError",
+              6: "EnvironmentProblem", 7: "ResolveError", 8: "ModelError", 9: "ServeError"}
+
+
+def _error_classes():
     from manifests import errors
 
-    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.BundleError)]
-    codes = {c.exit_code for c in classes}
-    assert codes == set(EXIT_CODES) - {0}
+    return [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.BundleError)]
+
+
+def test_exit_codes_are_distinct_per_error_class():
+    """Two unrelated classes with one code would make the code ambiguous (a subclass may share its parent's)."""
+    classes = _error_classes()
+    clashes = [(a.__name__, b.__name__, a.exit_code) for a in classes for b in classes
+               if a is not b and a.exit_code == b.exit_code and not (issubclass(a, b) or issubclass(b, a))]
+    assert not clashes, f"unrelated error classes share an exit code: {clashes}"
+    roots = {c.exit_code: c.__name__ for c in classes if c.exit_code not in {p.exit_code for p in c.__mro__[1:]
+                                                                              if hasattr(p, "exit_code")}}
+    assert roots == DOCUMENTED
+    assert sorted(EXIT_CODES) == [0, *sorted(DOCUMENTED)]
+
+
+def test_readme_exit_code_table_matches_the_code():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    assert [int(c) for c in re.findall(r"^\| (\d+) \|", table, re.M)] == sorted(EXIT_CODES)

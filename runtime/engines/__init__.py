@@ -87,7 +87,7 @@ def _tensorrt(root: Path, manifest: Manifest, records: list[EngineRecord], onnx:
     if backend is None:
         from runtime.engines.tensorrt import TensorRTBackend
         backend = TensorRTBackend()
-    cache = EngineCache(cache_dir or settings.DEFAULT_STORE / "engine-cache")
+    cache = EngineCache(cache_dir or settings.default_store() / "engine-cache")
     device = backend.device()
     if device is None:
         reason = getattr(backend, "unavailable", "TensorRT is not available")
@@ -102,9 +102,14 @@ def _tensorrt(root: Path, manifest: Manifest, records: list[EngineRecord], onnx:
         return engine
 
     why = "the bundle ships no TensorRT engine"
+    # What a plan must have been built from: the shipped ONNX (digest recomputed from the signed file
+    # entries) with the ONNX record's build options, for this GPU and TensorRT. Only a bundle that ships
+    # no ONNX leaves nothing to compare the plan's own graph and options with.
+    source_sha = onnx_sha256_of(manifest, onnx) if onnx is not None else None
     for plan in (e for e in records if e.format == "tensorrt-plan"):
-        expected = engine_key(plan.key.get("onnx_sha256", ""), plan.build, device.compute_capability,
-                              device.tensorrt_version)
+        expected = engine_key(source_sha or plan.key.get("onnx_sha256", ""),
+                              onnx.build if onnx is not None else plan.build,
+                              device.compute_capability, device.tensorrt_version)
         why = mismatch(plan.key, expected)
         if why is None:
             log.info("using shipped TensorRT engine %s", plan.path)

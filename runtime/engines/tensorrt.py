@@ -24,6 +24,7 @@ import numpy as np
 from manifests.errors import EnvironmentProblem, ModelError
 from runtime.engine import Engine
 from runtime.engine_cache import DeviceInfo
+from runtime.fsutil import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class TensorRTBackend:
         plan = builder.build_serialized_network(network, config)
         if plan is None:
             raise EnvironmentProblem(f"TensorRT failed to build an engine from {onnx_path} (see its log above)")
-        Path(out_plan).write_bytes(bytes(plan))
+        write_atomic(Path(out_plan), bytes(plan))
 
     def load(self, plan: Path, *, options: dict, max_context: int | None = None) -> Engine:
         return TensorRTEngine(plan, options=options, max_context=max_context)
@@ -132,7 +133,9 @@ class TensorRTEngine(Engine):
         trt, cudart = _modules()
         self._trt, self._cudart = trt, cudart
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-        self.engine = runtime.deserialize_cuda_engine(Path(plan).read_bytes())
+        serialized = Path(plan).read_bytes()
+        self._plan_bytes = len(serialized)  # the plan holds the weights; TensorRT copies them to the GPU
+        self.engine = runtime.deserialize_cuda_engine(serialized)
         if self.engine is None:
             raise EnvironmentProblem(f"TensorRT cannot load {plan}: built for another GPU or TensorRT version")
         self.context = self.engine.create_execution_context()
@@ -239,8 +242,15 @@ class TensorRTEngine(Engine):
         self._length = length
 
     def memory(self) -> dict:
-        return {"weights": int(getattr(self.engine, "device_memory_size_v2", 0) or 0),
-                "kv_cache": sum(b.nbytes for pair in self._kv for b in pair)}
+        """Weights: the serialized plan's size (weights plus a little kernel code; TensorRT exposes no
+        per-engine weight total outside weight streaming). Activations: the scratch memory an execution
+        context needs (device_memory_size_v2, TensorRT 10; device_memory_size before), which is not weights."""
+        activations = getattr(self.engine, "device_memory_size_v2", None)
+        if activations is None:
+            activations = getattr(self.engine, "device_memory_size", 0)
+        return {"weights": self._plan_bytes, "activations": int(activations or 0),
+                "kv_cache": sum(b.nbytes for pair in self._kv for b in pair),
+                "buffers": sum(b.nbytes for b in (self._ids, self._pos, self._mask, self._logits))}
 
     def close(self) -> None:
         for buf in [*self._kv[0], *self._kv[1], self._ids, self._pos, self._mask, self._logits]:

@@ -44,7 +44,7 @@ def open_installed(name_or_dir, *, store: Path | None, target: str, trust: tuple
     from runtime.store import Store
 
     if hasattr(name_or_dir, "manifest"):  # already an Installed
-        yield name_or_dir, Store(store or settings.DEFAULT_STORE)
+        yield name_or_dir, Store(store or settings.default_store())
         return
     path = Path(name_or_dir)
     if path.is_dir():
@@ -67,7 +67,7 @@ def open_installed(name_or_dir, *, store: Path | None, target: str, trust: tuple
     if "/" in name_or_dir or name_or_dir.startswith("."):
         raise UsageError(f"expected an installed bundle name or a bundle directory, found {name_or_dir!r} "
                          f"(no such directory)")
-    st = Store(store or settings.DEFAULT_STORE)
+    st = Store(store or settings.default_store())
     installed = st.current(name_or_dir)
     if target not in ("auto", installed.target):
         raise UsageError(f"bundle {installed.name} is installed for target {installed.target}, "

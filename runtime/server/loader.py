@@ -7,47 +7,28 @@ The speculative configuration is resolved in one place, in this order: --no-spec
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from manifests import speculative as speculative_config
 from manifests.errors import ModelError, UsageError
 from manifests.schema import Manifest, Speculative
 from runtime.chat_template import ChatTemplate
 from runtime.server.serving import ServingModel
-from runtime.speculative import METHODS, Generator
+from runtime.speculative import Generator
 from runtime.tokenizer import Tokenizer
 
 
 def parse_speculative_config(text: str | None) -> Speculative | None:
-    """--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'."""
-    if text is None:
-        return None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--speculative-config must be JSON, e.g. '{{\"method\": \"ngram\"}}': {e}") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"--speculative-config must be a JSON object, found {type(data).__name__}")
-    unknown = set(data) - {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min"}
-    if unknown:
-        raise UsageError(f"--speculative-config has unknown keys {sorted(unknown)}; expected method, "
-                         f"num_speculative_tokens, prompt_lookup_max, prompt_lookup_min")
-    method = data.get("method", "draft_model")
-    if method not in METHODS:
-        raise UsageError(f"--speculative-config method must be one of {', '.join(METHODS)}, found {method!r}")
-    for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-        v = data.get(key)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 16):
-            raise UsageError(f"--speculative-config {key} must be an integer in 1..16, found {v!r}")
-    return Speculative(method=method, num_speculative_tokens=data.get("num_speculative_tokens", 3),
-                       model=data.get("model"), prompt_lookup_max=data.get("prompt_lookup_max"),
-                       prompt_lookup_min=data.get("prompt_lookup_min"))
+    """--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}':
+    the one parser (manifests.speculative), also used by `bundle create`."""
+    return None if text is None else speculative_config.parse_speculative_config(text).speculative()
 
 
 def resolve_speculative(manifest: Manifest, override: Speculative | None, disabled: bool) -> Speculative:
     if disabled:
         return Speculative(method="none")
     if override is not None:
+        speculative_config.check_draft(override, manifest)  # a "model" must be the bundle's own draft
         spec = override
     elif manifest.speculative is not None:
         spec = manifest.speculative

@@ -8,7 +8,6 @@ from bundler.cli import main
 from bundler.keys import generate_key
 from manifests.errors import UsageError
 from manifests.layout import COMPLETE_MARKER
-from runtime import settings
 from tests.bundler.pack.helpers import read_layout
 
 
@@ -57,10 +56,10 @@ def test_missing_model_dir_and_existing_bundle(tiny_pair, tmp_path, capsys):
 
 def test_encrypted_key_uses_environment_passphrase(tiny_pair, tmp_path, capsys, monkeypatch):
     generate_key(tmp_path / "enc.key", b"pw")
-    monkeypatch.setattr(settings, "KEY_PASSPHRASE", None)
+    monkeypatch.delenv("BUNDLE_KEY_PASSPHRASE", raising=False)
     assert main(_args(tiny_pair[0], tmp_path / "b", "--sign-key", str(tmp_path / "enc.key"))) == 2
     assert "BUNDLE_KEY_PASSPHRASE" in capsys.readouterr().err
-    monkeypatch.setattr(settings, "KEY_PASSPHRASE", "pw")
+    monkeypatch.setenv("BUNDLE_KEY_PASSPHRASE", "pw")
     assert main(_args(tiny_pair[0], tmp_path / "b", "--sign-key", str(tmp_path / "enc.key"))) == 0
 
 
@@ -71,23 +70,26 @@ def test_help_is_complete_with_an_example(capsys):
         assert "Example" in text and f"bundle {command}" in text
 
 
-def test_without_model_uses_the_demo_pair_or_says_what_is_missing(tmp_path, capsys):
-    from bundler.create import demo_models
+def _create_without_model(out):
+    return main(["create", "--targets", "cpu", "--name", "demo", "--version", "1", "--unsigned",
+                 "--out", str(out), "--no-progress", "--no-runtime"])
 
-    try:
-        demo_models()
-        have_demo = True
-    except UsageError:
-        have_demo = False
-    code = main(["create", "--targets", "cpu", "--name", "demo", "--version", "1", "--unsigned",
-                 "--out", str(tmp_path / "b"), "--no-progress", "--no-runtime"])
-    if not have_demo:
-        assert code == UsageError.exit_code and "--model" in capsys.readouterr().err
-    else:
-        assert code == 0, capsys.readouterr().err
-        manifest = read_layout(tmp_path / "b")[2]
-        assert {m.source.type for m in manifest.models} == {"embedded"}
-        assert manifest.speculative is not None
+
+def test_without_model_uses_the_committed_demo_pair(tmp_path, capsys):
+    assert _create_without_model(tmp_path / "b") == 0, capsys.readouterr().err
+    manifest = read_layout(tmp_path / "b")[2]
+    assert [(m.role, m.source.type) for m in manifest.models] == [("target", "embedded"), ("draft", "embedded")]
+    assert manifest.speculative is not None and manifest.speculative.model == "draft"
+
+
+def test_without_model_and_no_demo_pair_says_what_is_missing(tmp_path, capsys, monkeypatch):
+    from bundler import demo
+
+    monkeypatch.setattr(demo, "DEMO_TARGET_DIR", tmp_path / "not-built" / "target")
+    assert _create_without_model(tmp_path / "b") == UsageError.exit_code
+    err = capsys.readouterr().err
+    assert "expected --model DIR" in err and "not-built" in err and err.count("\n") == 1
+    assert not (tmp_path / "b").exists()
 
 
 def test_full_disk_is_an_environment_error_and_leaves_no_finished_bundle(tiny_pair, tmp_path, capsys):

@@ -18,7 +18,7 @@ from tests.bundler.pack.helpers import read_layout
 
 GOLDEN = Path(__file__).parent / "golden" / "manifest.json"
 NOW = datetime(2026, 11, 29, 14, 0, 0, tzinfo=timezone.utc)
-BUILDER = Builder(tool="bundle", tool_version="0.0.0-golden", host="golden-host", platform="linux-aarch64")
+BUILDER = Builder(tool="bundle", tool_version="0.0.0-golden", platform="linux-aarch64")
 
 
 def _fixed_model(root: Path, role: str, seed: int) -> ModelInput:
@@ -29,7 +29,7 @@ def _fixed_model(root: Path, role: str, seed: int) -> ModelInput:
     weights = np.random.default_rng(seed).standard_normal(200_000, dtype=np.float32)
     (root / "model.safetensors").write_bytes((weights.view(np.uint32) >> 16).astype(np.uint16).tobytes())
     return ModelInput(role=role, local_dir=root, name=f"golden-{role}",
-                      source=ModelSource(type="local", path=f"/build/models/{role}"))
+                      source=ModelSource(type="local"))
 
 
 def test_manifest_bytes_match_golden(tmp_path, update_golden, signing_key):

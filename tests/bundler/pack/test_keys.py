@@ -14,7 +14,6 @@ from bundler import cli_pack
 from bundler.cli import main
 from bundler.keys import generate_key, load_private_key, public_key_id
 from manifests.errors import UsageError
-from runtime import settings
 
 
 def test_generate_writes_private_0600_and_public_pem(tmp_path):
@@ -76,7 +75,7 @@ def test_cli_keygen_prints_key_id_and_exit_codes(tmp_path, capsys):
     assert f"key id:      {kid}" in out
     assert main(["keygen", str(tmp_path / "k")]) == UsageError.exit_code
     assert "--force" in capsys.readouterr().err
-    assert main(["keygen", str(tmp_path / "missing-dir" / "k")]) == UsageError.exit_code
+    assert main(["keygen", str(tmp_path / "missing-dir" / "k")]) == 0  # the folder is made (0700)
 
 
 def test_cli_keygen_passphrase_prompts_twice(tmp_path):
@@ -89,7 +88,7 @@ def test_cli_keygen_passphrase_prompts_twice(tmp_path):
 
 
 def test_cli_keygen_passphrase_from_environment_for_scripts(tmp_path, monkeypatch):
-    monkeypatch.setattr(settings, "KEY_PASSPHRASE", "from-env")
+    monkeypatch.setenv("BUNDLE_KEY_PASSPHRASE", "from-env")
     # No input given: a prompt here would fail the command, so this proves nothing prompts.
     result = CliRunner().invoke(cli_pack.keygen, [str(tmp_path / "k"), "--passphrase"], input="")
     assert result.exit_code == 0, result.output
@@ -97,3 +96,22 @@ def test_cli_keygen_passphrase_from_environment_for_scripts(tmp_path, monkeypatc
     # Without --passphrase the variable is not used to encrypt: only when asked.
     result = CliRunner().invoke(cli_pack.keygen, [str(tmp_path / "plain")])
     assert result.exit_code == 0 and b"ENCRYPTED" not in (tmp_path / "plain").read_bytes()
+
+
+def test_keygen_creates_the_key_folder_private(tmp_path, monkeypatch, capsys):
+    """The README's first build-host line, in a fresh folder: keys/ does not exist yet."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["keygen", "keys/release.key"]) == 0, capsys.readouterr().err
+    assert stat.S_IMODE((tmp_path / "keys").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "keys" / "release.key").stat().st_mode) == 0o600
+    assert load_private_key(tmp_path / "keys" / "release.key")
+    assert main(["keygen", "deep/er/k"]) == 0
+    assert all(stat.S_IMODE(d.stat().st_mode) == 0o700 for d in (tmp_path / "deep", tmp_path / "deep" / "er"))
+    assert not [p for p in (tmp_path / "keys").iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_keygen_under_a_file_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert main(["keygen", str(tmp_path / "afile" / "k")]) == UsageError.exit_code
+    err = capsys.readouterr().err
+    assert "afile" in err and "found a file" in err and err.count("\n") == 1

@@ -66,9 +66,11 @@ def test_too_big_for_orin_nano_is_refused_with_numbers(tmp_path):
         check_fits(tmp_path, nano, 8192, name="acme/llama-8b")
     msg = str(e.value)
     assert "acme/llama-8b does not fit jetson-orin-nano: expected at most 8.0 GiB (8589934592 bytes)" in msg
-    # 8.03 B parameters in bf16 = 14.96 GiB, KV cache 2 x 32 x 8 x 128 x 8192 x 2 bytes = 1 GiB
-    assert "needs 16.0 GiB" in msg and "weights 15.0 GiB (from config.json)" in msg
-    assert "KV cache 1.0 GiB at 8192 tokens" in msg and "--force" in msg
+    # What the fp16 TensorRT engine allocates (bundler.checks.FORMULA): 8.03 B parameters x 2 bytes = 14.96 GiB;
+    # KV cache 2 ping-pong copies x 2 (K, V) x 32 layers x 8 heads x 128 x 8192 tokens x 2 bytes = 2 GiB;
+    # activations 512 x 128256 x 4 (fp32 logits of a prefill chunk) + 512 x (4 x 4096 + 2 x 14336) x 2 = 294.5 MiB
+    assert "needs 17.2 GiB (18516811776 bytes)" in msg and "weights 15.0 GiB (from config.json)" in msg
+    assert "KV cache 2.0 GiB at 8192 tokens + activations 294.5 MiB" in msg and "--force" in msg
     thor = get_profile("jetson-thor")
     assert check_fits(tmp_path, thor, 8192).total < thor.memory_bytes
 
@@ -88,7 +90,7 @@ def _preflight(profile_ids, max_len, force=False):
 
 def test_kv_cache_at_long_context_refused_before_weights_download(hub, hf_cache):
     """The repo's config claims an 8B-shaped model; its weights are tiny, the KV cache at 128k is not."""
-    with pytest.raises(ModelError, match=r"acme/big-config does not fit jetson-orin-nano: .* KV cache 16\.0 GiB at "
+    with pytest.raises(ModelError, match=r"acme/big-config does not fit jetson-orin-nano: .* KV cache 32\.0 GiB at "
                                          r"131072 tokens"):
         resolve_models("acme/big-config", cache_dir=hf_cache, endpoint=hub.url,
                        preflight=_preflight(["jetson-thor", "jetson-orin-nano"], 131072))

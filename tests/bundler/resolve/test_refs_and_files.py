@@ -9,8 +9,8 @@ import pytest
 
 from bundler.resolve import parse_ref, resolve_model
 from bundler.select_files import select_files
-from bundler.spec_config import parse_speculative_config
 from manifests.errors import ResolveError, UsageError
+from manifests.speculative import parse_speculative_config
 
 
 @pytest.mark.parametrize("text, repo, rev", [
@@ -83,7 +83,8 @@ def test_spec_config_with_vllm_keys():
     ('["draft_model"]', r"expected a JSON object, found list"),
     ('{"model": "o/d", "num_speculative_tokens": 3, "num_spec_tokens": 3}', r"found unknown 'num_spec_tokens'"),
     ('{"method": "eagle", "model": "o/d", "num_speculative_tokens": 3}',
-     r"expected method draft_model, found 'eagle' \(a vLLM method\)"),
+     r"expected method draft_model, ngram, none, found 'eagle' \(a vLLM method this tool does not run\)"),
+    ('{"method": "ngram", "num_speculative_tokens": 3}', r"expected method draft_model \(a draft model to bundle\)"),
     ('{"method": "draft_model", "num_speculative_tokens": 3}', r"expects \"model\""),
     ('{"model": "o/d", "num_speculative_tokens": 0}',
      r"expected num_speculative_tokens an integer from 1 to 16, found 0"),
@@ -91,7 +92,7 @@ def test_spec_config_with_vllm_keys():
 ])
 def test_bad_spec_config(text, expected):
     with pytest.raises(UsageError, match=expected):
-        parse_speculative_config(text)
+        parse_speculative_config(text).bundled_draft()  # what bundle create asks of it
 
 
 def test_local_folder_model(checkpoints, local_copy):
@@ -105,7 +106,7 @@ def test_local_folder_model(checkpoints, local_copy):
                                          "tokenizer.json", "tokenizer_config.json"]
     f = {f.path: f for f in m.files}["model.safetensors"]
     assert f.sha256 == hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
-    assert m.source.type == "local" and m.source.path == str(folder)
+    assert m.source.type == "local" and m.source.path is None
     assert m.revision.startswith("sha256:") and m.source.revision == m.revision
     # The revision is a digest of the contents: same bytes elsewhere, same revision; one byte changed, another.
     assert resolve_model(str(checkpoints.target), role="target").revision == m.revision

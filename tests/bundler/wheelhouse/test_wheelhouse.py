@@ -223,7 +223,7 @@ def test_a_stored_file_a_target_needs_installs_like_a_compressed_one(tmp_path):
     payload = tmp_path / "table.bin"
     payload.write_bytes(bytes(range(256)) * 4096)
     out = tmp_path / "b"
-    pack_bundle(out, name="s", version=1, models=[], files=[PackFile(payload, "data/table.bin", media_type="x/y")],
+    pack_bundle(out, name="s", version=1, models=[], files=[PackFile(payload, "data/table.bin", media_type=L.WHEEL_MEDIA_TYPE)],
                 targets=[Target("cpu", "onnxruntime")], speculative=None, serve={}, expires=None, sign_keys=[],
                 unsigned=True, progress=False)
     inst = Store(tmp_path / "store").install(out, target="cpu", trusted={}, allow_unsigned=True, progress=False)

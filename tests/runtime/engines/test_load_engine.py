@@ -117,6 +117,29 @@ def test_shipped_plan_is_used_when_its_key_matches(tiny_exports, tmp_path):
     assert device.builds == [] and device.loads == [root / "engines/plans/jetson-thor/target/engine.plan"]
 
 
+@pytest.mark.parametrize("field, value", [("onnx_sha256", "0" * 64), ("build_options_sha256", "1" * 64)])
+def test_a_shipped_plan_built_from_another_graph_or_options_is_not_used(tiny_exports, tmp_path, field, value):
+    """The plan's key must match the shipped ONNX and its build options, not merely itself."""
+    import dataclasses
+
+    from runtime.engine_cache import canonical_sha256
+    from runtime.engines import load_engine
+
+    host = StandInBackend("11.0", "10.13.3.9")
+    root, manifest = plan_bundle(tiny_exports, tmp_path, ["jetson-thor"], host)
+    onnx, plan = manifest.target("jetson-thor").engines
+    stale = dataclasses.replace(plan, key={**plan.key, field: value})  # e.g. built from last release's export
+    if field == "build_options_sha256":  # options changed with it, consistently, as a real stale plan has
+        options = {**plan.build, "max_context": 64}
+        stale = dataclasses.replace(stale, build=options, key={**plan.key, field: canonical_sha256(options)})
+    target = dataclasses.replace(manifest.target("jetson-thor"), engines=(onnx, stale))
+    manifest = dataclasses.replace(manifest, targets=(target,))
+    device = StandInBackend("11.0", "10.13.3.9")
+    engine = load_engine(root, manifest, "jetson-thor", "target", cache_dir=tmp_path / "cache", backend=device)
+    assert len(device.builds) == 1 and device.loads[0] != root / plan.path  # rebuilt from the shipped ONNX
+    assert engine.plan["onnx"] == str(root / onnx.path)
+
+
 def test_key_mismatch_falls_back_to_a_local_build_and_records_why(tiny_exports, tmp_path):
     from runtime.engine_cache import BUILD_NAME
     from runtime.engines import load_engine

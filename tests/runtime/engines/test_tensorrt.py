@@ -42,3 +42,22 @@ def test_build_and_run_matches_onnxruntime(tiny_export, tmp_path):
     ort_engine.forward([1, 2, 3, 4])
     ort_engine.rollback(40)
     np.testing.assert_allclose(trt_engine.forward([7, 8]), ort_engine.forward([7, 8]), atol=1e-3)
+
+
+def test_memory_reports_the_plan_as_weights_and_scratch_as_activations(tmp_path):
+    """No TensorRT here: the engine object is assembled around what memory() reads (an ICudaEngine with
+    TensorRT 10's device_memory_size_v2, the plan's size, the device buffers it allocated)."""
+    from types import SimpleNamespace
+
+    from runtime.engines.tensorrt import TensorRTEngine
+
+    engine = TensorRTEngine.__new__(TensorRTEngine)
+    engine.engine = SimpleNamespace(device_memory_size_v2=96 << 20)  # activation scratch of the context
+    engine._plan_bytes = 2_400_000_000  # a 1.2B-parameter fp16 plan
+    buf = lambda n: SimpleNamespace(nbytes=n)  # noqa: E731
+    engine._kv = [[buf(1000), buf(1000)], [buf(1000), buf(1000)]]
+    engine._ids, engine._pos, engine._mask, engine._logits = buf(8), buf(8), buf(8), buf(4000)
+    assert engine.memory() == {"weights": 2_400_000_000, "activations": 96 << 20, "kv_cache": 4000,
+                               "buffers": 4024}
+    engine.engine = SimpleNamespace(device_memory_size=64 << 20)  # TensorRT 8/9 name
+    assert engine.memory()["activations"] == 64 << 20

@@ -104,3 +104,32 @@ def build_bundle(out: Path, inputs: Path, *, version: int, sign_keys, engine: st
         speculative=Speculative(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4),
         serve={"max_model_len": 256}, expires=expires, sign_keys=[] if unsigned else list(sign_keys),
         unsigned=unsigned, max_part_size=PART, now=now, progress=False)
+
+
+def edit_index(bundle: Path, change) -> None:
+    """Rewrite index.json after change(index_dict) (index.json is not signed)."""
+    index = json.loads((bundle / L.INDEX_FILE).read_bytes())
+    change(index)
+    (bundle / L.INDEX_FILE).write_bytes(json.dumps(index, sort_keys=True, separators=(",", ":")).encode())
+
+
+def edit_oci_manifest(bundle: Path, change) -> None:
+    """Rewrite the OCI manifest after change(oci_dict) and point index.json at it."""
+    oci = oci_manifest(bundle)
+    change(oci)
+    write_oci_manifest(bundle, oci)
+
+
+def resign_edited(bundle: Path, change, keys: list[Ed25519PrivateKey], *,
+                  raw: tuple[bytes, bytes] | None = None) -> bytes:
+    """Re-sign the bundle manifest after change(manifest_dict); `raw` = (placeholder, bytes) splices
+    bytes json.dumps cannot write (deep nesting, huge numbers) into the signed text. Returns the bytes."""
+    from runtime.reader import open_bundle
+    doc = json.loads(open_bundle(bundle, require_complete=False).manifest_bytes)
+    change(doc)
+    data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    if raw is not None:
+        assert raw[0] in data
+        data = data.replace(raw[0], raw[1])
+    resign(bundle, data, keys)
+    return data

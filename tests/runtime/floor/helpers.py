@@ -34,3 +34,15 @@ def assert_no_leftovers(store: Store) -> None:
         live = {p.resolve() for p in (name_dir / "current", name_dir / "previous") if p.is_symlink()}
         for p in name_dir.iterdir():
             assert p.name in ("current", "previous") or p.resolve() in live, f"leftover {p}"
+
+
+def run_cli(args: list, timeout: float = 60):
+    """`bundle ARGS` in a child process with a deadline, for inputs that used to hang (FIFOs):
+    a hang fails the test with TimeoutExpired instead of stalling the suite."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root), "BUNDLE_DEBUG": ""}
+    return subprocess.run([sys.executable, "-m", "bundler.cli", *map(str, args)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)

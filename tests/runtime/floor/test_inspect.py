@@ -8,7 +8,7 @@ from bundler.cli import main
 
 
 def test_inspect_json_needs_no_key(bundles, keys, capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr("runtime.settings.TRUST_DIR", tmp_path / "none")
+    monkeypatch.setenv("BUNDLE_TRUST_DIR", str(tmp_path / "none"))
     assert main(["inspect", str(bundles["v3-expiring"]), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert (info["name"], info["version"], info["expires"]) == ("demo", 3, "2026-12-01T00:00:00Z")

@@ -235,11 +235,13 @@ def _replace_run_sh_blob(bundle, keys, blob: bytes, length: int):
     from tests.runtime.floor.craft import oci_manifest, write_oci_manifest
     digest = L.digest_of(blob)
     (bundle / L.blob_path(digest)).write_bytes(blob)
-    oci = oci_manifest(bundle)
-    oci["layers"].insert(0, {"mediaType": L.PART_MEDIA_TYPE, "digest": digest, "size": len(blob)})
-    write_oci_manifest(bundle, oci)
     doc = json.loads(open_bundle(bundle).manifest_bytes)
     entry = next(f for f in doc["files"] if f["path"] == "bin/run.sh")
+    old = {p["digest"] for p in entry["parts"]}  # no other file holds run.sh's bytes
+    oci = oci_manifest(bundle)
+    oci["layers"] = [d for d in oci["layers"] if d["digest"] not in old]
+    oci["layers"].insert(0, {"mediaType": L.PART_MEDIA_TYPE, "digest": digest, "size": len(blob)})
+    write_oci_manifest(bundle, oci)
     entry["size"] = length
     entry["parts"] = [{"digest": digest, "size": len(blob), "offset": 0, "length": length}]
     resign(bundle, json.dumps(doc, sort_keys=True, separators=(",", ":")).encode(), [keys.release])

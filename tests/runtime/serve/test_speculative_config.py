@@ -1,0 +1,58 @@
+"""One --speculative-config contract for create and serve (manifests.speculative), and at serve a "model"
+must be the bundle's own draft."""
+
+from __future__ import annotations
+
+import pytest
+
+from bundler.cli import main
+from manifests.errors import UsageError
+from manifests.speculative import check_draft, parse_speculative_config
+from runtime.server.loader import load_serving_model
+from runtime.server.loader import parse_speculative_config as serve_parse
+from runtime.store import Store
+
+VLLM_JSON = ('{"method": "draft_model", "model": "org/draft", "revision": "v2", "num_speculative_tokens": 4, '
+             '"draft_tensor_parallel_size": 1}')
+
+
+@pytest.fixture(scope="module")
+def installed(installed_bundle):
+    return Store(installed_bundle.store).current("tiny")
+
+
+def test_the_same_vllm_json_means_the_same_to_create_and_serve():
+    assert parse_speculative_config(VLLM_JSON).bundled_draft() == ("org/draft@v2", 4)  # create
+    spec = serve_parse(VLLM_JSON)  # serve: accepted too (it refused "revision" before)
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft_model", "org/draft", 4)
+    assert spec.extra["revision"] == "v2" and spec.extra["draft_tensor_parallel_size"] == 1
+    for bad in ('{"method": "eagle", "model": "o/d"}', '{"num_speculative_tokens": 17}', '{"modle": "o/d"}',
+                '{"num_speculative_tokens": NaN}', "[" * 100_000):
+        with pytest.raises(UsageError) as create_error:
+            parse_speculative_config(bad).bundled_draft()
+        with pytest.raises(UsageError) as serve_error:
+            serve_parse(bad)
+        assert str(create_error.value) == str(serve_error.value)  # one parser, one message
+
+
+def test_serve_refuses_a_model_that_is_not_the_bundles_draft_naming_both(installed):
+    with pytest.raises(UsageError, match=r"asks for draft model 'org/other'.*carries draft 'draft@"):
+        load_serving_model(installed, speculative=serve_parse('{"model": "org/other"}'))
+    with pytest.raises(UsageError, match=r"at revision 'v9'.*carries 'draft@"):
+        check_draft(serve_parse('{"model": "./models/draft", "revision": "v9"}'), installed.manifest)
+
+
+@pytest.mark.parametrize("model", ["draft", "./some/where/draft", "draft@{revision}"])
+def test_serve_accepts_the_bundles_own_draft(installed, model):
+    revision = installed.manifest.model("draft").source.revision
+    text = '{"model": "%s", "num_speculative_tokens": 2}' % model.format(revision=revision)
+    loaded = load_serving_model(installed, speculative=serve_parse(text))
+    assert loaded.generator.method == "draft_model" and loaded.generator.num_speculative_tokens == 2
+
+
+def test_serve_command_exits_2_with_both_names(installed_bundle, capsys):
+    code = main(["serve", "tiny", "--store", str(installed_bundle.store), "--port", "0",
+                 "--speculative-config", '{"method": "draft_model", "model": "meta-llama/Llama-3.2-1B"}'])
+    err = capsys.readouterr().err
+    assert code == UsageError.exit_code and err.count("\n") == 1, err
+    assert "meta-llama/Llama-3.2-1B" in err and "'draft@" in err
