@@ -223,13 +223,10 @@ def wheels(work, bundle, self_path):
     print(rt.get("package"), rt.get("version"), plat, len(paths), total, digest)
 
 
-cmd = sys.argv[1]
-if cmd == "key":
-    key(sys.argv[2], sys.argv[3])
-elif cmd == "extract":
-    extract(sys.argv[2], sys.argv[3])
-elif cmd == "wheels":
-    wheels(sys.argv[2], sys.argv[3], sys.argv[4])
+try:
+    {"key": key, "extract": extract, "wheels": wheels}[sys.argv[1]](*sys.argv[2:])
+except (AttributeError, KeyError, TypeError, ValueError, IndexError) as e:  # malformed content: one line
+    die(3, f"unexpected bundle content ({type(e).__name__}: {str(e)[:200]})")
 PY
 
 # 0. can this openssl verify Ed25519 at all? (a known signature; OpenSSL 1.1 has no -rawin)

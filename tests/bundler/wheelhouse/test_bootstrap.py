@@ -177,7 +177,16 @@ def newer_format(bundle, key, tmp):
     resign(bundle, _canonical(d), [load_private_key(key)])
 
 
+def signed_malformed_wheel_entry(bundle, key, tmp):
+    """Validly signed by the release key, but a wheel's entry is not what any tool writes."""
+    data, d = _manifest(bundle)
+    entry = next(f for f in d["files"] if f["path"].startswith("wheelhouse/bundle_runtime"))
+    entry["parts"] = ["not-a-part"]
+    resign(bundle, _canonical(d), [load_private_key(key)])
+
+
 MUTATIONS = {
+    "signed-malformed-wheel-entry": (signed_malformed_wheel_entry, 3),
     "flipped-wheel": (flipped_wheel, 3),
     "missing-wheel": (missing_wheel, 3),
     "truncated-wheel": (truncated_wheel, 3),

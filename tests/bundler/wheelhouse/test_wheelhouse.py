@@ -229,3 +229,22 @@ def test_a_stored_file_a_target_needs_installs_like_a_compressed_one(tmp_path):
     inst = Store(tmp_path / "store").install(out, target="cpu", trusted={}, allow_unsigned=True, progress=False)
     assert (inst.path / "data/table.bin").read_bytes() == payload.read_bytes()
     assert inst.manifest.format_version == 2
+
+
+@pytest.mark.parametrize("swap", ["wheel-as-zstd-part", "zstd-part-as-wheel", "unknown-media-type"])
+def test_layer_media_types_must_match_how_each_part_is_stored(swap, tmp_path):
+    """A stored wheel passed off as a zstd part (or the reverse, or a made-up type) is a bad bundle."""
+    from tests.runtime.floor.craft import write_oci_manifest
+
+    out = _pack_with(tmp_path, {"linux_x86_64-cp311": [make_wheel(tmp_path / "w", "tiny-runtime", "1.0")]})
+    oci = oci_manifest(out)
+    kind = {"wheel-as-zstd-part": L.WHEEL_MEDIA_TYPE, "zstd-part-as-wheel": L.PART_MEDIA_TYPE,
+            "unknown-media-type": L.WHEEL_MEDIA_TYPE}[swap]
+    layer = next(d for d in oci["layers"] if d["mediaType"] == kind)
+    layer["mediaType"] = {"wheel-as-zstd-part": L.PART_MEDIA_TYPE, "zstd-part-as-wheel": L.WHEEL_MEDIA_TYPE,
+                          "unknown-media-type": "application/x-executable"}[swap]
+    write_oci_manifest(out, oci)
+    with pytest.raises(BadBundleError, match="mediaType"):
+        verify_bundle(out, {}, allow_unsigned=True)
+    with pytest.raises(BadBundleError, match="mediaType"):
+        Store(tmp_path / "store").install(out, target="cpu", trusted={}, allow_unsigned=True, progress=False)
