@@ -1,15 +1,20 @@
 """Bundle throughput and memory on a synthetic checkpoint, beside standard tools on the same input.
 
-    python benchmarks/bench_bundle.py                 # 4 GB checkpoint (the issue's target size)
-    python benchmarks/bench_bundle.py --size-gb 1     # quicker
-    python benchmarks/bench_bundle.py --steps pack,tar-zstd --jobs 16   # memory with many workers
+    python benchmarks/bench_bundle.py                         # 4 GiB checkpoint, every step
+    python benchmarks/bench_bundle.py --size-gb 4,16          # memory flat as the input grows?
+    python benchmarks/bench_bundle.py --size-gb 1 --steps pack,tar-zstd --jobs 16
+    python benchmarks/bench_bundle.py --sweep-jobs 1,2,4,8,16 --sweep-gb 2 --plot jobs.png --json out.json
 
 Input: bf16-like weights (random normal floats cast to bf16, not zeros; compress about as real
-checkpoints do), written streaming into safetensors-sized shards plus a config.json.
+checkpoints do, ~78 %), written streaming into safetensors-sized shards plus a config.json.
 Every step runs in its own process; wall time and that process tree's peak RSS (wait4) are reported,
-so a step that buffers a whole file shows it. Steps are plain functions registered in STEPS:
-add verify / install rows by writing a function that returns the command to time.
-Target (issue 2): pack within 1.3x of `tar -I 'zstd -T0 -3'` + `sha256sum`, memory flat in input size.
+so a step that buffers a whole file shows it. Steps are plain functions registered in STEPS.
+`pack` is create_bundle on a folder (pack hashes while it compresses); `create` is what
+`bundle create --model DIR` does: the resolver hashes every file, pack reuses those digests.
+`pack-1stream` is the alternative design measured for comparison: one zstd stream per file through
+ZstdCompressor(threads=jobs), hashed inline (what create did before parts ran in parallel).
+Targets (issue 15, on 16 cores): create <= 1.0x `tar -I 'zstd -T0 -3'`, install <= 1.0x
+`zstd -d | tar -x`, every hash checked, peak RSS < 512 MB and flat in input size.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ REPO = Path(__file__).resolve().parent.parent
 GiB = 1024**3
 MiB = 1024**2
 SHARD_BYTES = 2 * GiB  # Hugging Face shards are typically 2-5 GB
+# The generator tiles one random block of this odd size: fast to write, and no two 128 MiB parts alike.
+_BLOCK = 48 * MiB + 12345
 
 
 @dataclass
@@ -54,19 +61,29 @@ class Row:
     def mb_per_s(self) -> float:
         return self.input_bytes / MiB / self.seconds if self.seconds else float("inf")
 
+    @property
+    def gb_per_s(self) -> float:
+        return self.input_bytes / 1e9 / self.seconds if self.seconds else float("inf")
+
+    def as_dict(self) -> dict:
+        return {"seconds": self.seconds, "peak_rss_mb": self.peak_rss / MiB, "cpu_seconds": self.cpu_seconds,
+                "input_bytes": self.input_bytes, "gb_per_s": self.gb_per_s, "note": self.note}
+
 
 # --- input -----------------------------------------------------------------------------------
 
 def make_checkpoint(model: Path, size: int, seed: int = 0) -> None:
-    """bf16-like bytes, generated streaming (8 MB at a time), never held in memory."""
+    """bf16-like bytes: one random block of _BLOCK bytes tiled (8 MB writes), never the whole file in memory."""
     import numpy as np
 
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
                                                    "max_position_embeddings": 8192}))
-    rng = np.random.default_rng(seed)
+    x = np.random.default_rng(seed).standard_normal(_BLOCK // 2 + 1, dtype=np.float32) * 0.02
+    block = (x.view(np.uint32) >> 16).astype(np.uint16).tobytes()[:_BLOCK]
+    block2 = block + block
     nshards = max(1, -(-size // SHARD_BYTES))
-    left = size
+    left, pos = size, 0
     for i in range(nshards):
         shard = min(SHARD_BYTES, left)
         left -= shard
@@ -74,8 +91,8 @@ def make_checkpoint(model: Path, size: int, seed: int = 0) -> None:
             written = 0
             while written < shard:
                 n = min(8 * MiB, shard - written)
-                x = rng.standard_normal(n // 2, dtype=np.float32) * 0.02
-                f.write((x.view(np.uint32) >> 16).astype(np.uint16).tobytes()[:n])
+                f.write(block2[pos:pos + n])
+                pos = (pos + n) % _BLOCK
                 written += n
 
 
@@ -135,6 +152,65 @@ def child_pack(args) -> None:
                   draft=None, targets=["cpu"], sign_keys=[], unsigned=True, jobs=args.jobs, progress=False)
 
 
+def step_create(ctx: Context) -> list[str]:
+    shutil.rmtree(ctx.bundle, ignore_errors=True)
+    return _self(ctx, "create")
+
+
+def child_create(args) -> None:
+    """`bundle create --model DIR` without export: the resolver hashes every file, pack reuses the digests."""
+    sys.path.insert(0, str(REPO))
+    from bundler.create import ModelInput, create_bundle
+    from bundler.resolve import resolve_model
+
+    r = resolve_model(str(Path(args.model).resolve()), role="target")
+    model = ModelInput(role="target", local_dir=Path(r.local_dir), source=r.source, name="bench",
+                       files=tuple(f.path for f in r.files), digests={f.path: (f.size, f.sha256) for f in r.files})
+    create_bundle(Path(args.bundle), name="bench", version=1, model=model, draft=None, targets=["cpu"],
+                  sign_keys=[], unsigned=True, jobs=args.jobs, progress=False)
+
+
+def step_pack_1stream(ctx: Context) -> list[str]:
+    shutil.rmtree(ctx.work / "1stream", ignore_errors=True)
+    return _self(ctx, "pack-1stream")
+
+
+def child_pack_1stream(args) -> None:
+    """The alternative: per file, one zstd stream on zstd's own threads (threads=jobs), sha256 of the input
+    and of the output inline, fsync; files one after another. Same level, same frame checksums."""
+    import hashlib
+
+    import zstandard
+
+    jobs = args.jobs or os.cpu_count() or 1
+    params = zstandard.ZstdCompressionParameters.from_level(3, threads=jobs, job_size=4 * MiB,
+                                                            write_checksum=1, write_content_size=1)
+    cctx = zstandard.ZstdCompressor(compression_params=params)
+    out = Path(args.bundle).parent / "1stream"
+    out.mkdir(exist_ok=True)
+
+    class Sink:
+        def __init__(self, fh):
+            self.fh, self.hash = fh, hashlib.sha256()
+
+        def write(self, data):
+            self.hash.update(data)
+            return self.fh.write(data)
+
+        def flush(self):
+            self.fh.flush()
+
+    for src in sorted(Path(args.model).iterdir()):
+        file_hash = hashlib.sha256()
+        with open(src, "rb") as fin, open(out / (src.name + ".zst"), "wb") as fout:
+            with cctx.stream_writer(Sink(fout), size=src.stat().st_size, closefd=False) as zw:
+                while chunk := fin.read(4 * MiB):
+                    file_hash.update(chunk)
+                    zw.write(chunk)
+            fout.flush()
+            os.fsync(fout.fileno())
+
+
 def step_untar(ctx: Context) -> list[str]:
     """Baseline for install: decompress the tar-zstd baseline's archive and extract it (no hashing)."""
     out = ctx.work / "untar"
@@ -162,7 +238,7 @@ def child_verify(args) -> None:
 
 
 def child_install(args) -> None:
-    """The measured work of `bundle install`: stream-decompress every part, hash blobs and files, fsync, switch."""
+    """The measured work of `bundle install`: decompress every part, hash blobs and files, fsync, switch."""
     sys.path.insert(0, str(REPO))
     from runtime.store import Store
 
@@ -170,25 +246,36 @@ def child_install(args) -> None:
     Store(bundle.parent / "store").install(bundle, target="cpu", trusted={}, allow_unsigned=True, jobs=args.jobs)
 
 
-# name -> (command builder, what it is compared with); FLOOR: add "verify", "install", "zstd-d-tar-x" here.
+# name -> (command builder, what it is)
 STEPS: dict[str, tuple[Callable[[Context], list[str]], str]] = {
     "sha256sum": (step_sha256sum, "baseline: hashing only"),
     "tar-zstd": (step_tar_zstd, "baseline: tar -I 'zstd -T0 -3'"),
-    "pack": (step_pack, "bundle create (hash + zstd + sign)"),
     "zstd-d-tar-x": (step_untar, "baseline: zstd -d | tar -x (needs tar-zstd first)"),
+    "pack": (step_pack, "bundle create on a folder (hash + zstd + sign)"),
+    "create": (step_create, "resolver hashes, pack reuses digests (zstd + sign)"),
+    "pack-1stream": (step_pack_1stream, "alternative: 1 zstd stream/file, threads=jobs"),
     "verify": (step_verify, "bundle verify (size + sha256 of every blob; MB/s of input)"),
     "install": (step_install, "bundle install (zstd -d + blob & file sha256 + fsync)"),
 }
-CHILDREN = {"pack": child_pack, "verify": child_verify, "install": child_install}
+CHILDREN = {"pack": child_pack, "create": child_create, "pack-1stream": child_pack_1stream,
+            "verify": child_verify, "install": child_install}
+# What a step leaves that no later step needs: removed after it is measured (a 16 GiB run fits 64 GB of disk).
+CLEANUP: dict[str, Callable[[Context], None]] = {
+    "zstd-d-tar-x": lambda ctx: (shutil.rmtree(ctx.work / "untar", ignore_errors=True),
+                                 (ctx.work / "baseline.tar.zst").unlink(missing_ok=True)),
+    "pack-1stream": lambda ctx: shutil.rmtree(ctx.work / "1stream", ignore_errors=True),
+    "install": lambda ctx: shutil.rmtree(ctx.work / "store", ignore_errors=True),
+}
 # (step, baselines whose summed time it is compared with)
-COMPARE = [("pack", ("tar-zstd",)), ("pack", ("tar-zstd", "sha256sum")), ("verify", ("sha256sum",)),
+COMPARE = [("pack", ("tar-zstd",)), ("create", ("tar-zstd",)), ("pack-1stream", ("tar-zstd",)),
+           ("pack", ("tar-zstd", "sha256sum")), ("verify", ("sha256sum",)),
            ("install", ("zstd-d-tar-x",)), ("install", ("zstd-d-tar-x", "sha256sum"))]
 
 
 def print_table(rows: dict[str, Row]) -> None:
-    print(f"\n{'step':<12} {'seconds':>8} {'MB/s':>8} {'CPU s':>7} {'peak RSS MB':>12}  what")
+    print(f"\n{'step':<13} {'seconds':>8} {'GB/s':>6} {'CPU s':>7} {'peak RSS MB':>12}  what")
     for r in rows.values():
-        print(f"{r.step:<12} {r.seconds:>8.2f} {r.mb_per_s:>8.0f} {r.cpu_seconds:>7.1f} {r.peak_rss / MiB:>12.0f}"
+        print(f"{r.step:<13} {r.seconds:>8.2f} {r.gb_per_s:>6.2f} {r.cpu_seconds:>7.1f} {r.peak_rss / MiB:>12.0f}"
               f"  {r.note}")
     for step, bases in COMPARE:
         if step in rows and all(b in rows for b in bases):
@@ -197,11 +284,71 @@ def print_table(rows: dict[str, Row]) -> None:
             print(f"{step} / ({' + '.join(bases)}): wall {wall:.2f}x, CPU {cpu:.2f}x")
 
 
+def run_steps(work: Path, size: int, steps: list[str], jobs: int | None, *, keep_model: bool = False,
+              quiet: bool = False) -> dict[str, Row]:
+    """Generate a checkpoint of `size` bytes (unless there), run `steps` on it, return their rows."""
+    ctx = Context(work=work, model=work / f"model-{size}", input_bytes=size, jobs=jobs, bundle=work / "bundle")
+    if not ctx.model.exists():
+        t = time.perf_counter()
+        make_checkpoint(ctx.model, size)
+        print(f"generated {size / GiB:.2f} GiB of bf16-like weights in {time.perf_counter() - t:.0f} s")
+    total = sum(p.stat().st_size for p in ctx.model.iterdir())
+    subprocess.run(["cat", *map(str, ctx.model.iterdir())], stdout=subprocess.DEVNULL)  # same cache state
+    if not quiet:
+        print(f"cores: {os.cpu_count()}, jobs: {jobs or 'all'}, input: {total / MiB:.0f} MiB")
+    rows = {}
+    for name in steps:
+        build, note = STEPS[name]
+        seconds, rss, cpu = measure(build(ctx), work)
+        rows[name] = Row(name, seconds, rss, total, cpu, note)
+        print(f"  {name} (jobs {jobs or 'all'}, {total / GiB:.1f} GiB): {seconds:.2f} s, "
+              f"{rss / MiB:.0f} MB peak RSS", flush=True)
+        if name in ("pack", "create") and (ctx.bundle / "blobs").exists():
+            packed = sum(p.stat().st_size for p in (ctx.bundle / "blobs" / "sha256").iterdir())
+            nblobs = len(list((ctx.bundle / "blobs" / "sha256").iterdir()))
+            print(f"    bundle: {packed / MiB:.0f} MiB in {nblobs} blobs ({packed / total:.1%} of input)")
+        if name == "tar-zstd":
+            print(f"    tar.zst: {(work / 'baseline.tar.zst').stat().st_size / MiB:.0f} MiB")
+        if name in CLEANUP:
+            CLEANUP[name](ctx)
+    if not keep_model:
+        shutil.rmtree(ctx.model, ignore_errors=True)
+        shutil.rmtree(ctx.bundle, ignore_errors=True)
+    return rows
+
+
+def plot_sweep(sweep: list[dict], path: Path, cores: int) -> None:
+    """Throughput (GB/s of input) against --jobs, one line per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for step, style in (("pack", "o-"), ("install", "s-"), ("tar-zstd", "o--"), ("zstd-d-tar-x", "s--")):
+        pts = [(r["jobs"], r["rows"][step]["gb_per_s"]) for r in sweep if step in r["rows"]]
+        if pts:
+            ax.plot(*zip(*pts), style, label=STEPS[step][1])
+    ax.set_xlabel("--jobs (zstd -T for the baselines)")
+    ax.set_ylabel("GB/s of uncompressed input")
+    ax.set_xscale("log", base=2)
+    ax.set_title(f"bundle create / install vs tar + zstd, {cores} cores, {sweep[0]['size_gb']:g} GiB input")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-gb", type=float, default=4.0, help="synthetic checkpoint size (default 4)")
+    ap.add_argument("--size-gb", default="4", help="synthetic checkpoint size(s), comma list (default 4)")
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma list of {', '.join(STEPS)}")
-    ap.add_argument("--jobs", type=int, help="threads for pack and zstd (default: every core)")
+    ap.add_argument("--jobs", type=int, help="threads for pack, install and zstd (default: every core)")
+    ap.add_argument("--sweep-jobs", help="comma list of --jobs values: tar-zstd, pack and install at each")
+    ap.add_argument("--sweep-gb", type=float, default=2.0, help="input size for --sweep-jobs (default 2)")
+    ap.add_argument("--json", type=Path, help="write every row here")
+    ap.add_argument("--plot", type=Path, help="PNG of throughput vs --jobs (needs --sweep-jobs and matplotlib)")
     ap.add_argument("--work", type=Path, help="scratch folder (default: a temp folder, removed after)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -213,28 +360,38 @@ def main() -> None:
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-bundle-", dir="/var/tmp"))
     work.mkdir(parents=True, exist_ok=True)
+    cores = os.cpu_count() or 1
+    results: dict = {"cores": cores, "runs": [], "sweep": []}
     try:
-        size = int(args.size_gb * GiB)
-        ctx = Context(work=work, model=work / "model", input_bytes=size, jobs=args.jobs, bundle=work / "bundle")
-        if not ctx.model.exists():
-            t = time.perf_counter()
-            make_checkpoint(ctx.model, size)
-            print(f"generated {size / GiB:.2f} GiB of bf16-like weights in {time.perf_counter() - t:.0f} s")
-        total = sum(p.stat().st_size for p in ctx.model.iterdir())
-        subprocess.run(["cat", *map(str, ctx.model.iterdir())], stdout=subprocess.DEVNULL)  # same cache state
-        print(f"cores: {os.cpu_count()}, jobs: {args.jobs or 'all'}, input: {total / MiB:.0f} MiB")
-        rows = {}
-        for name in args.steps.split(","):
-            build, note = STEPS[name]
-            seconds, rss, cpu = measure(build(ctx), work)
-            rows[name] = Row(name, seconds, rss, total, cpu, note)
-            print(f"  {name}: {seconds:.1f} s", flush=True)
-        if (ctx.bundle / "blobs").exists():
-            packed = sum(p.stat().st_size for p in (ctx.bundle / "blobs" / "sha256").iterdir())
-            print(f"bundle: {packed / MiB:.0f} MiB ({packed / total:.1%} of input)")
-        if (work / "baseline.tar.zst").exists():
-            print(f"tar.zst: {(work / 'baseline.tar.zst').stat().st_size / MiB:.0f} MiB")
-        print_table(rows)
+        steps = [s for s in args.steps.split(",") if s]
+        for size_gb in (float(x) for x in args.size_gb.split(",") if x and steps):
+            rows = run_steps(work, int(size_gb * GiB), steps, args.jobs)
+            print_table(rows)
+            results["runs"].append({"size_gb": size_gb, "jobs": args.jobs or cores,
+                                    "rows": {k: r.as_dict() for k, r in rows.items()}})
+        if args.sweep_jobs:
+            jobs_list = [int(j) for j in args.sweep_jobs.split(",")]
+            size = int(args.sweep_gb * GiB)
+            for i, j in enumerate(jobs_list):
+                last = i == len(jobs_list) - 1
+                sweep_steps = ["tar-zstd", "pack", "install"] + (["zstd-d-tar-x"] if last else [])
+                rows = run_steps(work, size, sweep_steps, j, keep_model=not last, quiet=True)
+                results["sweep"].append({"size_gb": args.sweep_gb, "jobs": j,
+                                         "rows": {k: r.as_dict() for k, r in rows.items()}})
+            untar = results["sweep"][-1]["rows"]["zstd-d-tar-x"]  # single-threaded: the same at every -T
+            for r in results["sweep"][:-1]:
+                r["rows"]["zstd-d-tar-x"] = untar
+            print(f"\nsweep on {args.sweep_gb:.1f} GiB ({cores} cores), GB/s of input:")
+            print(f"{'jobs':>5} {'tar-zstd':>9} {'pack':>7} {'install':>8} {'untar':>7}  pack/tar  install/untar")
+            for r in results["sweep"]:
+                g = {k: v["gb_per_s"] for k, v in r["rows"].items()}
+                print(f"{r['jobs']:>5} {g['tar-zstd']:>9.2f} {g['pack']:>7.2f} {g['install']:>8.2f} "
+                      f"{g['zstd-d-tar-x']:>7.2f}  {g['tar-zstd'] / g['pack']:>7.2f}x "
+                      f"{g['zstd-d-tar-x'] / g['install']:>12.2f}x")
+            if args.plot:
+                plot_sweep(results["sweep"], args.plot, cores)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -144,7 +144,8 @@ def model_files(model: ModelInput) -> list[PackFile]:
     hidden ones skipped, symlinks to files followed (Hugging Face cache snapshots are symlinks)."""
     base = model.local_dir
     if model.files is not None:
-        return [PackFile(src=base / rel, path=f"{model.root}/{rel}") for rel in model.files]
+        return [PackFile(src=base / rel, path=f"{model.root}/{rel}", sha256=_known_sha256(model, rel, base / rel))
+                for rel in model.files]
     out = []
     for dirpath, dirnames, filenames in os.walk(base):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -161,10 +162,23 @@ def model_files(model: ModelInput) -> list[PackFile]:
             if not full.is_file():
                 continue  # sockets, fifos, devices: not model content
             rel = full.relative_to(base).as_posix()
-            out.append(PackFile(src=full, path=f"{model.root}/{rel}"))
+            out.append(PackFile(src=full, path=f"{model.root}/{rel}", sha256=_known_sha256(model, rel, full)))
     if not out:
         raise UsageError(f"expected model files in {base}, found none")
     return out
+
+
+def _known_sha256(model: ModelInput, rel: str, src: Path) -> str | None:
+    """The digest the resolver computed (and checked) for this file in this run, so pack does not hash
+    it again; None when there is none. A file whose size changed since is refused, not re-read."""
+    known = (model.digests or {}).get(rel)
+    if known is None:
+        return None
+    size, sha = known
+    found = src.stat().st_size
+    if found != size:
+        raise UsageError(f"{src} changed after it was resolved: expected {size} bytes, found {found}")
+    return sha
 
 
 def _read_config(model: ModelInput) -> dict:

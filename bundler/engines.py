@@ -17,7 +17,7 @@ cross-build), otherwise on the device at first start, or once per fleet by `bund
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -117,6 +117,8 @@ class ExportedModel:
     role: str
     export: ExportResult
     onnx_sha256: str  # runtime.engine_cache.onnx_digest over graph + weights
+    #: file name -> sha256, computed once for onnx_sha256 and reused by pack (no second hash)
+    file_sha256: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def layout(self) -> str:
@@ -139,7 +141,8 @@ class ExportedModel:
         return tuple(f"{ONNX_ROOTS[self.variant]}/{self.role}/{p.name}" for p in self.export.files)
 
     def pack_files(self, targets: tuple[str, ...] | None = None) -> list[PackFile]:
-        return [PackFile(src=src, path=path, targets=targets) for src, path in zip(self.export.files, self.paths)]
+        return [PackFile(src=src, path=path, targets=targets, sha256=self.file_sha256.get(src.name))
+                for src, path in zip(self.export.files, self.paths)]
 
 
 def export_models(models: Mapping[str, Path], work_dir: Path,
@@ -156,8 +159,8 @@ def export_models(models: Mapping[str, Path], work_dir: Path,
             if getattr(result, "dtype", "float32") != dtype:
                 raise ModelError(f"expected a {dtype} export of {checkpoint}, found "
                                  f"{getattr(result, 'dtype', 'float32')}")
-            digest = onnx_digest({p.name: file_sha256(p) for p in result.files})
-            out.append(ExportedModel(role, result, digest))
+            hashes = {p.name: file_sha256(p) for p in result.files}
+            out.append(ExportedModel(role, result, onnx_digest(hashes), hashes))
     return out
 
 

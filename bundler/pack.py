@@ -1,20 +1,29 @@
 """Pack files into a signed bundle directory (an OCI image layout, see manifests.layout).
 
-Streaming, one pass over the input: each file is read in chunks, hashed (sha256 of the
-uncompressed bytes, what the device checks) and fed to a multithreaded zstd compressor that
-writes one zstd frame per part straight to a temp file in blobs/sha256/. zstd's own worker
-threads (native, no GIL) compress in parallel on every core, as `zstd -T0` does, so even a
-single multi-GB safetensors file uses all cores while memory stays bounded by the compressor's
-job buffers, not by part or model size. Streaming multithreaded zstd output does not depend on
-the number of workers, so the same input gives the same blobs on any machine.
+Streaming and parallel: every file is cut into parts of at most PART_CHUNK bytes (and never more
+than --max-part-size once compressed), and each part is one task on a pool of `jobs` threads that
+reads its byte range, compresses it with single-threaded zstd into one independent frame, hashes
+the compressed bytes and writes its blob. zstd and hashlib release the GIL, so the threads keep
+every core busy on a single multi-GB file as well as on many files. Compression runs in `jobs`
+slots of about 5 MB each (a level-3 zstd context and 1 MiB buffers), so memory is bounded by the
+slot count, never by part or model size; there are twice as many threads as slots, so a thread
+waiting for its blob's fsync leaves its slot to another part and the disk writes while every core
+compresses. Independent frames also let `bundle install` decompress the parts of one file in
+parallel. The output does not depend on the thread count: same input, same blobs on any machine.
+
+Each file's sha256 (what the device checks) is hashed once: taken from the resolver, which already
+hashed every downloaded file in this run (PackFile.sha256), or else computed here by one more task
+that reads the file front to back while its parts compress. A file whose size, mtime or inode
+changes while it is packed is refused.
 
 Wheels and the bootstrap (format 2) are already compressed or tiny: they are stored as they are
 (`PackFile.media_type` set), one blob named by the file's own sha256, so a device checks them with
 `sha256sum` alone. The manifest states the lowest format version that can hold what was packed.
 
 Crash safety: a blob appears under its digest only after fsync + rename, and a small resume
-journal (part sha256 -> blob) lets a rerun skip parts already done. index.json and the
-COMPLETE marker are written last; a directory without COMPLETE is never a finished bundle.
+journal ((file sha256, offset, length, level) -> blob) lets a rerun skip parts already done.
+index.json and the COMPLETE marker are written last; a directory without COMPLETE is never a
+finished bundle.
 """
 
 from __future__ import annotations
@@ -25,13 +34,15 @@ import importlib.metadata
 import json
 import os
 import platform
+import queue
 import re
 import sys
+import threading
 import uuid
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable
 
 import zstandard
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -46,21 +57,21 @@ from manifests.layout import (
 )
 from manifests.schema import Builder, FileEntry, Manifest, Model, Part, Runtime, Speculative, Target, format_time
 from runtime import settings
-from runtime.fsutil import file_sha256, fsync_dir, write_atomic
+from runtime.fsutil import fsync_dir, write_atomic
+from runtime.parallel import MAX_WORKERS, ShortRead, Stopped, read_span, run_parallel
 
-__all__ = ["PackFile", "pack_bundle", "part_length", "DEFAULT_MAX_PART_SIZE", "DEFAULT_LEVEL", "JOURNAL_FILE"]
+__all__ = ["PackFile", "pack_bundle", "part_length", "DEFAULT_MAX_PART_SIZE", "DEFAULT_LEVEL", "JOURNAL_FILE",
+           "PART_CHUNK"]
 
 DEFAULT_LEVEL = 3  # what `tar -I 'zstd -3'` uses; weights barely compress further at higher levels
-READ_CHUNK = 4 * 1024 * 1024
+READ_CHUNK = 1024 * 1024
 MIN_PART_SIZE = 64 * 1024
 JOURNAL_FILE = ".pack-journal"
+# Uncompressed bytes per part: the unit of parallel work at create and at install. 128 MiB gives a
+# 2 GB shard 16 parts (every core of a 16-core host busy on it) and a 60 GB model about 480 blobs.
+PART_CHUNK = 128 * 1024 * 1024
 # zstd frame header (<= 18 bytes) + checksum (4) + a final empty block (3), with room to spare.
 _FRAME_OVERHEAD = 64
-# zstd's multithreaded job size: its buffers (about 3 per worker) are what bounds memory.
-_JOB_SIZE = 4 * 1024 * 1024
-# About 8 MB of zstd buffers per worker: 24 workers stay near 250 MB. More cores than that add little
-# for a stream read from one disk or USB stick.
-MAX_ZSTD_WORKERS = 24
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -72,6 +83,9 @@ class PackFile:
     path: str
     targets: tuple[str, ...] | None = None  # None: every target needs it
     executable: bool = False
+    #: sha256 of `src` if this run already hashed it (the resolver did, checking it against the hub):
+    #: then pack does not hash it again. The device checks it whatever happens.
+    sha256: str | None = None
     #: None: zstd parts (PART_MEDIA_TYPE). Set: stored as is, one blob, this OCI layer media type (format 2)
     media_type: str | None = None
 
@@ -114,23 +128,25 @@ class _DigestWriter:
 
 
 class _Journal:
-    """Resume journal: (part sha256, length, level) -> blob, appended as each blob lands.
+    """Resume journal: (file sha256, offset, length, level) -> blob, appended as each blob lands.
 
-    Keyed by the part's own content, so a changed input can never reuse a stale blob. Only
-    entries whose blob still exists with the recorded size count. Removed when the bundle is complete.
+    Keyed by the content of the file the part comes from, so a changed input can never reuse a stale
+    blob. Only entries whose blob still exists with the recorded size count. Removed when the bundle
+    is complete. Thread-safe.
     """
 
     def __init__(self, path: Path, blobs: Path):
         self.path = path
-        self.entries: dict[tuple[str, int, int], tuple[str, int]] = {}
+        self.entries: dict[tuple[str, int, int, int], tuple[str, int]] = {}
+        self._lock = threading.Lock()
         if path.exists():
             for line in path.read_text(errors="replace").splitlines():
                 try:
                     e = json.loads(line)
-                    key = (str(e["part_sha256"]), int(e["length"]), int(e["level"]))
+                    key = (str(e["file_sha256"]), int(e["offset"]), int(e["length"]), int(e["level"]))
                     digest, size = str(e["digest"]), int(e["size"])
                 except (ValueError, KeyError, TypeError):
-                    continue  # a torn last line from a crash
+                    continue  # a torn last line from a crash, or an older tool's entry
                 hexd = digest.partition(":")[2]
                 blob = blobs / hexd
                 if _HEX64.match(hexd) and blob.is_file() and blob.stat().st_size == size:
@@ -143,14 +159,16 @@ class _Journal:
             raise UsageError(f"expected {path.parent} to be free, found another `bundle create` "
                              f"writing to it") from None
 
-    def get(self, part_sha256: str, length: int, level: int) -> tuple[str, int] | None:
-        return self.entries.get((part_sha256, length, level))
+    def get(self, file_sha256: str, offset: int, length: int, level: int) -> tuple[str, int] | None:
+        return self.entries.get((file_sha256, offset, length, level))
 
-    def add(self, part_sha256: str, length: int, level: int, digest: str, size: int) -> None:
-        self.entries[(part_sha256, length, level)] = (digest, size)
-        self.fh.write(json.dumps({"part_sha256": part_sha256, "length": length, "level": level,
-                                  "digest": digest, "size": size}) + "\n")
-        self.fh.flush()
+    def add(self, file_sha256: str, part: Part, level: int) -> None:
+        line = json.dumps({"file_sha256": file_sha256, "offset": part.offset, "length": part.length,
+                           "level": level, "digest": part.digest, "size": part.size}) + "\n"
+        with self._lock:
+            self.entries[(file_sha256, part.offset, part.length, level)] = (part.digest, part.size)
+            self.fh.write(line)
+            self.fh.flush()
 
     def remove(self) -> None:
         self.fh.close()
@@ -162,22 +180,146 @@ class _Journal:
 
 # --- the packer ------------------------------------------------------------------------------
 
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev
+
+
+class _PendingFile:
+    """One file being packed: its tasks (a hash of the whole file unless its digest is known, and one per
+    part), and its sha256 and parts once the last of them is done."""
+
+    def __init__(self, packer: "_Packer", src: Path, size: int, sha256: str | None):
+        self.packer, self.src, self.size, self.sha256 = packer, src, size, sha256
+        self.ident = _identity(os.stat(src))
+        if self.ident[0] != size:
+            raise UsageError(f"{src} changed while packing: expected {size} bytes, found {self.ident[0]}")
+        step = packer.part_len
+        self.spans = [(o, min(step, size - o)) for o in range(0, size, step)]
+        self.parts: list[Part | None] = [None] * len(self.spans)
+        # Without a known digest, one task hashes the file front to back while the parts compress (the
+        # sha256 of a file is sequential; its pages are read once from disk and shared through the cache).
+        self._hash_needed = sha256 is None and size > 0
+        self._computed: str | None = None
+        self._left = len(self.spans) + self._hash_needed
+        self._lock = threading.Lock()
+
+    def _open(self) -> int:
+        fd = os.open(self.src, os.O_RDONLY | os.O_CLOEXEC)
+        if _identity(os.fstat(fd)) != self.ident:
+            os.close(fd)
+            raise UsageError(f"{self.src} changed while packing: its size, mtime or inode is not what it was "
+                             f"when packing started")
+        return fd
+
+    def _hash_all(self) -> str:
+        fd = self._open()
+        try:
+            h = hashlib.sha256()
+            for chunk in read_span(fd, 0, self.size, bytearray(READ_CHUNK), str(self.src)):
+                if self.packer.stop.is_set():
+                    raise Stopped()
+                h.update(chunk)
+            return h.hexdigest()
+        except ShortRead as e:
+            raise UsageError(f"{self.src} changed while packing: {e}") from None
+        finally:
+            os.close(fd)
+
+    def hash_first(self) -> None:
+        """Hash before any part is packed (resume: the journal is keyed by the file's sha256)."""
+        self.sha256 = self._hash_all()
+        self._hash_needed = False
+        self._left = len(self.spans)
+
+    def tasks(self) -> list[Callable[[], "_PendingFile | None"]]:
+        parts = [lambda i=i: self._pack_part(i) for i in range(len(self.spans))]
+        return ([self._hash_task] if self._hash_needed else []) + parts
+
+    def _hash_task(self) -> "_PendingFile | None":
+        if self.packer.stop.is_set():
+            raise Stopped()
+        self._computed = self._hash_all()
+        return self._done_one()
+
+    def _pack_part(self, i: int) -> "_PendingFile | None":
+        """Compress part i (or reuse it from the journal); returns self to the task that completed the file."""
+        packer = self.packer
+        if packer.stop.is_set():
+            raise Stopped()
+        offset, length = self.spans[i]
+        hit = packer.journal.get(self.sha256, offset, length, packer.level) if self.sha256 else None
+        if hit is not None:
+            digest, csize = hit
+            packer.progress(length)
+        else:
+            fd = self._open()
+            try:
+                digest, csize = packer._compress_range(fd, offset, length, str(self.src))
+            finally:
+                os.close(fd)
+        self.parts[i] = part = Part(digest=digest, size=csize, offset=offset, length=length)
+        if self.sha256 is not None and hit is None:
+            packer.journal.add(self.sha256, part, packer.level)
+        return self._done_one()
+
+    def _done_one(self) -> "_PendingFile | None":
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        return self._finish() if last else None
+
+    def _finish(self) -> "_PendingFile":
+        if _identity(os.stat(self.src)) != self.ident:
+            raise UsageError(f"{self.src} changed while packing: its size, mtime or inode is not what it was "
+                             f"when packing started")
+        if self._hash_needed:
+            self.sha256 = self._computed
+            for part in self.parts:  # journaled now that the key is known
+                self.packer.journal.add(self.sha256, part, self.packer.level)  # type: ignore[arg-type]
+        return self
+
+    def result(self) -> tuple[str, tuple[Part, ...]]:
+        if self.size == 0:
+            return self.sha256 or hashlib.sha256().hexdigest(), ()
+        if self.sha256 is None or any(p is None for p in self.parts):
+            raise BundleError(f"internal error: {self.src} was not packed completely")
+        return self.sha256, tuple(self.parts)  # type: ignore[arg-type]
+
+
 class _Packer:
-    def __init__(self, out: Path, *, max_part_size: int, level: int, jobs: int, bar: tqdm):
+    def __init__(self, out: Path, *, max_part_size: int, level: int, jobs: int, bar: tqdm,
+                 chunk: int = PART_CHUNK):
         self.out = out
         self.blobs = out / BLOBS_DIR
         self.max_part_size = max_part_size
-        self.part_len = part_length(max_part_size)
+        self.part_len = max(1, min(part_length(max_part_size), chunk))
         self.level = level
+        self.jobs = min(max(1, jobs), MAX_WORKERS)
         self.bar = bar
-        params = zstandard.ZstdCompressionParameters.from_level(
-            level, threads=min(max(1, jobs), MAX_ZSTD_WORKERS), job_size=_JOB_SIZE,
-            write_checksum=1, write_content_size=1)
-        self.cctx = zstandard.ZstdCompressor(compression_params=params)
-        self.buf = bytearray(READ_CHUNK)
+        # Single-threaded zstd per part (threads=0): ~2.5 MB a context instead of ~17 MB for its
+        # multithreaded mode, and parts give the parallelism (see benchmarks/bench_bundle.py).
+        self.params = zstandard.ZstdCompressionParameters.from_level(level, write_checksum=1, write_content_size=1)
+        self.stop = threading.Event()
+        # `jobs` slots bound the CPU work and the memory; twice as many threads let a thread wait for
+        # its blob's fsync while another compresses in its slot, so the disk writes while every core works.
+        self._slots: queue.LifoQueue = queue.LifoQueue()
+        for _ in range(self.jobs):
+            self._slots.put(None)
+        self._bar_lock = threading.Lock()
         self.journal = _Journal(out / JOURNAL_FILE, self.blobs)
         self.resuming = bool(self.journal.entries)
         self.stored_media_types: dict[str, str] = {}  # digest of a stored blob -> its layer media type
+
+    def progress(self, n: int) -> None:
+        with self._bar_lock:
+            self.bar.update(n)
+
+    def _take_slot(self) -> tuple[zstandard.ZstdCompressor, bytearray]:
+        """One of `jobs` compression slots (a zstd context and a read buffer), waiting for a free one."""
+        state = self._slots.get()
+        if state is None:
+            state = (zstandard.ZstdCompressor(compression_params=self.params), bytearray(READ_CHUNK))
+        return state
 
     def _land(self, tmp: Path, digest_hex: str) -> None:
         """Move a finished temp blob to its digest name; an existing blob of that digest is the same bytes."""
@@ -188,81 +330,54 @@ class _Packer:
             os.replace(tmp, final)
             fsync_dir(self.blobs)
 
-    def _read_into(self, fh, want: int, what: str) -> memoryview:
-        view = memoryview(self.buf)[:want]
-        got = fh.readinto(view)
-        if not got:
-            raise UsageError(f"{what} changed while packing: expected more bytes, found end of file")
-        return view[:got]
-
-    def _hashed_chunks(self, fh, offset: int, length: int, hashers: Iterable) -> Iterator[memoryview]:
-        """Read [offset, offset+length) of fh in chunks, feeding each to `hashers` before yielding it.
-        A chunk is a view of the one reused buffer: use it before asking for the next."""
-        fh.seek(offset)
-        remaining = length
-        while remaining:
-            chunk = self._read_into(fh, min(READ_CHUNK, remaining), fh.name)
-            for h in hashers:
-                h.update(chunk)
-            yield chunk
-            remaining -= len(chunk)
-
-    def _hash_range(self, fh, offset: int, length: int, hashers: Iterable) -> None:
-        for _ in self._hashed_chunks(fh, offset, length, hashers):
-            pass
-
-    def _compress_range(self, fh, offset: int, length: int, hashers: list) -> tuple[str, int]:
-        """Compress [offset, offset+length) of fh into one zstd frame in a new blob; return (digest, size)."""
+    def _compress_range(self, fd: int, offset: int, length: int, what: str) -> tuple[str, int]:
+        """Compress [offset, offset+length) of fd into one zstd frame in a new blob; return (digest, size)."""
         tmp = self.blobs / f".tmp-{uuid.uuid4().hex}"
         try:
             with open(tmp, "wb") as raw:
                 sink = _DigestWriter(raw)
-                with self.cctx.stream_writer(sink, size=length, closefd=False) as zw:
-                    for chunk in self._hashed_chunks(fh, offset, length, hashers):
+                state = self._take_slot()
+                try:
+                    cctx, buf = state
+                    # No `with`: closing the writer after an error (a full disk) would mask it with a zstd one.
+                    zw = cctx.stream_writer(sink, size=length, closefd=False, write_size=READ_CHUNK)
+                    for chunk in read_span(fd, offset, length, buf, what):
+                        if self.stop.is_set():
+                            raise Stopped()
                         zw.write(chunk)
-                        self.bar.update(len(chunk))
+                        self.progress(len(chunk))
+                    zw.flush(zstandard.FLUSH_FRAME)
+                except BaseException:
+                    state = None  # a context left mid-frame is not reused
+                    raise
+                finally:
+                    self._slots.put(state)
                 raw.flush()
-                os.fsync(raw.fileno())
+                os.fsync(raw.fileno())  # outside the slot: another part compresses meanwhile
             if sink.size > self.max_part_size:  # cannot happen given part_length(); never ship it if it does
-                raise BundleError(f"internal error: part of {fh.name} compressed to {sink.size} bytes, "
+                raise BundleError(f"internal error: part of {what} compressed to {sink.size} bytes, "
                                   f"over the limit of {self.max_part_size}")
             hexd = sink.hash.hexdigest()
             self._land(tmp, hexd)
             return "sha256:" + hexd, sink.size
-        except BaseException:
+        except BaseException as e:
             tmp.unlink(missing_ok=True)
+            if isinstance(e, ShortRead):
+                raise UsageError(f"{what} changed while packing: {e}") from None
             raise
 
-    def pack_file(self, src: Path, size: int) -> tuple[str, tuple[Part, ...]]:
-        """Pack one file; returns (sha256 of its uncompressed bytes, its parts)."""
-        file_hash = hashlib.sha256()
-        parts = []
-        with open(src, "rb", buffering=0) as fh:
-            for offset in range(0, size, self.part_len):
-                length = min(self.part_len, size - offset)
-                single = length == size
-                part_hash = file_hash if single else hashlib.sha256()
-                hashers = [file_hash] if single else [file_hash, part_hash]
-                if self.resuming:  # hash first, compress only what the journal lacks
-                    self._hash_range(fh, offset, length, hashers)
-                    part_sha = part_hash.hexdigest()  # hexdigest() does not finalise: hashing goes on
-                    hit = self.journal.get(part_sha, length, self.level)
-                    if hit is not None:
-                        digest, csize = hit
-                        self.bar.update(length)
-                    else:
-                        again = hashlib.sha256()
-                        digest, csize = self._compress_range(fh, offset, length, [again])
-                        if again.hexdigest() != part_sha:
-                            raise UsageError(f"{src} changed while packing: bytes at {offset} differ between reads")
-                else:
-                    digest, csize = self._compress_range(fh, offset, length, hashers)
-                    part_sha = part_hash.hexdigest()
-                self.journal.add(part_sha, length, self.level, digest, csize)
-                parts.append(Part(digest=digest, size=csize, offset=offset, length=length))
-            if fh.read(1):
-                raise UsageError(f"{src} changed while packing: expected {size} bytes, found more")
-        return file_hash.hexdigest(), tuple(parts)
+    def pack_file(self, src: Path, size: int, sha256: str | None = None) -> _PendingFile:
+        """Plan one file; its work runs as tasks (`_PendingFile.tasks`). Resuming without a known digest
+        hashes the file first, so the journal can be asked which parts are already done."""
+        pending = _PendingFile(self, src, size, sha256)
+        if pending.sha256 is None and size > 0 and self.resuming:
+            pending.hash_first()
+        return pending
+
+    def run(self, pending: list[_PendingFile]) -> None:
+        """Every part of every file on the pool, largest files first (they decide the wall time)."""
+        order = sorted(pending, key=lambda p: -p.size)
+        run_parallel((t for p in order for t in p.tasks()), 2 * self.jobs, self.stop, max_threads=2 * MAX_WORKERS)
 
     def store_file(self, src: Path, size: int, media_type: str) -> tuple[str, tuple[Part, ...]]:
         """Store one file as is (no zstd): the blob is the file, named by its sha256 (one part)."""
@@ -270,9 +385,15 @@ class _Packer:
         tmp = self.blobs / f".tmp-{uuid.uuid4().hex}"
         try:
             with open(src, "rb", buffering=0) as fh, open(tmp, "wb") as raw:
-                for chunk in self._hashed_chunks(fh, 0, size, [file_hash]):
+                left = size
+                while left:
+                    chunk = fh.read(min(READ_CHUNK, left))
+                    if not chunk:
+                        raise UsageError(f"{src} changed while packing: expected {size} bytes, found fewer")
+                    file_hash.update(chunk)
                     raw.write(chunk)
-                    self.bar.update(len(chunk))
+                    left -= len(chunk)
+                    self.progress(len(chunk))
                 if fh.read(1):
                     raise UsageError(f"{src} changed while packing: expected {size} bytes, found more")
                 raw.flush()
@@ -344,9 +465,12 @@ def pack_bundle(out: Path, *, name: str, version: int, models: list[Model], file
                 max_part_size: int = DEFAULT_MAX_PART_SIZE, jobs: int | None = None,
                 now: datetime | None = None, progress: bool = True, force: bool = False,
                 level: int = DEFAULT_LEVEL, builder: Builder | None = None,
-                amend: Callable[[Manifest], Manifest] | None = None,
+                amend: Callable[[Manifest], Manifest] | None = None, part_chunk: int = PART_CHUNK,
                 runtime: Runtime | None = None) -> Manifest:
     """Pack `files` into the bundle directory `out`, sign the manifest, and return it.
+
+    Files are cut into parts of at most `part_chunk` uncompressed bytes (and at most `max_part_size`
+    compressed), packed on `jobs` threads (default: BUNDLE_JOBS, every core).
 
     `amend` may rewrite the finished manifest before signing (e.g. fill a local model's content
     digest from the file entries) but must keep its files. `runtime` describes the wheelhouse among
@@ -389,7 +513,7 @@ def pack_bundle(out: Path, *, name: str, version: int, models: list[Model], file
         _prepare_out(out, force)
         with tqdm(total=sum(stats), unit="B", unit_scale=True, unit_divisor=1024, desc=f"packing {name}",
                   disable=not show, dynamic_ncols=True) as bar:
-            packer = _Packer(out, max_part_size=max_part_size, level=level, jobs=jobs, bar=bar)
+            packer = _Packer(out, max_part_size=max_part_size, level=level, jobs=jobs, bar=bar, chunk=part_chunk)
             try:
                 entries = _pack_files(packer, files, stats, bar)
                 manifest = replace(placeholder, files=tuple(entries))
@@ -419,26 +543,31 @@ def _placeholder_dict(placeholder: Manifest, files: list[PackFile]) -> dict:
 
 
 def _pack_files(packer: _Packer, files: list[PackFile], sizes: list[int], bar: tqdm) -> list[FileEntry]:
-    # Files of a size shared with another file may be identical: hash those first to store them once.
-    count_by_size: dict[int, int] = {}
-    for size in sizes:
-        count_by_size[size] = count_by_size.get(size, 0) + 1
-    entries = []
-    done: dict[str, tuple[Part, ...]] = {}  # file sha256 -> parts already stored
-    for pf, size in zip(files, sizes):
+    # A file whose known digest was already planned is not packed twice. Copies nobody hashed yet are
+    # packed twice but stored once: the same bytes compress to the same blob, kept under one digest
+    # (hashing same-size files up front, one after another, cost more than it saved).
+    planned: list[_PendingFile] = []
+    by_sha: dict[str, _PendingFile] = {}
+    holders = []  # per file: the planned file that holds its bytes
+    stored: dict[int, tuple[str, tuple[Part, ...]]] = {}  # wheels and the bootstrap: copied as they are
+    for i, (pf, size) in enumerate(zip(files, sizes)):
         if pf.media_type is not None:
-            sha, parts = packer.store_file(pf.src, size, pf.media_type)
-            entries.append(FileEntry(pf.path, size, sha, parts, pf.targets, pf.executable))
+            stored[i] = packer.store_file(pf.src, size, pf.media_type)
+            holders.append(None)
             continue
-        known = file_sha256(pf.src, READ_CHUNK) if count_by_size[size] > 1 and size > 0 else None
-        if known is not None and known in done:
-            sha, parts = known, done[known]
-            bar.update(size)
-        else:
-            sha, parts = packer.pack_file(pf.src, size)
-            if known is not None and known != sha:
-                raise UsageError(f"{pf.src} changed while packing: its sha256 differs between two reads")
-            done[sha] = parts
+        pending = packer.pack_file(pf.src, size, pf.sha256)
+        if pending.sha256 is not None and pending.sha256 in by_sha:
+            holders.append(by_sha[pending.sha256])
+            packer.progress(size)
+            continue
+        planned.append(pending)
+        holders.append(pending)
+        if pending.sha256 is not None:
+            by_sha[pending.sha256] = pending
+    packer.run(planned)
+    entries = []
+    for i, (pf, size, pending) in enumerate(zip(files, sizes, holders)):
+        sha, parts = stored[i] if pending is None else pending.result()
         entries.append(FileEntry(pf.path, size, sha, parts, pf.targets, pf.executable))
     return entries
 

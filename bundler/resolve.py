@@ -170,7 +170,7 @@ def fetch_model(plan: ModelPlan, *, jobs: int | None = None) -> ResolvedModel:
         raise ResolveError(f"{plan.role} model {plan.name}: expected {', '.join(missing[:5])} in {folder}, "
                            f"found {'nothing' if len(missing) == 1 else 'none of them'}")
     with ThreadPoolExecutor(max_workers=max(1, jobs or settings.jobs())) as pool:
-        hashed = list(pool.map(lambda p: (p, *_hash_file(folder / p)), plan.files))
+        hashed = list(pool.map(lambda p: (p, *_hash_file(folder / p, _needs_git_blob(plan, p))), plan.files))
     files = []
     for path, size, sha256, git_sha1 in hashed:
         _check_digest(plan, folder, path, size, sha256, git_sha1)
@@ -227,7 +227,7 @@ def content_digest(files: Iterable[ResolvedFile]) -> str:
     return h.hexdigest()
 
 
-def _check_digest(plan: ModelPlan, folder: Path, path: str, size: int, sha256: str, git_sha1: str) -> None:
+def _check_digest(plan: ModelPlan, folder: Path, path: str, size: int, sha256: str, git_sha1: str | None) -> None:
     exp = plan.expected.get(path)
     if exp is None:
         return  # local folder: nothing to check against but the lock file
@@ -249,16 +249,24 @@ def _check_digest(plan: ModelPlan, folder: Path, path: str, size: int, sha256: s
                              + ("" if plan.offline else " (removed from the cache, so a retry downloads it again)"))
 
 
-def _hash_file(path: Path) -> tuple[int, str, str]:
-    """(size, sha256, git blob sha1) in one streaming pass; memory stays flat for any file size."""
+def _hash_file(path: Path, git_blob: bool = True) -> tuple[int, str, str | None]:
+    """(size, sha256, git blob sha1 if asked) in one streaming pass; memory stays flat for any file size.
+    The sha256 is the one pack reuses (ModelInput.digests): the only time a weight file is hashed."""
     size = path.stat().st_size
     sha256 = hashlib.sha256()
-    git = hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False)
+    git = hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False) if git_blob else None
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             sha256.update(chunk)
-            git.update(chunk)
-    return size, sha256.hexdigest(), git.hexdigest()
+            if git is not None:
+                git.update(chunk)
+    return size, sha256.hexdigest(), git.hexdigest() if git is not None else None
+
+
+def _needs_git_blob(plan: ModelPlan, path: str) -> bool:
+    """Only a file the hub describes by its git blob id (no LFS sha256) needs the sha1 as well."""
+    exp = plan.expected.get(path)
+    return exp is not None and exp.lfs_sha256 is None and exp.blob_id is not None
 
 
 def _digest_from_cache_blob(snapshot: Path, rel: str) -> hub.RemoteFile:

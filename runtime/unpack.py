@@ -1,10 +1,16 @@
 """Decompress the files one target needs into a staging directory, checking everything on the way.
 
-Each part blob is read at most to its declared compressed size and its sha256 is checked; it is
-decompressed with a bounded zstd window and never past its declared length; each file's sha256 is
-computed while writing and compared before the file counts as done. Only regular files are
-created (O_EXCL | O_NOFOLLOW, in a fresh directory), at paths the schema already validated.
-A full disk becomes EnvironmentProblem; the caller removes the staging directory.
+Parallel: every part blob of every file is one task on a pool of threads (zstd and hashlib release
+the GIL), writing its bytes at the part's offset, so a large file split into parts (bundler.pack
+PART_CHUNK) decompresses on every core. Each part blob is read at most to its declared compressed
+size and its sha256 is checked; it is decompressed with a bounded zstd window and never past its
+declared length. Each file's sha256 is computed in part order while the parts land (inline for a
+one-part file, by re-reading finished parts through the page cache for a larger one:
+runtime.parallel.InOrderHash) and compared before the file counts as done. Files are fsynced
+together at the end, in parallel, before `unpack_files` returns: the caller switches nothing in
+before every byte is verified and durable. Only regular files are created (O_EXCL | O_NOFOLLOW, in
+a fresh directory), at paths the schema already validated. A full disk becomes EnvironmentProblem;
+the caller removes the staging directory.
 """
 
 from __future__ import annotations
@@ -13,26 +19,23 @@ import errno
 import hashlib
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Callable
 
 import zstandard
 
-from manifests.errors import BadBundleError, BundleError, EnvironmentProblem
-from manifests.schema import FileEntry
+from manifests.errors import BadBundleError, EnvironmentProblem
+from manifests.schema import FileEntry, Part
 from manifests.sizes import format_size
 from runtime import settings
+from runtime.parallel import InOrderHash, Stopped, run_parallel
 from runtime.reader import CHUNK, BlobReader, BundleLayout
 
 # zstd's own default decoder limit (ZSTD_WINDOWLOG_LIMIT_DEFAULT = 27): whatever `zstd -d` reads
 # without --long we read; a frame asking for more memory is refused instead of allocated.
 MAX_WINDOW_SIZE = 1 << 27
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-
-
-class _Stopped(Exception):
-    """Another worker failed; this one stops early."""
+_WRITE_FLAGS = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def os_error(e: OSError, where: Path) -> EnvironmentProblem:
@@ -42,78 +45,136 @@ def os_error(e: OSError, where: Path) -> EnvironmentProblem:
     return EnvironmentProblem(f"cannot write {where}: {e.strerror or e}")
 
 
-def _write_all(fd: int, data: memoryview | bytes) -> None:
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
     view = memoryview(data)
     while view:
-        n = os.write(fd, view)
-        view = view[n:]
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
-def unpack_file(layout: BundleLayout, entry: FileEntry, dest_root: Path, *,
-                on_bytes: Callable[[int], None] = lambda n: None,
-                stop: threading.Event | None = None) -> None:
-    """Write one file at dest_root/entry.path from its parts, verifying blob and file digests."""
-    dest = dest_root / entry.path
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(dest, flags, 0o755 if entry.executable else 0o644)
-    try:
-        file_hash = hashlib.sha256()
-        n = len(entry.parts)
-        for i, part in enumerate(entry.parts, 1):
-            name = entry.path if n == 1 else f"{entry.path} part {i}/{n}"
-            with BlobReader(layout.path, part.digest, part.size, name) as src:
-                if part.stored:  # format 2: the blob is the bytes (sizes and digest equal, checked by the schema)
-                    _copy_stored(src, fd, file_hash, on_bytes, stop)
-                    src.finish()
-                    continue
-                dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_SIZE)
-                try:
-                    with dctx.stream_reader(src, read_size=CHUNK, read_across_frames=True, closefd=False) as z:
-                        left = part.length
-                        while left:
-                            if stop is not None and stop.is_set():
-                                raise _Stopped()
-                            chunk = z.read(min(CHUNK, left))
-                            if not chunk:
-                                raise BadBundleError(f"{name}: decompressed to {part.length - left} bytes, "
-                                                     f"expected {part.length}")
-                            file_hash.update(chunk)
-                            _write_all(fd, chunk)
-                            left -= len(chunk)
-                            on_bytes(len(chunk))
-                        if z.read(1):
-                            raise BadBundleError(f"{name}: decompresses to more than the declared "
-                                                 f"{part.length} bytes")
-                except zstandard.ZstdError as e:
-                    # A blob that is not what was signed fails its digest: say that, it is the real cause.
-                    src.finish()
-                    if "memory" in str(e):
-                        raise BadBundleError(f"{name}: zstd frame needs a window above the "
-                                             f"{MAX_WINDOW_SIZE >> 20} MiB limit ({e})") from None
-                    raise BadBundleError(f"{name}: not a valid zstd stream ({e})") from None
+class _FileWrite:
+    """One file being unpacked: created empty up front, its parts written by any thread, its sha256
+    checked in part order; `done` is true once every byte is written and the digest matched."""
+
+    def __init__(self, layout: BundleLayout, entry: FileEntry, dest_root: Path,
+                 on_bytes: Callable[[int], None], stop: threading.Event):
+        self.layout, self.entry, self.on_bytes, self.stop = layout, entry, on_bytes, stop
+        self.dest = dest_root / entry.path
+        self.dest.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        os.close(os.open(self.dest, flags, 0o755 if entry.executable else 0o644))
+        spans = [(p.offset, p.length) for p in entry.parts]
+        # One part: hashed inline as it is written. Several: in part order, whoever finishes the next one.
+        self.hasher = InOrderHash(spans, self._open_read, entry.path, stop) if len(spans) > 1 else None
+
+    def _open_read(self) -> int:
+        return os.open(self.dest, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+    def tasks(self) -> list[Callable[[], FileEntry | None]]:
+        if not self.entry.parts:
+            return [self._empty]
+        return [lambda i=i: self._write_part(i) for i in range(len(self.entry.parts))]
+
+    def _empty(self) -> FileEntry:
+        self._check(hashlib.sha256().hexdigest())
+        return self.entry
+
+    def _check(self, sha256: str) -> None:
+        if sha256 != self.entry.sha256:
+            raise BadBundleError(f"{self.entry.path}: sha256 of the unpacked file is {sha256[:16]}..., "
+                                 f"expected {self.entry.sha256[:16]}...")
+
+    def _write_part(self, i: int) -> FileEntry | None:
+        """Decompress part i into place; returns the entry to the task that completed (and checked) the file."""
+        if self.stop.is_set():
+            raise Stopped()
+        try:
+            fd = os.open(self.dest, _WRITE_FLAGS)
+            try:
+                inline = hashlib.sha256() if self.hasher is None else None
+                self._decompress(self.entry.parts[i], i, fd, inline)
+            finally:
+                os.close(fd)
+            if inline is not None:
+                self._check(inline.hexdigest())
+                return self.entry
+            if self.hasher.part_done(i):
+                self._check(self.hasher.hexdigest())
+                return self.entry
+            return None
+        except OSError as e:
+            raise os_error(e, self.dest) from None
+
+    def _copy_stored(self, src: BlobReader, part: Part, fd: int, file_hash) -> None:
+        pos = part.offset
+        while chunk := src.read(CHUNK):
+            if self.stop.is_set():
+                raise Stopped()
+            if file_hash is not None:
+                file_hash.update(chunk)
+            _pwrite_all(fd, chunk, pos)
+            pos += len(chunk)
+            self.on_bytes(len(chunk))
+
+    def _decompress(self, part: Part, i: int, fd: int, file_hash) -> None:
+        n = len(self.entry.parts)
+        name = self.entry.path if n == 1 else f"{self.entry.path} part {i + 1}/{n}"
+        with BlobReader(self.layout.path, part.digest, part.size, name) as src:
+            if part.stored:  # format 2: the blob is the bytes (sizes and digest equal, checked by the schema)
+                self._copy_stored(src, part, fd, file_hash)
                 src.finish()
-        if file_hash.hexdigest() != entry.sha256:
-            raise BadBundleError(f"{entry.path}: sha256 of the unpacked file is {file_hash.hexdigest()[:16]}..., "
-                                 f"expected {entry.sha256[:16]}...")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+                return
+            dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_SIZE)
+            try:
+                with dctx.stream_reader(src, read_size=CHUNK, read_across_frames=True, closefd=False) as z:
+                    pos, left = part.offset, part.length
+                    while left:
+                        if self.stop.is_set():
+                            raise Stopped()
+                        chunk = z.read(min(CHUNK, left))
+                        if not chunk:
+                            raise BadBundleError(f"{name}: decompressed to {part.length - left} bytes, "
+                                                 f"expected {part.length}")
+                        if file_hash is not None:
+                            file_hash.update(chunk)
+                        _pwrite_all(fd, chunk, pos)
+                        pos += len(chunk)
+                        left -= len(chunk)
+                        self.on_bytes(len(chunk))
+                    if z.read(1):
+                        raise BadBundleError(f"{name}: decompresses to more than the declared "
+                                             f"{part.length} bytes")
+            except zstandard.ZstdError as e:
+                # A blob that is not what was signed fails its digest: say that, it is the real cause.
+                src.finish()
+                if "memory" in str(e):
+                    raise BadBundleError(f"{name}: zstd frame needs a window above the "
+                                         f"{MAX_WINDOW_SIZE >> 20} MiB limit ({e})") from None
+                raise BadBundleError(f"{name}: not a valid zstd stream ({e})") from None
+            src.finish()
 
 
-def _copy_stored(src: BlobReader, fd: int, file_hash, on_bytes, stop) -> None:
-    while chunk := src.read(CHUNK):
-        if stop is not None and stop.is_set():
-            raise _Stopped()
-        file_hash.update(chunk)
-        _write_all(fd, chunk)
-        on_bytes(len(chunk))
+def fsync_files(paths: list[Path], jobs: int) -> None:
+    """fsync many files at once: the filesystem batches the flushes (one journal commit for many)."""
+    def one(path: Path) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise os_error(e, path) from None
+
+    run_parallel((lambda p=p: one(p) for p in paths), jobs, threading.Event())
 
 
 def unpack_files(layout: BundleLayout, files: tuple[FileEntry, ...], dest_root: Path, *,
                  jobs: int | None = None, progress: bool = False,
                  on_file_done: Callable[[FileEntry], None] = lambda f: None) -> None:
-    """Unpack `files` in parallel (largest first); the first error stops the others and is raised."""
+    """Unpack `files` in parallel (largest first), verified, then fsync them all; the first error stops
+    the others and is raised."""
+    jobs = jobs or settings.jobs()
     stop = threading.Event()
     bar = None
     if progress:
@@ -127,36 +188,22 @@ def unpack_files(layout: BundleLayout, files: tuple[FileEntry, ...], dest_root: 
             with lock:
                 bar.update(n)
 
-    def one(entry: FileEntry) -> FileEntry:
-        try:
-            unpack_file(layout, entry, dest_root, on_bytes=count, stop=stop)
-        except OSError as e:
-            stop.set()
-            raise os_error(e, dest_root / entry.path) from None
-        except BaseException:
-            stop.set()
-            raise
-        return entry
+    def finished(entry: FileEntry | None) -> None:
+        if entry is not None:
+            on_file_done(entry)
 
-    first: BaseException | None = None
     try:
-        with ThreadPoolExecutor(max_workers=jobs or settings.jobs()) as pool:
-            futures = [pool.submit(one, f) for f in sorted(files, key=lambda f: -f.size)]
-            for fut in as_completed(futures):
-                try:
-                    on_file_done(fut.result())
-                except _Stopped:
-                    pass
-                except BaseException as e:
-                    stop.set()
-                    # Prefer the real cause over a "stopped" or secondary error.
-                    if first is None or (not isinstance(first, BundleError) and isinstance(e, BundleError)):
-                        first = e
+        writes = []
+        for entry in sorted(files, key=lambda f: -f.size):
+            try:
+                writes.append(_FileWrite(layout, entry, dest_root, count, stop))
+            except OSError as e:
+                raise os_error(e, dest_root / entry.path) from None
+        run_parallel((t for w in writes for t in w.tasks()), jobs, stop, on_result=finished)
+        fsync_files([w.dest for w in writes], jobs)
     finally:
         if bar is not None:
             bar.close()
-    if first is not None:
-        raise first
 
 
 def space_needed(files: tuple[FileEntry, ...]) -> int:

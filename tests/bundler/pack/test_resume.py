@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bundler import pack as pack_module
-from bundler.create import create_bundle, local_model
+from bundler.create import ModelInput, create_bundle, local_model
 from manifests.layout import BLOBS_DIR, COMPLETE_MARKER, INDEX_FILE
+from runtime.fsutil import file_sha256
 from tests.bundler.pack.helpers import read_layout, unpack_file
 
 PART = 256 * 1024
@@ -33,42 +36,80 @@ def _blob_inodes(out: Path) -> dict[str, int]:
     return {p.name: p.stat().st_ino for p in (out / BLOBS_DIR).iterdir() if not p.name.startswith(".")}
 
 
-def _create(out, model_dir, **kw):
-    return create_bundle(out, name="resume", version=1, model=local_model(model_dir, "target"), draft=None,
+def _create(out, model, **kw):
+    model = model if isinstance(model, ModelInput) else local_model(model, "target")
+    return create_bundle(out, name="resume", version=1, model=model, draft=None,
                          targets=["cpu"], sign_keys=[], unsigned=True, max_part_size=PART, progress=False, **kw)
 
 
-def test_interrupted_in_process_then_resumed(model_copy, tmp_path, monkeypatch):
-    _bf16_like(model_copy / "extra.bin", 3 * 1024 * 1024)
-    out = tmp_path / "b"
-    real_pack_file, calls = pack_module._Packer.pack_file, []
+def _journaled(out: Path) -> set[str]:
+    lines = (out / pack_module.JOURNAL_FILE).read_text().splitlines()
+    return {json.loads(line)["digest"].partition(":")[2] for line in lines}
 
-    def interrupted(self, src, size):
-        calls.append(src.name)
-        if len(calls) == 4:
+
+def _count_compress_calls(monkeypatch, stop_at: int | None = None) -> list:
+    """Record every part compressed; call number `stop_at` waits until every earlier call returned, then
+    raises Ctrl-C (so what landed before it is known; a part already running beside it may still land)."""
+    real_compress, calls, returned = pack_module._Packer._compress_range, [], []
+
+    def counted(self, *a):
+        calls.append(a)
+        if len(calls) == stop_at:
+            deadline = time.monotonic() + 30
+            while len(returned) < stop_at - 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
             raise KeyboardInterrupt  # Ctrl-C in the middle of the model
-        return real_pack_file(self, src, size)
+        result = real_compress(self, *a)
+        returned.append(a)
+        return result
 
-    monkeypatch.setattr(pack_module._Packer, "pack_file", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        _create(out, model_copy)
-    assert not (out / COMPLETE_MARKER).exists() and not (out / INDEX_FILE).exists()
+    monkeypatch.setattr(pack_module._Packer, "_compress_range", counted)
+    return calls
+
+
+def _rerun_reuses_journaled_parts(out, model, monkeypatch):
     before = _blob_inodes(out)
-    assert len(before) >= 3 and (out / pack_module.JOURNAL_FILE).exists()
-
-    monkeypatch.setattr(pack_module._Packer, "pack_file", real_pack_file)
-    compressed = []
-    real_compress = pack_module._Packer._compress_range
-    monkeypatch.setattr(pack_module._Packer, "_compress_range",
-                        lambda self, *a: compressed.append(a[2]) or real_compress(self, *a))
-    manifest = _create(out, model_copy)
+    journaled = _journaled(out)
+    calls = _count_compress_calls(monkeypatch)
+    manifest = _create(out, model)
     after = _blob_inodes(out)
-    assert all(after[name] == ino for name, ino in before.items())  # reused, not rewritten
-    total_parts = sum(len(f.parts) for f in manifest.files)
-    assert len(compressed) == total_parts - len(before)  # only the missing parts were compressed
+    assert all(after[name] == ino for name, ino in before.items() if name in journaled)  # reused, not rewritten
+    total_parts = len({p.digest for f in manifest.files for p in f.parts})
+    assert len(calls) == total_parts - len(journaled)  # only the parts not journaled were compressed
     assert (out / COMPLETE_MARKER).exists() and not (out / pack_module.JOURNAL_FILE).exists()
     for entry in manifest.files:
-        assert unpack_file(out, entry) == (model_copy / entry.path.removeprefix("models/target/")).read_bytes()
+        assert unpack_file(out, entry) == (model.local_dir / entry.path.removeprefix("models/target/")).read_bytes()
+    return manifest
+
+
+def test_interrupted_in_process_then_resumed(model_copy, tmp_path, monkeypatch):
+    """Without known digests, a file's parts are journaled once its sha256 (the key) is known."""
+    _bf16_like(model_copy / "extra.bin", 3 * 1024 * 1024)
+    out = tmp_path / "b"
+    model = local_model(model_copy, "target")
+    weights = -(-(model_copy / "model.safetensors").stat().st_size // pack_module.part_length(PART))
+    _count_compress_calls(monkeypatch, stop_at=weights + 3)  # weights done (largest first), extra.bin begun
+    with pytest.raises(KeyboardInterrupt):
+        _create(out, model, jobs=1)
+    assert not (out / COMPLETE_MARKER).exists() and not (out / INDEX_FILE).exists()
+    assert len(_journaled(out)) == weights and len(_blob_inodes(out)) >= weights + 2
+    monkeypatch.undo()
+    _rerun_reuses_journaled_parts(out, model, monkeypatch)
+
+
+def test_known_digests_journal_every_part_as_it_lands(model_copy, tmp_path, monkeypatch):
+    """With the resolver's digests (what `bundle create` has), an interrupt mid-file loses only the part in flight."""
+    out = tmp_path / "b"
+    model = local_model(model_copy, "target")
+    model = replace(model, digests={p.name: (p.stat().st_size, file_sha256(p)) for p in model_copy.iterdir()})
+    hashed = []
+    monkeypatch.setattr(pack_module._PendingFile, "_hash_all", lambda self: hashed.append(self.src))
+    _count_compress_calls(monkeypatch, stop_at=20)  # inside model.safetensors, the largest file
+    with pytest.raises(KeyboardInterrupt):
+        _create(out, model, jobs=1)
+    assert _journaled(out) == set(_blob_inodes(out)) and len(_journaled(out)) >= 19  # every landed part
+    _rerun_reuses_journaled_parts(out, model, monkeypatch)
+    assert hashed == []  # pack hashed no file: every digest came from the resolver
 
 
 def test_changed_input_never_reuses_stale_blobs(model_copy, tmp_path, monkeypatch):
@@ -107,7 +148,8 @@ def test_sigkill_mid_pack_then_rerun_completes(model_copy, tmp_path):
     assert not (out / COMPLETE_MARKER).exists() and not (out / INDEX_FILE).exists()
     before = _blob_inodes(out)
     journal = (out / pack_module.JOURNAL_FILE).read_text().splitlines()
-    assert len(journal) >= len(before) - 1  # every landed blob but the one in flight is known for reuse
+    # every landed blob but those in flight (one per thread: --jobs 1 runs 2, see bundler.pack) is known for reuse
+    assert len(journal) >= len(before) - 2
 
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
