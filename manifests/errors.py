@@ -83,6 +83,27 @@ class ServeError(BundleError):
     kind = "serve error"
 
 
+class RegistryError(BundleError):
+    """An OCI registry could not be used: unreachable, or it has no such repository or tag."""
+
+    exit_code = 10
+    kind = "registry error"
+
+
+class RegistryAuthError(RegistryError):
+    """The registry refused the credentials (or none were found for it)."""
+
+    exit_code = 11
+    kind = "registry credentials"
+
+
+class RegistryTLSError(RegistryError):
+    """The registry's TLS certificate is not signed by a trusted CA."""
+
+    exit_code = 12
+    kind = "registry certificate"
+
+
 EXIT_CODES = {
     0: "success",
     1: "unexpected internal error (run with --debug for the traceback)",
@@ -94,4 +115,7 @@ EXIT_CODES = {
     ResolveError.exit_code: "model reference could not be resolved to exact bytes",
     ModelError.exit_code: "model cannot be bundled or served on this target",
     ServeError.exit_code: "server could not start",
+    RegistryError.exit_code: "registry unreachable, or it has no such repository or tag",
+    RegistryAuthError.exit_code: "registry refused the credentials (or none found for it)",
+    RegistryTLSError.exit_code: "registry's TLS certificate is not trusted (pass --ca-file)",
 }

@@ -11,6 +11,7 @@ import click
 
 from manifests.sizes import format_size
 from runtime import settings
+from runtime.cli_registry import authfile_option, ca_file_option, looks_like_reference, registry_options
 
 _trust_option = click.option(
     "--trust", "trust", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="PUB",
@@ -58,27 +59,63 @@ def copy(src: Path, dst: Path, jobs, no_progress) -> None:
                f"already complete ({format_size(r.bytes_skipped)}): {dst}")
 
 
+_expiry_option = click.option(
+    "--ignore-expiry", is_flag=True,
+    help="Accept a bundle past its expiry (judged by the store's clock: never before the newest signed "
+         "bundle it accepted).")
+_dir_option = click.option("--dir", "as_dir", is_flag=True,
+                           help="Take the argument as a directory even without a '/' in it.")
+
+
 @click.command(epilog="""\b
 Examples:
   bundle verify /media/usb/assistant-3 --trust release.pub
-  BUNDLE_TRUST_DIR=/etc/bundle/trust.d bundle verify ./assistant-3
+  bundle verify ./assistant-3 --ignore-expiry
+  bundle verify assistant --store /data/store      # the installed version, file by file
+\b
+NAME or DIR: the argument is a directory when it contains a '/' (or is '.', or --dir is given),
+otherwise the name of an installed bundle; a folder ./assistant never stands in for `assistant`.
 """)
-@click.argument("bundle_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("bundle", metavar="NAME|DIR")
+@_store_option
+@_dir_option
 @_trust_option
 @_unsigned_option
+@_expiry_option
 @_jobs_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def verify(bundle_dir: Path, trust, allow_unsigned, jobs, no_progress) -> None:
-    """Check the signature, then every blob's size and sha256 (in parallel).
+def verify(bundle: str, store: Path, as_dir: bool, trust, allow_unsigned, ignore_expiry, jobs, no_progress) -> None:
+    """Check a bundle directory, or an installed bundle, against its signature; then the policy.
 
-    Every missing, truncated or corrupt part is listed by file and part number. Exit code 0 only
-    when everything is intact and signed by a trusted key.
+    DIR: the signature, then every blob's size and sha256 (in parallel); every missing, truncated or
+    corrupt part is listed by file and part number. NAME: the installed current version's signature
+    envelope against the trusted keys, then every installed file against its signed sha256 (each
+    differing file is listed). Then, for both, what install would refuse: an expired bundle is exit 5
+    unless --ignore-expiry. Exit code 0 only when everything is intact, signed by a trusted key and
+    not expired.
     """
-    from runtime.verify import CorruptBundleError, verify_bundle
+    from runtime.store import InstalledCorruptError, Store, bundle_ref
+    from runtime.verify import CorruptBundleError
 
+    ref = bundle_ref(bundle, is_dir=as_dir)
+    st = Store(store)
+    if isinstance(ref, str):
+        click.echo(f"installed bundle {ref!r} in {store} (a name: no '/' in it)", err=True)
+        try:
+            inst = st.verify_installed(ref, _keys(trust), allow_unsigned=allow_unsigned,
+                                       ignore_expiry=ignore_expiry, jobs=jobs)
+        except InstalledCorruptError as e:
+            for p in e.paths:
+                click.echo(f"  {p}: differs from the signed manifest", err=True)
+            raise
+        files = inst.manifest.files_for(inst.target)
+        signers = ", ".join(inst.signers) or "none (unsigned, allowed by --allow-unsigned)"
+        click.echo(f"OK installed {inst.name} v{inst.version} ({inst.target}) at {inst.path}: {len(files)} files, "
+                   f"{format_size(sum(f.size for f in files))}, every sha256 matches; signed by {signers}")
+        return
     try:
-        vb = verify_bundle(bundle_dir, _keys(trust), allow_unsigned=allow_unsigned, jobs=jobs,
-                           progress=_show_progress(no_progress))
+        vb = st.verify_dir(ref, _keys(trust), allow_unsigned=allow_unsigned, ignore_expiry=ignore_expiry,
+                           jobs=jobs, progress=_show_progress(no_progress))
     except CorruptBundleError as e:
         for p in e.problems:
             click.echo(f"  {p}", err=True)
@@ -112,26 +149,41 @@ Examples:
   bundle install /media/usb/assistant-3 --trust release.pub
   bundle install ./assistant-3 --store /data/bundles --target jetson-thor
   bundle install ./assistant-2 --store /data/bundles --allow-downgrade
+  bundle install registry.factory.lan/llm/assistant:3 --store /data/bundles --ca-file factory-ca.pem
 """)
-@click.argument("bundle_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("bundle_dir", metavar="DIR|REGISTRY/REPO:TAG")
 @_store_option
 @click.option("--target", default="auto", show_default=True, metavar="auto|ID",
               help="Target profile to install for; auto detects this device (see `bundle targets`).")
 @_trust_option
 @_unsigned_option
-@click.option("--allow-downgrade", is_flag=True, help="Install a lower version than the one installed.")
-@click.option("--ignore-expiry", is_flag=True, help="Install even if the bundle has expired.")
+@click.option("--allow-downgrade", is_flag=True,
+              help="Install a version below the highest one ever installed here (or replace an installed "
+                   "version with a different manifest).")
+@_expiry_option
 @_jobs_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def install(bundle_dir: Path, store: Path, target, trust, allow_unsigned, allow_downgrade, ignore_expiry, jobs,
-            no_progress) -> None:
+@ca_file_option
+@authfile_option
+def install(bundle_dir: str, store: Path, target, trust, allow_unsigned, allow_downgrade, ignore_expiry, jobs,
+            no_progress, ca_file, authfile) -> None:
     """Verify and install a bundle into the store, then make it current.
 
-    The signature is checked before any blob is read; only the files the target needs are unpacked,
-    each checked against its signed sha256, in a staging directory; then `current` switches atomically
-    and the previous version is kept for `bundle rollback`. Re-installing the installed version is a
-    quick no-op; a lower version is refused unless --allow-downgrade; an expired bundle is refused
-    unless --ignore-expiry (the store never lets "now" go back before the newest bundle it accepted).
+    The signature is checked before any blob is read, then the policy decides (target, version,
+    expiry, reserved paths, space); only the files the target needs are unpacked, each checked
+    against its signed sha256, in a staging directory; then `current` switches atomically and the
+    previous version is kept for `bundle rollback`.
+
+    \b
+    Versions: the store records the highest signed version ever installed per name (state.json);
+    a lower one is refused unless --allow-downgrade, even after `current` was removed.
+    Expiry: refused unless --ignore-expiry; the store's clock never goes back before the newest
+    signed bundle it accepted (unsigned bundles do not move it).
+    Repair: re-installing the installed version re-checks every installed file's sha256; when all
+    match it is a no-op, otherwise the bad files (or damaged install.json/manifest.json, or a
+    missing `current` link) are repaired from the bundle and the good ones kept.
+    Registry: DIR may be REGISTRY/REPO:TAG; the bundle is pulled into STORE/registry-cache/ (kept:
+    the next version fetches only its new blobs), then installed from there with every check above.
     """
     from runtime.store import Store
 
@@ -140,10 +192,21 @@ def install(bundle_dir: Path, store: Path, target, trust, allow_unsigned, allow_
 
         target, reason = detect_target()
         click.echo(f"target: {target} ({reason})")
-    inst = Store(store).install(bundle_dir, target=target, trusted=_keys(trust), allow_unsigned=allow_unsigned,
-                                allow_downgrade=allow_downgrade, ignore_expiry=ignore_expiry, jobs=jobs,
-                                progress=_show_progress(no_progress))
-    verb = "already installed" if inst.noop else "installed"
+    args = dict(target=target, trusted=_keys(trust), allow_unsigned=allow_unsigned, allow_downgrade=allow_downgrade,
+                ignore_expiry=ignore_expiry, jobs=jobs, progress=_show_progress(no_progress))
+    if looks_like_reference(bundle_dir):
+        from runtime.registry import install_from_registry
+
+        pulled, inst = install_from_registry(bundle_dir, store, options=registry_options(ca_file, authfile),
+                                             quiet=not _show_progress(no_progress), **args)
+        click.echo(f"pulled {pulled.ref}@{pulled.digest}: fetched {pulled.blobs_fetched} blobs "
+                   f"({format_size(pulled.bytes_fetched)}), reused {pulled.blobs_reused}; signature "
+                   f"{pulled.signature}")
+    else:
+        inst = Store(store).install(Path(bundle_dir), **args)
+    verb = "already installed (every file checked)" if inst.noop else "installed"
+    if inst.repaired:
+        verb = f"repaired ({inst.repaired})"
     prev = f"; previous v{inst.previous_version} kept for rollback" if inst.previous_version else ""
     click.echo(f"{verb} {inst.name} v{inst.version} for {inst.target} at {inst.path}{prev}")
 
@@ -156,12 +219,20 @@ Examples:
 @_store_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def list_(store: Path, as_json: bool) -> None:
-    """Show installed bundles: name, version, target, install time, and the version rollback returns to."""
+    """Show installed bundles: name, version, target, install time, and the version rollback returns to.
+
+    A bundle whose current version is damaged is listed as DAMAGED with the reason (`bundle install`
+    of a good copy repairs it).
+    """
     from runtime.store import Store
 
-    items = Store(store).list()
+    from runtime.store import Damaged
+
+    items = Store(store).entries()
     if as_json:
-        click.echo(json.dumps([{"name": i.name, "version": i.version, "target": i.target, "path": str(i.path),
+        click.echo(json.dumps([{"name": i.name, "version": i.version, "damaged": i.reason,
+                                "path": str(i.path) if i.path else None} if isinstance(i, Damaged) else
+                               {"name": i.name, "version": i.version, "target": i.target, "path": str(i.path),
                                 "installed_at": i.installed_at, "previous_version": i.previous_version,
                                 "signers": list(i.signers)} for i in items], indent=2))
         return
@@ -170,6 +241,9 @@ def list_(store: Path, as_json: bool) -> None:
         return
     click.echo(f"{'NAME':<24} {'VERSION':>7}  {'TARGET':<16} {'INSTALLED':<20}  PREVIOUS")
     for i in items:
+        if isinstance(i, Damaged):
+            click.echo(f"{i.name:<24} {'v' + str(i.version):>7}  DAMAGED: {i.reason}")
+            continue
         prev = f"v{i.previous_version}" if i.previous_version else "-"
         click.echo(f"{i.name:<24} {'v' + str(i.version):>7}  {i.target:<16} {i.installed_at:<20}  {prev}")
 
@@ -184,10 +258,15 @@ Examples:
 """)
 @click.argument("name")
 @_store_option
-def rollback(name: str, store: Path) -> None:
-    """Make the previous installed version of NAME current again (running it again rolls forward)."""
+@_expiry_option
+def rollback(name: str, store: Path, ignore_expiry: bool) -> None:
+    """Make the previous installed version of NAME current again (running it again rolls forward).
+
+    The same policy as install and serve: an expired previous version is refused unless
+    --ignore-expiry. Rolling back is the one way down that needs no --allow-downgrade.
+    """
     from runtime.store import Store
 
-    inst = Store(store).rollback(name)
+    inst = Store(store).rollback(name, ignore_expiry=ignore_expiry)
     click.echo(f"rolled back {inst.name} to v{inst.version} ({inst.target}); "
                f"v{inst.previous_version} kept as previous")

@@ -8,9 +8,12 @@ import click
 
 
 @click.command("serve")
-@click.argument("bundle")
+@click.argument("bundle", metavar="NAME|DIR")
 @click.option("--store", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Store to serve an installed bundle from (default: $BUNDLE_STORE).")
+@click.option("--dir", "as_dir", is_flag=True, help="Take the argument as a bundle directory even without a '/'.")
+@click.option("--ignore-expiry", is_flag=True,
+              help="Serve a bundle past its expiry (judged by the store's clock, as install does).")
 @click.option("--target", default="auto", show_default=True,
               help="Target profile id; 'auto' uses the installed one (or detects it for a bundle directory).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
@@ -31,12 +34,17 @@ import click
 @click.option("--allow-unsigned", is_flag=True, help="Serve an unsigned bundle directory (digests still checked).")
 @click.option("--log-interval", type=click.FloatRange(1, None), default=10.0, show_default=True,
               help="Seconds between log lines with tokens/s and acceptance rate.")
-def serve(bundle, store, target, host, port, speculative_config, no_speculation, max_model_len,
+def serve(bundle, store, as_dir, ignore_expiry, target, host, port, speculative_config, no_speculation, max_model_len,
           max_queued_requests, api_key, served_model_name, trust, allow_unsigned, log_interval):
     """Serve an installed bundle (by NAME) or a bundle directory over an OpenAI-compatible API.
 
+    NAME or DIR: the argument is a directory when it contains a '/' (or is '.', or --dir is given),
+    otherwise the name of a bundle installed in --store; a folder ./demo in the working directory
+    never stands in for `demo`. The first line printed says which was used.
+
     A bundle directory is verified first (signature and digests, as `bundle install`) and
-    unpacked into a private temporary store. Nothing is fetched from the network.
+    unpacked into a private temporary store, removed on exit (Ctrl-C or SIGTERM too). An expired
+    bundle is refused (exit 5) unless --ignore-expiry. Nothing is fetched from the network.
 
     \b
     Endpoints: /v1/models, /v1/chat/completions, /v1/completions, /health, /health/ready, /metrics.
@@ -45,16 +53,19 @@ def serve(bundle, store, target, host, port, speculative_config, no_speculation,
     Examples:
       bundle serve demo --store /data/store --port 8000
       bundle serve /media/usb/demo-v3 --trust fleet.pub --speculative-config '{"method": "ngram"}'
+      bundle serve --dir demo-v3 --trust fleet.pub      # a directory in the working directory
       curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "demo", "messages": [{"role": "user", "content": "hi"}]}'
     """
     from manifests.errors import UsageError
     from runtime.server import serve as run_server
     from runtime.server.loader import parse_speculative_config
+    from runtime.store import bundle_ref
 
     if no_speculation and speculative_config:
         raise UsageError("--no-speculation and --speculative-config contradict each other; pass one")
-    run_server(bundle, store=store, host=host, port=port, target=target,
+    run_server(bundle_ref(bundle, is_dir=as_dir), store=store, ignore_expiry=ignore_expiry, host=host, port=port,
+               target=target,
                speculative_config=parse_speculative_config(speculative_config), no_speculation=no_speculation,
                max_model_len=max_model_len, max_queued_requests=max_queued_requests, api_key=api_key,
                trust=tuple(trust), allow_unsigned=allow_unsigned, log_interval_s=log_interval,

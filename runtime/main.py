@@ -19,6 +19,7 @@ import click
 
 from manifests.errors import EXIT_CODES, BundleError, EnvironmentProblem
 from runtime import settings
+from runtime.signals import Terminated, exit_on_signals
 
 #: floor command name -> "module:attribute"
 FLOOR_COMMANDS = {
@@ -30,6 +31,8 @@ FLOOR_COMMANDS = {
     "rollback": "runtime.cli:rollback",
     "targets": "runtime.cli_targets:targets",
     "serve": "runtime.cli_serve:serve",
+    "push": "runtime.cli_registry:push",
+    "pull": "runtime.cli_registry:pull",
 }
 #: entry-point group through which the full package adds its commands
 ENTRY_POINT_GROUP = "bundle.commands"
@@ -87,7 +90,7 @@ def cli(ctx, debug):
 
     \b
     Connected host:  bundle keygen, bundle create, bundle build-engines (the full package)
-    Transfer:        bundle copy, bundle verify, bundle inspect
+    Transfer:        bundle copy, bundle verify, bundle inspect, bundle push, bundle pull
     Device:          bundle install, bundle list, bundle rollback, bundle serve
     """
     ctx.obj = {"debug": debug or settings.debug()}
@@ -115,8 +118,12 @@ def main(argv=None) -> int:
         return e.exit_code
 
     try:
-        cli.main(args=argv, prog_name="bundle", standalone_mode=False)
+        with exit_on_signals():  # SIGTERM unwinds like Ctrl-C: temporary folders are removed
+            cli.main(args=argv, prog_name="bundle", standalone_mode=False)
         return 0
+    except Terminated as e:
+        click.echo(f"terminated (signal {e.signum})", err=True)
+        return e.code
     except BundleError as e:
         return report(e)
     except ModuleNotFoundError as e:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NETWORK_CLIENTS = {"huggingface_hub", "requests", "httpx", "urllib3", "aiohttp"}
+NETWORK_CLIENTS = {"huggingface_hub", "requests", "httpx", "urllib3", "aiohttp", "oras"}
 HEAVY = {"torch", "transformers", "onnx", "tensorrt", "safetensors", "optimum"}
 
 

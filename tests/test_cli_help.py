@@ -28,7 +28,8 @@ def test_group_help_lists_commands_and_exit_codes():
 
 #: The documented codes: scripts on devices branch on them, so a change here is a breaking change.
 DOCUMENTED = {1: "BundleError", 2: "UsageError", 3: "BadBundleError", 4: "TrustError", 5: "PolicyError",
-              6: "EnvironmentProblem", 7: "ResolveError", 8: "ModelError", 9: "ServeError"}
+              6: "EnvironmentProblem", 7: "ResolveError", 8: "ModelError", 9: "ServeError",
+              10: "RegistryError", 11: "RegistryAuthError", 12: "RegistryTLSError"}
 
 
 def _error_classes():

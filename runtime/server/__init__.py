@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import socket
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -37,54 +35,54 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 @contextlib.contextmanager
 def open_installed(name_or_dir, *, store: Path | None, target: str, trust: tuple[Path, ...] = (),
-                   allow_unsigned: bool = False, echo: Callable[[str], None] = print):
+                   allow_unsigned: bool = False, ignore_expiry: bool = False,
+                   echo: Callable[[str], None] = print):
     """An installed bundle: from the store by name, or a bundle directory verified and installed
-    into a private temporary store (removed on exit), exactly as `bundle install` would."""
+    into a private temporary store (removed on exit, SIGTERM included), exactly as `bundle install`
+    would. A str follows runtime.store.bundle_ref's rule (a path only with a '/'); a Path is a directory."""
     from runtime import settings
-    from runtime.store import Store
+    from runtime.store import Store, bundle_ref
 
-    if hasattr(name_or_dir, "manifest"):  # already an Installed
-        yield name_or_dir, Store(store or settings.default_store())
+    home = Store(store or settings.default_store())
+    if hasattr(name_or_dir, "manifest"):  # already an Installed: the same policy applies
+        yield home.servable(name_or_dir, target=target, ignore_expiry=ignore_expiry), home
         return
-    path = Path(name_or_dir)
-    if path.is_dir():
+    ref = bundle_ref(name_or_dir)
+    if isinstance(ref, Path):
+        from runtime.signals import scratch_dir
         from runtime.trust import trusted_keys
 
+        echo(f"bundle:      directory {ref} (a path)")
+        if not ref.is_dir():
+            raise UsageError(f"expected a bundle directory, found no directory at {ref}")
         if target == "auto":
             from runtime.detect import detect_target
 
             target, reason = detect_target()
             echo(f"target: {target} ({reason})")
-        tmp = Path(tempfile.mkdtemp(prefix="bundle-serve-"))
-        try:
-            echo(f"verifying and unpacking {path} ...")
-            installed = Store(tmp).install(path, target=target, trusted=trusted_keys(list(trust)),
-                                           allow_unsigned=allow_unsigned)
+        with scratch_dir("bundle-serve-") as tmp:  # removed on exit, SIGTERM too; after SIGKILL, next time
+            echo(f"verifying and unpacking {ref} ...")
+            # The device store's trusted clock judges expiry here too (never before its floor).
+            installed = Store(tmp, time_from=home).install(
+                ref, target=target, trusted=trusted_keys(list(trust)), allow_unsigned=allow_unsigned,
+                ignore_expiry=ignore_expiry)
             yield installed, Store(tmp)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         return
-    if "/" in name_or_dir or name_or_dir.startswith("."):
-        raise UsageError(f"expected an installed bundle name or a bundle directory, found {name_or_dir!r} "
-                         f"(no such directory)")
-    st = Store(store or settings.default_store())
-    installed = st.current(name_or_dir)
-    if target not in ("auto", installed.target):
-        raise UsageError(f"bundle {installed.name} is installed for target {installed.target}, "
-                         f"not {target}; reinstall with --target {target}")
-    yield installed, st
+    echo(f"bundle:      installed {ref!r} from {home.root} (a name: no '/' in it)")
+    yield home.servable(ref, target=target, ignore_expiry=ignore_expiry), home
 
 
 def serve(name_or_dir, *, store: Path | None = None, host: str = "127.0.0.1", port: int = 8000,
           target: str = "auto", speculative_config: Speculative | str | dict | None = None,
           no_speculation: bool = False,
           max_model_len: int | None = None, max_queued_requests: int = 16, api_key: str | None = None,
-          trust: tuple[Path, ...] = (), allow_unsigned: bool = False, log_interval_s: float = 10.0,
+          trust: tuple[Path, ...] = (), allow_unsigned: bool = False, ignore_expiry: bool = False,
+          log_interval_s: float = 10.0,
           served_model_name: str | None = None, echo: Callable[[str], None] = print) -> None:
     """Load the bundle, print what is served, run uvicorn until interrupted.
 
-    `name_or_dir`: an installed bundle's name (looked up in `store`), a bundle directory (verified
-    and installed into a temporary store first), or a runtime.store.Installed.
+    `name_or_dir`: an installed bundle's name (looked up in `store`), a bundle directory (a Path, or a
+    str with a '/': verified and installed into a temporary store first), or a runtime.store.Installed.
     `speculative_config`: a Speculative, or vLLM-style JSON text / dict.
     """
     import json
@@ -106,7 +104,8 @@ def serve(name_or_dir, *, store: Path | None = None, host: str = "127.0.0.1", po
     sock = bind_socket(host, port)
     try:
         with open_installed(name_or_dir, store=store, target=target, trust=trust,
-                            allow_unsigned=allow_unsigned, echo=echo) as (installed, st):
+                            allow_unsigned=allow_unsigned, ignore_expiry=ignore_expiry,
+                            echo=echo) as (installed, st):
             model = load_serving_model(installed, speculative=speculative_config, no_speculation=no_speculation,
                                        max_model_len=max_model_len, cache_dir=getattr(st, "engine_cache_dir", None))
             if served_model_name:

@@ -133,7 +133,12 @@ def test_sigkill_mid_pack_then_rerun_completes(model_copy, tmp_path):
     cmd = [sys.executable, "-m", "bundler.cli", "create", "--model", str(model_copy), "--include", "big.bin", "--targets", "cpu",
            "--name", "resume", "--version", "1", "--unsigned", "--out", str(out), "--max-part-size", "256K",
            "--jobs", "1", "--no-progress", "--no-runtime"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # SIGKILL cannot be caught, so create's work folder (17 MB of ONNX export) stays behind: give the
+    # process a TMPDIR inside tmp_path so it is not left in /tmp on every run.
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     deadline = time.monotonic() + 60
     try:
         while time.monotonic() < deadline and proc.poll() is None:
@@ -145,13 +150,14 @@ def test_sigkill_mid_pack_then_rerun_completes(model_copy, tmp_path):
     finally:
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
+    assert list(tmpdir.glob("bundle-create-*")), "the killed create's work folder should be here, not in /tmp"
     assert not (out / COMPLETE_MARKER).exists() and not (out / INDEX_FILE).exists()
     before = _blob_inodes(out)
     journal = (out / pack_module.JOURNAL_FILE).read_text().splitlines()
     # every landed blob but those in flight (one per thread: --jobs 1 runs 2, see bundler.pack) is known for reuse
     assert len(journal) >= len(before) - 2
 
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     assert (out / COMPLETE_MARKER).exists()
     after = _blob_inodes(out)

@@ -143,7 +143,11 @@ def test_upgrade_keeps_previous_and_rollback_switches(bundles, keys, tmp_path, c
     assert cur.previous_version == 3
     assert sha256_file(cur.path / "engines/jetson-thor/target.plan") == \
         next(f for f in cur.manifest.files if f.path == "engines/jetson-thor/target.plan").sha256
-    assert main(["rollback", "demo", "--store", str(store)]) == 0  # and forward again
+    # Forward again: v3 expired on 2026-12-01 (the real clock is later), so only with --ignore-expiry.
+    assert main(["rollback", "demo", "--store", str(store)]) == PolicyError.exit_code
+    assert "cannot roll back: bundle demo v3 expired" in capsys.readouterr().err
+    assert s.current("demo").version == 2
+    assert main(["rollback", "demo", "--store", str(store), "--ignore-expiry"]) == 0
     assert s.current("demo").version == 3
 
 

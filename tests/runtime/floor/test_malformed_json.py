@@ -1,5 +1,6 @@
-"""Malformed JSON anywhere a bundle or the store is read: exit 3 (bundle) or 6 (store state) naming
-the file, never a traceback. The cases are what json.loads accepts or crashes on."""
+"""Malformed JSON anywhere a bundle or the store is read: exit 3 (bundle), a damaged install reported
+(exit 6, or DAMAGED in `bundle list`) or a store state rebuilt with a warning, each naming the file,
+never a traceback. The cases are what json.loads accepts or crashes on."""
 
 from __future__ import annotations
 
@@ -105,16 +106,20 @@ def installed(bundles, trusted, tmp_path, clock):
     return store
 
 
-def test_damaged_install_json_is_environment_error_not_traceback(installed, capsys):
+def test_damaged_install_json_is_reported_not_traceback(installed, keys, capsys):
     (installed.current("demo").path / "install.json").write_bytes(DEEP)
-    expect_exit(["list", "--store", installed.root], EnvironmentProblem.exit_code, capsys, "install.json",
-                "nested at most 64 deep")
+    assert main(["list", "--store", str(installed.root)]) == 0  # listed as damaged (install repairs it)
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and "install.json" in out and "nested at most 64 deep" in out
+    expect_exit(["verify", "demo", "--store", installed.root, "--trust", keys.release_pub],
+                EnvironmentProblem.exit_code, capsys, "install.json", "nested at most 64 deep")
 
 
-def test_damaged_state_json_is_environment_error_not_traceback(installed, bundles, keys, capsys):
+def test_damaged_state_json_is_rebuilt_not_traceback(installed, bundles, keys, capsys):
     installed.state_file.write_bytes(b'{"clock_floor": ' + DEEP + b"}")
     expect_exit(["install", bundles["v2"], "--store", installed.root, "--target", "jetson-thor", "--trust",
-                 keys.release_pub, "--no-progress"], EnvironmentProblem.exit_code, capsys, "state.json")
+                 keys.release_pub, "--no-progress"], 0, capsys, "state.json", "nested at most 64 deep",
+                "rebuilt from the installed versions")
 
 
 def test_damaged_engine_cache_key_is_ignored(tmp_path):

@@ -16,7 +16,9 @@ import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-FORBIDDEN = {"huggingface_hub", "requests", "httpx", "urllib3", "torch", "transformers", "bundler"}
+FORBIDDEN = {"huggingface_hub", "requests", "httpx", "urllib3", "torch", "transformers", "bundler", "oras"}
+# The registry client (skopeo, run by these) is reached only by push / pull / install from a registry.
+FORBIDDEN_RUNTIME = {"runtime.registry", "runtime.cli_registry", "runtime.skopeo", "runtime.referrer"}
 SERVE_MODULES = ["runtime.cli_serve", "runtime.server", "runtime.server.app", "runtime.server.serving",
                  "runtime.server.loader", "runtime.server.metrics", "runtime.server.protocol",
                  "runtime.speculative", "runtime.sampling", "runtime.tokenizer", "runtime.chat_template",
@@ -47,6 +49,7 @@ def test_serve_code_path_imports_no_network_library():
     loaded = {m.split(".")[0] for m in json.loads(out.stdout)}
     assert "runtime" in loaded and "onnxruntime" in loaded  # the check looked at a real import
     assert not (loaded & FORBIDDEN), sorted(loaded & FORBIDDEN)
+    assert not (set(json.loads(out.stdout)) & FORBIDDEN_RUNTIME)
 
 
 HOOKED_SERVE = textwrap.dedent("""
@@ -124,6 +127,7 @@ def test_full_request_cycle_opens_no_outbound_connection(installed_bundle, tmp_p
     assert outbound == [], f"outbound network use: {outbound}"
     loaded = {m.split(".")[0] for m in data["modules"]}
     assert not (loaded & FORBIDDEN), sorted(loaded & FORBIDDEN)
+    assert not (set(data["modules"]) & FORBIDDEN_RUNTIME), sorted(set(data["modules"]) & FORBIDDEN_RUNTIME)
 
 
 NAMESPACE_DRIVER = textwrap.dedent("""
