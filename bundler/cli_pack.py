@@ -68,6 +68,17 @@ def read_serve_defaults(path: Path | None, args: tuple[str, ...], max_model_len:
     return config
 
 
+def runtime_platforms(with_runtime: str | None, no_runtime: bool, targets: list[str]) -> list[str]:
+    """--with-runtime / --no-runtime / the targets' default, as a list of platforms ([] = no wheelhouse)."""
+    from bundler.wheelhouse import default_platforms, parse_platforms
+
+    if with_runtime is not None and no_runtime:
+        raise UsageError("expected either --with-runtime or --no-runtime, found both")
+    if no_runtime:
+        return []
+    return parse_platforms(with_runtime) if with_runtime is not None else default_platforms(targets)
+
+
 @click.command(epilog="""\b
 Examples:
   bundle create --model ./llama-1b --draft ./llama-draft --targets jetson-thor,igx-thor \\
@@ -75,6 +86,8 @@ Examples:
   bundle create --targets cpu --name demo --version 1 --unsigned      # the embedded demo pair
   bundle create --targets cpu --name demo --version 2 --unsigned \\
       --serve-arg '--enable-auto-tool-choice --tool-call-parser hermes --served-model-name assistant'
+  bundle create --targets jetson-thor --with-runtime linux_aarch64-cp312 --extra-wheels ./site-wheels \
+      --name assistant --version 3 --sign-key keys/release.key      # devices install the runtime from it
 """)
 @click.option("--model", "model_ref", metavar="REPO[@REV]|DIR",
               help="Target model: a Hugging Face repo (org/name, optionally @branch, @tag or @commit; pinned to "
@@ -119,6 +132,19 @@ Examples:
               help="Also carry the checkpoint's weight files that no target installs (every target's engine has "
                    "its own weights), for a site that re-exports on the device; about doubles the bundle. Default "
                    "(--no-checkpoint-weights): left out, each listed with size and sha256 in the signed manifest.")
+@click.option("--with-runtime", "with_runtime", metavar="PLATFORM[,PLATFORM...]",
+              help="Put the floor runtime (bundle-runtime and every dependency, as wheels) and the bootstrap into "
+                   "the bundle for these platforms: linux_aarch64-cp312 (JetPack 7, DGX Spark), linux_x86_64-cp311, "
+                   "linux_x86_64-cp312, ... Default: the targets' platforms (jetson-thor: linux_aarch64-cp312; "
+                   "cpu: this host's).")
+@click.option("--no-runtime", "no_runtime", is_flag=True,
+              help="Leave the runtime wheelhouse and the bootstrap out (devices that have the runtime installed).")
+@click.option("--extra-wheels", "extra_wheels", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
+              help="Also carry the wheels in DIR (e.g. TensorRT Python bindings, an onnxruntime-gpu for JetPack), "
+                   "each for the platforms its tags fit; a bundle_runtime-*.whl there is used as the floor wheel.")
+@click.option("--wheel-cache", "wheel_cache", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
+              help="Where downloaded wheels are kept between runs (a warm cache needs no index). "
+                   "Default: BUNDLE_CACHE_DIR/wheels (~/.cache/bundle/wheels).")
 @click.option("--force", is_flag=True,
               help="Replace a finished bundle already at --out, and build even if a model does not fit a "
                    "target's memory (a warning instead of a refusal).")
@@ -129,8 +155,8 @@ Examples:
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_model_len, targets_text, name,
            version, sign_key_paths, unsigned, max_part_size, out, expires, num_speculative_tokens,
-           serve_args, serve_config_path, with_checkpoint_weights, force, allow_no_chat_template, jobs,
-           no_progress) -> None:
+           serve_args, serve_config_path, with_checkpoint_weights, with_runtime, no_runtime, extra_wheels,
+           wheel_cache, force, allow_no_chat_template, jobs, no_progress) -> None:
     """Pack a model (and draft) into a signed, zstd-compressed bundle directory (an OCI image layout).
 
     Every file is recorded in a signed manifest with its sha256; files larger than --max-part-size are
@@ -147,6 +173,7 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     serve = read_serve_defaults(serve_config_path, serve_args, max_model_len)
     max_model_len = serve.get("max_model_len")
     method, head_ref = "draft_model", None
+    platforms = runtime_platforms(with_runtime, no_runtime, targets)
     if spec_config is not None:
         from manifests.speculative import parse_speculative_config
 
@@ -176,7 +203,8 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
                              progress=not no_progress, serve=serve, checkpoint_weights=with_checkpoint_weights,
                              speculative_method=method,
                              target_files=target_files_hook(num_speculative_tokens=num_speculative_tokens,
-                                                            serve=serve, eagle3_layers=layers))
+                                                            serve=serve, eagle3_layers=layers),
+                             runtime_platforms=platforms, extra_wheels=extra_wheels, wheel_cache=wheel_cache)
     lock_out = lock_path or write_lock(out.parent / f"{out.name}.lock.json", resolved)
     from bundler.keys import public_key_id
 
@@ -191,6 +219,9 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     click.echo(f"targets:  {', '.join(t.id for t in manifest.targets)}")
     for m in manifest.models:
         click.echo(f"model:    {m.role} {m.name} @ {m.source.revision}")
+    if manifest.runtime is not None:
+        click.echo(f"runtime:  {manifest.runtime.package} {manifest.runtime.version} for "
+                   f"{', '.join(manifest.runtime.platforms)} (bootstrap: sh {out}/bootstrap --trust KEY.pub)")
     signers = ", ".join(public_key_id(k) for k in keys) or "UNSIGNED"
     click.echo(f"signed:   {signers}")
     if manifest.expires:

@@ -287,7 +287,9 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
                   serve: dict | None = None, force: bool = False, jobs: int | None = None,
                   now: datetime | None = None, progress: bool = True,
                   builder: Builder | None = None, checkpoint_weights: bool = False,
-                  speculative_method: str = "draft_model") -> Manifest:
+                  speculative_method: str = "draft_model",
+                  runtime_platforms: Sequence[str] = (), extra_wheels: Path | None = None,
+                  wheel_cache: Path | None = None, wheelhouse=None) -> Manifest:
     """Pack a target model (and optional draft) for `targets` into a signed bundle at `out`.
 
     `targets` are validated ids (manifests.targets.parse_targets); `expires` is RFC 3339 or
@@ -295,6 +297,9 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
     every target: checkpoint files that no target installs (every target's engines carry their own
     weights) are left out and listed in the manifest with size and sha256; a file some target installs
     always travels. `checkpoint_weights=True` carries them anyway, for a site that re-exports on the device.
+    `runtime_platforms` (e.g. ["linux_aarch64-cp312"]) adds the floor runtime's wheelhouse for each and the
+    bootstrap (bundler.wheelhouse); `extra_wheels` is a folder of site wheels to add; `wheel_cache` keeps downloads;
+    `wheelhouse` (a bundler.wheelhouse.Wheelhouse) is used as given instead.
     """
     now = now or datetime.now(timezone.utc)
     if now.tzinfo is None:
@@ -328,6 +333,11 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
         return replace(manifest, models=pinned)
 
     with tempfile.TemporaryDirectory(prefix="bundle-create-") as work:
+        house = wheelhouse
+        if house is None and runtime_platforms:  # first: a pip failure should not come after a long export
+            from bundler.wheelhouse import build_wheelhouse
+            house = build_wheelhouse(runtime_platforms, Path(work) / "wheelhouse", extra_wheels=extra_wheels,
+                                     cache=wheel_cache)
         if target_files is not None:
             extra, target_list = target_files(inputs, target_list, Path(work))
             if all(t.engines for t in target_list):
@@ -338,7 +348,10 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
             files += list(extra)
         if not checkpoint_weights:
             files, models = _omit_checkpoint_weights(files, inputs, models)
+        if house is not None:
+            files += list(house.files)
         return pack_bundle(out, name=name, version=version, models=models, files=files, targets=target_list,
                            speculative=speculative, serve=serve, expires=expires, sign_keys=sign_keys,
                            unsigned=unsigned, max_part_size=max_part_size, jobs=jobs, now=now,
-                           progress=progress, force=force, builder=builder, amend=amend)
+                           progress=progress, force=force, builder=builder, amend=amend,
+                           runtime=house.runtime if house is not None else None)

@@ -16,6 +16,10 @@ hashed every downloaded file in this run (PackFile.sha256), or else computed her
 that reads the file front to back while its parts compress. A file whose size, mtime or inode
 changes while it is packed is refused.
 
+Wheels and the bootstrap (format 2) are already compressed or tiny: they are stored as they are
+(`PackFile.media_type` set), one blob named by the file's own sha256, so a device checks them with
+`sha256sum` alone. The manifest states the lowest format version that can hold what was packed.
+
 Crash safety: a blob appears under its digest only after fsync + rename, and a small resume
 journal ((file sha256, offset, length, level) -> blob) lets a rerun skip parts already done.
 index.json and the COMPLETE marker are written last; a directory without COMPLETE is never a
@@ -47,11 +51,11 @@ from tqdm import tqdm
 from bundler.keys import public_key_id
 from manifests.errors import BadBundleError, BundleError, EnvironmentProblem, UsageError
 from manifests.layout import (
-    ARTIFACT_TYPE, BLOBS_DIR, COMPLETE_MARKER, DEFAULT_MAX_PART_SIZE, DSSE_PAYLOAD_TYPE, INDEX_FILE,
+    ARTIFACT_TYPE, BLOBS_DIR, BOOTSTRAP_FILE, COMPLETE_MARKER, DEFAULT_MAX_PART_SIZE, DSSE_PAYLOAD_TYPE, INDEX_FILE,
     MANIFEST_MEDIA_TYPE, OCI_INDEX_MEDIA_TYPE, OCI_LAYOUT_CONTENT, OCI_LAYOUT_FILE, OCI_MANIFEST_MEDIA_TYPE,
     PART_MEDIA_TYPE, REF_NAME_ANNOTATION, SIGNATURE_MEDIA_TYPE, b64, digest_of, pae,
 )
-from manifests.schema import Builder, FileEntry, Manifest, Model, Part, Speculative, Target, format_time
+from manifests.schema import Builder, FileEntry, Manifest, Model, Part, Runtime, Speculative, Target, format_time
 from runtime import settings
 from runtime.fsutil import fsync_dir, write_atomic
 from runtime.parallel import MAX_WORKERS, ShortRead, Stopped, read_span, run_parallel
@@ -82,6 +86,8 @@ class PackFile:
     #: sha256 of `src` if this run already hashed it (the resolver did, checking it against the hub):
     #: then pack does not hash it again. The device checks it whatever happens.
     sha256: str | None = None
+    #: None: zstd parts (PART_MEDIA_TYPE). Set: stored as is, one blob, this OCI layer media type (format 2)
+    media_type: str | None = None
 
 
 # --- part sizing -----------------------------------------------------------------------------
@@ -302,6 +308,7 @@ class _Packer:
         self._bar_lock = threading.Lock()
         self.journal = _Journal(out / JOURNAL_FILE, self.blobs)
         self.resuming = bool(self.journal.entries)
+        self.stored_media_types: dict[str, str] = {}  # digest of a stored blob -> its layer media type
 
     def progress(self, n: int) -> None:
         with self._bar_lock:
@@ -372,6 +379,34 @@ class _Packer:
         order = sorted(pending, key=lambda p: -p.size)
         run_parallel((t for p in order for t in p.tasks()), 2 * self.jobs, self.stop, max_threads=2 * MAX_WORKERS)
 
+    def store_file(self, src: Path, size: int, media_type: str) -> tuple[str, tuple[Part, ...]]:
+        """Store one file as is (no zstd): the blob is the file, named by its sha256 (one part)."""
+        file_hash = hashlib.sha256()
+        tmp = self.blobs / f".tmp-{uuid.uuid4().hex}"
+        try:
+            with open(src, "rb", buffering=0) as fh, open(tmp, "wb") as raw:
+                left = size
+                while left:
+                    chunk = fh.read(min(READ_CHUNK, left))
+                    if not chunk:
+                        raise UsageError(f"{src} changed while packing: expected {size} bytes, found fewer")
+                    file_hash.update(chunk)
+                    raw.write(chunk)
+                    left -= len(chunk)
+                    self.progress(len(chunk))
+                if fh.read(1):
+                    raise UsageError(f"{src} changed while packing: expected {size} bytes, found more")
+                raw.flush()
+                os.fsync(raw.fileno())
+            hexd = file_hash.hexdigest()
+            self._land(tmp, hexd)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        digest = "sha256:" + hexd
+        self.stored_media_types[digest] = media_type
+        return hexd, (Part(digest=digest, size=size, offset=0, length=size, compression="none"),)
+
     def write_blob(self, data: bytes) -> tuple[str, int]:
         digest = digest_of(data)
         if not (self.blobs / digest.partition(":")[2]).exists():  # same digest, same bytes
@@ -409,7 +444,7 @@ def _prepare_out(out: Path, force: bool) -> None:
         (out / COMPLETE_MARKER).unlink()  # first, so a crash from here on leaves "not finished"
         fsync_dir(out)
         (out / INDEX_FILE).unlink(missing_ok=True)
-    ours = {OCI_LAYOUT_FILE, INDEX_FILE, "blobs"}
+    ours = {OCI_LAYOUT_FILE, INDEX_FILE, BOOTSTRAP_FILE, "blobs"}
     foreign = sorted(p.name for p in out.iterdir() if p.name not in ours and not p.name.startswith("."))
     if foreign:
         raise UsageError(f"expected {out} to be empty or an unfinished bundle, found other files: "
@@ -430,14 +465,16 @@ def pack_bundle(out: Path, *, name: str, version: int, models: list[Model], file
                 max_part_size: int = DEFAULT_MAX_PART_SIZE, jobs: int | None = None,
                 now: datetime | None = None, progress: bool = True, force: bool = False,
                 level: int = DEFAULT_LEVEL, builder: Builder | None = None,
-                amend: Callable[[Manifest], Manifest] | None = None, part_chunk: int = PART_CHUNK) -> Manifest:
+                amend: Callable[[Manifest], Manifest] | None = None, part_chunk: int = PART_CHUNK,
+                runtime: Runtime | None = None) -> Manifest:
     """Pack `files` into the bundle directory `out`, sign the manifest, and return it.
 
     Files are cut into parts of at most `part_chunk` uncompressed bytes (and at most `max_part_size`
     compressed), packed on `jobs` threads (default: BUNDLE_JOBS, every core).
 
     `amend` may rewrite the finished manifest before signing (e.g. fill a local model's content
-    digest from the file entries) but must keep its files. Rerunning after a crash resumes.
+    digest from the file entries) but must keep its files. `runtime` describes the wheelhouse among
+    `files` (stored wheels and bootstrap). Rerunning after a crash resumes.
     """
     out = Path(out)
     if unsigned and sign_keys:
@@ -464,9 +501,9 @@ def pack_bundle(out: Path, *, name: str, version: int, models: list[Model], file
     placeholder = Manifest(
         name=name, version=version, created=created, builder=builder, models=tuple(models),
         files=tuple(FileEntry(pf.path, 0, "0" * 64, (), pf.targets, pf.executable) for pf in files),
-        targets=tuple(targets), speculative=speculative, serve=dict(serve), expires=expires)
+        targets=tuple(targets), speculative=speculative, serve=dict(serve), expires=expires, runtime=runtime)
     try:
-        Manifest.from_dict(json.loads(placeholder.to_json_bytes()))
+        Manifest.from_dict(_placeholder_dict(placeholder, files))
     except BadBundleError as e:
         raise UsageError(str(e).replace("invalid manifest: ", "cannot create bundle: ")) from None
 
@@ -480,6 +517,7 @@ def pack_bundle(out: Path, *, name: str, version: int, models: list[Model], file
             try:
                 entries = _pack_files(packer, files, stats, bar)
                 manifest = replace(placeholder, files=tuple(entries))
+                manifest = replace(manifest, format_version=manifest.required_format_version())
                 if amend is not None:
                     manifest = amend(manifest)
                     if manifest.files != tuple(entries):
@@ -493,6 +531,17 @@ def pack_bundle(out: Path, *, name: str, version: int, models: list[Model], file
     return manifest
 
 
+def _placeholder_dict(placeholder: Manifest, files: list[PackFile]) -> dict:
+    """The placeholder as the device would parse it: stored files get a one-blob part of their own digest."""
+    d = json.loads(placeholder.to_json_bytes())
+    d["format_version"] = 2 if placeholder.runtime is not None or any(pf.media_type for pf in files) else 1
+    for entry, pf in zip(d["files"], files):
+        if pf.media_type:
+            entry["parts"] = [{"digest": "sha256:" + "0" * 64, "size": 0, "offset": 0, "length": 0,
+                               "compression": "none"}]
+    return d
+
+
 def _pack_files(packer: _Packer, files: list[PackFile], sizes: list[int], bar: tqdm) -> list[FileEntry]:
     # A file whose known digest was already planned is not packed twice. Copies nobody hashed yet are
     # packed twice but stored once: the same bytes compress to the same blob, kept under one digest
@@ -500,7 +549,12 @@ def _pack_files(packer: _Packer, files: list[PackFile], sizes: list[int], bar: t
     planned: list[_PendingFile] = []
     by_sha: dict[str, _PendingFile] = {}
     holders = []  # per file: the planned file that holds its bytes
-    for pf, size in zip(files, sizes):
+    stored: dict[int, tuple[str, tuple[Part, ...]]] = {}  # wheels and the bootstrap: copied as they are
+    for i, (pf, size) in enumerate(zip(files, sizes)):
+        if pf.media_type is not None:
+            stored[i] = packer.store_file(pf.src, size, pf.media_type)
+            holders.append(None)
+            continue
         pending = packer.pack_file(pf.src, size, pf.sha256)
         if pending.sha256 is not None and pending.sha256 in by_sha:
             holders.append(by_sha[pending.sha256])
@@ -512,8 +566,8 @@ def _pack_files(packer: _Packer, files: list[PackFile], sizes: list[int], bar: t
             by_sha[pending.sha256] = pending
     packer.run(planned)
     entries = []
-    for pf, size, pending in zip(files, sizes, holders):
-        sha, parts = pending.result()
+    for i, (pf, size, pending) in enumerate(zip(files, sizes, holders)):
+        sha, parts = stored[i] if pending is None else pending.result()
         entries.append(FileEntry(pf.path, size, sha, parts, pf.targets, pf.executable))
     return entries
 
@@ -529,7 +583,8 @@ def _finish(packer: _Packer, manifest: Manifest, keys: list[Ed25519PrivateKey]) 
         for p in entry.parts:
             if p.digest not in seen:
                 seen.add(p.digest)
-                layers.append({"mediaType": PART_MEDIA_TYPE, "digest": p.digest, "size": p.size})
+                media_type = packer.stored_media_types.get(p.digest, PART_MEDIA_TYPE) if p.stored else PART_MEDIA_TYPE
+                layers.append({"mediaType": media_type, "digest": p.digest, "size": p.size})
     config_digest, config_size = packer.write_blob(manifest_bytes)
     env_digest, env_size = packer.write_blob(envelope)
     layers.append({"mediaType": SIGNATURE_MEDIA_TYPE, "digest": env_digest, "size": env_size})
@@ -549,7 +604,19 @@ def _finish(packer: _Packer, manifest: Manifest, keys: list[Ed25519PrivateKey]) 
     fsync_dir(packer.blobs)
     write_atomic(out / OCI_LAYOUT_FILE, OCI_LAYOUT_CONTENT)
     write_atomic(out / INDEX_FILE, json.dumps(index, sort_keys=True, separators=(",", ":")).encode())
+    _write_top_level_bootstrap(packer, manifest)
     fsync_dir(out)
     packer.journal.remove()
     write_atomic(out / COMPLETE_MARKER, (oci_digest + "\n").encode())
     fsync_dir(out)
+
+
+def _write_top_level_bootstrap(packer: _Packer, manifest: Manifest) -> None:
+    """`sh BUNDLE/bootstrap` needs the script at the top: a copy of its (signed) blob."""
+    path = packer.out / BOOTSTRAP_FILE
+    entry = next((f for f in manifest.files if manifest.runtime and f.path == manifest.runtime.bootstrap), None)
+    if entry is None:
+        path.unlink(missing_ok=True)
+        return
+    write_atomic(path, (packer.blobs / entry.parts[0].hex).read_bytes())
+    os.chmod(path, 0o755)

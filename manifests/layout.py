@@ -4,11 +4,14 @@
       oci-layout                 {"imageLayoutVersion": "1.0.0"}
       index.json                 one OCI image manifest, ref name "<name>:<version>"
       blobs/sha256/<hex>         every blob, content-addressed
+      bootstrap                  (format 2, with a wheelhouse) the device's installer, a copy of its blob
       COMPLETE                   written last by create/copy; absent means "not finished"
 
 The OCI image manifest's `config` is the bundle manifest (the signed JSON, MANIFEST_MEDIA_TYPE);
-its `layers` are the zstd file parts (PART_MEDIA_TYPE) followed by one DSSE envelope
-(SIGNATURE_MEDIA_TYPE) whose payload is the exact bytes of the bundle manifest.
+its `layers` are the zstd file parts (PART_MEDIA_TYPE), then (format 2) the stored wheels
+(WHEEL_MEDIA_TYPE) and bootstrap (BOOTSTRAP_MEDIA_TYPE), each blob the file's bytes as they are, so
+`sha256sum` alone checks it, followed by one DSSE envelope (SIGNATURE_MEDIA_TYPE) whose payload is
+the exact bytes of the bundle manifest.
 Trust comes only from the envelope's signatures over those bytes; index.json and the OCI
 manifest are untrusted pointers. No I/O here: only names and the DSSE byte rules.
 """
@@ -33,6 +36,15 @@ OCI_MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
 ARTIFACT_TYPE = "application/vnd.bundle.llm.v1"
 PART_MEDIA_TYPE = "application/vnd.bundle.file.part.v1+zstd"
 SIGNATURE_MEDIA_TYPE = "application/vnd.dsse.envelope.v1+json"
+#: a Python wheel of the floor runtime's wheelhouse, stored as is (a wheel is already a zip)
+WHEEL_MEDIA_TYPE = "application/vnd.bundle.wheel.v1+zip"
+#: the bootstrap script (POSIX sh), stored as is
+BOOTSTRAP_MEDIA_TYPE = "application/vnd.bundle.bootstrap.v1"
+#: layers that hold file bytes: zstd parts, and (format 2) the stored ones
+STORED_MEDIA_TYPES = (WHEEL_MEDIA_TYPE, BOOTSTRAP_MEDIA_TYPE)
+DATA_MEDIA_TYPES = (PART_MEDIA_TYPE, *STORED_MEDIA_TYPES)
+#: the bootstrap's name at the bundle's top level (a copy of its blob, for `sh BUNDLE/bootstrap`)
+BOOTSTRAP_FILE = "bootstrap"
 DSSE_PAYLOAD_TYPE = MANIFEST_MEDIA_TYPE
 REF_NAME_ANNOTATION = "org.opencontainers.image.ref.name"
 

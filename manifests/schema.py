@@ -18,7 +18,10 @@ from typing import Any, Mapping
 from manifests.errors import BadBundleError, PolicyError
 from manifests.strict_json import parse
 
-FORMAT_VERSION = 1
+#: The newest format this tool reads and writes. A bundle is written with the lowest version that can
+#: express it (`Manifest.required_format_version`), so a bundle without a wheelhouse stays readable by
+#: format-1 runtimes. v2 adds stored (uncompressed) parts and the `runtime` section (the wheelhouse).
+FORMAT_VERSION = 2
 # Refuse to parse anything bigger: a manifest for a 100 GB model with 4 GB parts is a few hundred KB.
 MAX_MANIFEST_BYTES = 8 * 1024 * 1024
 MEDIA_TYPE = "application/vnd.bundle.manifest.v1+json"
@@ -44,6 +47,14 @@ def is_sha256_digest(value: object) -> bool:
 def _is_count(value: object) -> bool:
     """A JSON integer >= 0 (not a bool: True is an int in Python)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+#: where a bundle's wheels sit in the manifest (and nothing else does), and the bootstrap's path
+WHEELHOUSE_PREFIX = "wheelhouse/"
+BOOTSTRAP_PATH = "bootstrap"
+#: a part's bytes: one zstd frame (the default, format 1) or stored as is (format 2: wheels, the bootstrap)
+COMPRESSIONS = ("zstd", "none")
+_PLATFORM = re.compile(r"linux_(x86_64|aarch64)-cp3\d{1,2}")
+_PACKAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+_WHEEL_NAME = re.compile(r"[A-Za-z0-9_.+!-]+\.whl")
 
 
 def format_time(moment: datetime) -> str:
@@ -148,16 +159,30 @@ class Part(_Record):
     size: int  # compressed size in bytes
     offset: int  # where the part starts in the uncompressed file
     length: int  # uncompressed length
+    compression: str = "zstd"  # "none": the blob is the bytes themselves (format 2)
     extra: dict = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        if self.compression == "zstd":
+            d.pop("compression", None)  # format-1 parts read exactly as before
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Part":
-        k, extra = _split(d, {"digest", "size", "offset", "length"})
+        k, extra = _split(d, {"digest", "size", "offset", "length", "compression"})
         _check(is_sha256_digest(k.get("digest")),
                f"expected part digest 'sha256:<64 lowercase hex>', found {str(k.get('digest'))[:80]!r}")
         for n in ("size", "offset", "length"):
             _check(_is_count(k.get(n)), f"expected part {n} to be an integer >= 0, found {k.get(n)!r}")
-        return cls(k["digest"], k["size"], k["offset"], k["length"], extra)
+        compression = k.get("compression", "zstd")
+        _check(compression in COMPRESSIONS, f"expected part compression one of {COMPRESSIONS}, found {compression!r}")
+        return cls(k["digest"], k["size"], k["offset"], k["length"], compression, extra)
+
+    @property
+    def stored(self) -> bool:
+        """The blob is the file's bytes as they are (no zstd): checkable with sha256sum alone."""
+        return self.compression == "none"
 
     @property
     def hex(self) -> str:
@@ -199,12 +224,19 @@ class FileEntry(_Record):
             _check(p.offset == pos, f"{path}: expected part at offset {pos}, found {p.offset}")
             pos += p.length
         _check(pos == k["size"], f"{path}: parts cover {pos} bytes, expected size {k['size']}")
+        if any(p.stored for p in parts):  # a stored file is one blob named by the file's own sha256
+            _check(len(parts) == 1 and parts[0].hex == k["sha256"] and parts[0].size == k["size"],
+                   f"{path}: expected a stored (uncompressed) file to be one blob of its own size and sha256")
         targets = k.get("targets")
         if targets is not None:
             _check(isinstance(targets, list) and all(isinstance(t, str) for t in targets),
                    f"{path}: expected targets to be a list of ids")
             targets = tuple(targets)
         return cls(path, k["size"], k["sha256"], parts, targets, bool(k.get("executable", False)), extra)
+
+    @property
+    def stored(self) -> bool:
+        return bool(self.parts) and all(p.stored for p in self.parts)
 
     def needed_by(self, target_id: str | None) -> bool:
         return target_id is None or self.targets is None or target_id in self.targets
@@ -319,6 +351,48 @@ class Speculative(_Record):
 
 
 @dataclass(frozen=True)
+class Runtime(_Record):
+    """The floor runtime travelling in the bundle (format 2): a wheelhouse per platform and a bootstrap.
+
+    `platforms` maps "linux_aarch64-cp312" to the manifest paths (under WHEELHOUSE_PREFIX) of every wheel
+    `pip install --no-index` needs there; a wheel shared by platforms is one file listed under each.
+    """
+
+    package: str  # distribution the bootstrap installs, "bundle-runtime"
+    version: str  # its exact version
+    platforms: dict = field(default_factory=dict)  # platform -> tuple of wheel paths
+    bootstrap: str | None = None  # manifest path of the bootstrap script (BOOTSTRAP_PATH)
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Runtime":
+        k, extra = _split(d, {"package", "version", "platforms", "bootstrap"})
+        _check(isinstance(k.get("package"), str) and _PACKAGE.fullmatch(k["package"]) is not None,
+               f"runtime: expected a package name, found {k.get('package')!r}")
+        _check(isinstance(k.get("version"), str) and _PACKAGE.fullmatch(k["version"]) is not None,
+               f"runtime: expected a version string, found {k.get('version')!r}")
+        platforms = k.get("platforms")
+        _check(isinstance(platforms, Mapping) and len(platforms) > 0,
+               "runtime: expected a non-empty 'platforms' object")
+        out = {}
+        for plat, wheels in platforms.items():
+            _check(isinstance(plat, str) and _PLATFORM.fullmatch(plat) is not None,
+                   f"runtime: expected a platform like linux_aarch64-cp312, found {plat!r}")
+            _check(isinstance(wheels, list) and wheels and all(isinstance(w, str) for w in wheels),
+                   f"runtime: expected a list of wheel paths for {plat}")
+            out[plat] = tuple(safe_relative_path(w) for w in wheels)
+            for w in out[plat]:
+                _check(w.startswith(WHEELHOUSE_PREFIX) and _WHEEL_NAME.fullmatch(w[len(WHEELHOUSE_PREFIX):]) is not None,
+                       f"runtime: expected wheel paths like {WHEELHOUSE_PREFIX}NAME.whl, found {w!r}")
+        bootstrap = k.get("bootstrap")
+        _check(bootstrap in (None, BOOTSTRAP_PATH), f"runtime: expected bootstrap {BOOTSTRAP_PATH!r}, found {bootstrap!r}")
+        return cls(k["package"], k["version"], out, bootstrap, extra)
+
+    def wheel_paths(self) -> set[str]:
+        return {w for wheels in self.platforms.values() for w in wheels}
+
+
+@dataclass(frozen=True)
 class Builder(_Record):
     tool: str = "bundle"
     tool_version: str = ""
@@ -331,6 +405,22 @@ class Builder(_Record):
         k, extra = _split(d, {"tool", "tool_version", "host", "platform"})
         return cls(str(k.get("tool", "bundle")), str(k.get("tool_version", "")),
                    k["host"] if isinstance(k.get("host"), str) else None, str(k.get("platform", "")), extra)
+
+
+def _check_runtime_files(runtime: Runtime | None, files: tuple[FileEntry, ...]) -> None:
+    """Wheels and the bootstrap are stored files that no target installs; nothing else sits under wheelhouse/."""
+    by_path = {f.path: f for f in files}
+    listed = runtime.wheel_paths() if runtime else set()
+    for path in sorted(listed | ({runtime.bootstrap} - {None} if runtime else set())):
+        f = by_path.get(path)
+        _check(f is not None, f"runtime: expected {path!r} among the files, found no such file")
+        _check(f.stored and f.targets == (), f"{path}: expected a stored file that no target installs")
+    for f in files:
+        if f.path.startswith(WHEELHOUSE_PREFIX):
+            _check(f.path in listed, f"{f.path}: expected every file under {WHEELHOUSE_PREFIX} to be a wheel "
+                                     f"of the runtime section")
+            _check(_WHEEL_NAME.fullmatch(f.path[len(WHEELHOUSE_PREFIX):]) is not None,
+                   f"{f.path}: expected a wheel file name directly under {WHEELHOUSE_PREFIX}")
 
 
 @dataclass(frozen=True)
@@ -347,8 +437,13 @@ class Manifest(_Record):
     speculative: Speculative | None = None
     serve: dict = field(default_factory=dict)  # serve defaults: max_model_len, temperature...
     expires: str | None = None  # RFC 3339 UTC or None
+    runtime: Runtime | None = None  # the floor runtime's wheelhouse (format 2)
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict, compare=False)
+
+    def required_format_version(self) -> int:
+        """The lowest format that can express this manifest: 2 with a wheelhouse or stored parts, else 1."""
+        return 2 if self.runtime is not None or any(f.stored for f in self.files) else 1
 
     def to_dict(self) -> dict:
         d = super().to_dict()
@@ -358,7 +453,7 @@ class Manifest(_Record):
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Manifest":
         known = {"format_version", "name", "version", "created", "builder", "models", "files",
-                 "targets", "speculative", "serve", "expires"}
+                 "targets", "speculative", "serve", "expires", "runtime"}
         k, extra = _split(d, known)
         fv = k.get("format_version")
         _check(isinstance(fv, int) and not isinstance(fv, bool), f"expected integer format_version, found {fv!r}")
@@ -383,6 +478,8 @@ class Manifest(_Record):
             for parent in PurePosixPath(f.path).parents:
                 _check(str(parent) not in paths, f"expected {str(parent)!r} to be a directory, it is also a file")
         spec = k.get("speculative")
+        runtime = Runtime.from_dict(k["runtime"]) if k.get("runtime") is not None else None
+        _check_runtime_files(runtime, files)
         return cls(
             name=name, version=version, created=k["created"],
             builder=Builder.from_dict(k.get("builder") or {}),
@@ -392,9 +489,16 @@ class Manifest(_Record):
             speculative=Speculative.from_dict(spec) if spec is not None else None,
             serve=_dict(k.get("serve"), "serve"),
             expires=_optional_str(k.get("expires"), "expires"),
+            runtime=runtime,
             format_version=fv,
             extra=extra,
-        )
+        )._checked_version()
+
+    def _checked_version(self) -> "Manifest":
+        need = self.required_format_version()
+        _check(self.format_version >= need, f"format_version {self.format_version} cannot hold a wheelhouse or "
+                                            f"stored parts: expected format_version >= {need}")
+        return self
 
     # --- bytes ---------------------------------------------------------------------------
     def to_json_bytes(self) -> bytes:

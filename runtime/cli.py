@@ -1,5 +1,5 @@
 """Floor-side commands: copy, verify, inspect, install, list, rollback. Each parses flags, calls one
-library function and prints; errors are raised as BundleError and mapped to exit codes in bundler.cli.main."""
+library function and prints; errors are raised as BundleError and mapped to exit codes in runtime.main.main."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from runtime.reader import CHUNK, BlobReader, open_bundle, part_names
 from runtime.validate import check_bundle
 from runtime.verify import check_blob
 
-_ours = {L.OCI_LAYOUT_FILE, L.INDEX_FILE, L.COMPLETE_MARKER, "blobs"}
+_ours = {L.OCI_LAYOUT_FILE, L.INDEX_FILE, L.COMPLETE_MARKER, L.BOOTSTRAP_FILE, "blobs"}
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,17 @@ def _prepare_dst(src: Path, dst: Path) -> int:
     return blobs_fd
 
 
+def _write_bootstrap(dst: Path, blobs_fd: int, manifest) -> None:
+    """DST/bootstrap from DST's own (just digest-checked) blob, never copied from whatever SRC has at the top."""
+    rt = manifest.runtime
+    entry = next((f for f in manifest.files if rt is not None and f.path == rt.bootstrap), None)
+    if entry is None:
+        return
+    fd = os.open(entry.parts[0].hex, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=blobs_fd)
+    with os.fdopen(fd, "rb") as f:
+        write_atomic(dst / L.BOOTSTRAP_FILE, f.read(entry.size))
+
+
 def copy_bundle(src: Path, dst: Path, *, jobs: int | None = None, progress: bool = True) -> CopyReport:
     """Copy bundle SRC to DST (resumable, verified blob by blob); needs no key: digests, not trust."""
     src, dst = Path(src), Path(dst)
@@ -152,6 +163,7 @@ def copy_bundle(src: Path, dst: Path, *, jobs: int | None = None, progress: bool
         # oci-layout is the spec's constant, never SRC's bytes (which could be a link to anything).
         write_atomic(dst / L.OCI_LAYOUT_FILE, L.OCI_LAYOUT_CONTENT)
         write_atomic(dst / L.INDEX_FILE, layout.index_bytes)  # read bounded, validated above
+        _write_bootstrap(dst, blobs_fd, manifest)
         fsync_dir(dst)
         write_atomic(dst / L.COMPLETE_MARKER, (layout.oci_manifest.digest + "\n").encode())
         fsync_dir(dst)

@@ -58,9 +58,17 @@ def inspect_bundle(bundle_dir: Path) -> dict:
         "compressed_size": sum(compressed.values()),
         "blobs": len(compressed),
         "left_out": _left_out(m.models),
-        "installed_by_no_target": sum(f.size for f in m.files if f.targets == ()),
+        "installed_by_no_target": sum(f.size for f in m.files if f.targets == () and f.path not in _runtime_paths(m)),
+        "runtime": runtime_summary(m),
         "signatures": {"key_ids": signers, "verified": False, "envelope": envelope_note},
     }
+
+
+def _runtime_paths(m) -> set[str]:
+    """The wheelhouse and bootstrap: installed by no target, but not checkpoint weights either."""
+    if m.runtime is None:
+        return set()
+    return set(m.runtime.wheel_paths()) | {m.runtime.bootstrap}
 
 
 def _left_out(models) -> list[dict]:
@@ -73,6 +81,18 @@ def _left_out(models) -> list[dict]:
             if isinstance(o, dict) and isinstance(o.get("path"), str) and isinstance(o.get("size"), int):
                 out.append({"model": md.role, "path": o["path"], "size": o["size"], "sha256": str(o.get("sha256"))})
     return out
+
+
+def runtime_summary(m) -> dict | None:
+    """The wheelhouse (format 2): package and version, each platform's wheel count and size, the total stored."""
+    if m.runtime is None:
+        return None
+    by_path = {f.path: f for f in m.files}
+    platforms = {plat: {"wheels": len(paths), "size": sum(by_path[p].size for p in paths)}
+                 for plat, paths in m.runtime.platforms.items()}
+    return {"package": m.runtime.package, "version": m.runtime.version, "platforms": platforms,
+            "wheelhouse_size": sum(by_path[p].size for p in m.runtime.wheel_paths()),
+            "bootstrap": m.runtime.bootstrap}
 
 
 def format_inspect(info: dict) -> str:
@@ -103,6 +123,13 @@ def format_inspect(info: dict) -> str:
     lines.append("  speculative " + (", ".join(f"{k}={v}" for k, v in spec.items()) if spec else "off"))
     if info["serve"]:
         lines.append("  serve     " + ", ".join(f"{k}={v}" for k, v in sorted(info["serve"].items())))
+    rt = info.get("runtime")
+    if rt:
+        plats = ", ".join(f"{p} ({v['wheels']} wheels, {format_size(v['size'])})" for p, v in rt["platforms"].items())
+        lines.append(f"  runtime   {rt['package']} {rt['version']}: wheelhouse {format_size(rt['wheelhouse_size'])} "
+                     f"for {plats}; bootstrap: sh {info['path']}/{rt['bootstrap']} --trust KEY.pub")
+    else:
+        lines.append("  runtime   not included (install bundle-runtime on the device another way)")
     sig = info["signatures"]
     ids = ", ".join(sig["key_ids"]) or "none"
     lines.append(f"  signed by {ids}  (UNVERIFIED key ids; envelope {sig['envelope']}; "

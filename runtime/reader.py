@@ -82,7 +82,7 @@ class BundleLayout:
 
     @property
     def parts(self) -> tuple[Descriptor, ...]:
-        return tuple(d for d in self.layers if d.media_type == L.PART_MEDIA_TYPE)
+        return tuple(d for d in self.layers if d.media_type in L.DATA_MEDIA_TYPES)
 
     def unverified_manifest(self) -> Manifest:
         """The manifest parsed WITHOUT checking signatures: for inspect and copy only."""
@@ -195,9 +195,9 @@ def open_bundle(path: Path, *, require_complete: bool = True) -> BundleLayout:
     layers = tuple(Descriptor.parse(d, f"OCI manifest layer {i}") for i, d in enumerate(raw_layers))
     seen: set[str] = set()
     for i, d in enumerate(layers):
-        if d.media_type not in (L.PART_MEDIA_TYPE, L.SIGNATURE_MEDIA_TYPE):
-            raise BadBundleError(f"OCI manifest layer {i}: expected mediaType {L.PART_MEDIA_TYPE} or "
-                                 f"{L.SIGNATURE_MEDIA_TYPE}, found {_text(d.media_type)}")
+        if d.media_type not in (*L.DATA_MEDIA_TYPES, L.SIGNATURE_MEDIA_TYPE):
+            raise BadBundleError(f"OCI manifest layer {i}: expected mediaType one of "
+                                 f"{', '.join((*L.DATA_MEDIA_TYPES, L.SIGNATURE_MEDIA_TYPE))}, found {_text(d.media_type)}")
         if d.digest in seen or d.digest in (config.digest, mdesc.digest):
             raise BadBundleError(f"OCI manifest layer {i}: expected each blob listed once, found {d.digest} again")
         seen.add(d.digest)

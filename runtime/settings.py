@@ -126,3 +126,16 @@ def env_flag(name: str) -> bool:
 def hf_token_in_env() -> bool:
     """Whether HF_TOKEN is set (huggingface_hub reads it itself; we only name it in error messages)."""
     return bool(os.environ.get("HF_TOKEN"))
+
+
+def cache_dir() -> Path:
+    """Downloads worth keeping between runs (the wheelhouse's wheels, the container base root filesystem):
+    BUNDLE_CACHE_DIR, else $XDG_CACHE_HOME/bundle, else ~/.cache/bundle. Read at call time."""
+    if os.environ.get("BUNDLE_CACHE_DIR"):
+        return Path(os.environ["BUNDLE_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bundle"
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process (pip on the build host), with `extra` set."""
+    return {**os.environ, **extra}

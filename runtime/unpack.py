@@ -105,10 +105,25 @@ class _FileWrite:
         except OSError as e:
             raise os_error(e, self.dest) from None
 
+    def _copy_stored(self, src: BlobReader, part: Part, fd: int, file_hash) -> None:
+        pos = part.offset
+        while chunk := src.read(CHUNK):
+            if self.stop.is_set():
+                raise Stopped()
+            if file_hash is not None:
+                file_hash.update(chunk)
+            _pwrite_all(fd, chunk, pos)
+            pos += len(chunk)
+            self.on_bytes(len(chunk))
+
     def _decompress(self, part: Part, i: int, fd: int, file_hash) -> None:
         n = len(self.entry.parts)
         name = self.entry.path if n == 1 else f"{self.entry.path} part {i + 1}/{n}"
         with BlobReader(self.layout.path, part.digest, part.size, name) as src:
+            if part.stored:  # format 2: the blob is the bytes (sizes and digest equal, checked by the schema)
+                self._copy_stored(src, part, fd, file_hash)
+                src.finish()
+                return
             dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_SIZE)
             try:
                 with dctx.stream_reader(src, read_size=CHUNK, read_across_frames=True, closefd=False) as z:

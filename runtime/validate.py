@@ -46,7 +46,12 @@ def check_bundle(layout: BundleLayout, manifest: Manifest) -> None:
     if extra:
         raise BadBundleError(f"OCI manifest: expected only the manifest's file parts and one signature as "
                              f"layers, found {len(extra)} other part layers, first blob {extra[0]}")
+    stored = {p.digest for f in manifest.files for p in f.parts if p.stored}
     for digest, size in sizes.items():
+        want = L.STORED_MEDIA_TYPES if digest in stored else (L.PART_MEDIA_TYPE,)
+        if layers[digest].media_type not in want:  # a stored wheel must not pass for zstd, nor the reverse
+            raise BadBundleError(f"{', '.join(names[digest])}: OCI manifest gives blob {digest} mediaType "
+                                 f"{layers[digest].media_type}, expected {' or '.join(want)}")
         if layers[digest].size != size:
             raise BadBundleError(f"{', '.join(names[digest])}: OCI manifest says blob {digest} has "
                                  f"{layers[digest].size} bytes, the bundle manifest says {size}")

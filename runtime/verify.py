@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from manifests import layout as L
 from manifests.errors import BadBundleError, TrustError
+from manifests.layout import BOOTSTRAP_FILE
 from manifests.schema import Manifest
 from runtime import settings
 from runtime.bundle_files import NotRegularFile, open_regular
@@ -139,6 +140,27 @@ def scan_blobs(layout: BundleLayout, manifest: Manifest, *, jobs: int | None = N
     return problems
 
 
+def check_top_level_bootstrap(layout: BundleLayout, manifest: Manifest) -> list[Problem]:
+    """BUNDLE/bootstrap (what an operator runs) must be byte-for-byte the signed bootstrap blob."""
+    path = manifest.runtime.bootstrap if manifest.runtime is not None else None
+    entry = next((f for f in manifest.files if f.path == path), None)
+    if entry is None:
+        return []
+    digest, names = entry.parts[0].digest, (f"{BOOTSTRAP_FILE} (top-level copy)",)
+    try:
+        with open_regular(layout.path, BOOTSTRAP_FILE) as f:
+            data = f.read(entry.size + 1)
+    except FileNotFoundError:
+        return [Problem(digest, "missing", f"expected file {layout.path / BOOTSTRAP_FILE}", names)]
+    except NotRegularFile as e:
+        return [Problem(digest, "not a regular file", str(e), names)]
+    except OSError as e:
+        return [Problem(digest, "unreadable", e.strerror or str(e), names)]
+    if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
+        return [Problem(digest, "corrupt", "differs from the signed bootstrap", names)]
+    return []
+
+
 def verify_bundle(bundle_dir: Path, trusted: dict[str, Ed25519PublicKey], *, allow_unsigned: bool = False,
                   check_blobs: bool = True, jobs: int | None = None,
                   progress: bool = False) -> VerifiedBundle:
@@ -148,6 +170,7 @@ def verify_bundle(bundle_dir: Path, trusted: dict[str, Ed25519PublicKey], *, all
     check_bundle(layout, manifest)  # the same rules install and copy apply
     if check_blobs:
         problems = scan_blobs(layout, manifest, jobs=jobs, progress=progress)
+        problems += check_top_level_bootstrap(layout, manifest)
         if problems:
             total = len({p.digest for f in manifest.files for p in f.parts})
             bad = len({p.digest for p in problems})

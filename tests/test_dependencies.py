@@ -1,4 +1,6 @@
-"""pyproject.toml declares every third-party module the code imports, with lower bounds the code needs."""
+"""The two pyproject.toml files declare every third-party module the code imports, with lower bounds the code
+needs: floor/pyproject.toml (bundle-runtime) for runtime/ and manifests/, pyproject.toml (bundle, which pins
+bundle-runtime, so the floor's dependencies are there too) for bundler/."""
 
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ NEEDS = {
 tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
 
 
-def _project() -> dict:
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+def _project(floor: bool = False) -> dict:
+    return tomllib.loads((ROOT / ("floor/pyproject.toml" if floor else "pyproject.toml")).read_text())["project"]
 
 
 def _name(req: str) -> str:
@@ -37,10 +39,18 @@ def _lower_bound(req: str) -> tuple[int, ...] | None:
     return tuple(int(x) for x in m.group(1).split(".")) if m else None
 
 
-def _declared(group: str | None = None) -> dict[str, str]:
-    project = _project()
+def _declared(group: str | None = None, floor: bool = False) -> dict[str, str]:
+    project = _project(floor)
     reqs = project["dependencies"] if group is None else project["optional-dependencies"][group]
     return {_name(r): r for r in reqs}
+
+
+def _floor() -> dict[str, str]:
+    return _declared(floor=True)
+
+
+def _build_host() -> dict[str, str]:
+    return {**_floor(), **_declared(), **_declared("build")}
 
 
 def _imports(package: str) -> dict[str, set[str]]:
@@ -65,25 +75,24 @@ def _distribution(module: str) -> str:
 
 
 def test_every_imported_module_is_declared():
-    declared = {**_declared(), **_declared("build")}
-    missing = {m: sorted(files)[:3] for pkg in FIRST_PARTY for m, files in _imports(pkg).items()
-               if _distribution(m) not in declared}
-    assert not missing, f"imported but not declared in pyproject.toml: {missing}"
+    declared = _build_host()
+    missing = {m: sorted(files)[:3] for m, files in _imports("bundler").items() if _distribution(m) not in declared}
+    assert not missing, f"bundler/ imports modules pyproject.toml does not declare: {missing}"
 
 
-def test_the_floor_needs_only_the_base_install():
-    """`pip install .` is what a device gets: runtime/ and manifests/ may import nothing from the extras."""
-    base = _declared()
+def test_the_floor_needs_only_the_floor_distribution():
+    """bundle-runtime is what a device gets: runtime/ and manifests/ import only what floor/pyproject.toml declares."""
+    floor = _floor()
     extra = {m: sorted(files)[:3] for pkg in ("runtime", "manifests") for m, files in _imports(pkg).items()
-             if _distribution(m) not in base}
-    assert not extra, f"the floor imports modules only an extra installs: {extra}"
+             if _distribution(m) not in floor}
+    assert not extra, f"the floor imports modules bundle-runtime does not declare: {extra}"
 
 
 def test_lower_bounds_cover_what_the_code_needs():
     from bundler.engines import ONNXRUNTIME_MIN_BATCHED
     from runtime.engines.onnxruntime import BATCHED_MIN_VERSION
 
-    declared = {**_declared(), **_declared("build")}
+    declared = _build_host()
     needs = dict(NEEDS)
     ort = max(tuple(int(x) for x in ONNXRUNTIME_MIN_BATCHED.split(".")), BATCHED_MIN_VERSION)
     needs["onnxruntime"] = (ort, "the default cpu graph (TensorScatter + Attention, opset 24)")

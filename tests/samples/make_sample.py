@@ -3,7 +3,9 @@
     python -m tests.samples.make_sample        # writes tests/samples/format-v<N>/ and never overwrites
 
 The sample is a tiny random Llama pair with cpu engines, signed by a key made here whose private half is
-thrown away; `expected.json` records what serving it must produce. tests/samples/test_samples.py verifies,
+thrown away; `expected.json` records what serving it must produce. From format 2 on it also carries a
+wheelhouse: one tiny real wheel (`sample-runtime`, listed for every Linux platform) and the bootstrap of
+the day, which the test runs to install that wheel (the real runtime's wheels are far too big to commit). tests/samples/test_samples.py verifies,
 installs and serves every committed sample on every run, so a change that breaks bundles already on
 devices fails CI (as model-signing re-verifies signatures made by its old releases).
 """
@@ -24,6 +26,9 @@ from manifests.schema import FORMAT_VERSION, Builder
 HERE = Path(__file__).resolve().parent
 PROMPT = [5, 17, 42, 99, 7]
 MAX_TOKENS = 12
+#: format 2's wheelhouse: (distribution, version, the value its module holds)
+SAMPLE_RUNTIME = ("sample-runtime", "1.0", "installed from a format-2 wheelhouse")
+SAMPLE_PLATFORMS = [f"linux_{arch}-cp3{minor}" for arch in ("x86_64", "aarch64") for minor in range(10, 15)]
 
 
 def greedy_tokens(installed, prompt=PROMPT, max_tokens=MAX_TOKENS) -> dict:
@@ -54,16 +59,28 @@ def main() -> int:
         draft = make_tiny_checkpoint(work / "draft", hidden_size=16, num_layers=1, num_heads=1, num_kv_heads=1,
                                      intermediate_size=32, max_positions=64, seed=1, tokenizer_from=target)
         generate_key(work / "sample.key")
+        wheelhouse = None
+        if FORMAT_VERSION >= 2:
+            from bundler.wheelhouse import wheelhouse_from_files
+            from tests.wheels import make_wheel
+
+            wheel = make_wheel(work / "wheels", SAMPLE_RUNTIME[0], SAMPLE_RUNTIME[1],
+                               module_source=f"VALUE = {SAMPLE_RUNTIME[2]!r}\n")
+            wheelhouse = wheelhouse_from_files(SAMPLE_RUNTIME[0], SAMPLE_RUNTIME[1],
+                                               {p: [wheel] for p in SAMPLE_PLATFORMS})
         create_bundle(dest / "bundle", name="sample", version=1, model=local_model(target, "target"),
                       draft=local_model(draft, "draft"), targets=["cpu"],
                       sign_keys=[load_private_key(work / "sample.key")], progress=False,
                       now=datetime(2026, 11, 29, tzinfo=timezone.utc),
                       builder=Builder("bundle", "sample", "sample-host", "linux-x86_64"),
-                      target_files=target_files_hook())
+                      target_files=target_files_hook(), wheelhouse=wheelhouse)
         (dest / "sample.key.pub").write_bytes((work / "sample.key.pub").read_bytes())
         trusted = dict([load_public_key(dest / "sample.key.pub")])
         installed = Store(work / "store").install(dest / "bundle", target="cpu", trusted=trusted, progress=False)
         expected = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "greedy": greedy_tokens(installed)}
+        if wheelhouse is not None:
+            expected["runtime"] = {"package": SAMPLE_RUNTIME[0], "version": SAMPLE_RUNTIME[1],
+                                   "module": SAMPLE_RUNTIME[0].replace("-", "_"), "value": SAMPLE_RUNTIME[2]}
     (dest / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
     print(f"wrote {dest}")
     return 0

@@ -38,3 +38,21 @@ def test_sample_verifies_installs_and_serves_the_recorded_tokens(sample, tmp_pat
         assert (installed.path / f.path).stat().st_size == f.size
     expected = json.loads((sample / "expected.json").read_text())
     assert greedy_tokens(installed, expected["prompt"], expected["max_tokens"]) == expected["greedy"]
+
+
+RUNTIME_SAMPLES = [p for p in SAMPLES if "runtime" in json.loads((p / "expected.json").read_text())]
+
+
+@pytest.mark.parametrize("sample", RUNTIME_SAMPLES, ids=lambda p: p.name)
+def test_sample_bootstrap_still_installs_its_wheelhouse(sample, tmp_path):
+    """The bootstrap frozen in the sample verifies the sample with openssl and installs its wheel offline."""
+    import subprocess
+
+    expected = json.loads((sample / "expected.json").read_text())["runtime"]
+    prefix = tmp_path / "opt"
+    done = subprocess.run(["sh", str(sample / "bundle" / "bootstrap"), "--trust", str(sample / "sample.key.pub"),
+                           "--prefix", str(prefix)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    value = subprocess.run([str(prefix / "current" / "bin" / "python"), "-c",
+                            f"import {expected['module']} as m; print(m.VALUE)"], capture_output=True, text=True)
+    assert value.stdout.strip() == expected["value"], value.stderr

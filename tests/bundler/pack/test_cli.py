@@ -13,7 +13,7 @@ from tests.bundler.pack.helpers import read_layout
 
 def _args(model, out, *extra):
     return ["create", "--model", str(model), "--targets", "cpu", "--name", "demo", "--version", "2",
-            "--out", str(out), "--no-progress", *extra]
+            "--out", str(out), "--no-progress", "--no-runtime", *extra]
 
 
 def test_create_prints_summary_and_writes_bundle(tiny_pair, key_paths, tmp_path, capsys):
@@ -73,7 +73,7 @@ def test_help_is_complete_with_an_example(capsys):
 
 def _create_without_model(out):
     return main(["create", "--targets", "cpu", "--name", "demo", "--version", "1", "--unsigned",
-                 "--out", str(out), "--no-progress"])
+                 "--out", str(out), "--no-progress", "--no-runtime"])
 
 
 def test_without_model_uses_the_committed_demo_pair(tmp_path, capsys):

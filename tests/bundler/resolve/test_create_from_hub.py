@@ -29,7 +29,7 @@ def test_create_pins_sha_writes_lock_and_rebuilds_from_it(hub, tmp_path):
     out = tmp_path / "b1"
     spec = json.dumps({"method": "draft_model", "model": "acme/tiny-draft", "num_speculative_tokens": 4})
     done = bundle(["create", "--model", "acme/tiny-llama@v1", "--speculative-config", spec, "--targets", "cpu",
-                   "--name", "tiny", "--version", "1", "--sign-key", str(key), "--out", str(out), "--no-progress"],
+                   "--name", "tiny", "--version", "1", "--sign-key", str(key), "--out", str(out), "--no-progress", "--no-runtime"],
                   hub.url, tmp_path / "hf")
     assert done.returncode == 0, done.stderr
     manifest = verify_bundle(out, trusted).manifest
@@ -52,7 +52,7 @@ def test_create_pins_sha_writes_lock_and_rebuilds_from_it(hub, tmp_path):
     # Later, from the lock alone (no --model): same model bytes, new bundle version.
     out2 = tmp_path / "b2"
     again = bundle(["create", "--lock", str(lock), "--targets", "cpu", "--name", "tiny", "--version", "2",
-                    "--sign-key", str(key), "--out", str(out2), "--no-progress"], hub.url, tmp_path / "hf")
+                    "--sign-key", str(key), "--out", str(out2), "--no-progress", "--no-runtime"], hub.url, tmp_path / "hf")
     assert again.returncode == 0, again.stderr
     m2 = verify_bundle(out2, trusted).manifest
     models = lambda m: {(f.path, f.sha256) for f in m.files if f.path.startswith("models/")}  # noqa: E731
@@ -63,7 +63,7 @@ def test_create_pins_sha_writes_lock_and_rebuilds_from_it(hub, tmp_path):
 def test_create_refuses_mismatched_draft_before_packing(hub, tmp_path):
     out = tmp_path / "b"
     done = bundle(["create", "--model", "acme/tiny-llama@v1", "--draft", "acme/other-draft", "--targets", "cpu",
-                   "--name", "tiny", "--version", "1", "--unsigned", "--out", str(out), "--no-progress"],
+                   "--name", "tiny", "--version", "1", "--unsigned", "--out", str(out), "--no-progress", "--no-runtime"],
                   hub.url, tmp_path / "hf")
     assert done.returncode == 8, done.stderr
     assert "acme/other-draft" in done.stderr and "acme/tiny-llama" in done.stderr

@@ -1,0 +1,330 @@
+"""The bootstrap (`sh BUNDLE/bootstrap --trust KEY.pub`): nothing unverified is installed or executed.
+
+A good bundle bootstraps a fresh floor-only venv inside a network namespace with only loopback, and that
+venv installs and serves it; every tampered variant is refused with a one-line reason, the documented exit
+code and nothing installed; the bootstrap accepts and refuses the same bundles as the runtime's verify.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from bundler.keys import generate_key, load_private_key
+from manifests import layout as L
+from runtime.trust import trusted_keys
+from runtime.verify import verify_bundle
+from tests.bundler.wheelhouse.conftest import run_bootstrap, system_python, unshare_problem
+from tests.runtime.floor.craft import envelope, flip_byte, oci_manifest, resign
+
+REPO = Path(__file__).resolve().parents[3]
+
+NAMESPACE_SCRIPT = textwrap.dedent("""
+    import json, os, signal, subprocess, sys, time
+    import httpx, openai
+    bundle, pub, prefix, store, port, fresh, recorder = sys.argv[1:8]
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    os.chdir(fresh)  # an empty directory: nothing of the source tree around
+    run = lambda *cmd, **kw: subprocess.run(list(cmd), capture_output=True, text=True, **kw)
+    out = {}
+    try:
+        httpx.get("https://pypi.org/simple/", timeout=3)
+        out["pypi_reachable"] = True
+    except httpx.TransportError:
+        out["pypi_reachable"] = False
+    b = run("sh", bundle + "/bootstrap", "--trust", pub, "--prefix", prefix)
+    out["bootstrap"] = [b.returncode, b.stdout, b.stderr]
+    exe = prefix + "/bin/bundle"
+    py = prefix + "/current/bin/python"
+    out["import_bundler"] = run(py, "-c", "import bundler").returncode
+    out["help"] = run(exe, "--help").stdout
+    c = run(exe, "create", "--targets", "cpu", "--name", "x", "--version", "1", "--unsigned")
+    out["create"] = [c.returncode, c.stderr]
+    i = run(exe, "install", bundle, "--store", store, "--target", "cpu", "--trust", pub, "--no-progress")
+    out["install"] = [i.returncode, i.stdout, i.stderr]
+    # every module the real entry point loaded, written at its exit by a sitecustomize hook
+    env = dict(os.environ, PYTHONPATH=recorder, RECORD_MODULES=fresh + "/modules.txt")
+    server = subprocess.Popen([exe, "serve", "tiny", "--store", store, "--port", port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)
+    url = "http://127.0.0.1:" + port
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health/ready", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
+                                           max_tokens=8)
+    out["reply"] = [reply.choices[0].finish_reason, reply.usage.completion_tokens]
+    server.send_signal(signal.SIGINT)
+    so, se = server.communicate(timeout=60)
+    out["imported"] = open(fresh + "/modules.txt").read().split()
+    out["server"] = [server.returncode, so[-1500:], se[-1500:]]
+    print(json.dumps(out))
+""")
+
+
+def test_bootstrap_then_floor_only_venv_installs_and_serves_offline(runtime_bundle, tmp_path):
+    """The floor wheel alone, from the bundle, in a fresh venv with no index and no network at all."""
+    problem = unshare_problem()
+    if problem:
+        pytest.skip(f"needs a network namespace (root): {problem}")
+    script = tmp_path / "driver.py"
+    script.write_text(NAMESPACE_SCRIPT)
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    port = "18517"
+    from tests.runtime.test_main import MODULE_RECORDER
+    recorder = tmp_path / "recorder"
+    recorder.mkdir()
+    (recorder / "sitecustomize.py").write_text(MODULE_RECORDER)
+    r = subprocess.run(["unshare", "-n", sys.executable, str(script), str(runtime_bundle.dir),
+                        str(runtime_bundle.pub), str(tmp_path / "opt"), str(tmp_path / "store"), port, str(fresh),
+                        str(recorder)],
+                       capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHON": system_python()})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["pypi_reachable"] is False
+    rc, so, se = out["bootstrap"]
+    assert rc == 0, se
+    assert "signature OK" in so and "sha256 as signed" in so and "next:" in so
+    assert out["import_bundler"] != 0, "the floor venv must not contain the build host's code"
+    for command in ("verify", "inspect", "install", "list", "rollback", "serve", "targets", "copy"):
+        assert f"  {command} " in out["help"]
+    for command in ("create", "keygen", "build-engines"):
+        assert f"  {command} " not in out["help"]
+    assert out["create"][0] == 6 and "pip install 'bundle[build]'" in out["create"][1], out["create"]
+    assert out["install"][0] == 0, out["install"]
+    assert out["reply"][0] in ("stop", "length") and out["reply"][1] > 0
+    assert "runtime.main" in out["imported"] and "runtime.server.app" in out["imported"], out["imported"][:50]
+    assert not [m for m in out["imported"] if m.split(".")[0] == "bundler"], out["imported"]
+    venvs = [p for p in (tmp_path / "opt").iterdir() if p.name.startswith("runtime-")]
+    site = next((venvs[0] / "lib").glob("python3*/site-packages"))
+    assert not (site / "bundler").exists()
+    assert not list(site.glob("torch*")) and not list(site.glob("transformers*"))
+
+
+def _wheel_blob(bundle: Path, name_part: str = "bundle_runtime") -> Path:
+    from manifests.schema import Manifest
+
+    m = Manifest.from_json_bytes((bundle / L.blob_path(oci_manifest(bundle)["config"]["digest"])).read_bytes())
+    entry = next(f for f in m.files if f.path.startswith("wheelhouse/") and name_part in f.path)
+    return bundle / L.blob_path(entry.parts[0].digest)
+
+
+def _manifest(bundle: Path) -> tuple[bytes, dict]:
+    data = (bundle / L.blob_path(oci_manifest(bundle)["config"]["digest"])).read_bytes()
+    return data, json.loads(data)
+
+
+def _canonical(d: dict) -> bytes:
+    return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+# Each mutation -> (exit code of the bootstrap, whether the runtime's verify also refuses it)
+def flipped_wheel(bundle, key, tmp):
+    flip_byte(_wheel_blob(bundle), 100)
+
+
+def missing_wheel(bundle, key, tmp):
+    _wheel_blob(bundle, "numpy").unlink()
+
+
+def truncated_wheel(bundle, key, tmp):
+    blob = _wheel_blob(bundle)
+    blob.write_bytes(blob.read_bytes()[:-10])
+
+
+def modified_manifest(bundle, key, tmp):
+    """A manifest that points a wheel at other bytes, with the old signatures: the signature must fail."""
+    data, d = _manifest(bundle)
+    env = json.loads((bundle / L.blob_path(next(x for x in oci_manifest(bundle)["layers"]
+                                                 if x["mediaType"] == L.SIGNATURE_MEDIA_TYPE)["digest"])).read_bytes())
+    d["name"] = "evil"
+    new = _canonical(d)
+    env["payload"] = L.b64(new)
+    resign(bundle, new, envelope_bytes=json.dumps(env).encode())
+
+
+def signed_by_another_key(bundle, key, tmp):
+    generate_key(tmp / "other.key")
+    resign(bundle, _manifest(bundle)[0], [load_private_key(tmp / "other.key")])
+
+
+def unsigned(bundle, key, tmp):
+    resign(bundle, _manifest(bundle)[0], [])
+
+
+def config_differs_from_payload(bundle, key, tmp):
+    """The signed payload is intact but the config blob (what the runtime reads) was swapped."""
+    data, d = _manifest(bundle)
+    d["serve"] = {"max_model_len": 64}
+    good_env = envelope(data, [load_private_key(key)])
+    resign(bundle, _canonical(d), envelope_bytes=good_env)
+
+
+def newer_format(bundle, key, tmp):
+    data, d = _manifest(bundle)
+    d["format_version"] = 99
+    resign(bundle, _canonical(d), [load_private_key(key)])
+
+
+def signed_malformed_wheel_entry(bundle, key, tmp):
+    """Validly signed by the release key, but a wheel's entry is not what any tool writes."""
+    data, d = _manifest(bundle)
+    entry = next(f for f in d["files"] if f["path"].startswith("wheelhouse/bundle_runtime"))
+    entry["parts"] = ["not-a-part"]
+    resign(bundle, _canonical(d), [load_private_key(key)])
+
+
+MUTATIONS = {
+    "signed-malformed-wheel-entry": (signed_malformed_wheel_entry, 3),
+    "flipped-wheel": (flipped_wheel, 3),
+    "missing-wheel": (missing_wheel, 3),
+    "truncated-wheel": (truncated_wheel, 3),
+    "modified-manifest": (modified_manifest, 4),
+    "signed-by-another-key": (signed_by_another_key, 4),
+    "unsigned": (unsigned, 4),
+    "config-differs-from-payload": (config_differs_from_payload, 4),
+    "newer-format-version": (newer_format, 5),
+}
+
+
+def _nothing_installed(prefix: Path) -> bool:
+    return not prefix.exists() or not any(p.name.startswith("runtime-") for p in prefix.iterdir())
+
+
+@pytest.mark.parametrize("case", sorted(MUTATIONS))
+def test_tampered_bundle_is_refused_with_nothing_installed(case, runtime_bundle, bundle_copy, tmp_path):
+    mutate, code = MUTATIONS[case]
+    mutate(bundle_copy, runtime_bundle.key, tmp_path)
+    prefix = tmp_path / "opt"
+    r = run_bootstrap(bundle_copy, runtime_bundle.pub, prefix, netns=unshare_problem() is None)
+    assert r.returncode == code, (r.stdout, r.stderr)
+    errors = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(errors) == 1 and errors[0].startswith("bootstrap: error: "), r.stderr
+    assert _nothing_installed(prefix)
+
+
+@pytest.mark.parametrize("case", sorted(MUTATIONS) + ["intact"])
+def test_bootstrap_and_runtime_verify_agree(case, runtime_bundle, bundle_copy, tmp_path):
+    """Same bundles accepted and refused: the bootstrap's openssl check and runtime/verify.py."""
+    if case != "intact":
+        MUTATIONS[case][0](bundle_copy, runtime_bundle.key, tmp_path)
+    r = run_bootstrap(bundle_copy, runtime_bundle.pub, tmp_path / "opt", "--verify-only")
+    try:
+        verify_bundle(bundle_copy, trusted_keys([runtime_bundle.pub], trust_dir=None))
+        runtime_accepts = True
+    except Exception as e:  # noqa: BLE001 - any refusal counts
+        runtime_accepts = False
+        reason = e
+    assert (r.returncode == 0) == runtime_accepts, (case, r.stderr, None if runtime_accepts else reason)
+    assert _nothing_installed(tmp_path / "opt")
+
+
+def test_wrong_trust_key_is_refused(runtime_bundle, tmp_path):
+    generate_key(tmp_path / "stranger.key")
+    r = run_bootstrap(runtime_bundle.dir, tmp_path / "stranger.key.pub", tmp_path / "opt")
+    assert r.returncode == 4 and "no signature verifies" in r.stderr
+    assert _nothing_installed(tmp_path / "opt")
+
+
+def test_malformed_trust_key_is_a_usage_error(runtime_bundle, tmp_path):
+    bad = tmp_path / "bad.pub"
+    bad.write_text("-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n")
+    r = run_bootstrap(runtime_bundle.dir, bad, tmp_path / "opt")
+    assert r.returncode == 2 and "expected a PEM or OpenSSH Ed25519 public key" in r.stderr
+
+
+def test_openssh_trust_key_works_like_pem(runtime_bundle, tmp_path):
+    from cryptography.hazmat.primitives import serialization
+
+    from runtime.trust import load_public_key
+
+    _, key = load_public_key(runtime_bundle.pub)
+    ssh = tmp_path / "release.pub"
+    ssh.write_bytes(key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+    r = run_bootstrap(runtime_bundle.dir, ssh, tmp_path / "opt", "--verify-only")
+    assert r.returncode == 0, r.stderr
+
+
+def _path_without(tmp_path: Path, *missing: str, fake: dict[str, str] | None = None) -> dict:
+    """A PATH of symlinks to the real tools, minus `missing`, plus `fake` scripts."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(system_python())
+    for tool in ("sha256sum", "openssl", "mktemp", "rm", "cat", "wc", "tr", "cut", "head", "grep",
+                 "dirname", "basename", "mkdir", "ln", "mv", "sh"):
+        real = shutil.which(tool)
+        if real and tool not in missing:
+            (bin_dir / tool).symlink_to(real)
+    for name, body in (fake or {}).items():
+        (bin_dir / name).unlink(missing_ok=True)
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": str(bin_dir), "PYTHON": system_python()}
+
+
+def test_missing_openssl_stops_before_anything(runtime_bundle, tmp_path):
+    r = run_bootstrap(runtime_bundle.dir, runtime_bundle.pub, tmp_path / "opt", env=_path_without(tmp_path, "openssl"))
+    assert r.returncode == 6 and "openssl not found" in r.stderr, r.stderr
+    assert _nothing_installed(tmp_path / "opt")
+
+
+def test_openssl_without_ed25519_stops_before_anything(runtime_bundle, tmp_path):
+    # An OpenSSL 1.1-like binary: knows its version, but `pkeyutl -rawin` (needed for Ed25519) fails.
+    fake = "#!/bin/sh\n[ \"$1\" = version ] && { echo 'OpenSSL 1.1.1w  11 Sep 2023'; exit 0; }\n" \
+           "echo \"pkeyutl: Unknown option: -rawin\" >&2; exit 1\n"
+    env = _path_without(tmp_path, fake={"openssl": fake})
+    r = run_bootstrap(runtime_bundle.dir, runtime_bundle.pub, tmp_path / "opt", env=env)
+    assert r.returncode == 6 and "cannot verify Ed25519" in r.stderr and "OpenSSL 1.1.1w" in r.stderr, r.stderr
+    assert _nothing_installed(tmp_path / "opt")
+
+
+def test_a_modified_bootstrap_notices_it_is_not_the_signed_one(runtime_bundle, bundle_copy, tmp_path):
+    script = bundle_copy / "bootstrap"
+    script.write_text(script.read_text() + "\n# edited on the stick\n")
+    r = run_bootstrap(bundle_copy, runtime_bundle.pub, tmp_path / "opt")
+    assert r.returncode == 3 and "differs from the signed bootstrap" in r.stderr
+    with pytest.raises(Exception, match="bootstrap"):  # and the runtime's verify names it too
+        verify_bundle(bundle_copy, trusted_keys([runtime_bundle.pub], trust_dir=None))
+
+
+def test_second_run_reuses_the_installed_runtime(runtime_bundle, tmp_path):
+    prefix = tmp_path / "opt"
+    first = run_bootstrap(runtime_bundle.dir, runtime_bundle.pub, prefix, env={**os.environ, "PYTHON": system_python()})
+    assert first.returncode == 0, first.stderr
+    marker = next(prefix.glob("runtime-*/.bootstrap-complete"))
+    before = marker.stat().st_mtime_ns
+    again = run_bootstrap(runtime_bundle.dir, runtime_bundle.pub, prefix, env={**os.environ, "PYTHON": system_python()})
+    assert again.returncode == 0, again.stderr
+    assert marker.stat().st_mtime_ns == before
+    assert os.readlink(prefix / "current") == marker.parent.name
+    assert subprocess.run([str(prefix / "bin" / "bundle"), "--version"], capture_output=True).returncode == 0
+
+
+def test_environment_cannot_inject_code_or_wheels(runtime_bundle, tmp_path):
+    """PYTHONPATH/sitecustomize and PIP_* settings on the device must not reach what the bootstrap runs."""
+    hook = tmp_path / "inject"
+    hook.mkdir()
+    marker = tmp_path / "injected"
+    (hook / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'a').write('ran\\n')\n")
+    evil = tmp_path / "evil-wheels"
+    from tests.wheels import make_wheel
+    make_wheel(evil, "evil-extra", "1.0")
+    env = {**os.environ, "PYTHON": system_python(), "PYTHONPATH": str(hook), "PIP_FIND_LINKS": str(evil),
+           "PIP_INDEX_URL": "http://192.0.2.1/simple", "PIP_NO_INDEX": "0"}
+    prefix = tmp_path / "opt"
+    r = run_bootstrap(runtime_bundle.dir, runtime_bundle.pub, prefix, env=env)
+    assert r.returncode == 0, r.stderr
+    assert not marker.exists(), "a sitecustomize from PYTHONPATH ran inside the bootstrap"
+    site = next(prefix.glob("runtime-*/lib/python3*/site-packages"))
+    assert (site / "runtime" / "main.py").is_file() and not list(site.glob("evil_extra*"))

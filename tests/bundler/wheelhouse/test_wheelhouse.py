@@ -1,0 +1,250 @@
+"""The wheelhouse in the bundle: stored blobs with their own media type, listed in the signed manifest,
+one copy of a wheel shared by platforms, site wheels by tag, the format version it needs, what inspect shows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bundler.pack import PackFile, pack_bundle
+from bundler.wheelhouse import (
+    default_platforms, host_platform, parse_platforms, pip_platform_args, wheel_fits, wheelhouse_from_files,
+)
+from manifests import layout as L
+from manifests.errors import BadBundleError, UsageError
+from manifests.schema import Manifest, Model, ModelSource, Target
+from runtime.inspect import format_inspect, inspect_bundle
+from runtime.store import Store
+from runtime.verify import verify_bundle
+from tests.runtime.floor.craft import oci_manifest
+from tests.wheels import make_wheel
+
+
+def test_platforms_follow_the_targets():
+    assert default_platforms(["jetson-thor"]) == ["linux_aarch64-cp312"]
+    assert default_platforms(["jetson-thor", "igx-thor", "dgx-spark"]) == ["linux_aarch64-cp312"]
+    assert default_platforms(["cpu"]) == [host_platform()]
+    assert default_platforms(["jetson-agx-orin"]) == ["linux_aarch64-cp310"]
+
+
+def test_platform_list_is_validated():
+    assert parse_platforms("linux_aarch64-cp312, linux_x86_64-cp311,linux_aarch64-cp312") == [
+        "linux_aarch64-cp312", "linux_x86_64-cp311"]
+    with pytest.raises(UsageError, match="linux_aarch64-cp312"):
+        parse_platforms("aarch64")
+    with pytest.raises(UsageError):
+        parse_platforms(" , ")
+
+
+def test_pip_is_told_every_manylinux_tag_of_the_platform():
+    args = pip_platform_args("linux_aarch64-cp312")
+    plats = [args[i + 1] for i, a in enumerate(args) if a == "--platform"]
+    assert "manylinux_2_35_aarch64" in plats and "manylinux_2_17_aarch64" in plats and "manylinux2014_aarch64" in plats
+    assert not any("x86_64" in p for p in plats)
+    assert args[args.index("--python-version") + 1] == "3.12" and args[args.index("--abi") + 1] == "cp312"
+    assert "--only-binary=:all:" in args
+
+
+@pytest.mark.parametrize("name,plat,fits", [
+    ("x-1-py3-none-any.whl", "linux_aarch64-cp312", True),
+    ("tensorrt-10.13-cp312-none-manylinux_2_28_aarch64.whl", "linux_aarch64-cp312", True),
+    ("tensorrt-10.13-cp312-none-manylinux_2_28_aarch64.whl", "linux_x86_64-cp312", False),
+    ("tensorrt-10.13-cp312-none-manylinux_2_28_aarch64.whl", "linux_aarch64-cp311", False),
+    ("cryptography-50-cp311-abi3-manylinux_2_34_x86_64.whl", "linux_x86_64-cp312", True),
+    ("cryptography-50-cp311-abi3-manylinux_2_34_x86_64.whl", "linux_x86_64-cp310", False),
+    ("numpy-2-cp312-cp312-musllinux_1_2_aarch64.whl", "linux_aarch64-cp312", False),
+])
+def test_site_wheels_go_to_the_platforms_their_tags_fit(name, plat, fits):
+    assert wheel_fits(name, plat) is fits
+
+
+def _pack_with(tmp_path: Path, per_platform: dict[str, list[Path]], extra_files=()) -> Path:
+    house = wheelhouse_from_files("tiny-runtime", "1.0", per_platform)
+    model = tmp_path / "m.bin"
+    model.write_bytes(b"weights" * 1000)
+    out = tmp_path / "bundle"
+    pack_bundle(out, name="w", version=1,
+                models=[Model("target", "t", "models/target", ModelSource("local", revision="x"))],
+                files=[PackFile(model, "models/target/m.bin"), *house.files, *extra_files],
+                targets=[Target("cpu", "onnxruntime")], speculative=None, serve={}, expires=None, sign_keys=[],
+                unsigned=True, progress=False, runtime=house.runtime)
+    return out
+
+
+def test_wheels_are_stored_blobs_of_their_own_media_type_listed_in_the_signed_manifest(tmp_path):
+    shared = make_wheel(tmp_path / "w", "tiny-runtime", "1.0")
+    arm = make_wheel(tmp_path / "w", "native", "2.0", tag="cp312-cp312-manylinux_2_28_aarch64")
+    x86 = make_wheel(tmp_path / "w", "native", "2.0", tag="cp312-cp312-manylinux_2_28_x86_64",
+                     module_source="X = 2\n")
+    out = _pack_with(tmp_path, {"linux_aarch64-cp312": [shared, arm], "linux_x86_64-cp312": [shared, x86]})
+    vb = verify_bundle(out, {}, allow_unsigned=True)
+    m = vb.manifest
+    assert m.format_version == 2
+    wheels = [f for f in m.files if f.path.startswith("wheelhouse/")]
+    assert sorted(f.path for f in wheels) == sorted(f"wheelhouse/{w.name}" for w in (shared, arm, x86))  # shared once
+    assert m.runtime.platforms["linux_aarch64-cp312"] == tuple(sorted(f"wheelhouse/{w.name}" for w in (shared, arm)))
+    layers = {d["digest"]: d["mediaType"] for d in oci_manifest(out)["layers"]}
+    for f in wheels:
+        (part,) = f.parts
+        assert part.compression == "none" and part.hex == f.sha256 and part.size == f.size
+        blob = out / L.blob_path(part.digest)
+        assert blob.read_bytes() == (tmp_path / "w" / f.path.split("/")[1]).read_bytes()  # the wheel as is
+        assert layers[part.digest] == L.WHEEL_MEDIA_TYPE
+        assert f.targets == ()
+    boot = next(f for f in m.files if f.path == "bootstrap")
+    assert layers[boot.parts[0].digest] == L.BOOTSTRAP_MEDIA_TYPE
+    assert (out / "bootstrap").read_bytes() == (out / L.blob_path(boot.parts[0].digest)).read_bytes()
+    assert {d["mediaType"] for d in oci_manifest(out)["layers"]} >= {L.PART_MEDIA_TYPE}  # the model is still zstd
+
+
+def test_no_target_installs_the_wheelhouse(tmp_path):
+    shared = make_wheel(tmp_path / "w", "tiny-runtime", "1.0")
+    out = _pack_with(tmp_path, {"linux_x86_64-cp311": [shared]})
+    inst = Store(tmp_path / "store").install(out, target="cpu", trusted={}, allow_unsigned=True, progress=False)
+    assert (inst.path / "models/target/m.bin").is_file()
+    assert not (inst.path / "wheelhouse").exists() and not (inst.path / "bootstrap").exists()
+
+
+def test_a_bundle_without_a_wheelhouse_stays_format_1(tmp_path):
+    model = tmp_path / "m.bin"
+    model.write_bytes(b"x" * 100)
+    m = pack_bundle(tmp_path / "b", name="w", version=1, models=[], files=[PackFile(model, "m.bin")],
+                    targets=[Target("cpu", "onnxruntime")], speculative=None, serve={}, expires=None,
+                    sign_keys=[], unsigned=True, progress=False)
+    assert m.format_version == 1 and m.runtime is None
+    assert not (tmp_path / "b" / "bootstrap").exists()
+
+
+def test_inspect_shows_runtime_platforms_version_and_wheelhouse_size(tmp_path):
+    shared = make_wheel(tmp_path / "w", "tiny-runtime", "1.0")
+    arm = make_wheel(tmp_path / "w", "native", "2.0", tag="cp312-cp312-manylinux_2_28_aarch64")
+    out = _pack_with(tmp_path, {"linux_aarch64-cp312": [shared, arm], "linux_x86_64-cp311": [shared]})
+    info = inspect_bundle(out)
+    rt = info["runtime"]
+    assert rt["package"] == "tiny-runtime" and rt["version"] == "1.0"
+    assert rt["platforms"]["linux_aarch64-cp312"] == {"wheels": 2, "size": shared.stat().st_size + arm.stat().st_size}
+    assert rt["wheelhouse_size"] == shared.stat().st_size + arm.stat().st_size
+    text = format_inspect(info)
+    assert "runtime   tiny-runtime 1.0" in text and "linux_aarch64-cp312 (2 wheels" in text
+    assert "linux_x86_64-cp311 (1 wheels" in text
+
+
+def _manifest_dict(**runtime_overrides) -> dict:
+    sha = "a" * 64
+    d = {"format_version": 2, "name": "w", "version": 1, "created": "2026-11-29T00:00:00Z", "models": [],
+         "builder": {"host": "", "platform": "", "tool": "bundle", "tool_version": ""}, "serve": {},
+         "targets": [], "files": [{"path": "wheelhouse/x-1-py3-none-any.whl", "size": 5, "sha256": sha, "targets": [],
+                                   "parts": [{"digest": "sha256:" + sha, "size": 5, "offset": 0, "length": 5,
+                                              "compression": "none"}]}],
+         "runtime": {"package": "bundle-runtime", "version": "0.1.0",
+                     "platforms": {"linux_x86_64-cp311": ["wheelhouse/x-1-py3-none-any.whl"]}}}
+    d["runtime"].update(runtime_overrides)
+    return d
+
+
+def test_schema_round_trips_a_runtime_section():
+    d = _manifest_dict()
+    m = Manifest.from_dict(d)
+    assert m.runtime.platforms == {"linux_x86_64-cp311": ("wheelhouse/x-1-py3-none-any.whl",)}
+    assert json.loads(m.to_json_bytes()) == d
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: d.update(format_version=1), "format_version >= 2"),
+    (lambda d: d["files"][0]["parts"][0].update(digest="sha256:" + "b" * 64), "stored"),
+    (lambda d: d["files"][0].update(targets=["cpu"]), "no target installs"),
+    (lambda d: d["runtime"]["platforms"].update({"windows-cp311": []}), "platform like"),
+    (lambda d: d["runtime"]["platforms"].update({"linux_x86_64-cp312": ["wheelhouse/missing.whl"]}), "no such file"),
+    (lambda d: (d["files"][0].update(path="models/x.whl"),
+                d["runtime"].update(platforms={"linux_x86_64-cp311": ["models/x.whl"]})), "wheel paths like"),
+    (lambda d: d["files"][0]["parts"][0].update(compression="gzip"), "compression"),
+])
+def test_schema_refuses_inconsistent_runtime_sections(change, message):
+    d = _manifest_dict()
+    change(d)
+    with pytest.raises(BadBundleError, match=message):
+        Manifest.from_dict(d)
+
+
+def test_extra_wheels_are_carried_for_the_platforms_they_fit(tmp_path, monkeypatch):
+    """--extra-wheels: a site's aarch64 wheel joins the aarch64 wheelhouse only (pip resolution stubbed out)."""
+    import bundler.wheelhouse as wh
+
+    site = tmp_path / "site"
+    floor = make_wheel(site, "bundle-runtime", wh.floor_version())
+    trt = make_wheel(site, "tensorrt-bindings", "10.13", tag="cp312-none-manylinux_2_28_aarch64")
+    asked = {}
+
+    def fake_download(plat, requirements, find_links, cache, work):
+        asked[plat] = requirements
+        return [Path(r) if r.endswith(".whl") else floor for r in requirements]
+
+    monkeypatch.setattr(wh, "download_platform", fake_download)
+    house = wh.build_wheelhouse(["linux_aarch64-cp312", "linux_x86_64-cp312"], tmp_path / "work", extra_wheels=site,
+                                cache=tmp_path / "cache")
+    assert asked["linux_aarch64-cp312"] == [f"bundle-runtime=={wh.floor_version()}", str(trt)]
+    assert asked["linux_x86_64-cp312"] == [f"bundle-runtime=={wh.floor_version()}"]
+    assert f"wheelhouse/{trt.name}" in house.runtime.platforms["linux_aarch64-cp312"]
+    assert f"wheelhouse/{trt.name}" not in house.runtime.platforms["linux_x86_64-cp312"]
+    assert f"wheelhouse/{floor.name}" in house.runtime.platforms["linux_x86_64-cp312"]  # the floor wheel given
+
+
+def test_extra_wheels_must_be_a_folder(tmp_path):
+    import bundler.wheelhouse as wh
+
+    with pytest.raises(UsageError, match="--extra-wheels"):
+        wh.build_wheelhouse(["linux_x86_64-cp311"], tmp_path / "w", extra_wheels=tmp_path / "nope")
+
+
+def test_with_and_no_runtime_together_is_a_usage_error(tmp_path, capsys):
+    from runtime.main import main
+
+    code = main(["create", "--targets", "cpu", "--name", "d", "--version", "1", "--unsigned", "--no-progress",
+                 "--with-runtime", "linux_x86_64-cp311", "--no-runtime", "--out", str(tmp_path / "b")])
+    assert code == 2 and "--with-runtime or --no-runtime" in capsys.readouterr().err
+
+
+def test_copy_carries_the_bootstrap_from_its_blob(tmp_path):
+    from runtime.copy import copy_bundle
+
+    shared = make_wheel(tmp_path / "w", "tiny-runtime", "1.0")
+    out = _pack_with(tmp_path, {"linux_x86_64-cp311": [shared]})
+    (out / "bootstrap").write_text("#!/bin/sh\necho tampered on the source\n")  # not what was signed
+    copy_bundle(out, tmp_path / "dst", progress=False)
+    boot = next(f for f in verify_bundle(tmp_path / "dst", {}, allow_unsigned=True).manifest.files
+                if f.path == "bootstrap")
+    assert (tmp_path / "dst" / "bootstrap").read_bytes() == (out / L.blob_path(boot.parts[0].digest)).read_bytes()
+
+
+def test_a_stored_file_a_target_needs_installs_like_a_compressed_one(tmp_path):
+    """Format 2 lets any file be stored; install copies it (checked) instead of treating it as zstd."""
+    payload = tmp_path / "table.bin"
+    payload.write_bytes(bytes(range(256)) * 4096)
+    out = tmp_path / "b"
+    pack_bundle(out, name="s", version=1, models=[], files=[PackFile(payload, "data/table.bin", media_type=L.WHEEL_MEDIA_TYPE)],
+                targets=[Target("cpu", "onnxruntime")], speculative=None, serve={}, expires=None, sign_keys=[],
+                unsigned=True, progress=False)
+    inst = Store(tmp_path / "store").install(out, target="cpu", trusted={}, allow_unsigned=True, progress=False)
+    assert (inst.path / "data/table.bin").read_bytes() == payload.read_bytes()
+    assert inst.manifest.format_version == 2
+
+
+@pytest.mark.parametrize("swap", ["wheel-as-zstd-part", "zstd-part-as-wheel", "unknown-media-type"])
+def test_layer_media_types_must_match_how_each_part_is_stored(swap, tmp_path):
+    """A stored wheel passed off as a zstd part (or the reverse, or a made-up type) is a bad bundle."""
+    from tests.runtime.floor.craft import write_oci_manifest
+
+    out = _pack_with(tmp_path, {"linux_x86_64-cp311": [make_wheel(tmp_path / "w", "tiny-runtime", "1.0")]})
+    oci = oci_manifest(out)
+    kind = {"wheel-as-zstd-part": L.WHEEL_MEDIA_TYPE, "zstd-part-as-wheel": L.PART_MEDIA_TYPE,
+            "unknown-media-type": L.WHEEL_MEDIA_TYPE}[swap]
+    layer = next(d for d in oci["layers"] if d["mediaType"] == kind)
+    layer["mediaType"] = {"wheel-as-zstd-part": L.PART_MEDIA_TYPE, "zstd-part-as-wheel": L.WHEEL_MEDIA_TYPE,
+                          "unknown-media-type": "application/x-executable"}[swap]
+    write_oci_manifest(out, oci)
+    with pytest.raises(BadBundleError, match="mediaType"):
+        verify_bundle(out, {}, allow_unsigned=True)
+    with pytest.raises(BadBundleError, match="mediaType"):
+        Store(tmp_path / "store").install(out, target="cpu", trusted={}, allow_unsigned=True, progress=False)
