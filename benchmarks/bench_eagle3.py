@@ -84,8 +84,8 @@ def main(argv=None) -> int:
         costs = {}
         for name in ("shared", "aux", "draft"):
             e = eng(name)
-            e.forward(prompt)
-            costs[name] = _step_cost(lambda: (e.forward([5]), e.rollback(ctx)))
+            e.forward_one(prompt)
+            costs[name] = _step_cost(lambda: (e.forward_one([5]), e.rollback(0, ctx)))
         d = OnnxDrafter(head_graph, threads=t)
         d.forward(prompt[1:], np.zeros((ctx - 1, 3 * cfg.target_hidden_size), np.float32),
                   np.zeros((0, cfg.hidden_size), np.float32))
