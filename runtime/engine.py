@@ -70,6 +70,16 @@ class Engine(ABC):
         most once per call. Prefill, decode and verification are all this one call.
         """
 
+    def forward_greedy(self, rows: Sequence[Row]) -> list[np.ndarray]:
+        """As forward, but only the argmax token of each logits row comes back (int64 [k] per row).
+
+        Greedy decoding and greedy verification read nothing else. Row i's entry j is the argmax of
+        forward's logits i, j, ties to the lowest id (numpy's argmax): the same tokens either way. This
+        default takes it from `forward`; an engine whose graph computes the argmax itself (CUDA)
+        overrides it so a vocab-sized row never crosses to the host.
+        """
+        return [np.asarray(lg).argmax(-1) for lg in self.forward(rows)]
+
     @abstractmethod
     def rollback(self, slot: int, length: int) -> None:
         """Forget every token of `slot` at position >= length (rejected drafts, a shorter prefix)."""

@@ -19,7 +19,7 @@ from manifests.errors import UsageError
 from runtime.eagle3 import ChainProposer
 from runtime.engine import Engine, Row
 from runtime.logits_process import token_logprobs
-from runtime.speculative import METHODS, SpecStats, Step, accept, ngram_lookup, propose_token
+from runtime.speculative import METHODS, SpecStats, Step, accept, accept_greedy, ngram_lookup, propose_token
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -35,7 +35,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class ModelRunner:
     def __init__(self, target: Engine, draft: Engine | None = None, method: str = "none",
                  num_speculative_tokens: int = 3, *, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, greedy_argmax: bool = True):
+        """`greedy_argmax`: a step whose decoding rows are all greedy asks the target for the argmax
+        only (Engine.forward_greedy); False always fetches logits (the reference in tests)."""
         if method not in METHODS:
             raise UsageError(f"speculative method must be one of {', '.join(METHODS)}, found {method!r}")
         if method == "draft_model" and draft is None:
@@ -59,6 +61,7 @@ class ModelRunner:
         self.prompt_lookup_max = prompt_lookup_max
         self.stats = SpecStats()
         self._clock = clock
+        self.greedy_argmax = greedy_argmax
         self._mirrors()
 
     def _mirrors(self) -> None:
@@ -175,12 +178,18 @@ class ModelRunner:
         for r, _ in decodes:
             drafts, _ = proposals.get(r.slot, ([], []))
             rows.append(Row(r.slot, [r.tokens[-1], *drafts]))
-        logits = self._forward(self.target, self.target_cache, rows, "target")
+        # Every decoding row greedy with nothing reading the full distribution: only the argmax comes back.
+        greedy = (self.greedy_argmax and bool(decodes) and offers_greedy(self.target)
+                  and all(argmax_suffices(r) for r, _ in decodes))
+        logits = self._forward(self.target, self.target_cache, rows, "target", greedy=greedy)
         for r, n in prefills:
             r.computed += n
         for (r, _), row_logits in zip(decodes, logits[len(prefills):]):
             drafts, qs = proposals.get(r.slot, ([], []))
-            new = accept(row_logits, drafts, qs, r.params, r.rng, r.logits_processors, r.output_ids)
+            if greedy:  # row_logits: the argmax after [pending, *drafts]
+                new = accept_greedy(np.asarray(row_logits).tolist()[-(len(drafts) + 1):], drafts)
+            else:
+                new = accept(row_logits, drafts, qs, r.params, r.rng, r.logits_processors, r.output_ids)
             accepted = len(new) - 1
             self.stats.record(len(drafts), accepted)
             keep = len(r.tokens) + accepted  # target now holds tokens + drafts; keep tokens + accepted
@@ -253,9 +262,10 @@ class ModelRunner:
         return out
 
     # --- cache helpers ---------------------------------------------------------------------------
-    def _forward(self, engine: Engine, mirror: list[list[int]], rows: list[Row], role: str) -> list[np.ndarray]:
+    def _forward(self, engine: Engine, mirror: list[list[int]], rows: list[Row], role: str, *,
+                 greedy: bool = False) -> list[np.ndarray]:
         t0 = self._clock()
-        logits = engine.forward(rows)
+        logits = engine.forward_greedy(rows) if greedy else engine.forward(rows)
         for row in rows:
             mirror[row.slot].extend(int(t) for t in row.tokens)
             if self.eagle is not None and engine is self.target and len(row.tokens):
@@ -275,6 +285,19 @@ class ModelRunner:
             del mirror[slot][length:]
             if self.eagle is not None and engine is self.target:
                 self.eagle[slot].on_target_rollback(length)
+
+
+def argmax_suffices(request) -> bool:
+    """True when the request's next tokens are the argmax of the raw logits: greedy, no logits
+    processor (grammar mask, penalties, bias, min_tokens change the argmax) and no logprobs."""
+    return request.params.greedy and not request.logits_processors and request.logprobs is None
+
+
+def offers_greedy(engine) -> bool:
+    """The engine's own class has forward_greedy (every runtime.engine.Engine does). Looked up on the
+    class: a wrapper that forwards unknown attributes to an inner engine would otherwise skip its
+    own `forward`."""
+    return callable(getattr(type(engine), "forward_greedy", None))
 
 
 def aux_rows(engine, slot: int):

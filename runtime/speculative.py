@@ -114,15 +114,9 @@ def accept(logits: np.ndarray, drafts: Sequence[int], qs: Sequence[np.ndarray], 
         for i in range(len(drafts) + 1):
             rows.append(apply_processors(processors, out + list(drafts[:i]), logits[i]))
         logits = np.stack(rows)
-    new: list[int] = []
     if params.greedy:  # argmax of the raw (masked) logits: no probabilities needed
-        best = logits.argmax(axis=1).tolist()
-        for i, d in enumerate(drafts):
-            new.append(best[i])
-            if d != best[i]:
-                return new
-        new.append(best[len(drafts)])  # every proposal accepted (or none made): the bonus token
-        return new
+        return accept_greedy(logits.argmax(axis=1).tolist(), drafts)
+    new: list[int] = []
     for i, d in enumerate(drafts):
         p = probabilities(logits[i], params)
         q = qs[i] if qs else _one_hot(d, len(p))
@@ -133,6 +127,21 @@ def accept(logits: np.ndarray, drafts: Sequence[int], qs: Sequence[np.ndarray], 
         new.append(draw(residual if residual.sum() > 0 else p, rng))
         return new
     new.append(draw(probabilities(logits[len(drafts)], params), rng))  # bonus token from the last row
+    return new
+
+
+def accept_greedy(best: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """Greedy acceptance from the target's argmax after [pending, *drafts] (len(drafts) + 1 tokens).
+
+    Drafts are kept while each equals the target's argmax; the first mismatch is replaced by it, and
+    when all match the last argmax is the bonus token. Needs only the argmax (Engine.forward_greedy).
+    """
+    new: list[int] = []
+    for i, d in enumerate(drafts):
+        new.append(int(best[i]))
+        if d != best[i]:
+            return new
+    new.append(int(best[len(drafts)]))  # every proposal accepted (or none made): the bonus token
     return new
 
 

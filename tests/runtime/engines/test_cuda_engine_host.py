@@ -121,3 +121,48 @@ def test_the_shared_cpu_graph_is_refused_by_name(tiny_exports):
 
     with pytest.raises(ModelError, match="runs the batched or concat KV-cache graphs, found 'shared'"):
         host_engine(tiny_exports["shared"].graph, max_context=16)
+
+
+def test_the_runner_asks_for_the_argmax_only_on_greedy_steps_with_the_same_tokens(graphs):
+    """ModelRunner on the CUDA engine: greedy decode copies 8 bytes a token to the host, not a logits
+    row, and produces the tokens the full-logits path produces (plain and draft-model speculation)."""
+    from runtime.engines.cuda import D2H
+    from runtime.model_runner import ModelRunner
+    from runtime.sampling import SamplingParams
+    from runtime.scheduler import EngineRequest, Scheduler
+
+    class CountingHost(HostMemory):
+        def __init__(self):
+            super().__init__()
+            self.to_host = 0
+
+        def memcpy(self, dst, src, nbytes, kind):
+            self.to_host += nbytes if kind == D2H else 0
+            super().memcpy(dst, src, nbytes, kind)
+
+    from runtime.engines.cuda import CudaEngine
+
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(2, 500, n).tolist() for n in (4, 11, 7)]
+    results = {}
+    for method in ("none", "draft_model"):
+        for greedy_argmax in (True, False):
+            memory = CountingHost()
+            target = CudaEngine(graphs["batched-fp16"], memory=memory, max_context=64, num_slots=4)
+            draft = host_engine(graphs["batched-fp16"], max_context=64, num_slots=4) if method != "none" else None
+            runner = ModelRunner(target, draft, method, 2, greedy_argmax=greedy_argmax)
+            scheduler = Scheduler(runner, max_num_seqs=3, max_num_batched_tokens=64)
+            out = []
+            for p in prompts:
+                r = EngineRequest(list(p), SamplingParams(temperature=0.0), 12)
+                r.on_step = lambda step, tokens=out.append([]) or out[-1]: tokens.extend(step.tokens)
+                scheduler.add(r)
+            while scheduler.has_work():
+                scheduler.step()
+            results[method, greedy_argmax] = out, memory.to_host
+    for method in ("none", "draft_model"):
+        (fast, fast_bytes), (full, full_bytes) = results[method, True], results[method, False]
+        assert fast == full and all(len(t) == 12 for t in fast), method
+        # the full path copies vocab_size * 4 bytes per position; the argmax path 8
+        assert fast_bytes * 100 < full_bytes, (method, fast_bytes, full_bytes)
+    assert results["none", True][0] == results["draft_model", True][0]
