@@ -33,7 +33,7 @@ import numpy as np
 from manifests.errors import EnvironmentProblem, ModelError
 from runtime.cuda import D2D, D2H, H2D, Cudart, onnxruntime_cuda
 from runtime.engine import ContextFull, Engine, Row
-from runtime.engines.onnxruntime import OnnxRuntimeEngine
+from runtime.engines.onnxruntime import OnnxRuntimeEngine, bind_row_inputs
 
 log = logging.getLogger(__name__)
 
@@ -363,11 +363,7 @@ class CudaEngine(Engine):
         n = len(token_ids)
         past, total = self._lengths[slot], self._lengths[slot] + n
         b = self._binding
-        b.bind_cpu_input("input_ids", np.asarray(token_ids, dtype=np.int64).reshape(1, n))
-        if self._has_positions:
-            b.bind_cpu_input("position_ids", np.arange(past, total, dtype=np.int64).reshape(1, n))
-        if self._has_mask:
-            b.bind_cpu_input("attention_mask", np.ones((1, total), np.int64))
+        bind_row_inputs(b, token_ids, past, positions=self._has_positions, mask=self._has_mask)
         kv, hd = self.num_kv_heads, self.head_dim
         src, dst = self._buffers[slot][self._current[slot]], self._buffers[slot][1 - self._current[slot]]
         for name, buf in zip(self._past, src):

@@ -58,6 +58,16 @@ def _version(text: str) -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
+def bind_row_inputs(binding, token_ids: Sequence[int], past: int, *, positions: bool, mask: bool) -> None:
+    """Host inputs of one batch-1 row appended after `past` cached tokens (the pre-"batched" graphs)."""
+    n = len(token_ids)
+    binding.bind_cpu_input("input_ids", np.asarray(token_ids, dtype=np.int64).reshape(1, n))
+    if positions:
+        binding.bind_cpu_input("position_ids", np.arange(past, past + n, dtype=np.int64).reshape(1, n))
+    if mask:
+        binding.bind_cpu_input("attention_mask", np.ones((1, past + n), np.int64))
+
+
 class OnnxRuntimeEngine(Engine):
     def __init__(self, graph: Path, *, max_context: int | None = None, num_slots: int = 1,
                  threads: int | None = None, providers: Sequence[str] = ("CPUExecutionProvider",),
@@ -278,11 +288,7 @@ class OnnxRuntimeEngine(Engine):
         n = len(token_ids)
         past, total = self._lengths[slot], self._lengths[slot] + n
         b = self._binding
-        b.bind_cpu_input("input_ids", np.asarray(token_ids, dtype=np.int64).reshape(1, n))
-        if self._has_positions:
-            b.bind_cpu_input("position_ids", np.arange(past, total, dtype=np.int64).reshape(1, n))
-        if self._has_mask:
-            b.bind_cpu_input("attention_mask", np.ones((1, total), np.int64))
+        bind_row_inputs(b, token_ids, past, positions=self._has_positions, mask=self._has_mask)
         kv, hd = self.num_kv_heads, self.head_dim
         if self.kv_cache == "shared":  # same memory in and out, fixed shape: GQA appends in place
             if self._bound_cache != ("shared", slot):
