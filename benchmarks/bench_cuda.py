@@ -5,14 +5,17 @@ Run by hand on a machine with an NVIDIA GPU and onnxruntime-gpu (the project's G
     python benchmarks/bench_cuda.py prepare --work /tmp/bench     # models + graphs (no onnxruntime needed)
     python benchmarks/bench_cuda.py run --work /tmp/bench --out OUT [--quick]
 
-`prepare` writes a random-weight Llama-3.2-1B-shaped checkpoint (fp16 safetensors) and exports the
-fp16 batched graph (the `cuda` target's) of it and of the demo pair (bundler/demo/models).
+`prepare` writes a random-weight Llama-3.2-1B-shaped checkpoint (fp16 safetensors) and exports, in
+parallel, the fp16 batched graph (the `cuda` target's: TensorScatter + Attention, packed QKV and
+gate/up MatMuls) of it and of the demo pair (bundler/demo/models), and the GroupQueryAttention decode
+graph of it (bundler.export_gqa.GQA_FUSIONS; "llama-1b-gqa"); with --with-3b a Llama-3.2-3B shape too.
 `run` measures, all in the same process:
 
 - the memory-bandwidth floor: graph weight bytes / the device-to-device copy bandwidth measured now
   (bytes read + written), and that plus the KV cache the step reads;
-- the CUDA engine: ms per decode step at contexts 128, 1024, 4096, batch 1 and 8, with and without
-  CUDA graphs (greedy: only the argmax comes back);
+- the CUDA engine: ms per decode step at contexts 128, 1024, 4096, batch 1 and 8, with CUDA graphs
+  (both graphs) and without (the Attention graph), greedy: only the argmax comes back; and the same
+  step fetching each row's last logits instead (forward(last_only=True), what sampling needs);
 - transformers `generate` on the same weights (fp16, no torch.compile; dynamic and static cache);
 - speculative decoding with the demo pair: measured speedup and the ideal from the measured step
   costs and acceptance;
@@ -38,33 +41,65 @@ sys.path.insert(0, str(REPO))
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=8192,
                 rope_theta=500000.0, tie_word_embeddings=True, rms_norm_eps=1e-5)  # plain RoPE: same cost
+LLAMA_3B = dict(LLAMA_1B, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                num_key_value_heads=8, head_dim=128)
 CONTEXTS = (128, 1024, 4096)
 BATCHES = (1, 8)
+#: name -> (checkpoint, export fusions: None is the default graph); the 1B shape in both graphs.
+GRAPHS = {"llama-1b": ("llama-1b", None), "llama-1b-gqa": ("llama-1b", "gqa"),
+          "demo-target": ("demo/target", None), "demo-draft": ("demo/draft", None)}
 
 
-def prepare(work: Path) -> None:
+def checkpoint(work: Path, name: str, shape: dict) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bundler.export import export_onnx
-
-    work.mkdir(parents=True, exist_ok=True)
-    ckpt = work / "llama-1b"
+    ckpt = work / name
     if not (ckpt / "config.json").exists():
         torch.manual_seed(0)
-        config = LlamaConfig(**LLAMA_1B, architectures=["LlamaForCausalLM"])
+        config = LlamaConfig(**shape, architectures=["LlamaForCausalLM"])
         with torch.device("cuda"):
             model = LlamaForCausalLM(config).half()
         model.config.torch_dtype = "float16"
         model.save_pretrained(ckpt)
         del model
-    for name, src in (("llama-1b", ckpt), ("demo-target", REPO / "bundler/demo/models/target"),
-                      ("demo-draft", REPO / "bundler/demo/models/draft")):
+        torch.cuda.empty_cache()
+    return ckpt
+
+
+def export_graph(src: Path, out: Path, fusions: str | None) -> None:
+    from bundler.export import export_onnx
+    from bundler.export_gqa import GQA_FUSIONS
+
+    t = time.perf_counter()
+    export_onnx(src, out, kv_cache="batched", dtype="float16", fusions=GQA_FUSIONS if fusions == "gqa" else None)
+    print(f"exported {out.name} fp16 batched graph ({fusions or 'default'}) in {time.perf_counter() - t:.1f} s",
+          flush=True)
+
+
+def prepare(work: Path, with_3b: bool = False) -> None:
+    """Checkpoints, then every graph in its own process (the exports are independent and single-threaded)."""
+    import subprocess
+
+    work.mkdir(parents=True, exist_ok=True)
+    checkpoint(work, "llama-1b", LLAMA_1B)
+    graphs = dict(GRAPHS)
+    if with_3b:
+        checkpoint(work, "llama-3b", LLAMA_3B)
+        graphs.update({"llama-3b": ("llama-3b", None), "llama-3b-gqa": ("llama-3b", "gqa")})
+    procs = []
+    for name, (src, fusions) in graphs.items():
         out = work / "graphs" / name
-        if not (out / "model.onnx").exists():
-            t = time.perf_counter()
-            export_onnx(src, out, kv_cache="batched", dtype="float16")
-            print(f"exported {name} fp16 batched graph in {time.perf_counter() - t:.1f} s", flush=True)
+        if (out / "model.onnx").exists():
+            continue
+        src_dir = REPO / "bundler/demo/models" / src.split("/")[1] if src.startswith("demo/") else work / src
+        code = (f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'benchmarks')!r}]; from pathlib import Path; "
+                f"from bench_cuda import export_graph; export_graph(Path({str(src_dir)!r}), Path({str(out)!r}), "
+                f"{fusions!r})")
+        procs.append((name, subprocess.Popen([sys.executable, "-c", code])))
+    failed = [name for name, p in procs if p.wait() != 0]
+    if failed:
+        raise SystemExit(f"export failed: {', '.join(failed)}")
     (work / "PREPARED").write_text("ok")
 
 
@@ -96,8 +131,9 @@ def kv_bytes(engine, context: int) -> int:
     return 2 * engine.num_layers * engine.num_kv_heads * engine.head_dim * engine._itemsize * context
 
 
-def decode_ms(engine, batch: int, context: int, steps: int) -> float:
-    """Median ms of one greedy decode step of `batch` slots, each holding `context` tokens."""
+def decode_ms(engine, batch: int, context: int, steps: int, fetch: str = "argmax") -> float:
+    """Median ms of one decode step of `batch` slots, each holding `context` tokens: greedy (only the
+    argmax comes back) or fetch="logits" (each row's last logits come back, as sampling needs)."""
     from runtime.engine import Row
 
     rng = np.random.default_rng(context)
@@ -109,9 +145,10 @@ def decode_ms(engine, batch: int, context: int, steps: int) -> float:
     tokens = [[int(t)] for t in rng.integers(2, engine.vocab_size, batch)]
     for i in range(steps + 3):
         t = time.perf_counter()
-        out = engine.forward_greedy([Row(s, tokens[s]) for s in range(batch)])
+        rows = [Row(s, tokens[s]) for s in range(batch)]
+        out = engine.forward_greedy(rows) if fetch == "argmax" else engine.forward(rows, last_only=True)
         times.append(time.perf_counter() - t)
-        tokens = [[int(o[0])] for o in out]
+        tokens = [[int(o[0])] if fetch == "argmax" else [int(o[-1].argmax())] for o in out]
     for s in range(batch):
         engine.rollback(s, 0)
     return 1000 * statistics.median(times[3:])
@@ -136,6 +173,10 @@ def bench_engine(graph: Path, contexts, batches, steps: int, cuda_graphs: bool) 
             out[f"{ctx}x{b}"] = round(decode_ms(engine, b, ctx, steps), 3)
             print(f"  {graph.parent.name} graphs={cuda_graphs} ctx {ctx} batch {b}: {out[f'{ctx}x{b}']} ms/step",
                   flush=True)
+            if ctx == contexts[0]:
+                out[f"logits:{ctx}x{b}"] = round(decode_ms(engine, b, ctx, steps, fetch="logits"), 3)
+                print(f"  {graph.parent.name} graphs={cuda_graphs} ctx {ctx} batch {b} fetching logits: "
+                      f"{out[f'logits:{ctx}x{b}']} ms/step", flush=True)
     out["kv_bytes_per_token"] = kv_bytes(engine, 1)
     engine.close()
     return out
@@ -252,10 +293,13 @@ def plot(results: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, b in zip(axes, BATCHES):
-        for key, label in (("graphs", "CUDA engine, CUDA graphs"), ("no_graphs", "CUDA engine, no graphs")):
-            row = results["llama-1b"][key]
+        for name, key, label in (("llama-1b", "graphs", "Attention graph, CUDA graphs"),
+                                 ("llama-1b", "no_graphs", "Attention graph, no CUDA graphs"),
+                                 ("llama-1b-gqa", "graphs", "GroupQueryAttention graph, CUDA graphs")):
+            row = results.get(name, {}).get(key, {})
             xs = [c for c in CONTEXTS if f"{c}x{b}" in row]
-            ax.plot(xs, [row[f"{c}x{b}"] for c in xs], "o-", label=label)
+            if xs:
+                ax.plot(xs, [row[f"{c}x{b}"] for c in xs], "o-", label=label)
         floor = results["llama-1b"]["floor_ms"]
         ax.plot(CONTEXTS, [floor[f"{c}x{b}"] for c in CONTEXTS], "k--", label="floor (weights + KV read once)")
         hf = results.get("transformers", {})
@@ -273,24 +317,32 @@ def plot(results: dict, path: Path) -> None:
 
 def table(results: dict) -> str:
     lines = []
-    for name in ("llama-1b", "demo-target"):
-        r = results[name]
+    for name in ("llama-1b", "llama-1b-gqa", "llama-3b", "llama-3b-gqa", "demo-target"):
+        r = results.get(name)
+        if r is None:
+            continue
         lines += [f"### {name}: weights {r['weight_bytes'] / 1e9:.3f} GB fp16, floor {r['floor_weights_ms']:.3f} ms "
-                  f"(weights once at {results['copy_bandwidth_GBps']:.0f} GB/s)", "",
-                  "| context | batch | graphs ms/step | no graphs ms/step | floor ms (w+KV) | graphs / floor | "
-                  "transformers dynamic | transformers static | tok/s (graphs) |", "|---|---|---|---|---|---|---|---|---|"]
-        hf = results.get("transformers", {}) if name == "llama-1b" else {}
+                  f"(weights once at {results['copy_bandwidth_GBps']:.0f} GB/s); {r['graphs'].get('description')}", "",
+                  "| context | batch | graphs ms/step (argmax) | graphs, fetching logits | no graphs ms/step | "
+                  "floor ms (w+KV) | graphs / floor | transformers dynamic | transformers static | tok/s (graphs) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        hf = results.get("transformers", {}) if name.startswith("llama-1b") else {}
         for c in CONTEXTS:
             for b in BATCHES:
-                g, n = r["graphs"].get(f"{c}x{b}"), r["no_graphs"].get(f"{c}x{b}")
-                if g is None and n is None:
+                g, n = r["graphs"].get(f"{c}x{b}"), r.get("no_graphs", {}).get(f"{c}x{b}", "-")
+                if g is None:
                     continue
                 f = r["floor_ms"][f"{c}x{b}"]
-                best = g if g is not None else n
-                lines.append(f"| {c} | {b} | {g} | {n} | {f:.3f} | {best / f:.2f} | {hf.get(f'dynamic:{c}x{b}', '-')} | "
-                             f"{hf.get(f'static:{c}x{b}', '-')} | {1000 * b / best:.0f} |")
+                lines.append(f"| {c} | {b} | {g} | {r['graphs'].get(f'logits:{c}x{b}', '-')} | {n} | {f:.3f} | "
+                             f"{g / f:.2f} | {hf.get(f'dynamic:{c}x{b}', '-')} | {hf.get(f'static:{c}x{b}', '-')} | "
+                             f"{1000 * b / g:.0f} |")
         lines.append("")
-    return "\n".join(lines)
+    for name, placed in results.get("placement", {}).items():
+        lines.append(f"- {name}: {placed['cuda_node_count']} nodes on the CUDA provider, on the CPU: "
+                     f"{placed['cpu_nodes'] or 'none'}; host time by op {placed['cuda_time_share']}")
+    if "speculative" in results:
+        lines.append(f"- speculation (demo pair): {results['speculative']}")
+    return "\n".join(lines) + "\n"
 
 
 def run(work: Path, out: Path, quick: bool) -> None:
@@ -307,18 +359,24 @@ def run(work: Path, out: Path, quick: bool) -> None:
     results["copy_bandwidth_GBps"] = round(bw / 1e9, 1)
     print(f"device {device.name} cc {device.compute_capability}; copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     steps = 12 if quick else 30
-    for name, contexts in (("llama-1b", CONTEXTS), ("demo-target", (128,))):
+    plan = [("llama-1b", CONTEXTS, True), ("llama-1b-gqa", CONTEXTS, False), ("demo-target", (128,), True),
+            ("llama-3b", (128, 1024), False), ("llama-3b-gqa", (128, 1024), False)]
+    for name, contexts, without_graphs in plan:
         graph = work / "graphs" / name / "model.onnx"
+        if not graph.exists():
+            continue
         r = {"weight_bytes": graph_bytes(graph)}
         r["floor_weights_ms"] = 1000 * r["weight_bytes"] / bw
         r["graphs"] = bench_engine(graph, contexts, BATCHES, steps, True)
-        r["no_graphs"] = bench_engine(graph, contexts, BATCHES, steps, False)
+        if without_graphs:
+            r["no_graphs"] = bench_engine(graph, contexts, BATCHES, steps, False)
         per_token = r["graphs"]["kv_bytes_per_token"]
         r["floor_ms"] = {f"{c}x{b}": 1000 * (r["weight_bytes"] + b * per_token * c) / bw
                          for c in CONTEXTS for b in BATCHES}
         results[name] = r
         (out / "cuda_bench.json").write_text(json.dumps(results, indent=1))
-    results["placement"] = placement(work / "graphs/llama-1b/model.onnx")
+    results["placement"] = {name: placement(work / "graphs" / name / "model.onnx")
+                            for name in ("llama-1b", "llama-1b-gqa")}
     print("placement:", results["placement"], flush=True)
     results["speculative"] = speculative(work)
     print("speculative:", results["speculative"], flush=True)
@@ -336,9 +394,10 @@ def main() -> None:
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--quick", action="store_true", help="fewer steps, transformers at context 128 only")
+    ap.add_argument("--with-3b", action="store_true", help="prepare: the Llama-3.2-3B shape too (both graphs)")
     a = ap.parse_args()
     if a.mode == "prepare":
-        prepare(a.work)
+        prepare(a.work, a.with_3b)
     else:
         run(a.work, a.out, a.quick)
 

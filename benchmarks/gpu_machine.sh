@@ -8,6 +8,11 @@
 #   W/code/benchmarks/gpu_machine.sh part       one per part (carrying W/parts/pNN), back to back
 #   W/code/benchmarks/gpu_machine.sh prepare    starts the benchmark's model export in the background
 #   W/code/benchmarks/gpu_machine.sh go         joins and installs the wheel, GPU tests, the benchmark
+# Or, with onnxruntime-gpu already importable (the lead's .gpu/ort.sh: `. .gpu/ort.sh` first), one run:
+#   CODE/benchmarks/gpu_machine.sh all          exports in the background while the GPU tests run, then the
+#                                               benchmark; WITH_3B=1 adds the Llama-3.2-3B shape. Writes 6
+#                                               files to $OUT: gpu_tests.log, prepare.log, bench.log,
+#                                               cuda_bench.json, cuda_bench.md, cuda_bench.png
 set -u
 CODE=$(cd "$(dirname "$0")/.." && pwd)
 W=$(dirname "$CODE")
@@ -40,5 +45,20 @@ case "${1:-}" in
     done
     cp /tmp/bench/prepare.log "$out/"
     timeout "${BENCH_TIMEOUT:-400}" python3 benchmarks/bench_cuda.py run --work /tmp/bench --out "$out" ${QUICK:+--quick} 2>&1 | tee "$out/bench.log" | tail -40 ;;
-  *) echo "usage: $0 part|prepare|go" >&2; exit 2 ;;
+  all)
+    out=${OUT:-/tmp/out}
+    mkdir -p /tmp/bench "$out"
+    cd "$CODE"
+    export PYTHONPATH=$CODE:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+    python3 benchmarks/bench_cuda.py prepare --work /tmp/bench ${WITH_3B:+--with-3b} >/tmp/bench/prepare.log 2>&1 </dev/null &
+    prep=$!
+    python3 -c "import onnxruntime as o; print(o.__version__, o.__file__, o.get_available_providers())"
+    nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv,noheader
+    timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/runtime/engines/test_cuda_engine.py \
+      tests/runtime/engines/test_cuda_engine_host.py tests/runtime/engines/test_cuda_device.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
+    wait $prep
+    cp /tmp/bench/prepare.log "$out/"
+    [ -f /tmp/bench/PREPARED ] || { tail -20 /tmp/bench/prepare.log; exit 5; }
+    timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/bench_cuda.py run --work /tmp/bench --out "$out" ${QUICK:+--quick} 2>&1 | tee "$out/bench.log" | tail -60 ;;
+  *) echo "usage: $0 part|prepare|go|all" >&2; exit 2 ;;
 esac

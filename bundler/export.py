@@ -37,6 +37,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from manifests.errors import ModelError, UsageError
 
@@ -182,7 +183,7 @@ def _result(cfg, family: str, arch: str, out_dir: Path, opset: int, kv_cache: st
 
 def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None,
                 kv_cache: str = "concat", dtype: str = "float32",
-                aux_layer_ids: tuple[int, ...] = ()) -> ExportResult:
+                aux_layer_ids: tuple[int, ...] = (), fusions: Iterable[str] | None = None) -> ExportResult:
     """Export the checkpoint to out_dir/model.onnx + model.onnx.data (deterministic for the same input).
 
     kv_cache="concat" traces the transformers model (every backend); "shared" writes the in-place
@@ -191,6 +192,8 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     builds from on fp16 targets (TensorRT 11 takes the graph's types, there is no FP16 flag).
     dtype="float16"/"bfloat16" with an in-place layout writes the float32 graph and rewrites it in half
     precision (bundler.export_half): what ONNX Runtime's CUDA provider runs (the `cuda` target).
+    fusions (batched only; bundler.export_gqa.FUSIONS, default DEFAULT_FUSIONS): graph variants, such as
+    GQA_FUSIONS, the GroupQueryAttention decode graph of the CUDA engine.
     aux_layer_ids (EAGLE-3 targets) adds the output aux_hidden_states [batch, sequence_length,
     len(ids) * hidden]: the inputs of those decoder layers, concatenated, what the head's fc reads.
     """
@@ -210,13 +213,16 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     n_layers = int(config.get("num_hidden_layers", 0))
     if any(not 0 <= i < n_layers for i in aux_layer_ids):
         raise UsageError(f"expected aux layer ids in 0..{n_layers - 1}, found {list(aux_layer_ids)}")
+    if fusions is not None and kv_cache != "batched":
+        raise UsageError(f"graph fusions apply to the batched KV-cache graph; found kv_cache {kv_cache!r}")
+    fusions = None if fusions is None else frozenset(fusions)
     if kv_cache != "concat":
         if aux_layer_ids:
             raise UsageError(f"the {kv_cache} KV-cache graph has no aux_hidden_states output yet (EAGLE-3); "
                              f"found aux layer ids: export with kv_cache='concat'")
         if dtype != "float32":  # the float32 graph, rewritten in half precision (bundler.export_half)
-            return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype)
-        return _export_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache)
+            return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype, fusions)
+        return _export_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, fusions)
 
     import onnx
     import torch
@@ -269,7 +275,7 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
 
 
 def _half_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int, layout: str,
-                   dtype: str) -> ExportResult:
+                   dtype: str, fusions: frozenset[str] | None = None) -> ExportResult:
     import dataclasses
     import shutil
 
@@ -278,7 +284,7 @@ def _half_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, 
     work = out_dir / ".float32"
     work.mkdir(parents=True, exist_ok=True)
     try:
-        full = _export_in_place(checkpoint_dir, work, family, arch, opset, layout)
+        full = _export_in_place(checkpoint_dir, work, family, arch, opset, layout, fusions)
         graph = convert_graph(full.graph, out_dir / full.graph.name, dtype)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -286,17 +292,19 @@ def _half_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, 
 
 
 def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int,
-                     layout: str) -> ExportResult:
+                     layout: str, fusions: frozenset[str] | None = None) -> ExportResult:
     from transformers import AutoConfig
 
     from bundler.export_gqa import BATCHED_OPSET, build_batched_kv_graph, build_shared_kv_graph
 
     cfg = AutoConfig.from_pretrained(checkpoint_dir)
-    build = build_batched_kv_graph if layout == "batched" else build_shared_kv_graph
     result = _result(cfg, family, arch, out_dir, BATCHED_OPSET if layout == "batched" else opset, layout)
     result.weights.unlink(missing_ok=True)
     try:
-        build(checkpoint_dir, result, cfg, has_q_k_norm=family == "qwen3")
+        if layout == "batched":
+            build_batched_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family == "qwen3", fusions=fusions)
+        else:
+            build_shared_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family == "qwen3")
     except BaseException:  # no half-written graph that looks complete
         result.graph.unlink(missing_ok=True)
         result.weights.unlink(missing_ok=True)

@@ -152,16 +152,46 @@ def build_shared_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm:
     _build(checkpoint_dir, result, config, has_q_k_norm=has_q_k_norm, layout="shared")
 
 
-def build_batched_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool) -> None:
-    """Write result.graph + result.weights for the batched layout (standard TensorScatter + Attention)."""
+#: Graph variants of the batched layout (bundler/export_gqa.py `fusions`), measured on the GPU by
+#: benchmarks/cuda_variants.py. Each keeps the graph's inputs and outputs unless it says otherwise:
+#:   "qkv"       one MatMul for q, k and v (weights packed along the output axis), then Split;
+#:   "gate_up"   one MatMul for the MLP's gate and up projections, then Split;
+#:   "skip_norm" RMSNorm as com.microsoft SimplifiedLayerNormalization, which ONNX Runtime fuses with
+#:               the residual Add before it into SkipSimplifiedLayerNormalization (one kernel);
+#:   "q3d"       q stays [batch, seq, heads*dim] through RotaryEmbedding and Attention (3D Q, 4D K/V),
+#:               and Attention's output is 3D: no Reshape/Transpose pairs for q and the output;
+#:   "bsnh"      (changes the cache layout) the KV cache as [batch, capacity, kv_heads*dim], written
+#:               with TensorScatter on axis 1: no Reshape/Transpose at all;
+#:   "gqa"       (changes the inputs: decode only) com.microsoft GroupQueryAttention over the same
+#:               [batch, kv_heads, capacity, dim] cache with packed QKV and fused rotary; inputs
+#:               input_ids, seqlens_k int32 [batch] (total length - 1), total_sequence_length int32 [].
+FUSIONS = ("qkv", "gate_up", "skip_norm", "q3d", "bsnh", "gqa")
+#: What the batched graph gets by default: exact (0 difference from the unpacked graph on the H200) and
+#: 12 % faster there (benchmarks/results/cuda_variants.md); the others measured no gain or change the
+#: engine interface ("q3d": ONNX Runtime's Attention wants Q and K of the same rank).
+DEFAULT_FUSIONS = frozenset({"qkv", "gate_up"})
+#: The CUDA decode graph: GroupQueryAttention (runtime.engines.cuda runs it, `cuda` target only).
+GQA_FUSIONS = frozenset({"gate_up", "gqa"})
+
+
+def build_batched_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool,
+                           fusions: frozenset[str] | None = None) -> None:
+    """Write result.graph + result.weights for the batched layout (standard TensorScatter + Attention,
+    or GroupQueryAttention with fusions containing "gqa"); fusions None: DEFAULT_FUSIONS."""
+    fusions = DEFAULT_FUSIONS if fusions is None else frozenset(fusions)
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise SharedLayoutUnsupported(f"{checkpoint_dir} cannot use the in-place KV cache graph: activation "
                                       f"{act!r} is not silu (SwiGLU MLP)")
-    _build(checkpoint_dir, result, config, has_q_k_norm=has_q_k_norm, layout=BATCHED_LAYOUT)
+    unknown = set(fusions) - set(FUSIONS)
+    if unknown:
+        raise ModelError(f"expected fusions among {', '.join(FUSIONS)}, found {', '.join(sorted(unknown))}")
+    _build(checkpoint_dir, result, config, has_q_k_norm=has_q_k_norm, layout=BATCHED_LAYOUT,
+           fusions=frozenset(fusions))
 
 
-def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: str) -> None:
+def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: str,
+           fusions: frozenset[str] = frozenset()) -> None:
     from onnx import TensorProto as TP
     from onnx import helper as h
 
@@ -184,8 +214,10 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
     def const(name, values):
         return w.add(name, np.array(values, np.int64))
 
+    gqa, bsnh, q3d = "gqa" in fusions, "bsnh" in fusions, "q3d" in fusions or "bsnh" in fusions
+
     def rms(x, weight_name):
-        if batched:  # the standard op (opset 23), the same computation as ONNX Runtime's contrib one
+        if batched and "skip_norm" not in fusions:  # the standard op (opset 23), the same computation as ONNX Runtime's contrib one
             return node("RMSNormalization", [x, w.add(weight_name, ckpt.get(weight_name))], axis=-1,
                         epsilon=eps, stash_type=1)
         return node("SimplifiedLayerNormalization", [x, w.add(weight_name, ckpt.get(weight_name))],
@@ -197,6 +229,19 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
             y = node("Add", [y, w.add(prefix + ".bias", ckpt.get(prefix + ".bias"))])
         return y
 
+    def packed(x, prefix, names, split=True):
+        """One MatMul for several projections of x (weights side by side), split back unless split=False."""
+        weights = [ckpt.get(f"{prefix}.{n}.weight").T for n in names]
+        joined = f"{prefix}.{'_'.join(names)}"
+        y = node("MatMul", [x, w.add(joined + ".weight", np.concatenate(weights, axis=1))])
+        if f"{prefix}.{names[0]}.bias" in ckpt:
+            bias = np.concatenate([ckpt.get(f"{prefix}.{n}.bias") for n in names])
+            y = node("Add", [y, w.add(joined + ".bias", bias)])
+        if not split:
+            return y
+        sizes = const(f"split_{'_'.join(str(a.shape[1]) for a in weights)}", [a.shape[1] for a in weights])
+        return node("Split", [y, sizes], [f"{joined}/{n}" for n in names], axis=-1)
+
     def head_norm(x, n_heads, weight_name):  # Qwen3: RMSNorm over each head's vector before rotary
         x4 = node("Reshape", [x, const(f"shape_{n_heads}_{hd}", [0, 0, n_heads, hd])])
         y = rms(x4, weight_name)
@@ -206,8 +251,20 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
         x4 = node("Reshape", [x, const(f"shape_{n_heads}_{hd}", [0, 0, n_heads, hd])])
         return node("Transpose", [x4], perm=[0, 2, 1, 3])
 
+    def _mlp(x, attn, p):  # o_proj + residual, post-attention norm, SwiGLU MLP + residual
+        x = node("Add", [x, linear(attn, f"{p}.self_attn.o_proj")])
+        hs = rms(x, f"{p}.post_attention_layernorm.weight")
+        if "gate_up" in fusions:
+            gate, up = packed(hs, f"{p}.mlp", ("gate_proj", "up_proj"))
+        else:
+            gate, up = linear(hs, f"{p}.mlp.gate_proj"), linear(hs, f"{p}.mlp.up_proj")
+        act = node("Mul", [node("Mul", [gate, node("Sigmoid", [gate])]), up])
+        return node("Add", [x, linear(act, f"{p}.mlp.down_proj")])
+
     cos_name, sin_name = w.add("cos_cache", cos), w.add("sin_cache", sin)
-    if batched:
+    if gqa and has_q_k_norm:
+        raise ModelError("the gqa variant has no q/k norm (Qwen3) path; expected a model without q_norm/k_norm")
+    if batched and not gqa:
         window = node("Shape", ["attention_mask"], start=3, end=4)
         zero, two = const("zero_1d", [0]), const("two_1d", [2])
     if not batched:
@@ -218,15 +275,49 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
                                                const("axes_0", [0])])], to=TP.INT32)
 
     x = node("Gather", [w.add("model.embed_tokens.weight", ckpt.get("model.embed_tokens.weight")), "input_ids"])
+    if gqa:
+        total_len = "total_sequence_length"
     for i in range(layers):
         p = f"model.layers.{i}"
         hs = rms(x, f"{p}.input_layernorm.weight")
-        q, k, v = (linear(hs, f"{p}.self_attn.{n}_proj") for n in ("q", "k", "v"))
+        if gqa and not has_q_k_norm:  # packed QKV straight into GroupQueryAttention
+            qkv = packed(hs, f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"), split=False)
+            attn = node("GroupQueryAttention",
+                        [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k",
+                         total_len, cos_name, sin_name],
+                        [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN,
+                        num_heads=heads, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0,
+                        scale=float(hd) ** -0.5)[0]
+            x = _mlp(x, attn, p)
+            continue
+        if "qkv" in fusions:
+            q, k, v = packed(hs, f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"))
+        else:
+            q, k, v = (linear(hs, f"{p}.self_attn.{n}_proj") for n in ("q", "k", "v"))
         if has_q_k_norm:
             q = head_norm(q, heads, f"{p}.self_attn.q_norm.weight")
             k = head_norm(k, kv, f"{p}.self_attn.k_norm.weight")
         past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
-        if batched:
+        if batched and q3d:
+            q3 = node("RotaryEmbedding", [q, cos_name, sin_name, "position_ids"], interleaved=0, num_heads=heads)
+            if bsnh:  # cache [batch, capacity, kv_heads*dim]: no transposes at all
+                k3 = node("RotaryEmbedding", [k, cos_name, sin_name, "position_ids"], interleaved=0, num_heads=kv)
+                present_k = node("TensorScatter", [past_k, k3, "write_indices"], [f"present.{i}.key"], axis=1)
+                present_v = node("TensorScatter", [past_v, v, "write_indices"], [f"present.{i}.value"], axis=1)
+                axis = const("one_1d", [1])
+            else:
+                k4 = node("RotaryEmbedding", [heads_first(k, kv), cos_name, sin_name, "position_ids"], interleaved=0)
+                present_k = node("TensorScatter", [past_k, k4, "write_indices"], [f"present.{i}.key"], axis=2)
+                present_v = node("TensorScatter", [past_v, heads_first(v, kv), "write_indices"],
+                                 [f"present.{i}.value"], axis=2)
+                axis = two
+            k_win = node("Slice", [present_k, zero, window, axis])
+            v_win = node("Slice", [present_v, zero, window, axis])
+            attn = node("Attention", [q3, k_win, v_win, "attention_mask"], scale=float(hd) ** -0.5,
+                        q_num_heads=heads, kv_num_heads=kv)
+            # ONNX Runtime's shape inference gets a 3D Attention output's last axis wrong: say it.
+            attn = node("Reshape", [attn, const(f"shape_{heads * hd}", [0, 0, heads * hd])])
+        elif batched:
             q4 = node("RotaryEmbedding", [heads_first(q, heads), cos_name, sin_name, "position_ids"], interleaved=0)
             k4 = node("RotaryEmbedding", [heads_first(k, kv), cos_name, sin_name, "position_ids"], interleaved=0)
             present_k = node("TensorScatter", [past_k, k4, "write_indices"], [f"present.{i}.key"], axis=2)
@@ -245,19 +336,19 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
                         [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN,
                         num_heads=heads, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0,
                         scale=float(hd) ** -0.5)[0]
-        x = node("Add", [x, linear(attn, f"{p}.self_attn.o_proj")])
-        hs = rms(x, f"{p}.post_attention_layernorm.weight")
-        gate, up = linear(hs, f"{p}.mlp.gate_proj"), linear(hs, f"{p}.mlp.up_proj")
-        act = node("Mul", [node("Mul", [gate, node("Sigmoid", [gate])]), up])
-        x = node("Add", [x, linear(act, f"{p}.mlp.down_proj")])
+        x = _mlp(x, attn, p)
     x = rms(x, "model.norm.weight")
     head = "lm_head.weight" if "lm_head.weight" in ckpt else "model.embed_tokens.weight"  # tied embeddings
     node("MatMul", [x, w.add("lm_head.weight.T", ckpt.get(head).T)], ["logits"])
     w.close()
 
     inputs = [h.make_tensor_value_info("input_ids", TP.INT64, ["batch", "sequence_length"])]
-    if batched:
+    if gqa:
         cache = ["batch", kv, "capacity", hd]
+        inputs += [h.make_tensor_value_info("seqlens_k", TP.INT32, ["batch"]),
+                   h.make_tensor_value_info("total_sequence_length", TP.INT32, [])]
+    elif batched:
+        cache = ["batch", "capacity", kv * hd] if bsnh else ["batch", kv, "capacity", hd]
         inputs += [h.make_tensor_value_info("position_ids", TP.INT64, ["batch", "sequence_length"]),
                    h.make_tensor_value_info("write_indices", TP.INT64, ["batch"]),
                    h.make_tensor_value_info("attention_mask", TP.BOOL, ["batch", 1, "sequence_length", "window"])]
@@ -271,7 +362,8 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
             outputs.append(h.make_tensor_value_info(f"present.{i}.{part}", TP.FLOAT, cache))
     graph = h.make_graph(nodes, "decoder", inputs, outputs, w.initializers)
     if batched:
-        opsets = [h.make_opsetid("", BATCHED_OPSET)]
+        contrib = fusions & {"skip_norm", "gqa"}
+        opsets = [h.make_opsetid("", BATCHED_OPSET)] + ([h.make_opsetid(MS_DOMAIN, 1)] if contrib else [])
         doc = "batched in-place KV-cache decoding (TensorScatter + Attention, one cache region per slot)"
     else:
         opsets = [h.make_opsetid("", result.opset), h.make_opsetid(MS_DOMAIN, 1)]
@@ -284,6 +376,8 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
     if batched:
         model.metadata_props.add(key="bundle.kv_headroom", value=str(BATCHED_HEADROOM))
         # The mask's last axis is the attention window (rows attended over), not the whole capacity.
-        model.metadata_props.add(key="bundle.attention_window", value="1")
+        model.metadata_props.add(key="bundle.attention_window", value="0" if gqa else "1")
+        model.metadata_props.add(key="bundle.fusions", value=",".join(sorted(fusions)))
+        model.metadata_props.add(key="bundle.attention", value="gqa" if gqa else "attention")
     result.graph.write_bytes(model.SerializeToString())
     log.info("built the %s-KV graph for %s (%d layers) at %s", layout, result.architecture, layers, result.graph)

@@ -17,7 +17,13 @@ Slots (runtime.engine) as in runtime.engines.onnxruntime, with nothing on the ho
   a Llama-3.2-1B-shaped decode step 1.8 ms with graphs, 4.8 ms without (launch-bound).
 
 Layouts: "batched" (TensorScatter + Attention; the `cuda` target's graph, fp16 or bf16 from
-bundler.export_half): one call for every row of a step. "concat" (the fp16 graph TensorRT targets
+bundler.export_half): one call for every row of a step. Its GroupQueryAttention variant
+(bundler.export_gqa.GQA_FUSIONS: inputs seqlens_k and total_sequence_length instead of positions,
+write offsets and a mask; fused rotary, packed QKV, one flash-decoding kernel that reads only each
+row's own length) uses the same cache layout; ONNX Runtime's GroupQueryAttention takes a batch of
+single-token rows but refuses a batch of longer rows after a past ("batch_size must be 1 when
+sequence_length > 1"), so there the decode rows of a step are one call and each longer row
+(prefill chunk, verification) is a call of its own, without a CUDA graph. "concat" (the fp16 graph TensorRT targets
 carry, run here when TensorRT is absent): rows one by one, batch 1, two device buffers per slot that
 take turns. The "shared" GroupQueryAttention graph is a cpu-target graph and is refused.
 """
@@ -128,7 +134,8 @@ class CudaEngine(Engine):
         self._buffers: list = []
         self._scratch: dict[str, _Device] = {}
         self.description = (f"onnxruntime {ort.__version__} {self._provider} {self.precision} "
-                            f"kv-cache {self.kv_cache}{' cuda-graphs' if self.cuda_graphs else ''}")
+                            f"kv-cache {self.kv_cache}{' gqa' if self._gqa else ''}"
+                            f"{' cuda-graphs' if self.cuda_graphs else ''}")
         self.allocate_slots(num_slots, max_context=limit)
 
     def _session(self, cuda_graphs: bool):
@@ -164,6 +171,8 @@ class CudaEngine(Engine):
         self._has_argmax = "argmax" in outs
         self._has_mask = "attention_mask" in ins
         self._has_positions = "position_ids" in ins
+        self._gqa = "seqlens_k" in ins  # the GroupQueryAttention decode graph
+        self._total = np.zeros((), np.int32)  # its total_sequence_length: host memory, read by the kernel's host code
 
     # --- memory --------------------------------------------------------------------------------
     def _rows_per_slot(self) -> int:
@@ -251,8 +260,11 @@ class CudaEngine(Engine):
                 out[r.slot] = (np.zeros(0, np.int64) if want == "argmax"
                                else np.zeros((0, self.vocab_size), np.float32))
         if self.batched:
-            for group in self._groups(live):
-                out.update(self._run_batched(group, want))
+            groups = self._groups(live) if not self._gqa else (
+                [[r for r in live if len(r.tokens) == 1]] + [[r] for r in live if len(r.tokens) > 1])
+            for group in groups:
+                if group:
+                    out.update(self._run_batched(group, want))
         else:
             for r in live:
                 out[r.slot] = self._run_one(r.slot, r.tokens, want if want != "all" else r.fetch)
@@ -265,7 +277,7 @@ class CudaEngine(Engine):
     def _run_batched(self, group: list[Row], want: str) -> dict[int, np.ndarray]:
         width = max(len(r.tokens) for r in group)
         hi = max(r.slot for r in group) + 1
-        use_graph = self.cuda_graphs and width <= GRAPH_MAX_WIDTH
+        use_graph = self.cuda_graphs and (width == 1 if self._gqa else width <= GRAPH_MAX_WIDTH)
         if use_graph:  # decode, verify: a bucket of slots 0..bucket-1
             lo, hi = 0, next(b for b in self.buckets if b >= hi)
         else:
@@ -286,8 +298,8 @@ class CudaEngine(Engine):
                 window = min(cap, max(256, 1 << (window - 1).bit_length()))
         graph_id = self._graphs.setdefault((hi, width, window, self._generation), len(self._graphs) + 1) \
             if use_graph else None
-        mask = np.arange(window)[None, None, None, :] <= positions[:, None, :, None]
-        self._bind_inputs(batch, width, ids, positions, write, mask)
+        mask = None if self._gqa else np.arange(window)[None, None, None, :] <= positions[:, None, :, None]
+        self._bind_inputs(batch, width, window, ids, positions, write, mask)
         self._bind_cache(lo, hi)
         logits, argmax = self._bind_outputs(batch, width, want)
         run_options = self._ort.RunOptions()
@@ -301,10 +313,14 @@ class CudaEngine(Engine):
             self._lengths[r.slot] += n
         return out
 
-    def _bind_inputs(self, batch, width, ids, positions, write, mask) -> None:
+    def _bind_inputs(self, batch, width, window, ids, positions, write, mask) -> None:
         """One host-to-device copy of every small input into a fixed device buffer (what graphs replay)."""
-        parts = [("input_ids", ids, np.int64), ("position_ids", positions, np.int64),
-                 ("write_indices", write, np.int64), ("attention_mask", mask, np.bool_)]
+        if self._gqa:  # seqlens_k: each row's length after this step - 1 (the spare rows: the capacity's end)
+            parts = [("input_ids", ids, np.int64), ("seqlens_k", (write + width - 1).astype(np.int32), np.int32)]
+            self._total[()] = self.capacity  # rows attend by seqlens_k; this only bounds the cache
+        else:
+            parts = [("input_ids", ids, np.int64), ("position_ids", positions, np.int64),
+                     ("write_indices", write, np.int64), ("attention_mask", mask, np.bool_)]
         offsets, total = [], 0
         for _, array, _ in parts:
             offsets.append(total)
@@ -312,13 +328,15 @@ class CudaEngine(Engine):
         host = np.zeros(total, np.uint8)
         for (_, array, _), off in zip(parts, offsets):
             host[off:off + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).ravel()
-        buf = self._scratch_buffer(f"inputs-{batch}x{width}x{mask.shape[-1]}", total)
+        buf = self._scratch_buffer(f"inputs-{batch}x{width}x{window}", total)
         self.cudart.memcpy(buf.ptr, host.ctypes.data, total, H2D)
         self.cudart.synchronize()  # a pageable copy may still be in flight; ONNX Runtime's stream does not wait
-        key = ("inputs", batch, width, mask.shape[-1], buf.ptr)
+        key = ("inputs", batch, width, window, buf.ptr)
         if self._bound_inputs != key:
             for (name, array, dtype), off in zip(parts, offsets):
                 self._binding.bind_input(name, self._device, self.device_id, dtype, list(array.shape), buf.ptr + off)
+            if self._gqa:
+                self._binding.bind_input("total_sequence_length", "cpu", 0, np.int32, [], self._total.ctypes.data)
             self._bound_inputs = key
 
     def _bind_cache(self, lo: int, hi: int) -> None:

@@ -28,11 +28,13 @@ BF16_RTOL = 4e-2  # bf16 keeps 8 bits of mantissa: weights, activations and cach
 @pytest.fixture(scope="module")
 def gpu_graphs(tiny_export, tmp_path_factory) -> dict:
     from bundler.export import export_onnx
+    from bundler.export_gqa import GQA_FUSIONS
 
     ckpt = tiny_export[0]
     root = tmp_path_factory.mktemp("cuda")
     return {"checkpoint": ckpt,
             "fp16": export_onnx(ckpt, root / "h", kv_cache="batched", dtype="float16"),
+            "gqa": export_onnx(ckpt, root / "g", kv_cache="batched", dtype="float16", fusions=GQA_FUSIONS),
             "bf16": export_onnx(ckpt, root / "b", kv_cache="batched", dtype="bfloat16")}
 
 
@@ -42,9 +44,10 @@ def cuda_engine(graph, **kw):
     return CudaEngine(graph, **kw)
 
 
+@pytest.mark.parametrize("graph", ["fp16", "gqa"])
 @pytest.mark.parametrize("cuda_graphs", [True, False])
-def test_fp16_parity_with_transformers_prefill_decode_verify_rollback(gpu_graphs, cuda_graphs):
-    result = gpu_graphs["fp16"]
+def test_fp16_parity_with_transformers_prefill_decode_verify_rollback(gpu_graphs, cuda_graphs, graph):
+    result = gpu_graphs[graph]
     engine = cuda_engine(result.graph, max_context=128, cuda_graphs=cuda_graphs)
     assert "CUDAExecutionProvider fp16 kv-cache batched" in engine.description
     assert engine.cuda_graphs == cuda_graphs, engine.cuda_graph_error
@@ -58,9 +61,10 @@ def test_bf16_parity_with_transformers(gpu_graphs):
     check_parity(gpu_graphs["checkpoint"], result.graph, result.vocab_size, rtol=BF16_RTOL, engine=engine)
 
 
-def test_batched_steps_with_cuda_graphs_equal_without_and_each_slot_alone(gpu_graphs):
+@pytest.mark.parametrize("graph", ["fp16", "gqa"])
+def test_batched_steps_with_cuda_graphs_equal_without_and_each_slot_alone(gpu_graphs, graph):
     """Three slots (bucket 4, slot 3 idle) fed the same tokens: decode and 4-token verification steps."""
-    result = gpu_graphs["fp16"]
+    result = gpu_graphs[graph]
     rng = np.random.default_rng(1)
     prompts = [rng.integers(2, result.vocab_size, n).tolist() for n in (7, 12, 3)]
     feeds = [[rng.integers(2, result.vocab_size, w).tolist() for _ in range(3)] for w in (1, 1, 4, 1, 4, 1)]
@@ -82,9 +86,10 @@ def test_batched_steps_with_cuda_graphs_equal_without_and_each_slot_alone(gpu_gr
             np.testing.assert_allclose(step[s], alone.forward([Row(0, f[s])])[0], atol=FP16_RTOL * scale)
 
 
-def test_decode_runs_every_node_on_the_gpu(gpu_graphs):
+@pytest.mark.parametrize("graph", ["fp16", "gqa"])
+def test_decode_runs_every_node_on_the_gpu(gpu_graphs, graph):
     """ONNX Runtime's "Memcpy nodes are added" means nodes on the CPU; the decode path must have none."""
-    result = gpu_graphs["fp16"]
+    result = gpu_graphs[graph]
     engine = cuda_engine(result.graph, max_context=64, num_slots=2, cuda_graphs=False, profile=True)
     engine.forward([Row(0, [1, 2, 3]), Row(1, [4, 5])])
     engine.forward_greedy([Row(0, [6]), Row(1, [7])])
@@ -92,7 +97,8 @@ def test_decode_runs_every_node_on_the_gpu(gpu_graphs):
     assert set(placed) == {"CUDAExecutionProvider"}, placed
 
 
-def test_speculation_is_greedy_token_for_token(gpu_graphs, tmp_path):
+@pytest.mark.parametrize("graph", ["fp16", "gqa"])
+def test_speculation_is_greedy_token_for_token(gpu_graphs, tmp_path, graph):
     from bundler.export import export_onnx
     from runtime.sampling import SamplingParams
     from runtime.speculative import Generator
@@ -101,7 +107,7 @@ def test_speculation_is_greedy_token_for_token(gpu_graphs, tmp_path):
     draft_ckpt = noisy_copy(gpu_graphs["checkpoint"], tmp_path / "draft")
     draft = cuda_engine(export_onnx(draft_ckpt, tmp_path / "d", kv_cache="batched", dtype="float16").graph,
                         max_context=128)
-    target = cuda_engine(gpu_graphs["fp16"].graph, max_context=128)
+    target = cuda_engine(gpu_graphs[graph].graph, max_context=128)
     prompt, greedy = [5, 17, 42, 9, 300], SamplingParams(temperature=0.0)
     plain = [t for s in Generator(target).generate(prompt, greedy, max_tokens=40) for t in s.tokens]
     steps = list(Generator(target, draft, "draft_model", 3).generate(prompt, greedy, max_tokens=40))

@@ -17,14 +17,18 @@ from tests.runtime.engines.host_memory import HostMemory
 
 @pytest.fixture(scope="module")
 def graphs(tiny_export, tmp_path_factory) -> dict:
-    """"batched" (fp32), "batched-fp16", "concat-fp16" graphs of the tiny llama."""
+    """"batched" (fp32), "batched-fp16", "gqa-fp16" (the GroupQueryAttention decode graph), "concat-fp16"
+    graphs of the tiny llama, and its "checkpoint"."""
     from bundler.export import export_onnx
+    from bundler.export_gqa import GQA_FUSIONS
 
     ckpt = tiny_export[0]
     root = tmp_path_factory.mktemp("cuda-host")
     return {"batched": export_onnx(ckpt, root / "b", kv_cache="batched").graph,
             "batched-fp16": export_onnx(ckpt, root / "h", kv_cache="batched", dtype="float16").graph,
-            "concat-fp16": export_onnx(ckpt, root / "c", dtype="float16").graph}
+            "gqa-fp16": export_onnx(ckpt, root / "g", kv_cache="batched", dtype="float16",
+                                    fusions=GQA_FUSIONS).graph,
+            "concat-fp16": export_onnx(ckpt, root / "c", dtype="float16").graph, "checkpoint": ckpt}
 
 
 def host_engine(graph, **kw):
@@ -80,7 +84,7 @@ def test_rows_fetch_only_the_logits_they_name(graphs):
 
 
 def test_rollback_and_prefix_copy_give_what_a_fresh_slot_gives(graphs):
-    for name in ("batched-fp16", "concat-fp16"):
+    for name in ("batched-fp16", "gqa-fp16", "concat-fp16"):
         engine = host_engine(graphs[name], max_context=64, num_slots=3)
         prompt = list(range(3, 23))
         engine.forward([Row(0, prompt)])
@@ -166,3 +170,38 @@ def test_the_runner_asks_for_the_argmax_only_on_greedy_steps_with_the_same_token
         # the full path copies vocab_size * 4 bytes per position; the argmax path 8
         assert fast_bytes * 100 < full_bytes, (method, fast_bytes, full_bytes)
     assert results["none", True][0] == results["draft_model", True][0]
+
+
+def test_the_gqa_graph_matches_transformers_prefill_decode_verify_rollback(graphs):
+    from tests.bundler.export.test_parity import FP16_RTOL, check_parity
+
+    engine = host_engine(graphs["gqa-fp16"], max_context=128)
+    assert "fp16 kv-cache batched gqa" in engine.description
+    check_parity(graphs["checkpoint"], graphs["gqa-fp16"], engine.vocab_size, rtol=FP16_RTOL, engine=engine)
+
+
+def test_the_gqa_graph_runs_mixed_steps_like_the_attention_graph(graphs):
+    """Decode rows of several slots beside a prefill chunk and a 4-token verification, in one forward:
+    the GroupQueryAttention graph (decode rows in one call, longer rows alone) gives the Attention graph's
+    logits, and calls ONNX Runtime once for the decode rows and once per longer row."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, 500, n).tolist() for n in (6, 13, 2, 9)]
+    steps = [[[7], [8], [9], [10]], [[11], rng.integers(2, 500, 4).tolist(), [12], rng.integers(2, 500, 10).tolist()],
+             [[13], [14], [15], [16]]]
+    out = {}
+    for name in ("batched-fp16", "gqa-fp16"):
+        engine = host_engine(graphs[name], max_context=64, num_slots=4)
+        calls = []
+        run = engine.session.run_with_iobinding
+        engine.session.run_with_iobinding = lambda *a, run=run: calls.append(1) or run(*a)
+        first = engine.forward([Row(s, p) for s, p in enumerate(prompts)], last_only=True)
+        later = [engine.forward([Row(s, t) for s, t in enumerate(step)]) for step in steps]
+        engine.rollback(1, len(prompts[1]) + 3)  # two of the four verified tokens kept
+        after = engine.forward([Row(1, [17])])
+        out[name] = (first, later, after, len(calls), [engine.length(s) for s in range(4)])
+    (a_first, a_later, a_after, a_calls, a_len), (g_first, g_later, g_after, g_calls, g_len) = out.values()
+    scale = max(float(np.abs(x).max()) for x in a_first)
+    for a, g in zip(a_first + [x for s in a_later for x in s] + a_after, g_first + [x for s in g_later for x in s] + g_after):
+        np.testing.assert_allclose(g, a, atol=2e-2 * scale)
+    assert g_len == a_len == [6 + 3, 13 + 3 + 1, 2 + 3, 9 + 1 + 10 + 1]
+    assert g_calls == 4 + 1 + 3 + 1 + 1, g_calls  # prefill rows alone; decode rows in one call; 2 longer rows
