@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 import numpy as np
 
@@ -70,15 +70,18 @@ class Engine(ABC):
         most once per call. Prefill, decode and verification are all this one call.
         """
 
-    def forward_greedy(self, rows: Sequence[Row]) -> list[np.ndarray]:
+    def forward_greedy(self, rows: Sequence[Row], logits_for: Collection[int] = ()) -> list[np.ndarray]:
         """As forward, but only the argmax token of each logits row comes back (int64 [k] per row).
 
         Greedy decoding and greedy verification read nothing else. Row i's entry j is the argmax of
         forward's logits i, j, ties to the lowest id (numpy's argmax): the same tokens either way. This
         default takes it from `forward`; an engine whose graph computes the argmax itself (CUDA)
-        overrides it so a vocab-sized row never crosses to the host.
+        overrides it so a vocab-sized row never crosses to the host. The rows of the slots in
+        `logits_for` come back as forward returns them (logits): a sampled row beside greedy ones
+        keeps the step one call with the others still on the argmax path.
         """
-        return [np.asarray(lg).argmax(-1) for lg in self.forward(rows)]
+        return [lg if row.slot in logits_for else np.asarray(lg).argmax(-1)
+                for row, lg in zip(rows, self.forward(rows))]
 
     @abstractmethod
     def rollback(self, slot: int, length: int) -> None:

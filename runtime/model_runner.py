@@ -11,7 +11,7 @@ prefix, and a new request reuses the longest prefix any slot holds (prefix cachi
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Collection, Sequence
 
 import numpy as np
 
@@ -178,15 +178,16 @@ class ModelRunner:
         for r, _ in decodes:
             drafts, _ = proposals.get(r.slot, ([], []))
             rows.append(Row(r.slot, [r.tokens[-1], *drafts]))
-        # Every decoding row greedy with nothing reading the full distribution: only the argmax comes back.
-        greedy = (self.greedy_argmax and bool(decodes) and offers_greedy(self.target)
-                  and all(argmax_suffices(r) for r, _ in decodes))
-        logits = self._forward(self.target, self.target_cache, rows, "target", greedy=greedy)
+        # Decoding rows that are greedy with nothing reading the full distribution get only the argmax
+        # back; rows that read it (sampling, logprobs, a logits processor) their logits, in the same call.
+        sampled = {r.slot for r, _ in decodes if not argmax_suffices(r)}
+        greedy = self.greedy_argmax and len(sampled) < len(decodes) and offers_greedy(self.target)
+        logits = self._forward(self.target, self.target_cache, rows, "target", greedy=greedy, logits_for=sampled)
         for r, n in prefills:
             r.computed += n
         for (r, _), row_logits in zip(decodes, logits[len(prefills):]):
             drafts, qs = proposals.get(r.slot, ([], []))
-            if greedy:  # row_logits: the argmax after [pending, *drafts]
+            if greedy and r.slot not in sampled:  # row_logits: the argmax after [pending, *drafts]
                 new = accept_greedy(np.asarray(row_logits).tolist()[-(len(drafts) + 1):], drafts)
             else:
                 new = accept(row_logits, drafts, qs, r.params, r.rng, r.logits_processors, r.output_ids)
@@ -242,7 +243,11 @@ class ModelRunner:
             out[r.slot] = ([], [])
         if not rows:
             return out
-        logits = dict(zip((row.slot for row in rows), self._forward(self.draft, self.draft_cache, rows, "draft")))
+        # Greedy proposals without a logits processor are the draft's argmax: only that comes back.
+        sampled = {r.slot for r, _ in wanting if not (r.params.greedy and not r.logits_processors)}
+        greedy = self.greedy_argmax and len(sampled) < len(wanting) and offers_greedy(self.draft)
+        logits = dict(zip((row.slot for row in rows), self._forward(self.draft, self.draft_cache, rows, "draft",
+                                                                    greedy=greedy, logits_for=sampled)))
         last = {r.slot: logits[r.slot][-1] for r, _ in wanting}
         for i in range(max((g for _, g in wanting), default=0)):
             rows = []
@@ -250,22 +255,27 @@ class ModelRunner:
                 if i >= g:
                     continue
                 drafts, qs = out[r.slot]
-                d, q = propose_token(last[r.slot], r.params, r.rng, r.logits_processors, r.output_ids + drafts)
+                if greedy and r.slot not in sampled:  # last[r.slot]: the draft's argmax token
+                    d, q = int(last[r.slot]), None
+                else:
+                    d, q = propose_token(last[r.slot], r.params, r.rng, r.logits_processors, r.output_ids + drafts)
                 drafts.append(d)
                 if q is not None:
                     qs.append(q)
                 if i < g - 1:  # the last proposal is fed to the draft next step, only if it is accepted
                     rows.append(Row(r.slot, [d]))
             if rows:
-                for row, lg in zip(rows, self._forward(self.draft, self.draft_cache, rows, "draft")):
+                for row, lg in zip(rows, self._forward(self.draft, self.draft_cache, rows, "draft", greedy=greedy,
+                                                       logits_for=sampled)):
                     last[row.slot] = lg[-1]
         return out
 
     # --- cache helpers ---------------------------------------------------------------------------
     def _forward(self, engine: Engine, mirror: list[list[int]], rows: list[Row], role: str, *,
-                 greedy: bool = False) -> list[np.ndarray]:
+                 greedy: bool = False, logits_for: Collection[int] = ()) -> list[np.ndarray]:
+        """greedy: argmax only (Engine.forward_greedy), except logits for the slots in logits_for."""
         t0 = self._clock()
-        logits = engine.forward_greedy(rows) if greedy else engine.forward(rows)
+        logits = engine.forward_greedy(rows, logits_for=logits_for) if greedy else engine.forward(rows)
         for row in rows:
             mirror[row.slot].extend(int(t) for t in row.tokens)
             if self.eagle is not None and engine is self.target and len(row.tokens):

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 import numpy as np
 
@@ -244,37 +244,41 @@ class CudaEngine(Engine):
         """float32 logits per row: [len(tokens), vocab], or [1, vocab] of its last token with last_only."""
         return self._forward(rows, "last" if last_only else "all")
 
-    def forward_greedy(self, rows: Sequence[Row]) -> list[np.ndarray]:
+    def forward_greedy(self, rows: Sequence[Row], logits_for: Collection[int] = ()) -> list[np.ndarray]:
         """The argmax token after each of a row's tokens (int64 [len(tokens)]): greedy decoding and
-        greedy verification without copying logits to the host."""
+        greedy verification without copying logits to the host. Rows of the slots in `logits_for`
+        get the logits their `fetch` names instead, from the same call."""
         if not self._has_argmax:
-            return [lg.argmax(-1) for lg in self._forward(rows, "all")]
-        return self._forward(rows, "argmax")
+            return [lg if r.slot in logits_for else lg.argmax(-1) for r, lg in zip(rows, self._forward(rows, "all"))]
+        return self._forward(rows, "argmax", logits_for)
 
-    def _forward(self, rows: Sequence[Row], want: str) -> list[np.ndarray]:
+    def _forward(self, rows: Sequence[Row], want: str, logits_for: Collection[int] = ()) -> list[np.ndarray]:
+        """`want`: "all" (each row's fetch), "last" or "argmax" (but each row's fetch for logits_for)."""
         self._check_rows(rows)
+        wants = {r.slot: r.fetch if want == "all" or (want == "argmax" and r.slot in logits_for) else want
+                 for r in rows}
         out: dict[int, np.ndarray] = {}
         live = [r for r in rows if len(r.tokens)]
         for r in rows:
             if not len(r.tokens):
-                out[r.slot] = (np.zeros(0, np.int64) if want == "argmax"
+                out[r.slot] = (np.zeros(0, np.int64) if wants[r.slot] == "argmax"
                                else np.zeros((0, self.vocab_size), np.float32))
         if self.batched:
             groups = self._groups(live) if not self._gqa else (
                 [[r for r in live if len(r.tokens) == 1]] + [[r] for r in live if len(r.tokens) > 1])
             for group in groups:
                 if group:
-                    out.update(self._run_batched(group, want))
+                    out.update(self._run_batched(group, wants))
         else:
             for r in live:
-                out[r.slot] = self._run_one(r.slot, r.tokens, want if want != "all" else r.fetch)
+                out[r.slot] = self._run_one(r.slot, r.tokens, wants[r.slot])
         return [out[r.slot] for r in rows]
 
     #: Similar lengths share a call, a row longer than the headroom goes alone: the CPU engine's rule.
     _groups = OnnxRuntimeEngine._groups
 
     # --- batched -------------------------------------------------------------------------------
-    def _run_batched(self, group: list[Row], want: str) -> dict[int, np.ndarray]:
+    def _run_batched(self, group: list[Row], wants: dict[int, str]) -> dict[int, np.ndarray]:
         width = max(len(r.tokens) for r in group)
         hi = max(r.slot for r in group) + 1
         use_graph = self.cuda_graphs and (width == 1 if self._gqa else width <= GRAPH_MAX_WIDTH)
@@ -301,7 +305,7 @@ class CudaEngine(Engine):
         mask = None if self._gqa else np.arange(window)[None, None, None, :] <= positions[:, None, :, None]
         self._bind_inputs(batch, width, window, ids, positions, write, mask)
         self._bind_cache(lo, hi)
-        logits, argmax = self._bind_outputs(batch, width, want)
+        logits, argmax = self._bind_outputs(batch, width)
         run_options = self._ort.RunOptions()
         if self.cuda_graphs:
             run_options.add_run_config_entry("gpu_graph_id", str(graph_id if graph_id is not None else -1))
@@ -309,7 +313,7 @@ class CudaEngine(Engine):
         out = {}
         for r in group:
             n, row = len(r.tokens), r.slot - lo
-            out[r.slot] = self._fetch(logits, argmax, batch, width, row, n, want if want != "all" else r.fetch)
+            out[r.slot] = self._fetch(logits, argmax, batch, width, row, n, wants[r.slot])
             self._lengths[r.slot] += n
         return out
 
@@ -350,7 +354,7 @@ class CudaEngine(Engine):
                                           buf.ptr + lo * per)
             self._bound = key
 
-    def _bind_outputs(self, batch: int, width: int, want: str):
+    def _bind_outputs(self, batch: int, width: int):
         logits = self._scratch_buffer(f"logits-{batch}x{width}", batch * width * self.vocab_size * 4)
         argmax = self._scratch_buffer(f"argmax-{batch}x{width}", batch * width * 8)
         key = (batch, width, logits.ptr, argmax.ptr)
@@ -389,7 +393,7 @@ class CudaEngine(Engine):
         for name, buf in zip(self._present, dst):
             b.bind_output(name, self._device, self.device_id, self._kv_element, [1, kv, total, hd], buf.ptr)
         self._bound = None
-        logits, argmax = self._bind_outputs(1, n, want)
+        logits, argmax = self._bind_outputs(1, n)
         self.session.run_with_iobinding(b, self._plain_run())
         self._current[slot] = 1 - self._current[slot]
         self._lengths[slot] = total

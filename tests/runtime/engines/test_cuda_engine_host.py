@@ -205,3 +205,33 @@ def test_the_gqa_graph_runs_mixed_steps_like_the_attention_graph(graphs):
         np.testing.assert_allclose(g, a, atol=2e-2 * scale)
     assert g_len == a_len == [6 + 3, 13 + 3 + 1, 2 + 3, 9 + 1 + 10 + 1]
     assert g_calls == 4 + 1 + 3 + 1 + 1, g_calls  # prefill rows alone; decode rows in one call; 2 longer rows
+
+
+def test_a_sampled_row_beside_greedy_rows_gets_its_logits_from_the_same_call(graphs):
+    """forward_greedy(rows, logits_for): the argmax for the greedy rows, logits for the others, one call;
+    only the sampled row's logits cross to the host."""
+    from runtime.engines.cuda import D2H
+
+    class CountingHost(HostMemory):
+        to_host = 0
+
+        def memcpy(self, dst, src, nbytes, kind):
+            self.to_host += nbytes if kind == D2H else 0
+            super().memcpy(dst, src, nbytes, kind)
+
+    from runtime.engines.cuda import CudaEngine
+
+    for name in ("batched-fp16", "gqa-fp16"):
+        ref = host_engine(graphs[name], max_context=64, num_slots=3)
+        memory = CountingHost()
+        engine = CudaEngine(graphs[name], memory=memory, max_context=64, num_slots=3)
+        prompts = [Row(0, [5, 6, 7]), Row(1, [8, 9]), Row(2, [10, 11, 12, 13])]
+        for e in (ref, engine):
+            e.forward(prompts, last_only=True)
+        rows = [Row(0, [20]), Row(1, [21], fetch="last"), Row(2, [22])]
+        full = ref.forward(rows)
+        before = memory.to_host
+        mixed = engine.forward_greedy(rows, logits_for={1})
+        assert mixed[0].tolist() == full[0].argmax(-1).tolist() and mixed[2].tolist() == full[2].argmax(-1).tolist()
+        np.testing.assert_allclose(mixed[1], full[1][-1:], atol=1e-3, err_msg=name)
+        assert memory.to_host - before == 8 + engine.vocab_size * 4 + 8, name

@@ -1,7 +1,9 @@
 """Greedy steps ask the engine for the argmax only (Engine.forward_greedy), on the real ONNX Runtime
-engine: used exactly when every decoding row is greedy with nothing reading the full distribution
-(sampling, logprobs, a logits processor such as a grammar mask or logit_bias take the full path), and
-token-identical to the full path, plain and with draft-model speculation."""
+engine: for every decoding row that is greedy with nothing reading the full distribution; a row that
+reads it (sampling, logprobs, a logits processor such as a grammar mask or logit_bias) gets its logits
+from the same call (forward_greedy's logits_for), the others stay on the argmax path; greedy draft
+proposals take the argmax path too; and all of it token-identical to the full path, plain and with
+draft-model speculation."""
 
 from __future__ import annotations
 
@@ -35,12 +37,14 @@ def recording(batched_graphs):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             self.greedy_calls, self.full_calls, self._inside = 0, 0, False
+            self.logits_for: list[set] = []  # per forward_greedy call: the slots that asked for logits
 
-        def forward_greedy(self, rows):
+        def forward_greedy(self, rows, logits_for=()):
             self.greedy_calls += 1
+            self.logits_for.append(set(logits_for))
             self._inside = True
             try:
-                return super().forward_greedy(rows)
+                return super().forward_greedy(rows, logits_for)
             finally:
                 self._inside = False
 
@@ -81,6 +85,10 @@ def test_the_default_forward_greedy_is_the_argmax_of_the_logits_it_fetches(recor
     assert [g.tolist() for g in greedy] == [f.argmax(-1).tolist() for f in full]
     assert len(greedy[0]) == 3 and greedy[0].dtype.kind == "i"  # (engines on host memory return every row)
     assert [b.length(s) for s in range(3)] == [3, 2, 2]
+    c = recording(num_slots=3)
+    mixed = c.forward_greedy(rows, logits_for={1})
+    assert mixed[0].tolist() == greedy[0].tolist() and mixed[2].tolist() == greedy[2].tolist()
+    np.testing.assert_array_equal(mixed[1], full[1])  # slot 1 asked for its logits
 
 
 def test_greedy_steps_take_the_argmax_path_and_match_the_full_path(recording):
@@ -96,7 +104,7 @@ def test_greedy_steps_take_the_argmax_path_and_match_the_full_path(recording):
 
 
 @pytest.mark.parametrize("needs", ["sampling", "logprobs", "processor"])
-def test_a_row_that_reads_the_distribution_keeps_the_step_on_the_full_path(recording, needs):
+def test_a_row_that_reads_the_distribution_gets_logits_and_the_greedy_row_the_argmax(recording, needs):
     prompt = _prompts()[0]
     kw = {"max_tokens": 8}
     params = GREEDY
@@ -106,11 +114,14 @@ def test_a_row_that_reads_the_distribution_keeps_the_step_on_the_full_path(recor
         kw["logprobs"] = 2
     else:  # a mask of the logits (grammar, logit_bias) changes the argmax: favour one token
         kw["logits_processors"] = (LogitsProcessor(logit_bias={77: 100.0}),)
-    engine = recording()
+    engine, ref_engine = recording(), recording()
     got = _run(ModelRunner(engine), [(prompt, GREEDY, {"max_tokens": 8}), (prompt, params, kw)])
-    ref = _run(ModelRunner(recording(), greedy_argmax=False),
+    ref = _run(ModelRunner(ref_engine, greedy_argmax=False),
                [(prompt, GREEDY, {"max_tokens": 8}), (prompt, params, kw)])
-    assert engine.greedy_calls == 0  # the other row is greedy, but the step reads logits for this one
+    # one call per step still: every step with decoding rows asks for the argmax, the greedy row (slot 0)
+    # gets it, logits come back only for this one (slot 1)
+    assert engine.greedy_calls > 0 and engine.full_calls == ref_engine.full_calls - engine.greedy_calls
+    assert {1} in engine.logits_for and not any(0 in slots for slots in engine.logits_for)
     assert got == ref
     tokens, logprobs = got[1]
     if needs == "processor":
@@ -121,13 +132,18 @@ def test_a_row_that_reads_the_distribution_keeps_the_step_on_the_full_path(recor
 
 def test_greedy_verification_uses_the_argmax_and_accepts_the_same_drafts(recording):
     prompts = _prompts()
-    outs, stats = [], []
+    outs, stats, drafts = [], [], []
     for greedy_argmax in (True, False):
-        target = recording()
-        runner = ModelRunner(target, recording("draft"), "draft_model", 3, greedy_argmax=greedy_argmax)
+        target, draft = recording(), recording("draft")
+        runner = ModelRunner(target, draft, "draft_model", 3, greedy_argmax=greedy_argmax)
         outs.append(_run(runner, [(p, GREEDY, {"max_tokens": 20}) for p in prompts]))
         stats.append((runner.stats.num_draft_tokens, runner.stats.num_accepted_tokens))
         assert (target.greedy_calls > 0) == greedy_argmax
+        drafts.append(draft)
+    # greedy proposals: every draft call that proposes asks for the argmax only (the rest: prefill chunks)
+    assert drafts[1].greedy_calls == 0 and drafts[0].greedy_calls > 0
+    assert drafts[0].full_calls == drafts[1].full_calls - drafts[0].greedy_calls
+    assert not any(drafts[0].logits_for)
     assert outs[0] == outs[1] and stats[0] == stats[1]
     assert 0 < stats[0][1] < stats[0][0]  # both acceptance and rejection happened
     plain = _run(ModelRunner(recording()), [(p, GREEDY, {"max_tokens": 20}) for p in prompts])
