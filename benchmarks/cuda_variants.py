@@ -7,7 +7,7 @@ bundler.export_half), then for each variant, in the same process:
 
 - ms per decode step as ONNX Runtime runs it (session.run_with_iobinding on device buffers, CUDA graphs),
   batch 1 and 8, context 128 and 1024: the graph's own cost, without the engine's host bookkeeping;
-- for variants with the engine's inputs (runtime.engines.cuda), the engine's greedy step
+- for variants the CUDA engine runs (runtime.engines.cuda), its greedy step
   (forward_greedy: argmax only) and the same step fetching the last logits (forward(last_only=True));
 - nodes after ONNX Runtime's optimizations (the optimized model it saves), by op type;
 - GPU kernels per step and kernel time by kernel name (torch.profiler over CUDA-graph replays);
@@ -47,7 +47,7 @@ VARIANTS = {
     "fused+bsnh": ("qkv", "gate_up", "skip_norm", "bsnh"),
     "qkv+gate_up": ("qkv", "gate_up"),
 }
-ENGINE_VARIANTS = ("baseline", "qkv+gate_up", "qkv+gate_up+skip_norm")
+ENGINE_VARIANTS = ("baseline", "qkv+gate_up", "qkv+gate_up+skip_norm", "gqa")
 MAX_CONTEXT = 1100
 
 

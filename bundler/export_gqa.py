@@ -156,8 +156,8 @@ def build_shared_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm:
 #: benchmarks/cuda_variants.py. Each keeps the graph's inputs and outputs unless it says otherwise:
 #:   "qkv"       one MatMul for q, k and v (weights packed along the output axis), then Split;
 #:   "gate_up"   one MatMul for the MLP's gate and up projections, then Split;
-#:   "skip_norm" RMSNorm as com.microsoft SimplifiedLayerNormalization, which ONNX Runtime fuses with
-#:               the residual Add before it into SkipSimplifiedLayerNormalization (one kernel);
+#:   "skip_norm" RMSNorm as com.microsoft SimplifiedLayerNormalization, for ONNX Runtime to fuse with the
+#:               residual Add before it into SkipSimplifiedLayerNormalization (measured: 1.31.1 does not);
 #:   "q3d"       q stays [batch, seq, heads*dim] through RotaryEmbedding and Attention (3D Q, 4D K/V),
 #:               and Attention's output is 3D: no Reshape/Transpose pairs for q and the output;
 #:   "bsnh"      (changes the cache layout) the KV cache as [batch, capacity, kv_heads*dim], written
@@ -217,7 +217,7 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
     gqa, bsnh, q3d = "gqa" in fusions, "bsnh" in fusions, "q3d" in fusions or "bsnh" in fusions
 
     def rms(x, weight_name):
-        if batched and "skip_norm" not in fusions:  # the standard op (opset 23), the same computation as ONNX Runtime's contrib one
+        if batched and "skip_norm" not in fusions:  # the standard op (opset 23), the contrib one's computation
             return node("RMSNormalization", [x, w.add(weight_name, ckpt.get(weight_name))], axis=-1,
                         epsilon=eps, stash_type=1)
         return node("SimplifiedLayerNormalization", [x, w.add(weight_name, ckpt.get(weight_name))],
@@ -251,7 +251,7 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
         x4 = node("Reshape", [x, const(f"shape_{n_heads}_{hd}", [0, 0, n_heads, hd])])
         return node("Transpose", [x4], perm=[0, 2, 1, 3])
 
-    def _mlp(x, attn, p):  # o_proj + residual, post-attention norm, SwiGLU MLP + residual
+    def mlp_block(x, attn, p):  # o_proj + residual, post-attention norm, SwiGLU MLP + residual
         x = node("Add", [x, linear(attn, f"{p}.self_attn.o_proj")])
         hs = rms(x, f"{p}.post_attention_layernorm.weight")
         if "gate_up" in fusions:
@@ -275,20 +275,18 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
                                                const("axes_0", [0])])], to=TP.INT32)
 
     x = node("Gather", [w.add("model.embed_tokens.weight", ckpt.get("model.embed_tokens.weight")), "input_ids"])
-    if gqa:
-        total_len = "total_sequence_length"
-    for i in range(layers):
+    for i in range(layers):  # x: the layer's input (the residual stream)
         p = f"model.layers.{i}"
         hs = rms(x, f"{p}.input_layernorm.weight")
-        if gqa and not has_q_k_norm:  # packed QKV straight into GroupQueryAttention
+        if gqa:  # packed QKV straight into GroupQueryAttention (rotary and the cache append inside it)
             qkv = packed(hs, f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"), split=False)
             attn = node("GroupQueryAttention",
                         [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k",
-                         total_len, cos_name, sin_name],
+                         "total_sequence_length", cos_name, sin_name],
                         [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN,
                         num_heads=heads, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0,
                         scale=float(hd) ** -0.5)[0]
-            x = _mlp(x, attn, p)
+            x = mlp_block(x, attn, p)
             continue
         if "qkv" in fusions:
             q, k, v = packed(hs, f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"))
@@ -336,7 +334,7 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
                         [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN,
                         num_heads=heads, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0,
                         scale=float(hd) ** -0.5)[0]
-        x = _mlp(x, attn, p)
+        x = mlp_block(x, attn, p)
     x = rms(x, "model.norm.weight")
     head = "lm_head.weight" if "lm_head.weight" in ckpt else "model.embed_tokens.weight"  # tied embeddings
     node("MatMul", [x, w.add("lm_head.weight.T", ckpt.get(head).T)], ["logits"])
