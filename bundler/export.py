@@ -211,12 +211,9 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     if any(not 0 <= i < n_layers for i in aux_layer_ids):
         raise UsageError(f"expected aux layer ids in 0..{n_layers - 1}, found {list(aux_layer_ids)}")
     if kv_cache != "concat":
-        if aux_layer_ids:
-            raise UsageError(f"the {kv_cache} KV-cache graph has no aux_hidden_states output yet (EAGLE-3); "
-                             f"found aux layer ids: export with kv_cache='concat'")
         if dtype != "float32":  # the float32 graph, rewritten in half precision (bundler.export_half)
-            return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype)
-        return _export_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache)
+            return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype, aux_layer_ids)
+        return _export_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, aux_layer_ids)
 
     import onnx
     import torch
@@ -269,7 +266,7 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
 
 
 def _half_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int, layout: str,
-                   dtype: str) -> ExportResult:
+                   dtype: str, aux_layer_ids: tuple[int, ...] = ()) -> ExportResult:
     import dataclasses
     import shutil
 
@@ -278,7 +275,7 @@ def _half_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, 
     work = out_dir / ".float32"
     work.mkdir(parents=True, exist_ok=True)
     try:
-        full = _export_in_place(checkpoint_dir, work, family, arch, opset, layout)
+        full = _export_in_place(checkpoint_dir, work, family, arch, opset, layout, aux_layer_ids)
         graph = convert_graph(full.graph, out_dir / full.graph.name, dtype)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -286,14 +283,15 @@ def _half_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, 
 
 
 def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int,
-                     layout: str) -> ExportResult:
+                     layout: str, aux_layer_ids: tuple[int, ...] = ()) -> ExportResult:
     from transformers import AutoConfig
 
     from bundler.export_gqa import BATCHED_OPSET, build_batched_kv_graph, build_shared_kv_graph
 
     cfg = AutoConfig.from_pretrained(checkpoint_dir)
     build = build_batched_kv_graph if layout == "batched" else build_shared_kv_graph
-    result = _result(cfg, family, arch, out_dir, BATCHED_OPSET if layout == "batched" else opset, layout)
+    result = _result(cfg, family, arch, out_dir, BATCHED_OPSET if layout == "batched" else opset, layout,
+                     aux_layer_ids=aux_layer_ids)
     result.weights.unlink(missing_ok=True)
     try:
         build(checkpoint_dir, result, cfg, has_q_k_norm=family == "qwen3")
