@@ -79,6 +79,32 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def prepare_tokens(tokens: Path, tokenizer: Path, work: Path, stdlib: Path | None = None,
+                   max_files: int | None = None) -> dict:
+    """What train() reads, made with the COMMITTED tokenizer (no retraining: the head must speak the
+    target's vocabulary) from this Python's standard library: token streams, training questions, and the
+    committed 200 held-out prompts (bundler/demo/heldout_prompts.json, the README's), so a run on another
+    machine evaluates on the same prompts. The held-out split is by a hash of the file path, as in train.py."""
+    import shutil
+
+    from bundler import demo
+    from bundler.demo.train import Config as DemoConfig
+
+    t0 = time.time()
+    dc = DemoConfig()
+    stats = corpus.build_corpus(work / "corpus", stdlib, max_files or dc.max_files, dc.heldout_per_mille)
+    tokens.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(tokenizer, tokens / "tokenizer.json")
+    sizes = corpus.tokenize_corpus(work / "corpus", tokens / "tokenizer.json", tokens)
+    (tokens / "prompts_train.json").write_text(json.dumps(
+        [{"question": r["question"]} for r in corpus.read_jsonl(work / "corpus" / "qa_train.jsonl")]))
+    shutil.copyfile(demo.HELDOUT_PROMPTS, tokens / "prompts_heldout.json")
+    info = {"corpus": asdict(stats), "tokens": sizes, "seconds": round(time.time() - t0, 1)}
+    (tokens / "data.json").write_text(json.dumps(info, indent=1))
+    log(f"prepared {info}")
+    return info
+
+
 def draft_vocabulary(streams: list[np.ndarray], vocab: int, n: int) -> np.ndarray:
     """The n most frequent ids (sorted), so the reduced head covers most of what the target says."""
     counts = sum(np.bincount(s.astype(np.int64), minlength=vocab) for s in streams)
@@ -181,7 +207,9 @@ def acceptance(target, head, embed, prompts, cfg: Config, eos_ids) -> dict:
 
 
 def train(tokens: Path, target_dir: Path, draft_dir: Path | None, out: Path, cfg: Config,
-          device: str | None = None) -> dict:
+          device: str | None = None, baseline_head: Path | None = None) -> dict:
+    """Train, save the head to `out`, and measure acceptance on the held-out prompts in the same run:
+    the new head, the draft (`draft_dir`) and an earlier head (`baseline_head`, e.g. the committed one)."""
     import torch
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
@@ -261,10 +289,20 @@ def train(tokens: Path, target_dir: Path, draft_dir: Path | None, out: Path, cfg
     prompts = encode("heldout")[:cfg.eval_prompts]
     t0 = time.time()
     result = {"eagle3": acceptance(target, head, embed, prompts, cfg, {eos})}
+    if baseline_head is not None:
+        old_head, old_cfg = eagle3.load_head(baseline_head)
+        from dataclasses import replace
+        result["eagle3_baseline"] = acceptance(target, old_head.to(device), embed, prompts,
+                                               replace(cfg, layer_ids=tuple(old_cfg.resolved_layer_ids(
+                                                   tc.num_hidden_layers))), {eos})
+        result["eagle3_baseline"]["parameters"] = sum(p.numel() for p in old_head.parameters())
     if draft_dir is not None:
         draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).to(device).eval()
         result["draft_model"] = ev.greedy_acceptance(target, draft, prompts, k=cfg.k, max_new_tokens=cfg.answer_tokens,
                                                      eos_ids={eos}).to_dict()
+    if draft_dir is not None:
+        result["draft_model"]["parameters"] = sum(p.numel() for p in draft.parameters())
+    result["eagle3"]["parameters"] = n_params
     for name, r in result.items():
         r["mean_acceptance_length"] = round(1 + r["accepted"] / max(1, r["target_passes"]), 3)
     metrics = {"config": asdict(cfg), "head_parameters": n_params, "draft_vocab_coverage": round(coverage, 4),
@@ -287,12 +325,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipe", choices=sorted(RECIPES), default="v1", help="v1: the committed head's; v2: improved")
     ap.add_argument("--device")
     ap.add_argument("--seconds", type=float, help="training time limit")
+    ap.add_argument("--baseline-head", type=Path, help="an earlier head measured in the same run (the committed one)")
+    ap.add_argument("--prepare", type=Path, metavar="WORK",
+                    help="first make --tokens from this Python's standard library with the target's tokenizer "
+                         "(corpus under WORK)")
     args = ap.parse_args(argv)
     cfg = TINY if args.tiny else RECIPES[args.recipe]
     if args.seconds:
         from dataclasses import replace
         cfg = replace(cfg, train_seconds=args.seconds)
-    train(args.tokens, args.target, args.draft, args.out, cfg, args.device)
+    if args.prepare is not None:
+        prepare_tokens(args.tokens, args.target / "tokenizer.json", args.prepare)
+    train(args.tokens, args.target, args.draft, args.out, cfg, args.device, args.baseline_head)
     return 0
 
 

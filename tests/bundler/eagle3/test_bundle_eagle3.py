@@ -56,12 +56,13 @@ def test_tiny_random_head_resolve_pack_install_serve(tmp_path, keys, capsys):
                                                                    ("draft", "LlamaForCausalLMEagle3")]
     paths = {f.path for f in manifest.files}
     assert any(p.endswith("/draft/eagle3.onnx") for p in paths), sorted(paths)
-    # the target runs the same batched in-place graph as plain decoding, with the aux output
+    # the target runs the same batched in-place graph as plain decoding, with the aux output; the head its own
     records = {e.model: e for e in manifest.target("cpu").engines}
-    assert records["target"].build["kv_cache"] == "batched" and records["draft"].build["kv_cache"] == "concat"
+    assert records["target"].build["kv_cache"] == "batched" and records["draft"].build["kv_cache"] == "batched"
     served = _install_and_load(tmp_path / "b", keys, tmp_path / "store")
     assert served.generator.method == "eagle3" and served.info["speculative"].startswith("eagle3")
     assert served.generator.target.kv_cache == "batched" and served.generator.target.aux_width == 3 * 64
+    assert served.generator.runner.head.kv_cache == "batched"
     plain = _install_and_load(tmp_path / "b", keys, tmp_path / "store", no_speculation=True)
     prompt = list(range(5, 40, 3))
     assert _greedy(served, prompt) == _greedy(plain, prompt)
