@@ -17,7 +17,8 @@
 # acceptance_k3 of eagle3 / eagle3_baseline (the committed head) / draft_model, with mean_acceptance_length
 # and parameters), train.log, bench.log (bench_eagle3 on the CPU cores with the new head, when BENCH=1,
 # the default), summary.txt.
-# Knobs: SECONDS_BUDGET (training time limit, default 240), RECIPE (v2), BENCH (1/0), WORK (/tmp/eagle3).
+# Knobs: SECONDS_BUDGET (training time limit, default 240), RECIPE (v2), BENCH (1/0), WORK (/tmp/eagle3),
+# TINY=1 (a seconds-long smoke run of the same path on any CPU: tiny sizes, 12 standard-library files).
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${WORK:-/tmp/eagle3}
@@ -30,13 +31,13 @@ job() {  # the whole run; writes $WORK/DONE (exit status) last
   rc=0
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
-  python3 -m bundler.demo.train_eagle3 --recipe "$RECIPE" --seconds "$SECONDS_BUDGET" \
+  python3 -m bundler.demo.train_eagle3 --recipe "$RECIPE" --seconds "$SECONDS_BUDGET" ${TINY:+--tiny --max-files 12} \
       --prepare "$WORK/data" --tokens "$WORK/tokens" \
       --target bundler/demo/models/target --draft bundler/demo/models/draft \
       --baseline-head bundler/demo/models/eagle3 --out "$WORK/head" || rc=$?
   if [ "$rc" = 0 ] && [ "${BENCH:-1}" = 1 ]; then
     # the ONNX graphs on the CPU cores (onnxruntime CPU), same run: plain / draft_model / ngram / eagle3
-    timeout 400 python3 benchmarks/bench_eagle3.py --threads "${BENCH_THREADS:-8}" --repeats 3 \
+    timeout 400 python3 benchmarks/bench_eagle3.py --threads "${BENCH_THREADS:-8}" --repeats 3 ${TINY:+--tokens 8 --ks 3} \
         --head "$WORK/head" > "$WORK/bench.log" 2>&1 || echo "bench_eagle3 exited $?" >> "$WORK/bench.log"
   fi
   python3 - "$WORK" <<'EOF' > "$WORK/summary.txt" 2>&1
@@ -71,7 +72,7 @@ collect() {
 case "${1:-}" in
   start)
     rm -rf "$WORK" && mkdir -p "$WORK"
-    setsid nohup "$0" _job > "$WORK/train.log" 2>&1 < /dev/null &
+    setsid nohup bash "$0" _job > "$WORK/train.log" 2>&1 < /dev/null &
     echo "started (pid $!); log $WORK/train.log" ;;
   _job) job ;;
   collect) collect ;;

@@ -62,11 +62,11 @@ class Config:
 #: length 2.69 at k=3 against the draft's 2.77 in the same run).
 V1 = Config()  # run with --seconds 90
 #: The improved recipe (benchmarks/gpu_eagle3.sh): a smaller MLP (256), more of the target's own
-#: answers (6000 questions, 96 tokens each) and a larger share of them in each batch (what serving
+#: answers (10,000 questions, 96 tokens each) and a larger share of them in each batch (what serving
 #: speeds up), twice the rows per step, 5 unrolled steps, and the cosine decayed over the time
 #: budget (240 s) rather than over a step count it never reaches.
 V2 = Config(intermediate_size=256, ttt_steps=5, batch_size=128, steps=100000, warmup=200,
-            mix=(0.8, 0.05, 0.15), answer_prompts=6000, answer_tokens=96, train_seconds=240.0,
+            mix=(0.8, 0.05, 0.15), answer_prompts=10000, answer_tokens=96, train_seconds=240.0,
             schedule="time", ttt_decay=0.85)
 RECIPES = {"v1": V1, "v2": V2}
 
@@ -329,13 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prepare", type=Path, metavar="WORK",
                     help="first make --tokens from this Python's standard library with the target's tokenizer "
                          "(corpus under WORK)")
+    ap.add_argument("--max-files", type=int, help="--prepare: only this many standard-library files (smoke runs)")
     args = ap.parse_args(argv)
     cfg = TINY if args.tiny else RECIPES[args.recipe]
     if args.seconds:
         from dataclasses import replace
         cfg = replace(cfg, train_seconds=args.seconds)
     if args.prepare is not None:
-        prepare_tokens(args.tokens, args.target / "tokenizer.json", args.prepare)
+        prepare_tokens(args.tokens, args.target / "tokenizer.json", args.prepare, max_files=args.max_files)
     train(args.tokens, args.target, args.draft, args.out, cfg, args.device, args.baseline_head)
     return 0
 
