@@ -68,10 +68,11 @@ def main(argv=None) -> int:
     layers = tuple(cfg.resolved_layer_ids(json.loads((demo.DEMO_TARGET_DIR / "config.json").read_text())["num_hidden_layers"]))
     dtype, providers = "float32", ["CPUExecutionProvider"]
     if args.cuda:
-        import onnxruntime as ort
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise SystemExit(f"--cuda: onnxruntime {ort.__version__} has no CUDAExecutionProvider "
-                             f"({ort.get_available_providers()}); install onnxruntime-gpu")
+        from runtime.cuda import onnxruntime_cuda  # preloads the pip CUDA libraries, as the CUDA engine does
+
+        ort, why_not = onnxruntime_cuda()
+        if ort is None:
+            raise SystemExit(f"--cuda: {why_not}")
         dtype, providers = "float16", ["CUDAExecutionProvider", "CPUExecutionProvider"]
     graphs = {
         "plain": export_onnx(demo.DEMO_TARGET_DIR, work / "t", kv_cache="batched", dtype=dtype).graph,

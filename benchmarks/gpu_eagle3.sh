@@ -12,11 +12,12 @@
 #   benchmarks/gpu_eagle3.sh run       both in the foreground (about 9-11 minutes: more than one 10-minute call)
 #   benchmarks/gpu_eagle3.sh status    the log's tail
 #
-# Results under $OUT (6 files, the largest ~3.5 MB): config.json + model.safetensors (the head, public
+# Results under $OUT (at most 7 files, the largest ~3.5 MB): config.json + model.safetensors (the head, public
 # layout: commit to bundler/demo/models/eagle3/ if better), training_metrics.json (recipe, curves and
 # acceptance_k3 of eagle3 / eagle3_baseline (the committed head) / draft_model, with mean_acceptance_length
 # and parameters), train.log, bench.log (bench_eagle3 on the CPU cores with the new head, when BENCH=1,
-# the default), summary.txt.
+# the default), bench_cuda.log (the same with --cuda, only when onnxruntime-gpu loads: set EXTRA_SITE=/tmp/site
+# after gpu_machine.sh's `go` installed it there), summary.txt.
 # Knobs: SECONDS_BUDGET (training time limit, default 240), RECIPE (v2), BENCH (1/0), WORK (/tmp/eagle3),
 # TINY=1 (a seconds-long smoke run of the same path on any CPU: tiny sizes, 12 standard-library files).
 set -u
@@ -27,7 +28,7 @@ RECIPE=${RECIPE:-v2}
 
 job() {  # the whole run; writes $WORK/DONE (exit status) last
   cd "$REPO" || exit 9
-  export PYTHONPATH=$REPO PYTHONUNBUFFERED=1
+  export PYTHONPATH=${EXTRA_SITE:+$EXTRA_SITE:}$REPO PYTHONUNBUFFERED=1
   rc=0
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
@@ -39,6 +40,10 @@ job() {  # the whole run; writes $WORK/DONE (exit status) last
     # the ONNX graphs on the CPU cores (onnxruntime CPU), same run: plain / draft_model / ngram / eagle3
     timeout 400 python3 benchmarks/bench_eagle3.py --threads "${BENCH_THREADS:-8}" --repeats 3 ${TINY:+--tokens 8 --ks 3} \
         --head "$WORK/head" > "$WORK/bench.log" 2>&1 || echo "bench_eagle3 exited $?" >> "$WORK/bench.log"
+    if python3 -c "import sys; from runtime.cuda import onnxruntime_cuda; sys.exit(onnxruntime_cuda()[0] is None)"; then
+      timeout 400 python3 benchmarks/bench_eagle3.py --cuda --threads "${BENCH_THREADS:-8}" --repeats 3 \
+          --head "$WORK/head" > "$WORK/bench_cuda.log" 2>&1 || echo "bench_eagle3 --cuda exited $?" >> "$WORK/bench_cuda.log"
+    fi
   fi
   python3 - "$WORK" <<'EOF' > "$WORK/summary.txt" 2>&1
 import json, sys
@@ -61,7 +66,8 @@ collect() {
   mkdir -p "$out"
   end=$(( $(date +%s) + ${WAIT:-560} ))
   while [ ! -f "$WORK/DONE" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
-  for f in head/config.json head/model.safetensors head/training_metrics.json train.log bench.log summary.txt; do
+  for f in head/config.json head/model.safetensors head/training_metrics.json train.log bench.log bench_cuda.log \
+      summary.txt; do
     [ -f "$WORK/$f" ] && cp "$WORK/$f" "$out/"
   done
   [ -f "$out/summary.txt" ] && cat "$out/summary.txt"
