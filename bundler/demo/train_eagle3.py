@@ -49,6 +49,7 @@ class Config:
     answer_tokens: int = 64
     max_prompt_tokens: int = 96
     eval_prompts: int = 200
+    eval_tokens: int | None = None  # new tokens per held-out answer in the acceptance test (None: answer_tokens)
     k: int = 3
     train_seconds: float = 110.0
     seed: int = 0
@@ -66,7 +67,7 @@ V1 = Config()  # run with --seconds 90
 #: speeds up), twice the rows per step, 5 unrolled steps, and the cosine decayed over the time
 #: budget (240 s) rather than over a step count it never reaches.
 V2 = Config(intermediate_size=256, ttt_steps=5, batch_size=128, steps=100000, warmup=200,
-            mix=(0.8, 0.05, 0.15), answer_prompts=10000, answer_tokens=96, train_seconds=240.0,
+            mix=(0.8, 0.05, 0.15), answer_prompts=10000, answer_tokens=96, eval_tokens=64, train_seconds=240.0,
             schedule="time", ttt_decay=0.85)
 RECIPES = {"v1": V1, "v2": V2}
 
@@ -199,7 +200,7 @@ def acceptance(target, head, embed, prompts, cfg: Config, eos_ids) -> dict:
     drafted = accepted = passes = generated = 0
     for p in prompts:
         o, d, a, n = speculate_one(target, head, embed, p, cfg.layer_ids, k=cfg.k,
-                                   max_new_tokens=cfg.answer_tokens, eos_ids=eos_ids)
+                                   max_new_tokens=cfg.eval_tokens or cfg.answer_tokens, eos_ids=eos_ids)
         drafted, accepted, passes, generated = drafted + d, accepted + a, passes + n, generated + len(o)
     return {"prompts": len(prompts), "drafted": drafted, "accepted": accepted, "target_passes": passes,
             "generated": generated, "rate": round(accepted / max(1, drafted), 4),
@@ -298,7 +299,8 @@ def train(tokens: Path, target_dir: Path, draft_dir: Path | None, out: Path, cfg
         result["eagle3_baseline"]["parameters"] = sum(p.numel() for p in old_head.parameters())
     if draft_dir is not None:
         draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).to(device).eval()
-        result["draft_model"] = ev.greedy_acceptance(target, draft, prompts, k=cfg.k, max_new_tokens=cfg.answer_tokens,
+        result["draft_model"] = ev.greedy_acceptance(target, draft, prompts, k=cfg.k,
+                                                     max_new_tokens=cfg.eval_tokens or cfg.answer_tokens,
                                                      eos_ids={eos}).to_dict()
     if draft_dir is not None:
         result["draft_model"]["parameters"] = sum(p.numel() for p in draft.parameters())

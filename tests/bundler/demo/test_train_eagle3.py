@@ -24,7 +24,7 @@ def test_prepare_train_and_compare_tiny(tmp_path):
     assert info["tokens"]["source_train"] > 0 and np.load(tokens / "source_train.npy").max() < 512
     cfg = replace(t.RECIPES["v2"], **{k: getattr(t.TINY, k) for k in (
         "draft_vocab", "ttt_steps", "batch_size", "seq_len", "warmup", "answer_prompts", "answer_tokens",
-        "eval_prompts")}, intermediate_size=32, steps=3, train_seconds=30.0)
+        "eval_prompts", "eval_tokens")}, intermediate_size=32, steps=3, train_seconds=30.0)
     assert cfg.schedule == "time"
     metrics = t.train(tokens, demo.DEMO_TARGET_DIR, demo.DEMO_DRAFT_DIR, tmp_path / "out", cfg, "cpu",
                       baseline_head=demo.DEMO_EAGLE3_DIR)
