@@ -172,7 +172,7 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     part_size = parse_size(max_part_size)
     serve = read_serve_defaults(serve_config_path, serve_args, max_model_len)
     max_model_len = serve.get("max_model_len")
-    method, head_ref = "draft_model", None
+    method = "draft_model"
     platforms = runtime_platforms(with_runtime, no_runtime, targets)
     if spec_config is not None:
         from manifests.speculative import parse_speculative_config
@@ -183,7 +183,7 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
         draft_ref, tokens = parsed.bundled_draft()
         num_speculative_tokens = tokens or num_speculative_tokens
         if parsed.method == "eagle3":
-            method, head_ref, draft_ref = "eagle3", draft_ref, None
+            method = "eagle3"
     if not sign_key_paths and not unsigned:
         raise UsageError("expected --sign-key KEY (or an explicit --unsigned), found neither")
     keys = [load_private_key(p, _passphrase_from_env()) for p in sign_key_paths]  # fail before any download
@@ -191,11 +191,11 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     model, draft, resolved = resolve_inputs(model_ref, draft_ref, targets=targets, include=include,
                                             exclude=exclude, lock_path=lock_path, max_model_len=max_model_len,
                                             force=force, allow_no_chat_template=allow_no_chat_template,
-                                            demo_draft=method == "draft_model")
+                                            demo_draft=method == "draft_model", eagle3_head=method == "eagle3")
     layers = None
     if method == "eagle3":
         from bundler.create import eagle3_head_input
-        draft, layers = eagle3_head_input(head_ref, model)
+        draft, layers = eagle3_head_input(draft, model)
     serve = serve or None
     manifest = create_bundle(out, name=name, version=version, model=model, draft=draft, targets=targets,
                              sign_keys=keys, unsigned=unsigned, max_part_size=part_size, expires=expires,

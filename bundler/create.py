@@ -82,12 +82,14 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
                    include: Sequence[str] = (), exclude: Sequence[str] = (), lock_path: Path | None = None,
                    max_model_len: int | None = None, force: bool = False, allow_no_chat_template: bool = False,
                    cache_dir: Path | None = None,
-                   demo_draft: bool = True) -> tuple[ModelInput, ModelInput | None, dict]:
+                   demo_draft: bool = True, eagle3_head: bool = False) -> tuple[ModelInput, ModelInput | None, dict]:
     """Turn what the user typed into pinned, verified local files, refusing early what cannot work.
 
     Hub references, local folders and the embedded demo pair all go through bundler.resolve, so every
     model gets the same file filter, digests, lock-file checks and pre-flight checks (architecture,
     draft tokenizer, memory fit per target) before any weights are downloaded.
+    `eagle3_head`: the draft is an EAGLE-3 head (pinned and locked like a draft; its pre-flight check is
+    the head's: config against the target's hidden size, vocabulary and layers, not a tokenizer).
     """
     from bundler.checks import read_config, run_preflight_checks
     from bundler.lockfile import read_lock, refs_from_lock
@@ -111,6 +113,10 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
         if length is None:
             cfg = read_config(plans["target"].local_dir, plans["target"].name)
             length = min(int(cfg.get("max_position_embeddings") or MAX_MODEL_LEN_CAP), MAX_MODEL_LEN_CAP)
+        if eagle3_head and "draft" in plans:
+            check_head_config(plans["draft"].local_dir, plans["target"].local_dir, plans["draft"].name,
+                              plans["target"].name)
+            plans = {"target": plans["target"]}
         run_preflight_checks(plans, profiles, length, force=force, allow_no_chat_template=allow_no_chat_template)
 
     resolved = resolve_models(model_ref, draft_ref, include=include, exclude=exclude, lock_path=lock_path,
@@ -127,22 +133,27 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
     return as_input("target"), as_input("draft"), resolved  # type: ignore[return-value]
 
 
-def eagle3_head_input(head_ref: str | None, target: ModelInput) -> tuple[ModelInput, list[int]]:
-    """The EAGLE-3 head to pack as the bundle's draft, checked against the target (hidden size, vocabulary,
-    d2t/t2d map, layer ids): (input, the target layers whose hidden states it reads). None: the demo head."""
+def check_head_config(head_dir: Path, target_dir: Path, head_name: str, target_name: str) -> list[int]:
+    """Pre-flight (config.json only, before the head's weights are fetched): the head's layer ids for
+    this target, or ModelError naming the mismatch (hidden size, vocabulary, layer ids)."""
     from bundler import eagle3
     from bundler.checks import read_config
 
-    embedded = head_ref is None
-    if embedded:
+    cfg = eagle3.read_head_config(Path(head_dir))
+    return eagle3.check_against_target(cfg, read_config(Path(target_dir), target_name),
+                                       f"EAGLE-3 head {head_name} for {target_name}")
+
+
+def eagle3_head_input(head: ModelInput | None, target: ModelInput) -> tuple[ModelInput, list[int]]:
+    """The EAGLE-3 head to pack as the bundle's draft (resolved like a draft by resolve_inputs; None: the
+    demo head), checked against the target (hidden size, vocabulary, layer ids, and with its weights the
+    d2t/t2d map): (input, the target layers whose hidden states it reads)."""
+    from bundler import eagle3
+
+    if head is None:
         from bundler import demo
-        head_ref = str(demo.DEMO_EAGLE3_DIR)
-    if not Path(head_ref).is_dir():
-        raise UsageError(f"expected the EAGLE-3 head as a local folder (download a hub head first, e.g. "
-                         f"`hf download org/head --local-dir DIR`), found {head_ref!r}")
-    head = local_model(Path(head_ref), "draft", source_type="embedded" if embedded else "local")
-    cfg = eagle3.read_head_config(head.local_dir)
-    ids = eagle3.check_against_target(cfg, read_config(target.local_dir, target.name), f"EAGLE-3 head {head_ref}")
+        head = local_model(Path(demo.DEMO_EAGLE3_DIR), "draft", source_type="embedded")
+    ids = check_head_config(head.local_dir, target.local_dir, head.name, target.name)
     eagle3.load_head(head.local_dir)  # the weights match the layout, d2t / t2d map one-to-one
     return head, ids
 

@@ -316,8 +316,18 @@ def target_aux_hidden(model, input_ids, layer_ids):
     return torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1), out.logits
 
 
-def export_head_onnx(head_dir: Path, target_dir: Path, out_dir: Path, *, opset: int = 17) -> dict:
+#: The head graph's KV-cache layouts: "batched" (bundler.eagle3_graph: in place, what bundles ship)
+#: or "concat" (the torch trace: present = Concat(past, new), a copy of the cache each step).
+HEAD_LAYOUTS = ("batched", "concat")
+
+
+def export_head_onnx(head_dir: Path, target_dir: Path, out_dir: Path, *, opset: int = 17,
+                     kv_cache: str = "batched") -> dict:
     """Write out_dir/eagle3.onnx(+.data): one step of the head with its own KV cache.
+
+    kv_cache="batched": the in-place graph of bundler.eagle3_graph (a fixed [1, kv, capacity, hd]
+    buffer bound as past and present, plus write_indices and a boolean attention_mask); "concat":
+    the torch trace below, whose cache grows by a copy each step:
 
         inputs   input_ids [1, s] int64            tokens t + 1 for each row
                  target_hidden_states [1, st, 3H]  rows whose feature is fc(target aux), first
@@ -334,6 +344,8 @@ def export_head_onnx(head_dir: Path, target_dir: Path, out_dir: Path, *, opset: 
     import torch
     from safetensors.torch import load_file
 
+    if kv_cache not in HEAD_LAYOUTS:
+        raise ModelError(f"expected an EAGLE-3 head layout in {', '.join(HEAD_LAYOUTS)}, found {kv_cache!r}")
     head, cfg = load_head(head_dir)
     target_cfg = json.loads((Path(target_dir) / "config.json").read_text())
     layer_ids = check_against_target(cfg, target_cfg, str(head_dir))
@@ -365,6 +377,24 @@ def export_head_onnx(head_dir: Path, target_dir: Path, out_dir: Path, *, opset: 
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"bundle.format": "eagle3-head-v1", "bundle.kv_cache": kv_cache, "bundle.num_layers": "1",
+            "bundle.num_kv_heads": str(cfg.num_kv_heads), "bundle.head_dim": str(cfg.head_dim),
+            "bundle.hidden_size": str(cfg.hidden_size), "bundle.target_hidden_size": str(cfg.target_hidden_size),
+            "bundle.vocab_size": str(cfg.vocab_size), "bundle.draft_vocab_size": str(cfg.draft_vocab_size),
+            "bundle.max_positions": str(cfg.max_positions),
+            "bundle.aux_hidden_state_layer_ids": ",".join(map(str, layer_ids))}
+    if kv_cache == "batched":
+        from bundler.eagle3_graph import build_head_graph
+
+        graph, weights = out_dir / GRAPH_NAME, out_dir / WEIGHTS_NAME
+        try:
+            with torch.no_grad():
+                build_head_graph(head, embed.numpy(), graph, weights, meta)
+        except BaseException:  # no half-written graph that looks complete
+            graph.unlink(missing_ok=True)
+            weights.unlink(missing_ok=True)
+            raise
+        return meta
     s_t, s_d, p = 3, 2, 4
     H = cfg.hidden_size
     args = (torch.zeros((1, s_t + s_d), dtype=torch.int64), torch.zeros((1, s_t, 3 * cfg.target_hidden_size)),
@@ -388,12 +418,6 @@ def export_head_onnx(head_dir: Path, target_dir: Path, out_dir: Path, *, opset: 
             torch.onnx.export(Step().eval(), args, str(raw), dynamo=False, input_names=inputs, output_names=outputs,
                               dynamic_axes=dynamic, opset_version=opset, do_constant_folding=True)
         proto = onnx.load(str(raw), load_external_data=True)
-    meta = {"bundle.format": "eagle3-head-v1", "bundle.kv_cache": "concat", "bundle.num_layers": "1",
-            "bundle.num_kv_heads": str(cfg.num_kv_heads), "bundle.head_dim": str(cfg.head_dim),
-            "bundle.hidden_size": str(H), "bundle.target_hidden_size": str(cfg.target_hidden_size),
-            "bundle.vocab_size": str(cfg.vocab_size), "bundle.draft_vocab_size": str(cfg.draft_vocab_size),
-            "bundle.max_positions": str(cfg.max_positions),
-            "bundle.aux_hidden_state_layer_ids": ",".join(map(str, layer_ids))}
     del proto.metadata_props[:]
     for k, v in meta.items():
         proto.metadata_props.add(key=k, value=v)
@@ -411,4 +435,4 @@ def export_head(head_dir: Path, target_dir: Path, out_dir: Path):
     out_dir = Path(out_dir)
     return ExportResult(out_dir / GRAPH_NAME, out_dir / WEIGHTS_NAME, "eagle3", ARCHITECTURES[0], 1,
                         int(meta["bundle.num_kv_heads"]), int(meta["bundle.head_dim"]), int(meta["bundle.vocab_size"]),
-                        int(meta["bundle.max_positions"]), 17, "concat", "float32")
+                        int(meta["bundle.max_positions"]), 24, meta["bundle.kv_cache"], "float32")

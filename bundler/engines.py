@@ -144,6 +144,9 @@ class ExportedModel:
     onnx_sha256: str  # runtime.engine_cache.onnx_digest over graph + weights
     #: file name -> sha256, computed once for onnx_sha256 and reused by pack (no second hash)
     file_sha256: Mapping[str, str] = field(default_factory=dict)
+    #: (layout, dtype) of the target graphs it is packed beside, when its own differ: an EAGLE-3 head,
+    #: whose graph (bundler.eagle3) keeps a cache of its own whatever the target's layout
+    packed_with: tuple[str, str] | None = None
 
     @property
     def layout(self) -> str:
@@ -155,7 +158,7 @@ class ExportedModel:
 
     @property
     def variant(self) -> tuple[str, str]:
-        return self.layout, self.dtype
+        return self.packed_with or (self.layout, self.dtype)
 
     @property
     def graph_path(self) -> str:
@@ -181,11 +184,13 @@ def export_models(models: Mapping[str, Path], work_dir: Path,
             options = {**({"kv_cache": layout} if layout != "concat" else {}),
                        **({"dtype": dtype} if dtype != "float32" else {})}
             result = export(Path(checkpoint), folder, **options)
-            if getattr(result, "dtype", "float32") != dtype:
+            head = getattr(result, "family", None) == "eagle3"
+            if getattr(result, "dtype", "float32") != dtype and not head:
                 raise ModelError(f"expected a {dtype} export of {checkpoint}, found "
                                  f"{getattr(result, 'dtype', 'float32')}")
             hashes = {p.name: file_sha256(p) for p in result.files}
-            out.append(ExportedModel(role, result, onnx_digest(hashes), hashes))
+            out.append(ExportedModel(role, result, onnx_digest(hashes), hashes,
+                                     packed_with=(layout, dtype) if head else None))
     return out
 
 
@@ -226,7 +231,8 @@ def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], sh
             minimum = {"shared": ONNXRUNTIME_MIN_SHARED, "batched": ONNXRUNTIME_MIN_BATCHED}.get(layout, ONNXRUNTIME_MIN)
             engines.append(Engine(model=m.role, backend="onnxruntime", format="onnx", path=m.graph_path,
                                   files=m.paths, key={"onnx_sha256": m.onnx_sha256, "onnxruntime_min": minimum},
-                                  build={"max_context": shape.max_context, "kv_cache": layout}))
+                                  build={"max_context": shape.max_context,
+                                         "kv_cache": m.export.kv_cache}))  # an EAGLE-3 head has its own
             continue
         options = build_options(profile, m.export, shape)
         engines.append(Engine(model=m.role, backend="tensorrt", format="onnx", path=m.graph_path, files=m.paths,
@@ -266,7 +272,7 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
         raise UsageError(f"expected kv_cache to be one of {', '.join(KV_CACHE_LAYOUTS)}, found {kv_cache!r}")
     profiles = [get_profile(t, tuple(extra_dirs)) for t in target_ids]
     if eagle3_layers is not None:
-        export, kv_cache = _eagle3_export(models, tuple(eagle3_layers), export, profiles), "concat"
+        export = _eagle3_export(models, tuple(eagle3_layers), export, profiles)
     users = {}  # (layout, dtype) -> ids of the targets that run it
     half = half_dtype(models)
     for p in profiles:
@@ -297,14 +303,19 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
 
 
 def _eagle3_export(models: Mapping[str, Path], layers: tuple[int, ...], export, profiles):
-    """EAGLE-3: the target graph also returns the head's aux hidden states (concat layout: the shared
-    graph has no such output yet); the draft role is the head, exported by bundler.eagle3."""
+    """EAGLE-3: the target graph (the layout its targets run: batched, shared or concat) also returns
+    the head's aux hidden states; the draft role is the head, exported by bundler.eagle3."""
     from bundler.eagle3 import export_head
 
-    trt = [p.id for p in profiles if p.backend != "onnxruntime"]
+    trt = [p.id for p in profiles if p.backend == "tensorrt"]
     if trt:
         raise UsageError(f"EAGLE-3 runs on ONNX Runtime targets in this version; found TensorRT targets "
                          f"{', '.join(trt)}: use method draft_model there")
+    cuda = [p.id for p in profiles if p.backend != "onnxruntime"]
+    if cuda:  # the fp16 graph has the output; runtime/engines/cuda.py does not bind it yet
+        raise UsageError(f"EAGLE-3 runs on the CPU ONNX Runtime engine in this version; found targets "
+                         f"{', '.join(cuda)} whose CUDA engine returns no aux hidden states yet: use method "
+                         f"draft_model there")
     head, target = Path(models["draft"]), Path(models["target"])
 
     def run(checkpoint: Path, out: Path, **options):

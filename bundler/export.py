@@ -217,12 +217,10 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
         raise UsageError(f"graph fusions apply to the batched KV-cache graph; found kv_cache {kv_cache!r}")
     fusions = None if fusions is None else frozenset(fusions)
     if kv_cache != "concat":
-        if aux_layer_ids:
-            raise UsageError(f"the {kv_cache} KV-cache graph has no aux_hidden_states output yet (EAGLE-3); "
-                             f"found aux layer ids: export with kv_cache='concat'")
         if dtype != "float32":  # the float32 graph, rewritten in half precision (bundler.export_half)
-            return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype, fusions)
-        return _export_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, fusions)
+            return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype, fusions,
+                                  aux_layer_ids)
+        return _export_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, fusions, aux_layer_ids)
 
     import onnx
     import torch
@@ -275,7 +273,8 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
 
 
 def _half_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int, layout: str,
-                   dtype: str, fusions: frozenset[str] | None = None) -> ExportResult:
+                   dtype: str, fusions: frozenset[str] | None = None,
+                   aux_layer_ids: tuple[int, ...] = ()) -> ExportResult:
     import dataclasses
     import shutil
 
@@ -284,7 +283,7 @@ def _half_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, 
     work = out_dir / ".float32"
     work.mkdir(parents=True, exist_ok=True)
     try:
-        full = _export_in_place(checkpoint_dir, work, family, arch, opset, layout, fusions)
+        full = _export_in_place(checkpoint_dir, work, family, arch, opset, layout, fusions, aux_layer_ids)
         graph = convert_graph(full.graph, out_dir / full.graph.name, dtype)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -292,13 +291,15 @@ def _half_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, 
 
 
 def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int,
-                     layout: str, fusions: frozenset[str] | None = None) -> ExportResult:
+                     layout: str, fusions: frozenset[str] | None = None,
+                     aux_layer_ids: tuple[int, ...] = ()) -> ExportResult:
     from transformers import AutoConfig
 
     from bundler.export_gqa import BATCHED_OPSET, build_batched_kv_graph, build_shared_kv_graph
 
     cfg = AutoConfig.from_pretrained(checkpoint_dir)
-    result = _result(cfg, family, arch, out_dir, BATCHED_OPSET if layout == "batched" else opset, layout)
+    result = _result(cfg, family, arch, out_dir, BATCHED_OPSET if layout == "batched" else opset, layout,
+                     aux_layer_ids=aux_layer_ids)
     result.weights.unlink(missing_ok=True)
     try:
         if layout == "batched":

@@ -10,6 +10,10 @@ builder does it, and uses the com.microsoft GroupQueryAttention operator:
              past_key_values.<i>.key / .value [batch, kv_heads, max_sequence_length, head_dim] float32
     outputs  logits [batch, sequence_length, vocab] float32
              present.<i>.key / .value [batch, kv_heads, max_sequence_length, head_dim] float32
+             aux_hidden_states [batch, sequence_length, 3 * hidden] float32   (EAGLE-3 targets only)
+
+aux_hidden_states (result.aux_layer_ids) is the inputs of those decoder layers, concatenated, for
+the new rows only: what an EAGLE-3 head's fc reads, in either in-place layout.
 
 The runtime binds past and present to the SAME preallocated buffer (GQA's
 past_present_share_buffer mode): a step writes only the new tokens' K/V at positions
@@ -45,6 +49,8 @@ BATCHED_IR_VERSION = 11
 #: and the padding (never attended to) is written there. Rows longer than this are split by the runtime.
 BATCHED_HEADROOM = 64
 MS_DOMAIN = "com.microsoft"
+#: EAGLE-3 targets: the inputs of the head's aux layers, concatenated (bundler.export's name too).
+AUX_OUTPUT = "aux_hidden_states"
 IR_VERSION = 9
 ALIGN = 64  # byte alignment of each tensor in the external-data file
 
@@ -275,8 +281,11 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
                                                const("axes_0", [0])])], to=TP.INT32)
 
     x = node("Gather", [w.add("model.embed_tokens.weight", ckpt.get("model.embed_tokens.weight")), "input_ids"])
+    aux: dict[int, str] = {}  # EAGLE-3: layer id -> that layer's input (transformers' hidden_states[i])
     for i in range(layers):  # x: the layer's input (the residual stream)
         p = f"model.layers.{i}"
+        if i in result.aux_layer_ids:
+            aux[i] = x
         hs = rms(x, f"{p}.input_layernorm.weight")
         if gqa:  # packed QKV straight into GroupQueryAttention (rotary and the cache append inside it)
             qkv = packed(hs, f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"), split=False)
@@ -338,6 +347,8 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
     x = rms(x, "model.norm.weight")
     head = "lm_head.weight" if "lm_head.weight" in ckpt else "model.embed_tokens.weight"  # tied embeddings
     node("MatMul", [x, w.add("lm_head.weight.T", ckpt.get(head).T)], ["logits"])
+    if result.aux_layer_ids:  # only the new rows, only these layers: [batch, sequence_length, len(ids) * H]
+        node("Concat", [aux[i] for i in result.aux_layer_ids], [AUX_OUTPUT], axis=-1)
     w.close()
 
     inputs = [h.make_tensor_value_info("input_ids", TP.INT64, ["batch", "sequence_length"])]
@@ -354,6 +365,9 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
         cache = ["batch", kv, "max_sequence_length", hd]
         inputs.append(h.make_tensor_value_info("attention_mask", TP.INT64, ["batch", "total_sequence_length"]))
     outputs = [h.make_tensor_value_info("logits", TP.FLOAT, ["batch", "sequence_length", result.vocab_size])]
+    if result.aux_layer_ids:
+        width = len(result.aux_layer_ids) * int(cfg.hidden_size)
+        outputs.append(h.make_tensor_value_info(AUX_OUTPUT, TP.FLOAT, ["batch", "sequence_length", width]))
     for i in range(layers):
         for part in ("key", "value"):
             inputs.append(h.make_tensor_value_info(f"past_key_values.{i}.{part}", TP.FLOAT, cache))

@@ -10,6 +10,7 @@ so memory stays at one tensor whatever the model size:
 - the KV cache inputs and outputs take `dtype` (a slot's cache is half the bytes too);
 - logits stay float32: the fp16 lm_head output is cast once, so sampling and the speculative p/q
   test see exact probabilities of what the graph computed;
+- EAGLE-3 targets' `aux_hidden_states` stays float32 too (one Cast; `_float32_aux_output`);
 - an extra output `argmax` [batch, sequence_length] int64 (ArgMax of the float32 logits, first
   index on ties, like numpy.argmax): greedy decoding copies one integer per row back to the host
   instead of a vocab-sized row of logits. An engine that does not bind it pays nothing but the op.
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 HALF_DTYPES = ("float16", "bfloat16")
 ALIGN = 64
 ARGMAX_OUTPUT = "argmax"
+AUX_OUTPUT = "aux_hidden_states"  # EAGLE-3 targets (bundler.export_gqa)
 
 
 def to_bfloat16_bits(array: np.ndarray) -> np.ndarray:
@@ -109,6 +111,7 @@ def convert_graph(src_graph: Path, dst_graph: Path, dtype: str = "float16") -> P
         g.node.append(h.make_node("Cast", [f"logits_{dtype}"], ["logits"], name="/logits_float32", to=TP.FLOAT))
         g.node.append(h.make_node("ArgMax", ["logits"], [ARGMAX_OUTPUT], name="/argmax", axis=-1, keepdims=0,
                                   select_last_index=0))
+        _float32_aux_output(g, dtype)
         logits = next(o for o in g.output if o.name == "logits")
         logits.type.tensor_type.elem_type = TP.FLOAT
         dims = [d.dim_param or d.dim_value for d in logits.type.tensor_type.shape.dim][:2]
@@ -128,6 +131,21 @@ def convert_graph(src_graph: Path, dst_graph: Path, dtype: str = "float16") -> P
         raise
     log.info("wrote the %s in-place graph %s", dtype, dst_graph)
     return dst_graph
+
+
+def _float32_aux_output(g, dtype: str) -> None:
+    """EAGLE-3 targets: aux_hidden_states stays float32 like the logits (the head runs in float32,
+    numpy holds no bf16); a Cast after the half-precision Concat, under the old name. Nothing without it."""
+    from onnx import TensorProto as TP
+    from onnx import helper as h
+
+    out = next((o for o in g.output if o.name == AUX_OUTPUT), None)
+    if out is None:
+        return
+    producer = next(n for n in g.node if AUX_OUTPUT in n.output)
+    producer.output[list(producer.output).index(AUX_OUTPUT)] = f"{AUX_OUTPUT}_{dtype}"
+    g.node.append(h.make_node("Cast", [f"{AUX_OUTPUT}_{dtype}"], [AUX_OUTPUT], name="/aux_float32", to=TP.FLOAT))
+    out.type.tensor_type.elem_type = TP.FLOAT
 
 
 def _read_external(graph: Path, tensor, files: dict) -> bytes:

@@ -56,7 +56,14 @@ class Drafter(ABC):
 
 
 class OnnxDrafter(Drafter):
-    """The head's ONNX graph on ONNX Runtime; the single layer's cache is two numpy arrays."""
+    """The head's ONNX graph on ONNX Runtime, one sequence per instance (fork() for more).
+
+    Layout "batched" (bundler.eagle3_graph, what bundles ship): the cache is one preallocated
+    [1, kv_heads, max_context, head_dim] buffer per K and V, bound as both past and present with I/O
+    binding, so a step writes only its new rows (nothing is copied or allocated) and a rollback is a
+    length change. Layout "concat" (heads exported before it): the graph returns past + new, kept as
+    two numpy arrays.
+    """
 
     def __init__(self, graph: Path, *, max_context: int | None = None, threads: int | None = None,
                  providers: Sequence[str] = ("CPUExecutionProvider",)):
@@ -77,45 +84,81 @@ class OnnxDrafter(Drafter):
         if meta.get("bundle.format") != FORMAT:
             raise ModelError(f"{graph}: expected an EAGLE-3 head graph (bundle.format {FORMAT}), "
                              f"found {meta.get('bundle.format')!r}")
+        self.kv_cache = meta.get("bundle.kv_cache", "concat")
+        if self.kv_cache not in ("batched", "concat"):
+            raise ModelError(f"{graph}: expected an EAGLE-3 head KV cache 'batched' or 'concat', found {self.kv_cache!r}")
         self.vocab_size = int(meta["bundle.vocab_size"])
         self.hidden_size = int(meta["bundle.hidden_size"])
         self.target_hidden_size = int(meta["bundle.target_hidden_size"])
         self.layer_ids = [int(i) for i in meta["bundle.aux_hidden_state_layer_ids"].split(",")]
         self.max_context = min(int(max_context or meta["bundle.max_positions"]), int(meta["bundle.max_positions"]))
-        kv, hd = int(meta["bundle.num_kv_heads"]), int(meta["bundle.head_dim"])
-        self._k = np.zeros((1, kv, 0, hd), np.float32)
-        self._v = self._k.copy()
-        self.description = f"onnxruntime {ort.__version__} EAGLE-3 head (draft vocab {meta['bundle.draft_vocab_size']})"
+        self._kv, self._hd = int(meta["bundle.num_kv_heads"]), int(meta["bundle.head_dim"])
+        self._new_cache()
+        self.description = (f"onnxruntime {ort.__version__} EAGLE-3 head (draft vocab {meta['bundle.draft_vocab_size']},"
+                            f" kv-cache {self.kv_cache})")
+
+    def _new_cache(self) -> None:
+        self._length = 0
+        if self.kv_cache == "batched":
+            shape = (1, self._kv, self.max_context, self._hd)
+            self._k, self._v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+            self._binding = self.session.io_binding()
+            for name, buf in (("key", self._k), ("value", self._v)):
+                self._binding.bind_input(f"past_key_values.0.{name}", "cpu", 0, np.float32, list(shape), buf.ctypes.data)
+                self._binding.bind_output(f"present.0.{name}", "cpu", 0, np.float32, list(shape), buf.ctypes.data)
+        else:
+            self._k = np.zeros((1, self._kv, 0, self._hd), np.float32)
+            self._v = self._k.copy()
 
     @property
     def length(self) -> int:
-        return self._k.shape[2]
+        return self._length
 
     def fork(self) -> "OnnxDrafter":
         other = object.__new__(OnnxDrafter)
         other.__dict__.update(self.__dict__)  # the session is shared; ONNX Runtime's run() is thread-safe
-        other._k, other._v = self._k[:, :, :0].copy(), self._v[:, :, :0].copy()
+        other._new_cache()
         return other
 
     def forward(self, token_ids, target_hidden, draft_hidden):
         n = len(token_ids)
-        past = self.length
+        past = self._length
         if past + n > self.max_context:
             raise ModelError(f"EAGLE-3 head context full: {past} cached + {n} new > {self.max_context}")
         th = np.asarray(target_hidden, np.float32).reshape(1, -1, 3 * self.target_hidden_size)
         dh = np.asarray(draft_hidden, np.float32).reshape(1, -1, self.hidden_size)
         if th.shape[1] + dh.shape[1] != n:
             raise ValueError(f"expected {n} feature rows, found {th.shape[1]} + {dh.shape[1]}")
-        logits, hidden, self._k, self._v = self.session.run(None, {
-            "input_ids": np.asarray(token_ids, np.int64).reshape(1, n), "target_hidden_states": th,
-            "draft_hidden_states": dh, "position_ids": np.arange(past, past + n, dtype=np.int64)[None],
-            "past_key_values.0.key": self._k, "past_key_values.0.value": self._v})
+        ids = np.asarray(token_ids, np.int64).reshape(1, n)
+        positions = np.arange(past, past + n, dtype=np.int64)[None]
+        if self.kv_cache == "concat":
+            logits, hidden, self._k, self._v = self.session.run(None, {
+                "input_ids": ids, "target_hidden_states": th, "draft_hidden_states": dh, "position_ids": positions,
+                "past_key_values.0.key": self._k, "past_key_values.0.value": self._v})
+            self._length = past + n
+            return logits[0], hidden[0]
+        b = self._binding
+        b.bind_cpu_input("input_ids", ids)
+        b.bind_cpu_input("target_hidden_states", np.ascontiguousarray(th))
+        b.bind_cpu_input("draft_hidden_states", np.ascontiguousarray(dh))
+        b.bind_cpu_input("position_ids", positions)
+        b.bind_cpu_input("write_indices", np.array([past], np.int64))
+        # new row i attends to every cached row and to new rows 0..i: the first past + n rows only
+        b.bind_cpu_input("attention_mask", np.arange(past + n)[None, None, None, :] <= positions[:, None, :, None])
+        logits = np.empty((1, n, self.vocab_size), np.float32)
+        hidden = np.empty((1, n, self.hidden_size), np.float32)
+        b.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        b.bind_output("hidden_states", "cpu", 0, np.float32, list(hidden.shape), hidden.ctypes.data)
+        self.session.run_with_iobinding(b)
+        self._length = past + n
         return logits[0], hidden[0]
 
     def rollback(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"rollback to {length}: expected 0..{self.length}")
-        self._k, self._v = self._k[:, :, :length], self._v[:, :, :length]
+        if not 0 <= length <= self._length:
+            raise ValueError(f"rollback to {length}: expected 0..{self._length}")
+        if self.kv_cache == "concat":
+            self._k, self._v = self._k[:, :, :length], self._v[:, :, :length]
+        self._length = length
 
 
 class ChainProposer:

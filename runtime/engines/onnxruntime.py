@@ -156,7 +156,7 @@ class OnnxRuntimeEngine(Engine):
         self._logits_dtype = np.dtype(NUMPY_TYPES[outs["logits"].type])
         self._has_mask = "attention_mask" in ins
         self._has_positions = "position_ids" in ins
-        # EAGLE-3 targets (concat graph) also return the aux layers' hidden states: per slot, the rows
+        # EAGLE-3 targets (every layout) also return the aux layers' hidden states: per slot, the rows
         # of its last forward, in last_aux_hidden
         aux = outs.get("aux_hidden_states")
         self.aux_width = aux.shape[-1] if aux is not None and isinstance(aux.shape[-1], int) else 0
@@ -275,13 +275,24 @@ class OnnxRuntimeEngine(Engine):
                 b.bind_output(present, "cpu", 0, self.kv_dtype, shape, buf.ctypes.data + offset)
             self._bound_cache = ("batched", lo, hi)
         logits = self._logits_buffer((batch, width, self.vocab_size))
+        aux = self._bind_aux((batch, width))
         self.session.run_with_iobinding(b)
         out = {}
         for slot, r in by_slot.items():
             n = len(r.tokens)
             out[slot] = logits[slot - lo, :n].astype(np.float32)  # a copy
+            if aux is not None:  # the row's real tokens only, not its padding
+                self.last_aux_hidden[slot] = aux[slot - lo, :n].astype(np.float32, copy=False)
             self._lengths[slot] += n
         return out
+
+    def _bind_aux(self, rows: tuple[int, int]) -> np.ndarray | None:
+        """EAGLE-3 targets: a fresh [batch, width, 3H] buffer for aux_hidden_states (kept per slot)."""
+        if not self.aux_width:
+            return None
+        aux = np.zeros((*rows, self.aux_width), self._aux_dtype)
+        self._binding.bind_output("aux_hidden_states", "cpu", 0, self._aux_dtype, list(aux.shape), aux.ctypes.data)
+        return aux
 
     def _run_one(self, slot: int, token_ids: Sequence[int]) -> np.ndarray:
         """Batch 1: the graphs made before "batched"."""
@@ -304,11 +315,9 @@ class OnnxRuntimeEngine(Engine):
             for name, buf in zip(self._present, dst):
                 b.bind_output(name, "cpu", 0, self.kv_dtype, [1, kv, total, hd], buf.ctypes.data)
         logits = self._logits_buffer((1, n, self.vocab_size))
-        if self.aux_width:
-            aux = np.zeros((1, n, self.aux_width), self._aux_dtype)
-            b.bind_output("aux_hidden_states", "cpu", 0, self._aux_dtype, list(aux.shape), aux.ctypes.data)
+        aux = self._bind_aux((1, n))
         self.session.run_with_iobinding(b)
-        if self.aux_width:
+        if aux is not None:
             self.last_aux_hidden[slot] = aux[0].astype(np.float32, copy=False)
         if self.kv_cache == "concat":
             self._current[slot] = 1 - self._current[slot]

@@ -56,8 +56,13 @@ def test_tiny_random_head_resolve_pack_install_serve(tmp_path, keys, capsys):
                                                                    ("draft", "LlamaForCausalLMEagle3")]
     paths = {f.path for f in manifest.files}
     assert any(p.endswith("/draft/eagle3.onnx") for p in paths), sorted(paths)
+    # the target runs the same batched in-place graph as plain decoding, with the aux output; the head its own
+    records = {e.model: e for e in manifest.target("cpu").engines}
+    assert records["target"].build["kv_cache"] == "batched" and records["draft"].build["kv_cache"] == "batched"
     served = _install_and_load(tmp_path / "b", keys, tmp_path / "store")
     assert served.generator.method == "eagle3" and served.info["speculative"].startswith("eagle3")
+    assert served.generator.target.kv_cache == "batched" and served.generator.target.aux_width == 3 * 64
+    assert served.generator.runner.head.kv_cache == "batched"
     plain = _install_and_load(tmp_path / "b", keys, tmp_path / "store", no_speculation=True)
     prompt = list(range(5, 40, 3))
     assert _greedy(served, prompt) == _greedy(plain, prompt)
@@ -80,6 +85,7 @@ def test_head_for_another_target_refused_at_create_leaving_nothing(tmp_path, key
     other = make_tiny_checkpoint(tmp_path / "other", hidden_size=32, num_layers=4, num_heads=2, seed=3)
     head = make_tiny_head(tmp_path / "head", other)
     spec = json.dumps({"method": "eagle3", "model": str(head)})
+    capsys.readouterr()  # the fixtures' own progress output (transformers' "Writing model shards")
     assert _create(tmp_path / "b", keys, spec, "--model", str(target)) == ModelError.exit_code
     err = capsys.readouterr().err
     assert "expected target hidden size 64" in err and "found 32" in err and err.count("\n") == 1

@@ -86,7 +86,7 @@ def test_head_graph_matches_torch_forward_over_catch_up_and_chain(pair, tmp_path
     from bundler import eagle3
 
     _, target, head_dir = pair
-    meta = eagle3.export_head_onnx(head_dir, target, tmp_path)
+    meta = eagle3.export_head_onnx(head_dir, target, tmp_path, kv_cache="concat")
     assert meta["bundle.aux_hidden_state_layer_ids"] == "0,2,3" and meta["bundle.draft_vocab_size"] == "300"
     head, cfg = eagle3.load_head(head_dir)
     embed = load_file(str(target / "model.safetensors"))["model.embed_tokens.weight"]
@@ -149,3 +149,53 @@ def test_vocab_map_refused_when_not_one_to_one(pair):
     d2t[5] = -1  # draft ids 4 and 5 both map to target id 4
     with pytest.raises(ModelError, match="one-to-one"):
         eagle3.check_vocab_map(d2t, t2d, cfg)
+
+
+@pytest.mark.parametrize("layout", ["batched", "concat"])
+def test_drafter_on_either_head_layout_matches_torch_forward(layout, pair, tmp_path):
+    """OnnxDrafter over the in-place head graph (what bundles ship) and the torch trace: catch-up rows,
+    two chained steps, a rollback and the same steps again, each against the torch head."""
+    import torch
+    from safetensors.torch import load_file
+
+    from bundler import eagle3
+    from runtime.eagle3 import OnnxDrafter
+
+    _, target, head_dir = pair
+    meta = eagle3.export_head_onnx(head_dir, target, tmp_path, kv_cache=layout)
+    assert meta["bundle.kv_cache"] == layout
+    drafter = OnnxDrafter(tmp_path / eagle3.GRAPH_NAME, max_context=32)
+    assert drafter.kv_cache == layout and f"kv-cache {layout}" in drafter.description
+    head, cfg = eagle3.load_head(head_dir)
+    embed = load_file(str(target / "model.safetensors"))["model.embed_tokens.weight"]
+    rng = np.random.default_rng(2)
+    aux = rng.normal(size=(6, 192)).astype(np.float32)
+    ids = rng.integers(0, 512, size=6)
+    none_t, none_d = np.zeros((0, 192), np.float32), np.zeros((0, 64), np.float32)
+    with torch.no_grad():
+        pk, pv = head.empty_cache()
+        e = torch.nn.functional.embedding(torch.from_numpy(ids[None]), embed)
+        want_l, want_h, pk, pv = head(e, head.fc(torch.from_numpy(aux[None])), torch.arange(6)[None], pk, pv)
+        chain = [(want_l[0, -1], want_h[0, -1])]
+        h = want_h[:, -1:]
+        for i, tok in enumerate((7, 11)):
+            lg, h, pk, pv = head(torch.nn.functional.embedding(torch.tensor([[tok]]), embed), h,
+                                 torch.tensor([[6 + i]]), pk, pv)
+            chain.append((lg[0, -1], h[0, -1]))
+    target_ids = head.target_ids().numpy()
+    for attempt in range(2):
+        logits, hidden = drafter.forward(ids.tolist(), aux, none_d)
+        np.testing.assert_allclose(logits[:, target_ids], want_l[0].numpy(), atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(hidden, want_h[0].numpy(), atol=1e-4, rtol=1e-4)
+        assert np.isneginf(np.delete(logits, target_ids, axis=1)).all()  # q = 0 outside the draft vocabulary
+        h = hidden[-1:]
+        for tok, (lg_want, h_want) in zip((7, 11), chain[1:]):
+            lg, h = drafter.forward([tok], none_t, h)
+            np.testing.assert_allclose(lg[-1, target_ids], lg_want.numpy(), atol=1e-4, rtol=1e-4)
+            np.testing.assert_allclose(h[-1], h_want.numpy(), atol=1e-4, rtol=1e-4)
+        assert drafter.length == 8
+        drafter.rollback(0)  # and again from an empty cache: the same numbers
+    other = drafter.fork()
+    assert other.length == 0 and other._k is not drafter._k
+    with pytest.raises(ModelError, match="context full"):
+        other.forward(list(range(33)), np.zeros((33, 192), np.float32), none_d)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.bundler.resolve.hub_server import HubProxy, HubRepos, Olah, copy_checkpoint
+from tests.eagle3_models import make_tiny_head
 from tests.models import make_tiny_checkpoint
 
 #: A config.json shaped like an 8B Llama: 32 layers, 8 KV heads of 128, bf16, 128k context.
@@ -27,6 +28,8 @@ class Checkpoints:
     target: Path
     draft: Path  # same tokenizer as target
     other_draft: Path  # a different tokenizer
+    eagle3_head: Path  # a random EAGLE-3 head for target (layers 0, 1, 1)
+    other_eagle3_head: Path  # one for other_draft (hidden size 32)
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +40,9 @@ def checkpoints(tmp_path_factory) -> Checkpoints:
                                  intermediate_size=64, seed=1, tokenizer_from=target)
     other = make_tiny_checkpoint(root / "other", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                                  intermediate_size=64, vocab_size=300, seed=2)
-    return Checkpoints(target, draft, other)
+    head = make_tiny_head(root / "eagle3", target, layer_ids=[0, 1, 1], seed=4)
+    other_head = make_tiny_head(root / "eagle3-other", other, draft_vocab=200, layer_ids=[0, 0, 0], seed=5)
+    return Checkpoints(target, draft, other, head, other_head)
 
 
 @dataclass
@@ -73,6 +78,8 @@ def hub_session(tmp_path_factory, checkpoints) -> Hub:
                                 message="second")
     shas["draft"] = repos.commit("acme/tiny-draft", copy_checkpoint(checkpoints.draft))
     shas["other-draft"] = repos.commit("acme/other-draft", copy_checkpoint(checkpoints.other_draft))
+    shas["eagle3"] = repos.commit("acme/tiny-eagle3", copy_checkpoint(checkpoints.eagle3_head))
+    shas["eagle3-other"] = repos.commit("acme/eagle3-for-another", copy_checkpoint(checkpoints.other_eagle3_head))
     big = {**copy_checkpoint(checkpoints.target), "config.json": json.dumps(BIG_CONFIG).encode()}
     shas["big"] = repos.commit("acme/big-config", big)
     # Larger than huggingface_hub's 10 MB download chunk, so an interrupted transfer has bytes to resume from.

@@ -20,14 +20,15 @@ from tests.runtime.serve.toy_engines import MarkovEngine
 LAYERS = (0, 1, 2)
 
 
-@pytest.fixture(scope="module")
-def graphs(tmp_path_factory):
+@pytest.fixture(scope="module", params=["batched", "concat"])
+def graphs(request, tmp_path_factory):
+    """(target graph with aux output, head graph): the batched target graph bundles ship, and the concat one."""
     from bundler import eagle3
     from bundler.export import export_onnx
 
     root = tmp_path_factory.mktemp("eagle3-serve")
     target = make_tiny_checkpoint(root / "target", num_layers=3, seed=5)
-    exported = export_onnx(target, root / "target-onnx", aux_layer_ids=LAYERS)
+    exported = export_onnx(target, root / "target-onnx", aux_layer_ids=LAYERS, kv_cache=request.param)
     head = make_tiny_head(root / "head", target, layer_ids=list(LAYERS), draft_vocab=256)
     eagle3.export_head_onnx(head, target, root / "head-onnx")
     return exported.graph, root / "head-onnx" / eagle3.GRAPH_NAME
@@ -59,7 +60,7 @@ def test_demo_head_accepts_on_demo_target(tmp_path):
 
     head_dir = DEMO_TARGET_DIR.parent / "eagle3"
     cfg = eagle3.read_head_config(head_dir)
-    exported = export_onnx(DEMO_TARGET_DIR, tmp_path / "t", aux_layer_ids=tuple(cfg.layer_ids))
+    exported = export_onnx(DEMO_TARGET_DIR, tmp_path / "t", aux_layer_ids=tuple(cfg.layer_ids), kv_cache="batched")
     eagle3.export_head_onnx(head_dir, DEMO_TARGET_DIR, tmp_path / "h")
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(DEMO_TARGET_DIR / "tokenizer.json"))
