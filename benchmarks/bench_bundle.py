@@ -158,16 +158,32 @@ def step_create(ctx: Context) -> list[str]:
 
 
 def child_create(args) -> None:
-    """`bundle create --model DIR` without export: the resolver hashes every file, pack reuses the digests."""
+    """`bundle create --model DIR` without export: resolve (sizes only, nothing hashed), then one pass per
+    file in pack (sha256 beside the compression of its parts) and the resolver's check of the digests."""
     sys.path.insert(0, str(REPO))
-    from bundler.create import ModelInput, create_bundle
+    from bundler.create import create_bundle, input_from_resolved
+    from bundler.resolve import fetch_model, plan_model
+
+    r = fetch_model(plan_model(str(Path(args.model).resolve()), role="target"), hash_files=False)
+    create_bundle(Path(args.bundle), name="bench", version=1, model=input_from_resolved(r), draft=None,
+                  targets=["cpu"], sign_keys=[], unsigned=True, jobs=args.jobs, progress=False)
+
+
+def step_create_hash_first(ctx: Context) -> list[str]:
+    shutil.rmtree(ctx.bundle, ignore_errors=True)
+    return _self(ctx, "create-hash-first")
+
+
+def child_create_hash_first(args) -> None:
+    """The design before: the resolver hashes every file first (in parallel across files), pack reuses
+    the digests; the two phases do not overlap."""
+    sys.path.insert(0, str(REPO))
+    from bundler.create import create_bundle, input_from_resolved
     from bundler.resolve import resolve_model
 
     r = resolve_model(str(Path(args.model).resolve()), role="target")
-    model = ModelInput(role="target", local_dir=Path(r.local_dir), source=r.source, name="bench",
-                       files=tuple(f.path for f in r.files), digests={f.path: (f.size, f.sha256) for f in r.files})
-    create_bundle(Path(args.bundle), name="bench", version=1, model=model, draft=None, targets=["cpu"],
-                  sign_keys=[], unsigned=True, jobs=args.jobs, progress=False)
+    create_bundle(Path(args.bundle), name="bench", version=1, model=input_from_resolved(r), draft=None,
+                  targets=["cpu"], sign_keys=[], unsigned=True, jobs=args.jobs, progress=False)
 
 
 def step_pack_1stream(ctx: Context) -> list[str]:
