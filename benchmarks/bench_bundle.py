@@ -400,6 +400,7 @@ def run_steps(work: Path, size: int, steps: list[str], jobs: int | None, *, keep
                 print(f"    tar.zst: {(work / 'baseline.tar.zst').stat().st_size / MiB:.0f} MiB")
             if name in CLEANUP:
                 CLEANUP[name](ctx)
+            os.sync()  # untimed: the next step does not pay for this one's writeback (untar does not fsync)
             on_row(rows)
     if not keep_model:
         shutil.rmtree(ctx.model, ignore_errors=True)
