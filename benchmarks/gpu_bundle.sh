@@ -16,7 +16,10 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 exec > >(tee -a "$out/gpu_bundle.log") 2>&1
 start=$(date +%s)
-left() { echo $(( ${1} - ($(date +%s) - start) )); }  # seconds left of a budget counted from the start
+left() {  # seconds left of a budget counted from the start (at least 1: `timeout 0` would never stop)
+  local n=$(( ${1} - ($(date +%s) - start) ))
+  [ "$n" -gt 0 ] && echo "$n" || echo 1
+}
 
 PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/site}
@@ -42,10 +45,12 @@ cd "$ROOT"
 timeout "$(left 170)" $PY $B --work "$work" --size-gb "${SIZES[0]}" --steps $ALL --repeat 2 \
   --json "$out/bundle_4g.json" || echo "4 GiB run stopped (rc $?)"
 # one 2 GiB file: what a file's sequential sha256 bounds (create) and what part digests lift (install)
+rm -rf "$work"/*  # what a run cut short left
 timeout "$(left 230)" $PY $B --work "$work" --size-gb "${SIZES[1]}" --files 1 \
   --steps tar-zstd,zstd-d-tar-x,create,create-hash-first,install,install-whole-hash --json "$out/bundle_2g_1file.json" \
   || echo "2 GiB one-file run stopped (rc $?)"
 # 16 GiB, eight files: memory flat as the input grows? (peak RSS column); disk peak printed
+rm -rf "$work"/*
 timeout "$(left 520)" $PY $B --work "$work" --size-gb "${SIZES[2]}" \
   --steps sha256sum,tar-zstd,zstd-d-tar-x,create,verify,install,create-hash-first \
   --json "$out/bundle_16g.json" || echo "16 GiB run stopped (rc $?)"
