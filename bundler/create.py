@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from bundler.pack import DEFAULT_MAX_PART_SIZE, PackFile, pack_bundle
 from bundler.provenance import local_source
-from manifests.errors import UsageError
+from manifests.errors import ResolveError, UsageError
 from manifests.layout import BLOBS_DIR
 from manifests.schema import Builder, FileEntry, Manifest, Model, ModelSource, Speculative, Target, format_time
 from runtime.fsutil import file_sha256
@@ -322,7 +322,7 @@ def _check_or_discard(model: ModelInput, entry: Model, manifest: Manifest, out: 
     found = packed_digests(manifest, entry.root, entry.extra)
     try:
         model.check(found)
-    except BaseException as e:
+    except ResolveError as e:
         bad = getattr(e, "path", None)  # DigestMismatch names the file; otherwise every file not known before
         prefix = entry.root.rstrip("/") + "/"
         for f in manifest.files:

@@ -258,7 +258,7 @@ class _PendingFile:
                 part_sha = self._hash_range(fd, offset, length)
                 hit = packer.journal.get(part_sha, length, packer.level)
             if hit is not None:
-                (digest, csize), part_sha = hit, part_sha
+                digest, csize = hit
                 packer.progress(length)
             else:
                 digest, csize, part_sha = packer._compress_range(fd, offset, length, str(self.src))
