@@ -239,7 +239,10 @@ class _PendingFile:
             raise Stopped()
         fd = self._open()
         try:
-            os.posix_fadvise(fd, 0, self.size, os.POSIX_FADV_SEQUENTIAL)
+            try:
+                os.posix_fadvise(fd, 0, self.size, os.POSIX_FADV_SEQUENTIAL)  # larger readahead
+            except OSError:
+                pass  # a hint only (some filesystems and sandboxes refuse it)
             self._computed = self._hash_range(fd, 0, self.size)
         finally:
             os.close(fd)
