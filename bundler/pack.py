@@ -15,7 +15,9 @@ One pass per file: a file's sha256 (what the device checks, and what the resolve
 hub's or the lock's, bundler.resolve.check_packed) is computed here by one more task that reads the
 file front to back while its parts compress, unless this run already hashed it (PackFile.sha256).
 The file is read from disk once: the hash task and the part tasks read the same pages through the
-page cache (a second read of a cached page is a memory copy). Each part task also hashes the
+page cache (a second read of a cached page is a memory copy), as long as the cache holds what lies
+between them (the compressors run ahead of the hash on a large file: up to half of it when they
+compress twice as fast as one core hashes). Each part task also hashes the
 uncompressed bytes it compresses (Part.sha256, in the manifest for files of more than one part), so
 install can check a large file part by part on every core; a one-part file's digest is that part's,
 so it is not hashed twice. A file whose size, mtime or inode changes while it is packed is refused.
