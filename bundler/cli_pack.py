@@ -162,7 +162,7 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     Every file is recorded in a signed manifest with its sha256; files larger than --max-part-size are
     split so the bundle fits on FAT32 USB sticks. An interrupted create resumes when run again.
     """
-    from bundler.create import create_bundle, resolve_inputs
+    from bundler.create import checked_resolution, create_bundle, resolve_inputs
     from bundler.engines import target_files_hook
     from bundler.keys import load_private_key
     from bundler.lockfile import write_lock
@@ -205,7 +205,7 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
                              target_files=target_files_hook(num_speculative_tokens=num_speculative_tokens,
                                                             serve=serve, eagle3_layers=layers),
                              runtime_platforms=platforms, extra_wheels=extra_wheels, wheel_cache=wheel_cache)
-    lock_out = lock_path or write_lock(out.parent / f"{out.name}.lock.json", resolved)
+    lock_out = lock_path or write_lock(out.parent / f"{out.name}.lock.json", checked_resolution(resolved, manifest))
     from bundler.keys import public_key_id
 
     stored = sum(p.size for p in {p.digest: p for f in manifest.files for p in f.parts}.values())

@@ -20,7 +20,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from bundler.pack import DEFAULT_MAX_PART_SIZE, PackFile, pack_bundle
 from bundler.provenance import local_source
-from manifests.errors import UsageError
+from manifests.errors import ResolveError, UsageError
+from manifests.layout import BLOBS_DIR
 from manifests.schema import Builder, FileEntry, Manifest, Model, ModelSource, Speculative, Target, format_time
 from runtime.fsutil import file_sha256
 
@@ -41,6 +42,9 @@ class ModelInput:
     files: tuple[str, ...] | None = None
     #: path -> (size, sha256) the resolver already checked, so nothing is hashed twice
     digests: Mapping[str, tuple[int, str]] | None = None
+    #: the resolver's check of what pack hashed ({path: (size, sha256)} of every file, packed or left out)
+    #: against the digests the hub or the lock declares; raises to fail the create before it is finished
+    check: Callable[[Mapping[str, tuple[int, str]]], object] | None = None
 
     @property
     def root(self) -> str:
@@ -120,17 +124,40 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
         run_preflight_checks(plans, profiles, length, force=force, allow_no_chat_template=allow_no_chat_template)
 
     resolved = resolve_models(model_ref, draft_ref, include=include, exclude=exclude, lock_path=lock_path,
-                              cache_dir=cache_dir, preflight=preflight)
+                              cache_dir=cache_dir, preflight=preflight, hash_files=False)
+    inputs = {role: input_from_resolved(r, embedded=embedded) for role, r in resolved.items()}
+    return inputs["target"], inputs.get("draft"), resolved
 
-    def as_input(role: str) -> ModelInput | None:
-        r = resolved.get(role)
-        if r is None:
-            return None
-        source = local_source(r.local_dir, r.source.revision, "embedded") if embedded else r.source
-        return ModelInput(role=role, local_dir=Path(r.local_dir), source=source, name=r.name,
-                          files=tuple(f.path for f in r.files), digests={f.path: (f.size, f.sha256) for f in r.files})
 
-    return as_input("target"), as_input("draft"), resolved  # type: ignore[return-value]
+def input_from_resolved(r, *, embedded: bool = False) -> ModelInput:
+    """A bundler.resolve.ResolvedModel as pack's input: files it hashed are reused, the others are hashed
+    by pack while it compresses and checked (bundler.resolve.check_packed) before the bundle is finished."""
+    from bundler.resolve import check_packed
+
+    source = local_source(r.local_dir, r.source.revision, "embedded") if embedded else r.source
+    return ModelInput(role=r.role, local_dir=Path(r.local_dir), source=source, name=r.name,
+                      files=tuple(f.path for f in r.files),
+                      digests={f.path: (f.size, f.sha256) for f in r.files if f.checked},
+                      check=None if all(f.checked for f in r.files) else (lambda found: check_packed(r, found)))
+
+
+def checked_resolution(resolved: Mapping[str, object], manifest: Manifest) -> dict:
+    """The resolved models with every digest as packed (what the lock file records), checked again."""
+    from bundler.resolve import check_packed
+
+    out = {}
+    for role, r in resolved.items():
+        m = next((m for m in manifest.models if m.role == role), None)
+        out[role] = r if m is None else check_packed(r, packed_digests(manifest, m.root, m.extra))
+    return out
+
+
+def packed_digests(manifest: Manifest, root: str, extra: Mapping) -> dict[str, tuple[int, str]]:
+    """{path under the model folder: (size, sha256)} of one model, packed or left out (omitted_files)."""
+    prefix = root.rstrip("/") + "/"
+    found = {e.path[len(prefix):]: (e.size, e.sha256) for e in manifest.files if e.path.startswith(prefix)}
+    found.update({o["path"]: (o["size"], o["sha256"]) for o in extra.get("omitted_files", ())})
+    return found
 
 
 def check_head_config(head_dir: Path, target_dir: Path, head_name: str, target_name: str) -> list[int]:
@@ -270,11 +297,16 @@ def _targets(target_ids: Sequence[str]) -> list[Target]:
 
 
 def _omit_checkpoint_weights(files: list[PackFile], inputs: Sequence[ModelInput],
-                             models: list[Model]) -> tuple[list[PackFile], list[Model]]:
+                             models: list[Model], jobs: int | None = None) -> tuple[list[PackFile], list[Model]]:
     """Drop the checkpoint files no target installs (engines carry their own weights); record each one
-    (path, size, sha256) in its model's entry, so the signed manifest still pins what was left home."""
+    (path, size, sha256) in its model's entry, so the signed manifest still pins what was left home.
+    Files nobody hashed yet are hashed here (in parallel across files: they are not packed)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from runtime import settings
+
     by_root = {m.root: m for m in inputs}
-    omitted: dict[str, list[dict]] = {}
+    omitted: dict[str, list[tuple[str, PackFile, tuple[int, str] | None]]] = {}
     kept = []
     for pf in files:
         root, _, rel = pf.path.partition("/")[2].partition("/")
@@ -282,11 +314,35 @@ def _omit_checkpoint_weights(files: list[PackFile], inputs: Sequence[ModelInput]
         if m is None or pf.targets != ():
             kept.append(pf)
             continue
-        size, sha = (m.digests or {}).get(rel) or (pf.src.stat().st_size, pf.sha256 or file_sha256(pf.src))
-        omitted.setdefault(m.root, []).append({"path": rel, "size": size, "sha256": sha})
-    models = [replace(md, extra={**md.extra, "omitted_files": omitted[md.root]}) if md.root in omitted else md
+        known = (m.digests or {}).get(rel) or ((pf.src.stat().st_size, pf.sha256) if pf.sha256 else None)
+        omitted.setdefault(m.root, []).append((rel, pf, known))
+    todo = [pf for left in omitted.values() for _, pf, known in left if known is None]
+    with ThreadPoolExecutor(max_workers=max(1, jobs or settings.jobs())) as pool:
+        hashed = dict(zip((pf.src for pf in todo), pool.map(lambda pf: (pf.src.stat().st_size,
+                                                                        file_sha256(pf.src)), todo)))
+    listed = {root: [{"path": rel, "size": (known or hashed[pf.src])[0], "sha256": (known or hashed[pf.src])[1]}
+                     for rel, pf, known in left] for root, left in omitted.items()}
+    models = [replace(md, extra={**md.extra, "omitted_files": listed[md.root]}) if md.root in listed else md
               for md in models]
     return kept, models
+
+
+def _check_or_discard(model: ModelInput, entry: Model, manifest: Manifest, out: Path) -> None:
+    """model.check on what was packed; when it fails, the blobs of files whose bytes differ from what
+    the hub or lock declares are removed (nobody signed them) and the bundle stays unfinished."""
+    found = packed_digests(manifest, entry.root, entry.extra)
+    try:
+        model.check(found)
+    except ResolveError as e:
+        bad = getattr(e, "path", None)  # DigestMismatch names the file; otherwise every file not known before
+        prefix = entry.root.rstrip("/") + "/"
+        for f in manifest.files:
+            rel = f.path[len(prefix):]
+            if f.path.startswith(prefix) and (rel == bad if bad else rel not in (model.digests or {})):
+                for p in f.parts:
+                    if not p.stored:
+                        (out / BLOBS_DIR / p.hex).unlink(missing_ok=True)
+        raise
 
 
 # --- the call --------------------------------------------------------------------------------
@@ -336,7 +392,11 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
                                model="draft") if draft is not None else None)
 
     def amend(manifest: Manifest) -> Manifest:
-        """Local folders have no commit: pin them by the digest of what was packed or left out."""
+        """Check what pack hashed against what the resolver was told (before anything is finished), and
+        pin local folders, which have no commit, by the digest of what was packed or left out."""
+        for m, md in zip(inputs, manifest.models):
+            if m.check is not None:
+                _check_or_discard(m, md, manifest, out)
         pinned = tuple(m if m.source.revision else
                        replace(m, source=replace(m.source, revision="sha256:" + content_digest(
                            manifest.files, m.root, m.extra.get("omitted_files", ()))))
@@ -358,7 +418,7 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
                 files = [replace(pf, targets=()) if is_weight_file(pf.path) else pf for pf in files]
             files += list(extra)
         if not checkpoint_weights:
-            files, models = _omit_checkpoint_weights(files, inputs, models)
+            files, models = _omit_checkpoint_weights(files, inputs, models, jobs)
         if house is not None:
             files += list(house.files)
         return pack_bundle(out, name=name, version=version, models=models, files=files, targets=target_list,

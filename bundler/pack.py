@@ -11,17 +11,24 @@ waiting for its blob's fsync leaves its slot to another part and the disk writes
 compresses. Independent frames also let `bundle install` decompress the parts of one file in
 parallel. The output does not depend on the thread count: same input, same blobs on any machine.
 
-Each file's sha256 (what the device checks) is hashed once: taken from the resolver, which already
-hashed every downloaded file in this run (PackFile.sha256), or else computed here by one more task
-that reads the file front to back while its parts compress. A file whose size, mtime or inode
-changes while it is packed is refused.
+One pass per file: a file's sha256 (what the device checks, and what the resolver compares with the
+hub's or the lock's, bundler.resolve.check_packed) is computed here by one more task that reads the
+file front to back while its parts compress, unless this run already hashed it (PackFile.sha256).
+The file is read from disk once: the hash task and the part tasks read the same pages through the
+page cache (a second read of a cached page is a memory copy), as long as the cache holds what lies
+between them (the compressors run ahead of the hash on a large file: up to half of it when they
+compress twice as fast as one core hashes). Each part task also hashes the
+uncompressed bytes it compresses (Part.sha256, in the manifest for files of more than one part), so
+install can check a large file part by part on every core; a one-part file's digest is that part's,
+so it is not hashed twice. A file whose size, mtime or inode changes while it is packed is refused.
 
 Wheels and the bootstrap (format 2) are already compressed or tiny: they are stored as they are
 (`PackFile.media_type` set), one blob named by the file's own sha256, so a device checks them with
 `sha256sum` alone. The manifest states the lowest format version that can hold what was packed.
 
 Crash safety: a blob appears under its digest only after fsync + rename, and a small resume
-journal ((file sha256, offset, length, level) -> blob) lets a rerun skip parts already done.
+journal ((sha256 of the part's uncompressed bytes, length, level) -> blob, appended as each blob lands)
+lets a rerun skip parts already done: it hashes each part's bytes and reuses the blob of the same content.
 index.json and the COMPLETE marker are written last; a directory without COMPLETE is never a
 finished bundle.
 """
@@ -128,22 +135,24 @@ class _DigestWriter:
 
 
 class _Journal:
-    """Resume journal: (file sha256, offset, length, level) -> blob, appended as each blob lands.
+    """Resume journal: (sha256 of a part's uncompressed bytes, length, level) -> blob, appended as each
+    blob lands.
 
-    Keyed by the content of the file the part comes from, so a changed input can never reuse a stale
-    blob. Only entries whose blob still exists with the recorded size count. Removed when the bundle
-    is complete. Thread-safe.
+    Keyed by the content of the part itself, so a changed input can never reuse a stale blob, and a
+    rerun reuses a part without first hashing its whole file. Only entries whose blob still exists with
+    the recorded size count (older tools' entries are skipped). Removed when the bundle is complete.
+    Thread-safe.
     """
 
     def __init__(self, path: Path, blobs: Path):
         self.path = path
-        self.entries: dict[tuple[str, int, int, int], tuple[str, int]] = {}
+        self.entries: dict[tuple[str, int, int], tuple[str, int]] = {}
         self._lock = threading.Lock()
         if path.exists():
             for line in path.read_text(errors="replace").splitlines():
                 try:
                     e = json.loads(line)
-                    key = (str(e["file_sha256"]), int(e["offset"]), int(e["length"]), int(e["level"]))
+                    key = (str(e["part_sha256"]), int(e["length"]), int(e["level"]))
                     digest, size = str(e["digest"]), int(e["size"])
                 except (ValueError, KeyError, TypeError):
                     continue  # a torn last line from a crash, or an older tool's entry
@@ -159,14 +168,14 @@ class _Journal:
             raise UsageError(f"expected {path.parent} to be free, found another `bundle create` "
                              f"writing to it") from None
 
-    def get(self, file_sha256: str, offset: int, length: int, level: int) -> tuple[str, int] | None:
-        return self.entries.get((file_sha256, offset, length, level))
+    def get(self, part_sha256: str, length: int, level: int) -> tuple[str, int] | None:
+        return self.entries.get((part_sha256, length, level))
 
-    def add(self, file_sha256: str, part: Part, level: int) -> None:
-        line = json.dumps({"file_sha256": file_sha256, "offset": part.offset, "length": part.length,
-                           "level": level, "digest": part.digest, "size": part.size}) + "\n"
+    def add(self, part: Part, level: int) -> None:
+        line = json.dumps({"part_sha256": part.sha256, "length": part.length, "level": level,
+                           "digest": part.digest, "size": part.size}) + "\n"
         with self._lock:
-            self.entries[(file_sha256, part.offset, part.length, level)] = (part.digest, part.size)
+            self.entries[(part.sha256, part.length, level)] = (part.digest, part.size)  # type: ignore[index]
             self.fh.write(line)
             self.fh.flush()
 
@@ -185,8 +194,8 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
 
 
 class _PendingFile:
-    """One file being packed: its tasks (a hash of the whole file unless its digest is known, and one per
-    part), and its sha256 and parts once the last of them is done."""
+    """One file being packed: its tasks (one per part, and a hash of the whole file unless its digest is
+    known or it has one part), and its sha256 and parts once the last of them is done."""
 
     def __init__(self, packer: "_Packer", src: Path, size: int, sha256: str | None):
         self.packer, self.src, self.size, self.sha256 = packer, src, size, sha256
@@ -198,7 +207,8 @@ class _PendingFile:
         self.parts: list[Part | None] = [None] * len(self.spans)
         # Without a known digest, one task hashes the file front to back while the parts compress (the
         # sha256 of a file is sequential; its pages are read once from disk and shared through the cache).
-        self._hash_needed = sha256 is None and size > 0
+        # A one-part file's digest is its part's, hashed as it compresses.
+        self._hash_needed = sha256 is None and len(self.spans) > 1
         self._computed: str | None = None
         self._left = len(self.spans) + self._hash_needed
         self._lock = threading.Lock()
@@ -211,25 +221,16 @@ class _PendingFile:
                              f"when packing started")
         return fd
 
-    def _hash_all(self) -> str:
-        fd = self._open()
+    def _hash_range(self, fd: int, offset: int, length: int) -> str:
+        h = hashlib.sha256()
         try:
-            h = hashlib.sha256()
-            for chunk in read_span(fd, 0, self.size, bytearray(READ_CHUNK), str(self.src)):
+            for chunk in read_span(fd, offset, length, bytearray(READ_CHUNK), str(self.src)):
                 if self.packer.stop.is_set():
                     raise Stopped()
                 h.update(chunk)
-            return h.hexdigest()
         except ShortRead as e:
             raise UsageError(f"{self.src} changed while packing: {e}") from None
-        finally:
-            os.close(fd)
-
-    def hash_first(self) -> None:
-        """Hash before any part is packed (resume: the journal is keyed by the file's sha256)."""
-        self.sha256 = self._hash_all()
-        self._hash_needed = False
-        self._left = len(self.spans)
+        return h.hexdigest()
 
     def tasks(self) -> list[Callable[[], "_PendingFile | None"]]:
         parts = [lambda i=i: self._pack_part(i) for i in range(len(self.spans))]
@@ -238,7 +239,15 @@ class _PendingFile:
     def _hash_task(self) -> "_PendingFile | None":
         if self.packer.stop.is_set():
             raise Stopped()
-        self._computed = self._hash_all()
+        fd = self._open()
+        try:
+            try:
+                os.posix_fadvise(fd, 0, self.size, os.POSIX_FADV_SEQUENTIAL)  # larger readahead
+            except OSError:
+                pass  # a hint only (some filesystems and sandboxes refuse it)
+            self._computed = self._hash_range(fd, 0, self.size)
+        finally:
+            os.close(fd)
         return self._done_one()
 
     def _pack_part(self, i: int) -> "_PendingFile | None":
@@ -247,19 +256,22 @@ class _PendingFile:
         if packer.stop.is_set():
             raise Stopped()
         offset, length = self.spans[i]
-        hit = packer.journal.get(self.sha256, offset, length, packer.level) if self.sha256 else None
-        if hit is not None:
-            digest, csize = hit
-            packer.progress(length)
-        else:
-            fd = self._open()
-            try:
-                digest, csize = packer._compress_range(fd, offset, length, str(self.src))
-            finally:
-                os.close(fd)
-        self.parts[i] = part = Part(digest=digest, size=csize, offset=offset, length=length)
-        if self.sha256 is not None and hit is None:
-            packer.journal.add(self.sha256, part, packer.level)
+        fd = self._open()
+        try:
+            hit = None
+            if packer.resuming:  # hash the part's bytes first: a blob of the same content may be there
+                part_sha = self._hash_range(fd, offset, length)
+                hit = packer.journal.get(part_sha, length, packer.level)
+            if hit is not None:
+                digest, csize = hit
+                packer.progress(length)
+            else:
+                digest, csize, part_sha = packer._compress_range(fd, offset, length, str(self.src))
+        finally:
+            os.close(fd)
+        self.parts[i] = part = Part(digest=digest, size=csize, offset=offset, length=length, sha256=part_sha)
+        if hit is None:
+            packer.journal.add(part, packer.level)
         return self._done_one()
 
     def _done_one(self) -> "_PendingFile | None":
@@ -272,10 +284,8 @@ class _PendingFile:
         if _identity(os.stat(self.src)) != self.ident:
             raise UsageError(f"{self.src} changed while packing: its size, mtime or inode is not what it was "
                              f"when packing started")
-        if self._hash_needed:
-            self.sha256 = self._computed
-            for part in self.parts:  # journaled now that the key is known
-                self.packer.journal.add(self.sha256, part, self.packer.level)  # type: ignore[arg-type]
+        if self.sha256 is None:
+            self.sha256 = self._computed if self._hash_needed else self.parts[0].sha256  # type: ignore[union-attr]
         return self
 
     def result(self) -> tuple[str, tuple[Part, ...]]:
@@ -283,7 +293,13 @@ class _PendingFile:
             return self.sha256 or hashlib.sha256().hexdigest(), ()
         if self.sha256 is None or any(p is None for p in self.parts):
             raise BundleError(f"internal error: {self.src} was not packed completely")
-        return self.sha256, tuple(self.parts)  # type: ignore[arg-type]
+        parts = tuple(self.parts)  # type: ignore[arg-type]
+        if len(parts) == 1:  # its digest is the file's
+            if parts[0].sha256 != self.sha256:
+                raise UsageError(f"{self.src} changed while packing: its sha256 is not the one this run "
+                                 f"was given")
+            parts = (replace(parts[0], sha256=None),)
+        return self.sha256, parts  # type: ignore[return-value]
 
 
 class _Packer:
@@ -330,9 +346,11 @@ class _Packer:
             os.replace(tmp, final)
             fsync_dir(self.blobs)
 
-    def _compress_range(self, fd: int, offset: int, length: int, what: str) -> tuple[str, int]:
-        """Compress [offset, offset+length) of fd into one zstd frame in a new blob; return (digest, size)."""
+    def _compress_range(self, fd: int, offset: int, length: int, what: str) -> tuple[str, int, str]:
+        """Compress [offset, offset+length) of fd into one zstd frame in a new blob; return (digest, size,
+        sha256 of the uncompressed bytes)."""
         tmp = self.blobs / f".tmp-{uuid.uuid4().hex}"
+        plain = hashlib.sha256()
         try:
             with open(tmp, "wb") as raw:
                 sink = _DigestWriter(raw)
@@ -344,6 +362,7 @@ class _Packer:
                     for chunk in read_span(fd, offset, length, buf, what):
                         if self.stop.is_set():
                             raise Stopped()
+                        plain.update(chunk)
                         zw.write(chunk)
                         self.progress(len(chunk))
                     zw.flush(zstandard.FLUSH_FRAME)
@@ -359,7 +378,7 @@ class _Packer:
                                   f"over the limit of {self.max_part_size}")
             hexd = sink.hash.hexdigest()
             self._land(tmp, hexd)
-            return "sha256:" + hexd, sink.size
+            return "sha256:" + hexd, sink.size, plain.hexdigest()
         except BaseException as e:
             tmp.unlink(missing_ok=True)
             if isinstance(e, ShortRead):
@@ -367,12 +386,8 @@ class _Packer:
             raise
 
     def pack_file(self, src: Path, size: int, sha256: str | None = None) -> _PendingFile:
-        """Plan one file; its work runs as tasks (`_PendingFile.tasks`). Resuming without a known digest
-        hashes the file first, so the journal can be asked which parts are already done."""
-        pending = _PendingFile(self, src, size, sha256)
-        if pending.sha256 is None and size > 0 and self.resuming:
-            pending.hash_first()
-        return pending
+        """Plan one file; its work runs as tasks (`_PendingFile.tasks`)."""
+        return _PendingFile(self, src, size, sha256)
 
     def run(self, pending: list[_PendingFile]) -> None:
         """Every part of every file on the pool, largest files first (they decide the wall time)."""

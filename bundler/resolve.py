@@ -5,6 +5,11 @@ Two stages, so a model that cannot run is refused in seconds rather than after a
 ones (config, tokenizer); `fetch_model` downloads the weights into the normal Hugging Face cache and
 checks every file's sha256 against the hub's own metadata (and against the lock file under `--lock`).
 `resolve_models` runs both for the target and the draft with the preflight checks in between.
+
+`bundle create` reads each weight file once: `fetch_model(..., hash_files=False)` leaves the files the hub
+(or the lock) gives a sha256 for, and a local folder's files, unhashed (`ResolvedFile.checked` False);
+pack hashes them while it compresses, and `check_packed` compares what pack found with what was declared
+before the bundle is finished (and pins a local folder's content digest).
 """
 
 from __future__ import annotations
@@ -49,7 +54,10 @@ class ModelRef:
 class ResolvedFile:
     path: str  # relative POSIX path inside the model folder
     size: int
-    sha256: str
+    #: checked: the file's sha256, hashed here. Not checked: what the hub or the lock declares (None: nothing
+    #: declared, a local folder), to compare with what pack hashes (check_packed).
+    sha256: str | None
+    checked: bool = True
 
 
 @dataclass(frozen=True)
@@ -59,11 +67,12 @@ class ResolvedModel:
     role: str  # "target" | "draft"
     ref: str
     repo: str | None
-    revision: str  # commit sha (hub) or "sha256:<content digest>" (local folder)
+    revision: str  # commit sha (hub) or "sha256:<content digest>" (local folder; "" until its files are hashed)
     requested_revision: str | None
     local_dir: Path
     files: tuple[ResolvedFile, ...]
     source: ModelSource
+    plan: "ModelPlan | None" = field(default=None, compare=False, repr=False)  # for check_packed
 
     @property
     def name(self) -> str:
@@ -158,8 +167,12 @@ def plan_model(ref: str | ModelRef, *, role: str, include: Iterable[str] = (), e
     return plan
 
 
-def fetch_model(plan: ModelPlan, *, jobs: int | None = None) -> ResolvedModel:
-    """Stage two: download the rest, hash every file, compare with the hub's digests and the lock file."""
+def fetch_model(plan: ModelPlan, *, jobs: int | None = None, hash_files: bool = True) -> ResolvedModel:
+    """Stage two: download the rest, hash every file, compare with the hub's digests and the lock file.
+
+    `hash_files=False` (bundle create): only files the hub describes by a git blob id (small, not LFS) are
+    hashed here; the others keep their declared digest, unchecked, for pack to hash and check_packed to
+    compare. Sizes are checked now either way."""
     mref = plan.ref
     folder = plan.local_dir
     if mref.kind == "huggingface" and not plan.offline:
@@ -169,24 +182,68 @@ def fetch_model(plan: ModelPlan, *, jobs: int | None = None) -> ResolvedModel:
     if missing:
         raise ResolveError(f"{plan.role} model {plan.name}: expected {', '.join(missing[:5])} in {folder}, "
                            f"found {'nothing' if len(missing) == 1 else 'none of them'}")
+    now = [p for p in plan.files if hash_files or _needs_git_blob(plan, p)]
     with ThreadPoolExecutor(max_workers=max(1, jobs or settings.jobs())) as pool:
-        hashed = list(pool.map(lambda p: (p, *_hash_file(folder / p, _needs_git_blob(plan, p))), plan.files))
+        hashed = dict(pool.map(lambda p: (p, _hash_file(folder / p, _needs_git_blob(plan, p))), now))
     files = []
-    for path, size, sha256, git_sha1 in hashed:
-        _check_digest(plan, folder, path, size, sha256, git_sha1)
-        files.append(ResolvedFile(path, size, sha256))
+    for path in plan.files:
+        if path in hashed:
+            size, sha256, git_sha1 = hashed[path]
+            _check_digest(plan, folder, path, size, sha256, git_sha1)
+            files.append(ResolvedFile(path, size, sha256))
+        else:
+            size = (folder / path).stat().st_size
+            _check_digest(plan, folder, path, size, None, None)  # size, and that a weight has a digest at all
+            files.append(ResolvedFile(path, size, _declared_sha256(plan, path), checked=False))
+    return _pinned(plan, folder, files)
+
+
+def check_packed(model: ResolvedModel, found: Mapping[str, tuple[int, str]]) -> ResolvedModel:
+    """The resolver's check of what pack hashed: every unchecked file's (size, sha256) in `found` against
+    the hub's digest (or the lock's); DigestMismatch (the bad file leaves the cache) or LockMismatch names
+    the first difference. Returns the model with every digest checked and a local folder's revision pinned.
+    Pure: no file is read."""
+    if all(f.checked for f in model.files):
+        return model
+    plan = model.plan
+    files = []
+    for f in model.files:
+        if f.checked:
+            files.append(f)
+            continue
+        if f.path not in found:
+            raise ResolveError(f"internal error: {model.role} model {model.name}: {f.path} was not hashed")
+        size, sha256 = found[f.path]
+        _check_digest(plan, model.local_dir, f.path, size, sha256, None)
+        files.append(ResolvedFile(f.path, size, sha256))
+    return _pinned(plan, model.local_dir, files)
+
+
+def _declared_sha256(plan: ModelPlan, path: str) -> str | None:
+    exp = plan.expected.get(path)
+    if exp is not None:
+        return exp.lfs_sha256
+    locked = {f.path: f.sha256 for f in plan.lock.files} if plan.lock is not None else {}
+    return locked.get(path)
+
+
+def _pinned(plan: ModelPlan, folder: Path, files: list[ResolvedFile]) -> ResolvedModel:
+    """The resolved model; checked against the lock as far as its digests are known."""
+    mref = plan.ref
+    known = all(f.checked for f in files)
     if mref.kind == "local":
-        revision = "sha256:" + content_digest(files)
-        source = local_source(mref.path, revision)  # type: ignore[arg-type]
+        revision = "sha256:" + content_digest(files) if known else ""
+        source = local_source(mref.path, revision or None)  # type: ignore[arg-type]
         repo, requested = None, None
     else:
         revision = plan.revision or ""
         source = ModelSource("huggingface", repo=mref.repo, revision=revision, requested_revision=mref.revision)
         repo, requested = mref.repo, mref.revision
     if plan.lock is not None:
-        check_against_lock(plan.lock, role=plan.role, repo=repo, revision=revision,
-                           files=[(f.path, f.size, f.sha256) for f in files])
-    return ResolvedModel(plan.role, mref.text, repo, revision, requested, folder, tuple(files), source)
+        entry = plan.lock
+        check_against_lock(entry, role=plan.role, repo=repo, revision=revision if known else entry.revision,
+                           files=[(f.path, f.size, f.sha256 if f.checked else None) for f in files])
+    return ResolvedModel(plan.role, mref.text, repo, revision, requested, folder, tuple(files), source, plan)
 
 
 def resolve_model(ref: str, *, role: str, include: Iterable[str] = (), exclude: Iterable[str] = (),
@@ -200,7 +257,8 @@ def resolve_model(ref: str, *, role: str, include: Iterable[str] = (), exclude: 
 def resolve_models(model_ref: str, draft_ref: str | None = None, *, include: Iterable[str] = (),
                    exclude: Iterable[str] = (), lock_path: Path | None = None, cache_dir: Path | None = None,
                    endpoint: str | None = None,
-                   preflight: Callable[[Mapping[str, ModelPlan]], None] | None = None) -> dict[str, ResolvedModel]:
+                   preflight: Callable[[Mapping[str, ModelPlan]], None] | None = None,
+                   hash_files: bool = True) -> dict[str, ResolvedModel]:
     """Target (and draft): plan both, run `preflight` on the plans, then download and verify.
 
     `preflight` is typically `lambda plans: bundler.checks.run_preflight_checks(plans, profiles, max_len, force)`;
@@ -216,7 +274,7 @@ def resolve_models(model_ref: str, draft_ref: str | None = None, *, include: Ite
              for role, ref in refs.items()}
     if preflight is not None:
         preflight(plans)
-    return {role: fetch_model(plan) for role, plan in plans.items()}
+    return {role: fetch_model(plan, hash_files=hash_files) for role, plan in plans.items()}
 
 
 def content_digest(files: Iterable[ResolvedFile]) -> str:
@@ -227,16 +285,18 @@ def content_digest(files: Iterable[ResolvedFile]) -> str:
     return h.hexdigest()
 
 
-def _check_digest(plan: ModelPlan, folder: Path, path: str, size: int, sha256: str, git_sha1: str | None) -> None:
+def _check_digest(plan: ModelPlan, folder: Path, path: str, size: int, sha256: str | None,
+                  git_sha1: str | None) -> None:
+    """Size and digests against the hub's metadata; a None sha256 (not hashed yet) checks the size only."""
     exp = plan.expected.get(path)
     if exp is None:
         return  # local folder: nothing to check against but the lock file
     problem = None
     if exp.size is not None and exp.size != size:
         problem = f"expected {exp.size} bytes, found {size}"
-    elif exp.lfs_sha256 is not None and exp.lfs_sha256 != sha256:
+    elif exp.lfs_sha256 is not None and sha256 is not None and exp.lfs_sha256 != sha256:
         problem = f"expected sha256 {exp.lfs_sha256}, found {sha256}"
-    elif exp.lfs_sha256 is None and exp.blob_id is not None and exp.blob_id != git_sha1:
+    elif exp.lfs_sha256 is None and exp.blob_id is not None and sha256 is not None and exp.blob_id != git_sha1:
         problem = f"expected git blob {exp.blob_id}, found {git_sha1}"
     elif exp.lfs_sha256 is None and exp.blob_id is None and is_weight_file(path):
         problem = "the hub gave no digest to check the weights against"
@@ -244,9 +304,11 @@ def _check_digest(plan: ModelPlan, folder: Path, path: str, size: int, sha256: s
         if not plan.offline:
             hub.forget_cached_file(folder, path)
         where = "the hub's metadata" if not plan.offline else "the cache's record of the hub's metadata"
-        raise DigestMismatch(f"{plan.role} model {plan.name}@{plan.revision}: {path} does not match {where}: "
-                             f"{problem}; refusing to bundle it"
-                             + ("" if plan.offline else " (removed from the cache, so a retry downloads it again)"))
+        error = DigestMismatch(f"{plan.role} model {plan.name}@{plan.revision}: {path} does not match {where}: "
+                               f"{problem}; refusing to bundle it"
+                               + ("" if plan.offline else " (removed from the cache, so a retry downloads it again)"))
+        error.path = path  # type: ignore[attr-defined]  # which file's packed blobs to discard
+        raise error
 
 
 def _hash_file(path: Path, git_blob: bool = True) -> tuple[int, str, str | None]:

@@ -160,6 +160,10 @@ class Part(_Record):
     offset: int  # where the part starts in the uncompressed file
     length: int  # uncompressed length
     compression: str = "zstd"  # "none": the blob is the bytes themselves (format 2)
+    #: sha256 (hex) of the part's uncompressed bytes, optional (format 1 readers keep it as an unknown
+    #: field): with it on every part, install checks a many-part file part by part, in parallel, instead
+    #: of hashing the whole file front to back. Written for files of more than one part.
+    sha256: str | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict:
@@ -170,14 +174,17 @@ class Part(_Record):
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Part":
-        k, extra = _split(d, {"digest", "size", "offset", "length", "compression"})
+        k, extra = _split(d, {"digest", "size", "offset", "length", "compression", "sha256"})
         _check(is_sha256_digest(k.get("digest")),
                f"expected part digest 'sha256:<64 lowercase hex>', found {str(k.get('digest'))[:80]!r}")
         for n in ("size", "offset", "length"):
             _check(_is_count(k.get(n)), f"expected part {n} to be an integer >= 0, found {k.get(n)!r}")
         compression = k.get("compression", "zstd")
         _check(compression in COMPRESSIONS, f"expected part compression one of {COMPRESSIONS}, found {compression!r}")
-        return cls(k["digest"], k["size"], k["offset"], k["length"], compression, extra)
+        sha256 = k.get("sha256")
+        _check(sha256 is None or (isinstance(sha256, str) and _SHA256.fullmatch(sha256) is not None),
+               f"expected part sha256 of 64 lowercase hex digits, found {str(sha256)[:80]!r}")
+        return cls(k["digest"], k["size"], k["offset"], k["length"], compression, sha256, extra)
 
     @property
     def stored(self) -> bool:
@@ -224,6 +231,9 @@ class FileEntry(_Record):
             _check(p.offset == pos, f"{path}: expected part at offset {pos}, found {p.offset}")
             pos += p.length
         _check(pos == k["size"], f"{path}: parts cover {pos} bytes, expected size {k['size']}")
+        if len(parts) == 1 and parts[0].sha256 is not None:
+            _check(parts[0].sha256 == k["sha256"], f"{path}: expected the sha256 of its only part to be the "
+                                                   f"file's, found {parts[0].sha256[:16]}...")
         if any(p.stored for p in parts):  # a stored file is one blob named by the file's own sha256
             _check(len(parts) == 1 and parts[0].hex == k["sha256"] and parts[0].size == k["size"],
                    f"{path}: expected a stored (uncompressed) file to be one blob of its own size and sha256")

@@ -4,9 +4,12 @@ Parallel: every part blob of every file is one task on a pool of threads (zstd a
 the GIL), writing its bytes at the part's offset, so a large file split into parts (bundler.pack
 PART_CHUNK) decompresses on every core. Each part blob is read at most to its declared compressed
 size and its sha256 is checked; it is decompressed with a bounded zstd window and never past its
-declared length. Each file's sha256 is computed in part order while the parts land (inline for a
-one-part file, by re-reading finished parts through the page cache for a larger one:
-runtime.parallel.InOrderHash) and compared before the file counts as done. Files are fsynced
+declared length. What lands is checked against a signed sha256 of the uncompressed bytes before
+the file counts as done: each part's own (Part.sha256, written by create for files of more than one
+part), hashed inline as it is written, so a large file is checked on every core; or, for a bundle
+without them (older tools), the file's sha256, computed in part order while the parts land (inline for
+a one-part file, by re-reading finished parts through the page cache for a larger one:
+runtime.parallel.InOrderHash), which is sequential. Files are fsynced
 together at the end, in parallel, before `unpack_files` returns: the caller switches nothing in
 before every byte is verified and durable. Only regular files are created (O_EXCL | O_NOFOLLOW, in
 a fresh directory), at paths the schema already validated. A full disk becomes EnvironmentProblem;
@@ -64,8 +67,13 @@ class _FileWrite:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         os.close(os.open(self.dest, flags, 0o755 if entry.executable else 0o644))
         spans = [(p.offset, p.length) for p in entry.parts]
-        # One part: hashed inline as it is written. Several: in part order, whoever finishes the next one.
-        self.hasher = InOrderHash(spans, self._open_read, entry.path, stop) if len(spans) > 1 else None
+        # One part: hashed inline as it is written. Several, each with its own signed digest: each hashed
+        # inline, in parallel. Several without: the whole file in part order, whoever finishes the next one.
+        self.per_part = len(spans) > 1 and all(p.sha256 is not None for p in entry.parts)
+        self.hasher = (InOrderHash(spans, self._open_read, entry.path, stop)
+                       if len(spans) > 1 and not self.per_part else None)
+        self._left = len(spans)
+        self._lock = threading.Lock()
 
     def _open_read(self) -> int:
         return os.open(self.dest, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -95,6 +103,15 @@ class _FileWrite:
                 self._decompress(self.entry.parts[i], i, fd, inline)
             finally:
                 os.close(fd)
+            if self.per_part:
+                part = self.entry.parts[i]
+                if inline.hexdigest() != part.sha256:
+                    raise BadBundleError(f"{self.entry.path} part {i + 1}/{len(self.entry.parts)}: sha256 of the "
+                                         f"unpacked bytes is {inline.hexdigest()[:16]}..., expected "
+                                         f"{part.sha256[:16]}...")
+                with self._lock:
+                    self._left -= 1
+                    return self.entry if self._left == 0 else None
             if inline is not None:
                 self._check(inline.hexdigest())
                 return self.entry

@@ -122,3 +122,21 @@ def test_oversized_and_non_json_manifests_refused():
         Manifest.from_json_bytes(b" " * (MAX_MANIFEST_BYTES + 1))
     with pytest.raises(BadBundleError, match="JSON"):
         Manifest.from_json_bytes(b"\xff\xfe{")
+
+
+def test_part_digests_of_the_uncompressed_bytes_are_optional_and_checked():
+    d = sample()
+    d["files"][1]["parts"][0]["sha256"] = "ab" * 32
+    d["files"][1]["parts"][1]["sha256"] = "cd" * 32
+    m = Manifest.from_dict(d)
+    assert [p.sha256 for p in m.files[1].parts] == ["ab" * 32, "cd" * 32]
+    assert m.to_dict() == d and m.files[0].parts[0].sha256 is None  # absent stays absent (format-1 bytes)
+    assert "sha256" not in json.loads(Manifest.from_dict(sample()).to_json_bytes())["files"][1]["parts"][0]
+    bad = copy.deepcopy(d)
+    bad["files"][1]["parts"][0]["sha256"] = "AB" * 32
+    with pytest.raises(BadBundleError, match="expected part sha256 of 64 lowercase hex digits, found 'ABAB"):
+        Manifest.from_dict(bad)
+    one = sample()
+    one["files"][0]["parts"][0]["sha256"] = "ee" * 32  # the only part of a file is the file
+    with pytest.raises(BadBundleError, match="config.json: expected the sha256 of its only part to be the file's"):
+        Manifest.from_dict(one)

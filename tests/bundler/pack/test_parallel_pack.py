@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from dataclasses import replace
@@ -61,9 +62,33 @@ def test_known_digest_is_trusted_not_recomputed(tmp_path, monkeypatch):
     """The resolver's digest goes into the manifest as given: pack hashes nothing (the device checks it)."""
     src = tmp_path / "w.bin"
     _weights(src, 3 * CHUNK)
-    monkeypatch.setattr(pack_module._PendingFile, "_hash_all", lambda *a: pytest.fail("pack hashed the file"))
+    monkeypatch.setattr(pack_module._PendingFile, "_hash_task", lambda *a: pytest.fail("pack hashed the file"))
     manifest = _pack(tmp_path / "b", [PackFile(src, "w.bin", sha256=file_sha256(src))], jobs=2)
     assert manifest.files[0].sha256 == file_sha256(src)
+
+
+def test_one_pass_per_file_whole_file_and_part_digests(tmp_path, monkeypatch):
+    """Without a known digest the whole-file sha256 is taken beside the parts (one more task, not before
+    them), and each part records the sha256 of its own uncompressed bytes; a one-part file is hashed once."""
+    big, small = tmp_path / "w.bin", tmp_path / "c.json"
+    _weights(big, 3 * CHUNK + 5)
+    small.write_bytes(b'{"a": 1}')
+    started = []
+    real = pack_module._PendingFile._hash_task
+
+    def spy(self):
+        started.append(self.src.name)
+        return real(self)
+
+    monkeypatch.setattr(pack_module._PendingFile, "_hash_task", spy)
+    manifest = _pack(tmp_path / "b", [PackFile(big, "w.bin"), PackFile(small, "c.json")], jobs=2)
+    entry, one = manifest.files
+    assert started == ["w.bin"]  # the one-part file's digest is its part's
+    assert entry.sha256 == file_sha256(big) and one.sha256 == file_sha256(small)
+    data = big.read_bytes()
+    assert [p.sha256 for p in entry.parts] == [hashlib.sha256(data[p.offset:p.offset + p.length]).hexdigest()
+                                               for p in entry.parts]
+    assert one.parts[0].sha256 is None  # not written for one part: it would repeat the file's digest
 
 
 def test_resolver_digest_of_another_size_is_refused(model_copy, tmp_path):
