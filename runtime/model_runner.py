@@ -62,6 +62,9 @@ class ModelRunner:
         self.stats = SpecStats()
         self._clock = clock
         self.greedy_argmax = greedy_argmax
+        #: called before every engine forward (the engine client hands the previous step's tokens to
+        #: the event loop there, while the engine is about to release the GIL for its run)
+        self.before_forward = None
         self._mirrors()
 
     def _mirrors(self) -> None:
@@ -274,6 +277,8 @@ class ModelRunner:
     def _forward(self, engine: Engine, mirror: list[list[int]], rows: list[Row], role: str, *,
                  greedy: bool = False, logits_for: Collection[int] = ()) -> list[np.ndarray]:
         """greedy: argmax only (Engine.forward_greedy), except logits for the slots in logits_for."""
+        if self.before_forward is not None:
+            self.before_forward()
         t0 = self._clock()
         logits = engine.forward_greedy(rows, logits_for=logits_for) if greedy else engine.forward(rows)
         for row in rows:

@@ -56,6 +56,8 @@ class OpenAIServer:
                                  max_num_batched_tokens=options.max_num_batched_tokens,
                                  enable_prefix_caching=options.enable_prefix_caching)
         self.engine = EngineClient(runner, config, on_step_done=self._gauges)
+        self.metrics.watch_engine(lambda: (self.engine.steps, self.engine.step_seconds,
+                                           runner.stats.target_seconds + runner.stats.draft_seconds))
         self._preprocess = ThreadPoolExecutor(max_workers=PREPROCESS_THREADS, thread_name_prefix="preprocess")
         shared = (model, options, self.metrics, self.engine, self._preprocess, Admission())
         compiler = [None]  # the grammar compiler, built once on the first structured request

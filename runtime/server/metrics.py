@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 log = logging.getLogger("bundle.serve")
 
@@ -36,14 +37,22 @@ class _Labelled:
 
     def __init__(self, family, labels: dict, extra: tuple = ()):
         self._family, self._labels = family, labels
-        if not extra:
-            family.labels(**labels)  # the series exists (at zero) from the start
+        # the series exists (at zero) from the start; bound once, since labels() costs a lock and a
+        # dict lookup on every call and these are updated per token from the engine thread
+        self._child = None if extra else family.labels(**labels)
+        self._children: dict = {}
 
     def labels(self, **more):
-        return self._family.labels(**self._labels, **more)
+        key = tuple(sorted(more.items()))
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._family.labels(**self._labels, **more)
+        return child
 
     def __getattr__(self, name):  # inc, dec, observe, set on the bound child
-        return getattr(self._family.labels(**self._labels), name)
+        if self._child is None:
+            return getattr(self._family.labels(**self._labels), name)
+        return getattr(self._child, name)
 
 
 class Metrics:
@@ -56,6 +65,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         base = {"model_name": model_name, "engine": "0"}
+        self._base = base
         names = list(base)
 
         def counter(name, doc, extra=()):
@@ -98,6 +108,13 @@ class Metrics:
         self._clock = clock
         self._window = _Window(since=clock())
 
+    def watch_engine(self, read) -> None:
+        """Export the engine thread's cumulative counters, read at scrape time (nothing per step):
+        `read()` -> (steps, step seconds, seconds inside engine forward calls). Step minus forward, per
+        step, is the overhead outside the engines (scheduling, sampling, detokenizing, hand-off, and
+        waiting for the GIL while the event loop holds it)."""
+        self.registry.register(_EngineCollector(read, self._base))
+
     def step(self, tokens: int, drafted: int, accepted: int) -> None:
         self.generation_tokens.inc(tokens)
         w = self._window
@@ -136,3 +153,21 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """bundle:engine_steps, bundle:engine_step_seconds, bundle:engine_forward_seconds (counters)."""
+
+    def __init__(self, read, labels: dict):
+        self._read, self._labels = read, labels
+
+    def collect(self):
+        names = list(self._labels)
+        values = list(self._labels.values())
+        docs = (("bundle:engine_steps", "Engine steps run"),
+                ("bundle:engine_step_seconds", "Wall time of engine steps"),
+                ("bundle:engine_forward_seconds", "Time inside target and draft forward calls during steps"))
+        for (name, doc), value in zip(docs, self._read()):
+            family = CounterMetricFamily(name, doc, labels=names)
+            family.add_metric(values, value)
+            yield family

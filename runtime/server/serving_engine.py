@@ -75,6 +75,7 @@ class Job:
     prompt: list[int]
     loop: asyncio.AbstractEventLoop
     text: TextStream
+    engine: EngineClient | None = None  # hands events to the loop (once per engine step)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     engine_request: EngineRequest | None = None
     last_token_at: float | None = None
@@ -89,11 +90,15 @@ class Job:
     finish: str | None = None
 
     def post(self, *event) -> None:
+        cancel = self.engine_request.cancel if self.engine_request is not None else None
+        if self.engine is not None:
+            self.engine.post(self.loop, self.events.put_nowait, event, cancel=cancel)
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # loop closed: the server is shutting down
-            if self.engine_request is not None:
-                self.engine_request.cancel.set()
+            if cancel is not None:
+                cancel.set()
 
 
 class Admission:
@@ -198,6 +203,7 @@ class OpenAIServing:
         `plan.n` consecutive choices per prompt. The choices of one request run side by side in the batch."""
         self._admit()
         loop = asyncio.get_running_loop()
+        self.engine.attach(loop)
         tok, m = self.model.tokenizer, self.metrics
         remaining = [len(choices)]
         m.request_params_n.observe(plan.n)
@@ -211,7 +217,7 @@ class OpenAIServing:
         jobs = []
         for i, (prompt, max_tokens) in enumerate(choices):
             job = Job(prompt, loop, TextStream(tok, tuple(req.stop_list()), skip_special_tokens=plan.skip_special_tokens),
-                      arrived=self._clock())
+                      engine=self.engine, arrived=self._clock())
             jobs.append(job)
             self._start(job, req, plan, replace(plan.params, seed=seeds[i % plan.n]), max_tokens, done_one)
         return jobs
@@ -225,7 +231,7 @@ class OpenAIServing:
             job.post(*event)
             if not released:
                 released = True
-                loop.call_soon_threadsafe(done_one)
+                self.engine.post(loop, done_one)
 
         def on_step(step: Step) -> str | None:
             now = self._clock()
