@@ -2,7 +2,8 @@
 for every slot (prefill chunks and [pending + drafts] rows together), exact acceptance per slot.
 
 Cache bookkeeping per slot: the target slot holds every token of the sequence except the last
-("pending", whose logits are not computed yet) once its prompt is prefilled; a verification
+("pending", whose logits are not computed yet) once its first token is out (sampled from the
+prompt's last prefill row, in the step that prefills it); a verification
 appends pending + drafts and rolls back to the accepted prefix. `target_cache[slot]` /
 `draft_cache[slot]` mirror what each slot holds (token ids): the draft catches up from the common
 prefix, and a new request reuses the longest prefix any slot holds (prefix caching).
@@ -174,38 +175,52 @@ class ModelRunner:
     def step(self, decodes: Sequence[tuple], prefills: Sequence[tuple]) -> None:
         """`decodes`: (request, g) with g proposals wanted (0: plain); `prefills`: (request, n prompt tokens).
 
-        Each decoding request gets one Step through `request.emit`.
+        Each decoding request gets one Step through `request.emit`, and so does each request whose
+        prompt's last chunk runs now (its first token, sampled from that chunk's last row).
         """
         proposals = self._propose(decodes, prefills)
-        rows = [Row(r.slot, r.tokens[r.computed:r.computed + n], fetch="none") for r, n in prefills]
+        rows, firsts = [], []  # firsts: the prefills whose last chunk this is
+        for r, n in prefills:
+            last = r.computed + n == len(r.prompt)
+            rows.append(Row(r.slot, r.tokens[r.computed:r.computed + n], fetch="last" if last else "none"))
+            if last:
+                firsts.append(r)
         for r, _ in decodes:
             drafts, _ = proposals.get(r.slot, ([], []))
             rows.append(Row(r.slot, [r.tokens[-1], *drafts]))
-        # Decoding rows that are greedy with nothing reading the full distribution get only the argmax
-        # back; rows that read it (sampling, logprobs, a logits processor) their logits, in the same call.
-        sampled = {r.slot for r, _ in decodes if not argmax_suffices(r)}
-        greedy = self.greedy_argmax and len(sampled) < len(decodes) and offers_greedy(self.target)
+        # Sampling rows (decodes, and prompts whose last chunk runs now) that are greedy with nothing
+        # reading the full distribution get only the argmax back; rows that read it (sampling, logprobs,
+        # a logits processor) their logits, in the same call.
+        sampling = [r for r, _ in decodes] + firsts
+        sampled = {r.slot for r in sampling if not argmax_suffices(r)}
+        greedy = self.greedy_argmax and len(sampled) < len(sampling) and offers_greedy(self.target)
         logits = self._forward(self.target, self.target_cache, rows, "target", greedy=greedy, logits_for=sampled)
-        for r, n in prefills:
+        for (r, n), row_logits in zip(prefills, logits):
             r.computed += n
+            if r.computed == len(r.prompt):  # the first token, from the prompt's last row
+                self._finish_row(r, np.asarray(row_logits)[-1:], [], [], greedy and r.slot not in sampled)
         for (r, _), row_logits in zip(decodes, logits[len(prefills):]):
             drafts, qs = proposals.get(r.slot, ([], []))
-            if greedy and r.slot not in sampled:  # row_logits: the argmax after [pending, *drafts]
-                new = accept_greedy(np.asarray(row_logits).tolist()[-(len(drafts) + 1):], drafts)
-            else:
-                new = accept(row_logits, drafts, qs, r.params, r.rng, r.logits_processors, r.output_ids)
-            accepted = len(new) - 1
-            self.stats.record(len(drafts), accepted)
-            keep = len(r.tokens) + accepted  # target now holds tokens + drafts; keep tokens + accepted
-            self._rollback(self.target, self.target_cache, r.slot, keep)
-            if self.draft is not None and self.uses_draft(r):
-                self._rollback(self.draft, self.draft_cache, r.slot, min(len(self.draft_cache[r.slot]), keep))
-            r.tokens.extend(new)
-            r.computed = len(r.tokens) - 1
-            # row i of the raw target logits is the distribution new[i] was chosen from
-            logprobs = None if r.logprobs is None else [token_logprobs(row_logits[i], t, r.logprobs)
-                                                         for i, t in enumerate(new)]
-            r.emit(new, len(drafts), accepted, logprobs)
+            self._finish_row(r, row_logits, drafts, qs, greedy and r.slot not in sampled)
+
+    def _finish_row(self, r, row_logits, drafts: list[int], qs: list, greedy: bool) -> None:
+        """Accept from a row's target output (argmax or logits after [pending, *drafts]); emit the Step."""
+        if greedy:  # row_logits: the argmax after [pending, *drafts]
+            new = accept_greedy(np.asarray(row_logits).tolist()[-(len(drafts) + 1):], drafts)
+        else:
+            new = accept(row_logits, drafts, qs, r.params, r.rng, r.logits_processors, r.output_ids)
+        accepted = len(new) - 1
+        self.stats.record(len(drafts), accepted)
+        keep = len(r.tokens) + accepted  # target now holds tokens + drafts; keep tokens + accepted
+        self._rollback(self.target, self.target_cache, r.slot, keep)
+        if self.draft is not None and self.uses_draft(r):
+            self._rollback(self.draft, self.draft_cache, r.slot, min(len(self.draft_cache[r.slot]), keep))
+        r.tokens.extend(new)
+        r.computed = len(r.tokens) - 1
+        # row i of the raw target logits is the distribution new[i] was chosen from
+        logprobs = None if r.logprobs is None else [token_logprobs(row_logits[i], t, r.logprobs)
+                                                     for i, t in enumerate(new)]
+        r.emit(new, len(drafts), accepted, logprobs)
 
     def _propose(self, decodes, prefills) -> dict[int, tuple[list[int], list]]:
         out: dict[int, tuple[list[int], list]] = {}

@@ -11,7 +11,10 @@ Requests join and leave between steps. A step (vLLM V1's rule, decode first):
    length, fewer only near max_tokens or the context end, never because of other requests, so a
    seeded request samples the same tokens alone or in a crowd).
 4. What is left of `max_num_batched_tokens` goes to prompts still being prefilled, in arrival
-   order, in chunks: a long prompt arriving costs running streams at most one chunk per step.
+   order, in chunks: a long prompt arriving costs running streams at most one chunk per step. A
+   prompt's last chunk includes its last token and its first output token is sampled from that
+   row, in the same step (as vLLM does): the first token costs one step less than a decode after
+   the prefill, and requests that arrive together all prefill in the steps their prompts fill.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ class EngineRequest:
 
     @property
     def prefilling(self) -> bool:
-        return self.computed < len(self.tokens) - 1
+        """The prompt is not fully in the cache yet: its last chunk samples the first token."""
+        return self.computed < len(self.prompt)
 
     def emit(self, new: list[int], drafted: int, accepted: int, logprobs: list | None = None) -> None:
         step, n = step_of(new, drafted, accepted, self.eos_ids, self.produced, self.max_tokens)
@@ -160,12 +164,12 @@ class Scheduler:
             budget -= 1 + max(g, 0)
         for r in sorted(self.running.values(), key=lambda r: r.arrival):
             if r.prefilling and budget > 0:
-                n = min(len(r.tokens) - 1 - r.computed, budget)
+                n = min(len(r.prompt) - r.computed, budget)
                 prefills.append((r, n))
                 budget -= n
         if decodes or prefills:
             self.runner.step(decodes, prefills)
-        for r, _ in decodes:
+        for r, _ in [*decodes, *prefills]:
             if r.finish_reason is not None:
                 finished.append(self._free_slot(r))
         return finished

@@ -182,6 +182,40 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(batched
         long.prompt, GREEDY, max_tokens=5) for t in s.tokens]
 
 
+@pytest.mark.parametrize("method", ["none", "draft_model"])
+def test_requests_arriving_together_get_their_first_token_in_the_steps_that_prefill_them(batched, prompts,
+                                                                                         alone, method):
+    """Each prompt's last chunk samples its first token in the same step; with a budget that holds
+    every prompt, all of them come out of ONE step (the old rule needed a decode step after it)."""
+    together = prompts[1:5]  # 3, 9, 17 and 40 tokens
+    draft = batched("draft", num_slots=4) if method != "none" else None
+    runner = ModelRunner(batched("target", num_slots=4), draft, method, 3)
+    rec = Recorder()
+    scheduler = Scheduler(runner, max_num_seqs=4, max_num_batched_tokens=sum(map(len, together)))
+    requests = [rec.request(p) for p in together]
+    for r in requests:
+        scheduler.add(r)
+    scheduler.step()
+    assert [len(rec.tokens(r)) for r in requests] == [1, 1, 1, 1]
+    while scheduler.has_work():
+        scheduler.step()
+    assert [rec.tokens(r) for r in requests] == alone[1:5]
+    # a budget of 32: the prompts (69 tokens) fill three steps, in arrival order
+    rec = Recorder()
+    scheduler = Scheduler(runner, max_num_seqs=4, max_num_batched_tokens=32)
+    requests = [rec.request(p) for p in together]
+    for r in requests:
+        scheduler.add(r)
+    firsts = []
+    for _ in range(3):
+        scheduler.step()
+        firsts.append(sum(1 for r in requests if rec.tokens(r)))
+    assert firsts[-1] == 4 and firsts[0] >= 2
+    while scheduler.has_work():
+        scheduler.step()
+    assert [rec.tokens(r) for r in requests] == alone[1:5]
+
+
 def test_cancel_frees_the_slot_at_the_next_step_and_others_continue(batched, prompts, alone):
     runner = ModelRunner(batched("target", num_slots=2), None, "none")
     scheduler = Scheduler(runner, max_num_seqs=2, max_num_batched_tokens=64)

@@ -39,10 +39,12 @@ def test_each_step_is_one_target_pass_and_g_draft_passes_with_minimal_catch_up(p
     steps = list(gen.generate(prompt, params, max_tokens=60))
     spec = [s for s in steps if s.drafted]
     assert 0 < gen.stats.num_accepted_tokens < gen.stats.num_draft_tokens, "both accepting and rejecting happen"
-    assert len(target.calls) == 1 + len(steps)  # prefill, then exactly one pass per step
-    # The draft is prefilled beside the target (prompt minus its pending token, one call), then g
-    # passes per step, catch-up included.
-    assert draft.calls[0] == prompt[:-1]
+    # exactly one pass per step: the prefill's pass gives the first token (a Step of its own)
+    assert len(target.calls) == len(steps) and target.calls[0] == prompt
+    assert not steps[0].drafted and len(steps[0].tokens) == 1
+    # The draft is prefilled beside the target (the whole prompt, one call), then g passes per
+    # step, catch-up included.
+    assert draft.calls[0] == prompt
     assert len(draft.calls) == 1 + sum(s.drafted for s in spec)
     # The draft never sees a token twice: its first call of a step feeds only what it lacks (the
     # new pending token, plus the last proposal when all were accepted); later calls one token each.
@@ -50,7 +52,7 @@ def test_each_step_is_one_target_pass_and_g_draft_passes_with_minimal_catch_up(p
     for n, s in enumerate(spec):
         first = draft.calls[i]
         if n == 0:
-            assert first == prompt[-1:]
+            assert first == steps[0].tokens  # the first token, sampled in the prefill step
         else:
             prev = spec[n - 1]
             assert len(first) == (2 if prev.accepted == prev.drafted else 1), (n, first)
