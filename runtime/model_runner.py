@@ -20,6 +20,7 @@ from manifests.errors import UsageError
 from runtime.eagle3 import ChainProposer
 from runtime.engine import Engine, Row
 from runtime.logits_process import token_logprobs
+from runtime.spec_length import SpeculationLength
 from runtime.speculative import METHODS, SpecStats, Step, accept, accept_greedy, ngram_lookup, propose_token
 
 
@@ -36,9 +37,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class ModelRunner:
     def __init__(self, target: Engine, draft: Engine | None = None, method: str = "none",
                  num_speculative_tokens: int = 3, *, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
-                 clock=time.perf_counter, greedy_argmax: bool = True):
+                 clock=time.perf_counter, greedy_argmax: bool = True, adaptive: bool = True,
+                 disable_by_batch_size: int | None = None):
         """`greedy_argmax`: a step whose decoding rows are all greedy asks the target for the argmax
-        only (Engine.forward_greedy); False always fetches logits (the reference in tests)."""
+        only (Engine.forward_greedy); False always fetches logits (the reference in tests).
+        `adaptive`: pick each step's number of proposals from measured costs (runtime.spec_length);
+        False verifies num_speculative_tokens every step. `disable_by_batch_size`: vLLM's key."""
         if method not in METHODS:
             raise UsageError(f"speculative method must be one of {', '.join(METHODS)}, found {method!r}")
         if method == "draft_model" and draft is None:
@@ -61,6 +65,8 @@ class ModelRunner:
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
         self.stats = SpecStats()
+        self.speculation = SpeculationLength(self.num_speculative_tokens, adaptive=adaptive,
+                                             disable_by_batch_size=disable_by_batch_size)
         self._clock = clock
         self.greedy_argmax = greedy_argmax
         #: called before every engine forward (the engine client hands the previous step's tokens to
@@ -178,6 +184,7 @@ class ModelRunner:
         Each decoding request gets one Step through `request.emit`, and so does each request whose
         prompt's last chunk runs now (its first token, sampled from that chunk's last row).
         """
+        t0, target0, draft0 = self._clock(), self.stats.target_seconds, self.stats.draft_seconds
         proposals = self._propose(decodes, prefills)
         rows, firsts = [], []  # firsts: the prefills whose last chunk this is
         for r, n in prefills:
@@ -202,6 +209,11 @@ class ModelRunner:
         for (r, _), row_logits in zip(decodes, logits[len(prefills):]):
             drafts, qs = proposals.get(r.slot, ([], []))
             self._finish_row(r, row_logits, drafts, qs, greedy and r.slot not in sampled)
+        target_s, draft_s = self.stats.target_seconds - target0, self.stats.draft_seconds - draft0
+        rounds = max((len(d) for d, _ in proposals.values()), default=0)
+        self.speculation.observe_step(sum(len(row.tokens) for row in rows), target_s, rounds,
+                                      sum(1 for d, _ in proposals.values() if d), draft_s,
+                                      self._clock() - t0 - target_s - draft_s)
 
     def _finish_row(self, r, row_logits, drafts: list[int], qs: list, greedy: bool) -> None:
         """Accept from a row's target output (argmax or logits after [pending, *drafts]); emit the Step."""
@@ -211,6 +223,7 @@ class ModelRunner:
             new = accept(row_logits, drafts, qs, r.params, r.rng, r.logits_processors, r.output_ids)
         accepted = len(new) - 1
         self.stats.record(len(drafts), accepted)
+        self.speculation.record(r, len(drafts), accepted)
         keep = len(r.tokens) + accepted  # target now holds tokens + drafts; keep tokens + accepted
         self._rollback(self.target, self.target_cache, r.slot, keep)
         if self.draft is not None and self.uses_draft(r):

@@ -7,9 +7,11 @@ Requests join and leave between steps. A step (vLLM V1's rule, decode first):
    one released longest ago), or copies a longer prefix from any other slot; freed slots keep
    their KV until a new request needs the slot: the cache is bounded by the slots the KV budget
    allows, and eviction is least recently released first.
-3. Every decoding request gets one row: its pending token plus g proposals (g = the speculative
-   length, fewer only near max_tokens or the context end, never because of other requests, so a
-   seeded request samples the same tokens alone or in a crowd).
+3. Every decoding request gets one row: its pending token plus g proposals. g is the step's
+   speculation length G, chosen by the model runner's cost model (runtime.spec_length) from
+   measured step costs and each slot's acceptance, fewer only near max_tokens or the context end.
+   A request sampled with a seed always gets the configured length instead (never a length that
+   depends on other requests), so it samples the same tokens alone or in a crowd.
 4. What is left of `max_num_batched_tokens` goes to prompts still being prefilled, in arrival
    order, in chunks: a long prompt arriving costs running streams at most one chunk per step. A
    prompt's last chunk includes its last token and its first output token is sampled from that
@@ -64,6 +66,11 @@ class EngineRequest:
     def __post_init__(self):
         self.tokens = list(self.prompt)
         self.rng: np.random.Generator = self.params.rng()
+
+    @property
+    def adaptive(self) -> bool:
+        """Its speculation length may follow the cost model: not for seeded sampling (reproducible)."""
+        return self.params.greedy or self.params.seed is None
 
     @property
     def output_ids(self) -> list[int]:
@@ -151,17 +158,24 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         k = self.runner.num_speculative_tokens
         context = self.runner.max_context
+        decoding = []
         for r in sorted(self.running.values(), key=lambda r: r.arrival):
             if r.prefilling:
                 continue
-            room = context - len(r.tokens)
-            if room < 0:
+            if context - len(r.tokens) < 0:
                 r.finish("length")
                 finished.append(self._free_slot(r))
                 continue
-            g = min(k, room, r.max_tokens - r.produced - 1) if r.speculative else 0
-            decodes.append((r, max(g, 0)))
-            budget -= 1 + max(g, 0)
+            decoding.append(r)
+        speculating = [r for r in decoding if r.speculative] if k else []
+        length = self.runner.speculation.choose([r for r in speculating if r.adaptive],
+                                                sum(1 for r in speculating if not r.adaptive),
+                                                free_draft=self.runner.method == "ngram")
+        for r in decoding:
+            want = (length if r.adaptive else k) if r.speculative else 0
+            g = max(min(want, context - len(r.tokens), r.max_tokens - r.produced - 1), 0)
+            decodes.append((r, g))
+            budget -= 1 + g
         for r in sorted(self.running.values(), key=lambda r: r.arrival):
             if r.prefilling and budget > 0:
                 n = min(len(r.prompt) - r.computed, budget)

@@ -54,11 +54,26 @@ def resolve_speculative(manifest: Manifest, override: Speculative | None, disabl
     return spec
 
 
-def build_generator(target, draft, spec: Speculative) -> Generator:
+def build_generator(target, draft, spec: Speculative, *, adaptive: bool = True) -> Generator:
+    """The server's generator: num_speculative_tokens is the most a step verifies; how many it does is
+    picked per step from measured costs (runtime.spec_length) unless `adaptive` is False.
+    vLLM's `disable_by_batch_size` turns speculation off above that many running requests."""
     lo = spec.prompt_lookup_min or 2
     hi = spec.prompt_lookup_max or max(4, lo)
     return Generator(target, draft if spec.method in ("draft_model", "eagle3") else None, spec.method,
-                     spec.num_speculative_tokens, prompt_lookup_min=lo, prompt_lookup_max=hi)
+                     spec.num_speculative_tokens, prompt_lookup_min=lo, prompt_lookup_max=hi, adaptive=adaptive,
+                     disable_by_batch_size=disable_by_batch_size(spec))
+
+
+def disable_by_batch_size(spec: Speculative) -> int | None:
+    """vLLM's speculative-config key (kept in `extra` by manifests.speculative): an integer >= 1 or absent."""
+    value = spec.extra.get("disable_by_batch_size")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"--speculative-config: expected disable_by_batch_size an integer >= 1, found "
+                         f"{str(value)[:40]!r}")
+    return value
 
 
 def _eagle3_head(root: Path, manifest: Manifest, target_id: str, max_context: int | None):

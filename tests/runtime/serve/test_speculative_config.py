@@ -76,3 +76,14 @@ def test_eagle3_config_at_create_and_serve():
     assert parse_speculative_config('{"method": "eagle3"}').bundled_draft() == (None, None)  # the demo head
     spec = serve_parse(text)
     assert (spec.method, spec.model, spec.num_speculative_tokens) == ("eagle3", "org/eagle3-head", 3)
+
+
+def test_disable_by_batch_size_reaches_the_scheduler_and_a_bad_value_is_refused(engine_factory):
+    from runtime.server.loader import build_generator
+
+    spec = serve_parse('{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 4}')
+    gen = build_generator(engine_factory("target"), None, spec)
+    assert gen.runner.speculation.disable_by_batch_size == 4 and gen.runner.speculation.adaptive
+    assert gen.runner.speculation.choose([object()] * 5, 0, free_draft=True) == 0
+    with pytest.raises(UsageError, match="expected disable_by_batch_size an integer >= 1, found '0'"):
+        build_generator(engine_factory("target"), None, serve_parse('{"method": "ngram", "disable_by_batch_size": 0}'))

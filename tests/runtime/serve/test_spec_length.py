@@ -1,0 +1,132 @@
+"""The adaptive speculation length (runtime.spec_length): the cost model's choices from measured costs,
+and losslessness: whatever length each step verifies, greedy output is token-identical to plain
+decoding and sampled output follows the target's exact distribution (chi-square per slot)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.engine import SequenceSlots
+from runtime.model_runner import ModelRunner
+from runtime.sampling import SamplingParams
+from runtime.scheduler import Scheduler
+from runtime.spec_length import LinearCost, SpeculationLength
+from tests.runtime.serve.test_sampling import LENGTH, PROMPT, _exact, _pvalue, _tables
+from tests.runtime.serve.test_scheduler import Recorder, alone, batched, batched_graphs, prompts, run_together  # noqa: F401
+from tests.runtime.serve.toy_engines import MarkovEngine
+
+
+class Req:
+    def __init__(self, hits=0.0, trials=0.0):
+        self.spec_hits, self.spec_trials = hits, trials
+
+
+def _policy(target_line, draft_line, k=4, overhead=0.0, **kw):
+    """A policy whose fits saw these cost lines (seconds = a + b * x) at two token counts each."""
+    policy = SpeculationLength(k, explore_every=0, **kw)
+    for x in (8, 40):
+        policy.observe_step(x, target_line[0] + target_line[1] * x, 1, x // 8,
+                            draft_line[0] + draft_line[1] * (x // 8), overhead)
+    return policy
+
+
+def test_linear_cost_recovers_a_line_and_never_makes_tokens_free_from_one_point():
+    fit = LinearCost()
+    for x in (1, 4, 8, 16, 32):
+        fit.observe(x, 0.002 + 0.0001 * x)
+    a, b = fit.line()
+    assert a == pytest.approx(0.002, rel=1e-6) and b == pytest.approx(0.0001, rel=1e-6)
+    one = LinearCost()
+    one.observe(10, 0.01)
+    assert one.line() == (0.0, pytest.approx(0.001))  # proportional: a row more costs its share
+
+
+def test_cheap_rows_and_high_acceptance_speculate_fully_costly_rows_and_low_acceptance_not():
+    eight_good = [Req(9, 10) for _ in range(8)]  # 90% acceptance
+    # batch-1-like regime: the step is fixed overhead, a row more nearly free, a tiny draft
+    cheap = _policy((0.002, 0.000001), (0.0001, 0.0), k=4)
+    assert cheap.choose(eight_good, 0) == 4
+    # compute-bound: target cost proportional to tokens, the draft as costly per round as a plain step
+    costly = _policy((0.0, 0.0005), (0.004, 0.0), k=4)
+    assert costly.choose(eight_good, 0) == 0
+    # in between, the length follows acceptance: low acceptance speculates less
+    mid = _policy((0.001, 0.00005), (0.0002, 0.0), k=4)
+    high = mid.choose(eight_good, 0)
+    low = mid.choose([Req(1, 10) for _ in range(8)], 0)
+    assert high > low
+
+
+def test_a_new_slot_starts_from_the_server_wide_acceptance():
+    policy = SpeculationLength(3)
+    for _ in range(50):
+        policy.record(Req(), 3, 3)  # every proposal accepted elsewhere
+    assert policy.acceptance(Req()) > 0.9
+    bad = Req()
+    for _ in range(20):
+        policy.record(bad, 3, 0)
+    assert policy.acceptance(bad) < 0.2
+
+
+def test_disable_by_batch_size_turns_speculation_off_above_that_many_requests():
+    policy = SpeculationLength(3, adaptive=False, disable_by_batch_size=4)
+    assert policy.choose([Req()] * 4, 0) == 3
+    assert policy.choose([Req()] * 5, 0) == 0
+    assert policy.choose([Req()] * 3, 2) == 0  # seeded requests count too
+
+
+def test_a_seeded_sampled_request_keeps_the_configured_length(batched, prompts):
+    runner = ModelRunner(batched("target"), batched("draft"), "draft_model", 3)
+    runner.speculation.choose = lambda adaptive, fixed, **kw: 0  # the cost model says: no speculation
+    scheduler = Scheduler(runner, max_num_seqs=4, max_num_batched_tokens=64)
+    rec = Recorder()
+    seeded = rec.request(prompts[3], SamplingParams(temperature=0.8, seed=1), max_tokens=12)
+    greedy = rec.request(prompts[4], max_tokens=12)
+    run_together(scheduler, rec, [seeded, greedy])
+    assert all(s.drafted == 3 for s in rec.steps[seeded.id][1:-1])  # every step but the first and the cut last
+    assert all(s.drafted == 0 for s in rec.steps[greedy.id])
+
+
+def _random_lengths(runner, k, seed=0):
+    rng = np.random.default_rng(seed)
+    runner.speculation.choose = lambda adaptive, fixed, **kw: int(rng.integers(0, k + 1))
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_greedy_output_is_identical_whatever_length_each_step_verifies(batched, prompts, alone, method):
+    runner = ModelRunner(batched("target"), batched("draft") if method == "draft_model" else None, method, 4,
+                         prompt_lookup_min=1, prompt_lookup_max=3)
+    _random_lengths(runner, 4)
+    rec = Recorder()
+    requests = [rec.request(p) for p in prompts + prompts[::-1]]
+    out = run_together(Scheduler(runner, max_num_seqs=4, max_num_batched_tokens=64), rec, requests, arrive_every=2)
+    assert out == alone + alone[::-1]
+    drafted = {s.drafted for steps in rec.steps.values() for s in steps}
+    assert len(drafted) >= 3  # the length really changed from step to step
+
+
+def test_sampled_distribution_is_the_targets_whatever_length_each_step_verifies():
+    """Unseeded sampling (the requests the cost model may shorten): four slots at once, a random
+    length every step; every slot's 3-token continuations follow the target's exact distribution."""
+    target, draft = _tables()
+    slots, n = 4, 6000
+    params = SamplingParams(temperature=1.0)
+    runner = ModelRunner(SequenceSlots([MarkovEngine(target) for _ in range(slots)]),
+                         SequenceSlots([MarkovEngine(draft) for _ in range(slots)]), "draft_model", 3)
+    _random_lengths(runner, 3, seed=7)
+    scheduler = Scheduler(runner, max_num_seqs=slots, max_num_batched_tokens=64)
+    rec, by_slot = Recorder(), {s: {} for s in range(slots)}
+    reqs = [rec.request(PROMPT, params, max_tokens=LENGTH) for _ in range(n)]
+    for i in range(0, n, slots):
+        for r in reqs[i:i + slots]:
+            scheduler.add(r)
+        while scheduler.has_work():
+            scheduler.step()
+        for r in reqs[i:i + slots]:
+            seq = tuple(rec.tokens(r))
+            by_slot[r.slot][seq] = by_slot[r.slot].get(seq, 0) + 1
+    exact = _exact(target, params)
+    for slot, counts in by_slot.items():
+        assert sum(counts.values()) == n // slots
+        assert _pvalue(counts, exact, n // slots) > 1e-4, f"slot {slot}"
+    assert 0 < runner.stats.num_drafts < sum(len(v) for v in rec.steps.values())  # some steps plain, some not
