@@ -9,11 +9,15 @@ subprocess (uvicorn on 127.0.0.1, so client and server do not share a GIL, and p
 server), and the client is httpx streaming OpenAI chat completions, `stream_options.include_usage`.
 
 Configurations: "one at a time" is --max-num-seqs 1 (every other request waits in the queue: the
-server before batching); "batched" is --max-num-seqs 16. Each stream sends --requests requests
-back to back, each a different held-out chat prompt, --tokens tokens each (ignore_eos), greedy.
-All four servers run at once and every row's runs interleave over them (--repeats, median
+server before batching); "batched" is --max-num-seqs 16; speculation verifies up to 3 draft tokens,
+how many per step picked by the cost model (runtime.spec_length), and "batched, speculative, fixed
+k" verifies 3 every step (the rule before it). Each stream sends --requests requests back to back,
+each a different held-out chat prompt, --tokens tokens each (ignore_eos), greedy.
+All five servers run at once and every row's runs interleave over them (--repeats, median
 reported), so other load on the machine hits every configuration alike.
-Printed per row: aggregate tokens/s (all tokens / wall time), TTFT p50/p99/max. Then the targets
+Printed per row: aggregate tokens/s (all tokens / wall time), TTFT p50/p99/max, and per engine step
+(from the server's bundle:engine_* counters on /metrics) its wall time, the part outside the target
+and draft forwards (the per-step overhead), tokens produced and draft tokens verified. Then the targets
 (8 streams: aggregate >= 3x one stream alone; slowest first token <= 2x a lone one; speculation
 >= 1.1x over none), KV bytes per slot and each server's peak RSS, prefix caching's TTFT with a
 ~300-token shared system prompt cold vs warm, and, when `guidellm` is installed, one row driven
@@ -68,7 +72,8 @@ def run_server(config: dict) -> None:
                                   **cpu_options("draft"))
     tok = Tokenizer(Path(config["tokenizer"]))
     model = ServingModel(name="demo", tokenizer=tok, template=ChatTemplate.for_tokenizer(tok),
-                         generator=build_generator(target, draft, spec), max_model_len=config["max_model_len"],
+                         generator=build_generator(target, draft, spec, adaptive=config.get("adaptive", True)),
+                         max_model_len=config["max_model_len"],
                          info={"bundle": "demo", "target": "cpu", "engine": target.description,
                                "speculative": spec.method})
     server = OpenAIServer(model, ServeOptions(max_num_seqs=config["max_num_seqs"], max_queued_requests=256,
@@ -102,6 +107,19 @@ class Server:
                     break
             except httpx.HTTPError:
                 time.sleep(0.05)
+
+    def engine_counters(self) -> dict:
+        """bundle:engine_* and vllm:spec_decode_num_draft_tokens from /metrics (cumulative)."""
+        import re
+
+        import httpx
+
+        out = {}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            m = re.match(r"(bundle:engine_\w+|vllm:spec_decode_num_draft_tokens)_total\{.*\} (\S+)", line)
+            if m:
+                out[m.group(1).split(":")[1]] = float(m.group(2))
+        return out
 
     def health(self) -> dict:
         import httpx
@@ -161,6 +179,20 @@ async def _load(url: str, streams: int, requests: int, tokens: int, questions: l
     return {"streams": streams, "requests": len(results), "tokens": sum(r[2] for r in results), "wall_s": wall,
             "tokens_per_s": sum(r[2] for r in results) / wall, "ttft_p50_ms": _pct(ttfts, 50) * 1000,
             "ttft_p99_ms": _pct(ttfts, 99) * 1000, "ttft_max_ms": ttfts[-1] * 1000}
+
+
+def _step_costs(before: dict, after: dict, tokens: int) -> dict:
+    """Per engine step over one run: wall time, time inside forwards, the rest (the per-step overhead:
+    scheduling, sampling, detokenizing, hand-off to the event loop, waiting for the GIL), tokens
+    produced and draft tokens verified."""
+    steps = after["engine_steps"] - before["engine_steps"]
+    if steps <= 0:
+        return {}
+    step = (after["engine_step_seconds"] - before["engine_step_seconds"]) / steps
+    forward = (after["engine_forward_seconds"] - before["engine_forward_seconds"]) / steps
+    drafts = after.get("spec_decode_num_draft_tokens", 0) - before.get("spec_decode_num_draft_tokens", 0)
+    return {"steps": steps, "step_us": step * 1e6, "forward_us": forward * 1e6, "overhead_us": (step - forward) * 1e6,
+            "tokens_per_step": tokens / steps, "draft_tokens_per_step": drafts / steps}
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -290,29 +322,36 @@ def main(argv=None) -> int:
             shutil.copyfile(f.src, dest)
         layout = targets[0].engines[0].build["kv_cache"]
         configs = [("one at a time, speculative", 1, "draft_model"), ("one at a time, no speculation", 1, "none"),
-                   ("batched, speculative", 16, "draft_model"), ("batched, no speculation", 16, "none")]
+                   ("batched, speculative", 16, "draft_model"), ("batched, no speculation", 16, "none"),
+                   ("batched, speculative, fixed k", 16, "draft_model")]
         print(f"demo pair, cpu graphs ({layout}), {os.cpu_count()} cores, {args.tokens} tokens per request, "
               f"{args.requests} requests per stream, greedy\n")
         print(f"{'configuration':<32}{'streams':>8}{'tok/s':>9}{'TTFT p50':>10}{'p99':>9}{'max':>9}"
-              f"   (median of {args.repeats} interleaved runs)")
+              f"{'step':>11}{'outside':>10}{'tok/st':>7}{'drafts':>7}   (median of {args.repeats} interleaved runs; "
+              f"per engine step: wall, outside the forwards, tokens, draft tokens verified)")
         servers = {}
         try:
             for name, seqs, method in configs:  # all up at once: runs interleave, so load hits them alike
                 servers[name] = Server({"graphs": str(graphs), "tokenizer": str(demo.DEMO_TARGET_DIR),
                                         "max_model_len": 512, "max_num_seqs": seqs, "method": method,
-                                        "max_num_batched_tokens": args.max_num_batched_tokens})
+                                        "max_num_batched_tokens": args.max_num_batched_tokens,
+                                        "adaptive": not name.endswith("fixed k")})
             for n in streams:
                 runs = {name: [] for name in servers}
                 for _ in range(args.repeats):
                     for name, server in servers.items():
-                        runs[name].append(asyncio.run(_load(server.url, n, args.requests, args.tokens, questions)))
+                        before = server.engine_counters()
+                        run = asyncio.run(_load(server.url, n, args.requests, args.tokens, questions))
+                        runs[name].append({**run, **_step_costs(before, server.engine_counters(), run["tokens"])})
                 for name, rs in runs.items():
                     row = {"config": name, "runs": rs,
-                           **{k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "streams"},
+                           **{k: statistics.median(r[k] for r in rs if k in r) for k in rs[0] if k != "streams"},
                            "streams": n}
                     results["rows"].append(row)
                     print(f"{name:<32}{n:>8}{row['tokens_per_s']:>9.0f}{row['ttft_p50_ms']:>8.1f}ms"
-                          f"{row['ttft_p99_ms']:>7.1f}ms{row['ttft_max_ms']:>7.1f}ms", flush=True)
+                          f"{row['ttft_p99_ms']:>7.1f}ms{row['ttft_max_ms']:>7.1f}ms"
+                          f"{row.get('step_us', 0):>9.0f}us{row.get('overhead_us', 0):>8.0f}us"
+                          f"{row.get('tokens_per_step', 0):>7.1f}{row.get('draft_tokens_per_step', 0):>7.1f}", flush=True)
             for name, server in servers.items():
                 info = {"health": server.health()}
                 if name == "batched, speculative":
@@ -347,6 +386,9 @@ def _report(results: dict, streams: list[int]) -> None:
               f"token {base['ttft_max_ms']:.0f} ms; batched is {rows['batched, speculative', 8]['tokens_per_s'] / base['tokens_per_s']:.2f}x")
         spec = rows["batched, speculative", 8]["tokens_per_s"] / rows["batched, no speculation", 8]["tokens_per_s"]
         print(f"speculation at 8 streams: {spec:.2f}x over none (target >= 1.1x: {'met' if spec >= 1.1 else 'MISSED'})")
+        if ("batched, speculative, fixed k", 8) in rows:
+            fixed = rows["batched, speculative", 8]["tokens_per_s"] / rows["batched, speculative, fixed k", 8]["tokens_per_s"]
+            print(f"adaptive speculation length at 8 streams: {fixed:.2f}x the tokens/s of a fixed k=3")
     for name, info in results["servers"].items():
         h = info["health"]
         print(f"{name}: {h['slots']} slots x {h['kv_bytes_per_slot'] / 2**20:.2f} MiB KV per slot "
