@@ -163,6 +163,9 @@ class EngineClient:
             self._closed = True
             self._wake.notify()
         self._thread.join(10)
+        for inbox in self._inboxes.values():
+            inbox.close()
+        self._inboxes.clear()
 
     def _loop(self) -> None:
         while True:
@@ -214,7 +217,7 @@ class LoopInbox:
         loop.add_reader(self._read, self._drain)
 
     def deliver(self, calls: list) -> None:
-        if self._loop.is_closed():
+        if self._loop.is_closed() or self._write < 0:
             raise RuntimeError("event loop is closed")
         self._calls.append(calls)
         self._signal(self._write)
@@ -224,10 +227,35 @@ class LoopInbox:
 
         try:
             os.read(self._read, 4096)
-        except BlockingIOError:
+        except (BlockingIOError, OSError):
             pass
         while self._calls:
             _run_all(self._calls.popleft())
+
+    def close(self) -> None:
+        """Stop watching the pipe (on the loop, which owns its reader) and close it; what is queued still runs."""
+        if self._loop.is_closed():
+            self._close_pipe()
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._close_on_loop)
+        except RuntimeError:  # closed meanwhile
+            self._close_pipe()
+
+    def _close_on_loop(self) -> None:
+        self._loop.remove_reader(self._read)
+        self._drain()
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        import os
+
+        for fd in (self._read, self._write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._read = self._write = -1
 
 
 def _gil_holding_write():

@@ -211,7 +211,9 @@ class ModelRunner:
             self._finish_row(r, row_logits, drafts, qs, greedy and r.slot not in sampled)
         target_s, draft_s = self.stats.target_seconds - target0, self.stats.draft_seconds - draft0
         rounds = max((len(d) for d, _ in proposals.values()), default=0)
-        self.speculation.observe_step(sum(len(row.tokens) for row in rows), target_s, rounds,
+        # the target's cost line is fitted on decode-only steps: a prefill chunk runs as a call of its
+        # own, with another cost per token than verification rows
+        self.speculation.observe_step(0 if prefills else sum(len(row.tokens) for row in rows), target_s, rounds,
                                       sum(1 for d, _ in proposals.values() if d), draft_s,
                                       self._clock() - t0 - target_s - draft_s)
 

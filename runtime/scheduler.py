@@ -62,6 +62,8 @@ class EngineRequest:
     cached_tokens: int = 0  # how many of them came from the prefix cache
     produced: int = 0
     finish_reason: str | None = None
+    spec_hits: float = 0.0  # decayed accepted proposals, and proposals scored (runtime.spec_length)
+    spec_trials: float = 0.0
 
     def __post_init__(self):
         self.tokens = list(self.prompt)

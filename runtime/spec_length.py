@@ -89,8 +89,7 @@ class SpeculationLength:
         self._hits = 0.0  # server-wide, decayed: accepted proposals / proposals scored
         self._trials = 0.0
         self._steps = 0
-        self.last = k
-        self.chosen = [0] * (k + 1)  # how often each G was picked (for the benchmark and /metrics)
+        self.last = k  # the G of the latest step
 
     # --- acceptance ----------------------------------------------------------------------------
     def acceptance(self, request) -> float:
@@ -149,5 +148,4 @@ class SpeculationLength:
 
     def _pick(self, g: int) -> int:
         self.last = g
-        self.chosen[g] += 1
         return g
