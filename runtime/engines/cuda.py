@@ -26,10 +26,21 @@ sequence_length > 1"), so there the decode rows of a step are one call and each 
 (prefill chunk, verification) is a call of its own, without a CUDA graph. "concat" (the fp16 graph TensorRT targets
 carry, run here when TensorRT is absent): rows one by one, batch 1, two device buffers per slot that
 take turns. The "shared" GroupQueryAttention graph is a cpu-target graph and is refused.
+
+Both graphs at once (`decode_graph`, what `cuda` bundles carry: bundler.export_dual): the Attention
+graph and the GroupQueryAttention graph share the cache buffers and the weights. A step's
+single-token rows are one call of the GroupQueryAttention graph (a CUDA graph), its multi-token rows
+(verification, prefill chunks) calls of the Attention graph (verification as CUDA graphs); a row is in
+exactly one call, and each call writes only its own rows' positions of their slots (a slot without a
+row writes its spare rows past max_context), so the order of the calls does not matter. Both write
+the same cache contents (rotary applied to K before the write, same dtype). The weights are read once
+into device memory and given to both ONNX Runtime sessions as shared initializers
+(SessionOptions.add_initializer): neither session holds a copy of its own.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from pathlib import Path
 from typing import Collection, Sequence
@@ -74,13 +85,120 @@ class _Device:
             self.ptr = 0
 
 
+class _Lane:
+    """One ONNX Runtime session over the engine's cache, with its own I/O binding and CUDA graphs."""
+
+    def __init__(self, session, name: str):
+        self.session, self.name = session, name
+        ins = {i.name for i in session.get_inputs()}
+        self.gqa = "seqlens_k" in ins  # the GroupQueryAttention decode graph
+        meta = session.get_modelmeta().custom_metadata_map
+        self.windowed = meta.get("bundle.attention_window") == "1"  # else the mask spans the capacity
+        self.graphs: dict[tuple, int] = {}  # (bucket, width, window, allocation) -> gpu_graph_id
+        self.io = None
+        self.bound_inputs = self.bound_outputs = self.bound = None
+
+    @property
+    def binding(self):
+        if self.io is None:
+            self.io = self.session.io_binding()
+            self.bound_inputs = self.bound_outputs = self.bound = None
+        return self.io
+
+
+#: ONNX element type -> DLPack (type code, bits): float, bfloat, int.
+_DLPACK_TYPES = {1: (2, 32), 10: (2, 16), 16: (4, 16), 7: (0, 64), 6: (0, 32)}
+
+
+def _dlpack_structs():
+    class DLDevice(ctypes.Structure):
+        _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+    class DLDataType(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+    class DLTensor(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
+                    ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                    ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+    class DLManagedTensor(ctypes.Structure):
+        pass
+
+    DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p),
+                                ("deleter", ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor)))]
+    return DLDevice, DLDataType, DLTensor, DLManagedTensor
+
+
+def wrap_device_memory(ort, ptr: int, dims: Sequence[int], onnx_type: int, on_gpu: bool, device_id: int, keep: list):
+    """An OrtValue over memory the engine owns (DLPack, no copy): what SessionOptions.add_initializer
+    accepts ("Buffer containing the initializer must be owned by the user"; an OrtValue ONNX Runtime
+    allocated is refused). The DLPack structs go into `keep` and must outlive the OrtValue."""
+    if onnx_type not in _DLPACK_TYPES:
+        raise ModelError(f"expected a float/bfloat16/int initializer to share, found ONNX type {onnx_type}")
+    DLDevice, DLDataType, DLTensor, DLManagedTensor = _dlpack_structs()
+    shape = (ctypes.c_int64 * max(len(dims), 1))(*dims)
+    managed = DLManagedTensor()
+    code, bits = _DLPACK_TYPES[onnx_type]
+    managed.dl_tensor = DLTensor(ptr, DLDevice(2 if on_gpu else 1, device_id if on_gpu else 0), len(dims),
+                                 DLDataType(code, bits, 1), shape, None, 0)
+    managed.deleter = type(managed.deleter)()  # NULL: the engine frees the memory after the sessions
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    capsule = new_capsule(ctypes.addressof(managed), b"dltensor", None)
+    keep += [managed, shape]
+    try:
+        return ort.OrtValue.from_dlpack(capsule)
+    except TypeError:  # older onnxruntime: from_dlpack(data, is_bool_tensor)
+        return ort.OrtValue.from_dlpack(capsule, False)
+
+
+def read_shared_weights(graph: Path, ort, cudart, on_gpu: bool, device_id: int) -> tuple[dict, list]:
+    """({name: OrtValue}, [device allocations]) of every external-data initializer of `graph`, read one
+    tensor at a time into memory from `cudart` (device memory on the GPU: host memory holds one tensor)."""
+    import onnx
+
+    model = onnx.load(str(graph), load_external_data=False)
+    out, buffers, keep, files = {}, [], [], {}
+    try:
+        for t in model.graph.initializer:
+            if t.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = {e.key: e.value for e in t.external_data}
+            location = info.get("location", "")
+            if Path(location).name != location:
+                raise ModelError(f"{graph}: expected external data next to the graph, found location {location!r}")
+            f = files.get(location) or files.setdefault(location, open(graph.parent / location, "rb"))
+            f.seek(int(info.get("offset", 0)))
+            length = int(info["length"])
+            host = np.frombuffer(f.read(length), np.uint8)
+            if host.size != length:
+                raise ModelError(f"{graph}: external data of {t.name} is truncated ({host.size} of {length} bytes)")
+            buf = _Device(cudart, length)
+            buffers.append(buf)
+            cudart.memcpy(buf.ptr, host.ctypes.data, length, H2D)
+            cudart.synchronize()
+            out[t.name] = wrap_device_memory(ort, buf.ptr, list(t.dims), t.data_type, on_gpu, device_id, keep)
+    except BaseException:
+        for b in buffers:
+            b.free()
+        raise
+    finally:
+        for f in files.values():
+            f.close()
+    buffers.append(keep)  # type: ignore[arg-type]  # the DLPack structs live as long as the buffers
+    return out, buffers
+
+
 class CudaEngine(Engine):
     def __init__(self, graph: Path, *, max_context: int | None = None, num_slots: int = 1,
                  kv_cache: str | None = None, cuda_graphs: bool = True, device_id: int = 0, memory=None,
-                 profile: bool = False):
+                 profile: bool = False, decode_graph: Path | None = None):
         """`memory`: None for the GPU; tests pass a host-memory object with Cudart's methods, and the
         engine then binds host buffers and runs on ONNX Runtime's CPU provider (its bookkeeping, no GPU).
-        `profile`: ONNX Runtime's profiler on, for `node_providers` (which provider ran each node)."""
+        `profile`: ONNX Runtime's profiler on, for `node_providers` (which provider ran each node).
+        `decode_graph`: the GroupQueryAttention graph over `graph`'s weights (bundler.export_dual), for
+        the single-token rows of a step; `graph` (the Attention graph) then runs the multi-token rows."""
         if memory is None:
             ort, why = onnxruntime_cuda()
             if ort is None:
@@ -94,23 +212,19 @@ class CudaEngine(Engine):
         if not graph.is_file():
             raise EnvironmentProblem(f"expected the ONNX graph at {graph}, found nothing")
         self._ort, self._graph, self.device_id, self._profile = ort, graph, device_id, profile
-        self.cuda_graphs, self.cuda_graph_error = False, None
-        self.session = None
-        if cuda_graphs:
-            try:
-                self.session = self._session(True)
-                self.cuda_graphs = True
-            except Exception as e:  # ONNX Runtime refuses graphs when some node is not on the CUDA provider
-                self.cuda_graph_error = str(e).splitlines()[0]
-                log.warning("CUDA graphs are off for %s: %s", graph, self.cuda_graph_error)
-        if self.session is None:
-            try:
-                self.session = self._session(False)
-            except Exception as e:
-                raise ModelError(f"ONNX Runtime's CUDA provider cannot load {graph}: {str(e).splitlines()[0]}") from None
-        if self.session.get_providers()[0] != self._provider:
-            raise EnvironmentProblem(f"expected ONNX Runtime to run {graph} on {self._provider}, "
-                                     f"found {self.session.get_providers()}")
+        self._decode_graph = None if decode_graph is None else Path(decode_graph)
+        if self._decode_graph is not None and not self._decode_graph.is_file():
+            raise EnvironmentProblem(f"expected the decode graph at {self._decode_graph}, found nothing")
+        self.shared_weights, self._weight_buffers = ({}, []) if self._decode_graph is None else \
+            read_shared_weights(graph, ort, self.cudart, self._device == "cuda", device_id)
+        self.cuda_graphs, self.cuda_graph_error = cuda_graphs, None
+        self.session = self._load(graph)
+        self._lane = self._decode = _Lane(self.session, "main")
+        if self._decode_graph is not None:
+            self._decode = _Lane(self._load(self._decode_graph), "decode")
+            if self._lane.gqa or not self._decode.gqa:
+                raise ModelError(f"expected {graph} to be an Attention graph and {self._decode_graph} a "
+                                 f"GroupQueryAttention graph (input seqlens_k), found otherwise")
         meta = self.session.get_modelmeta().custom_metadata_map
         self.kv_cache = meta.get("bundle.kv_cache", "concat")
         if self.kv_cache not in ("batched", "concat"):
@@ -120,6 +234,8 @@ class CudaEngine(Engine):
             raise ModelError(f"{graph}: the engine record expects a {kv_cache!r} KV-cache graph, the graph is "
                              f"{self.kv_cache!r}")
         self._read_signature()
+        if self._decode is not self._lane:
+            self._check_same_cache(self._decode.session)
         graph_max = int(meta.get("bundle.max_positions", 0)) or None
         limit = int(max_context or graph_max or 0)
         if not limit:
@@ -128,26 +244,77 @@ class CudaEngine(Engine):
             raise ModelError(f"max context {limit} exceeds what the model supports; expected at most {graph_max}")
         self.batched = self.kv_cache == "batched"
         self._headroom = int(meta.get("bundle.kv_headroom", 0)) if self.batched else 0
-        self._windowed = meta.get("bundle.attention_window") == "1"  # else the mask spans the capacity
-        self._graphs: dict[tuple, int] = {}  # (bucket, width, window, allocation) -> gpu_graph_id
         self._generation = 0
         self._buffers: list = []
         self._scratch: dict[str, _Device] = {}
         self.description = (f"onnxruntime {ort.__version__} {self._provider} {self.precision} "
-                            f"kv-cache {self.kv_cache}{' gqa' if self._gqa else ''}"
+                            f"kv-cache {self.kv_cache}{' gqa' if self._lane.gqa else ''}"
+                            f"{' + gqa decode' if self.dual else ''}"
                             f"{' cuda-graphs' if self.cuda_graphs else ''}")
         self.allocate_slots(num_slots, max_context=limit)
 
-    def _session(self, cuda_graphs: bool):
+    @property
+    def dual(self) -> bool:
+        """Whether single-token rows run through the GroupQueryAttention decode graph."""
+        return self._decode is not self._lane
+
+    def _load(self, graph: Path):
+        """A session over `graph`, with CUDA graphs if self.cuda_graphs and ONNX Runtime allows them
+        (else self.cuda_graphs becomes False, with the reason in cuda_graph_error)."""
+        session = None
+        if self.cuda_graphs:
+            try:
+                session = self._session(graph, True)
+            except Exception as e:  # ONNX Runtime refuses graphs when some node is not on the CUDA provider
+                self.cuda_graph_error = str(e).splitlines()[0]
+                log.warning("CUDA graphs are off for %s: %s", graph, self.cuda_graph_error)
+                self.cuda_graphs = False
+        if session is None:
+            try:
+                session = self._session(graph, False)
+            except Exception as e:
+                raise ModelError(f"ONNX Runtime's CUDA provider cannot load {graph}: {str(e).splitlines()[0]}") from None
+        if session.get_providers()[0] != self._provider:
+            raise EnvironmentProblem(f"expected ONNX Runtime to run {graph} on {self._provider}, "
+                                     f"found {session.get_providers()}")
+        return session
+
+    def _session(self, graph: Path, cuda_graphs: bool):
         ort = self._ort
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if self._profile:
             so.enable_profiling = True
+        for name, value in self.shared_weights.items():
+            so.add_initializer(name, value)
+        if self.shared_weights and self._device == "cpu":  # the CPU MatMul would copy its weights to prepack them
+            so.add_session_config_entry("session.disable_prepacking", "1")
         if self._device == "cpu":
-            return ort.InferenceSession(str(self._graph), so, providers=["CPUExecutionProvider"])
+            return ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
         options = {"device_id": str(self.device_id), "enable_cuda_graph": "1" if cuda_graphs else "0"}
-        return ort.InferenceSession(str(self._graph), so, providers=[("CUDAExecutionProvider", options)])
+        return ort.InferenceSession(str(graph), so, providers=[("CUDAExecutionProvider", options)])
+
+    def _check_same_cache(self, session) -> None:
+        """The decode graph must read and write the cache exactly as the main graph does."""
+        ins = {i.name: i for i in session.get_inputs()}
+        main = {i.name: i for i in self.session.get_inputs()}
+        outs = {o.name for o in session.get_outputs()}
+        for name in self._past:
+            if name not in ins or ins[name].type != main[name].type or ins[name].shape[1:2] + ins[name].shape[3:] \
+                    != main[name].shape[1:2] + main[name].shape[3:]:
+                raise ModelError(f"{self._decode_graph}: expected the cache input {name} as in {self._graph} "
+                                 f"({main[name].type} {main[name].shape}), found "
+                                 f"{ins[name].type + ' ' + str(ins[name].shape) if name in ins else 'none'}")
+        missing = [n for n in (*self._present, "logits") if n not in outs]
+        if missing or self._has_argmax and "argmax" not in outs:
+            raise ModelError(f"{self._decode_graph}: expected the outputs of {self._graph}, found "
+                             f"{sorted(outs)[:6]}")
+        meta = session.get_modelmeta().custom_metadata_map
+        mine = self.session.get_modelmeta().custom_metadata_map
+        for key in ("bundle.kv_headroom", "bundle.max_positions", "bundle.dtype", "bundle.kv_cache"):
+            if meta.get(key) != mine.get(key):
+                raise ModelError(f"{self._decode_graph}: expected {key} {mine.get(key)!r} as in {self._graph}, "
+                                 f"found {meta.get(key)!r}")
 
     def _read_signature(self) -> None:
         ins = {i.name: i for i in self.session.get_inputs()}
@@ -171,7 +338,6 @@ class CudaEngine(Engine):
         self._has_argmax = "argmax" in outs
         self._has_mask = "attention_mask" in ins
         self._has_positions = "position_ids" in ins
-        self._gqa = "seqlens_k" in ins  # the GroupQueryAttention decode graph
         self._total = np.zeros((), np.int32)  # its total_sequence_length: host memory, read by the kernel's host code
 
     # --- memory --------------------------------------------------------------------------------
@@ -199,7 +365,6 @@ class CudaEngine(Engine):
         self._current = [0] * num_slots
         self._lengths = [0] * num_slots
         self._generation += 1
-        self._bound: tuple | None = None
         self.buckets = batch_buckets(num_slots)
 
     def _flat_buffers(self) -> list[_Device]:
@@ -219,12 +384,20 @@ class CudaEngine(Engine):
     def memory(self) -> dict:
         data = self._graph.with_name(self._graph.name + ".data")
         weights = self._graph.stat().st_size + (data.stat().st_size if data.exists() else 0)
+        if self._decode_graph is not None:  # its weights are the main graph's (one copy)
+            weights += self._decode_graph.stat().st_size
         return {"weights": weights, "kv_cache": self.kv_bytes_per_slot() * self.num_slots}
 
     def close(self) -> None:
         for buf in self._flat_buffers() + list(self._scratch.values()):
             buf.free()
         self._buffers, self._scratch, self.session = [], {}, None
+        self._lane = self._decode = None
+        self.shared_weights = {}  # after the sessions: what they read from
+        for buf in self._weight_buffers:
+            if isinstance(buf, _Device):
+                buf.free()
+        self._weight_buffers = []
 
     # --- slots ---------------------------------------------------------------------------------
     def length(self, slot: int) -> int:
@@ -264,11 +437,19 @@ class CudaEngine(Engine):
                 out[r.slot] = (np.zeros(0, np.int64) if wants[r.slot] == "argmax"
                                else np.zeros((0, self.vocab_size), np.float32))
         if self.batched:
-            groups = self._groups(live) if not self._gqa else (
-                [[r for r in live if len(r.tokens) == 1]] + [[r] for r in live if len(r.tokens) > 1])
+            lane = self._lane
+            if self.dual:  # single-token rows: one GroupQueryAttention call; the others: the Attention graph
+                decode = [r for r in live if len(r.tokens) == 1]
+                if decode:
+                    out.update(self._run_batched(self._decode, decode, wants))
+                groups = self._groups([r for r in live if len(r.tokens) > 1])
+            elif lane.gqa:  # GroupQueryAttention alone: a multi-token row after a past is a call of its own
+                groups = [[r for r in live if len(r.tokens) == 1]] + [[r] for r in live if len(r.tokens) > 1]
+            else:
+                groups = self._groups(live)
             for group in groups:
                 if group:
-                    out.update(self._run_batched(group, wants))
+                    out.update(self._run_batched(lane, group, wants))
         else:
             for r in live:
                 out[r.slot] = self._run_one(r.slot, r.tokens, wants[r.slot])
@@ -278,10 +459,10 @@ class CudaEngine(Engine):
     _groups = OnnxRuntimeEngine._groups
 
     # --- batched -------------------------------------------------------------------------------
-    def _run_batched(self, group: list[Row], wants: dict[int, str]) -> dict[int, np.ndarray]:
+    def _run_batched(self, lane: _Lane, group: list[Row], wants: dict[int, str]) -> dict[int, np.ndarray]:
         width = max(len(r.tokens) for r in group)
         hi = max(r.slot for r in group) + 1
-        use_graph = self.cuda_graphs and (width == 1 if self._gqa else width <= GRAPH_MAX_WIDTH)
+        use_graph = self.cuda_graphs and (width == 1 if lane.gqa else width <= GRAPH_MAX_WIDTH)
         if use_graph:  # decode, verify: a bucket of slots 0..bucket-1
             lo, hi = 0, next(b for b in self.buckets if b >= hi)
         else:
@@ -296,20 +477,20 @@ class CudaEngine(Engine):
         # Attention runs over the first `window` cache rows (windowed graphs): every real row's past and
         # new tokens. A graph's shapes are fixed, so graph steps round it up to a power of two (>= 256).
         window = cap
-        if self._windowed:
+        if lane.windowed:
             window = max(self._lengths[r.slot] for r in group) + width
             if use_graph:
                 window = min(cap, max(256, 1 << (window - 1).bit_length()))
-        graph_id = self._graphs.setdefault((hi, width, window, self._generation), len(self._graphs) + 1) \
+        graph_id = lane.graphs.setdefault((hi, width, window, self._generation), len(lane.graphs) + 1) \
             if use_graph else None
-        mask = None if self._gqa else np.arange(window)[None, None, None, :] <= positions[:, None, :, None]
-        self._bind_inputs(batch, width, window, ids, positions, write, mask)
-        self._bind_cache(lo, hi)
-        logits, argmax = self._bind_outputs(batch, width)
+        mask = None if lane.gqa else np.arange(window)[None, None, None, :] <= positions[:, None, :, None]
+        self._bind_inputs(lane, batch, width, window, ids, positions, write, mask)
+        self._bind_cache(lane, lo, hi)
+        logits, argmax = self._bind_outputs(batch, width, lane)
         run_options = self._ort.RunOptions()
         if self.cuda_graphs:
             run_options.add_run_config_entry("gpu_graph_id", str(graph_id if graph_id is not None else -1))
-        self.session.run_with_iobinding(self._binding, run_options)
+        lane.session.run_with_iobinding(lane.binding, run_options)
         out = {}
         for r in group:
             n, row = len(r.tokens), r.slot - lo
@@ -317,9 +498,9 @@ class CudaEngine(Engine):
             self._lengths[r.slot] += n
         return out
 
-    def _bind_inputs(self, batch, width, window, ids, positions, write, mask) -> None:
+    def _bind_inputs(self, lane, batch, width, window, ids, positions, write, mask) -> None:
         """One host-to-device copy of every small input into a fixed device buffer (what graphs replay)."""
-        if self._gqa:  # seqlens_k: each row's length after this step - 1 (the spare rows: the capacity's end)
+        if lane.gqa:  # seqlens_k: each row's length after this step - 1 (the spare rows: the capacity's end)
             parts = [("input_ids", ids, np.int64), ("seqlens_k", (write + width - 1).astype(np.int32), np.int32)]
             self._total[()] = self.capacity  # rows attend by seqlens_k; this only bounds the cache
         else:
@@ -332,38 +513,42 @@ class CudaEngine(Engine):
         host = np.zeros(total, np.uint8)
         for (_, array, _), off in zip(parts, offsets):
             host[off:off + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).ravel()
-        buf = self._scratch_buffer(f"inputs-{batch}x{width}x{window}", total)
+        buf = self._scratch_buffer(f"inputs-{lane.name}-{batch}x{width}x{window}", total)
         self.cudart.memcpy(buf.ptr, host.ctypes.data, total, H2D)
         self.cudart.synchronize()  # a pageable copy may still be in flight; ONNX Runtime's stream does not wait
         key = ("inputs", batch, width, window, buf.ptr)
-        if self._bound_inputs != key:
+        binding = lane.binding
+        if lane.bound_inputs != key:
             for (name, array, dtype), off in zip(parts, offsets):
-                self._binding.bind_input(name, self._device, self.device_id, dtype, list(array.shape), buf.ptr + off)
-            if self._gqa:
-                self._binding.bind_input("total_sequence_length", "cpu", 0, np.int32, [], self._total.ctypes.data)
-            self._bound_inputs = key
+                binding.bind_input(name, self._device, self.device_id, dtype, list(array.shape), buf.ptr + off)
+            if lane.gqa:
+                binding.bind_input("total_sequence_length", "cpu", 0, np.int32, [], self._total.ctypes.data)
+            lane.bound_inputs = key
 
-    def _bind_cache(self, lo: int, hi: int) -> None:
+    def _bind_cache(self, lane: _Lane, lo: int, hi: int) -> None:
         key = ("batched", lo, hi, self._generation)
-        if self._bound != key:
+        binding = lane.binding
+        if lane.bound != key:
             per = self.num_kv_heads * self.capacity * self.head_dim * self._itemsize
             shape = [hi - lo, self.num_kv_heads, self.capacity, self.head_dim]
             for past, present, buf in zip(self._past, self._present, self._buffers):
-                self._binding.bind_input(past, self._device, self.device_id, self._kv_element, shape, buf.ptr + lo * per)
-                self._binding.bind_output(present, self._device, self.device_id, self._kv_element, shape,
-                                          buf.ptr + lo * per)
-            self._bound = key
+                binding.bind_input(past, self._device, self.device_id, self._kv_element, shape, buf.ptr + lo * per)
+                binding.bind_output(present, self._device, self.device_id, self._kv_element, shape,
+                                    buf.ptr + lo * per)
+            lane.bound = key
 
-    def _bind_outputs(self, batch: int, width: int):
+    def _bind_outputs(self, batch: int, width: int, lane: _Lane | None = None):
+        lane = lane or self._lane
+        binding = lane.binding
         logits = self._scratch_buffer(f"logits-{batch}x{width}", batch * width * self.vocab_size * 4)
         argmax = self._scratch_buffer(f"argmax-{batch}x{width}", batch * width * 8)
         key = (batch, width, logits.ptr, argmax.ptr)
-        if self._bound_outputs != key:
-            self._binding.bind_output("logits", self._device, self.device_id, np.float32,
-                                      [batch, width, self.vocab_size], logits.ptr)
+        if lane.bound_outputs != key:
+            binding.bind_output("logits", self._device, self.device_id, np.float32,
+                                [batch, width, self.vocab_size], logits.ptr)
             if self._has_argmax:
-                self._binding.bind_output("argmax", self._device, self.device_id, np.int64, [batch, width], argmax.ptr)
-            self._bound_outputs = key
+                binding.bind_output("argmax", self._device, self.device_id, np.int64, [batch, width], argmax.ptr)
+            lane.bound_outputs = key
         return logits, argmax
 
     def _fetch(self, logits: _Device, argmax: _Device, batch: int, width: int, row: int, n: int,
@@ -392,7 +577,7 @@ class CudaEngine(Engine):
             b.bind_input(name, self._device, self.device_id, self._kv_element, [1, kv, past, hd], buf.ptr)
         for name, buf in zip(self._present, dst):
             b.bind_output(name, self._device, self.device_id, self._kv_element, [1, kv, total, hd], buf.ptr)
-        self._bound = None
+        self._lane.bound = None
         logits, argmax = self._bind_outputs(1, n)
         self.session.run_with_iobinding(b, self._plain_run())
         self._current[slot] = 1 - self._current[slot]
@@ -465,11 +650,8 @@ class CudaEngine(Engine):
     # --- I/O binding state ---------------------------------------------------------------------
     @property
     def _binding(self):
-        binding = getattr(self, "_io", None)
-        if binding is None:
-            binding = self._io = self.session.io_binding()
-            self._bound_inputs = self._bound_outputs = None
-        return binding
+        return self._lane.binding
 
-    _bound_inputs = None
-    _bound_outputs = None
+    @property
+    def _gqa(self) -> bool:
+        return self._lane.gqa

@@ -1,0 +1,105 @@
+"""The CUDA engine's second graph: the GroupQueryAttention decode graph, over the Attention graph's weights file.
+
+ONNX Runtime's GroupQueryAttention decodes a batch of single-token rows fast (one flash-decoding
+kernel reading only each row's own length) but refuses a batch of multi-token rows after a past;
+the standard Attention graph takes any rows. The `cuda` target carries both, over the same
+[slots, kv_heads, capacity, head_dim] cache (runtime.engines.cuda runs decode rows through the first,
+verification and prefill rows through the second). Both are written by bundler.export_gqa from the same
+checkpoint with the same initializer names (packed q/k/v and gate/up weights, rotary tables, norms):
+the decode graph written here points its external tensors at the Attention graph's
+`model.onnx.data`, after checking byte for byte that they hold the same values, so a bundle stores
+the weights once and the device reads them once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from manifests.errors import ModelError
+
+#: The decode graph's file name, next to the Attention graph (model.onnx) and its model.onnx.data.
+DECODE_GRAPH = "decode.onnx"
+_CHUNK = 1 << 20
+
+
+def add_decode_graph(checkpoint: Path, result, export=None) -> Path:
+    """Export the GroupQueryAttention decode graph of `checkpoint` next to `result.graph` (an in-place
+    "batched" half-precision export), its weights being result.weights: returns the decode graph's path."""
+    from bundler.export_gqa import GQA_FUSIONS
+
+    if export is None:
+        from bundler.export import export_onnx as export
+    out = Path(result.graph).parent
+    work = out / ".decode"
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        gqa = export(Path(checkpoint), work, kv_cache="batched", dtype=result.dtype, fusions=GQA_FUSIONS)
+        return share_weights(gqa.graph, result.graph, out / DECODE_GRAPH)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _external(tensor) -> dict[str, str] | None:
+    from onnx import TensorProto
+
+    if tensor.data_location != TensorProto.EXTERNAL:
+        return None
+    return {e.key: e.value for e in tensor.external_data}
+
+
+def _digest(path: Path, offset: int, length: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        left = length
+        while left:
+            chunk = f.read(min(left, _CHUNK))
+            if not chunk:
+                raise ModelError(f"{path}: external data truncated at offset {offset}, expected {length} bytes")
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def share_weights(graph: Path, primary: Path, out: Path) -> Path:
+    """Write `out`: `graph` with every external tensor pointing into `primary`'s external-data file.
+
+    Each external tensor of `graph` must exist in `primary` under the same name, type and shape and with
+    the same bytes (compared by sha256, one tensor at a time); otherwise a ModelError names the first
+    that differs and nothing is written."""
+    import onnx
+
+    graph, primary, out = Path(graph), Path(primary), Path(out)
+    model = onnx.load(str(graph), load_external_data=False)
+    base = onnx.load(str(primary), load_external_data=False)
+    theirs = {t.name: t for t in base.graph.initializer}
+    for t in model.graph.initializer:
+        info = _external(t)
+        if info is None:
+            continue
+        other = theirs.get(t.name)
+        other_info = _external(other) if other is not None else None
+        if other_info is None or other.data_type != t.data_type or list(other.dims) != list(t.dims):
+            raise ModelError(f"{graph}: expected initializer {t.name!r} {list(t.dims)} in {primary}'s external "
+                             f"data, found {'nothing' if other is None else list(other.dims)}")
+        mine = _digest(graph.parent / info["location"], int(info.get("offset", 0)), int(info["length"]))
+        base_digest = _digest(primary.parent / other_info["location"], int(other_info.get("offset", 0)),
+                              int(other_info["length"]))
+        if mine != base_digest:
+            raise ModelError(f"{graph}: initializer {t.name!r} differs from {primary}'s; expected the same weights")
+        del t.external_data[:]
+        for key in ("location", "offset", "length"):
+            if key in other_info:
+                t.external_data.add(key=key, value=other_info[key])
+    model.metadata_props.add(key="bundle.weights_of", value=primary.name)
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        tmp.write_bytes(model.SerializeToString())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
