@@ -147,6 +147,12 @@ class ExportedModel:
     #: (layout, dtype) of the target graphs it is packed beside, when its own differ: an EAGLE-3 head,
     #: whose graph (bundler.eagle3) keeps a cache of its own whatever the target's layout
     packed_with: tuple[str, str] | None = None
+    #: the `cuda` target's GroupQueryAttention decode graph over export.weights (bundler.export_dual)
+    decode_graph: Path | None = None
+
+    @property
+    def sources(self) -> tuple[Path, ...]:
+        return tuple(self.export.files) + ((self.decode_graph,) if self.decode_graph is not None else ())
 
     @property
     def layout(self) -> str:
@@ -166,11 +172,17 @@ class ExportedModel:
 
     @property
     def paths(self) -> tuple[str, ...]:
-        return tuple(f"{ONNX_ROOTS[self.variant]}/{self.role}/{p.name}" for p in self.export.files)
+        return tuple(f"{ONNX_ROOTS[self.variant]}/{self.role}/{p.name}" for p in self.sources)
+
+    @property
+    def decode_path(self) -> str | None:
+        if self.decode_graph is None:
+            return None
+        return f"{ONNX_ROOTS[self.variant]}/{self.role}/{self.decode_graph.name}"
 
     def pack_files(self, targets: tuple[str, ...] | None = None) -> list[PackFile]:
         return [PackFile(src=src, path=path, targets=targets, sha256=self.file_sha256.get(src.name))
-                for src, path in zip(self.export.files, self.paths)]
+                for src, path in zip(self.sources, self.paths)]
 
 
 def export_models(models: Mapping[str, Path], work_dir: Path,
@@ -188,10 +200,24 @@ def export_models(models: Mapping[str, Path], work_dir: Path,
             if getattr(result, "dtype", "float32") != dtype and not head:
                 raise ModelError(f"expected a {dtype} export of {checkpoint}, found "
                                  f"{getattr(result, 'dtype', 'float32')}")
-            hashes = {p.name: file_sha256(p) for p in result.files}
+            decode = _decode_graph(Path(checkpoint), result, export) \
+                if layout == "batched" and dtype != "float32" and not head else None
+            hashes = {p.name: file_sha256(p) for p in (*result.files, *([decode] if decode else []))}
             out.append(ExportedModel(role, result, onnx_digest(hashes), hashes,
-                                     packed_with=(layout, dtype) if head else None))
+                                     packed_with=(layout, dtype) if head else None, decode_graph=decode))
     return out
+
+
+def _decode_graph(checkpoint: Path, result: ExportResult, export) -> Path | None:
+    """The `cuda` target's GroupQueryAttention decode graph over result's weights, or None (logged) when the
+    model has no such graph (q/k norms): the CUDA engine then runs the Attention graph alone."""
+    from bundler.export_dual import add_decode_graph
+
+    try:
+        return add_decode_graph(checkpoint, result, export)
+    except ModelError as e:
+        log.warning("no GroupQueryAttention decode graph for %s: %s; the Attention graph runs every row", checkpoint, e)
+        return None
 
 
 def _variant_for(profile: TargetProfile, onnxruntime_layout: str, half: str = "float16") -> tuple[str, str]:
@@ -225,7 +251,8 @@ def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], sh
             engines.append(Engine(model=m.role, backend="onnxruntime-cuda", format="onnx", path=m.graph_path,
                                   files=m.paths, key={"onnx_sha256": m.onnx_sha256,
                                                       "onnxruntime_min": ONNXRUNTIME_MIN_BATCHED},
-                                  build={"max_context": shape.max_context, "kv_cache": layout, "dtype": m.dtype}))
+                                  build={"max_context": shape.max_context, "kv_cache": layout, "dtype": m.dtype,
+                                         **({"decode_graph": m.decode_path} if m.decode_path else {})}))
             continue
         if profile.backend == "onnxruntime":
             minimum = {"shared": ONNXRUNTIME_MIN_SHARED, "batched": ONNXRUNTIME_MIN_BATCHED}.get(layout, ONNXRUNTIME_MIN)

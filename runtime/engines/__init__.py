@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path, PurePosixPath
 
-from manifests.errors import EnvironmentProblem
+from manifests.errors import EnvironmentProblem, ModelError
 from manifests.schema import Engine as EngineRecord
-from manifests.schema import Manifest
+from manifests.schema import Manifest, safe_relative_path
 from runtime import settings
 from runtime.engine import Engine
 from runtime.engine_cache import EngineCache, engine_key, mismatch, onnx_digest
@@ -77,7 +77,20 @@ def cuda_engine(graph: Path, record: EngineRecord, max_context: int | None):
         return None, why
     from runtime.engines.cuda import CudaEngine
 
-    return CudaEngine(graph, max_context=max_context, kv_cache=record.build.get("kv_cache")), None
+    return CudaEngine(graph, max_context=max_context, kv_cache=record.build.get("kv_cache"),
+                      decode_graph=decode_graph_of(graph, record)), None
+
+
+def decode_graph_of(graph: Path, record: EngineRecord) -> Path | None:
+    """The record's GroupQueryAttention decode graph (build["decode_graph"], one of its files), or None
+    (bundles made before it: the Attention graph runs every row)."""
+    rel = record.build.get("decode_graph")
+    if not rel:
+        return None
+    if not isinstance(rel, str) or rel not in record.files:
+        raise ModelError(f"expected the engine's decode_graph among its files {list(record.files)}, found {rel!r}")
+    root = Path(graph).parents[len(Path(record.path).parts) - 1]
+    return root / safe_relative_path(rel)
 
 
 def _limit(manifest: Manifest, record: EngineRecord, max_context: int | None) -> int | None:

@@ -113,7 +113,8 @@ def test_an_fp16_overflow_is_refused_by_name(family_batched_exports, tmp_path):
 
 
 def test_cuda_cpu_and_thor_bundle_each_graph_once(family_exports, tmp_path):
-    """The cuda target carries the fp16 batched graph, the cpu the fp32 one, the Thor the fp16 concat one."""
+    """The cuda target carries the fp16 batched graph (and its GroupQueryAttention decode graph over the same
+    weights file), the cpu the fp32 one, the Thor the fp16 concat one."""
     import shutil
 
     from bundler.engines import prepare_targets
@@ -123,13 +124,18 @@ def test_cuda_cpu_and_thor_bundle_each_graph_once(family_exports, tmp_path):
                                      {"max_model_len": 128}, backend=StandInBackend(None))
     by_path = {f.path: f.targets for f in files}
     assert by_path["engines/onnx-batched-fp16/target/model.onnx.data"] == ("cuda",)
+    assert by_path["engines/onnx-batched-fp16/target/decode.onnx"] == ("cuda",)
     assert by_path["engines/onnx-batched/target/model.onnx.data"] == ("cpu",)
     assert by_path["engines/onnx-fp16/target/model.onnx.data"] == ("jetson-thor",)
     cuda = next(t for t in targets if t.id == "cuda")
     assert cuda.backend == "onnxruntime-cuda" and cuda.build["precision"] == "fp16"
     (record,) = cuda.engines
     assert (record.backend, record.format, record.build) == (
-        "onnxruntime-cuda", "onnx", {"max_context": 128, "kv_cache": "batched", "dtype": "float16"})
+        "onnxruntime-cuda", "onnx", {"max_context": 128, "kv_cache": "batched", "dtype": "float16",
+                                     "decode_graph": "engines/onnx-batched-fp16/target/decode.onnx"})
+    assert record.files == tuple(f"engines/onnx-batched-fp16/target/{n}" for n in
+                                 ("model.onnx", "model.onnx.data", "decode.onnx"))
+    assert not any(p.endswith("decode.onnx.data") for p in by_path)  # its weights: model.onnx.data
 
     bf16 = tmp_path / "bf16-model"  # the same model, declared trained in bf16: the cuda target gets bf16
     shutil.copytree(checkpoint, bf16)
@@ -137,5 +143,6 @@ def test_cuda_cpu_and_thor_bundle_each_graph_once(family_exports, tmp_path):
     (bf16 / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
     files, targets = prepare_targets(["cuda"], {"target": bf16}, tmp_path / "work-bf16", {"max_model_len": 128})
     assert {f.path for f in files} == {"engines/onnx-batched-bf16/target/model.onnx",
-                                       "engines/onnx-batched-bf16/target/model.onnx.data"}
+                                       "engines/onnx-batched-bf16/target/model.onnx.data",
+                                       "engines/onnx-batched-bf16/target/decode.onnx"}
     assert targets[0].build["precision"] == "bf16" and targets[0].engines[0].build["dtype"] == "bfloat16"
