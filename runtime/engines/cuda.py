@@ -110,43 +110,52 @@ class _Lane:
 _DLPACK_TYPES = {1: (2, 32), 10: (2, 16), 16: (4, 16), 7: (0, 64), 6: (0, 32)}
 
 
-def _dlpack_structs():
-    class DLDevice(ctypes.Structure):
-        _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-    class DLDataType(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-    class DLTensor(ctypes.Structure):
-        _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
-                    ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                    ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-    class DLManagedTensor(ctypes.Structure):
-        pass
-
-    DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p),
-                                ("deleter", ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor)))]
-    return DLDevice, DLDataType, DLTensor, DLManagedTensor
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
 
 
-def wrap_device_memory(ort, ptr: int, dims: Sequence[int], onnx_type: int, on_gpu: bool, device_id: int, keep: list):
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
+#: address -> (DLManagedTensor, shape): alive until ONNX Runtime releases the OrtValue made from it
+#: (it calls the deleter then, whatever order the garbage collector frees the engine's objects in).
+_DLPACK_ALIVE: dict[int, tuple] = {}
+
+
+@_DELETER
+def _release_dlpack(managed) -> None:
+    _DLPACK_ALIVE.pop(ctypes.addressof(managed.contents), None)
+
+
+def wrap_device_memory(ort, ptr: int, dims: Sequence[int], onnx_type: int, on_gpu: bool, device_id: int):
     """An OrtValue over memory the engine owns (DLPack, no copy): what SessionOptions.add_initializer
     accepts ("Buffer containing the initializer must be owned by the user"; an OrtValue ONNX Runtime
-    allocated is refused). The DLPack structs go into `keep` and must outlive the OrtValue."""
+    allocated is refused). The memory must outlive every session given the OrtValue."""
     if onnx_type not in _DLPACK_TYPES:
         raise ModelError(f"expected a float/bfloat16/int initializer to share, found ONNX type {onnx_type}")
-    DLDevice, DLDataType, DLTensor, DLManagedTensor = _dlpack_structs()
     shape = (ctypes.c_int64 * max(len(dims), 1))(*dims)
-    managed = DLManagedTensor()
+    managed = _DLManagedTensor()
     code, bits = _DLPACK_TYPES[onnx_type]
-    managed.dl_tensor = DLTensor(ptr, DLDevice(2 if on_gpu else 1, device_id if on_gpu else 0), len(dims),
-                                 DLDataType(code, bits, 1), shape, None, 0)
-    managed.deleter = type(managed.deleter)()  # NULL: the engine frees the memory after the sessions
+    managed.dl_tensor = _DLTensor(ptr, _DLDevice(2 if on_gpu else 1, device_id if on_gpu else 0), len(dims),
+                                  _DLDataType(code, bits, 1), shape, None, 0)
+    managed.deleter = _release_dlpack
+    _DLPACK_ALIVE[ctypes.addressof(managed)] = (managed, shape)
     new_capsule = ctypes.pythonapi.PyCapsule_New
     new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
     capsule = new_capsule(ctypes.addressof(managed), b"dltensor", None)
-    keep += [managed, shape]
     try:
         return ort.OrtValue.from_dlpack(capsule)
     except TypeError:  # older onnxruntime: from_dlpack(data, is_bool_tensor)
@@ -159,7 +168,7 @@ def read_shared_weights(graph: Path, ort, cudart, on_gpu: bool, device_id: int) 
     import onnx
 
     model = onnx.load(str(graph), load_external_data=False)
-    out, buffers, keep, files = {}, [], [], {}
+    out, buffers, files = {}, [], {}
     try:
         for t in model.graph.initializer:
             if t.data_location != onnx.TensorProto.EXTERNAL:
@@ -178,7 +187,7 @@ def read_shared_weights(graph: Path, ort, cudart, on_gpu: bool, device_id: int) 
             buffers.append(buf)
             cudart.memcpy(buf.ptr, host.ctypes.data, length, H2D)
             cudart.synchronize()
-            out[t.name] = wrap_device_memory(ort, buf.ptr, list(t.dims), t.data_type, on_gpu, device_id, keep)
+            out[t.name] = wrap_device_memory(ort, buf.ptr, list(t.dims), t.data_type, on_gpu, device_id)
     except BaseException:
         for b in buffers:
             b.free()
@@ -186,7 +195,6 @@ def read_shared_weights(graph: Path, ort, cudart, on_gpu: bool, device_id: int) 
     finally:
         for f in files.values():
             f.close()
-    buffers.append(keep)  # type: ignore[arg-type]  # the DLPack structs live as long as the buffers
     return out, buffers
 
 
@@ -395,8 +403,7 @@ class CudaEngine(Engine):
         self._lane = self._decode = None
         self.shared_weights = {}  # after the sessions: what they read from
         for buf in self._weight_buffers:
-            if isinstance(buf, _Device):
-                buf.free()
+            buf.free()
         self._weight_buffers = []
 
     # --- slots ---------------------------------------------------------------------------------

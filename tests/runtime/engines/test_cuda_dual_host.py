@@ -1,0 +1,280 @@
+"""The CUDA engine over both graphs (bundler.export_dual), without a GPU: decode rows through the
+GroupQueryAttention graph, multi-token rows through the Attention graph, one cache, one copy of the weights.
+
+As in test_cuda_engine_host.py, `memory=HostMemory()` makes the engine bind host buffers and run on
+ONNX Runtime's CPU provider (which has both GroupQueryAttention and Attention); the same engine on a
+GPU is tests/runtime/engines/test_cuda_engine.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from runtime.engine import Row
+from tests.runtime.engines.host_memory import HostMemory
+
+
+@pytest.fixture(scope="module")
+def dual(tiny_export, tmp_path_factory) -> dict:
+    """The tiny llama's fp16 Attention graph ("graph") with its decode graph ("decode"), the GQA graph
+    alone ("gqa"), the fp32 pair ("graph32", "decode32") and the "checkpoint"."""
+    from bundler.export import export_onnx
+    from bundler.export_dual import add_decode_graph
+    from bundler.export_gqa import GQA_FUSIONS
+
+    ckpt = tiny_export[0]
+    root = tmp_path_factory.mktemp("cuda-dual")
+    half = export_onnx(ckpt, root / "h", kv_cache="batched", dtype="float16")
+    full = export_onnx(ckpt, root / "f", kv_cache="batched")
+    return {"graph": half.graph, "decode": add_decode_graph(ckpt, half), "graph32": full.graph,
+            "decode32": add_decode_graph(ckpt, full), "checkpoint": ckpt,
+            "gqa": export_onnx(ckpt, root / "g", kv_cache="batched", dtype="float16", fusions=GQA_FUSIONS).graph}
+
+
+def engine_of(dual, fp32: bool = False, single: bool = False, **kw):
+    from runtime.engines.cuda import CudaEngine
+
+    graph, decode = (dual["graph32"], dual["decode32"]) if fp32 else (dual["graph"], dual["decode"])
+    return CudaEngine(graph, memory=HostMemory(), decode_graph=None if single else decode, **kw)
+
+
+def cache_of(engine, layer_kv: int = 0) -> np.ndarray:
+    buf = engine._buffers[layer_kv]
+    raw = np.ctypeslib.as_array((ctypes.c_char * buf.nbytes).from_address(buf.ptr)).view(engine.kv_dtype)
+    return raw.reshape(engine.num_slots, engine.num_kv_heads, engine.capacity, engine.head_dim).copy()
+
+
+def count_calls(engine) -> dict:
+    calls = {"main": 0, "decode": 0}
+    for lane in {engine._lane, engine._decode}:
+        run = lane.session.run_with_iobinding
+        lane.session.run_with_iobinding = lambda *a, run=run, name=lane.name: calls.__setitem__(
+            name, calls[name] + 1) or run(*a)
+    return calls
+
+
+def test_the_decode_graph_points_into_the_attention_graphs_weights(dual):
+    """One weights file: every external tensor of decode.onnx is model.onnx.data's, same offset and length."""
+    import onnx
+
+    main = onnx.load(str(dual["graph"]), load_external_data=False)
+    decode = onnx.load(str(dual["decode"]), load_external_data=False)
+    where = {t.name: [(e.key, e.value) for e in t.external_data] for t in main.graph.initializer if t.external_data}
+    shared = {t.name: [(e.key, e.value) for e in t.external_data] for t in decode.graph.initializer
+              if t.external_data}
+    assert shared and all(where[name] == info for name, info in shared.items())
+    assert "model.layers.0.self_attn.q_proj_k_proj_v_proj.weight" in shared  # the packed QKV, one copy
+    assert "model.layers.0.mlp.gate_proj_up_proj.weight" in shared
+    assert not dual["decode"].with_name("decode.onnx.data").exists()
+    # what the decode graph adds to the bundle: its graph file, a few kilobytes against the weights
+    data = dual["graph"].with_name("model.onnx.data").stat().st_size
+    assert dual["decode"].stat().st_size < 0.05 * (data + dual["graph"].stat().st_size)
+
+
+def test_share_weights_refuses_a_graph_of_other_weights(dual, tmp_path):
+    from bundler.export import export_onnx
+    from bundler.export_dual import share_weights
+    from bundler.export_gqa import GQA_FUSIONS
+    from manifests.errors import ModelError
+    from tests.models import make_tiny_checkpoint
+
+    other = make_tiny_checkpoint(tmp_path / "other", seed=7, tokenizer_from=dual["checkpoint"])
+    gqa = export_onnx(other, tmp_path / "g", kv_cache="batched", dtype="float16", fusions=GQA_FUSIONS)
+    with pytest.raises(ModelError, match="differs from"):
+        share_weights(gqa.graph, dual["graph"], dual["graph"].with_name("other.onnx"))
+    assert not dual["graph"].with_name("other.onnx").exists()
+
+
+def test_both_graphs_write_the_same_cache(dual):
+    """The same tokens through the GroupQueryAttention graph alone and the Attention graph alone leave the
+    same keys and values in the cache (rotary before the write in both, same dtype): bit for bit in fp32."""
+    from runtime.engines.cuda import CudaEngine
+
+    rng = np.random.default_rng(0)
+    prompt, steps = rng.integers(2, 500, 7).tolist(), rng.integers(2, 500, 5).tolist()
+    for fp32 in (True, False):
+        attention = engine_of(dual, fp32=fp32, single=True, max_context=64)
+        gqa = CudaEngine(dual["decode32"] if fp32 else dual["gqa"], memory=HostMemory(), max_context=64)
+        assert gqa._lane.gqa and not attention._lane.gqa
+        for e in (attention, gqa):
+            e.forward([Row(0, prompt)])
+            for t in steps:
+                e.forward([Row(0, [t])])
+        n = len(prompt) + len(steps)
+        for kv in range(2 * attention.num_layers):
+            a, g = cache_of(attention, kv)[:, :, :n], cache_of(gqa, kv)[:, :, :n]
+            assert a.dtype == g.dtype == (np.float32 if fp32 else np.float16)
+            # fp16: GroupQueryAttention rotates in float32 and rounds once; the Attention graph's
+            # RotaryEmbedding rounds the same products: at most one fp16 ulp apart
+            np.testing.assert_allclose(g.astype(np.float32), a.astype(np.float32), rtol=0,
+                                       atol=1e-5 if fp32 else 2e-3 * float(np.abs(a).max()), err_msg=f"{kv}")
+
+
+def test_mixed_steps_match_transformers(dual):
+    """Three slots, steps mixing decode rows, verification rows and prefill chunks in one forward: every
+    row's logits are transformers' for that slot's tokens; decode rows are one GroupQueryAttention call,
+    the multi-token rows Attention calls (a row in exactly one)."""
+    from tests.bundler.export.test_parity import FP16_RTOL, reference_logits
+
+    rng = np.random.default_rng(1)
+    streams = [rng.integers(0, 500, 40).tolist() for _ in range(3)]
+    refs = [reference_logits(dual["checkpoint"], s) for s in streams]
+    schedule = [(9, 4, 1), (1, 1, 12), (4, 1, 1), (1, 5, 1), (1, 1, 1), (12, 1, 3)]
+    engine = engine_of(dual, max_context=64, num_slots=3)
+    assert "gqa decode" in engine.description and engine.dual
+    calls = count_calls(engine)
+    done, expected = [0, 0, 0], {"main": 0, "decode": 0}
+    for widths in schedule:
+        rows = [Row(s, streams[s][done[s]:done[s] + w]) for s, w in enumerate(widths)]
+        out = engine.forward(rows)
+        for s, (w, logits) in enumerate(zip(widths, out)):
+            ref = refs[s][done[s]:done[s] + w]
+            np.testing.assert_allclose(logits, ref, rtol=0, atol=FP16_RTOL * float(np.abs(refs[s]).max()),
+                                       err_msg=f"slot {s} widths {widths}")
+            done[s] += w
+        expected["decode"] += any(w == 1 for w in widths)
+        expected["main"] += len(engine._groups([r for r in rows if len(r.tokens) > 1]))
+    assert calls == expected and expected["decode"] == 6 and expected["main"] >= 5
+    assert [engine.length(s) for s in range(3)] == done
+
+
+def test_dual_rollback_and_prefix_copy_match_the_attention_graph(dual):
+    """Verification through the Attention graph, partial rollback, decode through the GroupQueryAttention
+    graph; a prefix copied to another slot decodes like the original: the single graph's logits."""
+    rng = np.random.default_rng(2)
+    prompt, draft = rng.integers(2, 500, 10).tolist(), rng.integers(2, 500, 4).tolist()
+    results = []
+    for single in (True, False):
+        e = engine_of(dual, fp32=True, single=single, max_context=64, num_slots=3)
+        out = [e.forward([Row(0, prompt)], last_only=True)[0], e.forward([Row(0, [draft[0]])])[0],
+               e.forward([Row(0, draft)])[0]]
+        e.rollback(0, len(prompt) + 3)
+        out.append(e.forward([Row(0, [5])])[0])
+        e.copy_prefix(0, 2, len(prompt))
+        out += e.forward([Row(0, [6]), Row(2, [7]), Row(1, [8, 9, 10])])
+        out += e.forward([Row(2, [11]), Row(1, [12])])
+        results.append((out, [e.length(s) for s in range(3)]))
+    (a, a_len), (d, d_len) = results
+    assert a_len == d_len == [len(prompt) + 5, 4, len(prompt) + 2]
+    for i, (x, y) in enumerate(zip(a, d)):
+        np.testing.assert_allclose(y, x, atol=2e-4, err_msg=f"output {i}")
+
+
+def test_greedy_speculation_through_the_dual_engine_is_plain_greedy(dual):
+    """Draft-model speculation (verification rows through the Attention graph, decode rows through the
+    GroupQueryAttention graph) emits the same greedy tokens as plain decoding, and as the single graph."""
+    from runtime.model_runner import ModelRunner
+    from runtime.scheduler import EngineRequest, SamplingParams, Scheduler
+
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(2, 500, n).tolist() for n in (4, 11, 7)]
+    results = {}
+    for method in ("none", "draft_model"):
+        for single in (True, False):
+            target = engine_of(dual, single=single, max_context=64, num_slots=4)
+            draft = engine_of(dual, single=single, max_context=64, num_slots=4) if method != "none" else None
+            calls = count_calls(target)
+            scheduler = Scheduler(ModelRunner(target, draft, method, 3), max_num_seqs=3, max_num_batched_tokens=64)
+            out = []
+            for p in prompts:
+                r = EngineRequest(list(p), SamplingParams(temperature=0.0), 12)
+                r.on_step = lambda step, tokens=out.append([]) or out[-1]: tokens.extend(step.tokens)
+                scheduler.add(r)
+            while scheduler.has_work():
+                scheduler.step()
+            results[method, single] = out, calls
+    plain = results["none", True][0]
+    assert all(len(t) == 12 for t in plain)
+    for key, (tokens, calls) in results.items():
+        assert tokens == plain, key
+    # plain decoding runs its decode steps as GroupQueryAttention calls; speculation verifies through Attention
+    none, spec = results["none", False][1], results["draft_model", False][1]
+    assert none["decode"] >= 11 and spec["main"] > 3, (none, spec)
+
+
+def test_both_sessions_read_the_engines_one_copy_of_the_weights(dual):
+    """The weights are the engine's buffers (shared initializers): zeroing lm_head there zeroes the logits
+    of both graphs' rows."""
+    e = engine_of(dual, fp32=True, max_context=32, num_slots=2)
+    assert {"lm_head.weight.T", "model.embed_tokens.weight"} <= set(e.shared_weights)
+    before = e.forward([Row(0, [1, 2, 3]), Row(1, [4])])
+    assert all(np.abs(x).max() > 0 for x in before)
+    head = e.shared_weights["lm_head.weight.T"]
+    ctypes.memset(head.data_ptr(), 0, head.tensor_size_in_bytes())
+    after = e.forward([Row(0, [5, 6]), Row(1, [7])])  # row 0: the Attention graph, row 1: GroupQueryAttention
+    assert all(not np.abs(x).any() for x in after)
+
+
+SESSIONS_RSS = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[1])
+    import runtime.engines.cuda as cuda
+    from tests.runtime.engines.host_memory import HostMemory
+
+    def anon():
+        return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon:"))
+    grown, load = [], cuda.CudaEngine._load
+    def measured(self, graph):
+        before = anon()
+        session = load(self, graph)
+        grown.append(anon() - before)
+        return session
+    cuda.CudaEngine._load = measured
+    graph, decode = Path(sys.argv[2]), Path(sys.argv[3])
+    if sys.argv[4] == "shared":
+        engine = cuda.CudaEngine(graph, decode_graph=decode, memory=HostMemory(), max_context=32)
+    else:
+        engines = [cuda.CudaEngine(g, memory=HostMemory(), max_context=32) for g in (graph, decode)]
+    print(json.dumps(grown))
+""")
+
+
+def test_the_two_sessions_do_not_each_hold_the_weights(tmp_path):
+    """Measured on a model of 20 MB of fp32 weights, in a fresh process: the two sessions together grow
+    anonymous memory by well under the weights' size with shared initializers (the engine's one copy),
+    while two sessions without them grow it by more than half of it each time (each its own copy).
+    fp32: ONNX Runtime's CPU provider would cast fp16 weights to fp32 copies (no fp16 MatMul there)."""
+    from pathlib import Path
+
+    from bundler.export import export_onnx
+    from bundler.export_dual import add_decode_graph
+    from tests.models import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "llama", vocab_size=8192, hidden_size=256, intermediate_size=704,
+                                num_heads=4, num_kv_heads=2)
+    full = export_onnx(ckpt, tmp_path / "f", kv_cache="batched")
+    decode = add_decode_graph(ckpt, full)
+    weights = full.weights.stat().st_size
+    assert weights > 15e6
+    root = str(Path(__file__).resolve().parents[3])
+    grown = {}
+    for mode in ("shared", "separate"):
+        run = subprocess.run([sys.executable, "-c", SESSIONS_RSS, root, str(full.graph), str(decode), mode],
+                             capture_output=True, text=True, timeout=300, check=True)
+        grown[mode] = json.loads(run.stdout.strip().splitlines()[-1])
+    assert sum(grown["shared"]) < 0.2 * weights, (grown, weights)
+    assert all(g > 0.5 * weights for g in grown["separate"]), (grown, weights)
+
+
+def test_an_older_bundle_without_the_decode_graph_runs_the_attention_graph_alone(dual):
+    e = engine_of(dual, single=True, max_context=32, num_slots=2)
+    assert not e.dual and not e.shared_weights and "gqa" not in e.description
+    assert [x.shape for x in e.forward([Row(0, [1, 2]), Row(1, [3])])] == [(2, e.vocab_size), (1, e.vocab_size)]
+
+
+def test_a_decode_graph_of_another_kind_is_refused(dual):
+    from manifests.errors import ModelError
+    from runtime.engines.cuda import CudaEngine
+
+    with pytest.raises(ModelError, match="GroupQueryAttention graph"):
+        CudaEngine(dual["graph"], memory=HostMemory(), decode_graph=dual["graph"], max_context=32)
+    with pytest.raises(ModelError, match="expected the cache input|bundle.dtype"):
+        CudaEngine(dual["graph"], memory=HostMemory(), decode_graph=dual["decode32"], max_context=32)
