@@ -1,5 +1,9 @@
 """The CUDA engine on a real GPU: parity with transformers (fp16, bf16), CUDA graphs, batching, speculation.
 
+Graphs: "fp16" (the Attention graph), "gqa" (the GroupQueryAttention graph alone) and "dual" (both,
+what `cuda` bundles carry: decode rows through GroupQueryAttention, the others through Attention,
+one cache, the weights shared between the two sessions).
+
 Needs an NVIDIA GPU and onnxruntime-gpu (the [cuda] extra); elsewhere every test here skips and
 says so. The same engine's bookkeeping on host memory runs everywhere: test_cuda_engine_host.py.
 """
@@ -28,12 +32,13 @@ BF16_RTOL = 4e-2  # bf16 keeps 8 bits of mantissa: weights, activations and cach
 @pytest.fixture(scope="module")
 def gpu_graphs(tiny_export, tmp_path_factory) -> dict:
     from bundler.export import export_onnx
+    from bundler.export_dual import add_decode_graph
     from bundler.export_gqa import GQA_FUSIONS
 
     ckpt = tiny_export[0]
     root = tmp_path_factory.mktemp("cuda")
-    return {"checkpoint": ckpt,
-            "fp16": export_onnx(ckpt, root / "h", kv_cache="batched", dtype="float16"),
+    fp16 = export_onnx(ckpt, root / "h", kv_cache="batched", dtype="float16")
+    return {"checkpoint": ckpt, "fp16": fp16, "dual": fp16, "decode": add_decode_graph(ckpt, fp16),
             "gqa": export_onnx(ckpt, root / "g", kv_cache="batched", dtype="float16", fusions=GQA_FUSIONS),
             "bf16": export_onnx(ckpt, root / "b", kv_cache="batched", dtype="bfloat16")}
 
@@ -44,11 +49,19 @@ def cuda_engine(graph, **kw):
     return CudaEngine(graph, **kw)
 
 
-@pytest.mark.parametrize("graph", ["fp16", "gqa"])
+def engine_for(gpu_graphs, graph: str, **kw):
+    """The engine over gpu_graphs[graph]; "dual": the Attention graph with its decode graph."""
+    decode = gpu_graphs["decode"] if graph == "dual" else None
+    engine = cuda_engine(gpu_graphs[graph].graph, decode_graph=decode, **kw)
+    assert engine.dual == (graph == "dual")
+    return engine
+
+
+@pytest.mark.parametrize("graph", ["fp16", "gqa", "dual"])
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 def test_fp16_parity_with_transformers_prefill_decode_verify_rollback(gpu_graphs, cuda_graphs, graph):
     result = gpu_graphs[graph]
-    engine = cuda_engine(result.graph, max_context=128, cuda_graphs=cuda_graphs)
+    engine = engine_for(gpu_graphs, graph, max_context=128, cuda_graphs=cuda_graphs)
     assert "CUDAExecutionProvider fp16 kv-cache batched" in engine.description
     assert engine.cuda_graphs == cuda_graphs, engine.cuda_graph_error
     check_parity(gpu_graphs["checkpoint"], result.graph, result.vocab_size, rtol=FP16_RTOL, engine=engine)
@@ -61,7 +74,7 @@ def test_bf16_parity_with_transformers(gpu_graphs):
     check_parity(gpu_graphs["checkpoint"], result.graph, result.vocab_size, rtol=BF16_RTOL, engine=engine)
 
 
-@pytest.mark.parametrize("graph", ["fp16", "gqa"])
+@pytest.mark.parametrize("graph", ["fp16", "gqa", "dual"])
 def test_batched_steps_with_cuda_graphs_equal_without_and_each_slot_alone(gpu_graphs, graph):
     """Three slots (bucket 4, slot 3 idle) fed the same tokens: decode and 4-token verification steps."""
     result = gpu_graphs[graph]
@@ -70,7 +83,7 @@ def test_batched_steps_with_cuda_graphs_equal_without_and_each_slot_alone(gpu_gr
     feeds = [[rng.integers(2, result.vocab_size, w).tolist() for _ in range(3)] for w in (1, 1, 4, 1, 4, 1)]
     runs = {}
     for graphs in (True, False):
-        engine = cuda_engine(result.graph, max_context=96, num_slots=4, cuda_graphs=graphs)
+        engine = engine_for(gpu_graphs, graph, max_context=96, num_slots=4, cuda_graphs=graphs)
         assert engine.cuda_graphs == graphs, engine.cuda_graph_error
         engine.forward([Row(s, p) for s, p in enumerate(prompts)])
         runs[graphs] = [engine.forward([Row(s, f[s]) for s in range(3)]) for f in feeds]
@@ -80,24 +93,24 @@ def test_batched_steps_with_cuda_graphs_equal_without_and_each_slot_alone(gpu_gr
         for a, b in zip(with_graph, without):
             np.testing.assert_allclose(a, b, atol=1e-3 * scale)
     for s, prompt in enumerate(prompts):
-        alone = cuda_engine(result.graph, max_context=96, cuda_graphs=False)
+        alone = engine_for(gpu_graphs, graph, max_context=96, cuda_graphs=False)
         alone.forward([Row(0, prompt)])
         for step, f in zip(runs[True], feeds):
             np.testing.assert_allclose(step[s], alone.forward([Row(0, f[s])])[0], atol=FP16_RTOL * scale)
 
 
-@pytest.mark.parametrize("graph", ["fp16", "gqa"])
+@pytest.mark.parametrize("graph", ["fp16", "gqa", "dual"])
 def test_decode_runs_every_node_on_the_gpu(gpu_graphs, graph):
     """ONNX Runtime's "Memcpy nodes are added" means nodes on the CPU; the decode path must have none."""
     result = gpu_graphs[graph]
-    engine = cuda_engine(result.graph, max_context=64, num_slots=2, cuda_graphs=False, profile=True)
+    engine = engine_for(gpu_graphs, graph, max_context=64, num_slots=2, cuda_graphs=False, profile=True)
     engine.forward([Row(0, [1, 2, 3]), Row(1, [4, 5])])
     engine.forward_greedy([Row(0, [6]), Row(1, [7])])
     placed = engine.node_providers()
     assert set(placed) == {"CUDAExecutionProvider"}, placed
 
 
-@pytest.mark.parametrize("graph", ["fp16", "gqa"])
+@pytest.mark.parametrize("graph", ["fp16", "gqa", "dual"])
 def test_speculation_is_greedy_token_for_token(gpu_graphs, tmp_path, graph):
     from bundler.export import export_onnx
     from runtime.sampling import SamplingParams
@@ -107,13 +120,31 @@ def test_speculation_is_greedy_token_for_token(gpu_graphs, tmp_path, graph):
     draft_ckpt = noisy_copy(gpu_graphs["checkpoint"], tmp_path / "draft")
     draft = cuda_engine(export_onnx(draft_ckpt, tmp_path / "d", kv_cache="batched", dtype="float16").graph,
                         max_context=128)
-    target = cuda_engine(gpu_graphs[graph].graph, max_context=128)
+    target = engine_for(gpu_graphs, graph, max_context=128)
     prompt, greedy = [5, 17, 42, 9, 300], SamplingParams(temperature=0.0)
     plain = [t for s in Generator(target).generate(prompt, greedy, max_tokens=40) for t in s.tokens]
     steps = list(Generator(target, draft, "draft_model", 3).generate(prompt, greedy, max_tokens=40))
     assert [t for s in steps for t in s.tokens] == plain and len(plain) == 40
     assert {"all", "some", "none"} <= {"all" if s.accepted == s.drafted else "none" if s.accepted == 0 else "some"
                                        for s in steps if s.drafted}
+
+
+def test_the_dual_engines_sessions_read_its_one_copy_of_the_weights(gpu_graphs):
+    """Shared initializers on the device: zeroing the engine's lm_head buffer zeroes the logits of rows of
+    both graphs (a session with a copy of its own would not see it)."""
+    from runtime.cuda import H2D
+
+    engine = engine_for(gpu_graphs, "dual", max_context=64, num_slots=2)
+    assert engine.cuda_graphs, engine.cuda_graph_error
+    before = engine.forward([Row(0, [1, 2, 3]), Row(1, [4])])
+    assert all(np.abs(x).max() > 0 for x in before)
+    head = engine.shared_weights["lm_head.weight.T"]
+    assert head.device_name().lower() == "cuda"
+    zeros = np.zeros(head.tensor_size_in_bytes(), np.uint8)
+    engine.cudart.memcpy(head.data_ptr(), zeros.ctypes.data, zeros.nbytes, H2D)
+    engine.cudart.synchronize()
+    after = engine.forward([Row(0, [5, 6]), Row(1, [7])])  # row 0: Attention, row 1: GroupQueryAttention
+    assert all(not np.abs(x).any() for x in after)
 
 
 def test_thor_fallback_concat_graph_on_the_gpu_matches_transformers(tiny_export, tmp_path):
