@@ -8,7 +8,9 @@ Run by hand on a machine with an NVIDIA GPU and onnxruntime-gpu (the project's G
 `prepare` writes a random-weight Llama-3.2-1B-shaped checkpoint (fp16 safetensors) and exports, in
 parallel, the fp16 batched graph (the `cuda` target's: TensorScatter + Attention, packed QKV and
 gate/up MatMuls) of it and of the demo pair (bundler/demo/models), and the GroupQueryAttention decode
-graph of it (bundler.export_gqa.GQA_FUSIONS; "llama-1b-gqa"); with --with-3b a Llama-3.2-3B shape too.
+graph of it (bundler.export_gqa.GQA_FUSIONS; "llama-1b-gqa") and of the demo target, then points each
+decode graph at its Attention graph's weights (bundler.export_dual.share_weights: `decode.onnx` beside
+model.onnx, what `cuda` bundles carry); with --with-3b a Llama-3.2-3B shape too.
 `run` measures, all in the same process:
 
 - the memory-bandwidth floor: graph weight bytes / the device-to-device copy bandwidth measured now
@@ -16,9 +18,11 @@ graph of it (bundler.export_gqa.GQA_FUSIONS; "llama-1b-gqa"); with --with-3b a L
 - the CUDA engine: ms per decode step at contexts 128, 1024, 4096, batch 1 and 8, with CUDA graphs
   (both graphs) and without (the Attention graph), greedy: only the argmax comes back; and the same
   step fetching each row's last logits instead (forward(last_only=True), what sampling needs);
+  "llama-1b-dual": the engine over both graphs (decode rows through GroupQueryAttention), with the
+  device memory each engine took (cudaMemGetInfo before and after loading: one copy of the weights);
 - transformers `generate` on the same weights (fp16, no torch.compile; dynamic and static cache);
 - speculative decoding with the demo pair: measured speedup and the ideal from the measured step
-  costs and acceptance;
+  costs and acceptance, with the Attention graph target and with the dual target;
 - which provider ran each node of the decode path (no node on the CPU is the target).
 
 Writes cuda_bench.json, cuda_bench.md (the tables) and cuda_bench.png (ms/step vs context) to --out.
@@ -47,7 +51,10 @@ CONTEXTS = (128, 1024, 4096)
 BATCHES = (1, 8)
 #: name -> (checkpoint, export fusions: None is the default graph); the 1B shape in both graphs.
 GRAPHS = {"llama-1b": ("llama-1b", None), "llama-1b-gqa": ("llama-1b", "gqa"),
-          "demo-target": ("demo/target", None), "demo-draft": ("demo/draft", None)}
+          "demo-target": ("demo/target", None), "demo-target-gqa": ("demo/target", "gqa"),
+          "demo-draft": ("demo/draft", None)}
+#: Attention graph -> its GroupQueryAttention graph, joined as graphs/<attention>/decode.onnx after the exports.
+DUAL = {"llama-1b": "llama-1b-gqa", "demo-target": "demo-target-gqa", "llama-3b": "llama-3b-gqa"}
 
 
 def checkpoint(work: Path, name: str, shape: dict) -> Path:
@@ -100,6 +107,14 @@ def prepare(work: Path, with_3b: bool = False) -> None:
     failed = [name for name, p in procs if p.wait() != 0]
     if failed:
         raise SystemExit(f"export failed: {', '.join(failed)}")
+    from bundler.export_dual import DECODE_GRAPH, share_weights
+
+    for main, gqa in DUAL.items():
+        graph, decode = work / "graphs" / main / "model.onnx", work / "graphs" / gqa / "model.onnx"
+        if graph.exists() and decode.exists() and not graph.with_name(DECODE_GRAPH).exists():
+            t = time.perf_counter()
+            share_weights(decode, graph, graph.with_name(DECODE_GRAPH))
+            print(f"joined {gqa} to {main}'s weights in {time.perf_counter() - t:.1f} s", flush=True)
     (work / "PREPARED").write_text("ok")
 
 
@@ -154,7 +169,8 @@ def decode_ms(engine, batch: int, context: int, steps: int, fetch: str = "argmax
     return 1000 * statistics.median(times[3:])
 
 
-def bench_engine(graph: Path, contexts, batches, steps: int, cuda_graphs: bool) -> dict:
+def bench_engine(graph: Path, contexts, batches, steps: int, cuda_graphs: bool, decode_graph: Path | None = None) -> dict:
+    from runtime.cuda import Cudart
     from runtime.engines.cuda import CudaEngine
 
     out = {}
@@ -163,8 +179,11 @@ def bench_engine(graph: Path, contexts, batches, steps: int, cuda_graphs: bool) 
         limit = ctx + steps + 8
         if engine is None:
             t = time.perf_counter()
-            engine = CudaEngine(graph, max_context=limit, num_slots=max(batches), cuda_graphs=cuda_graphs)
+            free = Cudart.load().memory_info()[0]
+            engine = CudaEngine(graph, max_context=limit, num_slots=max(batches), cuda_graphs=cuda_graphs,
+                                decode_graph=decode_graph)
             out["load_s"] = round(time.perf_counter() - t, 2)
+            out["device_bytes_at_load"] = free - engine.cudart.memory_info()[0]  # weights + cache + arenas
             out["description"] = engine.description
             out["cuda_graph_error"] = engine.cuda_graph_error
         else:
@@ -228,7 +247,7 @@ def step_costs(target, draft, k: int) -> dict:
     return {"target_decode_ms": ms(target, 1), "target_verify_ms": ms(target, k + 1), "draft_decode_ms": ms(draft, 1)}
 
 
-def speculative(work: Path, k: int = 3, max_tokens: int = 64, prompts: int = 12) -> dict:
+def speculative(work: Path, k: int = 3, max_tokens: int = 64, prompts: int = 12, dual: bool = False) -> dict:
     from tokenizers import Tokenizer
 
     from runtime.engines.cuda import CudaEngine
@@ -238,7 +257,8 @@ def speculative(work: Path, k: int = 3, max_tokens: int = 64, prompts: int = 12)
     tok = Tokenizer.from_file(str(REPO / "bundler/demo/models/target/tokenizer.json"))
     questions = json.loads((REPO / "bundler/demo/heldout_prompts.json").read_text())[:prompts]
     encoded = [tok.encode(q["question"]).ids for q in questions]
-    target = CudaEngine(work / "graphs/demo-target/model.onnx", max_context=256)
+    graph = work / "graphs/demo-target/model.onnx"
+    target = CudaEngine(graph, max_context=256, decode_graph=graph.with_name("decode.onnx") if dual else None)
     draft = CudaEngine(work / "graphs/demo-draft/model.onnx", max_context=256)
     greedy = SamplingParams(temperature=0.0)
     plain_gen, spec_gen = Generator(target), Generator(target, draft, "draft_model", k)
@@ -261,7 +281,8 @@ def speculative(work: Path, k: int = 3, max_tokens: int = 64, prompts: int = 12)
     per_round = (statistics.mean(rounds) + 1) if rounds else 1.0
     ideal = per_round * costs["target_decode_ms"] / (k * costs["draft_decode_ms"] + costs["target_verify_ms"])
     measured = (times["plain"] / tokens["plain"]) / (times["spec"] / tokens["spec"])
-    return {"greedy_identical": same, "k": k, "mean_accepted": round(statistics.mean(rounds), 3) if rounds else 0,
+    target.close(), draft.close()
+    return {"target": target.description, "greedy_identical": same, "k": k, "mean_accepted": round(statistics.mean(rounds), 3) if rounds else 0,
             "plain_ms_per_token": round(1000 * times["plain"] / tokens["plain"], 3),
             "spec_ms_per_token": round(1000 * times["spec"] / tokens["spec"], 3),
             "measured_speedup": round(measured, 3), "ideal_speedup": round(ideal, 3),
@@ -295,7 +316,8 @@ def plot(results: dict, path: Path) -> None:
     for ax, b in zip(axes, BATCHES):
         for name, key, label in (("llama-1b", "graphs", "Attention graph, CUDA graphs"),
                                  ("llama-1b", "no_graphs", "Attention graph, no CUDA graphs"),
-                                 ("llama-1b-gqa", "graphs", "GroupQueryAttention graph, CUDA graphs")):
+                                 ("llama-1b-gqa", "graphs", "GroupQueryAttention graph, CUDA graphs"),
+                                 ("llama-1b-dual", "graphs", "both graphs (dual engine), CUDA graphs")):
             row = results.get(name, {}).get(key, {})
             xs = [c for c in CONTEXTS if f"{c}x{b}" in row]
             if xs:
@@ -317,12 +339,13 @@ def plot(results: dict, path: Path) -> None:
 
 def table(results: dict) -> str:
     lines = []
-    for name in ("llama-1b", "llama-1b-gqa", "llama-3b", "llama-3b-gqa", "demo-target"):
+    for name in ("llama-1b", "llama-1b-gqa", "llama-1b-dual", "llama-3b", "llama-3b-gqa", "demo-target"):
         r = results.get(name)
         if r is None:
             continue
         lines += [f"### {name}: weights {r['weight_bytes'] / 1e9:.3f} GB fp16, floor {r['floor_weights_ms']:.3f} ms "
-                  f"(weights once at {results['copy_bandwidth_GBps']:.0f} GB/s); {r['graphs'].get('description')}", "",
+                  f"(weights once at {results['copy_bandwidth_GBps']:.0f} GB/s); {r['graphs'].get('description')}; "
+                  f"device memory taken at load {r['graphs'].get('device_bytes_at_load', 0) / 1e9:.3f} GB", "",
                   "| context | batch | graphs ms/step (argmax) | graphs, fetching logits | no graphs ms/step | "
                   "floor ms (w+KV) | graphs / floor | transformers dynamic | transformers static | tok/s (graphs) |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
@@ -342,6 +365,8 @@ def table(results: dict) -> str:
                      f"{placed['cpu_nodes'] or 'none'}; host time by op {placed['cuda_time_share']}")
     if "speculative" in results:
         lines.append(f"- speculation (demo pair): {results['speculative']}")
+    if "speculative_dual" in results:
+        lines.append(f"- speculation (demo pair, dual target): {results['speculative_dual']}")
     return "\n".join(lines) + "\n"
 
 
@@ -359,15 +384,17 @@ def run(work: Path, out: Path, quick: bool) -> None:
     results["copy_bandwidth_GBps"] = round(bw / 1e9, 1)
     print(f"device {device.name} cc {device.compute_capability}; copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     steps = 12 if quick else 30
-    plan = [("llama-1b", CONTEXTS, True), ("llama-1b-gqa", CONTEXTS, False), ("demo-target", (128,), True),
-            ("llama-3b", (128, 1024), False), ("llama-3b-gqa", (128, 1024), False)]
+    plan = [("llama-1b", CONTEXTS, True), ("llama-1b-gqa", CONTEXTS, False), ("llama-1b-dual", (128, 1024), False),
+            ("demo-target", (128,), True), ("llama-3b", (128, 1024), False), ("llama-3b-gqa", (128, 1024), False)]
     for name, contexts, without_graphs in plan:
-        graph = work / "graphs" / name / "model.onnx"
-        if not graph.exists():
+        dual = name.endswith("-dual")
+        graph = work / "graphs" / name.removesuffix("-dual") / "model.onnx"
+        decode = graph.with_name("decode.onnx") if dual else None
+        if not graph.exists() or dual and not decode.exists():
             continue
         r = {"weight_bytes": graph_bytes(graph)}
         r["floor_weights_ms"] = 1000 * r["weight_bytes"] / bw
-        r["graphs"] = bench_engine(graph, contexts, BATCHES, steps, True)
+        r["graphs"] = bench_engine(graph, contexts, BATCHES, steps, True, decode)
         if without_graphs:
             r["no_graphs"] = bench_engine(graph, contexts, BATCHES, steps, False)
         per_token = r["graphs"]["kv_bytes_per_token"]
@@ -380,6 +407,9 @@ def run(work: Path, out: Path, quick: bool) -> None:
     print("placement:", results["placement"], flush=True)
     results["speculative"] = speculative(work)
     print("speculative:", results["speculative"], flush=True)
+    if (work / "graphs/demo-target/decode.onnx").exists():
+        results["speculative_dual"] = speculative(work, dual=True)
+        print("speculative, dual target:", results["speculative_dual"], flush=True)
     (out / "cuda_bench.json").write_text(json.dumps(results, indent=1))
     results["transformers"] = transformers_ms(work / "llama-1b", (128, 1024) if not quick else (128,), BATCHES)
     (out / "cuda_bench.json").write_text(json.dumps(results, indent=1))
