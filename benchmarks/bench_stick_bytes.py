@@ -57,7 +57,7 @@ def demo_rows(work: Path) -> list[dict]:
     from bundler.engines import target_files_hook
 
     rows = []
-    for targets in (["cpu"], ["jetson-thor"], ["cpu", "jetson-thor"]):
+    for targets in (["cpu"], ["jetson-thor"], ["cuda"], ["cpu", "jetson-thor"]):
         for with_weights in (False, True):
             out = work / f"demo-{'-'.join(targets)}-{with_weights}"
             target, draft = demo_models()
