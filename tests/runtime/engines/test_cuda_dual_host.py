@@ -278,3 +278,33 @@ def test_a_decode_graph_of_another_kind_is_refused(dual):
         CudaEngine(dual["graph"], memory=HostMemory(), decode_graph=dual["graph"], max_context=32)
     with pytest.raises(ModelError, match="expected the cache input|bundle.dtype"):
         CudaEngine(dual["graph"], memory=HostMemory(), decode_graph=dual["decode32"], max_context=32)
+
+
+def test_a_cuda_bundles_engine_record_names_the_decode_graph_the_engine_loads(dual, tmp_path):
+    """bundler.engines plans the `cuda` target with both graphs; laid out as installed, the loader's
+    decode_graph_of finds the decode graph by the record and the engine runs both; a record without it
+    (older bundles) gives None, and one naming a file it does not carry is refused."""
+    import dataclasses
+    import shutil
+
+    from bundler.engines import prepare_targets
+    from manifests.errors import ModelError
+    from runtime.engines import decode_graph_of
+    from runtime.engines.cuda import CudaEngine
+
+    files, (target,) = prepare_targets(["cuda"], {"target": dual["checkpoint"]}, tmp_path / "work",
+                                       {"max_model_len": 64})
+    root = tmp_path / "installed"
+    for f in files:
+        (root / f.path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f.src, root / f.path)
+    (record,) = target.engines
+    decode = decode_graph_of(root / record.path, record)
+    assert decode == root / record.build["decode_graph"] and decode.is_file()
+    engine = CudaEngine(root / record.path, memory=HostMemory(), max_context=64, decode_graph=decode)
+    assert engine.dual and engine.forward([Row(0, [3, 4, 5])])[0].shape == (3, engine.vocab_size)
+    older = dataclasses.replace(record, build={k: v for k, v in record.build.items() if k != "decode_graph"},
+                                files=record.files[:2])
+    assert decode_graph_of(root / record.path, older) is None
+    with pytest.raises(ModelError, match="decode_graph among its files"):
+        decode_graph_of(root / record.path, dataclasses.replace(record, files=record.files[:2]))
