@@ -156,10 +156,25 @@ def wrap_device_memory(ort, ptr: int, dims: Sequence[int], onnx_type: int, on_gp
     new_capsule = ctypes.pythonapi.PyCapsule_New
     new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
     capsule = new_capsule(ctypes.addressof(managed), b"dltensor", None)
+    return from_dlpack(ort, capsule)
+
+
+def from_dlpack(ort, capsule):
+    """ort.OrtValue from a DLPack capsule: the public wrapper where onnxruntime has it, else the binding's
+    (older releases: from_dlpack(data, is_bool_tensor)) wrapped in ort.OrtValue."""
+    public = getattr(ort.OrtValue, "from_dlpack", None)
+    if public is not None:
+        try:
+            return public(capsule)
+        except TypeError:
+            pass
+    from onnxruntime.capi import _pybind_state
+
     try:
-        return ort.OrtValue.from_dlpack(capsule)
-    except TypeError:  # older onnxruntime: from_dlpack(data, is_bool_tensor)
-        return ort.OrtValue.from_dlpack(capsule, False)
+        value = _pybind_state.OrtValue.from_dlpack(capsule)
+    except TypeError:
+        value = _pybind_state.OrtValue.from_dlpack(capsule, False)
+    return ort.OrtValue(value)
 
 
 def read_shared_weights(graph: Path, ort, cudart, on_gpu: bool, device_id: int) -> tuple[dict, list]:
@@ -223,8 +238,18 @@ class CudaEngine(Engine):
         self._decode_graph = None if decode_graph is None else Path(decode_graph)
         if self._decode_graph is not None and not self._decode_graph.is_file():
             raise EnvironmentProblem(f"expected the decode graph at {self._decode_graph}, found nothing")
-        self.shared_weights, self._weight_buffers = ({}, []) if self._decode_graph is None else \
-            read_shared_weights(graph, ort, self.cudart, self._device == "cuda", device_id)
+        self.shared_weights, self._weight_buffers, self.decode_graph_error = {}, [], None
+        if self._decode_graph is not None:
+            try:
+                self.shared_weights, self._weight_buffers = read_shared_weights(
+                    graph, ort, self.cudart, self._device == "cuda", device_id)
+            except (AttributeError, TypeError, RuntimeError, ValueError) as e:
+                # this onnxruntime cannot take device memory of ours as an initializer: two sessions
+                # would hold two copies of the weights, so the Attention graph runs every row instead
+                self.decode_graph_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                log.warning("running %s alone, without its decode graph %s: %s", graph, self._decode_graph,
+                            self.decode_graph_error)
+                self._decode_graph = None
         self.cuda_graphs, self.cuda_graph_error = cuda_graphs, None
         self.session = self._load(graph)
         self._lane = self._decode = _Lane(self.session, "main")

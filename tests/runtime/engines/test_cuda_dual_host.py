@@ -308,3 +308,34 @@ def test_a_cuda_bundles_engine_record_names_the_decode_graph_the_engine_loads(du
     assert decode_graph_of(root / record.path, older) is None
     with pytest.raises(ModelError, match="decode_graph among its files"):
         decode_graph_of(root / record.path, dataclasses.replace(record, files=record.files[:2]))
+
+
+def test_an_onnxruntime_that_cannot_share_the_weights_runs_the_attention_graph_alone(dual, monkeypatch, caplog):
+    """Two sessions must not each hold the weights: where onnxruntime cannot wrap the engine's memory
+    (no DLPack import), the engine logs why and runs every row through the Attention graph."""
+    import runtime.engines.cuda as cuda
+
+    def refuse(*a, **kw):
+        raise AttributeError("type object 'OrtValue' has no attribute 'from_dlpack'")
+
+    monkeypatch.setattr(cuda, "read_shared_weights", refuse)
+    e = engine_of(dual, max_context=32, num_slots=2)
+    assert not e.dual and "from_dlpack" in e.decode_graph_error and "without its decode graph" in caplog.text
+    assert e.forward([Row(0, [1, 2]), Row(1, [3])])[1].shape == (1, e.vocab_size)
+
+
+def test_weights_wrap_through_the_binding_where_onnxruntime_has_no_public_from_dlpack():
+    """Older onnxruntime releases: OrtValue.from_dlpack only on the binding; the wrapped value is still
+    memory of ours (no copy) and add_initializer takes it."""
+    import onnxruntime as ort
+
+    from runtime.engines.cuda import wrap_device_memory
+
+    class Older:
+        class OrtValue(ort.OrtValue):
+            from_dlpack = None
+
+    memory = np.arange(6, dtype=np.float16)
+    value = wrap_device_memory(Older, memory.ctypes.data, [2, 3], 10, False, 0)
+    assert value.data_ptr() == memory.ctypes.data and value.numpy().tolist() == [[0, 1, 2], [3, 4, 5]]
+    ort.SessionOptions().add_initializer("x", value)
