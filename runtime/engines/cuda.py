@@ -35,7 +35,9 @@ exactly one call, and each call writes only its own rows' positions of their slo
 row writes its spare rows past max_context), so the order of the calls does not matter. Both write
 the same cache contents (rotary applied to K before the write, same dtype). The weights are read once
 into device memory and given to both ONNX Runtime sessions as shared initializers
-(SessionOptions.add_initializer): neither session holds a copy of its own.
+(SessionOptions.add_initializer, DLPack OrtValues over the engine's own allocations: ONNX Runtime refuses
+initializers in memory it allocated): neither session holds a copy of its own. Where onnxruntime cannot
+import DLPack memory the engine runs the Attention graph alone (decode_graph_error says why).
 """
 
 from __future__ import annotations
