@@ -21,6 +21,7 @@ cross-build), otherwise on the device at first start, or once per fleet by `bund
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,7 +153,12 @@ class ExportedModel:
 
     @property
     def sources(self) -> tuple[Path, ...]:
-        return tuple(self.export.files) + ((self.decode_graph,) if self.decode_graph is not None else ())
+        """The files of the engine: graph, weights, and the decode graph with its shared weights index."""
+        if self.decode_graph is None:
+            return tuple(self.export.files)
+        from bundler.export_dual import SHARED_WEIGHTS_INDEX
+
+        return (*self.export.files, self.decode_graph, self.decode_graph.with_name(SHARED_WEIGHTS_INDEX))
 
     @property
     def layout(self) -> str:
@@ -202,9 +208,10 @@ def export_models(models: Mapping[str, Path], work_dir: Path,
                                  f"{getattr(result, 'dtype', 'float32')}")
             decode = _decode_graph(Path(checkpoint), result, export) \
                 if layout == "batched" and dtype != "float32" and not head else None
-            hashes = {p.name: file_sha256(p) for p in (*result.files, *([decode] if decode else []))}
-            out.append(ExportedModel(role, result, onnx_digest(hashes), hashes,
-                                     packed_with=(layout, dtype) if head else None, decode_graph=decode))
+            exported = ExportedModel(role, result, "", {}, packed_with=(layout, dtype) if head else None,
+                                     decode_graph=decode)
+            hashes = {p.name: file_sha256(p) for p in exported.sources}
+            out.append(dataclasses.replace(exported, onnx_sha256=onnx_digest(hashes), file_sha256=hashes))
     return out
 
 

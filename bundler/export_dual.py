@@ -14,6 +14,7 @@ the weights once and the device reads them once.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -22,12 +23,15 @@ from manifests.errors import ModelError
 
 #: The decode graph's file name, next to the Attention graph (model.onnx) and its model.onnx.data.
 DECODE_GRAPH = "decode.onnx"
+#: What the runtime (no onnx there) reads to load the shared tensors once: runtime.engines.cuda's name too.
+SHARED_WEIGHTS_INDEX = "shared_weights.json"
 _CHUNK = 1 << 20
 
 
 def add_decode_graph(checkpoint: Path, result, export=None) -> Path:
     """Export the GroupQueryAttention decode graph of `checkpoint` next to `result.graph` (an in-place
-    "batched" half-precision export), its weights being result.weights: returns the decode graph's path."""
+    "batched" half-precision export), its weights being result.weights, and the index of the shared
+    tensors (SHARED_WEIGHTS_INDEX) beside it: returns the decode graph's path."""
     from bundler.export_gqa import GQA_FUSIONS
 
     if export is None:
@@ -65,7 +69,8 @@ def _digest(path: Path, offset: int, length: int) -> str:
 
 
 def share_weights(graph: Path, primary: Path, out: Path) -> Path:
-    """Write `out`: `graph` with every external tensor pointing into `primary`'s external-data file.
+    """Write `out`: `graph` with every external tensor pointing into `primary`'s external-data file, and
+    out's folder/SHARED_WEIGHTS_INDEX: those tensors (name, ONNX type, dims, offset, length) in that file.
 
     Each external tensor of `graph` must exist in `primary` under the same name, type and shape and with
     the same bytes (compared by sha256, one tensor at a time); otherwise a ModelError names the first
@@ -76,6 +81,7 @@ def share_weights(graph: Path, primary: Path, out: Path) -> Path:
     model = onnx.load(str(graph), load_external_data=False)
     base = onnx.load(str(primary), load_external_data=False)
     theirs = {t.name: t for t in base.graph.initializer}
+    shared = []
     for t in model.graph.initializer:
         info = _external(t)
         if info is None:
@@ -90,16 +96,27 @@ def share_weights(graph: Path, primary: Path, out: Path) -> Path:
                               int(other_info["length"]))
         if mine != base_digest:
             raise ModelError(f"{graph}: initializer {t.name!r} differs from {primary}'s; expected the same weights")
+        if other_info["location"] != primary.name + ".data":
+            raise ModelError(f"{primary}: expected its weights in {primary.name}.data, found {other_info['location']}")
         del t.external_data[:]
         for key in ("location", "offset", "length"):
             if key in other_info:
                 t.external_data.add(key=key, value=other_info[key])
+        shared.append({"name": t.name, "type": int(t.data_type), "dims": [int(d) for d in t.dims],
+                       "offset": int(other_info.get("offset", 0)), "length": int(other_info["length"])})
     model.metadata_props.add(key="bundle.weights_of", value=primary.name)
-    tmp = out.with_name(out.name + ".tmp")
+    index = out.with_name(SHARED_WEIGHTS_INDEX)
+    _write_atomic(index, json.dumps({"format": 1, "data": primary.name + ".data", "tensors": shared},
+                                    indent=0).encode())
+    _write_atomic(out, model.SerializeToString())
+    return out
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_bytes(model.SerializeToString())
-        os.replace(tmp, out)
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return out

@@ -84,11 +84,15 @@ def cuda_engine(graph: Path, record: EngineRecord, max_context: int | None):
 def decode_graph_of(graph: Path, record: EngineRecord) -> Path | None:
     """The record's GroupQueryAttention decode graph (build["decode_graph"], one of its files), or None
     (bundles made before it: the Attention graph runs every row)."""
+    from runtime.engines.cuda import SHARED_WEIGHTS_INDEX
+
     rel = record.build.get("decode_graph")
     if not rel:
         return None
-    if not isinstance(rel, str) or rel not in record.files:
-        raise ModelError(f"expected the engine's decode_graph among its files {list(record.files)}, found {rel!r}")
+    index = str(PurePosixPath(rel).with_name(SHARED_WEIGHTS_INDEX)) if isinstance(rel, str) else None
+    if not isinstance(rel, str) or rel not in record.files or index not in record.files:
+        raise ModelError(f"expected the engine's decode_graph and its {SHARED_WEIGHTS_INDEX} among its files "
+                         f"{list(record.files)}, found {rel!r}")
     root = Path(graph).parents[len(Path(record.path).parts) - 1]
     return root / safe_relative_path(rel)
 

@@ -179,39 +179,69 @@ def from_dlpack(ort, capsule):
     return ort.OrtValue(value)
 
 
-def read_shared_weights(graph: Path, ort, cudart, on_gpu: bool, device_id: int) -> tuple[dict, list]:
-    """({name: OrtValue}, [device allocations]) of every external-data initializer of `graph`, read one
-    tensor at a time into memory from `cudart` (device memory on the GPU: host memory holds one tensor)."""
-    import onnx
+#: Beside the decode graph (bundler.export_dual writes it): the external tensors both graphs read, so
+#: the runtime (which does not import onnx) knows what to load before either session exists.
+SHARED_WEIGHTS_INDEX = "shared_weights.json"
+MAX_INDEX_BYTES = 16 << 20
+#: ONNX element type -> bytes per element, for the types an index may name.
+_ITEMSIZE = {1: 4, 10: 2, 16: 2, 7: 8, 6: 4}
 
-    model = onnx.load(str(graph), load_external_data=False)
-    out, buffers, files = {}, [], {}
+
+def read_weight_index(index: Path) -> tuple[Path, list[dict]]:
+    """(external-data file, [{name, type, dims, offset, length}]) from a shared_weights.json, checked:
+    each tensor inside the data file, its length its dims times its element size."""
+    import json
+
+    if not index.is_file():
+        raise ModelError(f"expected the shared weights index {index} beside the decode graph, found nothing")
+    if index.stat().st_size > MAX_INDEX_BYTES:
+        raise ModelError(f"{index}: expected at most {MAX_INDEX_BYTES} bytes, found {index.stat().st_size}")
     try:
-        for t in model.graph.initializer:
-            if t.data_location != onnx.TensorProto.EXTERNAL:
-                continue
-            info = {e.key: e.value for e in t.external_data}
-            location = info.get("location", "")
-            if Path(location).name != location:
-                raise ModelError(f"{graph}: expected external data next to the graph, found location {location!r}")
-            f = files.get(location) or files.setdefault(location, open(graph.parent / location, "rb"))
-            f.seek(int(info.get("offset", 0)))
-            length = int(info["length"])
-            host = np.frombuffer(f.read(length), np.uint8)
-            if host.size != length:
-                raise ModelError(f"{graph}: external data of {t.name} is truncated ({host.size} of {length} bytes)")
-            buf = _Device(cudart, length)
-            buffers.append(buf)
-            cudart.memcpy(buf.ptr, host.ctypes.data, length, H2D)
-            cudart.synchronize()
-            out[t.name] = wrap_device_memory(ort, buf.ptr, list(t.dims), t.data_type, on_gpu, device_id)
+        doc = json.loads(index.read_text(encoding="utf-8"))
+        data = index.parent / doc["data"]
+        if Path(doc["data"]).name != doc["data"] or doc.get("format") != 1:
+            raise ValueError(f"data {doc['data']!r}, format {doc.get('format')!r}")
+        size = data.stat().st_size
+        tensors = []
+        for t in doc["tensors"]:
+            entry = {"name": str(t["name"]), "type": int(t["type"]), "dims": [int(d) for d in t["dims"]],
+                     "offset": int(t["offset"]), "length": int(t["length"])}
+            count = int(np.prod(entry["dims"], dtype=np.int64)) if entry["dims"] else 1
+            if entry["type"] not in _ITEMSIZE or min(entry["dims"], default=0) < 0 \
+                    or entry["length"] != count * _ITEMSIZE[entry["type"]] \
+                    or not 0 <= entry["offset"] <= size - entry["length"]:
+                raise ValueError(f"tensor {entry['name']!r} {entry['dims']} type {entry['type']} at "
+                                 f"{entry['offset']}+{entry['length']} of {size} bytes")
+            tensors.append(entry)
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise ModelError(f"{index}: expected format 1 with tensors inside the data file, found {e}") from None
+    return data, tensors
+
+
+def read_shared_weights(index: Path, graph: Path, ort, cudart, on_gpu: bool, device_id: int) -> tuple[dict, list]:
+    """({name: OrtValue}, [device allocations]) of every tensor the index names, read one tensor at a
+    time into memory from `cudart` (device memory on the GPU: host memory holds one tensor). The index
+    must name `graph`'s own weights file: both sessions get these tensors."""
+    data, tensors = read_weight_index(index)
+    if data.resolve() != graph.with_name(graph.name + ".data").resolve():
+        raise ModelError(f"{index}: expected the weights of {graph} ({graph.name}.data beside it), found {data}")
+    out, buffers = {}, []
+    try:
+        with open(data, "rb") as f:
+            for t in tensors:
+                f.seek(t["offset"])
+                host = np.frombuffer(f.read(t["length"]), np.uint8)
+                if host.size != t["length"]:
+                    raise ModelError(f"{data}: {t['name']} is truncated ({host.size} of {t['length']} bytes)")
+                buf = _Device(cudart, t["length"])
+                buffers.append(buf)
+                cudart.memcpy(buf.ptr, host.ctypes.data, t["length"], H2D)
+                cudart.synchronize()
+                out[t["name"]] = wrap_device_memory(ort, buf.ptr, t["dims"], t["type"], on_gpu, device_id)
     except BaseException:
         for b in buffers:
             b.free()
         raise
-    finally:
-        for f in files.values():
-            f.close()
     return out, buffers
 
 
@@ -244,7 +274,8 @@ class CudaEngine(Engine):
         if self._decode_graph is not None:
             try:
                 self.shared_weights, self._weight_buffers = read_shared_weights(
-                    graph, ort, self.cudart, self._device == "cuda", device_id)
+                    self._decode_graph.with_name(SHARED_WEIGHTS_INDEX), graph, ort, self.cudart,
+                    self._device == "cuda", device_id)
             except (AttributeError, TypeError, RuntimeError, ValueError) as e:
                 # this onnxruntime cannot take device memory of ours as an initializer: two sessions
                 # would hold two copies of the weights, so the Attention graph runs every row instead

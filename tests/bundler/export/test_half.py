@@ -134,7 +134,7 @@ def test_cuda_cpu_and_thor_bundle_each_graph_once(family_exports, tmp_path):
         "onnxruntime-cuda", "onnx", {"max_context": 128, "kv_cache": "batched", "dtype": "float16",
                                      "decode_graph": "engines/onnx-batched-fp16/target/decode.onnx"})
     assert record.files == tuple(f"engines/onnx-batched-fp16/target/{n}" for n in
-                                 ("model.onnx", "model.onnx.data", "decode.onnx"))
+                                 ("model.onnx", "model.onnx.data", "decode.onnx", "shared_weights.json"))
     assert not any(p.endswith("decode.onnx.data") for p in by_path)  # its weights: model.onnx.data
 
     bf16 = tmp_path / "bf16-model"  # the same model, declared trained in bf16: the cuda target gets bf16
@@ -144,5 +144,6 @@ def test_cuda_cpu_and_thor_bundle_each_graph_once(family_exports, tmp_path):
     files, targets = prepare_targets(["cuda"], {"target": bf16}, tmp_path / "work-bf16", {"max_model_len": 128})
     assert {f.path for f in files} == {"engines/onnx-batched-bf16/target/model.onnx",
                                        "engines/onnx-batched-bf16/target/model.onnx.data",
-                                       "engines/onnx-batched-bf16/target/decode.onnx"}
+                                       "engines/onnx-batched-bf16/target/decode.onnx",
+                                       "engines/onnx-batched-bf16/target/shared_weights.json"}
     assert targets[0].build["precision"] == "bf16" and targets[0].engines[0].build["dtype"] == "bfloat16"

@@ -73,6 +73,12 @@ def test_the_decode_graph_points_into_the_attention_graphs_weights(dual):
     assert "model.layers.0.self_attn.q_proj_k_proj_v_proj.weight" in shared  # the packed QKV, one copy
     assert "model.layers.0.mlp.gate_proj_up_proj.weight" in shared
     assert not dual["decode"].with_name("decode.onnx.data").exists()
+    # the runtime (no onnx there) loads the shared tensors from the index beside the decode graph
+    index = json.loads(dual["decode"].with_name("shared_weights.json").read_text())
+    assert index["data"] == "model.onnx.data" and {t["name"] for t in index["tensors"]} == set(shared)
+    for t in index["tensors"]:
+        assert [("location", "model.onnx.data"), ("offset", str(t["offset"])), ("length", str(t["length"]))] \
+            == shared[t["name"]]
     # what the decode graph adds to the bundle: its graph file, a few kilobytes against the weights
     data = dual["graph"].with_name("model.onnx.data").stat().st_size
     assert dual["decode"].stat().st_size < 0.05 * (data + dual["graph"].stat().st_size)
@@ -270,13 +276,37 @@ def test_an_older_bundle_without_the_decode_graph_runs_the_attention_graph_alone
     assert [x.shape for x in e.forward([Row(0, [1, 2]), Row(1, [3])])] == [(2, e.vocab_size), (1, e.vocab_size)]
 
 
+@pytest.mark.parametrize("damage", ["missing", "outside", "length", "json"])
+def test_a_bad_shared_weights_index_is_refused_in_one_line(dual, tmp_path, damage):
+    import shutil
+
+    from manifests.errors import ModelError
+    from runtime.engines.cuda import CudaEngine
+
+    for name in ("model.onnx", "model.onnx.data", "decode.onnx", "shared_weights.json"):
+        shutil.copyfile(dual["graph"].with_name(name), tmp_path / name)
+    index = tmp_path / "shared_weights.json"
+    doc = json.loads(index.read_text())
+    if damage == "missing":
+        index.unlink()
+    elif damage == "json":
+        index.write_text("{")
+    else:
+        doc["tensors"][0]["offset" if damage == "outside" else "length"] += 1 << 30 if damage == "outside" else 2
+        index.write_text(json.dumps(doc))
+    with pytest.raises(ModelError, match="shared weights index|expected format 1") as e:
+        CudaEngine(tmp_path / "model.onnx", memory=HostMemory(), decode_graph=tmp_path / "decode.onnx",
+                   max_context=32)
+    assert "\n" not in str(e.value)
+
+
 def test_a_decode_graph_of_another_kind_is_refused(dual):
     from manifests.errors import ModelError
     from runtime.engines.cuda import CudaEngine
 
     with pytest.raises(ModelError, match="GroupQueryAttention graph"):
         CudaEngine(dual["graph"], memory=HostMemory(), decode_graph=dual["graph"], max_context=32)
-    with pytest.raises(ModelError, match="expected the cache input|bundle.dtype"):
+    with pytest.raises(ModelError, match=r"expected the weights of .*model.onnx \(model.onnx.data beside it\)"):
         CudaEngine(dual["graph"], memory=HostMemory(), decode_graph=dual["decode32"], max_context=32)
 
 
@@ -306,8 +336,9 @@ def test_a_cuda_bundles_engine_record_names_the_decode_graph_the_engine_loads(du
     older = dataclasses.replace(record, build={k: v for k, v in record.build.items() if k != "decode_graph"},
                                 files=record.files[:2])
     assert decode_graph_of(root / record.path, older) is None
-    with pytest.raises(ModelError, match="decode_graph among its files"):
-        decode_graph_of(root / record.path, dataclasses.replace(record, files=record.files[:2]))
+    for files in (record.files[:2], record.files[:3]):  # no decode graph, or no index of its weights
+        with pytest.raises(ModelError, match="decode_graph and its shared_weights.json among its files"):
+            decode_graph_of(root / record.path, dataclasses.replace(record, files=files))
 
 
 def test_an_onnxruntime_that_cannot_share_the_weights_runs_the_attention_graph_alone(dual, monkeypatch, caplog):
