@@ -25,6 +25,7 @@ case "${1:-}" in
   prepare)
     mkdir -p /tmp/bench && cd "$CODE"
     setsid nohup python3 benchmarks/bench_cuda.py prepare --work /tmp/bench >/tmp/bench/prepare.log 2>&1 </dev/null &
+    echo $! > /tmp/bench/PREPARING
     echo "prepare started" ;;
   go)
     out=${OUT:-/tmp/out}
@@ -50,7 +51,10 @@ case "${1:-}" in
     mkdir -p /tmp/bench "$out"
     cd "$CODE"
     export PYTHONPATH=$CODE:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-    python3 benchmarks/bench_cuda.py prepare --work /tmp/bench ${WITH_3B:+--with-3b} >/tmp/bench/prepare.log 2>&1 </dev/null &
+    # a `prepare` started earlier (setsid, in the background) may still be exporting: two exports into one
+    # folder delete each other's work, so wait for it rather than start a second one
+    while [ -f /tmp/bench/PREPARING ] && kill -0 "$(cat /tmp/bench/PREPARING)" 2>/dev/null; do sleep 2; done
+    python3 benchmarks/bench_cuda.py prepare --work /tmp/bench ${WITH_3B:+--with-3b} >>/tmp/bench/prepare.log 2>&1 </dev/null &
     prep=$!
     python3 -c "import onnxruntime as o; print(o.__version__, o.__file__, o.get_available_providers())"
     nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv,noheader
