@@ -12,8 +12,8 @@ from runtime.model_runner import ModelRunner
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.spec_length import LinearCost, SpeculationLength
-from tests.runtime.serve.test_sampling import LENGTH, PROMPT, _exact, _pvalue, _tables
-from tests.runtime.serve.test_scheduler import Recorder, alone, batched, batched_graphs, prompts, run_together  # noqa: F401
+from tests.runtime.serve.test_sampling import LENGTH, PROMPT, _exact, _tables
+from tests.runtime.serve.test_scheduler import Recorder, alone, assert_distributed_per_slot, batched, batched_graphs, prompts, run_together  # noqa: F401
 from tests.runtime.serve.toy_engines import MarkovEngine
 
 
@@ -115,18 +115,7 @@ def test_sampled_distribution_is_the_targets_whatever_length_each_step_verifies(
                          SequenceSlots([MarkovEngine(draft) for _ in range(slots)]), "draft_model", 3)
     _random_lengths(runner, 3, seed=7)
     scheduler = Scheduler(runner, max_num_seqs=slots, max_num_batched_tokens=64)
-    rec, by_slot = Recorder(), {s: {} for s in range(slots)}
+    rec = Recorder()
     reqs = [rec.request(PROMPT, params, max_tokens=LENGTH) for _ in range(n)]
-    for i in range(0, n, slots):
-        for r in reqs[i:i + slots]:
-            scheduler.add(r)
-        while scheduler.has_work():
-            scheduler.step()
-        for r in reqs[i:i + slots]:
-            seq = tuple(rec.tokens(r))
-            by_slot[r.slot][seq] = by_slot[r.slot].get(seq, 0) + 1
-    exact = _exact(target, params)
-    for slot, counts in by_slot.items():
-        assert sum(counts.values()) == n // slots
-        assert _pvalue(counts, exact, n // slots) > 1e-4, f"slot {slot}"
+    assert_distributed_per_slot(scheduler, rec, reqs, slots, _exact(target, params))
     assert 0 < runner.stats.num_drafts < sum(len(v) for v in rec.steps.values())  # some steps plain, some not
