@@ -337,19 +337,16 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
 
 
 def _eagle3_export(models: Mapping[str, Path], layers: tuple[int, ...], export, profiles):
-    """EAGLE-3: the target graph (the layout its targets run: batched, shared or concat) also returns
-    the head's aux hidden states; the draft role is the head, exported by bundler.eagle3."""
+    """EAGLE-3: the target graph (the layout its targets run: batched, shared or concat; on `cuda` the
+    fp16/bf16 batched Attention graph and its GroupQueryAttention decode graph, both exported through
+    this function) also returns the head's aux hidden states; the draft role is the head, exported by
+    bundler.eagle3. TensorRT targets are refused: their engine builds no aux output."""
     from bundler.eagle3 import export_head
 
     trt = [p.id for p in profiles if p.backend == "tensorrt"]
     if trt:
         raise UsageError(f"EAGLE-3 runs on ONNX Runtime targets in this version; found TensorRT targets "
                          f"{', '.join(trt)}: use method draft_model there")
-    cuda = [p.id for p in profiles if p.backend != "onnxruntime"]
-    if cuda:  # the fp16 graph has the output; runtime/engines/cuda.py does not bind it yet
-        raise UsageError(f"EAGLE-3 runs on the CPU ONNX Runtime engine in this version; found targets "
-                         f"{', '.join(cuda)} whose CUDA engine returns no aux hidden states yet: use method "
-                         f"draft_model there")
     head, target = Path(models["draft"]), Path(models["target"])
 
     def run(checkpoint: Path, out: Path, **options):

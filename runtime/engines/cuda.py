@@ -375,6 +375,10 @@ class CudaEngine(Engine):
         if missing or self._has_argmax and "argmax" not in outs:
             raise ModelError(f"{self._decode_graph}: expected the outputs of {self._graph}, found "
                              f"{sorted(outs)[:6]}")
+        aux = self._aux_width_of(session, self._decode_graph)
+        if aux != self.aux_width:  # EAGLE-3 reads the aux rows of every step, whichever graph ran it
+            raise ModelError(f"{self._decode_graph}: expected aux_hidden_states of width {self.aux_width} as in "
+                             f"{self._graph} (0: none), found {aux}")
         meta = session.get_modelmeta().custom_metadata_map
         mine = self.session.get_modelmeta().custom_metadata_map
         for key in ("bundle.kv_headroom", "bundle.max_positions", "bundle.dtype", "bundle.kv_cache"):
@@ -402,9 +406,24 @@ class CudaEngine(Engine):
         self.precision = PRECISION[kv_type]
         self._itemsize = self.kv_dtype.itemsize
         self._has_argmax = "argmax" in outs
+        # EAGLE-3 targets: aux_hidden_states [batch, width, aux_width] float32 beside the logits; each
+        # forward leaves the real rows of every slot it advanced in last_aux_hidden (as the CPU engine)
+        self.aux_width = self._aux_width_of(self.session, self._graph)
+        self.last_aux_hidden: dict[int, np.ndarray] = {}
         self._has_mask = "attention_mask" in ins
         self._has_positions = "position_ids" in ins
         self._total = np.zeros((), np.int32)  # its total_sequence_length: host memory, read by the kernel's host code
+
+    @staticmethod
+    def _aux_width_of(session, graph: Path) -> int:
+        """The width of `session`'s aux_hidden_states output (0 without one); it must be float32."""
+        aux = {o.name: o for o in session.get_outputs()}.get("aux_hidden_states")
+        if aux is None:
+            return 0
+        if aux.type != "tensor(float)" or len(aux.shape) != 3 or not isinstance(aux.shape[-1], int):
+            raise ModelError(f"{graph}: expected aux_hidden_states float32 [batch, width, static aux width], "
+                             f"found {aux.type} {aux.shape}")
+        return int(aux.shape[-1])
 
     # --- memory --------------------------------------------------------------------------------
     def _rows_per_slot(self) -> int:
@@ -551,7 +570,7 @@ class CudaEngine(Engine):
         mask = None if lane.gqa else np.arange(window)[None, None, None, :] <= positions[:, None, :, None]
         self._bind_inputs(lane, batch, width, window, ids, positions, write, mask)
         self._bind_cache(lane, lo, hi)
-        logits, argmax = self._bind_outputs(batch, width, lane)
+        logits, argmax, aux = self._bind_outputs(batch, width, lane)
         run_options = self._ort.RunOptions()
         if self.cuda_graphs:
             run_options.add_run_config_entry("gpu_graph_id", str(graph_id if graph_id is not None else -1))
@@ -560,6 +579,8 @@ class CudaEngine(Engine):
         for r in group:
             n, row = len(r.tokens), r.slot - lo
             out[r.slot] = self._fetch(logits, argmax, batch, width, row, n, wants[r.slot])
+            if aux is not None:
+                self.last_aux_hidden[r.slot] = self._fetch_aux(aux, width, row, n)
             self._lengths[r.slot] += n
         return out
 
@@ -603,18 +624,31 @@ class CudaEngine(Engine):
             lane.bound = key
 
     def _bind_outputs(self, batch: int, width: int, lane: _Lane | None = None):
+        """Device buffers for logits, argmax and (EAGLE-3 targets) aux_hidden_states of a [batch, width]
+        call: one per shape, so a CUDA graph captured for the shape always writes the same addresses."""
         lane = lane or self._lane
         binding = lane.binding
         logits = self._scratch_buffer(f"logits-{batch}x{width}", batch * width * self.vocab_size * 4)
         argmax = self._scratch_buffer(f"argmax-{batch}x{width}", batch * width * 8)
-        key = (batch, width, logits.ptr, argmax.ptr)
+        aux = self._scratch_buffer(f"aux-{batch}x{width}", batch * width * self.aux_width * 4) \
+            if self.aux_width else None
+        key = (batch, width, logits.ptr, argmax.ptr, aux.ptr if aux is not None else None)
         if lane.bound_outputs != key:
             binding.bind_output("logits", self._device, self.device_id, np.float32,
                                 [batch, width, self.vocab_size], logits.ptr)
             if self._has_argmax:
                 binding.bind_output("argmax", self._device, self.device_id, np.int64, [batch, width], argmax.ptr)
+            if aux is not None:
+                binding.bind_output("aux_hidden_states", self._device, self.device_id, np.float32,
+                                    [batch, width, self.aux_width], aux.ptr)
             lane.bound_outputs = key
-        return logits, argmax
+        return logits, argmax, aux
+
+    def _fetch_aux(self, aux: _Device, width: int, row: int, n: int) -> np.ndarray:
+        """Row `row`'s first n aux rows (its real tokens, not the padding) as float32 [n, aux_width]."""
+        host = np.empty((n, self.aux_width), np.float32)
+        self.cudart.memcpy(host.ctypes.data, aux.ptr + row * width * self.aux_width * 4, host.nbytes, D2H)
+        return host
 
     def _fetch(self, logits: _Device, argmax: _Device, batch: int, width: int, row: int, n: int,
                want: str) -> np.ndarray:
@@ -643,8 +677,10 @@ class CudaEngine(Engine):
         for name, buf in zip(self._present, dst):
             b.bind_output(name, self._device, self.device_id, self._kv_element, [1, kv, total, hd], buf.ptr)
         self._lane.bound = None
-        logits, argmax = self._bind_outputs(1, n)
+        logits, argmax, aux = self._bind_outputs(1, n)
         self.session.run_with_iobinding(b, self._plain_run())
+        if aux is not None:
+            self.last_aux_hidden[slot] = self._fetch_aux(aux, n, 0, n)
         self._current[slot] = 1 - self._current[slot]
         self._lengths[slot] = total
         return self._fetch(logits, argmax, 1, n, 0, n, want)

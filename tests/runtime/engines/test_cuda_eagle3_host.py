@@ -1,0 +1,149 @@
+"""EAGLE-3 on the CUDA engine, without a GPU: the target graph's aux_hidden_states through the CUDA engine's
+bindings (one buffer per call shape, only each slot's real rows copied back) equal the CPU engine's on the
+same graph, in the single Attention graph and in the dual engine (decode rows through the GroupQueryAttention
+graph, which must carry the aux output too); EAGLE-3 speculation through it is greedy token-identical.
+
+As in test_cuda_engine_host.py, `memory=HostMemory()` makes the engine bind host buffers and run on ONNX
+Runtime's CPU provider; the same checks on a GPU are in test_cuda_engine.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from runtime.engine import Row
+from tests.runtime.engines.host_memory import HostMemory
+
+LAYERS = (0, 1, 2)
+#: The GroupQueryAttention graph (dual engine's decode rows) sums attention in another order than the
+#: Attention graph: float32 differs by rounding only; float16 by one rounding of each activation
+#: (test_aux_layouts.py's bound). A wrong row, slot or layer differs by O(1).
+FP32_ATOL = 1e-4
+FP16_RTOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def eagle3(tmp_path_factory) -> dict:
+    """The tiny target's graphs with aux output, made the way `bundle create --targets cuda` makes them
+    (bundler.engines with the EAGLE-3 export): "graph" + "decode" (fp16 dual), "graph32" + "decode32"
+    (float32 pair), and the head's graph "head"."""
+    from bundler.engines import _eagle3_export, export_models
+    from bundler.export import export_onnx
+    from bundler.export_dual import add_decode_graph
+    from runtime.profiles import get_profile
+    from tests.eagle3_models import make_tiny_head
+    from tests.models import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("cuda-eagle3")
+    target = make_tiny_checkpoint(root / "target", num_layers=3, seed=5)
+    head = make_tiny_head(root / "head", target, layer_ids=list(LAYERS), draft_vocab=256)
+    export = _eagle3_export({"target": target, "draft": head}, LAYERS, export_onnx, [get_profile("cuda")])
+    models = {m.role: m for m in export_models({"target": target, "draft": head}, root / "onnx", export,
+                                               variants=(("batched", "float16"),))}
+    full = export_onnx(target, root / "f", kv_cache="batched", aux_layer_ids=LAYERS)
+    decode32 = add_decode_graph(target, full, functools.partial(export_onnx, aux_layer_ids=LAYERS))
+    return {"graph": models["target"].export.graph, "decode": models["target"].decode_graph,
+            "graph32": full.graph, "decode32": decode32, "head": models["draft"].export.graph, "target": target}
+
+
+def cuda_engine(eagle3, *, fp32=False, single=False, **kw):
+    from runtime.engines.cuda import CudaEngine
+
+    graph, decode = (eagle3["graph32"], eagle3["decode32"]) if fp32 else (eagle3["graph"], eagle3["decode"])
+    return CudaEngine(graph, memory=HostMemory(), decode_graph=None if single else decode, **kw)
+
+
+def test_create_for_cuda_exports_both_graphs_with_the_aux_output(eagle3):
+    import onnx
+
+    for name in ("graph", "decode"):
+        model = onnx.load(str(eagle3[name]), load_external_data=False)
+        outputs = {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
+        assert outputs["aux_hidden_states"] == onnx.TensorProto.FLOAT, name
+        meta = {p.key: p.value for p in model.metadata_props}
+        assert meta["bundle.aux_hidden_state_layer_ids"] == "0,1,2" and meta["bundle.dtype"] == "float16"
+    engine = cuda_engine(eagle3, max_context=64)
+    assert engine.dual and engine._decode.gqa and engine.aux_width == 3 * 64
+
+
+def _steps(rng):
+    """(rows of one step) x steps: prefill of two slots of different lengths, a mixed step (a 4-token
+    verification beside a decode: dual engine, two graphs), decodes of both, a verification of both."""
+    ids = lambda n: rng.integers(2, 500, n).tolist()  # noqa: E731
+    return [[Row(0, ids(11)), Row(1, ids(4))], [Row(0, ids(4)), Row(1, ids(1))], [Row(0, ids(1)), Row(1, ids(1))],
+            [Row(1, ids(1))], [Row(0, ids(3)), Row(1, ids(4))]]
+
+
+@pytest.mark.parametrize("variant", ["single-fp16", "dual-fp16", "dual-fp32"])
+@pytest.mark.parametrize("greedy", [False, True], ids=["logits", "argmax"])
+def test_aux_rows_equal_the_cpu_engines(eagle3, variant, greedy):
+    """Prefill, decode, verification, two slots of different lengths in one call (padding never comes
+    back), a rollback; through forward and through the argmax-only forward_greedy (aux rows either way)."""
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    fp32 = variant.endswith("fp32")
+    cpu = OnnxRuntimeEngine(eagle3["graph32" if fp32 else "graph"], max_context=64, num_slots=2)
+    cuda = cuda_engine(eagle3, fp32=fp32, single=variant.startswith("single"), max_context=64, num_slots=2)
+    assert cuda.aux_width == cpu.aux_width == 192 and cuda.dual == variant.startswith("dual")
+    rng = np.random.default_rng(3)
+    for i, rows in enumerate(_steps(rng)):
+        if i == 3:  # a rejected draft: both drop slot 0's last two tokens
+            for e in (cpu, cuda):
+                e.rollback(0, e.length(0) - 2)
+        # the CPU engine one row at a time: nothing of another slot's call can leak into its reference
+        want = {}
+        for r in rows:
+            cpu.forward([r])
+            want[r.slot] = cpu.last_aux_hidden[r.slot]
+        cuda.last_aux_hidden.clear()
+        (cuda.forward_greedy if greedy else cuda.forward)(rows)
+        for r in rows:
+            got = cuda.last_aux_hidden[r.slot]
+            assert got.shape == (len(r.tokens), 192) and got.dtype == np.float32, (i, r.slot)
+            if variant == "single-fp16":  # the same graph and kernels: the same numbers
+                np.testing.assert_allclose(got, want[r.slot], rtol=0, atol=1e-6 * np.abs(want[r.slot]).max())
+            elif fp32:
+                np.testing.assert_allclose(got, want[r.slot], rtol=0, atol=FP32_ATOL)
+            else:
+                assert np.abs(got - want[r.slot]).max() <= FP16_RTOL * np.abs(want[r.slot]).max(), (i, r.slot)
+        assert set(cuda.last_aux_hidden) == {r.slot for r in rows}
+
+
+def test_decode_graph_without_the_aux_output_refused(eagle3, tmp_path):
+    """Both graphs must return the aux rows: a decode graph exported without them is refused at load."""
+    from bundler.export import export_onnx
+    from bundler.export_dual import add_decode_graph
+    from manifests.errors import ModelError
+    from runtime.engines.cuda import CudaEngine
+
+    # the target's Attention graph without aux, the EAGLE-3 decode graph beside it
+    plain = export_onnx(eagle3["target"], tmp_path / "p", kv_cache="batched")
+    decode = add_decode_graph(eagle3["target"], plain, functools.partial(export_onnx, aux_layer_ids=LAYERS))
+    with pytest.raises(ModelError, match="expected aux_hidden_states of width 0 .* found 192"):
+        CudaEngine(plain.graph, memory=HostMemory(), decode_graph=decode, max_context=32)
+
+
+@pytest.mark.parametrize("variant", ["dual-fp32", "single-fp16"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_eagle3_speculation_greedy_token_identical_to_plain(eagle3, variant, k):
+    """The head drafts from the CUDA engine's aux rows; greedy output equals plain greedy decoding on the
+    same engine. (fp16 dual: plain decode steps run the GroupQueryAttention graph and verification the
+    Attention graph, whose fp16 logits differ by rounding; greedy identity there is the GPU test's.)"""
+    from runtime.eagle3 import OnnxDrafter
+    from runtime.sampling import SamplingParams
+    from runtime.speculative import Generator
+
+    fp32, single = variant.endswith("fp32"), variant.startswith("single")
+    plain = Generator(cuda_engine(eagle3, fp32=fp32, single=single, max_context=128), method="none")
+    spec = Generator(cuda_engine(eagle3, fp32=fp32, single=single, max_context=128), OnnxDrafter(eagle3["head"]),
+                     "eagle3", k)
+    greedy = SamplingParams(temperature=0.0)
+    rng = np.random.default_rng(k)
+    for length in (1, 7, 30):
+        prompt = rng.integers(2, 500, size=int(rng.integers(1, 30))).tolist()
+        want = [t for s in plain.generate(prompt, greedy, max_tokens=length) for t in s.tokens]
+        assert [t for s in spec.generate(prompt, greedy, max_tokens=length) for t in s.tokens] == want
+    assert spec.stats.num_drafts > 0 and spec.stats.num_draft_tokens >= spec.stats.num_drafts
