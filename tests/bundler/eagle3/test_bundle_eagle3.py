@@ -24,17 +24,17 @@ def keys(tmp_path_factory):
     return root
 
 
-def _create(out, keys, spec, *model):
-    return main(["create", *model, "--targets", "cpu", "--name", "e3", "--version", "1", "--sign-key",
+def _create(out, keys, spec, *model, targets="cpu"):
+    return main(["create", *model, "--targets", targets, "--name", "e3", "--version", "1", "--sign-key",
                  str(keys / "key"), "--out", str(out), "--no-progress", "--speculative-config", spec])
 
 
-def _install_and_load(bundle, keys, store, **kw):
+def _install_and_load(bundle, keys, store, target="cpu", **kw):
     from runtime.server.loader import load_serving_model
     from runtime.store import Store
     from runtime.trust import trusted_keys
 
-    Store(store).install(bundle, target="cpu", trusted=trusted_keys([keys / "key.pub"], trust_dir=None))
+    Store(store).install(bundle, target=target, trusted=trusted_keys([keys / "key.pub"], trust_dir=None))
     return load_serving_model(Store(store).current("e3"), **kw)
 
 
@@ -89,4 +89,60 @@ def test_head_for_another_target_refused_at_create_leaving_nothing(tmp_path, key
     assert _create(tmp_path / "b", keys, spec, "--model", str(target)) == ModelError.exit_code
     err = capsys.readouterr().err
     assert "expected target hidden size 64" in err and "found 32" in err and err.count("\n") == 1
+    assert not (tmp_path / "b").exists()
+
+
+def _host_cuda(graph, record, max_context):
+    """load_engine's `cuda` seam: the real CUDA engine class over the bundle's graphs, on host memory and
+    ONNX Runtime's CPU provider (tests/runtime/engines/host_memory.py); no GPU here."""
+    from runtime.engines import decode_graph_of
+    from runtime.engines.cuda import CudaEngine
+    from tests.runtime.engines.host_memory import HostMemory
+
+    return CudaEngine(graph, max_context=max_context, kv_cache=record.build.get("kv_cache"),
+                      decode_graph=decode_graph_of(graph, record), memory=HostMemory()), None
+
+
+def test_cuda_target_create_install_serve_through_the_cuda_engine(tmp_path, keys, capsys):
+    """`--targets cuda` with EAGLE-3 is no longer refused: the fp16 Attention graph and its GroupQueryAttention
+    decode graph both return the aux rows, and the CUDA engine (host mode) serves the head greedy-identically."""
+    import functools
+
+    import onnx
+
+    from runtime.engines import load_engine
+
+    target = make_tiny_checkpoint(tmp_path / "target", num_layers=4, seed=2)
+    head = make_tiny_head(tmp_path / "head", target, draft_vocab=400)
+    spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+    assert _create(tmp_path / "b", keys, spec, "--model", str(target), targets="cuda") == 0, capsys.readouterr().err
+    manifest = read_layout(tmp_path / "b")[2]
+    records = {e.model: e for e in manifest.target("cuda").engines}
+    assert records["target"].backend == "onnxruntime-cuda" and records["target"].build["kv_cache"] == "batched"
+    assert records["target"].build["decode_graph"].endswith("/target/decode.onnx")
+    assert records["draft"].path.endswith("/draft/eagle3.onnx")
+    load = functools.partial(load_engine, cuda=_host_cuda)
+    served = _install_and_load(tmp_path / "b", keys, tmp_path / "store", target="cuda", load_engine=load)
+    engine = served.generator.target
+    assert type(engine).__name__ == "CudaEngine" and engine.dual and engine.aux_width == 3 * 64
+    assert engine.precision == "fp16" and served.generator.method == "eagle3"
+    for graph in (engine._graph, engine._decode_graph):
+        outputs = [o.name for o in onnx.load(str(graph), load_external_data=False).graph.output]
+        assert "aux_hidden_states" in outputs, graph
+    plain = _install_and_load(tmp_path / "b", keys, tmp_path / "store", target="cuda", load_engine=load,
+                              no_speculation=True)
+    prompt = list(range(5, 40, 3))
+    assert _greedy(served, prompt) == _greedy(plain, prompt)
+    assert served.generator.stats.num_drafts > 0
+
+
+def test_tensorrt_target_still_refused(tmp_path, keys, capsys):
+    target = make_tiny_checkpoint(tmp_path / "target", num_layers=4, seed=2)
+    head = make_tiny_head(tmp_path / "head", target)
+    spec = json.dumps({"method": "eagle3", "model": str(head)})
+    capsys.readouterr()
+    assert _create(tmp_path / "b", keys, spec, "--model", str(target), targets="cuda,jetson-thor") \
+        == UsageError.exit_code
+    err = capsys.readouterr().err
+    assert "EAGLE-3 runs on ONNX Runtime targets" in err and "jetson-thor" in err and "cuda" not in err.split(":")[-1]
     assert not (tmp_path / "b").exists()

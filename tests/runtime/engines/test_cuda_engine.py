@@ -15,6 +15,9 @@ import pytest
 
 from runtime.engine import Row
 from tests.bundler.export.test_parity import FP16_RTOL, check_parity
+from tests.runtime.engines.test_cuda_eagle3_host import FP16_RTOL as AUX_FP16_RTOL
+from tests.runtime.engines.test_cuda_eagle3_host import _steps as eagle3_steps
+from tests.runtime.engines.test_cuda_eagle3_host import eagle3  # noqa: F401 (the fixture)
 
 
 def _why_not() -> str | None:
@@ -127,6 +130,52 @@ def test_speculation_is_greedy_token_for_token(gpu_graphs, tmp_path, graph):
     assert [t for s in steps for t in s.tokens] == plain and len(plain) == 40
     assert {"all", "some", "none"} <= {"all" if s.accepted == s.drafted else "none" if s.accepted == 0 else "some"
                                        for s in steps if s.drafted}
+
+
+@pytest.mark.parametrize("graph", ["single", "dual"])
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_eagle3_aux_rows_on_the_device_equal_the_cpu_engines(eagle3, cuda_graphs, graph):
+    """EAGLE-3 targets: the aux rows the CUDA engine copies back from its device buffers (one per call shape,
+    fixed under CUDA graphs: decode buckets, verification) equal ONNX Runtime's CPU engine on the same fp16
+    graph, row for row, through forward and the argmax-only forward_greedy."""
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    for greedy in (False, True):
+        cpu = OnnxRuntimeEngine(eagle3["graph"], max_context=64, num_slots=2)
+        gpu = cuda_engine(eagle3["graph"], decode_graph=eagle3["decode"] if graph == "dual" else None,
+                          max_context=64, num_slots=2, cuda_graphs=cuda_graphs)
+        assert gpu.aux_width == cpu.aux_width == 192 and gpu.dual == (graph == "dual")
+        for i, rows in enumerate(eagle3_steps(np.random.default_rng(3))):
+            if i == 3:
+                for e in (cpu, gpu):
+                    e.rollback(0, e.length(0) - 2)
+            want = {}
+            for r in rows:
+                cpu.forward([r])
+                want[r.slot] = cpu.last_aux_hidden[r.slot]
+            gpu.last_aux_hidden.clear()
+            (gpu.forward_greedy if greedy else gpu.forward)(rows)
+            for r in rows:
+                got = gpu.last_aux_hidden[r.slot]
+                assert got.shape == (len(r.tokens), 192) and got.dtype == np.float32
+                assert np.abs(got - want[r.slot]).max() <= AUX_FP16_RTOL * np.abs(want[r.slot]).max(), (i, r.slot)
+
+
+@pytest.mark.parametrize("graph", ["single", "dual"])
+def test_eagle3_speculation_on_the_device_is_greedy_token_for_token(eagle3, graph):
+    from runtime.eagle3 import OnnxDrafter
+    from runtime.sampling import SamplingParams
+    from runtime.speculative import Generator
+
+    decode = eagle3["decode"] if graph == "dual" else None
+    prompt, greedy = [5, 17, 42, 9, 300], SamplingParams(temperature=0.0)
+    plain = [t for s in Generator(cuda_engine(eagle3["graph"], decode_graph=decode, max_context=128)).generate(
+        prompt, greedy, max_tokens=40) for t in s.tokens]
+    # a fresh engine: a Generator's runner takes its engine's slots as empty
+    spec = Generator(cuda_engine(eagle3["graph"], decode_graph=decode, max_context=128), OnnxDrafter(eagle3["head"]),
+                     "eagle3", 3)
+    assert [t for s in spec.generate(prompt, greedy, max_tokens=40) for t in s.tokens] == plain and len(plain) == 40
+    assert spec.stats.num_drafts > 0
 
 
 def test_the_dual_engines_sessions_read_its_one_copy_of_the_weights(gpu_graphs):
