@@ -16,6 +16,13 @@ Slots (runtime.engine) as in runtime.engines.onnxruntime, with nothing on the ho
   on first use. Prefill chunks run without a graph. Measured on an H200 (benchmarks/bench_cuda.py):
   a Llama-3.2-1B-shaped decode step 1.8 ms with graphs, 4.8 ms without (launch-bound).
 
+EAGLE-3 targets (graphs with `aux_hidden_states`, float32 [batch, width, aux_width]): the output is bound
+to a device buffer per call shape like the logits (so a captured CUDA graph writes the same address), in
+both graphs of the dual engine (each must have it, same width), and after every call each slot's real rows
+(not the padding) come back as float32 in `last_aux_hidden[slot]`, as runtime.engines.onnxruntime does,
+whether or not logits are fetched (forward_greedy too). Not yet run on a GPU (tests/runtime/engines/
+test_cuda_engine.py has the device tests; test_cuda_eagle3_host.py runs the same code on host memory).
+
 Layouts: "batched" (TensorScatter + Attention; the `cuda` target's graph, fp16 or bf16 from
 bundler.export_half): one call for every row of a step. Its GroupQueryAttention variant
 (bundler.export_gqa.GQA_FUSIONS: inputs seqlens_k and total_sequence_length instead of positions,
