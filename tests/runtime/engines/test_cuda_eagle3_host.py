@@ -77,6 +77,32 @@ def _steps(rng):
             [Row(1, ids(1))], [Row(0, ids(3)), Row(1, ids(4))]]
 
 
+def check_aux_rows(cpu, cuda, greedy: bool, close) -> None:
+    """Run _steps through both engines (the CPU engine one row at a time, so nothing of another slot's call
+    can leak into its reference) and `close(got, want)` every slot's aux rows of every step; a rollback
+    (a rejected draft) before step 3."""
+    assert cuda.aux_width == cpu.aux_width == 192
+    for i, rows in enumerate(_steps(np.random.default_rng(3))):
+        if i == 3:
+            for e in (cpu, cuda):
+                e.rollback(0, e.length(0) - 2)
+        want = {}
+        for r in rows:
+            cpu.forward([r])
+            want[r.slot] = cpu.last_aux_hidden[r.slot]
+        cuda.last_aux_hidden.clear()
+        (cuda.forward_greedy if greedy else cuda.forward)(rows)
+        assert set(cuda.last_aux_hidden) == {r.slot for r in rows}
+        for r in rows:
+            got = cuda.last_aux_hidden[r.slot]
+            assert got.shape == (len(r.tokens), 192) and got.dtype == np.float32, (i, r.slot)
+            close(got, want[r.slot])
+
+
+def fp16_close(got, want) -> None:
+    assert np.abs(got - want).max() <= FP16_RTOL * np.abs(want).max()
+
+
 @pytest.mark.parametrize("variant", ["single-fp16", "dual-fp16", "dual-fp32"])
 @pytest.mark.parametrize("greedy", [False, True], ids=["logits", "argmax"])
 def test_aux_rows_equal_the_cpu_engines(eagle3, variant, greedy):
@@ -87,29 +113,14 @@ def test_aux_rows_equal_the_cpu_engines(eagle3, variant, greedy):
     fp32 = variant.endswith("fp32")
     cpu = OnnxRuntimeEngine(eagle3["graph32" if fp32 else "graph"], max_context=64, num_slots=2)
     cuda = cuda_engine(eagle3, fp32=fp32, single=variant.startswith("single"), max_context=64, num_slots=2)
-    assert cuda.aux_width == cpu.aux_width == 192 and cuda.dual == variant.startswith("dual")
-    rng = np.random.default_rng(3)
-    for i, rows in enumerate(_steps(rng)):
-        if i == 3:  # a rejected draft: both drop slot 0's last two tokens
-            for e in (cpu, cuda):
-                e.rollback(0, e.length(0) - 2)
-        # the CPU engine one row at a time: nothing of another slot's call can leak into its reference
-        want = {}
-        for r in rows:
-            cpu.forward([r])
-            want[r.slot] = cpu.last_aux_hidden[r.slot]
-        cuda.last_aux_hidden.clear()
-        (cuda.forward_greedy if greedy else cuda.forward)(rows)
-        for r in rows:
-            got = cuda.last_aux_hidden[r.slot]
-            assert got.shape == (len(r.tokens), 192) and got.dtype == np.float32, (i, r.slot)
-            if variant == "single-fp16":  # the same graph and kernels: the same numbers
-                np.testing.assert_allclose(got, want[r.slot], rtol=0, atol=1e-6 * np.abs(want[r.slot]).max())
-            elif fp32:
-                np.testing.assert_allclose(got, want[r.slot], rtol=0, atol=FP32_ATOL)
-            else:
-                assert np.abs(got - want[r.slot]).max() <= FP16_RTOL * np.abs(want[r.slot]).max(), (i, r.slot)
-        assert set(cuda.last_aux_hidden) == {r.slot for r in rows}
+    assert cuda.dual == variant.startswith("dual")
+    def same(got, want):  # the same graph and kernels: the same numbers
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+    def fp32_close(got, want):
+        np.testing.assert_allclose(got, want, rtol=0, atol=FP32_ATOL)
+
+    check_aux_rows(cpu, cuda, greedy, same if variant == "single-fp16" else fp32_close if fp32 else fp16_close)
 
 
 def test_decode_graph_without_the_aux_output_refused(eagle3, tmp_path):

@@ -15,8 +15,7 @@ import pytest
 
 from runtime.engine import Row
 from tests.bundler.export.test_parity import FP16_RTOL, check_parity
-from tests.runtime.engines.test_cuda_eagle3_host import FP16_RTOL as AUX_FP16_RTOL
-from tests.runtime.engines.test_cuda_eagle3_host import _steps as eagle3_steps
+from tests.runtime.engines.test_cuda_eagle3_host import check_aux_rows, fp16_close
 from tests.runtime.engines.test_cuda_eagle3_host import eagle3  # noqa: F401 (the fixture)
 
 
@@ -144,21 +143,8 @@ def test_eagle3_aux_rows_on_the_device_equal_the_cpu_engines(eagle3, cuda_graphs
         cpu = OnnxRuntimeEngine(eagle3["graph"], max_context=64, num_slots=2)
         gpu = cuda_engine(eagle3["graph"], decode_graph=eagle3["decode"] if graph == "dual" else None,
                           max_context=64, num_slots=2, cuda_graphs=cuda_graphs)
-        assert gpu.aux_width == cpu.aux_width == 192 and gpu.dual == (graph == "dual")
-        for i, rows in enumerate(eagle3_steps(np.random.default_rng(3))):
-            if i == 3:
-                for e in (cpu, gpu):
-                    e.rollback(0, e.length(0) - 2)
-            want = {}
-            for r in rows:
-                cpu.forward([r])
-                want[r.slot] = cpu.last_aux_hidden[r.slot]
-            gpu.last_aux_hidden.clear()
-            (gpu.forward_greedy if greedy else gpu.forward)(rows)
-            for r in rows:
-                got = gpu.last_aux_hidden[r.slot]
-                assert got.shape == (len(r.tokens), 192) and got.dtype == np.float32
-                assert np.abs(got - want[r.slot]).max() <= AUX_FP16_RTOL * np.abs(want[r.slot]).max(), (i, r.slot)
+        assert gpu.dual == (graph == "dual")
+        check_aux_rows(cpu, gpu, greedy, fp16_close)
 
 
 @pytest.mark.parametrize("graph", ["single", "dual"])
