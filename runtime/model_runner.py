@@ -75,6 +75,12 @@ class ModelRunner:
         self._mirrors()
 
     def _mirrors(self) -> None:
+        """Empty slots on both sides: the mirrors start empty, so the engines' slots are emptied too (an
+        engine an earlier runner filled would otherwise answer from caches the mirrors do not know)."""
+        for engine in (self.target, self.draft):
+            if engine is not None:
+                for slot in range(engine.num_slots):
+                    engine.release(slot)
         self.target_cache: list[list[int]] = [[] for _ in range(self.num_slots)]
         self.draft_cache: list[list[int]] = [[] for _ in range(self.num_slots)]
         # EAGLE-3: per slot, the target's features and a head cache of its own

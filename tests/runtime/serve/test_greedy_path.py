@@ -150,3 +150,20 @@ def test_greedy_verification_uses_the_argmax_and_accepts_the_same_drafts(recordi
     plain = _run(ModelRunner(recording()), [(p, GREEDY, {"max_tokens": 20}) for p in prompts])
     # greedy speculation is token-identical to plain greedy (fewer steps, so compare tokens only)
     assert {i: tokens for i, (tokens, _) in plain.items()} == {i: tokens for i, (tokens, _) in outs[0].items()}
+
+
+def test_a_new_runner_over_a_used_engine_starts_from_empty_slots(engine_factory):
+    """A second Generator (or server) over an engine an earlier one filled must not read the old caches: its
+    slot mirrors start empty, so the engine's slots must be emptied too."""
+    from runtime.speculative import Generator
+
+    engine, draft = engine_factory("target"), engine_factory("draft")
+    prompt = [5, 17, 3, 99, 42, 7]
+
+    def run(gen):
+        return [t for step in gen.generate(prompt, GREEDY, max_tokens=12) for t in step.tokens]
+
+    first = run(Generator(engine))
+    assert run(Generator(engine)) == first
+    assert run(Generator(engine, draft, "draft_model", 3)) == first
+    assert run(Generator(engine)) == first
