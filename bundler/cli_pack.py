@@ -184,6 +184,11 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
         num_speculative_tokens = tokens or num_speculative_tokens
         if parsed.method == "eagle3":
             method = "eagle3"
+    elif lock_path is not None and draft_ref is None:  # a rebuild from the lock alone speculates as it did
+        from bundler.lockfile import read_lock
+
+        locked = read_lock(lock_path).get("draft")
+        method = locked.speculative_method if locked is not None and locked.speculative_method else method
     if not sign_key_paths and not unsigned:
         raise UsageError("expected --sign-key KEY (or an explicit --unsigned), found neither")
     keys = [load_private_key(p, _passphrase_from_env()) for p in sign_key_paths]  # fail before any download
@@ -205,7 +210,8 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
                              target_files=target_files_hook(num_speculative_tokens=num_speculative_tokens,
                                                             serve=serve, eagle3_layers=layers),
                              runtime_platforms=platforms, extra_wheels=extra_wheels, wheel_cache=wheel_cache)
-    lock_out = lock_path or write_lock(out.parent / f"{out.name}.lock.json", checked_resolution(resolved, manifest))
+    lock_out = lock_path or write_lock(out.parent / f"{out.name}.lock.json", checked_resolution(resolved, manifest),
+                                       speculative_method=method if draft is not None else None)
     from bundler.keys import public_key_id
 
     stored = sum(p.size for p in {p.digest: p for f in manifest.files for p in f.parts}.values())

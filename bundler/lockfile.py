@@ -46,6 +46,9 @@ class LockEntry:
     requested_revision: str | None
     path: str | None  # local folder, informational
     files: tuple[LockedFile, ...]
+    #: draft role only: how the bundle speculates with it ("draft_model", "eagle3"), so that `bundle create
+    #: --lock FILE` alone rebuilds an EAGLE-3 bundle as one (older lock files: None, a draft model)
+    speculative_method: str | None = None
 
     @property
     def ref(self) -> str:
@@ -62,22 +65,27 @@ class LockEntry:
         if self.path is not None:
             d["path"] = self.path
         d["files"] = [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files]
+        if self.speculative_method is not None:
+            d["speculative_method"] = self.speculative_method
         return d
 
 
-def entry_from_resolved(model: "ResolvedModel") -> LockEntry:
+def entry_from_resolved(model: "ResolvedModel", speculative_method: str | None = None) -> LockEntry:
     # The lock file stays on the build host, so it may say where a local folder is (to rebuild from it).
     path = str(model.local_dir) if model.source.type == "local" else None
     return LockEntry(model.role, model.source.type, model.repo, model.revision, model.requested_revision,
-                     path, tuple(LockedFile(f.path, f.size, f.sha256) for f in model.files))
+                     path, tuple(LockedFile(f.path, f.size, f.sha256) for f in model.files),
+                     speculative_method if model.role == "draft" else None)
 
 
-def write_lock(path: Path, models: Mapping[str, "ResolvedModel"] | Iterable["ResolvedModel"]) -> Path:
+def write_lock(path: Path, models: Mapping[str, "ResolvedModel"] | Iterable["ResolvedModel"], *,
+               speculative_method: str | None = None) -> Path:
     """Write atomically and durably (runtime.fsutil.write_atomic): an interrupted create never leaves half a
-    lock file."""
+    lock file. `speculative_method`: recorded on the draft's entry."""
     items = list(models.values()) if isinstance(models, Mapping) else list(models)
     doc = {"lock_version": LOCK_VERSION,
-           "models": {m.role: entry_from_resolved(m).to_dict() for m in sorted(items, key=lambda m: m.role)}}
+           "models": {m.role: entry_from_resolved(m, speculative_method).to_dict()
+                      for m in sorted(items, key=lambda m: m.role)}}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode())
@@ -135,8 +143,11 @@ def _entry(role: str, d: Any, bad) -> LockEntry:
         if not ok:
             raise bad(f"{role}: expected files as {{path, size, sha256}}, found {f!r}"[:300])
         locked.append(LockedFile(f["path"], f["size"], f["sha256"]))
+    method = d.get("speculative_method")
+    if method is not None and method not in ("draft_model", "eagle3"):
+        raise bad(f"{role}: expected speculative_method draft_model or eagle3, found {method!r}")
     return LockEntry(role, source, d.get("repo"), d["revision"], d.get("requested_revision"), d.get("path"),
-                     tuple(locked))
+                     tuple(locked), method)
 
 
 def check_roles(locks: Mapping[str, LockEntry], roles: set[str]) -> None:

@@ -41,13 +41,14 @@ def test_hub_head_pinned_locked_packed_installed_served(hub, tmp_path):
     lock = json.loads((tmp_path / "b.lock.json").read_text())["models"]
     assert lock["draft"]["repo"] == "acme/tiny-eagle3" and lock["draft"]["revision"] == hub.shas["eagle3"]
     assert lock["target"]["revision"] == hub.shas["v1"]
-    # rebuilt from the lock alone: the same head at the same commit
-    again = bundle(["create", "--lock", str(tmp_path / "b.lock.json"), "--speculative-config", '{"method": "eagle3"}',
+    assert lock["draft"]["speculative_method"] == "eagle3" and "speculative_method" not in lock["target"]
+    # rebuilt from the lock alone (no --speculative-config): the same head at the same commit, as a head
+    again = bundle(["create", "--lock", str(tmp_path / "b.lock.json"),
                     "--targets", "cpu", "--name", "e3", "--version", "2", "--sign-key", str(key), "--out",
                     str(tmp_path / "b2"), "--no-progress", "--no-runtime"], hub.url, tmp_path / "hf")
     assert again.returncode == 0, again.stderr
     m2 = verify_bundle(tmp_path / "b2", dict([load_public_key(Path(f"{key}.pub"))])).manifest
-    assert m2.model("draft").source.revision == hub.shas["eagle3"]
+    assert m2.model("draft").source.revision == hub.shas["eagle3"] and m2.speculative.method == "eagle3"
     heads = lambda m: {(f.path, f.sha256) for f in m.files if f.path.startswith("models/draft/")}  # noqa: E731
     assert heads(m2) == heads(manifest) and heads(manifest)
     Store(tmp_path / "store").install(out, target="cpu", trusted=trusted_keys([Path(f"{key}.pub")], trust_dir=None))
