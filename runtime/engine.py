@@ -62,6 +62,18 @@ class Engine(ABC):
     def length(self, slot: int) -> int:
         """Tokens currently held in `slot`'s cache."""
 
+    def check_rows(self, rows: Sequence[Row]) -> None:
+        """Refuse a forward before it touches a cache: each slot in range and at most once, and every
+        row fitting its slot (ContextFull otherwise)."""
+        seen = set()
+        for r in rows:
+            if r.slot in seen or not 0 <= r.slot < self.num_slots:
+                raise ValueError(f"expected each slot in 0..{self.num_slots - 1} at most once, found slot {r.slot}")
+            seen.add(r.slot)
+            if self.length(r.slot) + len(r.tokens) > self.max_context:
+                raise ContextFull(f"context full: expected at most {self.max_context} tokens, found "
+                                  f"{self.length(r.slot)} cached + {len(r.tokens)} new in slot {r.slot}")
+
     @abstractmethod
     def forward(self, rows: Sequence[Row]) -> list[np.ndarray]:
         """Append each row's tokens to its slot; return float32 logits [len(row.tokens), vocab] per row.

@@ -58,7 +58,7 @@ import numpy as np
 
 from manifests.errors import EnvironmentProblem, ModelError
 from runtime.cuda import D2D, D2H, H2D, Cudart, onnxruntime_cuda
-from runtime.engine import ContextFull, Engine, Row
+from runtime.engine import Engine, Row
 from runtime.engines.onnxruntime import OnnxRuntimeEngine, bind_row_inputs
 
 log = logging.getLogger(__name__)
@@ -494,16 +494,6 @@ class CudaEngine(Engine):
     def length(self, slot: int) -> int:
         return self._lengths[slot]
 
-    def _check_rows(self, rows: Sequence[Row]) -> None:
-        seen = set()
-        for r in rows:
-            if r.slot in seen or not 0 <= r.slot < self.num_slots:
-                raise ValueError(f"expected each slot in 0..{self.num_slots - 1} at most once, found slot {r.slot}")
-            seen.add(r.slot)
-            if self._lengths[r.slot] + len(r.tokens) > self.max_context:
-                raise ContextFull(f"context full: expected at most {self.max_context} tokens, found "
-                                  f"{self._lengths[r.slot]} cached + {len(r.tokens)} new in slot {r.slot}")
-
     def forward(self, rows: Sequence[Row], *, last_only: bool = False) -> list[np.ndarray]:
         """float32 logits per row: [len(tokens), vocab], or [1, vocab] of its last token with last_only."""
         return self._forward(rows, "last" if last_only else "all")
@@ -518,7 +508,7 @@ class CudaEngine(Engine):
 
     def _forward(self, rows: Sequence[Row], want: str, logits_for: Collection[int] = ()) -> list[np.ndarray]:
         """`want`: "all" (each row's fetch), "last" or "argmax" (but each row's fetch for logits_for)."""
-        self._check_rows(rows)
+        self.check_rows(rows)
         wants = {r.slot: r.fetch if want == "all" or (want == "argmax" and r.slot in logits_for) else want
                  for r in rows}
         out: dict[int, np.ndarray] = {}

@@ -192,14 +192,7 @@ class OnnxRuntimeEngine(Engine):
 
     # --- forward -------------------------------------------------------------------------------
     def forward(self, rows: Sequence[Row]) -> list[np.ndarray]:
-        seen = set()
-        for r in rows:
-            if r.slot in seen or not 0 <= r.slot < self.num_slots:
-                raise ValueError(f"expected each slot in 0..{self.num_slots - 1} at most once, found slot {r.slot}")
-            seen.add(r.slot)
-            if self._lengths[r.slot] + len(r.tokens) > self.max_context:
-                raise ContextFull(f"context full: expected at most {self.max_context} tokens, found "
-                                  f"{self._lengths[r.slot]} cached + {len(r.tokens)} new in slot {r.slot}")
+        self.check_rows(rows)
         out: dict[int, np.ndarray] = {}
         live = [r for r in rows if len(r.tokens)]
         for r in rows:
