@@ -181,8 +181,8 @@ def _torch_modules():
             inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
             self.register_buffer("inv_freq", inv, persistent=False)
 
-        def forward(self, x, position_ids, past_k, past_v, mask):
-            """x [b, s, 2H]; past_k/v [b, kv, p, d]; mask [s, p + s] additive or None (causal)."""
+        def qkv(self, x, position_ids):
+            """x [b, s, 2H] -> rotated q [b, heads, s, d], rotated k and v [b, kv_heads, s, d]."""
             c = self.c
             b, s, _ = x.shape
             q = self.q_proj(x).view(b, s, c.num_heads, c.head_dim).transpose(1, 2)
@@ -191,8 +191,13 @@ def _torch_modules():
             freqs = position_ids.float()[..., None] * self.inv_freq  # [b, s, d/2]
             emb = torch.cat((freqs, freqs), dim=-1)[:, None]
             cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+        def forward(self, x, position_ids, past_k, past_v, mask):
+            """x [b, s, 2H]; past_k/v [b, kv, p, d]; mask [s, p + s] additive or None (causal)."""
+            c = self.c
+            b, s, _ = x.shape
+            q, k, v = self.qkv(x, position_ids)
             k = torch.cat([past_k, k], dim=2)
             v = torch.cat([past_v, v], dim=2)
             rep = c.num_heads // c.num_kv_heads

@@ -9,10 +9,12 @@
   earlier steps' keys at t (exactly what chain drafting sees at inference). Loss at each step: cross-entropy
   against the target's next-token distribution restricted to the draft vocabulary, weighted 0.8 ** j.
 - Draft vocabulary: the `draft_vocab` most frequent target tokens of the training data; d2t / t2d map it.
+- v3 recipes keep the checkpoint with the best unrolled agreement on the target's answers to held-out
+  questions that are not evaluation prompts (prompts_select.json).
 
     python -m bundler.demo.train_eagle3 --tokens .demo-data/tokens --target bundler/demo/models/target \
         --draft bundler/demo/models/draft --out .demo-out/eagle3        # GPU, about 3 minutes on one H200
-    python -m bundler.demo.train_eagle3 --recipe v2 ...                 # the improved recipe (gpu_eagle3.sh)
+    python -m bundler.demo.train_eagle3 --recipe v3s ...                # the v3 family (gpu_eagle3.sh)
     python -m bundler.demo.train_eagle3 --tiny ...                      # seconds on a CPU (tests)
 """
 
@@ -22,7 +24,7 @@ import argparse
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +39,9 @@ from bundler.demo.train import sample_rows
 class Config:
     layer_ids: tuple[int, int, int] = (1, 3, 5)  # of the 6-layer demo target; [2, 3, 3] (the default) repeats one
     intermediate_size: int = 512
+    #: attention heads of the head's one layer (None: the target's); fewer heads make a smaller, cheaper head
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
     draft_vocab: int = 384
     ttt_steps: int = 4
     batch_size: int = 64
@@ -57,6 +62,10 @@ class Config:
     #: time-limited run still decays to its floor instead of stopping half-way down the cosine)
     schedule: str = "steps"
     ttt_decay: float = 0.8  # loss weight of unrolled step j: ttt_decay ** j
+    #: every this many steps, the unrolled agreement on the target's answers to held-out questions that are
+    #: not evaluation prompts (prompts_select.json); the best checkpoint is kept (0: keep the last)
+    select_every: int = 0
+    select_prompts: int = 120
 
 
 #: The committed head's recipe (bundler/demo/eagle3_training_metrics.json: 90 s, mean acceptance
@@ -69,11 +78,25 @@ V1 = Config()  # run with --seconds 90
 V2 = Config(intermediate_size=256, ttt_steps=5, batch_size=128, steps=100000, warmup=200,
             mix=(0.8, 0.05, 0.15), answer_prompts=10000, answer_tokens=96, eval_tokens=64, train_seconds=240.0,
             schedule="time", ttt_decay=0.85)
-RECIPES = {"v1": V1, "v2": V2}
+#: v2 with every training question answered, the checkpoint picked on held-out answers, and smaller heads:
+#: v3 keeps the target's 8 / 4 attention heads (0.82 M parameters), v3s has 4 / 2 (0.66 M), v3xs 4 / 2 heads
+#: and a 128-wide MLP (0.56 M); the draft model has 0.83 M.
+V3 = replace(V2, answer_prompts=20000, train_seconds=300.0, select_every=200)
+V3S = replace(V3, num_heads=4, num_kv_heads=2)
+V3XS = replace(V3S, intermediate_size=128)
+RECIPES = {"v1": V1, "v2": V2, "v3": V3, "v3s": V3S, "v3xs": V3XS}
 
 
 TINY = Config(intermediate_size=32, draft_vocab=200, ttt_steps=2, batch_size=4, seq_len=32, steps=6, warmup=2,
               answer_prompts=4, answer_tokens=8, eval_prompts=2, train_seconds=30.0)
+
+
+def tiny(cfg: Config) -> Config:
+    """`cfg` at TINY's sizes (seconds on a CPU), keeping its heads, schedule and checkpoint selection."""
+    sizes = ("intermediate_size", "draft_vocab", "ttt_steps", "batch_size", "seq_len", "steps", "warmup",
+             "answer_prompts", "answer_tokens", "eval_prompts", "train_seconds")
+    return replace(cfg, **{k: getattr(TINY, k) for k in sizes}, eval_tokens=None,
+                   select_every=min(cfg.select_every, 2), select_prompts=3)
 
 
 def log(msg: str) -> None:
@@ -100,6 +123,10 @@ def prepare_tokens(tokens: Path, tokenizer: Path, work: Path, stdlib: Path | Non
     (tokens / "prompts_train.json").write_text(json.dumps(
         [{"question": r["question"]} for r in corpus.read_jsonl(work / "corpus" / "qa_train.jsonl")]))
     shutil.copyfile(demo.HELDOUT_PROMPTS, tokens / "prompts_heldout.json")
+    evaluation = {r["question"] for r in json.loads(demo.HELDOUT_PROMPTS.read_text())}
+    (tokens / "prompts_select.json").write_text(json.dumps(  # held out, and not evaluation prompts
+        [{"question": r["question"]} for r in corpus.read_jsonl(work / "corpus" / "qa_heldout.jsonl")
+         if r["question"] not in evaluation]))
     info = {"corpus": asdict(stats), "tokens": sizes, "seconds": round(time.time() - t0, 1)}
     (tokens / "data.json").write_text(json.dumps(info, indent=1))
     log(f"prepared {info}")
@@ -122,8 +149,39 @@ def ttt_mask(T: int, step: int, device):
     return torch.cat([causal] + [diag] * step, dim=1)
 
 
-def ttt_loss(head, target, embed, x, keep, cfg: Config):
-    """x [b, S] token rows. Returns (loss, per-step top-1 agreement with the target's argmax)."""
+def ttt_midlayer(layer, embeds, hidden, position_ids, keys: list, values: list):
+    """The head's decoder layer at unrolled step j = len(keys): attention over step 0's keys at positions
+    <= t (causal) and steps 1..j's keys at t only. The same as the layer with ttt_mask, but the diagonal blocks
+    are per-position dot products: scores of T * (T + j) instead of T * (j + 1) T, the step's largest cost.
+    Returns (hidden out, this step's K, V)."""
+    import torch
+
+    attn = layer.self_attn
+    c = attn.c
+    x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+    q, k, v = attn.qkv(x, position_ids)
+    b, _, T, d = q.shape
+    rep = c.num_heads // c.num_kv_heads
+
+    def heads(t):
+        return t.repeat_interleave(rep, dim=1) if rep > 1 else t
+
+    all_k, all_v = [heads(t) for t in keys + [k]], [heads(t) for t in values + [v]]
+    scale = 1.0 / math.sqrt(d)
+    causal = torch.ones((T, T), dtype=torch.bool, device=q.device).triu(1)
+    scores = [torch.matmul(q, all_k[0].transpose(-1, -2)).mul(scale).masked_fill(causal, float("-inf"))]
+    scores += [(q * kj).sum(-1, keepdim=True).mul(scale) for kj in all_k[1:]]
+    p = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
+    out = torch.matmul(p[..., :T], all_v[0])
+    for i, vj in enumerate(all_v[1:]):
+        out = out + p[..., T + i:T + i + 1] * vj
+    h = hidden + attn.o_proj(out.transpose(1, 2).reshape(b, T, c.num_heads * d))
+    return h + layer.mlp(layer.post_attention_layernorm(h)), k, v
+
+
+def ttt_loss(head, target, embed, x, keep, cfg: Config, score_mask=None):
+    """x [b, S] token rows. Returns (loss, per-step top-1 agreement with the target's argmax, over the
+    positions where `score_mask` [b, S] is true: the next token is an answer's; all positions without one)."""
     import torch
     import torch.nn.functional as F
 
@@ -137,19 +195,20 @@ def ttt_loss(head, target, embed, x, keep, cfg: Config):
     feat = head.fc(aux[:, :T].to(head.fc.weight.dtype))
     keys, values = [], []
     total, agree = 0.0, []
-    kc = head.config.num_kv_heads
     for j in range(cfg.ttt_steps):
         pos = (torch.arange(T, device=x.device) + j)[None].expand(b, T)
-        past_k = torch.cat(keys, dim=2) if keys else x.new_zeros((b, kc, 0, head.config.head_dim), dtype=feat.dtype)
-        past_v = torch.cat(values, dim=2) if values else past_k
-        mask = ttt_mask(T, j, x.device)
-        h, k, v = head.midlayer(embeds[:, 1 + j:1 + j + T], feat, pos, past_k, past_v, mask)
-        keys.append(k[:, :, -T:])
-        values.append(v[:, :, -T:])
+        h, k, v = ttt_midlayer(head.midlayer, embeds[:, 1 + j:1 + j + T], feat, pos, keys, values)
+        keys.append(k)
+        values.append(v)
         out = head.lm_head(head.norm(h)).float()
         p = probs[:, 1 + j:1 + j + T]
         total = total + (cfg.ttt_decay ** j) * -(p * F.log_softmax(out, -1)).sum(-1).mean()
-        agree.append(float((head.target_ids()[out.argmax(-1)] == best[:, 1 + j:1 + j + T]).float().mean()))
+        same = (head.target_ids()[out.argmax(-1)] == best[:, 1 + j:1 + j + T]).float()
+        if score_mask is None:
+            agree.append(float(same.mean()))
+        else:
+            m = score_mask[:, 1 + j:1 + j + T].float()
+            agree.append(float((same * m).sum() / m.sum().clamp(min=1)))
         feat = h
     return total, agree
 
@@ -196,6 +255,57 @@ def speculate_one(target, head, embed, prompt, layer_ids, *, k, max_new_tokens, 
             aux = aux[:, :len(seq)]
 
 
+def answer_stream(target, tokens: Path, split: str, limit: int, cfg: Config, eos: int,
+                  newline: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The target's greedy answers to the first `limit` questions of prompts_{split}.json, as chat turns back to
+    back, and a mask of the positions whose next token is part of an answer. Cached in `tokens`, so several
+    recipes trained side by side (gpu_eagle3.sh) answer once."""
+    from tokenizers import Tokenizer
+
+    cache = tokens / f"answers_{split}_{limit}x{cfg.answer_tokens}_{cfg.max_prompt_tokens}.npz"
+    if cache.exists():
+        z = np.load(cache)
+        return z["ids"], z["mask"]
+    tok = Tokenizer.from_file(str(tokens / "tokenizer.json"))
+    rows = json.loads((tokens / f"prompts_{split}.json").read_text())
+    prompts = [tok.encode(corpus.qa_prompt(r["question"]), add_special_tokens=False).ids for r in rows]
+    prompts = [p for p in prompts if len(p) <= cfg.max_prompt_tokens][:limit]
+    answers = ev.greedy_generate(target, prompts, max_new_tokens=cfg.answer_tokens, eos_ids={eos})
+    ids: list[int] = []
+    mask: list[bool] = []
+    for p, a in zip(prompts, answers):
+        a = a + ([] if a and a[-1] == eos else [eos])
+        ids.extend(p + a + newline)
+        mask.extend([False] * (len(p) - 1) + [True] * len(a) + [False] * (len(newline) + 1))
+    out = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
+    tmp = cache.with_suffix(".tmp.npz")
+    np.savez(tmp, ids=out[0], mask=out[1])
+    tmp.replace(cache)  # whole or absent: a second process never reads half a file
+    log(f"target answered {len(prompts)} {split} questions ({len(ids):,} tokens)")
+    return out
+
+
+def make_answers(tokens: Path, target_dir: Path, cfg: Config, device: str | None = None) -> None:
+    """Cache the answers `train` reads (training and, with selection, held-out), e.g. before several recipes."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
+    tok = Tokenizer.from_file(str(tokens / "tokenizer.json"))
+    eos, newline = tok.token_to_id(corpus.END), tok.encode("\n", add_special_tokens=False).ids
+    answer_stream(target, tokens, "train", cfg.answer_prompts, cfg, eos, newline)
+    if cfg.select_every:
+        answer_stream(target, tokens, "select", cfg.select_prompts, cfg, eos, newline)
+
+
+def select_rows(ids: np.ndarray, mask: np.ndarray, seq_len: int, max_rows: int = 96):
+    """Consecutive non-overlapping rows of the held-out answer stream (the same rows at every check)."""
+    n = min(max_rows, len(ids) // seq_len)
+    return ids[:n * seq_len].reshape(n, seq_len), mask[:n * seq_len].reshape(n, seq_len)
+
+
 def acceptance(target, head, embed, prompts, cfg: Config, eos_ids) -> dict:
     drafted = accepted = passes = generated = 0
     for p in prompts:
@@ -232,22 +342,21 @@ def train(tokens: Path, target_dir: Path, draft_dir: Path | None, out: Path, cfg
         rows = json.loads((tokens / f"prompts_{split}.json").read_text())
         return [tok.encode(corpus.qa_prompt(r["question"]), add_special_tokens=False).ids for r in rows]
 
-    train_prompts = [p for p in encode("train") if len(p) <= cfg.max_prompt_tokens][:cfg.answer_prompts]
     t0 = time.time()
-    answers = ev.greedy_generate(target, train_prompts, max_new_tokens=cfg.answer_tokens, eos_ids={eos})
-    gen = []
-    for p, a in zip(train_prompts, answers):
-        gen.extend(p + a + ([] if a and a[-1] == eos else [eos]) + newline)
+    gen, _ = answer_stream(target, tokens, "train", cfg.answer_prompts, cfg, eos, newline)
+    select, select_mask = answer_stream(target, tokens, "select", cfg.select_prompts, cfg, eos, newline) \
+        if cfg.select_every else (None, None)
     gen_seconds = time.time() - t0
-    log(f"target answered {len(train_prompts)} questions ({len(gen):,} tokens) in {gen_seconds:.0f} s")
-    streams = [np.asarray(gen, dtype=np.int64), np.load(tokens / "qa_train.npy"), np.load(tokens / "source_train.npy")]
+    log(f"target answers: {len(gen):,} tokens in {gen_seconds:.0f} s")
+    streams = [gen, np.load(tokens / "qa_train.npy"), np.load(tokens / "source_train.npy")]
     keep_np = draft_vocabulary(streams, tc.vocab_size, cfg.draft_vocab)
     coverage = float(np.isin(streams[0], keep_np).mean())
     log(f"draft vocabulary {cfg.draft_vocab} of {tc.vocab_size}: covers {coverage:.4f} of the target's answers")
 
     hc = eagle3.HeadConfig(hidden_size=tc.hidden_size, target_hidden_size=tc.hidden_size,
-                           intermediate_size=cfg.intermediate_size, num_heads=tc.num_attention_heads,
-                           num_kv_heads=tc.num_key_value_heads, head_dim=tc.head_dim, vocab_size=tc.vocab_size,
+                           intermediate_size=cfg.intermediate_size,
+                           num_heads=cfg.num_heads or tc.num_attention_heads,
+                           num_kv_heads=cfg.num_kv_heads or tc.num_key_value_heads, head_dim=tc.head_dim, vocab_size=tc.vocab_size,
                            draft_vocab_size=cfg.draft_vocab, rms_norm_eps=tc.rms_norm_eps,
                            rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
                            max_positions=tc.max_position_embeddings, layer_ids=tuple(cfg.layer_ids))
@@ -263,7 +372,24 @@ def train(tokens: Path, target_dir: Path, draft_dir: Path | None, out: Path, cfg
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     n_params = sum(p.numel() for p in params)
     log(f"head: {n_params:,} parameters {asdict(hc)}")
-    history, t0, step = [], time.time(), 0
+    history, selection, t0, step = [], [], time.time(), 0
+    best_score, best_state = -1.0, None
+    if select is not None:
+        sx, sm = (torch.from_numpy(a).to(device) for a in select_rows(select, select_mask, cfg.seq_len))
+
+    def check(step: int) -> None:
+        nonlocal best_score, best_state
+        head.eval()
+        with torch.no_grad():
+            _, agree = ttt_loss(head, target, embed, sx, keep, cfg, score_mask=sm)
+        head.train()
+        score = sum(agree[:cfg.k]) / cfg.k  # the first k unrolled steps: what chain drafting at k reaches
+        selection.append({"step": step, "agreement": [round(a, 4) for a in agree], "score": round(score, 4),
+                          "seconds": round(time.time() - t0, 1)})
+        log(f"held-out answers at step {step}: {selection[-1]}")
+        if score > best_score:
+            best_score, best_state = score, {k: v.detach().clone() for k, v in head.state_dict().items()}
+
     torch.backends.cuda.matmul.allow_tf32 = True  # fp32 weights and activations, TF32 matmuls: small enough
     for step in range(cfg.steps):
         progress = step / cfg.steps if cfg.schedule == "steps" else min(1.0, (time.time() - t0) / cfg.train_seconds)
@@ -280,8 +406,14 @@ def train(tokens: Path, target_dir: Path, draft_dir: Path | None, out: Path, cfg
             history.append({"step": step, "loss": round(float(loss.detach()), 4),
                             "agreement": [round(a, 3) for a in agree], "seconds": round(time.time() - t0, 1)})
             log(f"step {step}: {history[-1]}")
+        if select is not None and step and step % cfg.select_every == 0:
+            check(step)
         if time.time() - t0 > cfg.train_seconds:
             break
+    if select is not None:
+        check(step + 1)
+        head.load_state_dict(best_state)
+        log(f"kept the checkpoint of step {max(selection, key=lambda r: r['score'])['step']} (score {best_score:.4f})")
     train_seconds = time.time() - t0
     head = head.float().eval()
     out.mkdir(parents=True, exist_ok=True)
@@ -311,7 +443,7 @@ def train(tokens: Path, target_dir: Path, draft_dir: Path | None, out: Path, cfg
                "steps_done": step + 1, "answer_seconds": round(gen_seconds, 1),
                "train_seconds": round(train_seconds, 1),
                "eval_seconds": round(time.time() - t0, 1), "total_seconds": round(time.time() - t_start, 1),
-               "acceptance_k3": result, "history": history, "device": device, "torch": torch.__version__}
+               "acceptance_k3": result, "history": history, "selection": selection, "device": device, "torch": torch.__version__}
     (out / "training_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     log(f"acceptance {result}")
     return metrics
@@ -324,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", type=Path, help="the demo draft, for the baseline acceptance in the same run")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--recipe", choices=sorted(RECIPES), default="v1", help="v1: the committed head's; v2: improved")
+    ap.add_argument("--recipe", choices=sorted(RECIPES), default="v1", help="v1: the committed head's; v2, v3*: improved (see RECIPES)")
     ap.add_argument("--device")
     ap.add_argument("--seconds", type=float, help="training time limit")
     ap.add_argument("--baseline-head", type=Path, help="an earlier head measured in the same run (the committed one)")
@@ -332,14 +464,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="first make --tokens from this Python's standard library with the target's tokenizer "
                          "(corpus under WORK)")
     ap.add_argument("--max-files", type=int, help="--prepare: only this many standard-library files (smoke runs)")
+    ap.add_argument("--answers-only", action="store_true",
+                    help="only make (and cache in --tokens) the target's answers the recipe trains on, so recipes "
+                         "trained side by side afterwards share them")
     args = ap.parse_args(argv)
-    cfg = TINY if args.tiny else RECIPES[args.recipe]
+    cfg = tiny(RECIPES[args.recipe]) if args.tiny else RECIPES[args.recipe]
     if args.seconds:
-        from dataclasses import replace
         cfg = replace(cfg, train_seconds=args.seconds)
     if args.prepare is not None:
         prepare_tokens(args.tokens, args.target / "tokenizer.json", args.prepare, max_files=args.max_files)
-    train(args.tokens, args.target, args.draft, args.out, cfg, args.device, args.baseline_head)
+    if args.answers_only:
+        make_answers(args.tokens, args.target, cfg, args.device)
+    else:
+        train(args.tokens, args.target, args.draft, args.out, cfg, args.device, args.baseline_head)
     return 0
 
 
