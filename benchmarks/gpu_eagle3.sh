@@ -21,7 +21,9 @@
 # picked), bench.log (bench_eagle3 on the CPU cores with the picked head, when BENCH=1, the default),
 # bench_cuda.log (the same with --cuda, only when onnxruntime-gpu loads: set EXTRA_SITE=/tmp/site).
 # Knobs: SECONDS_BUDGET (training time limit per recipe, default 300), RECIPES ("v3 v3s v3xs"), BENCH (1/0),
-# WORK (/tmp/eagle3), TINY=1 (a seconds-long smoke run of the same path on any CPU: tiny sizes, 12 files).
+# WORK (/tmp/eagle3), TINY=1 (a seconds-long smoke run of the same path on any CPU: tiny sizes, 12 files),
+# TOKENS_TAR (a .tar.xz holding tokens/, made with train_eagle3's prepare_tokens elsewhere, e.g. from the
+# CPython 3.11.7 standard library the demo pair was trained on: then nothing is prepared there).
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${WORK:-/tmp/eagle3}
@@ -37,8 +39,14 @@ job() {  # the whole run; writes $WORK/DONE (exit status) last
   set -- $RECIPES
   common="--tokens $WORK/tokens --target bundler/demo/models/target ${TINY:+--tiny}"
   # data and the target's answers once, then every recipe side by side on the one GPU (each is launch-bound)
-  python3 -m bundler.demo.train_eagle3 --recipe "$1" $common --out "$WORK/unused" --answers-only \
-      --prepare "$WORK/data" ${TINY:+--max-files 12} || rc=$?
+  if [ -n "${TOKENS_TAR:-}" ]; then  # token streams made elsewhere (train_eagle3 prepare_tokens), as a .tar.xz of tokens/
+    python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$TOKENS_TAR" "$WORK" || rc=$?
+    prepare=""
+  else
+    prepare="--prepare $WORK/data ${TINY:+--max-files 12}"
+  fi
+  [ "$rc" != 0 ] || python3 -m bundler.demo.train_eagle3 --recipe "$1" $common --out "$WORK/unused" --answers-only \
+      $prepare || rc=$?
   pids=""
   extra="--draft bundler/demo/models/draft --baseline-head bundler/demo/models/eagle3"
   for r in $RECIPES; do
