@@ -3,24 +3,32 @@
 Run by hand (not a test):  .venv/bin/python benchmarks/bench_eagle3.py [--tokens 128] [--repeats 3] [--threads N]
     [--head DIR] [--cuda]
 
-Every method decodes greedily, ignores EOS (exactly --tokens tokens) and runs on ONNX Runtime with the same
-threads, driven by runtime.speculative.Generator, on the graphs bundles ship: the "batched" in-place target
-graph (plain, draft_model, ngram), the same graph with the aux hidden-state output (eagle3; its plain row shows
-what the extra output costs), the batched draft, and the head's in-place graph (one eagle3 row with the older
-concat head shows what the in-place head cache saves). Printed per prompt and k: tokens/s, speedup over plain,
-acceptance rate, mean acceptance length, and the fraction of the ideal speedup (1 - a^(k+1)) / ((1 - a)(k c + 1))
-with c the measured draft/target one-token step cost ratio.
+Every method decodes greedily, ignores EOS (exactly --tokens tokens), is driven by runtime.speculative.Generator
+and runs the graphs a bundle's target ships. Default: the `cpu` target's, on ONNX Runtime's CPU engine
+(runtime.engines.onnxruntime) with the same threads: the "batched" in-place target graph (plain, draft_model,
+ngram), the same graph with the aux hidden-state output (eagle3; its plain row shows what the extra output
+costs), the batched draft, and the head's in-place graph (one eagle3 row with the older concat head shows what
+the in-place head cache saves). Printed per prompt and k: tokens/s, speedup over plain, acceptance rate, mean
+acceptance length, and the fraction of the ideal speedup (1 - a^(k+1)) / ((1 - a)(k c + 1)) with c the
+measured draft/target one-token step cost ratio (the step-cost line: the same engines and graphs as the rows).
 
 --head DIR: another EAGLE-3 head checkpoint (default: the committed bundler/demo/models/eagle3).
---cuda: the float16 batched graphs (the `cuda` target's) on ONNX Runtime's CUDAExecutionProvider (needs
-onnxruntime-gpu), head on it too. The caches stay in host memory bound with I/O binding (the CPU engine's
-engine class for every row, so rows compare); absolute numbers are not the CUDA engine's (runtime/engines/cuda.py,
-which does not return aux hidden states yet).
+--cuda: the `cuda` target's graphs on the CUDA engine (runtime.engines.cuda: caches in device memory, CUDA
+graphs), as bundler.engines exports them: float16 (bfloat16 when the pair was trained in it) batched Attention
+graphs of target and draft, each with its GroupQueryAttention decode graph over the same weights
+(bundler.export_dual; both graphs of the EAGLE-3 target return the aux hidden states). The head (float32, its
+own cache) runs on OnnxDrafter with ONNX Runtime's CUDAExecutionProvider, and at k=3 also on the CPU provider
+(what runtime.server.loader gives a `cuda` bundle today); --threads then sets only the head's threads. Needs
+onnxruntime-gpu. The step-cost line adds the target's (k+1)-token verification step (the Attention graph,
+not the decode graph), and every method's greedy output is compared with plain's (the two graphs round fp16
+differently, so a near-tie may flip: printed, not fatal).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import statistics
 import sys
 import tempfile
@@ -40,23 +48,66 @@ def _step_cost(fn, n=32) -> float:
     return best
 
 
-def main(argv=None) -> int:
+def half_dtype(*checkpoints: Path) -> str:
+    """bundler.engines.half_dtype (the `cuda` target's dtype), which this cannot import: bundler.engines pulls
+    bundler.pack and zstandard, absent on the GPU machine."""
+    from bundler.export import read_config
+
+    dtypes = {str(read_config(Path(c)).get("torch_dtype") or read_config(Path(c)).get("dtype") or "float16")
+              .replace("torch.", "") for c in checkpoints}
+    return "bfloat16" if dtypes == {"bfloat16"} else "float16"
+
+
+def export_graphs(work: Path, layers: tuple[int, ...], cuda: bool) -> tuple[str, dict]:
+    """(dtype, {"plain" | "aux" | "draft": (graph, decode graph or None)}): the target, the target with the
+    aux output, the draft, as the `cpu` target ships them or (cuda) as the `cuda` target does."""
+    from bundler import demo
+    from bundler.export import export_onnx
+
+    if not cuda:
+        return "float32", {
+            "plain": (export_onnx(demo.DEMO_TARGET_DIR, work / "t", kv_cache="batched", dtype="float32").graph, None),
+            "aux": (export_onnx(demo.DEMO_TARGET_DIR, work / "t-aux", kv_cache="batched", dtype="float32",
+                                aux_layer_ids=layers).graph, None),
+            "draft": (export_onnx(demo.DEMO_DRAFT_DIR, work / "d", kv_cache="batched", dtype="float32").graph, None),
+        }
+    from bundler.export_dual import add_decode_graph
+    from manifests.errors import ModelError
+
+    dtype = half_dtype(demo.DEMO_TARGET_DIR, demo.DEMO_DRAFT_DIR)
+    graphs = {}
+    for name, checkpoint, aux in (("plain", demo.DEMO_TARGET_DIR, ()), ("aux", demo.DEMO_TARGET_DIR, layers),
+                                  ("draft", demo.DEMO_DRAFT_DIR, ())):
+        # bundler.engines._eagle3_export: the aux output in both graphs of an EAGLE-3 target
+        export = functools.partial(export_onnx, aux_layer_ids=aux) if aux else export_onnx
+        result = export(checkpoint, work / name, kv_cache="batched", dtype=dtype)
+        try:
+            decode = add_decode_graph(checkpoint, result, export)
+        except ModelError as e:  # bundler.engines._decode_graph: the Attention graph then runs every row
+            print(f"{name}: no GroupQueryAttention decode graph ({e}); the Attention graph runs every row")
+            decode = None
+        graphs[name] = (result.graph, decode)
+    return dtype, graphs
+
+
+def main(argv=None, *, memory=None) -> int:
+    """`memory`: with --cuda, a host-memory object for the CUDA engine (tests: the --cuda path on the CPU, as
+    tests/runtime/engines/test_cuda_engine_host.py does; the head then runs on the CPU provider)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ks", default="2,3,5")
     ap.add_argument("--head", type=Path, help="EAGLE-3 head checkpoint (default: the demo's)")
-    ap.add_argument("--cuda", action="store_true", help="fp16 graphs on CUDAExecutionProvider (onnxruntime-gpu)")
+    ap.add_argument("--cuda", action="store_true", help="the cuda target's graphs on the CUDA engine (onnxruntime-gpu)")
     args = ap.parse_args(argv)
 
     import numpy as np
 
     from benchmarks.bench_serve import _prompts
     from bundler import demo, eagle3
-    from bundler.export import export_onnx
     from runtime.eagle3 import OnnxDrafter
-    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+    from runtime.engine import Row
     from runtime.sampling import SamplingParams
     from runtime.speculative import Generator
     from runtime.tokenizer import Tokenizer
@@ -64,94 +115,143 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-eagle3-"))
     head_dir = args.head or demo.DEMO_EAGLE3_DIR
     cfg = eagle3.read_head_config(head_dir)
-    import json
     layers = tuple(cfg.resolved_layer_ids(json.loads((demo.DEMO_TARGET_DIR / "config.json").read_text())["num_hidden_layers"]))
-    dtype, providers = "float32", ["CPUExecutionProvider"]
-    if args.cuda:
+    cpu_head = ["CPUExecutionProvider"]
+    providers = cpu_head
+    if args.cuda and memory is None:
         from runtime.cuda import onnxruntime_cuda  # preloads the pip CUDA libraries, as the CUDA engine does
 
         ort, why_not = onnxruntime_cuda()
         if ort is None:
             raise SystemExit(f"--cuda: {why_not}")
-        dtype, providers = "float16", ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    graphs = {
-        "plain": export_onnx(demo.DEMO_TARGET_DIR, work / "t", kv_cache="batched", dtype=dtype).graph,
-        "aux": export_onnx(demo.DEMO_TARGET_DIR, work / "t-aux", kv_cache="batched", dtype=dtype,
-                           aux_layer_ids=layers).graph,
-        "draft": export_onnx(demo.DEMO_DRAFT_DIR, work / "d", kv_cache="batched", dtype=dtype).graph,
-    }
+        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    dtype, graphs = export_graphs(work, layers, args.cuda)
     heads = {}
     for layout in ("batched", "concat"):
         eagle3.export_head_onnx(head_dir, demo.DEMO_TARGET_DIR, work / f"head-{layout}", kv_cache=layout)
         heads[layout] = work / f"head-{layout}" / eagle3.GRAPH_NAME
     t = args.threads
+    made = []  # every engine of a prompt, closed after its table (the CUDA engine's device memory)
 
-    def eng(name):
-        return OnnxRuntimeEngine(graphs[name], threads=t, providers=providers)
+    if args.cuda:
+        from runtime.engines.cuda import CudaEngine
 
-    def drafter(layout="batched"):
-        return OnnxDrafter(heads[layout], threads=t, providers=providers)
+        def eng(name):
+            graph, decode = graphs[name]
+            made.append(CudaEngine(graph, decode_graph=decode, memory=memory))
+            return made[-1]
+
+        def step(e, tokens):  # what the greedy rows run: only the argmax comes back
+            e.forward_greedy([Row(0, list(tokens))])
+    else:
+        from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+        def eng(name):
+            made.append(OnnxRuntimeEngine(graphs[name][0], threads=t, providers=providers))
+            return made[-1]
+
+        def step(e, tokens):
+            e.forward_one(tokens)
+
+    def drafter(layout="batched", on=None):
+        return OnnxDrafter(heads[layout], threads=t, providers=on or providers)
 
     tokenizer = Tokenizer(demo.DEMO_TARGET_DIR)
     prompts = _prompts(tokenizer, 512, args.tokens)
     greedy = SamplingParams(temperature=0.0)
     ks = [int(k) for k in args.ks.split(",")]
-    setups = [("plain", lambda: Generator(eng("plain"), method="none"), 0),
-              ("plain (graph with aux)", lambda: Generator(eng("aux"), method="none"), 0)]
+    # (label, make the Generator, k, draft step-cost key, target step-cost key, plain row it is measured against)
+    setups = [("plain", lambda: Generator(eng("plain"), method="none"), 0, None, "plain", "plain"),
+              ("plain (graph with aux)", lambda: Generator(eng("aux"), method="none"), 0, None, "aux", "plain")]
     for k in ks:
-        setups += [(f"draft_model k={k}", lambda k=k: Generator(eng("plain"), eng("draft"), "draft_model", k), k),
-                   (f"ngram k={k}", lambda k=k: Generator(eng("plain"), None, "ngram", k), k),
-                   (f"eagle3 k={k}", lambda k=k: Generator(eng("aux"), drafter(), "eagle3", k), k)]
+        aux_plain = "plain (graph with aux)"
+        setups += [(f"draft_model k={k}", lambda k=k: Generator(eng("plain"), eng("draft"), "draft_model", k), k,
+                    "draft", "plain", "plain"),
+                   (f"ngram k={k}", lambda k=k: Generator(eng("plain"), None, "ngram", k), k, None, "plain", "plain"),
+                   (f"eagle3 k={k}", lambda k=k: Generator(eng("aux"), drafter(), "eagle3", k), k, "head", "aux",
+                    aux_plain)]
         if k == 3:
             setups.append((f"eagle3 k={k}, concat head", lambda k=k: Generator(eng("aux"), drafter("concat"),
-                                                                                "eagle3", k), k))
-    print(f"demo target ({dtype}, {providers[0]}), head {head_dir} ({cfg.intermediate_size} intermediate), "
-          f"{args.tokens} greedy tokens, {t} threads, median of {args.repeats}")
+                                                                                "eagle3", k), k, "head_concat", "aux",
+                           aux_plain))
+            if args.cuda and providers != cpu_head:
+                setups.append((f"eagle3 k={k}, head on the CPU provider", lambda k=k: Generator(
+                    eng("aux"), drafter(on=cpu_head), "eagle3", k), k, "head_cpu", "aux", aux_plain))
+    if args.cuda:
+        probe = eng("aux")
+        head_on = drafter().session.get_providers()[0]
+        print(f"demo target ({dtype}, CudaEngine: {probe.description}{'' if probe.dual else ', single graph'}"
+              f"{f'; decode graph off: {probe.decode_graph_error}' if probe.decode_graph_error else ''}"
+              f"{f'; CUDA graphs off: {probe.cuda_graph_error}' if probe.cuda_graph_error else ''}), "
+              f"head {head_dir} ({cfg.intermediate_size} intermediate, float32 on {head_on}), "
+              f"{args.tokens} greedy tokens, head {t} threads, median of {args.repeats}")
+        probe.close()
+        made.clear()
+    else:
+        print(f"demo target ({dtype}, {providers[0]}), head {head_dir} ({cfg.intermediate_size} intermediate), "
+              f"{args.tokens} greedy tokens, {t} threads, median of {args.repeats}")
     for pname, prompt in prompts.items():
         ctx = len(prompt)
         # one-token step costs at this context, for the ideal speedup
         costs = {}
         for name in ("plain", "aux", "draft"):
             e = eng(name)
-            e.forward_one(prompt)
-            costs[name] = _step_cost(lambda: (e.forward_one([5]), e.rollback(0, ctx)))
-        for layout, key in (("batched", "head"), ("concat", "head_concat")):
-            d = drafter(layout)
+            step(e, prompt)
+            costs[name] = _step_cost(lambda: (step(e, [5]), e.rollback(0, ctx)))
+            if args.cuda and name == "plain":  # verification: k+1 tokens, through the Attention graph
+                costs["verify"] = _step_cost(lambda: (step(e, [5] * 4), e.rollback(0, ctx)))
+        head_layouts = [("batched", "head", None), ("concat", "head_concat", None)]
+        if any(s[3] == "head_cpu" for s in setups):
+            head_layouts.append(("batched", "head_cpu", cpu_head))
+        for layout, key, on in head_layouts:
+            d = drafter(layout, on)
             d.forward(prompt[1:], np.zeros((ctx - 1, 3 * cfg.target_hidden_size), np.float32),
                       np.zeros((0, cfg.hidden_size), np.float32))
             h = np.zeros((1, cfg.hidden_size), np.float32)
             costs[key] = _step_cost(lambda: (d.forward([5], np.zeros((0, 3 * cfg.target_hidden_size), np.float32),
                                                        h), d.rollback(ctx - 1)))
-        gens = [(label, make(), k) for label, make, k in setups]
-        times = {label: [] for label, _, _ in gens}
+        gens = [(label, make(), k, draft_key, target_key, plain_label)
+                for label, make, k, draft_key, target_key, plain_label in setups]
+        times = {label: [] for label, *_ in gens}
+        outputs = {}
         for _ in range(args.repeats):
-            for label, gen, _ in gens:  # interleaved so machine load hits every method alike
+            for label, gen, *_ in gens:  # interleaved so machine load hits every method alike
                 gen.reset()
                 t0 = time.perf_counter()
-                n = sum(len(s.tokens) for s in gen.generate(prompt, greedy, max_tokens=args.tokens))
-                times[label].append(n / (time.perf_counter() - t0))
+                tokens = [tok for s in gen.generate(prompt, greedy, max_tokens=args.tokens) for tok in s.tokens]
+                times[label].append(len(tokens) / (time.perf_counter() - t0))
+                outputs[label] = tokens
         base = statistics.median(times["plain"])
-        print(f"\n{pname} prompt ({ctx} tokens); step ms: target {costs['plain'] * 1e3:.2f}, "
-              f"target with aux {costs['aux'] * 1e3:.2f}, draft {costs['draft'] * 1e3:.2f}, "
-              f"head {costs['head'] * 1e3:.2f} (concat head {costs['head_concat'] * 1e3:.2f})")
+        line = (f"\n{pname} prompt ({ctx} tokens); step ms: target {costs['plain'] * 1e3:.2f}, "
+                f"target with aux {costs['aux'] * 1e3:.2f}, draft {costs['draft'] * 1e3:.2f}, "
+                f"head {costs['head'] * 1e3:.2f} (concat head {costs['head_concat'] * 1e3:.2f}")
+        if "head_cpu" in costs:
+            line += f", head on the CPU provider {costs['head_cpu'] * 1e3:.2f}"
+        line += ")"
+        if "verify" in costs:
+            line += f", target verifying 4 tokens {costs['verify'] * 1e3:.2f}"
+        print(line)
         print("| method | tok/s | speedup | acceptance | mean acceptance length | fraction of ideal |")
         print("|---|---|---|---|---|---|")
-        for label, gen, k in gens:
+        for label, gen, k, draft_key, target_key, plain_label in gens:
             tps = statistics.median(times[label])
             row = f"| {label} | {tps:.0f} | {tps / base:.2f}x |"
             if k:
                 a = gen.stats.acceptance_rate
-                target_cost = costs["aux" if label.startswith("eagle3") else "plain"]
-                c = (costs["head_concat" if "concat head" in label else "head"] if label.startswith("eagle3") else costs["draft"] if label.startswith("draft")
-                     else 0.0) / target_cost
+                c = (costs[draft_key] if draft_key else 0.0) / costs[target_key]
                 ideal = (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1)) if a < 1 else (k + 1) / (k * c + 1)
-                plain = statistics.median(times["plain (graph with aux)" if label.startswith("eagle3")
-                                                else "plain"])
+                plain = statistics.median(times[plain_label])
                 row += (f" {a:.0%} | {gen.stats.mean_acceptance_length:.2f} | "
                         f"{(tps / plain) / ideal:.0%} |")
             else:
                 row += " | | |"
             print(row)
+        if args.cuda:
+            differ = [label for label, *_ in gens if outputs[label] != outputs["plain"]]
+            print(f"greedy output equals plain's: {'every method' if not differ else 'not for ' + ', '.join(differ)}")
+        for e in made:
+            e.close()
+        made.clear()
     return 0
 
 
