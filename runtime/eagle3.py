@@ -59,10 +59,11 @@ class OnnxDrafter(Drafter):
     """The head's ONNX graph on ONNX Runtime, one sequence per instance (fork() for more).
 
     Layout "batched" (bundler.eagle3_graph, what bundles ship): the cache is one preallocated
-    [1, kv_heads, max_context, head_dim] buffer per K and V, bound as both past and present with I/O
-    binding, so a step writes only its new rows (nothing is copied or allocated) and a rollback is a
-    length change. Layout "concat" (heads exported before it): the graph returns past + new, kept as
-    two numpy arrays.
+    [1, kv_heads, max_context, head_dim] buffer per K and V on the session's device (an OrtValue in GPU
+    memory under CUDAExecutionProvider), bound as both past and present with I/O binding, so a step writes
+    only its new rows (nothing is copied or allocated) and a rollback is a length change. Host buffers under
+    the CUDA provider are copied to the device and back at every step, and proposals went wrong there (10 %
+    acceptance on the H200 with ONNX Runtime 1.31, against 66 % on the CPU provider). Layout "concat" (heads exported before it): the graph returns past + new, kept as two numpy arrays.
     """
 
     def __init__(self, graph: Path, *, max_context: int | None = None, threads: int | None = None,
@@ -93,6 +94,8 @@ class OnnxDrafter(Drafter):
         self.layer_ids = [int(i) for i in meta["bundle.aux_hidden_state_layer_ids"].split(",")]
         self.max_context = min(int(max_context or meta["bundle.max_positions"]), int(meta["bundle.max_positions"]))
         self._kv, self._hd = int(meta["bundle.num_kv_heads"]), int(meta["bundle.head_dim"])
+        self._ort = ort
+        self.device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
         self._new_cache()
         self.description = (f"onnxruntime {ort.__version__} EAGLE-3 head (draft vocab {meta['bundle.draft_vocab_size']},"
                             f" kv-cache {self.kv_cache})")
@@ -100,12 +103,13 @@ class OnnxDrafter(Drafter):
     def _new_cache(self) -> None:
         self._length = 0
         if self.kv_cache == "batched":
-            shape = (1, self._kv, self.max_context, self._hd)
-            self._k, self._v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+            shape = [1, self._kv, self.max_context, self._hd]
+            new = self._ort.OrtValue.ortvalue_from_shape_and_type
+            self._k, self._v = new(shape, np.float32, self.device, 0), new(shape, np.float32, self.device, 0)
             self._binding = self.session.io_binding()
             for name, buf in (("key", self._k), ("value", self._v)):
-                self._binding.bind_input(f"past_key_values.0.{name}", "cpu", 0, np.float32, list(shape), buf.ctypes.data)
-                self._binding.bind_output(f"present.0.{name}", "cpu", 0, np.float32, list(shape), buf.ctypes.data)
+                self._binding.bind_ortvalue_input(f"past_key_values.0.{name}", buf)
+                self._binding.bind_ortvalue_output(f"present.0.{name}", buf)
         else:
             self._k = np.zeros((1, self._kv, 0, self._hd), np.float32)
             self._v = self._k.copy()
