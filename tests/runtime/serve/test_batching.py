@@ -4,6 +4,7 @@ changes nothing but the work done."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -109,52 +110,147 @@ def _stream_lines(server, body, stop_after=None, record=None, until=None):
     return n
 
 
+def _hold_then_hang_up(server, body, hang_up: threading.Event):
+    """Open a stream, read its first chunk (sent on admission, before any engine step), stay connected
+    until `hang_up` is set, then close the connection without reading the rest."""
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        lines = r.iter_lines()  # kept: a dropped line iterator closes the connection when collected
+        assert next(lines).startswith("data: ")
+        assert hang_up.wait(120), "never told to hang up"
+
+
+@contextlib.contextmanager
+def _hung_up_at_exit(hang_up: threading.Event):
+    """Whatever happens, the holding streams let go (a failed assertion must not leave them waiting)."""
+    try:
+        yield
+    finally:
+        hang_up.set()
+
+
+def _wait_for(what, condition, timeout=60):
+    """Poll `condition()` until it returns something true; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+    return found
+
+
+def _health(server):
+    return httpx.get(server.url + "/health", timeout=30).json()
+
+
+class EngineGate:
+    """Lets the server's real engine take only the steps a test allows, so the test, not the machine's
+    load, decides how far each request gets: a 400-token stream takes well under a second on an idle
+    machine, less time than the client threads of a test may need to line up under load.
+
+    Wraps the model runner's `step`, the forward pass of one scheduler step: the scheduler still
+    cancels, frees slots and admits waiting requests at the start of every step; only the forward
+    waits for a permit. What earlier steps produced is handed to the server's loop before waiting."""
+
+    def __init__(self, server):
+        self.scheduler = server.serving.engine.scheduler
+        self._runner = self.scheduler.runner
+        self._forward = self._runner.step
+        self._cond = threading.Condition()
+        self._permits: int | None = 0  # None: run free
+
+    def __enter__(self):
+        self._runner.step = self._gated
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+        del self._runner.step  # back to the class's own method
+
+    def _gated(self, decodes, prefills):
+        with self._cond:
+            if self._permits == 0 and self._runner.before_forward is not None:
+                self._runner.before_forward()  # deliver what the last step produced
+            while self._permits == 0:
+                self._cond.wait()
+            if self._permits is not None:
+                self._permits -= 1
+        return self._forward(decodes, prefills)
+
+    def allow(self, steps: int) -> None:
+        with self._cond:
+            self._permits += steps
+            self._cond.notify_all()
+
+    def release(self) -> None:
+        with self._cond:
+            self._permits = None
+            self._cond.notify_all()
+
+
 def test_disconnect_frees_its_slot_while_others_continue(busy):
     long = {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "max_tokens": 400, "stream": True,
             "ignore_eos": True}
-    events: list[str] = []
     b_lines: list[str] = []
+    hang_up = threading.Event()
+    with EngineGate(busy) as gate, _hung_up_at_exit(hang_up):
+        b = threading.Thread(target=_stream_lines, args=(busy, {**long, "messages": [{"role": "user", "content": "b"}]}),
+                             kwargs={"record": b_lines})
+        fillers = [threading.Thread(target=_hold_then_hang_up, args=(busy, long, hang_up)) for _ in range(2)]
+        for t in [b, *fillers]:
+            t.start()
+        _wait_for("b and the two fillers to arrive", lambda: (h := _health(busy))["running"] + h["waiting"] == 3)
+        gate.allow(1)  # the step under way ends; the next one admits whoever waits into the free slots
+        _wait_for("b and the two fillers in the three slots", lambda: _health(busy)["running"] == 3)
 
-    def stream_b():
-        _stream_lines(busy, {**long, "messages": [{"role": "user", "content": "b"}]}, record=b_lines)
-        events.append("b done")
+        c_result = []
+        c = threading.Thread(target=lambda: c_result.append(_chat(busy, "c", max_tokens=3)))
+        c.start()
+        _wait_for("c queued behind the three busy slots", lambda: _health(busy)["waiting"] == 1)
+        running = list(gate.scheduler.running.values())  # still while the engine waits for a permit
+        b_request, = [r for r in running if sum(o.prompt == r.prompt for o in running) == 1]  # fillers share theirs
 
-    b = threading.Thread(target=stream_b)
-    b.start()
-    fillers = [threading.Thread(target=_stream_lines, args=(busy, long), kwargs={"stop_after": 5})
-               for _ in range(2)]  # take the other two slots, then hang up
-    for t in fillers:
-        t.start()
-    for t in fillers:
-        t.join(60)
-    text, usage = _chat(busy, "c", max_tokens=3)  # gets a freed slot at once, while b still streams
-    events.append("c done")
+        hang_up.set()  # the fillers close their connections, mid-stream
+        for t in fillers:
+            t.join(120)
+            assert not t.is_alive()
+        _wait_for("the server to cancel both fillers' requests",
+                  lambda: sum(r.cancel.is_set() for r in gate.scheduler.running.values()) == 2)
+        assert not b_request.cancel.is_set()
+
+        gate.allow(1)  # the step under way ends; the next frees the fillers' slots and admits c
+        _wait_for("c in a freed slot beside b", lambda: (h := _health(busy))["running"] == 2 and h["waiting"] == 0)
+        running = list(gate.scheduler.running.values())
+        assert b_request in running and b_request.finish_reason is None, "b should still be streaming"
+        assert b_request.produced < 400
+    # the gate is open: b and c run to their ends
+    c.join(120)
     b.join(120)
-    assert events == ["c done", "b done"], events
+    assert not c.is_alive() and not b.is_alive()
+    (text, usage), = c_result
     assert usage.completion_tokens == 3 and b_lines[-1] == "data: [DONE]"
     assert '"finish_reason":"length"' in "".join(b_lines)
+    _wait_for("every slot free again", lambda: (h := _health(busy))["running"] == 0 and h["waiting"] == 0)
 
 
 def test_beyond_the_slots_requests_wait_and_beyond_the_queue_get_429(busy):
     long = {"model": "tiny", "messages": [{"role": "user", "content": "w"}], "max_tokens": 450, "stream": True,
             "ignore_eos": True}
-    hold = threading.Event()  # the four stay connected (running or queued) until the 429 was seen
-    streams = [threading.Thread(target=_stream_lines, args=(busy, long), kwargs={"until": hold})
-               for _ in range(4)]
-    for t in streams:
-        t.start()
-    deadline = time.monotonic() + 30
-    while True:
-        h = httpx.get(busy.url + "/health").json()
-        if h["running"] == 3 and h["waiting"] == 1:
-            break
-        assert time.monotonic() < deadline, f"expected 3 running and 1 waiting, found {h}"
-        time.sleep(0.01)
-    with pytest.raises(openai.RateLimitError, match="3 slots \\+ 1 queued"):
-        _chat(busy, "one too many")
-    hold.set()
+    hang_up = threading.Event()  # the four stay connected (running or queued) until the 429 was seen
+    streams = [threading.Thread(target=_hold_then_hang_up, args=(busy, long, hang_up)) for _ in range(4)]
+    with EngineGate(busy) as gate, _hung_up_at_exit(hang_up):  # none of the four can finish before the 429 was seen
+        for t in streams:
+            t.start()
+        _wait_for("the four to arrive", lambda: (h := _health(busy))["running"] + h["waiting"] == 4)
+        gate.allow(1)  # the step under way ends; the next one fills the free slots
+        h = _wait_for("3 running and 1 waiting", lambda: (h := _health(busy))["running"] == 3 and h)
+        assert h["waiting"] == 1, h
+        with pytest.raises(openai.RateLimitError, match="3 slots \\+ 1 queued"):
+            _chat(busy, "one too many")
+        hang_up.set()
     for t in streams:
         t.join(120)
+        assert not t.is_alive()
+    _wait_for("every slot free again", lambda: (h := _health(busy))["running"] == 0 and h["waiting"] == 0)
 
 
 def test_prefix_cache_reuses_a_shared_system_prompt_with_identical_output(busy, installed_bundle):
