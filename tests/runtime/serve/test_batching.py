@@ -193,8 +193,8 @@ def test_disconnect_frees_its_slot_while_others_continue(busy):
     b_lines: list[str] = []
     hang_up = threading.Event()
     with EngineGate(busy) as gate, _hung_up_at_exit(hang_up):
-        b = threading.Thread(target=_stream_lines, args=(busy, {**long, "messages": [{"role": "user", "content": "b"}]}),
-                             kwargs={"record": b_lines})
+        b_body = {**long, "messages": [{"role": "user", "content": "b"}]}
+        b = threading.Thread(target=_stream_lines, args=(busy, b_body), kwargs={"record": b_lines})
         fillers = [threading.Thread(target=_hold_then_hang_up, args=(busy, long, hang_up)) for _ in range(2)]
         for t in [b, *fillers]:
             t.start()
