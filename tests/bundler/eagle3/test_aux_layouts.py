@@ -87,3 +87,23 @@ def test_graph_without_aux_layers_has_no_aux_output(target, tmp_path):
 
     engine = OnnxRuntimeEngine(export_onnx(target, tmp_path, kv_cache="batched").graph, max_context=32)
     assert engine.aux_width == 0 and "aux_hidden_states" not in [o.name for o in engine.session.get_outputs()]
+
+
+def test_bfloat16_graph_keeps_a_float32_aux_output(target, tmp_path):
+    """The bf16 rewrite (cuda targets of bf16 checkpoints) keeps aux_hidden_states float32, fed from the
+    three layers' inputs. Structure only: ONNX Runtime's CPU provider has no bf16 MatMul, so its numbers are
+    checked nowhere here (the H200 runs were float16)."""
+    import onnx
+
+    from bundler.export import export_onnx
+
+    result = export_onnx(target, tmp_path / "onnx", kv_cache="batched", dtype="bfloat16", aux_layer_ids=LAYERS)
+    model = onnx.load(str(result.graph), load_external_data=False)
+    outputs = {o.name: o.type.tensor_type for o in model.graph.output}
+    assert outputs["aux_hidden_states"].elem_type == onnx.TensorProto.FLOAT
+    assert outputs["aux_hidden_states"].shape.dim[-1].dim_value == 3 * 64
+    assert outputs["logits"].elem_type == onnx.TensorProto.FLOAT
+    weights = [i for i in model.graph.initializer if i.data_type == onnx.TensorProto.BFLOAT16]
+    assert weights, "expected bfloat16 weights in the bf16 graph"
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert meta["bundle.aux_hidden_state_layer_ids"] == "0,2,3"
