@@ -63,7 +63,8 @@ class OnnxDrafter(Drafter):
     memory under CUDAExecutionProvider), bound as both past and present with I/O binding, so a step writes
     only its new rows (nothing is copied or allocated) and a rollback is a length change. Host buffers under
     the CUDA provider are copied to the device and back at every step, and proposals went wrong there (10 %
-    acceptance on the H200 with ONNX Runtime 1.31, against 66 % on the CPU provider). Layout "concat" (heads exported before it): the graph returns past + new, kept as two numpy arrays.
+    acceptance on the H200 with ONNX Runtime 1.31, against 66 % on the CPU provider). Layout "concat" (heads
+    exported before it): the graph returns past + new, kept as two numpy arrays.
     """
 
     def __init__(self, graph: Path, *, max_context: int | None = None, threads: int | None = None,

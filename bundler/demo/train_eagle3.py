@@ -362,7 +362,8 @@ def train(tokens: Path, target_dir: Path, draft_dir: Path | None, out: Path, cfg
     hc = eagle3.HeadConfig(hidden_size=tc.hidden_size, target_hidden_size=tc.hidden_size,
                            intermediate_size=cfg.intermediate_size,
                            num_heads=cfg.num_heads or tc.num_attention_heads,
-                           num_kv_heads=cfg.num_kv_heads or tc.num_key_value_heads, head_dim=tc.head_dim, vocab_size=tc.vocab_size,
+                           num_kv_heads=cfg.num_kv_heads or tc.num_key_value_heads, head_dim=tc.head_dim,
+                           vocab_size=tc.vocab_size,
                            draft_vocab_size=cfg.draft_vocab, rms_norm_eps=tc.rms_norm_eps,
                            rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
                            max_positions=tc.max_position_embeddings, layer_ids=tuple(cfg.layer_ids))
@@ -449,7 +450,8 @@ def train(tokens: Path, target_dir: Path, draft_dir: Path | None, out: Path, cfg
                "steps_done": step + 1, "answer_seconds": round(gen_seconds, 1),
                "train_seconds": round(train_seconds, 1),
                "eval_seconds": round(time.time() - t0, 1), "total_seconds": round(time.time() - t_start, 1),
-               "acceptance_k3": result, "history": history, "selection": selection, "device": device, "torch": torch.__version__}
+               "acceptance_k3": result, "history": history, "selection": selection, "device": device,
+               "torch": torch.__version__}
     (out / "training_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     log(f"acceptance {result}")
     return metrics
@@ -462,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", type=Path, help="the demo draft, for the baseline acceptance in the same run")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--recipe", choices=sorted(RECIPES), default="v1", help="v1: the committed head's; v2, v3*: improved (see RECIPES)")
+    ap.add_argument("--recipe", choices=sorted(RECIPES), default="v1",
+                    help="v1: the committed head's; later ones: see RECIPES")
     ap.add_argument("--device")
     ap.add_argument("--seconds", type=float, help="training time limit")
     ap.add_argument("--baseline-head", type=Path, help="an earlier head measured in the same run (the committed one)")
