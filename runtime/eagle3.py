@@ -19,6 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from manifests.errors import EnvironmentProblem, ModelError
+from runtime.engines.onnxruntime import open_session
 
 FORMAT = "eagle3-head-v1"
 
@@ -76,12 +77,7 @@ class OnnxDrafter(Drafter):
             raise EnvironmentProblem(f"expected the EAGLE-3 head graph at {graph}, found nothing")
         so = ort.SessionOptions()
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if threads:
-            so.intra_op_num_threads = threads
-        try:
-            self.session = ort.InferenceSession(str(graph), so, providers=list(providers))
-        except Exception as e:  # onnxruntime raises its own untyped errors
-            raise ModelError(f"ONNX Runtime cannot load {graph}: {str(e).splitlines()[0]}") from None
+        self.session = open_session(graph, so, providers, threads)
         meta = self.session.get_modelmeta().custom_metadata_map
         if meta.get("bundle.format") != FORMAT:
             raise ModelError(f"{graph}: expected an EAGLE-3 head graph (bundle.format {FORMAT}), "

@@ -68,6 +68,19 @@ def bind_row_inputs(binding, token_ids: Sequence[int], past: int, *, positions: 
         binding.bind_cpu_input("attention_mask", np.ones((1, past + n), np.int64))
 
 
+def open_session(graph: Path, options, providers: Sequence[str], threads: int | None = None):
+    """An ONNX Runtime session over `graph` (`threads` intra-op threads where given), a graph it cannot
+    load a one-line ModelError: shared by the engine and the EAGLE-3 head."""
+    import onnxruntime as ort
+
+    if threads:
+        options.intra_op_num_threads = threads
+    try:
+        return ort.InferenceSession(str(graph), options, providers=list(providers))
+    except Exception as e:  # onnxruntime raises its own untyped errors
+        raise ModelError(f"ONNX Runtime cannot load {graph}: {str(e).splitlines()[0]}") from None
+
+
 class OnnxRuntimeEngine(Engine):
     def __init__(self, graph: Path, *, max_context: int | None = None, num_slots: int = 1,
                  threads: int | None = None, providers: Sequence[str] = ("CPUExecutionProvider",),
@@ -86,12 +99,7 @@ class OnnxRuntimeEngine(Engine):
             so.get_session_config_entry("session.intra_op.allow_spinning")
         except RuntimeError:
             so.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
-        if threads:
-            so.intra_op_num_threads = threads
-        try:
-            self.session = ort.InferenceSession(str(graph), so, providers=list(providers))
-        except Exception as e:  # onnxruntime raises its own untyped errors
-            raise ModelError(f"ONNX Runtime cannot load {graph}: {str(e).splitlines()[0]}") from None
+        self.session = open_session(graph, so, providers, threads)
         self._graph = graph
         meta = self.session.get_modelmeta().custom_metadata_map
         self.kv_cache = meta.get("bundle.kv_cache", "concat")
