@@ -30,6 +30,12 @@ class ContextFull(ServeError):
     """A forward() would hold more tokens in a slot than the engine's max_context."""
 
 
+def check_rollback(slot: int, length: int, have: int) -> None:
+    """The refusal every slot engine's rollback makes: a length outside 0..(tokens the slot holds)."""
+    if not 0 <= length <= have:
+        raise ValueError(f"rollback of slot {slot} to {length}: expected 0..{have}")
+
+
 @dataclass(frozen=True)
 class Row:
     """Tokens to append after what slot `slot` holds; logits come back for each of them.

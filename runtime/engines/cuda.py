@@ -58,7 +58,7 @@ import numpy as np
 
 from manifests.errors import EnvironmentProblem, ModelError
 from runtime.cuda import D2D, D2H, H2D, Cudart, onnxruntime_cuda
-from runtime.engine import Engine, Row
+from runtime.engine import Engine, Row, check_rollback
 from runtime.engines.onnxruntime import OnnxRuntimeEngine, bind_row_inputs
 
 log = logging.getLogger(__name__)
@@ -698,8 +698,7 @@ class CudaEngine(Engine):
 
     def rollback(self, slot: int, length: int) -> None:
         have = self._lengths[slot]
-        if not 0 <= length <= have:
-            raise ValueError(f"rollback of slot {slot} to {length}: expected 0..{have}")
+        check_rollback(slot, length, have)
         if length == have:
             return
         if length > 0 and not self.batched:  # concat: compact the kept prefix into the other buffer

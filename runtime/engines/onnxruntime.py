@@ -37,7 +37,7 @@ from typing import Sequence
 import numpy as np
 
 from manifests.errors import EnvironmentProblem, ModelError
-from runtime.engine import ContextFull, Engine, Row
+from runtime.engine import ContextFull, Engine, Row, check_rollback
 
 log = logging.getLogger(__name__)
 
@@ -340,8 +340,7 @@ class OnnxRuntimeEngine(Engine):
 
     def rollback(self, slot: int, length: int) -> None:
         have = self._lengths[slot]
-        if not 0 <= length <= have:
-            raise ValueError(f"rollback of slot {slot} to {length}: expected 0..{have}")
+        check_rollback(slot, length, have)
         if length == have:
             return
         # batched/shared: rows at >= length are simply overwritten by the next forward. concat:

@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from manifests.errors import EnvironmentProblem, ModelError
-from runtime.engine import Engine, Row
+from runtime.engine import Engine, Row, check_rollback
 from runtime.engine_cache import DeviceInfo
 from runtime.fsutil import write_atomic
 
@@ -283,8 +283,7 @@ class TensorRTEngine(Engine):
 
     def rollback(self, slot: int, length: int) -> None:
         s = self._slots[slot]
-        if not 0 <= length <= s.length:
-            raise ValueError(f"rollback of slot {slot} to {length}: expected 0..{s.length}")
+        check_rollback(slot, length, s.length)
         if 0 < length < s.length:  # compact into the other buffer, then swap
             self._copy_rows(s, s.kv[1 - s.current], length)
             s.current = 1 - s.current
