@@ -37,6 +37,15 @@ def onnx_graphs(tiny_models, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def batched_graphs(tiny_models, tmp_path_factory) -> dict[str, Path]:
+    """target and draft exported with the "batched" KV cache (one buffer for all slots)."""
+    from bundler.export import export_onnx
+
+    root = tmp_path_factory.mktemp("tiny-batched")
+    return {name: export_onnx(tiny_models[name], root / name, kv_cache="batched").graph for name in ("target", "draft")}
+
+
+@pytest.fixture(scope="session")
 def engine_factory(onnx_graphs):
     """name -> a fresh ONNX Runtime engine (the runtime's real engine) over that tiny model."""
     from runtime.engines.onnxruntime import OnnxRuntimeEngine

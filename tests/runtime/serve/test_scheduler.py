@@ -20,14 +20,6 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def batched_graphs(tiny_models, tmp_path_factory):
-    from bundler.export import export_onnx
-
-    root = tmp_path_factory.mktemp("tiny-batched")
-    return {name: export_onnx(tiny_models[name], root / name, kv_cache="batched").graph for name in ("target", "draft")}
-
-
-@pytest.fixture(scope="module")
 def batched(batched_graphs):
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
 

@@ -13,7 +13,7 @@ from runtime.sampling import SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.spec_length import LinearCost, SpeculationLength
 from tests.runtime.serve.test_sampling import LENGTH, PROMPT, _exact, _tables
-from tests.runtime.serve.test_scheduler import Recorder, alone, assert_distributed_per_slot, batched, batched_graphs, prompts, run_together  # noqa: F401
+from tests.runtime.serve.test_scheduler import Recorder, alone, assert_distributed_per_slot, batched, prompts, run_together  # noqa: F401
 from tests.runtime.serve.toy_engines import MarkovEngine
 
 
