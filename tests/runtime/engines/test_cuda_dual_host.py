@@ -177,7 +177,8 @@ def test_greedy_speculation_through_the_dual_engine_is_plain_greedy(dual):
     """Draft-model speculation (verification rows through the Attention graph, decode rows through the
     GroupQueryAttention graph) emits the same greedy tokens as plain decoding, and as the single graph."""
     from runtime.model_runner import ModelRunner
-    from runtime.scheduler import EngineRequest, SamplingParams, Scheduler
+    from runtime.scheduler import Scheduler
+    from tests.runtime.serve.test_scheduler import Recorder, run_together
 
     rng = np.random.default_rng(4)
     prompts = [rng.integers(2, 500, n).tolist() for n in (4, 11, 7)]
@@ -191,13 +192,8 @@ def test_greedy_speculation_through_the_dual_engine_is_plain_greedy(dual):
             # draft less and verify fewer rows through the Attention graph than the count below asks
             scheduler = Scheduler(ModelRunner(target, draft, method, 3, adaptive=False), max_num_seqs=3,
                                   max_num_batched_tokens=64)
-            out = []
-            for p in prompts:
-                r = EngineRequest(list(p), SamplingParams(temperature=0.0), 12)
-                r.on_step = lambda step, tokens=out.append([]) or out[-1]: tokens.extend(step.tokens)
-                scheduler.add(r)
-            while scheduler.has_work():
-                scheduler.step()
+            rec = Recorder()
+            out = run_together(scheduler, rec, [rec.request(p, max_tokens=12) for p in prompts], arrive_every=0)
             results[method, single] = out, calls
     plain = results["none", True][0]
     assert all(len(t) == 12 for t in plain)

@@ -132,8 +132,8 @@ def test_the_runner_asks_for_the_argmax_only_on_greedy_steps_with_the_same_token
     row, and produces the tokens the full-logits path produces (plain and draft-model speculation)."""
     from runtime.engines.cuda import D2H
     from runtime.model_runner import ModelRunner
-    from runtime.sampling import SamplingParams
-    from runtime.scheduler import EngineRequest, Scheduler
+    from runtime.scheduler import Scheduler
+    from tests.runtime.serve.test_scheduler import Recorder, run_together
 
     class CountingHost(HostMemory):
         def __init__(self):
@@ -156,13 +156,8 @@ def test_the_runner_asks_for_the_argmax_only_on_greedy_steps_with_the_same_token
             draft = host_engine(graphs["batched-fp16"], max_context=64, num_slots=4) if method != "none" else None
             runner = ModelRunner(target, draft, method, 2, greedy_argmax=greedy_argmax)
             scheduler = Scheduler(runner, max_num_seqs=3, max_num_batched_tokens=64)
-            out = []
-            for p in prompts:
-                r = EngineRequest(list(p), SamplingParams(temperature=0.0), 12)
-                r.on_step = lambda step, tokens=out.append([]) or out[-1]: tokens.extend(step.tokens)
-                scheduler.add(r)
-            while scheduler.has_work():
-                scheduler.step()
+            rec = Recorder()
+            out = run_together(scheduler, rec, [rec.request(p, max_tokens=12) for p in prompts], arrive_every=0)
             results[method, greedy_argmax] = out, memory.to_host
     for method in ("none", "draft_model"):
         (fast, fast_bytes), (full, full_bytes) = results[method, True], results[method, False]

@@ -57,8 +57,11 @@ class Recorder:
 
 
 def run_together(scheduler, rec, requests, arrive_every=1):
-    """Submit one request every `arrive_every` steps (staggered arrivals), step until all finish."""
+    """Submit one request every `arrive_every` steps (staggered arrivals; 0: all before the first step),
+    step until all finish."""
     pending, step, guard = list(requests), 0, 0
+    while arrive_every == 0 and pending:
+        scheduler.add(pending.pop(0))
     while pending or scheduler.has_work():
         if pending and step % arrive_every == 0:
             scheduler.add(pending.pop(0))
