@@ -163,22 +163,7 @@ def test_eagle3_speculation_greedy_token_identical_to_plain(eagle3, variant, k):
 def test_concurrent_greedy_equals_each_alone_with_prefix_reuse(eagle3):
     """Under the scheduler on the dual engine: more requests than slots, staggered, chunked prefill, repeated
     prompts (prefix reuse copies the target's cache and features across slots), one without speculation."""
-    from runtime.eagle3 import OnnxDrafter
-    from runtime.model_runner import ModelRunner
-    from runtime.sampling import SamplingParams
-    from runtime.scheduler import Scheduler
-    from runtime.speculative import Generator
-    from tests.runtime.serve.test_scheduler import Recorder, run_together
+    from tests.runtime.serve.test_eagle3 import assert_concurrent_greedy_equals_each_alone
 
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(5, 500, size=n).tolist() for n in (2, 9, 40, 77)]
-    plain = Generator(cuda_engine(eagle3, fp32=True, max_context=256))
-    alone = [[t for s in plain.generate(p, SamplingParams(temperature=0.0), max_tokens=24) for t in s.tokens]
-             for p in prompts]
-    runner = ModelRunner(cuda_engine(eagle3, fp32=True, max_context=256, num_slots=3), OnnxDrafter(eagle3["head"]),
-                         "eagle3", 3)
-    rec = Recorder()
-    requests = [rec.request(p, speculative=(i != 1)) for i, p in enumerate(prompts + prompts[::-1])]
-    out = run_together(Scheduler(runner, max_num_seqs=3, max_num_batched_tokens=32), rec, requests, arrive_every=2)
-    assert out == alone + alone[::-1]
-    assert runner.stats.num_drafts > 0
+    assert_concurrent_greedy_equals_each_alone(
+        lambda **kw: cuda_engine(eagle3, fp32=True, max_context=256, **kw), eagle3["head"])

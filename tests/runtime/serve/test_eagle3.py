@@ -145,17 +145,24 @@ def test_serve_eagle3_on_a_draft_model_bundle_refused(installed_bundle):
 def test_concurrent_greedy_equals_each_alone_with_prefix_reuse(graphs):
     """Under the scheduler: more requests than slots, staggered, chunked prefill, repeated prompts (prefix
     reuse across slots copies the target's features), one opting out of speculation."""
+    target_graph, head_graph = graphs
+    assert_concurrent_greedy_equals_each_alone(
+        lambda **kw: OnnxRuntimeEngine(target_graph, max_context=256, **kw), head_graph)
+
+
+def assert_concurrent_greedy_equals_each_alone(make_target, head_graph) -> None:
+    """The scheduler check of test_concurrent_greedy_equals_each_alone_with_prefix_reuse, for any target
+    engine (`make_target(**kw)`; `num_slots=3` for the slotted one): ONNX Runtime here, CUDA in
+    tests/runtime/engines/test_cuda_eagle3_host.py."""
     from runtime.model_runner import ModelRunner
     from runtime.scheduler import Scheduler
     from tests.runtime.serve.test_scheduler import Recorder, run_together
 
-    target_graph, head_graph = graphs
     rng = np.random.default_rng(4)
     prompts = [rng.integers(5, 500, size=n).tolist() for n in (2, 9, 40, 77)]
-    plain = Generator(OnnxRuntimeEngine(target_graph, max_context=256))
+    plain = Generator(make_target())
     alone = [_tokens(plain, p, SamplingParams(temperature=0.0), 24) for p in prompts]
-    runner = ModelRunner(OnnxRuntimeEngine(target_graph, max_context=256, num_slots=3), OnnxDrafter(head_graph),
-                         "eagle3", 3)
+    runner = ModelRunner(make_target(num_slots=3), OnnxDrafter(head_graph), "eagle3", 3)
     rec = Recorder()
     requests = [rec.request(p, speculative=(i != 1)) for i, p in enumerate(prompts + prompts[::-1])]
     out = run_together(Scheduler(runner, max_num_seqs=3, max_num_batched_tokens=32), rec, requests, arrive_every=2)
