@@ -82,7 +82,8 @@ class ServingChat(OpenAIServing):
         jobs = self.submit(req, plan, [(prepared.prompt, prepared.max_tokens)] * plan.n)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self.sse_response(self._stream(jobs, rid, plan, prepared.text, include_usage))
+            chunks = self._chunks(jobs, rid, plan, prepared.text, include_usage)
+            return self.sse_response(self.sse_stream(jobs, rid, chunks))
         choices = []
         for index, (pieces, finish, lps) in enumerate(await self.collect_all(jobs, request)):
             out = plan.make_output(prepared.text)
@@ -96,36 +97,28 @@ class ServingChat(OpenAIServing):
                                    "model": self.model.name, "choices": choices,
                                    "usage": self.usage(len(prepared.prompt), jobs)})
 
-    async def _stream(self, jobs: list[Job], rid: str, plan: Plan, prompt_text: str,
+    async def _chunks(self, jobs: list[Job], rid: str, plan: Plan, prompt_text: str,
                       include_usage: bool) -> AsyncIterator[str]:
+        """A streamed chat completion's chunks, one choice after another (sse_stream frames them)."""
         created, name, tok = int(time.time()), self.model.name, self.model.tokenizer
-        try:
-            for index, job in enumerate(jobs):
-                out = plan.make_output(prompt_text)
-                yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(None, first=True)))
-                async for kind, text, lps in self.events(job):
-                    if kind == "error":
-                        yield self.error_event(text)
-                        yield "data: [DONE]\n\n"
-                        return
-                    if kind == "delta":
-                        delta = out.feed(text)
-                        logprobs = F.chat_logprobs(lps, tok) if lps else None
-                        if delta or logprobs:
-                            yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(delta),
-                                                     logprobs=logprobs))
-                        continue
-                    tail = out.finish()
-                    if tail:
-                        yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(tail)))
-                    yield F.sse(F.chat_chunk(rid, created, name, index, {}, finish_reason(plan, out, text)))
-            if include_usage:  # the prompt counts once, whatever n is
-                yield F.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                             "choices": [], "usage": self.usage(len(jobs[0].prompt), jobs)})
-            yield "data: [DONE]\n\n"
-            self.log_request(rid, jobs)
-        finally:
-            self.abort_all(jobs)  # the client went away (or we are done): free the slots
+        for index, job in enumerate(jobs):
+            out = plan.make_output(prompt_text)
+            yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(None, first=True)))
+            async for kind, text, lps in self.stream_events(job):
+                if kind == "delta":
+                    delta = out.feed(text)
+                    logprobs = F.chat_logprobs(lps, tok) if lps else None
+                    if delta or logprobs:
+                        yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(delta),
+                                                 logprobs=logprobs))
+                    continue
+                tail = out.finish()
+                if tail:
+                    yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(tail)))
+                yield F.sse(F.chat_chunk(rid, created, name, index, {}, finish_reason(plan, out, text)))
+        if include_usage:  # the prompt counts once, whatever n is
+            yield F.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                         "choices": [], "usage": self.usage(len(jobs[0].prompt), jobs)})
 
 
 def finish_reason(plan: Plan, out, finish: str) -> str:

@@ -33,7 +33,8 @@ class ServingCompletion(OpenAIServing):
         prompt_tokens = sum(len(x) for x in p.prompts)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self.sse_response(self._stream(jobs, rid, p.echo, include_usage, prompt_tokens))
+            chunks = self._chunks(jobs, rid, p.echo, include_usage, prompt_tokens)
+            return self.sse_response(self.sse_stream(jobs, rid, chunks))
         choices = []
         for index, (pieces, finish, lps) in enumerate(await self.collect_all(jobs, request)):
             choices.append({"index": index, "text": p.echo[index] + "".join(pieces), "finish_reason": finish,
@@ -81,29 +82,21 @@ class ServingCompletion(OpenAIServing):
             out.append(ids)
         return out
 
-    async def _stream(self, jobs: list[Job], rid: str, echo: list[str], include_usage: bool,
+    async def _chunks(self, jobs: list[Job], rid: str, echo: list[str], include_usage: bool,
                       prompt_tokens: int) -> AsyncIterator[str]:
+        """A streamed text completion's chunks, one choice after another (sse_stream frames them)."""
         created, name, tok = int(time.time()), self.model.name, self.model.tokenizer
-        try:
-            for index, job in enumerate(jobs):
-                offset = len(echo[index])
-                if echo[index]:
-                    yield F.sse(F.completion_chunk(rid, created, name, index, echo[index]))
-                async for kind, text, lps in self.events(job):
-                    if kind == "error":
-                        yield self.error_event(text)
-                        yield "data: [DONE]\n\n"
-                        return
-                    if kind == "delta":
-                        logprobs = F.completion_logprobs(lps, tok, offset) if lps else None
-                        offset += len(text)
-                        yield F.sse(F.completion_chunk(rid, created, name, index, text, logprobs=logprobs))
-                    else:
-                        yield F.sse(F.completion_chunk(rid, created, name, index, "", finish_reason=text))
-            if include_usage:
-                yield F.sse({"id": rid, "object": "text_completion", "created": created, "model": name,
-                             "choices": [], "usage": self.usage(prompt_tokens, jobs)})
-            yield "data: [DONE]\n\n"
-            self.log_request(rid, jobs)
-        finally:
-            self.abort_all(jobs)
+        for index, job in enumerate(jobs):
+            offset = len(echo[index])
+            if echo[index]:
+                yield F.sse(F.completion_chunk(rid, created, name, index, echo[index]))
+            async for kind, text, lps in self.stream_events(job):
+                if kind == "delta":
+                    logprobs = F.completion_logprobs(lps, tok, offset) if lps else None
+                    offset += len(text)
+                    yield F.sse(F.completion_chunk(rid, created, name, index, text, logprobs=logprobs))
+                else:
+                    yield F.sse(F.completion_chunk(rid, created, name, index, "", finish_reason=text))
+        if include_usage:
+            yield F.sse({"id": rid, "object": "text_completion", "created": created, "model": name,
+                         "choices": [], "usage": self.usage(prompt_tokens, jobs)})

@@ -11,6 +11,7 @@ per step) and handed to the request's asyncio queue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -34,6 +35,14 @@ from runtime.tokenizer import TextStream, Tokenizer
 log = logging.getLogger("bundle.serve")
 
 PREPROCESS_THREADS = 2
+
+
+class _JobFailed(Exception):
+    """A job's 'error' event inside a streamed completion: sse_stream ends the stream with it."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
 
 
 @dataclass
@@ -344,6 +353,31 @@ class OpenAIServing:
             else:
                 yield "error", event[1], None
                 return
+
+    async def stream_events(self, job: Job):
+        """events(job) for a chunk stream under sse_stream: an 'error' ends the whole stream, there."""
+        async for kind, text, lps in self.events(job):
+            if kind == "error":
+                raise _JobFailed(text)
+            yield kind, text, lps
+
+    async def sse_stream(self, jobs: list[Job], rid: str, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        """The frame of a streamed chat or text completion around its `chunks` (read through stream_events):
+        [DONE] and the request's log line after them, or an error event and [DONE] where a job failed;
+        the jobs' slots freed however it ends (the client gone too)."""
+        try:
+            async with contextlib.aclosing(chunks):
+                try:
+                    async for chunk in chunks:
+                        yield chunk
+                except _JobFailed as e:
+                    yield self.error_event(e.message)
+                    yield "data: [DONE]\n\n"
+                    return
+            yield "data: [DONE]\n\n"
+            self.log_request(rid, jobs)
+        finally:
+            self.abort_all(jobs)
 
     @staticmethod
     def error_event(message: str) -> str:
