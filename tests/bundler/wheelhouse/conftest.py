@@ -22,15 +22,6 @@ class RuntimeBundle:
     name: str
 
 
-def unshare_problem() -> str | None:
-    """Why `unshare -n` cannot be used here, or None."""
-    try:
-        r = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"unshare not available: {e}"
-    return None if r.returncode == 0 else f"unshare -n not permitted: {r.stderr.decode().strip()}"
-
-
 def system_python() -> str:
     """The interpreter a device would use: the system's python3 (never this test venv's; not a pyenv shim)."""
     found = "/usr/bin/python3" if Path("/usr/bin/python3").is_file() else shutil.which("python3")

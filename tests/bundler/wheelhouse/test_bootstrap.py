@@ -21,7 +21,8 @@ from bundler.keys import generate_key, load_private_key
 from manifests import layout as L
 from runtime.trust import trusted_keys
 from runtime.verify import verify_bundle
-from tests.bundler.wheelhouse.conftest import run_bootstrap, system_python, unshare_problem
+from tests.bundler.wheelhouse.conftest import run_bootstrap, system_python
+from tests.conftest import unshare_problem
 from tests.runtime.floor.craft import envelope, flip_byte, oci_manifest, resign
 
 REPO = Path(__file__).resolve().parents[3]

@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import unshare_problem
+
 REPO = Path(__file__).resolve().parents[3]
 FORBIDDEN = {"huggingface_hub", "requests", "httpx", "urllib3", "torch", "transformers", "bundler", "oras"}
 # The registry client (skopeo, run by these) is reached only by push / pull / install from a registry.
@@ -173,16 +175,8 @@ NAMESPACE_DRIVER = textwrap.dedent("""
 """)
 
 
-def _unshare_works() -> str | None:
-    try:
-        r = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"unshare not available: {e}"
-    return None if r.returncode == 0 else f"unshare -n not permitted here: {r.stderr.decode().strip()}"
-
-
 def test_install_and_serve_inside_network_namespace_with_only_loopback(installed_bundle, tmp_path):
-    reason = _unshare_works()
+    reason = unshare_problem()
     if reason:
         pytest.skip(reason)
     driver = tmp_path / "driver.py"
