@@ -261,21 +261,25 @@ def speculate_one(target, head, embed, prompt, layer_ids, *, k, max_new_tokens, 
             aux = aux[:, :len(seq)]
 
 
+def encode_prompts(tokens: Path, split: str) -> list[list[int]]:
+    """The chat prompts of prompts_{split}.json in token ids (the tokenizer in `tokens`)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokens / "tokenizer.json"))
+    rows = json.loads((tokens / f"prompts_{split}.json").read_text())
+    return [tok.encode(corpus.qa_prompt(r["question"]), add_special_tokens=False).ids for r in rows]
+
+
 def answer_stream(target, tokens: Path, split: str, limit: int, cfg: Config, eos: int,
                   newline: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """The target's greedy answers to the first `limit` questions of prompts_{split}.json, as chat turns back to
     back, and a mask of the positions whose next token is part of an answer. Cached in `tokens`, so several
     recipes trained side by side (gpu_eagle3.sh) answer once."""
-    from tokenizers import Tokenizer
-
     cache = tokens / f"answers_{split}_{limit}x{cfg.answer_tokens}_{cfg.max_prompt_tokens}.npz"
     if cache.exists():
         z = np.load(cache)
         return z["ids"], z["mask"]
-    tok = Tokenizer.from_file(str(tokens / "tokenizer.json"))
-    rows = json.loads((tokens / f"prompts_{split}.json").read_text())
-    prompts = [tok.encode(corpus.qa_prompt(r["question"]), add_special_tokens=False).ids for r in rows]
-    prompts = [p for p in prompts if len(p) <= cfg.max_prompt_tokens][:limit]
+    prompts = [p for p in encode_prompts(tokens, split) if len(p) <= cfg.max_prompt_tokens][:limit]
     answers = ev.greedy_generate(target, prompts, max_new_tokens=cfg.answer_tokens, eos_ids={eos})
     ids: list[int] = []
     mask: list[bool] = []
@@ -343,10 +347,6 @@ def train(tokens: Path, target_dir: Path, draft_dir: Path | None, out: Path, cfg
     tok = Tokenizer.from_file(str(tokens / "tokenizer.json"))
     eos = tok.token_to_id(corpus.END)
     newline = tok.encode("\n", add_special_tokens=False).ids
-
-    def encode(split):
-        rows = json.loads((tokens / f"prompts_{split}.json").read_text())
-        return [tok.encode(corpus.qa_prompt(r["question"]), add_special_tokens=False).ids for r in rows]
 
     t0 = time.time()
     gen, _ = answer_stream(target, tokens, "train", cfg.answer_prompts, cfg, eos, newline)
@@ -426,7 +426,7 @@ def train(tokens: Path, target_dir: Path, draft_dir: Path | None, out: Path, cfg
     out.mkdir(parents=True, exist_ok=True)
     eagle3.save_head(head.cpu(), out)
     head = head.to(device)
-    prompts = encode("heldout")[:cfg.eval_prompts]
+    prompts = encode_prompts(tokens, "heldout")[:cfg.eval_prompts]
     t0 = time.time()
     result = {"eagle3": acceptance(target, head, embed, prompts, cfg, {eos})}
     if baseline_head is not None:
