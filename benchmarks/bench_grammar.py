@@ -59,7 +59,7 @@ def mask_times(tokenizer_dir: Path, spec, steps: int, rng) -> tuple[float, int]:
     compiler = GrammarCompiler.for_tokenizer(tok)
     times, done = [], 0
     while done < steps:
-        c, out = compiler.compile(spec), []
+        c, out = compiler.compile(spec).constraint(), []
         for _ in range(200):
             t = time.perf_counter()
             allowed = c.allowed(out)
@@ -130,7 +130,7 @@ def main() -> int:
         prompt = tok.encode("<|user|>\nReport the state of line 3 as JSON.<|end|>\n<|assistant|>\n",
                             add_special_tokens=False)
         json_len = len(serve_row(Generator(t_engine), tok, prompt,
-                                 LogitsProcessor(grammar=compiler.compile(specs["json schema"])))[0])
+                                 LogitsProcessor(grammar=compiler.compile(specs["json schema"]).constraint()))[0])
         print(f"\nServing (demo pair, one thread per engine, greedy, {json_len} tokens each: the JSON answer's "
               "length; free text ignores the end token; median of 7)\n")
         print("| decoding | output | tok/s | acceptance |")
@@ -140,7 +140,7 @@ def main() -> int:
             gen = Generator(t_engine, dr, method, 3)
             for label, make, eos in (("free text", lambda: None, False),
                                      ("JSON schema", lambda: LogitsProcessor(
-                                         grammar=compiler.compile(specs["json schema"])), True)):
+                                         grammar=compiler.compile(specs["json schema"]).constraint()), True)):
                 runs = [serve_row(gen, tok, prompt, make(), max_tokens=json_len, eos=eos) for _ in range(7)]
                 out, _, acc = runs[0]
                 outputs[(method, label)] = out

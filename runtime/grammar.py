@@ -13,11 +13,21 @@ position it scores: each draft proposal under the mask at its own prefix, each v
 mask at that row's prefix, and after acceptance the next call rolls the matcher back to the accepted
 tokens. Draft and target thus see the same mask at every position, so acceptance stays exact and greedy
 output is identical with and without speculation.
+
+A constraint is followed, or the request fails; it is never dropped. `GrammarCompiler.compile` builds the
+grammar once per request (in a preprocessing thread: llguidance releases the GIL while it builds) under the
+resource limits of runtime.limits, then computes its first mask and walks its forced prefix (what every
+answer must begin with): a grammar llguidance cannot follow there (`a{1000}{1000}`, a Lark rule with no base
+case) is this request's 400. Each choice's `Constraint` is a copy of that matcher, made in microseconds on
+the event loop. Should the matcher still fail later (a limit reached deeper in the grammar), the constraint
+records `failure`, logs it, and the engine ends that request with the error instead of emitting tokens
+the grammar no longer checks (runtime.scheduler.EngineRequest.emit).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -25,9 +35,10 @@ import numpy as np
 
 from manifests import strict_json
 from manifests.errors import EnvironmentProblem, UsageError
+from runtime.limits import GRAMMAR_PARSER_LIMITS, MAX_CHOICE_OPTIONS, MAX_GRAMMAR_CHARS
 
-#: The longest grammar text (a schema, a regex...) a request may send.
-MAX_GRAMMAR_CHARS = 256 * 1024
+log = logging.getLogger("bundle.serve")
+
 #: Speculation rolls back at most num_speculative_tokens (<= 16); rollback past this resynchronises.
 MAX_ROLLBACK = 64
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -67,6 +78,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._llg = llg
         self._tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos or None)
+        # verbose_errors off: an error names the limit, not the request's grammar and parser state
+        self._limits = llg.LLParserLimits(verbose_errors=False, **GRAMMAR_PARSER_LIMITS)
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int | None = None) -> "GrammarCompiler":
@@ -87,12 +100,15 @@ class GrammarCompiler:
                 v = strict_json.parse(v, what="JSON schema", max_bytes=MAX_GRAMMAR_CHARS, error=GrammarError)
             if not isinstance(v, (dict, bool)):
                 raise GrammarError(f"expected a JSON schema object, found {type(v).__name__}")
-            if len(json.dumps(v)) > MAX_GRAMMAR_CHARS:
-                raise GrammarError(f"JSON schema is longer than {MAX_GRAMMAR_CHARS} characters")
+            size = len(json.dumps(v, separators=(",", ":")))
+            if size > MAX_GRAMMAR_CHARS:
+                raise GrammarError(f"JSON schema has {size} characters, expected at most {MAX_GRAMMAR_CHARS}")
             return llg.LLMatcher.grammar_from_json_schema(v, defaults=compact)
         if spec.kind == "choice":
             if not isinstance(v, list) or not v or not all(isinstance(c, str) for c in v):
                 raise GrammarError(f"expected 'choice' to be a non-empty list of strings, found {v!r}")
+            if len(v) > MAX_CHOICE_OPTIONS:
+                raise GrammarError(f"expected at most {MAX_CHOICE_OPTIONS} entries in 'choice', found {len(v)}")
             text = json.dumps(v)
         else:
             if not isinstance(v, str) or not v:
@@ -105,29 +121,57 @@ class GrammarCompiler:
         except ValueError as e:
             raise GrammarError(f"invalid {spec.kind}: {e}") from None
 
-    def compile(self, spec: GrammarSpec) -> "Constraint":
-        """Validate the grammar against the tokenizer; GrammarError names what is wrong."""
-        text = self.grammar_text(spec)
-        is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(text, self._tokenizer)
-        if is_error:
-            first = messages[0].strip().splitlines()[0] if messages else "rejected"
-            raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {first}")
-        return Constraint(self, text)
+    def compile(self, spec: GrammarSpec) -> "Grammar":
+        """Build the grammar once for a request and check that llguidance can follow it; GrammarError names
+        what is wrong. Call it off the event loop: a large schema takes a fraction of a second."""
+        what = spec.kind.replace("_", " ")
+        matcher = self._llg.LLMatcher(self._tokenizer, self.grammar_text(spec), log_level=0, limits=self._limits)
+        if matcher.is_error():
+            raise GrammarError(f"invalid {what}: {_first_line(matcher.get_error())}")
+        probe = matcher.deep_copy()  # the first mask, and the forced prefix every answer starts with
+        probe.compute_bitmask()
+        if not probe.is_error():
+            probe.consume_tokens(probe.compute_ff_tokens())
+        if not probe.is_error():
+            probe.compute_bitmask()
+        if probe.is_error():
+            raise GrammarError(f"this {what} cannot be followed within the server's grammar limits "
+                               f"({_first_line(probe.get_error())}); simplify it")
+        return Grammar(matcher, self.vocab_size, what)
 
-    def matcher(self, text: str):
-        return self._llg.LLMatcher(self._tokenizer, text, log_level=0)
+
+def _first_line(message: str) -> str:
+    lines = message.strip().splitlines()
+    return lines[0] if lines else "rejected"
+
+
+class Grammar:
+    """A compiled and checked grammar, shared by the choices of one request: `constraint()` for each."""
+
+    def __init__(self, matcher, vocab_size: int, what: str):
+        self._matcher = matcher  # never advanced: copied for each constraint and each resynchronisation
+        self.vocab_size = vocab_size
+        self.what = what
+
+    def matcher(self):
+        return self._matcher.deep_copy()
+
+    def constraint(self) -> "Constraint":
+        return Constraint(self)
 
 
 class Constraint:
-    """One request's grammar state, addressed by the generated prefix (see the module docstring)."""
+    """One choice's grammar state, addressed by the generated prefix (see the module docstring).
 
-    def __init__(self, compiler: GrammarCompiler, grammar_text: str):
-        self._compiler = compiler
-        self._text = grammar_text
-        self._matcher = compiler.matcher(grammar_text)
+    `failure`: None, or why the matcher stopped following the grammar (it errored at a limit); from then
+    on nothing is allowed and the engine ends the request with this message."""
+
+    def __init__(self, grammar: Grammar):
+        self._grammar = grammar
+        self._matcher = grammar.matcher()
         self._consumed: list[int] = []
-        self.vocab_size = compiler.vocab_size
-        self._words = (self.vocab_size + 31) // 32
+        self.vocab_size = grammar.vocab_size
+        self.failure: str | None = None
 
     def _sync(self, generated: Sequence[int]) -> bool:
         """Move the matcher to `generated`; False if that prefix leaves the grammar (the matcher then
@@ -142,7 +186,7 @@ class Constraint:
         back = len(self._consumed) - n
         if back:
             if back > MAX_ROLLBACK or not self._matcher.rollback(back):
-                self._matcher = self._compiler.matcher(self._text)
+                self._matcher = self._grammar.matcher()
                 n = 0
             del self._consumed[n:]
         rest = generated[n:]
@@ -153,15 +197,29 @@ class Constraint:
             return ok == len(rest)
         return True
 
+    def _fail(self, generated: Sequence[int]) -> np.ndarray:
+        self.failure = (f"structured output failed after {len(generated)} tokens: the {self._grammar.what} "
+                        f"cannot be followed within the server's grammar limits "
+                        f"({_first_line(self._matcher.get_error())}); simplify it")
+        log.warning("%s; the request ends with this error", self.failure)
+        return np.zeros(self.vocab_size, dtype=bool)
+
     def allowed(self, generated: Sequence[int]) -> np.ndarray:
         """Boolean mask [vocab_size] of the tokens the grammar allows after `generated`.
 
         When the grammar is complete only the end-of-sequence tokens are allowed; outside the grammar
-        (a forced token), everything is allowed so generation can finish by length.
+        (a forced token), everything is allowed so generation can finish by length. Once the matcher
+        fails (`failure`), nothing is allowed.
         """
-        if not self._sync(generated) or self._matcher.is_error():
-            return np.ones(self.vocab_size, dtype=bool)
-        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        if self.failure is not None:
+            return np.zeros(self.vocab_size, dtype=bool)
+        inside = self._sync(generated)
+        if not self._matcher.is_error():
+            if not inside:
+                return np.ones(self.vocab_size, dtype=bool)
+            bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        if self._matcher.is_error():
+            return self._fail(generated)
         return np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
 
     def apply(self, logits: np.ndarray, generated: Sequence[int]) -> np.ndarray:
@@ -174,11 +232,11 @@ class Constraint:
 
     def is_complete(self, generated: Sequence[int]) -> bool:
         """Whether `generated` is a whole match (the grammar accepts and wants nothing more)."""
-        return self._sync(generated) and self._matcher.is_accepting()
+        return self._sync(generated) and not self._matcher.is_error() and self._matcher.is_accepting()
 
     def is_stopped(self, generated: Sequence[int]) -> bool:
         """Whether nothing but end-of-sequence may follow `generated`."""
-        return self._sync(generated) and self._matcher.is_stopped()
+        return self._sync(generated) and not self._matcher.is_error() and self._matcher.is_stopped()
 
 
 # --- request fields -> spec ----------------------------------------------------------------------

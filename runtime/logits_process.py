@@ -62,6 +62,11 @@ class LogitsProcessor:
         return bool(self.penalties.active or self.logit_bias or (self.min_tokens and self.end_ids)
                     or self.grammar is not None)
 
+    @property
+    def failure(self) -> str | None:
+        """Why this request cannot go on (its grammar can no longer be followed), or None."""
+        return self.grammar.failure if self.grammar is not None else None
+
     def __call__(self, output_ids: Sequence[int], logits: np.ndarray) -> np.ndarray:
         """runtime.sampling's logits-processor hook: (tokens generated so far, logits row) -> logits."""
         return self.apply(logits, output_ids)

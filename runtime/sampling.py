@@ -11,7 +11,9 @@ far and one row of raw logits. Plain decoding, the draft's proposals and the tar
 rows all pass through `apply_processors` with the output as it would be at that position, so a
 draft proposes under the same mask the target verifies under and acceptance stays exact.
 A processor must depend only on the tokens it is given (speculation calls it for positions that
-may be rolled back); a stateful matcher keys its state by len(output_ids).
+may be rolled back); a stateful matcher keys its state by len(output_ids). A processor that can no
+longer do its job (a grammar matcher that hit a limit) says why in its `failure` attribute (None
+otherwise): the engine then ends that request with the error and emits none of the step's tokens.
 """
 
 from __future__ import annotations

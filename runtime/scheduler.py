@@ -51,7 +51,9 @@ class EngineRequest:
     logits_processors: tuple = ()
     logprobs: int | None = None  # report raw logprobs of each token, with this many alternatives
     on_step: Callable[[Step], str | None] | None = None
-    on_error: Callable[[str], None] | None = None  # the engine failed; the request is over
+    #: the request is over with an error: on_error(message, request_fault=False) when the engine failed,
+    #: request_fault=True when the request's own logits processor did (its grammar cannot be followed)
+    on_error: Callable[..., None] | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.monotonic)
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -84,11 +86,29 @@ class EngineRequest:
         return self.computed < len(self.prompt)
 
     def emit(self, new: list[int], drafted: int, accepted: int, logprobs: list | None = None) -> None:
+        failure = self.processor_failure()
+        if failure is not None:  # the step's tokens were not checked by the processor: none goes out
+            self.fail(failure)
+            return
         step, n = step_of(new, drafted, accepted, self.eos_ids, self.produced, self.max_tokens)
         if logprobs is not None:
             step = replace(step, logprobs=logprobs[:n])
         self.produced += n
         self._deliver(step)
+
+    def processor_failure(self) -> str | None:
+        """Why one of the request's logits processors cannot go on (runtime.sampling), or None."""
+        for processor in self.logits_processors:
+            failure = getattr(processor, "failure", None)
+            if failure:
+                return failure
+        return None
+
+    def fail(self, message: str) -> None:
+        """End with an error of the request's own; the scheduler frees its slot after the step."""
+        self.finish_reason = "error"
+        if self.on_error is not None:
+            self.on_error(message, request_fault=True)
 
     def finish(self, reason: str) -> None:
         """End without new tokens (cancelled, context end)."""

@@ -140,16 +140,15 @@ def plan_for(req, *, chat: bool, features: Features, defaults: dict, vocab_size:
         schema = tool_call_schema(tools, parallel=req.parallel_tool_calls is not False) if mode == "required" \
             else (named.get("parameters") or {"type": "object", "properties": {}})
         spec = GrammarSpec("json_schema", schema)
-    constraint_factory = None
+    grammar = None
     if spec is not None:
         if compiler is None:
             raise RequestError("structured output is not available on this server (llguidance missing)",
                                "response_format")
-        try:
-            compiler.compile(spec)  # validate now: a bad schema is this request's 400
+        try:  # once, here in the worker thread: each choice's constraint is a copy (runtime.grammar)
+            grammar = compiler.compile(spec)
         except GrammarError as e:
             raise RequestError(str(e), "response_format" if mode == "none" else "tools") from None
-        constraint_factory = lambda: compiler.compile(spec)  # noqa: E731
 
     min_tokens = int(req.min_tokens or 0)
     kwargs = (req.chat_template_kwargs or {}) if chat else {}
@@ -157,12 +156,12 @@ def plan_for(req, *, chat: bool, features: Features, defaults: dict, vocab_size:
 
     def make_processor(prompt: list[int]) -> LogitsProcessor:
         gate = None
-        if constraint_factory and use_reasoning and tokenizer is not None:
+        if grammar is not None and use_reasoning and tokenizer is not None:
             prompt_text = tokenizer.decode(prompt, skip_special_tokens=False)
             gate = ReasoningGate(tokenizer, make_reasoning_parser(features.reasoning_parser, prompt=prompt_text,
                                                                   chat_template_kwargs=kwargs))
         return LogitsProcessor(prompt=prompt, penalties=penalties, logit_bias=bias, min_tokens=min_tokens,
-                               end_ids=end_ids, grammar=constraint_factory() if constraint_factory else None,
+                               end_ids=end_ids, grammar=grammar.constraint() if grammar is not None else None,
                                grammar_start=gate)
 
     output_factory = None

@@ -40,9 +40,9 @@ PREPROCESS_THREADS = 2
 class _JobFailed(Exception):
     """A job's 'error' event inside a streamed completion: sse_stream ends the stream with it."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, status: int = 500):
         super().__init__(message)
-        self.message = message
+        self.message, self.status = message, status
 
 
 @dataclass
@@ -276,10 +276,10 @@ class OpenAIServing:
             finish(("done", reason, job.text.tokens, job.engine_request.cached_tokens))
             return reason
 
-        def on_error(message: str) -> None:
+        def on_error(message: str, request_fault: bool = False) -> None:
             job.finish = "error" if message != "server shutting down" else "cancelled"
             m.outcome(job.finish)
-            finish(("error", message))
+            finish(("error", message, 400 if request_fault else 500))  # 400: its grammar failed mid-way
 
         processor = plan.make_processor(job.prompt)
         er = EngineRequest(job.prompt, params, max_tokens, eos_ids=plan.end_ids, speculative=req.speculative is not False,
@@ -291,7 +291,7 @@ class OpenAIServing:
         try:
             self.engine.submit(er)
         except UsageError as e:
-            finish(("error", str(e)))
+            finish(("error", str(e), 400))
             raise APIError(400, str(e)) from None
 
     @staticmethod
@@ -337,12 +337,13 @@ class OpenAIServing:
                 elif event[0] == "done":
                     return parts, event[1], lps
                 else:
-                    raise APIError(500, f"generation failed: {event[1]}", type="internal_error")
+                    raise self.job_error(event[1], event[2])
         finally:
             self.abort_all([job])
 
     async def events(self, job: Job):
-        """(kind, text, logprobs) until done: kind 'delta', then 'done' (text = finish reason) or 'error'."""
+        """(kind, text, logprobs) until done: kind 'delta', then 'done' (text = finish reason) or 'error'
+        (text = the message, then the HTTP status instead of logprobs)."""
         while True:
             event = await job.events.get()
             if event[0] == "delta":
@@ -351,14 +352,14 @@ class OpenAIServing:
                 yield "done", event[1], None
                 return
             else:
-                yield "error", event[1], None
+                yield "error", event[1], event[2]
                 return
 
     async def stream_events(self, job: Job):
         """events(job) for a chunk stream under sse_stream: an 'error' ends the whole stream, there."""
         async for kind, text, lps in self.events(job):
             if kind == "error":
-                raise _JobFailed(text)
+                raise _JobFailed(text, lps)
             yield kind, text, lps
 
     async def sse_stream(self, jobs: list[Job], rid: str, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -371,7 +372,7 @@ class OpenAIServing:
                     async for chunk in chunks:
                         yield chunk
                 except _JobFailed as e:
-                    yield self.error_event(e.message)
+                    yield self.error_event(e.message, e.status)
                     yield "data: [DONE]\n\n"
                     return
             yield "data: [DONE]\n\n"
@@ -380,8 +381,14 @@ class OpenAIServing:
             self.abort_all(jobs)
 
     @staticmethod
-    def error_event(message: str) -> str:
-        return F.sse(APIError(500, f"generation failed: {message}", type="internal_error").body())
+    def job_error(message: str, status: int = 500) -> APIError:
+        """A failed job's error: 500 when the engine failed, else (400) the request's own (its grammar)."""
+        if status == 500:
+            return APIError(500, f"generation failed: {message}", type="internal_error")
+        return APIError(status, message)
+
+    def error_event(self, message: str, status: int = 500) -> str:
+        return F.sse(self.job_error(message, status).body())
 
     @staticmethod
     def usage(prompt_tokens: int, jobs: list[Job]) -> dict:

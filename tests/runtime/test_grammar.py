@@ -52,16 +52,17 @@ def _walk(constraint, tok, rng, steps=200):
 def test_every_masked_walk_matches(compiler, tok, spec, check):
     rng = np.random.default_rng(0)
     for _ in range(10):
-        out = _walk(compiler.compile(spec), tok, rng)
+        out = _walk(compiler.compile(spec).constraint(), tok, rng)
         assert check(tok.decode(out)), tok.decode(out)
 
 
 def test_rollback_to_any_prefix_gives_the_same_mask(compiler, tok):
     """What speculative verification does: ask for masks at prefixes in any order."""
-    c = compiler.compile(GrammarSpec("json_schema", SCHEMA))
+    c = compiler.compile(GrammarSpec("json_schema", SCHEMA)).constraint()
     text = '{"city":"Bergen","days":4}'
     ids = tok.encode(text, add_special_tokens=False)
-    fresh = [compiler.compile(GrammarSpec("json_schema", SCHEMA)).allowed(ids[:i]) for i in range(len(ids) + 1)]
+    grammar = compiler.compile(GrammarSpec("json_schema", SCHEMA))
+    fresh = [grammar.constraint().allowed(ids[:i]) for i in range(len(ids) + 1)]
     order = list(range(len(ids) + 1))
     np.random.default_rng(1).shuffle(order)
     for i in order:
@@ -85,6 +86,36 @@ def test_bad_grammars_are_one_line_errors(compiler, spec, words):
     assert "\n" not in str(e.value)
 
 
+
+@pytest.mark.parametrize("spec, reason", [
+    (GrammarSpec("regex", "a{1000}{1000}"), "too many expressions"),
+    (GrammarSpec("regex", "((a{100}){100}){100}"), "too many expressions"),
+    (GrammarSpec("grammar", 'start: x\nx: "a" x\n'), "Too many items"),  # a rule with no base case
+    (GrammarSpec("choice", ["x"] * 1025), "at most 1024 entries"),
+    (GrammarSpec("regex", "x" * (64 * 1024 + 1)), "at most 65536"),
+])
+def test_grammars_llguidance_cannot_follow_are_refused_when_compiled(compiler, spec, reason):
+    with pytest.raises(GrammarError) as e:
+        compiler.compile(spec)
+    assert reason in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_matcher_that_fails_later_allows_nothing_and_says_why(compiler, tok, caplog):
+    """The grammar is fine until the regex's huge repetition starts, after the first character: from there
+    the constraint allows nothing and reports the failure, rather than letting any token through."""
+    constraint = compiler.compile(GrammarSpec("regex", "(b|c)a{1000}{1000}")).constraint()
+    processor = LogitsProcessor(grammar=constraint)
+    out = []
+    for _ in range(5):
+        allowed = constraint.allowed(out)
+        if processor.failure is not None:
+            break
+        out.append(int(np.flatnonzero(allowed)[0]))
+    assert processor.failure.startswith(f"structured output failed after {len(out)} tokens: the regex cannot be "
+                                        f"followed within the server's grammar limits (lexer error: too many")
+    assert not allowed.any() and not constraint.allowed(out[:1]).any()  # and it stays failed
+    assert tok.decode(out)[0] in "bc" and "structured output failed" in caplog.text
+
 def test_request_fields_to_specs():
     assert spec_from_request({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}) == \
         GrammarSpec("json_schema", SCHEMA)
@@ -102,7 +133,7 @@ def test_required_tool_schema_parses_calls(compiler, tok):
     tools = [{"type": "function", "function": {"name": "set_speed", "parameters": {
         "type": "object", "properties": {"rpm": {"type": "integer", "minimum": 0, "maximum": 3000}},
         "required": ["rpm"], "additionalProperties": False}}}]
-    c = compiler.compile(GrammarSpec("json_schema", tool_call_schema(tools, parallel=False)))
+    c = compiler.compile(GrammarSpec("json_schema", tool_call_schema(tools, parallel=False))).constraint()
     out = json.loads(tok.decode(_walk(c, tok, np.random.default_rng(2), steps=400)))
     assert len(out) == 1 and out[0]["name"] == "set_speed" and 0 <= out[0]["parameters"]["rpm"] <= 3000
 
@@ -163,7 +194,7 @@ def test_constrained_greedy_output_is_the_same_with_and_without_speculation(demo
         target = demo_engines("target")
         gen = Generator(target, demo_engines(draft) if draft else None, method, 3)
         compiler = GrammarCompiler.for_tokenizer(tok, target.vocab_size)
-        proc = LogitsProcessor(grammar=compiler.compile(spec), penalties=Penalties(frequency=0.3))
+        proc = LogitsProcessor(grammar=compiler.compile(spec).constraint(), penalties=Penalties(frequency=0.3))
         steps = list(gen.generate(prompt, SamplingParams(temperature=0.0), max_tokens=80,
                                   eos_ids=tok.eos_token_ids, logits_processors=(proc,), logprobs=2))
         outputs[method] = ([t for s in steps for t in s.tokens], steps[-1].finish_reason,
@@ -188,7 +219,7 @@ def test_with_a_reasoning_parser_the_grammar_starts_after_the_thinking(compiler,
 
     spec = GrammarSpec("choice", ["stop", "go"])
     gate = ReasoningGate(tok, make_reasoning_parser("qwen3", prompt="<|assistant|>\n<think>\n"))
-    proc = LogitsProcessor(grammar=compiler.compile(spec), grammar_start=gate)
+    proc = LogitsProcessor(grammar=compiler.compile(spec).constraint(), grammar_start=gate)
     thinking = tok.encode("the belt is jammed so", add_special_tokens=False)
     closed = tok.encode("the belt is jammed so</think>", add_special_tokens=False)
     logits = np.zeros(compiler.vocab_size)

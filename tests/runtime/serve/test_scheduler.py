@@ -309,3 +309,28 @@ def assert_distributed_per_slot(scheduler, rec, reqs, slots: int, exact) -> None
     for slot, counts in by_slot.items():
         assert sum(counts.values()) == per_slot
         assert _pvalue(counts, exact, per_slot) > 1e-4, f"slot {slot}"
+
+
+def test_a_grammar_that_fails_mid_generation_ends_only_its_own_request(batched, prompts, alone, tiny_models):
+    """The matcher hits llguidance's item limit after the first character: that request ends with an error
+    naming it and emits nothing unchecked; the requests beside it in the batch are unchanged."""
+    from runtime.grammar import GrammarCompiler, GrammarSpec
+    from runtime.logits_process import LogitsProcessor
+    from runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_models["target"])
+    grammar = GrammarCompiler.for_tokenizer(tok, batched("target", 1).vocab_size).compile(
+        GrammarSpec("grammar", 'start: ("b" | "c") x\nx: "a" x\n'))  # x has no base case
+    runner = ModelRunner(batched("target", num_slots=3), batched("draft", num_slots=3), "draft_model", 3)
+    scheduler = Scheduler(runner, max_num_seqs=3, max_num_batched_tokens=64)
+    rec, errors = Recorder(), []
+    failing = rec.request(prompts[0], logits_processors=(LogitsProcessor(grammar=grammar.constraint()),),
+                          on_error=lambda message, **kw: errors.append((message, kw)))
+    others = [rec.request(prompts[1]), rec.request(prompts[2])]
+    run_together(scheduler, rec, [failing, *others], arrive_every=0)
+    (message, kw), = errors
+    assert kw == {"request_fault": True} and failing.finish_reason == "error"
+    assert message.startswith("structured output failed after") and "Too many items" in message
+    text = tok.decode(rec.tokens(failing))
+    assert text == "" or (text[0] in "bc" and set(text[1:]) <= {"a"}), text
+    assert [rec.tokens(r) for r in others] == alone[1:3]
