@@ -81,7 +81,7 @@ class VllmServeCommand(click.Command):
               help="Target profile id; 'auto' uses the installed one (or detects it for a bundle directory).")
 @click.option("--no-speculation", is_flag=True, help="Plain decoding with the target only.")
 @click.option("--max-queued-requests", type=click.IntRange(0, None), default=16, show_default=True,
-              help="Requests that may wait while one generates; more get HTTP 429.")
+              help="Sequences (each choice of a request: prompts x n) that may wait for a slot; more get HTTP 429.")
 @click.option("--trust", "trust", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Public key (*.pub) to verify a bundle directory with (repeatable), besides the trust dir.")
 @click.option("--allow-unsigned", is_flag=True, help="Serve an unsigned bundle directory (digests still checked).")

@@ -7,6 +7,10 @@ the grammar's text) or making every token's mask slow (llguidance's per-step lim
 
 from __future__ import annotations
 
+#: Prompts in one /v1/completions request.
+MAX_PROMPTS = 64
+#: Choices in one request, prompts x n: each is one sequence in the engine, a slot or a place in the queue.
+MAX_CHOICES = 64
 #: Text of one grammar: a JSON schema (as compact JSON), a regex, a Lark/GBNF grammar, a choice list (as JSON).
 #: Compiling 64 KiB of JSON schema takes about a quarter of a second on one core.
 MAX_GRAMMAR_CHARS = 64 * 1024

@@ -2,7 +2,11 @@
 
 Requests join and leave between steps. A step (vLLM V1's rule, decode first):
 1. Cancelled requests (client gone) finish and free their slot.
-2. Waiting requests take free slots while fewer than `max_num_seqs` run (FIFO). With prefix caching
+2. Waiting requests take free slots while fewer than `max_num_seqs` run, one at a time from the
+   `group` (the client request whose choices they are) with the fewest sequences running, earliest
+   first among equals: single-choice requests go in arrival order (FIFO), and a request of many
+   choices (64 prompts x n=16) takes turns with the requests that arrive after it instead of owning
+   the engine until all its choices have run. With prefix caching
    a request takes the free slot whose cache shares the longest prefix with its prompt (else the
    one released longest ago), or copies a longer prefix from any other slot; freed slots keep
    their KV until a new request needs the slot: the cache is bounded by the slots the KV budget
@@ -55,6 +59,7 @@ class EngineRequest:
     #: request_fault=True when the request's own logits processor did (its grammar cannot be followed)
     on_error: Callable[..., None] | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    group: str | None = None  # the client request it is a choice of (admission takes turns); None: its own
     arrival: float = field(default_factory=time.monotonic)
     cancel: threading.Event = field(default_factory=threading.Event)
     # state, owned by the scheduler and runner
@@ -172,7 +177,7 @@ class Scheduler:
                 self.waiting.remove(r)
                 r.finish("cancelled")
                 finished.append(r)
-            admitted = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self._free)))]
+            admitted = self._take_waiting(len(self._free))
         for r in admitted:
             self.runner.place(r, self._pick_slot(r), reuse=self.enable_prefix_caching)
             self.running[r.slot] = r
@@ -209,6 +214,22 @@ class Scheduler:
             if r.finish_reason is not None:
                 finished.append(self._free_slot(r))
         return finished
+
+    def _take_waiting(self, n: int) -> list[EngineRequest]:
+        """Up to `n` waiting requests, each from the group with the fewest sequences running (those taken
+        before it included), the earliest waiting among equals."""
+        def group(r: EngineRequest) -> str:
+            return r.group or r.id
+
+        running = collections.Counter(group(r) for r in self.running.values())
+        taken = []
+        for _ in range(min(n, len(self.waiting))):
+            best = min(range(len(self.waiting)), key=lambda i: (running[group(self.waiting[i])], i))
+            r = self.waiting[best]
+            del self.waiting[best]
+            running[group(r)] += 1
+            taken.append(r)
+        return taken
 
     def _pick_slot(self, request: EngineRequest) -> int:
         if self.enable_prefix_caching:

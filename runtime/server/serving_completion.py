@@ -6,13 +6,12 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from runtime.limits import MAX_PROMPTS
 from runtime.server import openai_format as F
 from runtime.server import protocol as P
 from runtime.server.errors import APIError, unsupported
 from runtime.server.request_plan import Plan
 from runtime.server.serving_engine import Job, OpenAIServing
-
-MAX_PROMPTS = 64
 
 
 @dataclass
@@ -54,22 +53,16 @@ class ServingCompletion(OpenAIServing):
             raise unsupported("best_of", "best_of other than n")
         if req.echo and req.logprobs is not None:
             raise unsupported("echo", "echo together with logprobs (prompt logprobs)")
+        items = prompt_items(req.prompt)
+        self.check_choices(len(items) * int(req.n or 1))  # before any grammar is compiled or prompt tokenized
         plan = self.plan(req, chat=False)
-        prompts = self.tokenize(req.prompt)
+        prompts = self.tokenize(items)
         limits = [self.max_tokens(req.max_tokens, len(x)) for x in prompts]
         echo = [self.model.tokenizer.decode(x) if req.echo else "" for x in prompts for _ in range(plan.n)]
         return Prepared(plan, prompts, limits, echo)
 
-    def tokenize(self, prompt) -> list[list[int]]:
-        """A string, token ids, or a list of either (prompt lists)."""
-        if isinstance(prompt, str):
-            items = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            items = [list(prompt)]
-        else:
-            items = list(prompt)
-        if not items or len(items) > MAX_PROMPTS:
-            raise APIError(400, f"expected 1 to {MAX_PROMPTS} prompts, found {len(items)}", param="prompt")
+    def tokenize(self, items: list) -> list[list[int]]:
+        """The prompts of prompt_items: texts or token ids."""
         vocab = self.model.generator.target.vocab_size
         out = []
         for item in items:
@@ -100,3 +93,16 @@ class ServingCompletion(OpenAIServing):
         if include_usage:
             yield F.sse({"id": rid, "object": "text_completion", "created": created, "model": name,
                          "choices": [], "usage": self.usage(prompt_tokens, jobs)})
+
+
+def prompt_items(prompt) -> list:
+    """A string, token ids, or a list of either (prompt lists) -> the prompts, 1 to MAX_PROMPTS of them."""
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        items = [list(prompt)]
+    else:
+        items = list(prompt)
+    if not items or len(items) > MAX_PROMPTS:
+        raise APIError(400, f"expected 1 to {MAX_PROMPTS} prompts, found {len(items)}", param="prompt")
+    return items

@@ -22,6 +22,7 @@ from typing import AsyncIterator
 from manifests.errors import UsageError
 from runtime.chat_template import ChatTemplate
 from runtime.engine_client import EngineClient
+from runtime.limits import MAX_CHOICES
 from runtime.scheduler import EngineRequest
 from runtime.server import openai_format as F
 from runtime.server import protocol as P
@@ -195,32 +196,41 @@ class OpenAIServing:
         return requested
 
     # --- generation ------------------------------------------------------------------------------
-    def _admit(self) -> None:
-        limit = self.engine.num_slots + self.options.max_queued_requests
-        if self._admission.count >= limit:
+    def check_choices(self, choices: int) -> None:
+        """400 unless `choices` (prompts x n) fit in one request: at most MAX_CHOICES, and no more than the
+        server holds at once (slots + queue), which it could never admit."""
+        slots, queued = self.engine.num_slots, self.options.max_queued_requests
+        if choices > min(slots + queued, MAX_CHOICES):
+            why = (f"{slots} slots + {queued} queued: --max-num-seqs, --max-queued-requests"
+                   if slots + queued < MAX_CHOICES else "the most one request may ask for")
+            raise APIError(400, f"expected at most {min(slots + queued, MAX_CHOICES)} choices (prompts x n) in one "
+                                f"request ({why}), found {choices}", param="n")
+
+    def _admit(self, choices: int) -> None:
+        """Admission counts sequences: every choice of a request takes a slot or a place in the queue."""
+        self.check_choices(choices)
+        slots, queued = self.engine.num_slots, self.options.max_queued_requests
+        limit = slots + queued
+        if self._admission.count + choices > limit:
             self.metrics.outcome("rejected")
-            raise APIError(429, f"server busy: {self._admission.count} requests running or queued "
-                                f"(limit {limit}: {self.engine.num_slots} slots + {self.options.max_queued_requests} "
-                                f"queued); retry later", type="rate_limit_error", code="queue_full")
-        self._admission.count += 1
+            raise APIError(429, f"server busy: {self._admission.count} sequences running or queued, {choices} more "
+                                f"asked (limit {limit}: {slots} slots + {queued} queued); retry later",
+                           type="rate_limit_error", code="queue_full")
+        self._admission.count += choices
 
     def _release(self) -> None:
         self._admission.count -= 1
 
     def submit(self, req: P._Common, plan: Plan, choices: list[tuple[list[int], int]]) -> list[Job]:
-        """Admit one request (or 429), then hand each choice to the engine client: (prompt, max_tokens),
-        `plan.n` consecutive choices per prompt. The choices of one request run side by side in the batch."""
-        self._admit()
+        """Admit one request's choices (or 400 / 429), then hand each to the engine client: (prompt, max_tokens),
+        `plan.n` consecutive choices per prompt. The choices of one request run side by side in the batch,
+        taking turns for slots with other requests (runtime.scheduler)."""
+        self._admit(len(choices))
         loop = asyncio.get_running_loop()
         self.engine.attach(loop)
         tok, m = self.model.tokenizer, self.metrics
-        remaining = [len(choices)]
         m.request_params_n.observe(plan.n)
-
-        def done_one() -> None:
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                self._release()
+        group = uuid.uuid4().hex
 
         seeds = plan.seeds()
         jobs = []
@@ -228,10 +238,10 @@ class OpenAIServing:
             job = Job(prompt, loop, TextStream(tok, tuple(req.stop_list()), skip_special_tokens=plan.skip_special_tokens),
                       engine=self.engine, arrived=self._clock())
             jobs.append(job)
-            self._start(job, req, plan, replace(plan.params, seed=seeds[i % plan.n]), max_tokens, done_one)
+            self._start(job, req, plan, replace(plan.params, seed=seeds[i % plan.n]), max_tokens, group)
         return jobs
 
-    def _start(self, job: Job, req, plan: Plan, params, max_tokens: int, done_one) -> None:
+    def _start(self, job: Job, req, plan: Plan, params, max_tokens: int, group: str) -> None:
         loop, m = job.loop, self.metrics
         released = False
 
@@ -240,7 +250,7 @@ class OpenAIServing:
             job.post(*event)
             if not released:
                 released = True
-                self.engine.post(loop, done_one)
+                self.engine.post(loop, self._release)
 
         def on_step(step: Step) -> str | None:
             now = self._clock()
@@ -284,7 +294,7 @@ class OpenAIServing:
         processor = plan.make_processor(job.prompt)
         er = EngineRequest(job.prompt, params, max_tokens, eos_ids=plan.end_ids, speculative=req.speculative is not False,
                            logits_processors=(processor,) if processor.active else (), logprobs=plan.logprobs,
-                           on_step=on_step, on_error=on_error, arrival=job.arrived)
+                           on_step=on_step, on_error=on_error, arrival=job.arrived, group=group)
         job.engine_request = er
         m.prompt_tokens.inc(len(job.prompt))
         m.request_prompt_tokens.observe(len(job.prompt))

@@ -334,3 +334,24 @@ def test_a_grammar_that_fails_mid_generation_ends_only_its_own_request(batched, 
     text = tok.decode(rec.tokens(failing))
     assert text == "" or (text[0] in "bc" and set(text[1:]) <= {"a"}), text
     assert [rec.tokens(r) for r in others] == alone[1:3]
+
+
+def test_a_request_of_many_choices_takes_turns_for_slots(batched, prompts, alone):
+    """Six choices of one request, then a single request: FIFO would give the single one a slot only after
+    all six had one; it gets the first slot that frees up, and everyone's output is what it is alone."""
+    runner = ModelRunner(batched("target", num_slots=2), None, "none")
+    scheduler = Scheduler(runner, max_num_seqs=2, max_num_batched_tokens=64)
+    rec = Recorder()
+    big = [rec.request(prompts[1], group="big") for _ in range(6)]
+    small = rec.request(prompts[2], group="small")
+    for r in [*big, small]:
+        scheduler.add(r)
+    first_step: dict[str, int] = {}
+    for step in range(1000):
+        if not scheduler.has_work():
+            break
+        scheduler.step()
+        for r in scheduler.running.values():
+            first_step.setdefault(r.id, step)
+    assert first_step[small.id] <= first_step[big[2].id] < first_step[big[3].id]
+    assert [rec.tokens(r) for r in big] == [alone[1]] * 6 and rec.tokens(small) == alone[2]
