@@ -84,7 +84,7 @@ EOF
     # the ONNX graphs on the CPU cores (onnxruntime CPU), same run: plain / draft_model / ngram / eagle3
     timeout 400 python3 benchmarks/bench_eagle3.py --threads "${BENCH_THREADS:-8}" --repeats 3 ${TINY:+--tokens 8 --ks 3} \
         --head "$WORK/head" > "$WORK/bench.log" 2>&1 || echo "bench_eagle3 exited $?" >> "$WORK/bench.log"
-    if python3 -c "import sys; from runtime.cuda import onnxruntime_cuda; sys.exit(onnxruntime_cuda()[0] is None)"; then
+    if python3 -c "import sys; from runtime.engines.cudalib import onnxruntime_cuda; sys.exit(onnxruntime_cuda()[0] is None)"; then
       timeout 400 python3 benchmarks/bench_eagle3.py --cuda --threads "${BENCH_THREADS:-8}" --repeats 3 \
           --head "$WORK/head" > "$WORK/bench_cuda.log" 2>&1 || echo "bench_eagle3 --cuda exited $?" >> "$WORK/bench_cuda.log"
     fi

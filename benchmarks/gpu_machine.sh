@@ -37,7 +37,7 @@ case "${1:-}" in
     export PYTHONPATH=/tmp/site:$CODE PYTHONUNBUFFERED=1
     python3 -c "import onnxruntime as o; print(o.__version__, o.__file__, o.get_available_providers())"
     nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv,noheader
-    python3 -c "from runtime.cuda import gpu; from runtime.detect import detect_target; print(gpu()); print(detect_target())"
+    python3 -c "from runtime.engines.cudalib import gpu; from runtime.detect import detect_target; print(gpu()); print(detect_target())"
     timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/runtime/engines/test_cuda_engine.py \
       tests/runtime/engines/test_cuda_engine_host.py tests/runtime/engines/test_cuda_device.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
     while [ ! -f /tmp/bench/PREPARED ]; do

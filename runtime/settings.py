@@ -104,7 +104,7 @@ def profile_dirs() -> tuple[Path, ...]:
 def pause_at() -> tuple[str, float] | None:
     """Test hook for crash-safety tests: BUNDLE_PAUSE_AT="STAGE:SECONDS" makes `bundle install` or
     `bundle copy` sleep at STAGE (install: staging, staged, renamed, switched; copy: copying) so a test
-    can SIGKILL it there. Unset in production. See runtime.hooks."""
+    can SIGKILL it there. Unset in production. See runtime.store.hooks."""
     value = _get("BUNDLE_PAUSE_AT")
     if value is None:
         return None

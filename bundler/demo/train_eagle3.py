@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bundler import eagle3
+from bundler.onnx import eagle3
 from bundler.demo import corpus
 from bundler.demo import evaluate as ev
 from bundler.demo.train import sample_rows

@@ -1,8 +1,8 @@
 """ONNX Runtime engine over the exported KV-cache decoder graphs (every target; the only one on `cpu`).
 
-Slots (runtime.engine): each sequence has its own cache region in preallocated buffers, bound with
+Slots (runtime.engines.base): each sequence has its own cache region in preallocated buffers, bound with
 I/O binding, so a step allocates nothing. How they are laid out depends on the graph's layout
-(metadata `bundle.kv_cache`, see bundler.export.KV_CACHE_LAYOUTS):
+(metadata `bundle.kv_cache`, see bundler.onnx.export.KV_CACHE_LAYOUTS):
 
 - "batched" (TensorScatter + Attention, what ONNX Runtime targets ship): ONE buffer per layer and
   k/v, [slots, kv_heads, capacity, head_dim], bound as both past and present. One session call
@@ -37,7 +37,7 @@ from typing import Sequence
 import numpy as np
 
 from manifests.errors import EnvironmentProblem, ModelError
-from runtime.engine import ContextFull, Engine, Row, check_rollback
+from runtime.engines.base import ContextFull, Engine, Row, check_rollback
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """TensorRT backend: build a plan from the shipped ONNX on the device, and run it. Thin on purpose.
 
 Every decision around TensorRT (profile shapes, cache key, compatibility check, fallback) lives in
-code that runs without it (bundler.engines, runtime.engine_cache, runtime.engines). This module
+code that runs without it (bundler.pack.engines, runtime.engines.cache, runtime.engines). This module
 only talks to the real `tensorrt` Python API and to `cuda-python` for device memory, and is imported
 only on a device that asked for a TensorRT engine. It cannot run on the build machines of this
 project (no GPU, no libnvinfer); the logic above it is tested with the ONNX Runtime engine standing in.
@@ -22,8 +22,8 @@ from typing import Sequence
 import numpy as np
 
 from manifests.errors import EnvironmentProblem, ModelError
-from runtime.engine import Engine, Row, check_rollback
-from runtime.engine_cache import DeviceInfo
+from runtime.engines.base import Engine, Row, check_rollback
+from runtime.engines.cache import DeviceInfo
 from runtime.fsutil import write_atomic
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ class TensorRTEngine(Engine):
 
     # --- forward ---------------------------------------------------------------------------------
     def forward(self, rows: Sequence[Row]) -> list[np.ndarray]:
-        from runtime.engine import ContextFull
+        from runtime.engines.base import ContextFull
 
         slots = [r.slot for r in rows]
         if len(set(slots)) != len(slots) or any(not 0 <= s < self.num_slots for s in slots):

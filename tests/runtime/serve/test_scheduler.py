@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from manifests.errors import UsageError
-from runtime.engine import Row, SequenceSlots
-from runtime.model_runner import ModelRunner
-from runtime.sampling import SamplingParams
-from runtime.scheduler import EngineRequest, Scheduler
-from runtime.speculative import Generator
+from runtime.engines.base import Row, SequenceSlots
+from runtime.serve.model_runner import ModelRunner
+from runtime.serve.sampling import SamplingParams
+from runtime.serve.scheduler import EngineRequest, Scheduler
+from runtime.serve.speculative import Generator
 from tests.runtime.serve.test_sampling import LENGTH, PROMPT, _exact, _pvalue, _tables
 from tests.runtime.serve.toy_engines import MarkovEngine
 
@@ -257,7 +257,7 @@ def test_budget_smaller_than_one_step_is_refused(batched):
 
 
 def test_slot_plan_follows_the_kv_budget(batched):
-    from runtime.engine_client import plan_slots
+    from runtime.serve.engine_client import plan_slots
 
     runner = ModelRunner(batched("target", 1), batched("draft", 1), "draft_model", 3)
     per = runner.kv_bytes_per_slot()
