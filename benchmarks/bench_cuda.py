@@ -252,7 +252,7 @@ def speculative(work: Path, k: int = 3, max_tokens: int = 64, prompts: int = 12,
 
     from runtime.engines.cuda import CudaEngine
     from runtime.serve.sampling import SamplingParams
-    from runtime.serve.speculative import Generator
+    from runtime.serve.generator import Generator
 
     tok = Tokenizer.from_file(str(REPO / "bundler/demo/models/target/tokenizer.json"))
     questions = json.loads((REPO / "bundler/demo/heldout_prompts.json").read_text())[:prompts]

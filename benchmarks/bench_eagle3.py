@@ -3,7 +3,7 @@
 Run by hand (not a test):  .venv/bin/python benchmarks/bench_eagle3.py [--tokens 128] [--repeats 3] [--threads N]
     [--head DIR] [--cuda]
 
-Every method decodes greedily, ignores EOS (exactly --tokens tokens), is driven by runtime.serve.speculative.Generator
+Every method decodes greedily, ignores EOS (exactly --tokens tokens), is driven by runtime.serve.generator.Generator
 and runs the graphs a bundle's target ships. Default: the `cpu` target's, on ONNX Runtime's CPU engine
 (runtime.engines.onnxruntime) with the same threads: the "batched" in-place target graph (plain, draft_model,
 ngram), the same graph with the aux hidden-state output (eagle3; its plain row shows what the extra output
@@ -110,7 +110,7 @@ def main(argv=None, *, memory=None) -> int:
     from runtime.serve.eagle3 import OnnxDrafter
     from runtime.engines.base import Row
     from runtime.serve.sampling import SamplingParams
-    from runtime.serve.speculative import Generator
+    from runtime.serve.generator import Generator
     from runtime.serve.tokenizer import Tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="bench-eagle3-"))

@@ -95,7 +95,7 @@ def main() -> int:
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
     from runtime.serve.grammar import GrammarCompiler, GrammarSpec
     from runtime.serve.logits_process import LogitsProcessor
-    from runtime.serve.speculative import Generator
+    from runtime.serve.generator import Generator
     from runtime.serve.tokenizer import Tokenizer
 
     rng = np.random.default_rng(0)

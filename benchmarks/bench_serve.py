@@ -5,7 +5,7 @@ Run by hand (not a test):  .venv/bin/python benchmarks/bench_serve.py [--model D
 Both sides decode greedily, ignore EOS (every run produces exactly --tokens tokens) and use the
 same number of CPU threads. Ours: the runtime's ONNX Runtime engines over the graphs the cpu target
 ships (bundler.pack.engines, KV-cache layout "batched"; `--layout shared|concat|all` runs the older layouts),
-driven by runtime.serve.speculative.Generator, methods none / draft_model / ngram, interleaved per repeat
+driven by runtime.serve.generator.Generator, methods none / draft_model / ngram, interleaved per repeat
 so machine load hits them alike; each row is the median of --repeats runs ("best": the fastest). Peer, measured in the same run:
 transformers `generate()` plain and with `assistant_model=` (assisted generation), same two
 checkpoints. Each side runs in its own subprocess so peak RSS is per side.
@@ -97,7 +97,7 @@ def step_costs(engine, context: int, k: int, reps: int = 40) -> dict:
 
 def run_ours(args) -> dict:
     from runtime.serve.sampling import SamplingParams
-    from runtime.serve.speculative import Generator
+    from runtime.serve.generator import Generator
     from runtime.serve.tokenizer import Tokenizer
 
     tok = Tokenizer(Path(args.model))

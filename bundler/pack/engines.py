@@ -33,6 +33,7 @@ from bundler.pack.pack import PackFile
 from manifests.errors import ModelError, UsageError
 from manifests.schema import Engine, Target
 from manifests.targets import TargetProfile
+from manifests.serve_config import DEFAULT_PREFILL_CHUNK
 from runtime.engines.cache import DeviceInfo, engine_key, onnx_digest
 from runtime.fsutil import file_sha256
 from runtime.profiles import get_profile
@@ -53,7 +54,6 @@ ONNXRUNTIME_MIN_SHARED = "1.20"
 ONNXRUNTIME_MIN_BATCHED = "1.30"
 PLAN_ROOT = "engines/plans"
 DEFAULT_MAX_CONTEXT_CAP = 4096  # same cap as bundle create's serve default
-DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_DRAFT_TOKENS = 3
 ONNXRUNTIME_MIN = "1.18"
 BUILD_OPTIONS_FORMAT = 1

@@ -194,7 +194,7 @@ class EngineLayout:
 
 
 def engine_layout(profile: Any) -> EngineLayout:
-    from bundler.pack.engines import DEFAULT_PREFILL_CHUNK
+    from manifests.serve_config import DEFAULT_PREFILL_CHUNK
     from bundler.onnx.inplace import BATCHED_HEADROOM
 
     if profile.backend == "tensorrt":  # fp16 concat graph where the profile lists fp16; prefill in chunks

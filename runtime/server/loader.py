@@ -14,7 +14,7 @@ from manifests.errors import ModelError, UsageError
 from manifests.schema import Manifest, Speculative
 from runtime.serve.chat_template import ChatTemplate
 from runtime.server.serving_engine import ServingModel
-from runtime.serve.speculative import Generator
+from runtime.serve.generator import Generator
 from runtime.serve.tokenizer import Tokenizer
 
 #: config.json architectures of EAGLE-3 heads (bundler.onnx.eagle3.ARCHITECTURES; runtime does not import bundler)

@@ -29,7 +29,8 @@ from runtime.server.body import decode, read_body
 from runtime.server.errors import APIError
 from runtime.server.metrics import Metrics
 from runtime.server.request_plan import Features, Plan, RequestError, plan_for
-from runtime.serve.speculative import Generator, Step
+from runtime.serve.generator import Generator
+from runtime.serve.speculative import Step
 from runtime.serve.tokenizer import TextStream, Tokenizer
 
 log = logging.getLogger("bundle.serve")

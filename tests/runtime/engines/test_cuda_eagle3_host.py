@@ -145,7 +145,7 @@ def test_eagle3_speculation_greedy_token_identical_to_plain(eagle3, variant, k):
     GroupQueryAttention graph, verification the Attention graph)."""
     from runtime.serve.eagle3 import OnnxDrafter
     from runtime.serve.sampling import SamplingParams
-    from runtime.serve.speculative import Generator
+    from runtime.serve.generator import Generator
 
     fp32, single = variant.endswith("fp32"), variant.startswith("single")
     plain = Generator(cuda_engine(eagle3, fp32=fp32, single=single, max_context=128), method="none")

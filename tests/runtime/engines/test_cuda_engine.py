@@ -116,7 +116,7 @@ def test_decode_runs_every_node_on_the_gpu(gpu_graphs, graph):
 def test_speculation_is_greedy_token_for_token(gpu_graphs, tmp_path, graph):
     from bundler.onnx.export import export_onnx
     from runtime.serve.sampling import SamplingParams
-    from runtime.serve.speculative import Generator
+    from runtime.serve.generator import Generator
     from tests.runtime.engines.test_fp16_fallback import noisy_copy
 
     draft_ckpt = noisy_copy(gpu_graphs["checkpoint"], tmp_path / "draft")
@@ -151,7 +151,7 @@ def test_eagle3_aux_rows_on_the_device_equal_the_cpu_engines(eagle3, cuda_graphs
 def test_eagle3_speculation_on_the_device_is_greedy_token_for_token(eagle3, graph):
     from runtime.serve.eagle3 import OnnxDrafter
     from runtime.serve.sampling import SamplingParams
-    from runtime.serve.speculative import Generator
+    from runtime.serve.generator import Generator
 
     decode = eagle3["decode"] if graph == "dual" else None
     prompt, greedy = [5, 17, 42, 9, 300], SamplingParams(temperature=0.0)

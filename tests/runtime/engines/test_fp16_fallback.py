@@ -45,7 +45,7 @@ def test_fallback_runs_the_fp16_graph_and_speculation_equals_plain_greedy(fp16_b
     from runtime.engines import load_engine
     from runtime.engines.tensorrt import TensorRTBackend
     from runtime.serve.sampling import SamplingParams
-    from runtime.serve.speculative import Generator
+    from runtime.serve.generator import Generator
 
     if TensorRTBackend().device() is not None:
         pytest.skip("a real TensorRT GPU is present; the ONNX Runtime fallback is not taken")

@@ -11,7 +11,7 @@ from manifests.errors import UsageError
 from runtime.serve.eagle3 import Drafter, OnnxDrafter
 from runtime.engines.onnxruntime import OnnxRuntimeEngine
 from runtime.serve.sampling import SamplingParams
-from runtime.serve.speculative import Generator
+from runtime.serve.generator import Generator
 from tests.eagle3_models import make_tiny_head
 from tests.models import make_tiny_checkpoint
 from tests.runtime.serve.test_sampling import PROMPT, _exact, _pvalue, _sample, _tables

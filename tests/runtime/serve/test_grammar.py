@@ -154,7 +154,7 @@ def demo_engines(tmp_path_factory):
     GrammarSpec("regex", r"It returns (an int|a string|None)\.")])
 def test_constrained_greedy_output_is_the_same_with_and_without_speculation(demo_engines, tok, spec):
     from runtime.serve.sampling import SamplingParams
-    from runtime.serve.speculative import Generator
+    from runtime.serve.generator import Generator
 
     prompt = tok.encode("<|user|>\nWhat does `os.path.join(a, *p)` do?<|end|>\n<|assistant|>\n",
                         add_special_tokens=False)

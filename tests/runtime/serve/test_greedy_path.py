@@ -147,7 +147,7 @@ def test_greedy_verification_uses_the_argmax_and_accepts_the_same_drafts(recordi
 def test_a_new_runner_over_a_used_engine_starts_from_empty_slots(engine_factory):
     """A second Generator (or server) over an engine an earlier one filled must not read the old caches: its
     slot mirrors start empty, so the engine's slots must be emptied too."""
-    from runtime.serve.speculative import Generator
+    from runtime.serve.generator import Generator
 
     engine, draft = engine_factory("target"), engine_factory("draft")
     prompt = [5, 17, 3, 99, 42, 7]

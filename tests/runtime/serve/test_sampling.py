@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 from manifests.errors import UsageError
 from runtime.serve.sampling import SamplingParams, draw, probabilities
-from runtime.serve.speculative import Generator
+from runtime.serve.generator import Generator
 from tests.runtime.serve.toy_engines import MarkovEngine
 
 VOCAB = 5

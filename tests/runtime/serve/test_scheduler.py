@@ -12,7 +12,7 @@ from runtime.engines.base import Row, SequenceSlots
 from runtime.serve.model_runner import ModelRunner
 from runtime.serve.sampling import SamplingParams
 from runtime.serve.scheduler import EngineRequest, Scheduler
-from runtime.serve.speculative import Generator
+from runtime.serve.generator import Generator
 from tests.runtime.serve.test_sampling import LENGTH, PROMPT, _exact, _pvalue, _tables
 from tests.runtime.serve.toy_engines import MarkovEngine
 

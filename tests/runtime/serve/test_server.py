@@ -13,7 +13,7 @@ import pytest
 
 from runtime.engines.base import Engine
 from runtime.serve.sampling import SamplingParams
-from runtime.serve.speculative import Generator
+from runtime.serve.generator import Generator
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "def read(path):"}]
 

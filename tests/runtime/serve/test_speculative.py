@@ -9,7 +9,7 @@ import pytest
 
 from manifests.errors import UsageError
 from runtime.serve.sampling import SamplingParams
-from runtime.serve.speculative import Generator
+from runtime.serve.generator import Generator
 from runtime.serve.tokenizer import Tokenizer
 from tests.runtime.serve.toy_engines import MarkovEngine
 

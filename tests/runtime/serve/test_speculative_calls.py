@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from runtime.serve.sampling import SamplingParams
-from runtime.serve.speculative import Generator
+from runtime.serve.generator import Generator
 from tests.runtime.serve.toy_engines import MarkovEngine
 
 
