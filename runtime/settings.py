@@ -118,11 +118,6 @@ def pause_at() -> tuple[str, float] | None:
     return stage, delay
 
 
-def env_flag(name: str) -> bool:
-    """For the few switches read at call time by tests (kept here so os.environ is read in one module)."""
-    return _flag(name)
-
-
 def hf_token_in_env() -> bool:
     """Whether HF_TOKEN is set (huggingface_hub reads it itself; we only name it in error messages)."""
     return bool(os.environ.get("HF_TOKEN"))

@@ -2,7 +2,7 @@
 
 Models arrive already turned into local folders plus where they came from (`ModelInput`):
 `local_model()` for a folder on this host, `demo_models()` for the embedded demo pair, and
-hub references through `model_from_reference()` (the resolver's seam). Per-target engine files
+`resolve_inputs()` for any reference (hub references through bundler.resolve). Per-target engine files
 (ONNX, build options) plug in through the `target_files` hook, so engines never edit this module.
 """
 
@@ -182,20 +182,6 @@ def eagle3_head_input(head: ModelInput | None, target: ModelInput) -> tuple[Mode
     ids = check_head_config(head.local_dir, target.local_dir, head.name, target.name)
     eagle3.load_head(head.local_dir)  # the weights match the layout, d2t / t2d map one-to-one
     return head, ids
-
-
-def model_from_reference(ref: str, role: str) -> ModelInput:
-    """The resolver's seam: a local folder is used as is; hub references need bundler.resolve.checkpoint."""
-    if Path(ref).is_dir():
-        return local_model(Path(ref), role)
-    try:
-        from bundler.resolve.checkpoint import resolve_model
-    except ImportError:
-        raise UsageError(f"expected a local model directory, found {ref!r} "
-                         f"(no such directory, and hub references are not supported by this install)") from None
-    resolved = resolve_model(ref, role=role)
-    return ModelInput(role=role, local_dir=Path(resolved.local_dir), source=resolved.source,
-                      name=getattr(resolved, "repo", None) or ref)
 
 
 def model_files(model: ModelInput) -> list[PackFile]:

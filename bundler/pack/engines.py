@@ -234,14 +234,6 @@ def _variant_for(profile: TargetProfile, onnxruntime_layout: str, half: str = "f
     return (onnxruntime_layout if profile.backend == "onnxruntime" else "concat"), graph_dtype(profile)
 
 
-def host_device(backend=None) -> DeviceInfo | None:
-    """This build host's GPU + TensorRT, or None (the usual case: no TensorRT here)."""
-    if backend is None:
-        from runtime.engines.tensorrt import TensorRTBackend
-        backend = TensorRTBackend()
-    return backend.device()
-
-
 def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], shape: ServeShape,
                    work_dir: Path, device: DeviceInfo | None = None, backend=None,
                    onnxruntime_layout: str = "batched", half: str = "float16") -> tuple[list[PackFile], Target]:
