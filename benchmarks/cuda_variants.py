@@ -73,7 +73,9 @@ def export_one(ckpt: Path, out: Path, fusions: tuple[str, ...]) -> None:
 
     from transformers import AutoConfig
 
-    from bundler.onnx.export import _result, check_family, read_config
+    from bundler.model_config import read_config
+    from bundler.onnx.export import _result
+    from manifests.families import check_family
     from bundler.onnx.inplace import BATCHED_OPSET, build_batched_kv_graph
     from bundler.onnx.half import convert_graph
 

@@ -30,12 +30,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from bundler.model_config import read_config
 from manifests.errors import ModelError
+from manifests.families import EAGLE3_ARCHITECTURES
 
-ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+ARCHITECTURES = EAGLE3_ARCHITECTURES
 GRAPH_NAME = "eagle3.onnx"
 WEIGHTS_NAME = "eagle3.onnx.data"
-MAX_CONFIG_BYTES = 1024 * 1024
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -100,15 +101,7 @@ class HeadConfig:
 
 
 def read_head_config(head_dir: Path) -> HeadConfig:
-    path = Path(head_dir) / "config.json"
-    if not path.is_file():
-        raise ModelError(f"EAGLE-3 head {head_dir}: expected config.json, found none")
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise ModelError(f"{path}: expected a config.json under {MAX_CONFIG_BYTES} bytes, found {path.stat().st_size}")
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelError(f"{path}: expected JSON, found a parse error: {e}") from None
+    d = read_config(Path(head_dir), f"EAGLE-3 head {head_dir}", merge_text_config=False)
     return HeadConfig.from_dict(d, str(head_dir))
 
 
@@ -352,7 +345,7 @@ def export_head_onnx(head_dir: Path, target_dir: Path, out_dir: Path, *, opset: 
     if kv_cache not in HEAD_LAYOUTS:
         raise ModelError(f"expected an EAGLE-3 head layout in {', '.join(HEAD_LAYOUTS)}, found {kv_cache!r}")
     head, cfg = load_head(head_dir)
-    target_cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    target_cfg = read_config(Path(target_dir))
     layer_ids = check_against_target(cfg, target_cfg, str(head_dir))
     embed = None
     for f in sorted(Path(target_dir).glob("*.safetensors")):

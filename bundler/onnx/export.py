@@ -31,7 +31,6 @@ call (what ONNX Runtime targets ship); metadata `bundle.kv_cache` tells the runt
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 import warnings
@@ -39,21 +38,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from manifests.errors import ModelError, UsageError
+from bundler.model_config import read_config
+from manifests.errors import UsageError
+from manifests.families import check_family
 
 log = logging.getLogger(__name__)
 
-#: model_type in config.json -> the architectures we accept. Everything else is refused by name.
-SUPPORTED_FAMILIES = {
-    "llama": ("LlamaForCausalLM",),
-    "mistral": ("MistralForCausalLM",),
-    "qwen2": ("Qwen2ForCausalLM",),
-    "qwen3": ("Qwen3ForCausalLM",),
-}
 DEFAULT_OPSET = 17
 GRAPH_NAME = "model.onnx"
 WEIGHTS_NAME = "model.onnx.data"
-MAX_CONFIG_BYTES = 1024 * 1024
 #: KV-cache graph layouts. "concat": torch export, present = Concat(past, new), past grows each
 #: step; runs anywhere (ONNX Runtime, TensorRT). "shared": written by bundler.onnx.inplace with
 #: GroupQueryAttention, past and present are one fixed [.., max_context, ..] buffer updated in
@@ -104,34 +97,6 @@ class ExportResult:
                 "bundle.kv_cache": self.kv_cache, "bundle.dtype": self.dtype,
                 **({"bundle.aux_hidden_state_layer_ids": ",".join(map(str, self.aux_layer_ids))}
                    if self.aux_layer_ids else {})}
-
-
-def read_config(checkpoint_dir: Path) -> dict:
-    path = Path(checkpoint_dir) / "config.json"
-    if not path.is_file():
-        raise UsageError(f"expected a Hugging Face checkpoint with config.json in {checkpoint_dir}, found none")
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise ModelError(f"{path}: expected a config.json under {MAX_CONFIG_BYTES} bytes, "
-                         f"found {path.stat().st_size}")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelError(f"{path}: expected JSON, found a parse error: {e}") from None
-
-
-def check_family(config: dict, where: str = "model") -> tuple[str, str]:
-    """(family, architecture), or ModelError naming what was found and what is supported."""
-    model_type = config.get("model_type")
-    archs = config.get("architectures") or []
-    arch = archs[0] if archs else None
-    supported = ", ".join(sorted(SUPPORTED_FAMILIES))
-    if model_type not in SUPPORTED_FAMILIES:
-        raise ModelError(f"{where}: model type {model_type!r} ({arch or 'no architecture'}) cannot be "
-                         f"exported; expected one of: {supported}")
-    if arch is not None and arch not in SUPPORTED_FAMILIES[model_type]:
-        raise ModelError(f"{where}: architecture {arch!r} cannot be exported; expected "
-                         f"{' or '.join(SUPPORTED_FAMILIES[model_type])} for model type {model_type!r}")
-    return model_type, arch or SUPPORTED_FAMILIES[model_type][0]
 
 
 def _wrapper(model, num_layers: int, aux_layer_ids: tuple[int, ...] = ()):
@@ -205,7 +170,9 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     if kv_cache == "concat" and dtype == "bfloat16":
         raise UsageError("the concat KV-cache graph is float32 or float16; found dtype 'bfloat16': export "
                          "bfloat16 with an in-place layout (kv_cache='batched')")
-    config = read_config(checkpoint_dir)
+    if not (Path(checkpoint_dir) / "config.json").is_file():
+        raise UsageError(f"expected a Hugging Face checkpoint with config.json in {checkpoint_dir}, found none")
+    config = read_config(checkpoint_dir, merge_text_config=False)
     family, arch = check_family(config, str(checkpoint_dir))
     opset = opset or DEFAULT_OPSET
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -95,7 +95,8 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
     `eagle3_head`: the draft is an EAGLE-3 head (pinned and locked like a draft; its pre-flight check is
     the head's: config against the target's hidden size, vocabulary and layers, not a tokenizer).
     """
-    from bundler.resolve.checks import read_config, run_preflight_checks
+    from bundler.model_config import read_config
+    from bundler.resolve.checks import run_preflight_checks
     from bundler.resolve.lockfile import read_lock, refs_from_lock
     from bundler.resolve.checkpoint import resolve_models
     from runtime.profiles import get_profile
@@ -164,7 +165,7 @@ def check_head_config(head_dir: Path, target_dir: Path, head_name: str, target_n
     """Pre-flight (config.json only, before the head's weights are fetched): the head's layer ids for
     this target, or ModelError naming the mismatch (hidden size, vocabulary, layer ids)."""
     from bundler.onnx import eagle3
-    from bundler.resolve.checks import read_config
+    from bundler.model_config import read_config
 
     cfg = eagle3.read_head_config(Path(head_dir))
     return eagle3.check_against_target(cfg, read_config(Path(target_dir), target_name),
@@ -228,7 +229,7 @@ def _known_sha256(model: ModelInput, rel: str, src: Path) -> str | None:
 
 def _read_config(model: ModelInput) -> dict:
     """config.json of a model folder ({} when it has none: a bundle may carry any folder of files)."""
-    from bundler.resolve.checks import read_config
+    from bundler.model_config import read_config
 
     return read_config(model.local_dir, model.name) if (model.local_dir / "config.json").is_file() else {}
 

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-from bundler.onnx.export import KV_CACHE_LAYOUTS, ExportResult, export_onnx, past_names, read_config
+from bundler.model_config import read_config
+from bundler.onnx.export import KV_CACHE_LAYOUTS, ExportResult, export_onnx, past_names
 from bundler.onnx.inplace import SharedLayoutUnsupported
 from bundler.pack.pack import PackFile
 from manifests.errors import ModelError, UsageError

@@ -13,13 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from bundler.model_config import read_config
 from manifests.errors import ModelError
+from manifests.families import check_family
 from manifests.strict_json import parse as parse_json
 from manifests.sizes import format_size
 
-#: config.json model_type values the ONNX export supports (Llama-style decoder blocks).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-MAX_CONFIG_BYTES = 4 * 1024 * 1024
 #: tokenizer.json of large-vocabulary models is ~10-30 MB.
 MAX_TOKENIZER_BYTES = 256 * 1024 * 1024
 #: The safetensors format itself caps its JSON header at 100 MB.
@@ -44,32 +43,9 @@ class MemoryEstimate:
         return self.weights_bytes + self.kv_cache_bytes + self.activations_bytes
 
 
-def read_config(model_dir: Path, name: str | None = None) -> dict:
-    path = Path(model_dir) / "config.json"
-    who = name or str(model_dir)
-    try:
-        size = path.stat().st_size
-        if size > MAX_CONFIG_BYTES:
-            raise ModelError(f"{who}: expected config.json under {MAX_CONFIG_BYTES} bytes, found {size}")
-        cfg = parse_json(path.read_bytes(), what=f"{who}: config.json", max_bytes=MAX_CONFIG_BYTES, error=ModelError)
-    except FileNotFoundError as e:
-        raise ModelError(f"{who}: expected config.json in {model_dir}, found none") from e
-    if not isinstance(cfg, dict):
-        raise ModelError(f"{who}: expected config.json to be an object, found {type(cfg).__name__}")
-    # Multimodal wrappers keep the language model's numbers in text_config.
-    return {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
-
-
 def check_architecture(model_dir: Path, name: str | None = None) -> str:
     """Return the model_type if the export step supports it, else ModelError naming what was found."""
-    cfg = read_config(model_dir, name)
-    model_type = cfg.get("model_type")
-    archs = cfg.get("architectures") or []
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelError(f"{name or model_dir}: expected an architecture of family "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}, found model_type {model_type!r}"
-                         f" ({', '.join(map(str, archs)) or 'no architectures listed'})")
-    return str(model_type)
+    return check_family(read_config(model_dir, name), str(name or model_dir))[0]
 
 
 def load_vocab(model_dir: Path, name: str | None = None) -> dict[str, int]:

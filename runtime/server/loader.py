@@ -11,14 +11,13 @@ from pathlib import Path
 
 from manifests import speculative as speculative_config
 from manifests.errors import ModelError, UsageError
+from manifests.families import EAGLE3_ARCHITECTURES
 from manifests.schema import Manifest, Speculative
 from runtime.serve.chat_template import ChatTemplate
 from runtime.server.serving_engine import ServingModel
 from runtime.serve.generator import Generator
 from runtime.serve.tokenizer import Tokenizer
 
-#: config.json architectures of EAGLE-3 heads (bundler.onnx.eagle3.ARCHITECTURES; runtime does not import bundler)
-EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
 def parse_speculative_config(text: str | None) -> Speculative | None:
