@@ -22,7 +22,7 @@ ZstdCompressor(threads=jobs), hashed inline (what create did before parts ran in
     --repeat 2                  every step twice, interleaved; the faster of the two counts
 Disk: each step's output is removed before the next step that does not need it; the bytes under
 --work after each step are reported (peak: input + bundle + one step's output, about 2.8x the input).
-Targets (issue 15, on 16 cores): create <= 1.0x `tar -I 'zstd -T0 -3'`, install <= 1.0x
+Targets (on 16 cores): create <= 1.0x `tar -I 'zstd -T0 -3'`, install <= 1.0x
 `zstd -d | tar -x`, every hash checked, peak RSS < 512 MB and flat in input size.
 """
 

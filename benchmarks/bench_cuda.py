@@ -1,6 +1,6 @@
-"""The CUDA engine on the GPU machine: ms per decode step vs context and batch, against the floor and transformers.
+"""The CUDA engine On an H200 host: ms per decode step vs context and batch, against the floor and transformers.
 
-Run by hand on a machine with an NVIDIA GPU and onnxruntime-gpu (the project's GPU machine):
+Run by hand on a machine with an NVIDIA GPU and onnxruntime-gpu (an H200 host):
 
     python benchmarks/bench_cuda.py prepare --work /tmp/bench     # models + graphs (no onnxruntime needed)
     python benchmarks/bench_cuda.py run --work /tmp/bench --out OUT [--quick]

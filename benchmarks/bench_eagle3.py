@@ -50,7 +50,7 @@ def _step_cost(fn, n=32) -> float:
 
 def half_dtype(*checkpoints: Path) -> str:
     """bundler.pack.engines.half_dtype (the `cuda` target's dtype), which this cannot import: bundler.pack.engines pulls
-    bundler.pack.pack and zstandard, absent on the GPU machine."""
+    bundler.pack.pack and zstandard, absent On an H200 host."""
     from bundler.model_config import read_config
 
     dtypes = {str(read_config(Path(c)).get("torch_dtype") or read_config(Path(c)).get("dtype") or "float16")

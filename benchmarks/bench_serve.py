@@ -13,7 +13,7 @@ checkpoints. Each side runs in its own subprocess so peak RSS is per side.
 Printed per prompt length: tokens/s, speedup over plain, acceptance rate, mean acceptance length,
 time to first token, inter-token latency, peak RSS; then the ideal speedup from the measured
 acceptance a, proposal length g and the draft/target one-token step cost ratio c measured at the
-prompt's context length on the same engines (shared/TARGETS.md):
+prompt's context length on the same engines:
     ideal = (1 - a^(g+1)) / ((1 - a) (g c + 1))
 and the measured speedup as a fraction of it.
 """

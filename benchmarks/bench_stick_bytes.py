@@ -1,4 +1,4 @@
-"""Bytes on the stick: bundle size / bytes the largest target installs (issue 15 target: <= 1.05).
+"""Bytes on the stick: bundle size / bytes the largest target installs (target: <= 1.05).
 
     python benchmarks/bench_stick_bytes.py                   # demo pair + 1 GiB benchmark checkpoint
     python benchmarks/bench_stick_bytes.py --size-gb 4 --skip-demo

@@ -1,4 +1,4 @@
-"""Which batched-graph variant decodes fastest on ONNX Runtime's CUDA provider (issue 13), all in one run.
+"""Which batched-graph variant decodes fastest on ONNX Runtime's CUDA provider, all in one run.
 
     python benchmarks/cuda_variants.py --work /tmp/variants --out OUT [--shape llama-1b] [--device cpu]
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# benchmarks/bench_batching.py on the GPU machine's 16 CPU cores (the device tool; no network there).
+# benchmarks/bench_batching.py on an H200 host's 16 CPU cores (no network there).
 # Run from the repository root:  bash benchmarks/gpu_batching.sh
 # That machine has Python 3.12, numpy, onnx, onnxruntime (CPU), torch, transformers, tokenizers, jinja2,
 # click, but not the server's packages: they come as wheels in .whl/ at the repository root, made here with

@@ -1,9 +1,9 @@
 #!/bin/bash
-# Train the demo target's EAGLE-3 head on the GPU machine with several recipes side by side (train_eagle3
+# Train the demo target's EAGLE-3 head On an H200 host with several recipes side by side (train_eagle3
 # --recipe v3 / v3s / v3xs: the same data and schedule, smaller and smaller heads), measure each in the same
 # run against the demo draft and the committed head, and keep the smallest head that beats the draft.
 #
-# Needs only what the GPU machine has (python3 with torch+CUDA, transformers, tokenizers, safetensors,
+# Needs only what an H200 host has (python3 with torch+CUDA, transformers, tokenizers, safetensors,
 # numpy; onnx + onnxruntime for the optional bench): no wheels to carry. Data are made there from its
 # Python's standard library with the COMMITTED tokenizer; the held-out prompts are the committed 200
 # (bundler/demo/heldout_prompts.json); the target answers the training questions once for all recipes.

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The CUDA engine's GPU tests and benchmark on the project's GPU machine (device tool; no network there).
+# The CUDA engine's GPU tests and benchmark on an H200 host (no network there).
 # onnxruntime-gpu's wheel (255 MB) is larger than one run may carry, so it travels in parts. Here:
 #   python3 -m pip download onnxruntime-gpu==1.31.1 --no-deps --only-binary=:all: \
 #       --platform manylinux_2_28_x86_64 --python-version 3.12 --implementation cp -d W
