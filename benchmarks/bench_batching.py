@@ -4,13 +4,13 @@ vs one request at a time (the baseline, measured in the same run), speculation o
     python benchmarks/bench_batching.py --out DIR [--streams 1,4,8,16] [--tokens 64] [--requests 2]
 
 No network: the demo pair's cpu graphs (what `bundle create` ships for the cpu target, via
-bundler.engines) are exported into a temporary folder, each configuration's server runs in its own
+bundler.pack.engines) are exported into a temporary folder, each configuration's server runs in its own
 subprocess (uvicorn on 127.0.0.1, so client and server do not share a GIL, and peak RSS is per
 server), and the client is httpx streaming OpenAI chat completions, `stream_options.include_usage`.
 
 Configurations: "one at a time" is --max-num-seqs 1 (every other request waits in the queue: the
 server before batching); "batched" is --max-num-seqs 16; speculation verifies up to 3 draft tokens,
-how many per step picked by the cost model (runtime.spec_length), and "batched, speculative, fixed
+how many per step picked by the cost model (runtime.serve.spec_length), and "batched, speculative, fixed
 k" verifies 3 every step (the rule before it). Each stream sends --requests requests back to back,
 each a different held-out chat prompt, --tokens tokens each (ignore_eos), greedy.
 All five servers run at once and every row's runs interleave over them (--repeats, median
@@ -53,14 +53,14 @@ def run_server(config: dict) -> None:
     import uvicorn
 
     from manifests.schema import Speculative
-    from runtime.chat_template import ChatTemplate
+    from runtime.serve.chat_template import ChatTemplate
     from runtime.engines import cpu_options
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
     from runtime.server import bind_socket
     from runtime.server.app import OpenAIServer, build_app
     from runtime.server.loader import build_generator
     from runtime.server.serving_engine import ServeOptions, ServingModel
-    from runtime.tokenizer import Tokenizer
+    from runtime.serve.tokenizer import Tokenizer
 
     graphs = Path(config["graphs"])
     target = OnnxRuntimeEngine(graphs / "target" / "model.onnx", max_context=config["max_model_len"],
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
     if args.out is None:
         ap.error("--out DIR is required")
     from bundler import demo
-    from bundler.engines import prepare_targets
+    from bundler.pack.engines import prepare_targets
 
     streams = [int(s) for s in args.streams.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)

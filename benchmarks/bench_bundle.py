@@ -22,7 +22,7 @@ ZstdCompressor(threads=jobs), hashed inline (what create did before parts ran in
     --repeat 2                  every step twice, interleaved; the faster of the two counts
 Disk: each step's output is removed before the next step that does not need it; the bytes under
 --work after each step are reported (peak: input + bundle + one step's output, about 2.8x the input).
-Targets (issue 15, on 16 cores): create <= 1.0x `tar -I 'zstd -T0 -3'`, install <= 1.0x
+Targets (on 16 cores): create <= 1.0x `tar -I 'zstd -T0 -3'`, install <= 1.0x
 `zstd -d | tar -x`, every hash checked, peak RSS < 512 MB and flat in input size.
 """
 
@@ -160,7 +160,7 @@ def step_pack(ctx: Context) -> list[str]:
 def child_pack(args) -> None:
     """The measured work of `bundle create`: hash, compress, sign, write the layout."""
     sys.path.insert(0, str(REPO))
-    from bundler.create import create_bundle, local_model
+    from bundler.pack.create import create_bundle, local_model
 
     create_bundle(Path(args.bundle), name="bench", version=1, model=local_model(Path(args.model), "target"),
                   draft=None, targets=["cpu"], sign_keys=[], unsigned=True, jobs=args.jobs, progress=False)
@@ -175,8 +175,8 @@ def child_create(args) -> None:
     """`bundle create --model DIR` without export: resolve (sizes only, nothing hashed), then one pass per
     file in pack (sha256 beside the compression of its parts) and the resolver's check of the digests."""
     sys.path.insert(0, str(REPO))
-    from bundler.create import create_bundle, input_from_resolved
-    from bundler.resolve import fetch_model, plan_model
+    from bundler.pack.create import create_bundle, input_from_resolved
+    from bundler.resolve.checkpoint import fetch_model, plan_model
 
     r = fetch_model(plan_model(str(Path(args.model).resolve()), role="target"), hash_files=False)
     create_bundle(Path(args.bundle), name="bench", version=1, model=input_from_resolved(r), draft=None,
@@ -192,8 +192,8 @@ def child_create_hash_first(args) -> None:
     """The design before: the resolver hashes every file first (in parallel across files), pack reuses
     the digests; the two phases do not overlap."""
     sys.path.insert(0, str(REPO))
-    from bundler.create import create_bundle, input_from_resolved
-    from bundler.resolve import resolve_model
+    from bundler.pack.create import create_bundle, input_from_resolved
+    from bundler.resolve.checkpoint import resolve_model
 
     r = resolve_model(str(Path(args.model).resolve()), role="target")
     create_bundle(Path(args.bundle), name="bench", version=1, model=input_from_resolved(r), draft=None,
@@ -262,7 +262,7 @@ def step_install(ctx: Context) -> list[str]:
 def child_verify(args) -> None:
     """The measured work of `bundle verify`: signature check, then size + sha256 of every blob."""
     sys.path.insert(0, str(REPO))
-    from runtime.verify import verify_bundle
+    from runtime.store.verify import verify_bundle
 
     verify_bundle(Path(args.bundle), {}, allow_unsigned=True, jobs=args.jobs)
 
@@ -274,12 +274,11 @@ def step_install_whole_hash(ctx: Context) -> list[str]:
 
 def child_install_whole_hash(args) -> None:
     """Install as before part digests (as for a bundle of an older tool): the part digests are dropped
-    from each file entry, so each many-part file is hashed whole, in part order (runtime.parallel.InOrderHash)."""
+    from each file entry, so each many-part file is hashed whole, in part order (runtime.store.parallel.InOrderHash)."""
     sys.path.insert(0, str(REPO))
     from dataclasses import replace
 
-    from runtime import unpack
-
+    from runtime.store import unpack
     real = unpack._FileWrite.__init__
 
     def whole_file_hash(self, layout, entry, *rest):
@@ -292,7 +291,7 @@ def child_install_whole_hash(args) -> None:
 def child_install(args) -> None:
     """The measured work of `bundle install`: decompress every part, hash blobs and files, fsync, switch."""
     sys.path.insert(0, str(REPO))
-    from runtime.store import Store
+    from runtime.store.store import Store
 
     bundle = Path(args.bundle)
     Store(bundle.parent / "store").install(bundle, target="cpu", trusted={}, allow_unsigned=True, jobs=args.jobs)

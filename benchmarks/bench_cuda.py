@@ -1,6 +1,6 @@
-"""The CUDA engine on the GPU machine: ms per decode step vs context and batch, against the floor and transformers.
+"""The CUDA engine On an H200 host: ms per decode step vs context and batch, against the floor and transformers.
 
-Run by hand on a machine with an NVIDIA GPU and onnxruntime-gpu (the project's GPU machine):
+Run by hand on a machine with an NVIDIA GPU and onnxruntime-gpu (an H200 host):
 
     python benchmarks/bench_cuda.py prepare --work /tmp/bench     # models + graphs (no onnxruntime needed)
     python benchmarks/bench_cuda.py run --work /tmp/bench --out OUT [--quick]
@@ -8,8 +8,8 @@ Run by hand on a machine with an NVIDIA GPU and onnxruntime-gpu (the project's G
 `prepare` writes a random-weight Llama-3.2-1B-shaped checkpoint (fp16 safetensors) and exports, in
 parallel, the fp16 batched graph (the `cuda` target's: TensorScatter + Attention, packed QKV and
 gate/up MatMuls) of it and of the demo pair (bundler/demo/models), and the GroupQueryAttention decode
-graph of it (bundler.export_gqa.GQA_FUSIONS; "llama-1b-gqa") and of the demo target, then points each
-decode graph at its Attention graph's weights (bundler.export_dual.share_weights: `decode.onnx` beside
+graph of it (bundler.onnx.inplace.GQA_FUSIONS; "llama-1b-gqa") and of the demo target, then points each
+decode graph at its Attention graph's weights (bundler.onnx.dual.share_weights: `decode.onnx` beside
 model.onnx, what `cuda` bundles carry); with --with-3b a Llama-3.2-3B shape too.
 `run` measures, all in the same process:
 
@@ -75,8 +75,8 @@ def checkpoint(work: Path, name: str, shape: dict) -> Path:
 
 
 def export_graph(src: Path, out: Path, fusions: str | None) -> None:
-    from bundler.export import export_onnx
-    from bundler.export_gqa import GQA_FUSIONS
+    from bundler.onnx.export import export_onnx
+    from bundler.onnx.inplace import GQA_FUSIONS
 
     t = time.perf_counter()
     export_onnx(src, out, kv_cache="batched", dtype="float16", fusions=GQA_FUSIONS if fusions == "gqa" else None)
@@ -107,7 +107,7 @@ def prepare(work: Path, with_3b: bool = False) -> None:
     failed = [name for name, p in procs if p.wait() != 0]
     if failed:
         raise SystemExit(f"export failed: {', '.join(failed)}")
-    from bundler.export_dual import DECODE_GRAPH, share_weights
+    from bundler.onnx.dual import DECODE_GRAPH, share_weights
 
     for main, gqa in DUAL.items():
         graph, decode = work / "graphs" / main / "model.onnx", work / "graphs" / gqa / "model.onnx"
@@ -149,7 +149,7 @@ def kv_bytes(engine, context: int) -> int:
 def decode_ms(engine, batch: int, context: int, steps: int, fetch: str = "argmax") -> float:
     """Median ms of one decode step of `batch` slots, each holding `context` tokens: greedy (only the
     argmax comes back) or fetch="logits" (each row's last logits come back, as sampling needs)."""
-    from runtime.engine import Row
+    from runtime.engines.base import Row
 
     rng = np.random.default_rng(context)
     engine.release(0)
@@ -170,7 +170,7 @@ def decode_ms(engine, batch: int, context: int, steps: int, fetch: str = "argmax
 
 
 def bench_engine(graph: Path, contexts, batches, steps: int, cuda_graphs: bool, decode_graph: Path | None = None) -> dict:
-    from runtime.cuda import Cudart
+    from runtime.engines.cudalib import Cudart
     from runtime.engines.cuda import CudaEngine
 
     out = {}
@@ -231,7 +231,7 @@ def transformers_ms(ckpt: Path, contexts, batches, new: int = 32) -> dict:
 
 
 def step_costs(target, draft, k: int) -> dict:
-    from runtime.engine import Row
+    from runtime.engines.base import Row
 
     def ms(engine, n):
         engine.release(0)
@@ -251,8 +251,8 @@ def speculative(work: Path, k: int = 3, max_tokens: int = 64, prompts: int = 12,
     from tokenizers import Tokenizer
 
     from runtime.engines.cuda import CudaEngine
-    from runtime.sampling import SamplingParams
-    from runtime.speculative import Generator
+    from runtime.serve.sampling import SamplingParams
+    from runtime.serve.generator import Generator
 
     tok = Tokenizer.from_file(str(REPO / "bundler/demo/models/target/tokenizer.json"))
     questions = json.loads((REPO / "bundler/demo/heldout_prompts.json").read_text())[:prompts]
@@ -290,7 +290,7 @@ def speculative(work: Path, k: int = 3, max_tokens: int = 64, prompts: int = 12,
 
 
 def placement(graph: Path) -> dict:
-    from runtime.engine import Row
+    from runtime.engines.base import Row
     from runtime.engines.cuda import CudaEngine
 
     engine = CudaEngine(graph, max_context=256, num_slots=2, cuda_graphs=False, profile=True)
@@ -374,7 +374,7 @@ def run(work: Path, out: Path, quick: bool) -> None:
     import onnxruntime as ort
     import torch
 
-    from runtime.cuda import gpu
+    from runtime.engines.cudalib import gpu
 
     out.mkdir(parents=True, exist_ok=True)
     device = gpu()

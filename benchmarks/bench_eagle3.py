@@ -3,7 +3,7 @@
 Run by hand (not a test):  .venv/bin/python benchmarks/bench_eagle3.py [--tokens 128] [--repeats 3] [--threads N]
     [--head DIR] [--cuda]
 
-Every method decodes greedily, ignores EOS (exactly --tokens tokens), is driven by runtime.speculative.Generator
+Every method decodes greedily, ignores EOS (exactly --tokens tokens), is driven by runtime.serve.generator.Generator
 and runs the graphs a bundle's target ships. Default: the `cpu` target's, on ONNX Runtime's CPU engine
 (runtime.engines.onnxruntime) with the same threads: the "batched" in-place target graph (plain, draft_model,
 ngram), the same graph with the aux hidden-state output (eagle3; its plain row shows what the extra output
@@ -14,9 +14,9 @@ measured draft/target one-token step cost ratio (the step-cost line: the same en
 
 --head DIR: another EAGLE-3 head checkpoint (default: the committed bundler/demo/models/eagle3).
 --cuda: the `cuda` target's graphs on the CUDA engine (runtime.engines.cuda: caches in device memory, CUDA
-graphs), as bundler.engines exports them: float16 (bfloat16 when the pair was trained in it) batched Attention
+graphs), as bundler.pack.engines exports them: float16 (bfloat16 when the pair was trained in it) batched Attention
 graphs of target and draft, each with its GroupQueryAttention decode graph over the same weights
-(bundler.export_dual; both graphs of the EAGLE-3 target return the aux hidden states). The head (float32, its
+(bundler.onnx.dual; both graphs of the EAGLE-3 target return the aux hidden states). The head (float32, its
 own cache) runs on OnnxDrafter with ONNX Runtime's CUDAExecutionProvider, and at k=3 also on the CPU provider
 (what runtime.server.loader gives a `cuda` bundle today); --threads then sets only the head's threads. Needs
 onnxruntime-gpu. The step-cost line adds the target's (k+1)-token verification step (the Attention graph,
@@ -49,9 +49,9 @@ def _step_cost(fn, n=32) -> float:
 
 
 def half_dtype(*checkpoints: Path) -> str:
-    """bundler.engines.half_dtype (the `cuda` target's dtype), which this cannot import: bundler.engines pulls
-    bundler.pack and zstandard, absent on the GPU machine."""
-    from bundler.export import read_config
+    """bundler.pack.engines.half_dtype (the `cuda` target's dtype), which this cannot import: bundler.pack.engines pulls
+    bundler.pack.pack and zstandard, absent On an H200 host."""
+    from bundler.model_config import read_config
 
     dtypes = {str(read_config(Path(c)).get("torch_dtype") or read_config(Path(c)).get("dtype") or "float16")
               .replace("torch.", "") for c in checkpoints}
@@ -62,7 +62,7 @@ def export_graphs(work: Path, layers: tuple[int, ...], cuda: bool) -> tuple[str,
     """(dtype, {"plain" | "aux" | "draft": (graph, decode graph or None)}): the target, the target with the
     aux output, the draft, as the `cpu` target ships them or (cuda) as the `cuda` target does."""
     from bundler import demo
-    from bundler.export import export_onnx
+    from bundler.onnx.export import export_onnx
 
     if not cuda:
         return "float32", {
@@ -71,19 +71,19 @@ def export_graphs(work: Path, layers: tuple[int, ...], cuda: bool) -> tuple[str,
                                 aux_layer_ids=layers).graph, None),
             "draft": (export_onnx(demo.DEMO_DRAFT_DIR, work / "d", kv_cache="batched", dtype="float32").graph, None),
         }
-    from bundler.export_dual import add_decode_graph
+    from bundler.onnx.dual import add_decode_graph
     from manifests.errors import ModelError
 
     dtype = half_dtype(demo.DEMO_TARGET_DIR, demo.DEMO_DRAFT_DIR)
     graphs = {}
     for name, checkpoint, aux in (("plain", demo.DEMO_TARGET_DIR, ()), ("aux", demo.DEMO_TARGET_DIR, layers),
                                   ("draft", demo.DEMO_DRAFT_DIR, ())):
-        # bundler.engines._eagle3_export: the aux output in both graphs of an EAGLE-3 target
+        # bundler.pack.engines._eagle3_export: the aux output in both graphs of an EAGLE-3 target
         export = functools.partial(export_onnx, aux_layer_ids=aux) if aux else export_onnx
         result = export(checkpoint, work / name, kv_cache="batched", dtype=dtype)
         try:
             decode = add_decode_graph(checkpoint, result, export)
-        except ModelError as e:  # bundler.engines._decode_graph: the Attention graph then runs every row
+        except ModelError as e:  # bundler.pack.engines._decode_graph: the Attention graph then runs every row
             print(f"{name}: no GroupQueryAttention decode graph ({e}); the Attention graph runs every row")
             decode = None
         graphs[name] = (result.graph, decode)
@@ -105,12 +105,13 @@ def main(argv=None, *, memory=None) -> int:
     import numpy as np
 
     from benchmarks.bench_serve import _prompts
-    from bundler import demo, eagle3
-    from runtime.eagle3 import OnnxDrafter
-    from runtime.engine import Row
-    from runtime.sampling import SamplingParams
-    from runtime.speculative import Generator
-    from runtime.tokenizer import Tokenizer
+    from bundler import demo
+    from bundler.onnx import eagle3
+    from runtime.serve.eagle3 import OnnxDrafter
+    from runtime.engines.base import Row
+    from runtime.serve.sampling import SamplingParams
+    from runtime.serve.generator import Generator
+    from runtime.serve.tokenizer import Tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="bench-eagle3-"))
     head_dir = args.head or demo.DEMO_EAGLE3_DIR
@@ -119,7 +120,7 @@ def main(argv=None, *, memory=None) -> int:
     cpu_head = ["CPUExecutionProvider"]
     providers = cpu_head
     if args.cuda and memory is None:
-        from runtime.cuda import onnxruntime_cuda  # preloads the pip CUDA libraries, as the CUDA engine does
+        from runtime.engines.cudalib import onnxruntime_cuda  # preloads the pip CUDA libraries, as the CUDA engine does
 
         ort, why_not = onnxruntime_cuda()
         if ort is None:

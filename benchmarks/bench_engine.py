@@ -4,7 +4,7 @@
   back as the numpy arrays the previous step returned (fresh outputs every step).
 - concat engine: same graph, preallocated ping-pong buffers bound with I/O binding; the graph's
   Concat still copies the whole cache every step.
-- shared engine: the GroupQueryAttention graph (bundler.export_gqa), one buffer bound as both
+- shared engine: the GroupQueryAttention graph (bundler.onnx.inplace), one buffer bound as both
   past and present; a step writes only the new token's K/V.
 - batched engine: the TensorScatter + Attention graph the cpu target ships, one slot (its
   attention runs over the slot's whole capacity, masked; see bench_graphs.py for many slots).
@@ -76,7 +76,7 @@ def main() -> None:
 
     import onnxruntime as ort
 
-    from bundler.export import export_onnx
+    from bundler.onnx.export import export_onnx
     from runtime.engines import cpu_options
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
     from tests.models import make_tiny_checkpoint

@@ -52,8 +52,8 @@ def train_vocab(size: int, out: Path) -> Path:
 
 def mask_times(tokenizer_dir: Path, spec, steps: int, rng) -> tuple[float, int]:
     """Median ms per mask along random valid walks; and the vocabulary size."""
-    from runtime.grammar import GrammarCompiler
-    from runtime.tokenizer import Tokenizer
+    from runtime.serve.grammar import GrammarCompiler
+    from runtime.serve.tokenizer import Tokenizer
 
     tok = Tokenizer(tokenizer_dir)
     compiler = GrammarCompiler.for_tokenizer(tok)
@@ -73,7 +73,7 @@ def mask_times(tokenizer_dir: Path, spec, steps: int, rng) -> tuple[float, int]:
 
 
 def serve_row(gen, tok, prompt, processor, max_tokens=96, eos=True):
-    from runtime.sampling import SamplingParams
+    from runtime.serve.sampling import SamplingParams
 
     gen.reset()
     gen.stats.__init__()
@@ -91,12 +91,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     args = ap.parse_args()
     from bundler.demo import DEMO_DRAFT_DIR, DEMO_TARGET_DIR
-    from bundler.export import export_onnx
+    from bundler.onnx.export import export_onnx
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
-    from runtime.grammar import GrammarCompiler, GrammarSpec
-    from runtime.logits_process import LogitsProcessor
-    from runtime.speculative import Generator
-    from runtime.tokenizer import Tokenizer
+    from runtime.serve.grammar import GrammarCompiler, GrammarSpec
+    from runtime.serve.logits_process import LogitsProcessor
+    from runtime.serve.generator import Generator
+    from runtime.serve.tokenizer import Tokenizer
 
     rng = np.random.default_rng(0)
     specs = {"json schema": GrammarSpec("json_schema", SCHEMA), "regex": GrammarSpec("regex", r"(PASS|FAIL)-[0-9]{4}"),

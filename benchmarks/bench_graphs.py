@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 
 def measure(engine, batch: int, kind: str, context: int, steps: int) -> float:
-    from runtime.engine import Row
+    from runtime.engines.base import Row
 
     rng = np.random.default_rng(0)
     for s in range(batch):
@@ -55,7 +55,7 @@ def measure(engine, batch: int, kind: str, context: int, steps: int) -> float:
 
 
 def main(argv=None) -> int:
-    from bundler.export import export_onnx
+    from bundler.onnx.export import export_onnx
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -28,8 +28,8 @@ SHARDS = 8
 
 
 def make_bundles(work: Path, size: int) -> tuple[Path, Path, Path]:
-    from bundler.keys import generate_key, load_private_key
-    from bundler.pack import PackFile, pack_bundle
+    from bundler.pack.keys import generate_key, load_private_key
+    from bundler.pack.pack import PackFile, pack_bundle
     from manifests.schema import Model, ModelSource, Target
 
     key = work / "release.key"
@@ -75,7 +75,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=int, default=512)
     args = ap.parse_args()
-    from tests.runtime.registry.server import start_registry
+    from tests.runtime.store.registry.server import start_registry
 
     work = Path(tempfile.mkdtemp(prefix="bench-registry-"))
     try:

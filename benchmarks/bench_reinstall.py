@@ -39,8 +39,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from bench_bundle import make_checkpoint
-    from bundler.create import create_bundle, local_model
-    from runtime.store import Store
+    from bundler.pack.create import create_bundle, local_model
+    from runtime.store.store import Store
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-reinstall-", dir="/var/tmp"))
     try:

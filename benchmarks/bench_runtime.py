@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bundler.wheelhouse import build_wheelhouse, host_platform  # noqa: E402
+from bundler.pack.wheelhouse import build_wheelhouse, host_platform  # noqa: E402
 from manifests.sizes import format_size  # noqa: E402
 
 PLATFORMS = ["linux_aarch64-cp312", "linux_aarch64-cp310", "linux_x86_64-cp311", "linux_x86_64-cp312"]
@@ -66,7 +66,7 @@ def bench_bootstrap(work: Path, repeats: int) -> None:
     wheels = work / "plain-wheels"
     wheels.mkdir()
     from manifests.schema import Manifest
-    from runtime.reader import open_bundle
+    from runtime.store.reader import open_bundle
 
     m = Manifest.from_json_bytes(open_bundle(bundle).manifest_bytes)
     for f in m.files:

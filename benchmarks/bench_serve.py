@@ -4,8 +4,8 @@ Run by hand (not a test):  .venv/bin/python benchmarks/bench_serve.py [--model D
 
 Both sides decode greedily, ignore EOS (every run produces exactly --tokens tokens) and use the
 same number of CPU threads. Ours: the runtime's ONNX Runtime engines over the graphs the cpu target
-ships (bundler.engines, KV-cache layout "batched"; `--layout shared|concat|all` runs the older layouts),
-driven by runtime.speculative.Generator, methods none / draft_model / ngram, interleaved per repeat
+ships (bundler.pack.engines, KV-cache layout "batched"; `--layout shared|concat|all` runs the older layouts),
+driven by runtime.serve.generator.Generator, methods none / draft_model / ngram, interleaved per repeat
 so machine load hits them alike; each row is the median of --repeats runs ("best": the fastest). Peer, measured in the same run:
 transformers `generate()` plain and with `assistant_model=` (assisted generation), same two
 checkpoints. Each side runs in its own subprocess so peak RSS is per side.
@@ -13,7 +13,7 @@ checkpoints. Each side runs in its own subprocess so peak RSS is per side.
 Printed per prompt length: tokens/s, speedup over plain, acceptance rate, mean acceptance length,
 time to first token, inter-token latency, peak RSS; then the ideal speedup from the measured
 acceptance a, proposal length g and the draft/target one-token step cost ratio c measured at the
-prompt's context length on the same engines (shared/TARGETS.md):
+prompt's context length on the same engines:
     ideal = (1 - a^(g+1)) / ((1 - a) (g c + 1))
 and the measured speedup as a fraction of it.
 """
@@ -56,9 +56,9 @@ def _peak_rss_mb() -> float:
 
 # --- our runtime -----------------------------------------------------------------------------------
 def build_engines(args, layout: str) -> dict:
-    """The engines `bundle serve` runs for the cpu target: the graphs bundler.engines plans for it
+    """The engines `bundle serve` runs for the cpu target: the graphs bundler.pack.engines plans for it
     (kv_cache=`layout`; the product ships "batched") loaded as runtime.engines loads an ONNX record."""
-    from bundler.engines import prepare_targets
+    from bundler.pack.engines import prepare_targets
     from runtime.engines import cpu_options
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
 
@@ -96,9 +96,9 @@ def step_costs(engine, context: int, k: int, reps: int = 40) -> dict:
 
 
 def run_ours(args) -> dict:
-    from runtime.sampling import SamplingParams
-    from runtime.speculative import Generator
-    from runtime.tokenizer import Tokenizer
+    from runtime.serve.sampling import SamplingParams
+    from runtime.serve.generator import Generator
+    from runtime.serve.tokenizer import Tokenizer
 
     tok = Tokenizer(Path(args.model))
     prompts = _prompts(tok, args.max_context, args.tokens)
@@ -145,7 +145,7 @@ def run_peer(args) -> dict:
     import torch
     import transformers
 
-    from runtime.tokenizer import Tokenizer
+    from runtime.serve.tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
     tok = Tokenizer(Path(args.model))

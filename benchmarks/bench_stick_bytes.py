@@ -1,4 +1,4 @@
-"""Bytes on the stick: bundle size / bytes the largest target installs (issue 15 target: <= 1.05).
+"""Bytes on the stick: bundle size / bytes the largest target installs (target: <= 1.05).
 
     python benchmarks/bench_stick_bytes.py                   # demo pair + 1 GiB benchmark checkpoint
     python benchmarks/bench_stick_bytes.py --size-gb 4 --skip-demo
@@ -53,8 +53,8 @@ def print_rows(rows: list[dict]) -> None:
 
 
 def demo_rows(work: Path) -> list[dict]:
-    from bundler.create import create_bundle, demo_models
-    from bundler.engines import target_files_hook
+    from bundler.pack.create import create_bundle, demo_models
+    from bundler.pack.engines import target_files_hook
 
     rows = []
     for targets in (["cpu"], ["jetson-thor"], ["cuda"], ["cpu", "jetson-thor"]):
@@ -74,8 +74,8 @@ def demo_rows(work: Path) -> list[dict]:
 def checkpoint_rows(work: Path, size: int) -> list[dict]:
     from bench_bundle import make_checkpoint
 
-    from bundler.create import create_bundle, local_model
-    from bundler.pack import PackFile
+    from bundler.pack.create import create_bundle, local_model
+    from bundler.pack.pack import PackFile
     from manifests.schema import Engine, Target
 
     model = work / "checkpoint"

@@ -1,9 +1,9 @@
-"""Which batched-graph variant decodes fastest on ONNX Runtime's CUDA provider (issue 13), all in one run.
+"""Which batched-graph variant decodes fastest on ONNX Runtime's CUDA provider, all in one run.
 
     python benchmarks/cuda_variants.py --work /tmp/variants --out OUT [--shape llama-1b] [--device cpu]
 
-Exports the random-weight model once per variant of bundler.export_gqa's FUSIONS (in parallel, fp16 via
-bundler.export_half), then for each variant, in the same process:
+Exports the random-weight model once per variant of bundler.onnx.inplace's FUSIONS (in parallel, fp16 via
+bundler.onnx.half), then for each variant, in the same process:
 
 - ms per decode step as ONNX Runtime runs it (session.run_with_iobinding on device buffers, CUDA graphs),
   batch 1 and 8, context 128 and 1024: the graph's own cost, without the engine's host bookkeeping;
@@ -68,14 +68,16 @@ def make_checkpoint(work: Path, shape: str, device: str) -> Path:
 
 
 def export_one(ckpt: Path, out: Path, fusions: tuple[str, ...]) -> None:
-    """The fp16 batched graph with `fusions` (bundler.export's in-place path with one more argument)."""
+    """The fp16 batched graph with `fusions` (bundler.onnx.export's in-place path with one more argument)."""
     import shutil
 
     from transformers import AutoConfig
 
-    from bundler.export import _result, check_family, read_config
-    from bundler.export_gqa import BATCHED_OPSET, build_batched_kv_graph
-    from bundler.export_half import convert_graph
+    from bundler.model_config import read_config
+    from bundler.onnx.export import _result
+    from manifests.families import check_family
+    from bundler.onnx.inplace import BATCHED_OPSET, build_batched_kv_graph
+    from bundler.onnx.half import convert_graph
 
     family, arch = check_family(read_config(ckpt), str(ckpt))
     cfg = AutoConfig.from_pretrained(ckpt)
@@ -278,7 +280,7 @@ class Runner:
 
 def engine_steps(graph: Path, batches, context: int, steps: int, device: str) -> dict:
     """The CUDA engine's greedy step (argmax only) and the same step fetching the last logits."""
-    from runtime.engine import Row
+    from runtime.engines.base import Row
     from runtime.engines.cuda import CudaEngine
 
     memory = None
@@ -394,7 +396,7 @@ def main() -> None:
     if a.device == "cuda":
         sys.path.insert(0, str(REPO / "benchmarks"))
         from bench_cuda import copy_bandwidth
-        from runtime.cuda import gpu
+        from runtime.engines.cudalib import gpu
 
         results["device"] = gpu().name
         bw = copy_bandwidth()

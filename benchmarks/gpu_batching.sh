@@ -1,5 +1,5 @@
 #!/bin/bash
-# benchmarks/bench_batching.py on the GPU machine's 16 CPU cores (the device tool; no network there).
+# benchmarks/bench_batching.py on an H200 host's 16 CPU cores (no network there).
 # Run from the repository root:  bash benchmarks/gpu_batching.sh
 # That machine has Python 3.12, numpy, onnx, onnxruntime (CPU), torch, transformers, tokenizers, jinja2,
 # click, but not the server's packages: they come as wheels in .whl/ at the repository root, made here with
@@ -11,7 +11,7 @@
 #     prometheus_client==0.26.0 zstandard==0.25.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 \
 #     typing_extensions==4.16.0
 # (22 wheels, 14.4 MB; the versions of this repository's .venv. zstandard and cryptography are imported by
-# bundler.pack, which bundler.engines imports to export the demo graphs.)
+# bundler.pack.pack, which bundler.pack.engines imports to export the demo graphs.)
 # Writes under $OUT (default /tmp/out), 4 files: bench.log (the printed table and targets), results.json,
 # tokens_per_s.png (when matplotlib is there) and env.txt (versions, cores, load).
 set -u

@@ -1,5 +1,5 @@
 #!/bin/bash
-# bench_bundle.py on the GPU machine's 16 CPU cores (no GPU used): 4 GiB in two 2 GiB files (every step,
+# bench_bundle.py on an H200 host's 16 CPU cores (no GPU used): 4 GiB in two 2 GiB files (every step,
 # twice), 16 GiB in eight 2 GiB files, and one 2 GiB file alone; about 5 minutes, at most 9.
 # Run from the repository root, with the device tool's `run` (carry .whl and .zstd). That machine has no
 # zstandard, cryptography (+ cffi, pycparser) and no zstd binary; prepare them here, in the repo root:

@@ -1,9 +1,9 @@
 #!/bin/bash
-# Train the demo target's EAGLE-3 head on the GPU machine with several recipes side by side (train_eagle3
+# Train the demo target's EAGLE-3 head On an H200 host with several recipes side by side (train_eagle3
 # --recipe v3 / v3s / v3xs: the same data and schedule, smaller and smaller heads), measure each in the same
 # run against the demo draft and the committed head, and keep the smallest head that beats the draft.
 #
-# Needs only what the GPU machine has (python3 with torch+CUDA, transformers, tokenizers, safetensors,
+# Needs only what an H200 host has (python3 with torch+CUDA, transformers, tokenizers, safetensors,
 # numpy; onnx + onnxruntime for the optional bench): no wheels to carry. Data are made there from its
 # Python's standard library with the COMMITTED tokenizer; the held-out prompts are the committed 200
 # (bundler/demo/heldout_prompts.json); the target answers the training questions once for all recipes.
@@ -84,7 +84,7 @@ EOF
     # the ONNX graphs on the CPU cores (onnxruntime CPU), same run: plain / draft_model / ngram / eagle3
     timeout 400 python3 benchmarks/bench_eagle3.py --threads "${BENCH_THREADS:-8}" --repeats 3 ${TINY:+--tokens 8 --ks 3} \
         --head "$WORK/head" > "$WORK/bench.log" 2>&1 || echo "bench_eagle3 exited $?" >> "$WORK/bench.log"
-    if python3 -c "import sys; from runtime.cuda import onnxruntime_cuda; sys.exit(onnxruntime_cuda()[0] is None)"; then
+    if python3 -c "import sys; from runtime.engines.cudalib import onnxruntime_cuda; sys.exit(onnxruntime_cuda()[0] is None)"; then
       timeout 400 python3 benchmarks/bench_eagle3.py --cuda --threads "${BENCH_THREADS:-8}" --repeats 3 \
           --head "$WORK/head" > "$WORK/bench_cuda.log" 2>&1 || echo "bench_eagle3 --cuda exited $?" >> "$WORK/bench_cuda.log"
     fi

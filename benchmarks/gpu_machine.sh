@@ -1,5 +1,5 @@
 #!/bin/bash
-# The CUDA engine's GPU tests and benchmark on the project's GPU machine (device tool; no network there).
+# The CUDA engine's GPU tests and benchmark on an H200 host (no network there).
 # onnxruntime-gpu's wheel (255 MB) is larger than one run may carry, so it travels in parts. Here:
 #   python3 -m pip download onnxruntime-gpu==1.31.1 --no-deps --only-binary=:all: \
 #       --platform manylinux_2_28_x86_64 --python-version 3.12 --implementation cp -d W
@@ -37,7 +37,7 @@ case "${1:-}" in
     export PYTHONPATH=/tmp/site:$CODE PYTHONUNBUFFERED=1
     python3 -c "import onnxruntime as o; print(o.__version__, o.__file__, o.get_available_providers())"
     nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv,noheader
-    python3 -c "from runtime.cuda import gpu; from runtime.detect import detect_target; print(gpu()); print(detect_target())"
+    python3 -c "from runtime.engines.cudalib import gpu; from runtime.detect import detect_target; print(gpu()); print(detect_target())"
     timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/runtime/engines/test_cuda_engine.py \
       tests/runtime/engines/test_cuda_engine_host.py tests/runtime/engines/test_cuda_device.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
     while [ ! -f /tmp/bench/PREPARED ]; do

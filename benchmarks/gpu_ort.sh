@@ -1,5 +1,5 @@
 #!/bin/bash
-# onnxruntime-gpu on the GPU machine (device tool), where its 255 MB wheel is larger than one call may carry.
+# onnxruntime-gpu On an H200 host (device tool), where its 255 MB wheel is larger than one call may carry.
 # Prepare here once (all ignored, under .gpu/): the wheel stripped of what the engine does not load and
 # zstd-compressed (205 MB), split in 7 parts of 28 MiB (each call carries the whole tree, ~30 MiB, plus one):
 #   pip download onnxruntime-gpu==1.31.1 --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \

@@ -4,7 +4,7 @@ The user's next step differs by class, so the classes split along it:
 a bad bundle (get a good copy), a refusal by policy (pass a flag or get a newer bundle),
 a bad environment (fix the machine), bad input on the command line (fix the command),
 a failed model resolution (fix the model reference or the network).
-The CLI maps these to exit codes in one place (`runtime.main.main`); messages are one line
+The CLI maps these to exit codes in one place (`runtime.cli.main.main`); messages are one line
 that names what was expected and what was found.
 """
 

@@ -34,7 +34,7 @@ _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 # sticks during copy; a manifest path longer than this cannot be installed, so it is not valid.
 MAX_PATH_BYTES = 1024
 MAX_NAME_BYTES = 255
-# The store keeps these beside the files of an installed version (runtime.store): a bundle file of
+# The store keeps these beside the files of an installed version (runtime.store.store): a bundle file of
 # the same name, in any case (FAT32 and macOS fold case), would overwrite the signed manifest.
 RESERVED_TOP_LEVEL = frozenset({"manifest.json", "envelope.json", "install.json"})
 

@@ -27,9 +27,12 @@ from manifests.errors import UsageError
 TOOL_CALL_PARSERS = ("hermes", "qwen3_xml", "qwen3_coder", "llama3_json", "llama4_json", "mistral")
 #: vLLM's reasoning parser names this runtime implements (runtime.server.reasoning_parsers).
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "nemotron_v3")
-#: Structured-output backends. llguidance is the one the floor carries (no torch); see runtime.grammar.
+#: Structured-output backends. llguidance is the one the floor carries (no torch); see runtime.serve.grammar.
 STRUCTURED_BACKENDS = ("auto", "guidance", "llguidance")
 MAX_ARG_CHARS = 64 * 1024
+#: Prompt tokens one engine call prefills per sequence unless the serve config says `prefill_chunk`: the
+#: engine plan builds its profiles for it and the pre-flight sizes activations by it.
+DEFAULT_PREFILL_CHUNK = 512
 _HUMAN_INT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
 
 

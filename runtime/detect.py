@@ -61,7 +61,7 @@ def probe_compute_capability() -> str | None:
 
 def probe_cuda_provider() -> str | None:
     """None when onnxruntime-gpu's CUDA provider can run here, else why not."""
-    from runtime.cuda import onnxruntime_cuda
+    from runtime.engines.cudalib import onnxruntime_cuda
 
     return onnxruntime_cuda()[1]
 

@@ -19,7 +19,7 @@ MAX_CHOICE_OPTIONS = 1024
 #: llguidance's resource limits for one grammar (llguidance.LLParserLimits), llguidance's defaults except the
 #: lexer's initial fuel: at 1_000_000 a regex such as `a{1000}{1000}` takes 1.3-1.9 s to give its first mask.
 #: A grammar that hits a limit is refused when it is compiled if its first mask or its forced prefix hits it,
-#: else the request ends with an error when generation reaches that point (runtime.grammar).
+#: else the request ends with an error when generation reaches that point (runtime.serve.grammar).
 GRAMMAR_PARSER_LIMITS = {
     "initial_lexer_fuel": 250_000,  # building the lexer's regexes (about 50k per ms)
     "step_lexer_fuel": 200_000,  # one token's mask, lexer side (about 14k per ms)

@@ -14,8 +14,6 @@ from typing import Iterable
 from manifests import targets as _targets
 from manifests.targets import TargetProfile
 from runtime import settings
-
-
 def _dirs(extra_dirs: Iterable[Path | str]) -> tuple[Path | str, ...]:
     return tuple(extra_dirs) + settings.profile_dirs()
 

@@ -104,7 +104,7 @@ def profile_dirs() -> tuple[Path, ...]:
 def pause_at() -> tuple[str, float] | None:
     """Test hook for crash-safety tests: BUNDLE_PAUSE_AT="STAGE:SECONDS" makes `bundle install` or
     `bundle copy` sleep at STAGE (install: staging, staged, renamed, switched; copy: copying) so a test
-    can SIGKILL it there. Unset in production. See runtime.hooks."""
+    can SIGKILL it there. Unset in production. See runtime.store.hooks."""
     value = _get("BUNDLE_PAUSE_AT")
     if value is None:
         return None
@@ -116,11 +116,6 @@ def pause_at() -> tuple[str, float] | None:
     if not stage or not 0 <= delay <= 3600:
         raise SettingError(f"BUNDLE_PAUSE_AT={value!r}: expected STAGE:SECONDS, e.g. staged:30")
     return stage, delay
-
-
-def env_flag(name: str) -> bool:
-    """For the few switches read at call time by tests (kept here so os.environ is read in one module)."""
-    return _flag(name)
 
 
 def hf_token_in_env() -> bool:

@@ -12,8 +12,7 @@ def make_tiny_head(out_dir: Path, target_dir: Path, *, draft_vocab: int = 300, i
     import numpy as np
     import torch
 
-    from bundler import eagle3
-
+    from bundler.onnx import eagle3
     t = json.loads((Path(target_dir) / "config.json").read_text())
     cfg = eagle3.HeadConfig(hidden_size=t["hidden_size"], target_hidden_size=t["hidden_size"],
                             intermediate_size=intermediate_size, num_heads=t["num_attention_heads"],

@@ -44,3 +44,95 @@ def test_only_settings_reads_the_environment():
             if "os.environ" in text or "os.getenv" in text:
                 offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, f"environment read outside runtime/settings.py: {offenders}"
+
+
+def imported_dotted(path: Path) -> set[str]:
+    """Every absolute module a file imports, dotted ("runtime.serve.scheduler"), at any depth of the file."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def wing_imports(wing: str) -> dict[str, set[str]]:
+    return {str(p.relative_to(ROOT)): imported_dotted(p) for p in sorted((ROOT / wing).rglob("*.py"))}
+
+
+def reaching(names: set[str], prefixes: set[str]) -> list[str]:
+    return sorted(n for n in names if any(n == p or n.startswith(p + ".") for p in prefixes))
+
+
+ENGINE_BACKENDS = {"runtime.engines.onnxruntime", "runtime.engines.cuda", "runtime.engines.tensorrt",
+                   "runtime.engines.cudalib", "onnxruntime", "tensorrt"}
+
+
+@pytest.mark.parametrize("wing,forbidden", [
+    # the chain of trust needs none of the serving wings (a device can verify and install with them broken)
+    ("runtime/store", {"runtime.serve", "runtime.server", "runtime.engines", "runtime.cli"}),
+    # the serving core knows engines, not HTTP, the store or the command line
+    ("runtime/serve", {"runtime.server", "runtime.store", "runtime.cli"}),
+    # backends know nothing above them
+    ("runtime/engines", {"runtime.serve", "runtime.server", "runtime.store", "runtime.cli"}),
+    # HTTP only: engines come through runtime.engines' loader, never a backend; no registry client
+    ("runtime/server", ENGINE_BACKENDS | {"runtime.cli", "runtime.store.registry", "runtime.store.skopeo"}),
+    # the contract: stdlib only (and its own modules)
+    ("manifests", {"runtime", "bundler"}),
+    # build-host wings: resolution does not pack, export does not resolve or pack
+    ("bundler/resolve", {"bundler.pack", "bundler.cli"}),  # pre-flight checks size the graphs bundler.onnx writes
+    ("bundler/onnx", {"bundler.pack", "bundler.cli", "bundler.resolve"}),
+])
+def test_wings_import_only_downwards(wing, forbidden):
+    bad = {f: reaching(names, forbidden) for f, names in wing_imports(wing).items() if reaching(names, forbidden)}
+    assert not bad, f"{wing} must not import {sorted(forbidden)}; found {bad}"
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module-level imports only (function-level ones are the deliberate lazy edges) between project modules."""
+    graph: dict[str, set[str]] = {}
+    modules = {}
+    for package in ("runtime", "bundler", "manifests"):
+        for path in (ROOT / package).rglob("*.py"):
+            rel = path.relative_to(ROOT).with_suffix("")
+            name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+            modules[name] = path
+    for name, path in modules.items():
+        edges: set[str] = set()
+        for node in ast.parse(path.read_text(), str(path)).body:
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            edges.update(t for t in targets if t in modules and t != name)
+        graph[name] = edges
+    return graph
+
+
+def test_no_import_circles():
+    graph = module_graph()
+    state: dict[str, int] = {}
+    circles: list[list[str]] = []
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                circles.append(trail[trail.index(nxt):] + [nxt] if nxt in trail else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, trail + [nxt])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, f"import circles: {circles}"
+
+
+def test_the_serving_core_has_no_circle_through_the_one_sequence_driver():
+    """Generator (one sequence over the scheduler) is its own module; speculative holds only the rules."""
+    spec = imported_dotted(ROOT / "runtime/serve/speculative.py")
+    assert not reaching(spec, {"runtime.serve.scheduler", "runtime.serve.model_runner", "runtime.serve.generator"})

@@ -50,10 +50,10 @@ def test_exit_codes_are_distinct_per_error_class():
     assert sorted(EXIT_CODES) == [0, *sorted(DOCUMENTED)]
 
 
-def test_readme_exit_code_table_matches_the_code():
+def test_documented_exit_code_table_matches_the_code():
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = readme.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    reference = (Path(__file__).resolve().parents[1] / "docs" / "reference.md").read_text()
+    table = reference.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
     assert [int(c) for c in re.findall(r"^\| (\d+) \|", table, re.M)] == sorted(EXIT_CODES)

@@ -15,12 +15,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_PARTY = {"bundler", "runtime", "manifests"}
 #: Provided by the device's JetPack / CUDA install, never pip-installed by us (runtime.engines.tensorrt);
-#: `nvidia`: the namespace of the nvidia-* CUDA library wheels, looked for (ImportError is fine) by runtime.cuda.
+#: `nvidia`: the namespace of the nvidia-* CUDA library wheels, looked for (ImportError is fine) by runtime.engines.cudalib.
 DEVICE_PROVIDED = {"tensorrt", "cuda", "nvidia"}
 #: What the code needs, and why (the bound in pyproject.toml may be higher, never lower).
 NEEDS = {
-    "transformers": ((4, 56), "from_pretrained(dtype=...) in bundler/export.py"),
-    "huggingface-hub": ((1, 2, 1), "huggingface_hub.constants.is_offline_mode() in bundler/hub.py"),
+    "transformers": ((4, 56), "from_pretrained(dtype=...) in bundler/onnx/export.py"),
+    "huggingface-hub": ((1, 2, 1), "huggingface_hub.constants.is_offline_mode() in bundler/resolve/hub.py"),
 }
 
 tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
@@ -89,7 +89,7 @@ def test_the_floor_needs_only_the_floor_distribution():
 
 
 def test_lower_bounds_cover_what_the_code_needs():
-    from bundler.engines import ONNXRUNTIME_MIN_BATCHED
+    from bundler.pack.engines import ONNXRUNTIME_MIN_BATCHED
     from runtime.engines.onnxruntime import BATCHED_MIN_VERSION
 
     declared = _build_host()

@@ -22,7 +22,7 @@ def test_versions_agree_and_the_full_package_pins_the_floor():
     assert full["version"] == floor["version"]
     assert f"bundle-runtime=={floor['version']}" in full["dependencies"]
     assert "scripts" not in full, "the `bundle` command belongs to the floor distribution"
-    assert floor["scripts"] == {"bundle": "runtime.main:main"}
+    assert floor["scripts"] == {"bundle": "runtime.cli.main:main"}
     assert set(full["entry-points"]["bundle.commands"]) == {"keygen", "create", "build-engines"}
 
 
@@ -50,7 +50,7 @@ def test_floor_wheel_holds_runtime_and_manifests_only(wheels):
     assert not [n for n in names if n.endswith((".safetensors", ".onnx"))]
     assert floor.stat().st_size < 1024 * 1024, "the floor wheel carries no demo weights"
     entry_points = zipfile.ZipFile(floor).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "bundle = runtime.main:main" in entry_points
+    assert "bundle = runtime.cli.main:main" in entry_points
 
 
 def test_full_wheel_holds_bundler_and_adds_the_build_host_commands(wheels):
@@ -58,7 +58,7 @@ def test_full_wheel_holds_bundler_and_adds_the_build_host_commands(wheels):
     z = zipfile.ZipFile(full)
     tops = {n.split("/")[0] for n in z.namelist()}
     assert "bundler" in tops and "runtime" not in tops and "manifests" not in tops
-    assert "bundler/bootstrap.sh" in z.namelist()
+    assert "bundler/pack/bootstrap.sh" in z.namelist()
     entry_points = z.read(next(n for n in z.namelist() if n.endswith("entry_points.txt"))).decode()
     assert "[bundle.commands]" in entry_points and "console_scripts" not in entry_points
     metadata = z.read(next(n for n in z.namelist() if n.endswith("METADATA"))).decode()
@@ -66,7 +66,7 @@ def test_full_wheel_holds_bundler_and_adds_the_build_host_commands(wheels):
 
 
 def test_floor_wheel_is_reproducible(wheels, tmp_path):
-    from bundler.wheelhouse import build_floor_wheel
+    from bundler.pack.wheelhouse import build_floor_wheel
 
     (first,) = wheels.glob("bundle_runtime-*.whl")
     again = build_floor_wheel(tmp_path)

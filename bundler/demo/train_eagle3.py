@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bundler import eagle3
+from bundler.onnx import eagle3
 from bundler.demo import corpus
 from bundler.demo import evaluate as ev
 from bundler.demo.train import sample_rows
@@ -84,7 +84,7 @@ V2 = Config(intermediate_size=256, ttt_steps=5, batch_size=128, steps=100000, wa
 V3 = replace(V2, answer_prompts=20000, train_seconds=300.0, select_every=200)
 V3S = replace(V3, num_heads=4, num_kv_heads=2)
 V3XS = replace(V3S, intermediate_size=128)
-#: v3 measured on the GPU machine (its Python 3.12 standard library: 7,014 questions): 2.61 / 2.59 / 2.55
+#: v3 measured on an H200 host (its Python 3.12 standard library: 7,014 questions): 2.61 / 2.59 / 2.55
 #: mean acceptance length against the draft's 2.77 and v1's 2.69. v4 goes back to v1's MLP (512) and mix
 #: with v3's data and selection; v4l reads target layers [3, 4, 5]; v4s is v3s with v1's mix.
 V4 = replace(V3, intermediate_size=512, mix=(0.6, 0.1, 0.3))

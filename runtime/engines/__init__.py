@@ -8,7 +8,7 @@
                                  when TensorRT is not importable at all, the CUDA provider over the shipped ONNX when
                                  onnxruntime-gpu runs here, else ONNX Runtime on the CPU; recorded and logged.
 
-The key check and the cache live in runtime.engine_cache; the TensorRT calls in
+The key check and the cache live in runtime.engines.cache; the TensorRT calls in
 runtime.engines.tensorrt (imported only when a GPU target asks for it). `backend` is the seam:
 tests pass a stand-in that implements TensorRTBackend's three methods over ONNX Runtime. `cuda` is the
 seam for the CUDA provider: a callable (graph path, record, max_context) -> (engine, None) | (None, why not).
@@ -23,8 +23,8 @@ from manifests.errors import EnvironmentProblem, ModelError
 from manifests.schema import Engine as EngineRecord
 from manifests.schema import Manifest, safe_relative_path
 from runtime import settings
-from runtime.engine import Engine
-from runtime.engine_cache import EngineCache, engine_key, mismatch, onnx_digest
+from runtime.engines.base import Engine
+from runtime.engines.cache import EngineCache, engine_key, mismatch, onnx_digest
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def _onnxruntime(root: Path, record: EngineRecord, manifest: Manifest, max_conte
 
 def cuda_engine(graph: Path, record: EngineRecord, max_context: int | None):
     """(CudaEngine, None) when onnxruntime-gpu's CUDA provider runs here, else (None, why not)."""
-    from runtime.cuda import onnxruntime_cuda
+    from runtime.engines.cudalib import onnxruntime_cuda
 
     ort, why = onnxruntime_cuda()
     if ort is None:

@@ -1,6 +1,6 @@
 """ONNX Runtime's CUDA provider over the shipped graph: the `cuda` target, and TensorRT targets without TensorRT.
 
-Slots (runtime.engine) as in runtime.engines.onnxruntime, with nothing on the host that need not be:
+Slots (runtime.engines.base) as in runtime.engines.onnxruntime, with nothing on the host that need not be:
 
 - the KV cache lives in device memory (cudaMalloc), bound to the graph's past and present with
   I/O binding, so a step writes only the new tokens' keys and values, on the device;
@@ -24,8 +24,8 @@ whether or not logits are fetched (forward_greedy too). Not yet run on a GPU (te
 test_cuda_engine.py has the device tests; test_cuda_eagle3_host.py runs the same code on host memory).
 
 Layouts: "batched" (TensorScatter + Attention; the `cuda` target's graph, fp16 or bf16 from
-bundler.export_half): one call for every row of a step. Its GroupQueryAttention variant
-(bundler.export_gqa.GQA_FUSIONS: inputs seqlens_k and total_sequence_length instead of positions,
+bundler.onnx.half): one call for every row of a step. Its GroupQueryAttention variant
+(bundler.onnx.inplace.GQA_FUSIONS: inputs seqlens_k and total_sequence_length instead of positions,
 write offsets and a mask; fused rotary, packed QKV, one flash-decoding kernel that reads only each
 row's own length) uses the same cache layout; ONNX Runtime's GroupQueryAttention takes a batch of
 single-token rows but refuses a batch of longer rows after a past ("batch_size must be 1 when
@@ -34,7 +34,7 @@ sequence_length > 1"), so there the decode rows of a step are one call and each 
 carry, run here when TensorRT is absent): rows one by one, batch 1, two device buffers per slot that
 take turns. The "shared" GroupQueryAttention graph is a cpu-target graph and is refused.
 
-Both graphs at once (`decode_graph`, what `cuda` bundles carry: bundler.export_dual): the Attention
+Both graphs at once (`decode_graph`, what `cuda` bundles carry: bundler.onnx.dual): the Attention
 graph and the GroupQueryAttention graph share the cache buffers and the weights. A step's
 single-token rows are one call of the GroupQueryAttention graph (a CUDA graph), its multi-token rows
 (verification, prefill chunks) calls of the Attention graph (verification as CUDA graphs); a row is in
@@ -57,8 +57,8 @@ from typing import Collection, Sequence
 import numpy as np
 
 from manifests.errors import EnvironmentProblem, ModelError
-from runtime.cuda import D2D, D2H, H2D, Cudart, onnxruntime_cuda
-from runtime.engine import Engine, Row, check_rollback
+from runtime.engines.cudalib import D2D, D2H, H2D, Cudart, onnxruntime_cuda
+from runtime.engines.base import Engine, Row, check_rollback
 from runtime.engines.onnxruntime import OnnxRuntimeEngine, bind_row_inputs
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ def from_dlpack(ort, capsule):
     return ort.OrtValue(value)
 
 
-#: Beside the decode graph (bundler.export_dual writes it): the external tensors both graphs read, so
+#: Beside the decode graph (bundler.onnx.dual writes it): the external tensors both graphs read, so
 #: the runtime (which does not import onnx) knows what to load before either session exists.
 SHARED_WEIGHTS_INDEX = "shared_weights.json"
 MAX_INDEX_BYTES = 16 << 20
@@ -259,7 +259,7 @@ class CudaEngine(Engine):
         """`memory`: None for the GPU; tests pass a host-memory object with Cudart's methods, and the
         engine then binds host buffers and runs on ONNX Runtime's CPU provider (its bookkeeping, no GPU).
         `profile`: ONNX Runtime's profiler on, for `node_providers` (which provider ran each node).
-        `decode_graph`: the GroupQueryAttention graph over `graph`'s weights (bundler.export_dual), for
+        `decode_graph`: the GroupQueryAttention graph over `graph`'s weights (bundler.onnx.dual), for
         the single-token rows of a step; `graph` (the Attention graph) then runs the multi-token rows."""
         if memory is None:
             ort, why = onnxruntime_cuda()

@@ -1,8 +1,8 @@
 """ONNX Runtime engine over the exported KV-cache decoder graphs (every target; the only one on `cpu`).
 
-Slots (runtime.engine): each sequence has its own cache region in preallocated buffers, bound with
+Slots (runtime.engines.base): each sequence has its own cache region in preallocated buffers, bound with
 I/O binding, so a step allocates nothing. How they are laid out depends on the graph's layout
-(metadata `bundle.kv_cache`, see bundler.export.KV_CACHE_LAYOUTS):
+(metadata `bundle.kv_cache`, see bundler.onnx.export.KV_CACHE_LAYOUTS):
 
 - "batched" (TensorScatter + Attention, what ONNX Runtime targets ship): ONE buffer per layer and
   k/v, [slots, kv_heads, capacity, head_dim], bound as both past and present. One session call
@@ -37,7 +37,8 @@ from typing import Sequence
 import numpy as np
 
 from manifests.errors import EnvironmentProblem, ModelError
-from runtime.engine import ContextFull, Engine, Row, check_rollback
+from runtime.engines.base import ContextFull, Engine, Row
+from runtime.engines.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +182,7 @@ class OnnxRuntimeEngine(Engine):
 
     def allocate_slots(self, num_slots: int) -> None:
         """(Re)allocate the caches for `num_slots` sequences; every slot starts empty."""
-        if num_slots < 1:
-            raise ValueError(f"expected at least one slot, found {num_slots}")
+        self.slots = SlotTable(num_slots, ping_pong=self.kv_cache == "concat")
         self.num_slots = int(num_slots)
         per = self.num_kv_heads * self.head_dim
         if self.batched:  # [layer*2 + kv] -> flat [slots, kv_heads, capacity, head_dim]
@@ -191,12 +191,10 @@ class OnnxRuntimeEngine(Engine):
             copies = 1 if self.kv_cache == "shared" else 2
             self._buffers = [[[np.zeros(per * self.max_context, self.kv_dtype) for _ in self._past]
                               for _ in range(copies)] for _ in range(num_slots)]
-        self._current = [0] * num_slots  # concat: which copy holds the live cache
-        self._lengths = [0] * num_slots
         self._bound_cache = None
 
     def length(self, slot: int) -> int:
-        return self._lengths[slot]
+        return self.slots.lengths[slot]
 
     # --- forward -------------------------------------------------------------------------------
     def forward(self, rows: Sequence[Row]) -> list[np.ndarray]:
@@ -253,13 +251,13 @@ class OnnxRuntimeEngine(Engine):
         write = np.full(batch, cap - width, np.int64)  # slots without a row: spare rows at the end
         for r in group:
             ids[r.slot - lo, :len(r.tokens)] = r.tokens
-            write[r.slot - lo] = self._lengths[r.slot]
+            write[r.slot - lo] = self.slots.lengths[r.slot]
         steps = np.arange(width, dtype=np.int64)
         positions = write[:, None] + steps[None, :]
         # Attention runs over the first `window` rows: every real row's past and new (padded) tokens.
         # Slots without a row write past max_context, outside it: their rows attend to nothing
         # (their outputs are thrown away).
-        window = max(self._lengths[r.slot] for r in group) + width if self._windowed else cap
+        window = max(self.slots.lengths[r.slot] for r in group) + width if self._windowed else cap
         # Row b, new token i attends to every cached row before it and to new tokens 0..i.
         mask = np.arange(window)[None, None, None, :] <= positions[:, None, :, None]
         b = self._binding
@@ -284,7 +282,7 @@ class OnnxRuntimeEngine(Engine):
             out[slot] = logits[slot - lo, :n].astype(np.float32)  # a copy
             if aux is not None:  # the row's real tokens only, not its padding
                 self.last_aux_hidden[slot] = aux[slot - lo, :n].astype(np.float32, copy=False)
-            self._lengths[slot] += n
+            self.slots.advance(slot, n)
         return out
 
     def _bind_aux(self, rows: tuple[int, int]) -> np.ndarray | None:
@@ -298,7 +296,7 @@ class OnnxRuntimeEngine(Engine):
     def _run_one(self, slot: int, token_ids: Sequence[int]) -> np.ndarray:
         """Batch 1: the graphs made before "batched"."""
         n = len(token_ids)
-        past, total = self._lengths[slot], self._lengths[slot] + n
+        past, total = self.slots.lengths[slot], self.slots.lengths[slot] + n
         b = self._binding
         bind_row_inputs(b, token_ids, past, positions=self._has_positions, mask=self._has_mask)
         kv, hd = self.num_kv_heads, self.head_dim
@@ -310,7 +308,8 @@ class OnnxRuntimeEngine(Engine):
                     b.bind_output(present_name, "cpu", 0, self.kv_dtype, shape, buf.ctypes.data)
                 self._bound_cache = ("shared", slot)
         else:
-            src, dst = self._buffers[slot][self._current[slot]], self._buffers[slot][1 - self._current[slot]]
+            live, other = self.slots.buffers(slot)
+            src, dst = self._buffers[slot][live], self._buffers[slot][other]
             for name, buf in zip(self._past, src):
                 b.bind_input(name, "cpu", 0, self.kv_dtype, [1, kv, past, hd], buf.ctypes.data)
             for name, buf in zip(self._present, dst):
@@ -320,9 +319,7 @@ class OnnxRuntimeEngine(Engine):
         self.session.run_with_iobinding(b)
         if aux is not None:
             self.last_aux_hidden[slot] = aux[0].astype(np.float32, copy=False)
-        if self.kv_cache == "concat":
-            self._current[slot] = 1 - self._current[slot]
-        self._lengths[slot] = total
+        self.slots.advance(slot, n)
         return logits[0].astype(np.float32)  # a copy
 
     # --- rollback, prefix copies ---------------------------------------------------------------
@@ -335,34 +332,23 @@ class OnnxRuntimeEngine(Engine):
             return flat[slot * per:(slot + 1) * per].reshape(kv, self.capacity, hd)[:, :length]
         if self.kv_cache == "shared":
             return self._buffers[slot][0][layer_slot].reshape(kv, self.max_context, hd)[:, :length]
-        which = self._current[slot] if which is None else which
+        which = self.slots.current[slot] if which is None else which
         return self._buffers[slot][which][layer_slot][: kv * length * hd].reshape(kv, length, hd)
 
     def rollback(self, slot: int, length: int) -> None:
-        have = self._lengths[slot]
-        check_rollback(slot, length, have)
-        if length == have:
-            return
-        # batched/shared: rows at >= length are simply overwritten by the next forward. concat:
-        # compact the kept prefix of every head into the other buffer, then swap.
-        if length > 0 and self.kv_cache == "concat":
-            other = 1 - self._current[slot]
-            for i in range(len(self._past)):
-                self._view(slot, i, length, which=other)[:] = self._view(slot, i, have)[:, :length]
-            self._current[slot] = other
-        self._lengths[slot] = length
+        self.slots.rollback(slot, length, self._compact)
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        if not 0 <= length <= self._lengths[src]:
-            raise ValueError(f"copy of {length} tokens from slot {src}: it holds {self._lengths[src]}")
-        if src != dst and length:
-            have = self._lengths[src]
-            for i in range(len(self._past)):  # concat rows are packed per head: take the first `length` of each
-                self._view(dst, i, length)[:] = self._view(src, i, have)[:, :length]
-        elif src == dst:
-            self.rollback(dst, length)
-            return
-        self._lengths[dst] = length
+        self.slots.copy_prefix(src, dst, length, self._copy_rows, self._compact)
+
+    def _compact(self, slot: int, live: int, other: int, have: int, length: int) -> None:
+        """concat: the kept prefix of every head into the slot's other buffer."""
+        for i in range(len(self._past)):
+            self._view(slot, i, length, which=other)[:] = self._view(slot, i, have, which=live)[:, :length]
+
+    def _copy_rows(self, src: int, dst: int, have: int, length: int) -> None:
+        for i in range(len(self._past)):  # concat rows are packed per head: take the first `length` of each
+            self._view(dst, i, length)[:] = self._view(src, i, have)[:, :length]
 
     def memory(self) -> dict:
         data = self._graph.with_name(self._graph.name + ".data")

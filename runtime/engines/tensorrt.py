@@ -1,7 +1,7 @@
 """TensorRT backend: build a plan from the shipped ONNX on the device, and run it. Thin on purpose.
 
 Every decision around TensorRT (profile shapes, cache key, compatibility check, fallback) lives in
-code that runs without it (bundler.engines, runtime.engine_cache, runtime.engines). This module
+code that runs without it (bundler.pack.engines, runtime.engines.cache, runtime.engines). This module
 only talks to the real `tensorrt` Python API and to `cuda-python` for device memory, and is imported
 only on a device that asked for a TensorRT engine. It cannot run on the build machines of this
 project (no GPU, no libnvinfer); the logic above it is tested with the ONNX Runtime engine standing in.
@@ -22,8 +22,9 @@ from typing import Sequence
 import numpy as np
 
 from manifests.errors import EnvironmentProblem, ModelError
-from runtime.engine import Engine, Row, check_rollback
-from runtime.engine_cache import DeviceInfo
+from runtime.engines.base import Engine, Row
+from runtime.engines.slots import SlotTable
+from runtime.engines.cache import DeviceInfo
 from runtime.fsutil import write_atomic
 
 log = logging.getLogger(__name__)
@@ -128,11 +129,10 @@ class _DeviceBuffer:
 
 class _SlotKV:
     """One slot's cache: two device buffers per layer and k/v (ping-pong, like the concat graph on
-    ONNX Runtime), which one is live, and how many tokens it holds."""
+    ONNX Runtime); which one is live and how many tokens it holds are the engine's SlotTable."""
 
     def __init__(self, cudart, nbytes: int, tensors: int):
         self.kv = [[_DeviceBuffer(cudart, nbytes) for _ in range(tensors)] for _ in range(2)]
-        self.current, self.length = 0, 0
 
     def free(self) -> None:
         for buf in [*self.kv[0], *self.kv[1]]:
@@ -195,15 +195,14 @@ class TensorRTEngine(Engine):
         return 2 * len(self._past) * self._slot_bytes()
 
     def allocate_slots(self, num_slots: int) -> None:
-        if num_slots < 1:
-            raise ValueError(f"expected at least one slot, found {num_slots}")
+        self.slots = SlotTable(num_slots, ping_pong=True)
         for slot in self._slots:
             slot.free()
         self._slots = [_SlotKV(self._cudart, self._slot_bytes(), len(self._past)) for _ in range(num_slots)]
         self.num_slots = num_slots
 
     def length(self, slot: int) -> int:
-        return self._slots[slot].length
+        return self.slots.lengths[slot]
 
     def _h2d(self, buf: _DeviceBuffer, array: np.ndarray) -> None:
         _check(self._cudart.cudaMemcpyAsync(buf.ptr, array.ctypes.data, array.nbytes,
@@ -217,25 +216,18 @@ class TensorRTEngine(Engine):
 
     # --- forward ---------------------------------------------------------------------------------
     def forward(self, rows: Sequence[Row]) -> list[np.ndarray]:
-        from runtime.engine import ContextFull
+        self.check_rows(rows)
+        return [self._forward_slot(r.slot, list(r.tokens)) for r in rows]
 
-        slots = [r.slot for r in rows]
-        if len(set(slots)) != len(slots) or any(not 0 <= s < self.num_slots for s in slots):
-            raise ValueError(f"expected each slot in 0..{self.num_slots - 1} at most once, found {slots}")
-        for r in rows:
-            if self._slots[r.slot].length + len(r.tokens) > self.max_context:
-                raise ContextFull(f"context full: expected at most {self.max_context} tokens, found "
-                                  f"{self._slots[r.slot].length} + {len(r.tokens)} in slot {r.slot}")
-        return [self._forward_slot(self._slots[r.slot], list(r.tokens)) for r in rows]
-
-    def _forward_slot(self, slot: _SlotKV, token_ids: list[int]) -> np.ndarray:
+    def _forward_slot(self, index: int, token_ids: list[int]) -> np.ndarray:
         n = len(token_ids)
         if n == 0:
             return np.zeros((0, self.vocab_size), np.float32)
         if n > self._max_new:  # longer prompts go through in chunks of the largest profile
-            return np.concatenate([self._forward_slot(slot, token_ids[i:i + self._max_new])
+            return np.concatenate([self._forward_slot(index, token_ids[i:i + self._max_new])
                                    for i in range(0, n, self._max_new)])
-        past, total = slot.length, slot.length + n
+        slot = self._slots[index]
+        past, total = self.slots.lengths[index], self.slots.lengths[index] + n
         ctx, kv, hd = self.context, self.num_kv_heads, self.head_dim
         profile = self._pick_profile(n)
         if profile != self._profile:
@@ -254,7 +246,8 @@ class TensorRTEngine(Engine):
             self._h2d(self._mask, mask)
             ctx.set_input_shape("attention_mask", (1, total))
             ctx.set_tensor_address("attention_mask", self._mask.ptr)
-        src, dst = slot.kv[slot.current], slot.kv[1 - slot.current]
+        live, other = self.slots.buffers(index)
+        src, dst = slot.kv[live], slot.kv[other]
         for name, buf in zip(self._past, src):
             ctx.set_input_shape(name, (1, kv, past, hd))
             ctx.set_tensor_address(name, buf.ptr)
@@ -267,38 +260,33 @@ class TensorRTEngine(Engine):
         _check(self._cudart.cudaMemcpyAsync(host.ctypes.data, self._logits.ptr, host.nbytes,
                                             self._cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
         _check(self._cudart.cudaStreamSynchronize(self.stream))
-        slot.current, slot.length = 1 - slot.current, total
+        self.slots.advance(index, n)
         return host.astype(np.float32, copy=False)
 
     # --- rollback and prefix copies --------------------------------------------------------------
-    def _copy_rows(self, src: _SlotKV, dst_buffers: list, length: int) -> None:
-        """2D copy: every head's first `length` rows of src's live cache into `dst_buffers`, packed."""
+    def _copy_rows(self, src: list, src_length: int, dst: list, length: int) -> None:
+        """2D copy: every head's first `length` rows of the packed buffers `src` into `dst`, packed."""
         row = length * self.head_dim * self._itemsize
-        pitch_src = src.length * self.head_dim * self._itemsize
-        for s, d in zip(src.kv[src.current], dst_buffers):
+        pitch_src = src_length * self.head_dim * self._itemsize
+        for s, d in zip(src, dst):
             _check(self._cudart.cudaMemcpy2DAsync(d.ptr, row, s.ptr, pitch_src, row, self.num_kv_heads,
                                                   self._cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
                                                   self.stream))
         _check(self._cudart.cudaStreamSynchronize(self.stream))
 
     def rollback(self, slot: int, length: int) -> None:
-        s = self._slots[slot]
-        check_rollback(slot, length, s.length)
-        if 0 < length < s.length:  # compact into the other buffer, then swap
-            self._copy_rows(s, s.kv[1 - s.current], length)
-            s.current = 1 - s.current
-        s.length = length
+        self.slots.rollback(slot, length, self._compact)
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        a, b = self._slots[src], self._slots[dst]
-        if not 0 <= length <= a.length:
-            raise ValueError(f"copy of {length} tokens from slot {src}: it holds {a.length}")
-        if src == dst:
-            self.rollback(dst, length)
-            return
-        if length:
-            self._copy_rows(a, b.kv[b.current], length)
-        b.length = length
+        self.slots.copy_prefix(src, dst, length, self._copy_prefix, self._compact)
+
+    def _compact(self, slot: int, live: int, other: int, have: int, length: int) -> None:
+        kv = self._slots[slot].kv
+        self._copy_rows(kv[live], have, kv[other], length)
+
+    def _copy_prefix(self, src: int, dst: int, have: int, length: int) -> None:
+        a, b = self._slots[src].kv, self._slots[dst].kv
+        self._copy_rows(a[self.slots.current[src]], have, b[self.slots.current[dst]], length)
 
     def memory(self) -> dict:
         """Weights: the serialized plan's size (weights plus a little kernel code; TensorRT exposes no

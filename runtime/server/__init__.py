@@ -39,9 +39,9 @@ def open_installed(name_or_dir, *, store: Path | None, target: str, trust: tuple
                    echo: Callable[[str], None] = print):
     """An installed bundle: from the store by name, or a bundle directory verified and installed
     into a private temporary store (removed on exit, SIGTERM included), exactly as `bundle install`
-    would. A str follows runtime.store.bundle_ref's rule (a path only with a '/'); a Path is a directory."""
+    would. A str follows runtime.store.store.bundle_ref's rule (a path only with a '/'); a Path is a directory."""
     from runtime import settings
-    from runtime.store import Store, bundle_ref
+    from runtime.store.store import Store, bundle_ref
 
     home = Store(store or settings.default_store())
     if hasattr(name_or_dir, "manifest"):  # already an Installed: the same policy applies
@@ -50,7 +50,7 @@ def open_installed(name_or_dir, *, store: Path | None, target: str, trust: tuple
     ref = bundle_ref(name_or_dir)
     if isinstance(ref, Path):
         from runtime.signals import scratch_dir
-        from runtime.trust import trusted_keys
+        from runtime.store.trust import trusted_keys
 
         echo(f"bundle:      directory {ref} (a path)")
         if not ref.is_dir():
@@ -83,7 +83,7 @@ def serve(name_or_dir, *, store: Path | None = None, host: str | None = None, po
     """Load the bundle, print what is served, run uvicorn until interrupted.
 
     `name_or_dir`: an installed bundle's name (looked up in `store`), a bundle directory (verified
-    and installed into a temporary store first), or a runtime.store.Installed.
+    and installed into a temporary store first), or a runtime.store.store.Installed.
     `serve_args`: vLLM flags by their argument names (manifests.serve_config), laid over the bundle's
     serve defaults; the keyword arguments of the same meaning are kept for library callers.
     `speculative_config`: a Speculative, or vLLM-style JSON text / dict.

@@ -1,7 +1,7 @@
 """HTTP routes and the server object that owns the engine client; errors become OpenAI JSON.
 
 `OpenAIServer` builds, for one ServingModel: the slot plan (KV budget -> slots), the engine
-client (scheduler + model runner, runtime.engine_client), one handler per endpoint
+client (scheduler + model runner, runtime.serve.engine_client), one handler per endpoint
 (serving_chat, serving_completion, responses, tokenize, serving_models) and the worker threads for request
 input.
 
@@ -22,8 +22,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.engine_client import EngineClient, SlotPlan, plan_slots
-from runtime.scheduler import SchedulerConfig
+from runtime.serve.engine_client import EngineClient, SlotPlan, plan_slots
+from runtime.serve.scheduler import SchedulerConfig
 from runtime.server.errors import APIError
 from runtime.server.metrics import Metrics
 from runtime.server.serving_chat import ServingChat

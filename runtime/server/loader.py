@@ -11,14 +11,13 @@ from pathlib import Path
 
 from manifests import speculative as speculative_config
 from manifests.errors import ModelError, UsageError
+from manifests.families import EAGLE3_ARCHITECTURES
 from manifests.schema import Manifest, Speculative
-from runtime.chat_template import ChatTemplate
+from runtime.serve.chat_template import ChatTemplate
 from runtime.server.serving_engine import ServingModel
-from runtime.speculative import Generator
-from runtime.tokenizer import Tokenizer
+from runtime.serve.generator import Generator
+from runtime.serve.tokenizer import Tokenizer
 
-#: config.json architectures of EAGLE-3 heads (bundler.eagle3.ARCHITECTURES; runtime does not import bundler)
-EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
 def parse_speculative_config(text: str | None) -> Speculative | None:
@@ -56,7 +55,7 @@ def resolve_speculative(manifest: Manifest, override: Speculative | None, disabl
 
 def build_generator(target, draft, spec: Speculative, *, adaptive: bool = True) -> Generator:
     """The server's generator: num_speculative_tokens is the most a step verifies; how many it does is
-    picked per step from measured costs (runtime.spec_length) unless `adaptive` is False.
+    picked per step from measured costs (runtime.serve.spec_length) unless `adaptive` is False.
     vLLM's `disable_by_batch_size` turns speculation off above that many running requests."""
     lo = spec.prompt_lookup_min or 2
     hi = spec.prompt_lookup_max or max(4, lo)
@@ -77,7 +76,7 @@ def disable_by_batch_size(spec: Speculative) -> int | None:
 
 
 def _eagle3_head(root: Path, manifest: Manifest, target_id: str, max_context: int | None):
-    from runtime.eagle3 import OnnxDrafter
+    from runtime.serve.eagle3 import OnnxDrafter
 
     record = next((e for e in manifest.target(target_id).engines if e.model == "draft" and e.format == "onnx"), None)
     if record is None:
@@ -88,7 +87,7 @@ def _eagle3_head(root: Path, manifest: Manifest, target_id: str, max_context: in
 def load_serving_model(installed, *, target_id: str | None = None, speculative: Speculative | None = None,
                        no_speculation: bool = False, max_model_len: int | None = None,
                        cache_dir: Path | None = None, load_engine=None) -> ServingModel:
-    """`installed`: runtime.store.Installed (name, version, target, path, manifest)."""
+    """`installed`: runtime.store.store.Installed (name, version, target, path, manifest)."""
     if load_engine is None:
         from runtime.engines import load_engine
     manifest: Manifest = installed.manifest

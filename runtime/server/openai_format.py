@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from runtime.logits_process import TokenLogprob
+from runtime.serve.logits_process import TokenLogprob
 
 
 def sse(obj) -> str:

@@ -74,7 +74,7 @@ def apply_serve_config(installed, given: dict, *, spec_override: Speculative | N
                        no_speculation: bool = False, max_queued_requests: int = 16, log_interval_s: float = 10.0,
                        cache_dir: Path | None = None, echo: Callable[[str], None] = print,
                        load_engine=None) -> Setup:
-    from runtime.chat_template import ChatTemplate
+    from runtime.serve.chat_template import ChatTemplate
     from runtime.server.loader import load_serving_model, parse_speculative_config
     from runtime.server.app import OpenAIServer
     from runtime.server.request_plan import Features

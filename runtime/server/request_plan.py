@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from manifests.errors import UsageError
-from runtime.grammar import GrammarCompiler, GrammarError, GrammarSpec, spec_from_request, tool_call_schema
-from runtime.logits_process import LogitsProcessor, Penalties, ReasoningGate, parse_logit_bias
-from runtime.sampling import SamplingParams
+from runtime.serve.grammar import GrammarCompiler, GrammarError, GrammarSpec, spec_from_request, tool_call_schema
+from runtime.serve.logits_process import LogitsProcessor, Penalties, ReasoningGate, parse_logit_bias
+from runtime.serve.sampling import SamplingParams
 from runtime.server.chat_output import ChatOutput
 from runtime.server.reasoning_parsers import make_reasoning_parser
 from runtime.server.tool_parsers import NamedToolCallParser, RequiredToolCallParser, make_tool_parser
@@ -92,7 +92,7 @@ def _tool_mode(req, features: Features) -> tuple[str, dict | None]:
 
 def plan_for(req, *, chat: bool, features: Features, defaults: dict, vocab_size: int,
              eos_ids: frozenset[int], compiler: GrammarCompiler | None, tokenizer=None) -> Plan:
-    """`tokenizer` (runtime.tokenizer.Tokenizer): needed when a reasoning parser gates a grammar."""
+    """`tokenizer` (runtime.serve.tokenizer.Tokenizer): needed when a reasoning parser gates a grammar."""
     d = defaults
 
     def pick(name, default):
@@ -145,7 +145,7 @@ def plan_for(req, *, chat: bool, features: Features, defaults: dict, vocab_size:
         if compiler is None:
             raise RequestError("structured output is not available on this server (llguidance missing)",
                                "response_format")
-        try:  # once, here in the worker thread: each choice's constraint is a copy (runtime.grammar)
+        try:  # once, here in the worker thread: each choice's constraint is a copy (runtime.serve.grammar)
             grammar = compiler.compile(spec)
         except GrammarError as e:
             raise RequestError(str(e), "response_format" if mode == "none" else "tools") from None

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from runtime.chat_template import ChatTemplateError
+from runtime.serve.chat_template import ChatTemplateError
 from runtime.server import openai_format as F
 from runtime.server import protocol as P
 from runtime.server.errors import APIError, unsupported

@@ -20,18 +20,19 @@ from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from manifests.errors import UsageError
-from runtime.chat_template import ChatTemplate
-from runtime.engine_client import EngineClient
+from runtime.serve.chat_template import ChatTemplate
+from runtime.serve.engine_client import EngineClient
 from runtime.limits import MAX_CHOICES
-from runtime.scheduler import EngineRequest
+from runtime.serve.scheduler import EngineRequest
 from runtime.server import openai_format as F
 from runtime.server import protocol as P
 from runtime.server.body import decode, read_body
 from runtime.server.errors import APIError
 from runtime.server.metrics import Metrics
 from runtime.server.request_plan import Features, Plan, RequestError, plan_for
-from runtime.speculative import Generator, Step
-from runtime.tokenizer import TextStream, Tokenizer
+from runtime.serve.generator import Generator
+from runtime.serve.speculative import Step
+from runtime.serve.tokenizer import TextStream, Tokenizer
 
 log = logging.getLogger("bundle.serve")
 
@@ -160,7 +161,7 @@ class OpenAIServing:
     def compiler(self):
         """The grammar compiler (llguidance over the tokenizer), built on the first structured request."""
         if self._compiler[0] is None:
-            from runtime.grammar import GrammarCompiler
+            from runtime.serve.grammar import GrammarCompiler
 
             self._compiler[0] = GrammarCompiler.for_tokenizer(self.model.tokenizer,
                                                               self.model.generator.target.vocab_size)
@@ -224,7 +225,7 @@ class OpenAIServing:
     def submit(self, req: P._Common, plan: Plan, choices: list[tuple[list[int], int]]) -> list[Job]:
         """Admit one request's choices (or 400 / 429), then hand each to the engine client: (prompt, max_tokens),
         `plan.n` consecutive choices per prompt. The choices of one request run side by side in the batch,
-        taking turns for slots with other requests (runtime.scheduler)."""
+        taking turns for slots with other requests (runtime.serve.scheduler)."""
         self._admit(len(choices))
         loop = asyncio.get_running_loop()
         self.engine.attach(loop)

@@ -52,13 +52,13 @@ def context(runtime_bundle_for, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def runtime_bundle_for(runtime_bundle, tmp_path_factory):
     """The session's runtime bundle when this machine's platform is the base image's; else one made for it."""
-    from bundler.wheelhouse import host_platform
+    from bundler.pack.wheelhouse import host_platform
 
     if host_platform() == BASE_PLATFORM:
         return runtime_bundle
-    from bundler.create import create_bundle, local_model
-    from bundler.engines import target_files_hook
-    from bundler.keys import load_private_key
+    from bundler.pack.create import create_bundle, local_model
+    from bundler.pack.engines import target_files_hook
+    from bundler.pack.keys import load_private_key
     from tests.bundler.wheelhouse.conftest import RuntimeBundle
 
     root = tmp_path_factory.mktemp("bundle-cp311")
@@ -133,7 +133,7 @@ def test_runtime_image_installs_and_serves_with_no_network(podman, context, tmp_
 
 def test_builder_image_builds_without_cuda(podman, tmp_path):
     """The build host's image, on the Debian base, from the two wheels and a local wheelhouse (no network)."""
-    from bundler.wheelhouse import download_platform
+    from bundler.pack.wheelhouse import download_platform
 
     ctx = tmp_path / "ctx"
     (ctx / "dist").mkdir(parents=True)
@@ -156,7 +156,7 @@ def test_builder_image_builds_without_cuda(podman, tmp_path):
 
 
 def _version() -> str:
-    from bundler.wheelhouse import floor_version
+    from bundler.pack.wheelhouse import floor_version
     return floor_version()
 
 

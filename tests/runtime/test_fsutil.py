@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from runtime.engine_cache import EngineCache, engine_key
+from runtime.engines.cache import EngineCache, engine_key
 from runtime.fsutil import write_atomic
 
 

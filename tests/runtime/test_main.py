@@ -1,4 +1,4 @@
-"""The `bundle` entry point (runtime.main): documented exit codes with and without --debug, and a missing
+"""The `bundle` entry point (runtime.cli.main): documented exit codes with and without --debug, and a missing
 build-host dependency named with the package to install (exit 6) instead of a ModuleNotFoundError."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from manifests.errors import EnvironmentProblem, UsageError
-from runtime.main import BUILD_HOST_COMMANDS, main
+from runtime.cli.main import BUILD_HOST_COMMANDS, main
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
@@ -34,7 +34,7 @@ def test_create_without_the_build_extra_names_it(tmp_path, monkeypatch, capsys):
     # The full package installed without [build]: torch and transformers cannot be imported.
     for name in ("torch", "transformers"):
         monkeypatch.setitem(sys.modules, name, None)
-    for name in [m for m in sys.modules if m.startswith("bundler.export") or m == "bundler.engines"]:
+    for name in [m for m in sys.modules if m.startswith("bundler.onnx.export") or m == "bundler.pack.engines"]:
         monkeypatch.delitem(sys.modules, name)
     code = main(["create", "--targets", "cpu", "--name", "demo", "--version", "1", "--unsigned", "--no-runtime",
                  "--no-progress", "--out", str(tmp_path / "b")])
@@ -49,14 +49,14 @@ def test_unexpected_error_is_one_line_and_exit_1(monkeypatch, capsys):
     def boom(*a, **k):
         raise RuntimeError("kaput")
 
-    monkeypatch.setattr("runtime.cli_targets.all_profiles", boom)
+    monkeypatch.setattr("runtime.cli.targets.all_profiles", boom)
     assert main(["targets"]) == 1
     err = capsys.readouterr().err
     assert "error (internal): RuntimeError: kaput" in err and "Traceback" not in err
 
 
 def test_build_host_commands_are_plugins_of_the_full_package():
-    from runtime.main import plugin_commands
+    from runtime.cli.main import plugin_commands
 
     assert set(BUILD_HOST_COMMANDS) <= set(plugin_commands()), (
         "the full package registers keygen/create/build-engines in the bundle.commands entry-point group")
@@ -92,5 +92,5 @@ def test_the_real_entry_point_loads_no_build_host_module_for_floor_commands(tmp_
     r = subprocess.run([str(exe), "serve", "--help"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     loaded = record.read_text().split()
-    assert "runtime.main" in loaded and "runtime.cli_serve" in loaded
+    assert "runtime.cli.main" in loaded and "runtime.cli.serve" in loaded
     assert not [m for m in loaded if m.split(".")[0] == "bundler"], loaded

@@ -11,7 +11,6 @@ import pytest
 
 from manifests.errors import UsageError
 from runtime import settings
-
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "tests" / "samples" / "format-v1"
 

@@ -18,9 +18,9 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bundler.create import create_bundle, local_model
-from bundler.engines import target_files_hook
-from bundler.keys import generate_key, load_private_key
+from bundler.pack.create import create_bundle, local_model
+from bundler.pack.engines import target_files_hook
+from bundler.pack.keys import generate_key, load_private_key
 from manifests.schema import FORMAT_VERSION, Builder
 
 HERE = Path(__file__).resolve().parent
@@ -32,7 +32,7 @@ SAMPLE_PLATFORMS = [f"linux_{arch}-cp3{minor}" for arch in ("x86_64", "aarch64")
 
 
 def greedy_tokens(installed, prompt=PROMPT, max_tokens=MAX_TOKENS) -> dict:
-    from runtime.sampling import SamplingParams
+    from runtime.serve.sampling import SamplingParams
     from runtime.server.loader import load_serving_model
 
     out = {}
@@ -44,8 +44,8 @@ def greedy_tokens(installed, prompt=PROMPT, max_tokens=MAX_TOKENS) -> dict:
 
 
 def main() -> int:
-    from runtime.store import Store
-    from runtime.trust import load_public_key
+    from runtime.store.store import Store
+    from runtime.store.trust import load_public_key
     from tests.models import make_tiny_checkpoint
 
     dest = HERE / f"format-v{FORMAT_VERSION}"
@@ -61,7 +61,7 @@ def main() -> int:
         generate_key(work / "sample.key")
         wheelhouse = None
         if FORMAT_VERSION >= 2:
-            from bundler.wheelhouse import wheelhouse_from_files
+            from bundler.pack.wheelhouse import wheelhouse_from_files
             from tests.wheels import make_wheel
 
             wheel = make_wheel(work / "wheels", SAMPLE_RUNTIME[0], SAMPLE_RUNTIME[1],

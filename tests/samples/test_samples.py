@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from manifests.schema import FORMAT_VERSION
-from runtime.store import Store
-from runtime.trust import load_public_key
-from runtime.verify import verify_bundle
+from runtime.store.store import Store
+from runtime.store.trust import load_public_key
+from runtime.store.verify import verify_bundle
 from tests.samples.make_sample import greedy_tokens
 
 HERE = Path(__file__).resolve().parent

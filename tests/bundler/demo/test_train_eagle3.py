@@ -9,12 +9,10 @@ import json
 import numpy as np
 
 from bundler import demo
-
-
 def test_prepare_train_and_compare_tiny(tmp_path):
     from dataclasses import replace
 
-    from bundler import eagle3
+    from bundler.onnx import eagle3
     from bundler.demo import train_eagle3 as t
 
     tokens = tmp_path / "tokens"
@@ -55,7 +53,7 @@ def test_the_smaller_recipes_make_smaller_heads_than_the_draft():
     """The v3 family's sizes at the demo target's shape (what the README's table states)."""
     import json as _json
 
-    from bundler import eagle3
+    from bundler.onnx import eagle3
     from bundler.demo import train_eagle3 as t
 
     tc = _json.loads((demo.DEMO_TARGET_DIR / "config.json").read_text())
@@ -80,7 +78,7 @@ def test_unrolled_attention_equals_the_layer_under_the_training_time_test_mask()
     ttt_mask over every earlier step's keys (the reference the ONNX export and chain drafting share)."""
     import torch
 
-    from bundler import eagle3
+    from bundler.onnx import eagle3
     from bundler.demo import train_eagle3 as t
 
     torch.manual_seed(0)

@@ -52,8 +52,8 @@ def _close(got, want, dtype):
 def test_aux_hidden_states_match_transformers(variant, target, reference, tmp_path):
     import onnx
 
-    from bundler.export import export_onnx
-    from runtime.engine import Row
+    from bundler.onnx.export import export_onnx
+    from runtime.engines.base import Row
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
 
     layout, dtype = VARIANTS[variant]
@@ -82,7 +82,7 @@ def test_aux_hidden_states_match_transformers(variant, target, reference, tmp_pa
 
 
 def test_graph_without_aux_layers_has_no_aux_output(target, tmp_path):
-    from bundler.export import export_onnx
+    from bundler.onnx.export import export_onnx
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
 
     engine = OnnxRuntimeEngine(export_onnx(target, tmp_path, kv_cache="batched").graph, max_context=32)
@@ -95,7 +95,7 @@ def test_bfloat16_graph_keeps_a_float32_aux_output(target, tmp_path):
     checked nowhere here (the H200 runs were float16)."""
     import onnx
 
-    from bundler.export import export_onnx
+    from bundler.onnx.export import export_onnx
 
     result = export_onnx(target, tmp_path / "onnx", kv_cache="batched", dtype="bfloat16", aux_layer_ids=LAYERS)
     model = onnx.load(str(result.graph), load_external_data=False)

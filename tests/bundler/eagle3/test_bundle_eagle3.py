@@ -17,7 +17,7 @@ from tests.models import make_tiny_checkpoint
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
-    from bundler.keys import generate_key
+    from bundler.pack.keys import generate_key
 
     root = tmp_path_factory.mktemp("eagle3-keys")
     generate_key(root / "key")
@@ -31,15 +31,15 @@ def _create(out, keys, spec, *model, targets="cpu"):
 
 def _install_and_load(bundle, keys, store, target="cpu", **kw):
     from runtime.server.loader import load_serving_model
-    from runtime.store import Store
-    from runtime.trust import trusted_keys
+    from runtime.store.store import Store
+    from runtime.store.trust import trusted_keys
 
     Store(store).install(bundle, target=target, trusted=trusted_keys([keys / "key.pub"], trust_dir=None))
     return load_serving_model(Store(store).current("e3"), **kw)
 
 
 def _greedy(model, prompt, n=24):
-    from runtime.sampling import SamplingParams
+    from runtime.serve.sampling import SamplingParams
 
     return [t for s in model.generator.generate(prompt, SamplingParams(temperature=0.0), max_tokens=n)
             for t in s.tokens]

@@ -24,7 +24,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target_graph(pair):
-    from bundler.export import export_onnx
+    from bundler.onnx.export import export_onnx
 
     root, target, _ = pair
     return export_onnx(target, root / "target-onnx", aux_layer_ids=LAYERS)
@@ -73,7 +73,7 @@ def test_target_graph_aux_hidden_states_match_output_hidden_states(pair, target_
 
 
 def test_aux_layer_ids_out_of_range_refused(pair, tmp_path):
-    from bundler.export import export_onnx
+    from bundler.onnx.export import export_onnx
 
     with pytest.raises(UsageError, match=r"expected aux layer ids in 0\.\.3, found \[1, 4, 2\]"):
         export_onnx(pair[1], tmp_path, aux_layer_ids=(1, 4, 2))
@@ -83,8 +83,7 @@ def test_head_graph_matches_torch_forward_over_catch_up_and_chain(pair, tmp_path
     import torch
     from safetensors.torch import load_file
 
-    from bundler import eagle3
-
+    from bundler.onnx import eagle3
     _, target, head_dir = pair
     meta = eagle3.export_head_onnx(head_dir, target, tmp_path, kv_cache="concat")
     assert meta["bundle.aux_hidden_state_layer_ids"] == "0,2,3" and meta["bundle.draft_vocab_size"] == "300"
@@ -122,8 +121,7 @@ def test_head_graph_matches_torch_forward_over_catch_up_and_chain(pair, tmp_path
 
 
 def test_head_checks_against_target(pair):
-    from bundler import eagle3
-
+    from bundler.onnx import eagle3
     _, target, head_dir = pair
     cfg = eagle3.read_head_config(head_dir)
     tcfg = json.loads((target / "config.json").read_text())
@@ -139,8 +137,7 @@ def test_head_checks_against_target(pair):
 
 
 def test_vocab_map_refused_when_not_one_to_one(pair):
-    from bundler import eagle3
-
+    from bundler.onnx import eagle3
     cfg = eagle3.read_head_config(pair[2])
     d2t = np.zeros(cfg.draft_vocab_size, np.int64)  # identity map: fine
     t2d = np.zeros(cfg.vocab_size, bool)
@@ -158,8 +155,8 @@ def test_drafter_on_either_head_layout_matches_torch_forward(layout, pair, tmp_p
     import torch
     from safetensors.torch import load_file
 
-    from bundler import eagle3
-    from runtime.eagle3 import OnnxDrafter
+    from bundler.onnx import eagle3
+    from runtime.serve.eagle3 import OnnxDrafter
 
     _, target, head_dir = pair
     meta = eagle3.export_head_onnx(head_dir, target, tmp_path, kv_cache=layout)

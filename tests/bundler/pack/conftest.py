@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bundler.keys import generate_key, load_private_key
+from bundler.pack.keys import generate_key, load_private_key
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ from datetime import datetime, timezone
 
 from click.testing import CliRunner
 
-from bundler.create import create_bundle, local_model
-from bundler.engines import target_files_hook
-from runtime.store import Store
-from runtime.trust import load_public_key
+from bundler.pack.create import create_bundle, local_model
+from bundler.pack.engines import target_files_hook
+from runtime.store.store import Store
+from runtime.store.trust import load_public_key
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 
@@ -37,7 +37,7 @@ def test_by_default_weights_no_target_installs_are_left_out_listed_and_the_bundl
     trusted = dict([load_public_key(key_paths[0].with_name(key_paths[0].name + ".pub"))])
     installed = Store(tmp_path / "store").install(out, target="cpu", trusted=trusted)
     assert installed.manifest.model("target").extra["omitted_files"] == omitted  # signed, survives the trip
-    from runtime.sampling import SamplingParams
+    from runtime.serve.sampling import SamplingParams
     from runtime.server.loader import load_serving_model
 
     model = load_serving_model(installed)
@@ -59,7 +59,7 @@ def test_with_checkpoint_weights_carries_them_installed_by_no_target_and_keeps_t
     assert lean.model("draft").source.revision == full.model("draft").source.revision
 
     # inspect: bytes per target, what was left out (sizes), what travels that no target installs.
-    from runtime.inspect import format_inspect, inspect_bundle
+    from runtime.store.inspect import format_inspect, inspect_bundle
 
     weights_size = sum(f.size for f in weights)
     info = inspect_bundle(tmp_path / "lean")
@@ -90,8 +90,8 @@ def test_weights_a_target_installs_are_never_left_out(tiny_pair, signing_key, ke
 
 def test_cli_flags_both_spellings(monkeypatch, tmp_path):
     """--with-checkpoint-weights carries them; --no-checkpoint-weights (the default) is still accepted."""
-    import bundler.create
-    from bundler.cli_pack import create
+    import bundler.pack.create
+    from bundler.cli.pack import create
 
     seen = []
 
@@ -102,7 +102,7 @@ def test_cli_flags_both_spellings(monkeypatch, tmp_path):
         seen.append(kw["checkpoint_weights"])
         raise Stop
 
-    monkeypatch.setattr(bundler.create, "create_bundle", fake_create_bundle)
+    monkeypatch.setattr(bundler.pack.create, "create_bundle", fake_create_bundle)
     for flags, expected in (([], False), (["--no-checkpoint-weights"], False), (["--with-checkpoint-weights"], True)):
         result = CliRunner().invoke(create, ["--targets", "cpu", "--name", "d", "--version", "1", "--unsigned",
                                              "--out", str(tmp_path / "o"), "--no-progress", *flags])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bundler.cli import main
-from bundler.keys import generate_key
+from bundler.pack.keys import generate_key
 from manifests.errors import UsageError
 from manifests.layout import COMPLETE_MARKER
 from tests.bundler.pack.helpers import read_layout
@@ -85,7 +85,6 @@ def test_without_model_uses_the_committed_demo_pair(tmp_path, capsys):
 
 def test_without_model_and_no_demo_pair_says_what_is_missing(tmp_path, capsys, monkeypatch):
     from bundler import demo
-
     monkeypatch.setattr(demo, "DEMO_TARGET_DIR", tmp_path / "not-built" / "target")
     assert _create_without_model(tmp_path / "b") == UsageError.exit_code
     err = capsys.readouterr().err

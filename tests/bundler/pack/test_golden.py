@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bundler.create import ModelInput, create_bundle
+from bundler.pack.create import ModelInput, create_bundle
 from manifests.schema import Builder, Manifest, ModelSource
 from tests.bundler.pack.helpers import read_layout
 

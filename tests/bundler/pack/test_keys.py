@@ -10,9 +10,9 @@ from click.testing import CliRunner
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from bundler import cli_pack
+from bundler.cli import pack as cli_pack
 from bundler.cli import main
-from bundler.keys import generate_key, load_private_key, public_key_id
+from bundler.pack.keys import generate_key, load_private_key, public_key_id
 from manifests.errors import UsageError
 
 

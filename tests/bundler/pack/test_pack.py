@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from cryptography.exceptions import InvalidSignature
 
-from bundler.create import create_bundle, local_model
-from bundler.keys import public_key_id
-from bundler.pack import PackFile, pack_bundle, part_length
+from bundler.pack.create import create_bundle, local_model
+from bundler.pack.keys import public_key_id
+from bundler.pack.pack import PackFile, pack_bundle, part_length
 from manifests.errors import UsageError
 from manifests.layout import (
     BLOBS_DIR, COMPLETE_MARKER, DSSE_PAYLOAD_TYPE, MANIFEST_MEDIA_TYPE, PART_MEDIA_TYPE, SIGNATURE_MEDIA_TYPE,
@@ -47,7 +47,7 @@ def _create(out, model_dir, keys, draft_dir=None, **kw):
 @pytest.fixture(scope="module")
 def packed(tiny_pair, key_paths, tmp_path_factory):
     """The tiny pair packed once with two signatures and 1 MiB parts."""
-    from bundler.keys import load_private_key
+    from bundler.pack.keys import load_private_key
 
     out = tmp_path_factory.mktemp("bundle") / "assistant-3"
     keys = [load_private_key(p) for p in key_paths]
@@ -90,7 +90,7 @@ def test_manifest_records_models_targets_and_settings(packed, tiny_pair):
     assert (target.root, draft.root) == ("models/target", "models/draft")
     assert target.source.type == "local" and target.source.path is None  # where it lay identifies nothing
     assert target.architecture == "LlamaForCausalLM"
-    # Local revision = digest over sorted "path\0size\0sha256" lines of what was packed (as bundler.resolve does).
+    # Local revision = digest over sorted "path\0size\0sha256" lines of what was packed (as bundler.resolve.checkpoint does).
     lines = sorted(f"{f.path.removeprefix('models/target/')}\0{f.size}\0{f.sha256}\n"
                    for f in manifest.files if f.path.startswith("models/target/"))
     assert target.source.revision == "sha256:" + hashlib.sha256("".join(lines).encode()).hexdigest()
@@ -117,8 +117,7 @@ def test_both_signatures_verify_with_cryptography(packed):
 
 
 def test_runtime_verifier_accepts_the_bundle(packed, key_paths):
-    from runtime import trust, verify
-
+    from runtime.store import trust, verify
     out, manifest, keys = packed
     trusted = trust.trusted_keys([Path(str(key_paths[0]) + ".pub")], trust_dir=None)
     result = verify.verify_bundle(out, trusted)

@@ -10,9 +10,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from bundler import pack as pack_module
-from bundler.create import create_bundle, local_model
-from bundler.pack import PackFile, pack_bundle
+from bundler.pack import pack as pack_module
+from bundler.pack.create import create_bundle, local_model
+from bundler.pack.pack import PackFile, pack_bundle
 from manifests.errors import UsageError
 from runtime.fsutil import file_sha256
 from tests.bundler.pack.helpers import unpack_file

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from bundler.cli import main
-from bundler.provenance import public_remote
+from bundler.resolve.provenance import public_remote
 from tests.bundler.pack.helpers import read_layout
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bundler import pack as pack_module
-from bundler.create import ModelInput, create_bundle, local_model
+from bundler.pack import pack as pack_module
+from bundler.pack.create import ModelInput, create_bundle, local_model
 from manifests.layout import BLOBS_DIR, COMPLETE_MARKER, INDEX_FILE
 from runtime.fsutil import file_sha256
 from tests.bundler.pack.helpers import read_layout, unpack_file
@@ -155,7 +155,7 @@ def test_sigkill_mid_pack_then_rerun_completes(model_copy, tmp_path):
     assert not (out / COMPLETE_MARKER).exists() and not (out / INDEX_FILE).exists()
     before = _blob_inodes(out)
     journal = (out / pack_module.JOURNAL_FILE).read_text().splitlines()
-    # every landed blob but those in flight (one per thread: --jobs 1 runs 2, see bundler.pack) is known for reuse
+    # every landed blob but those in flight (one per thread: --jobs 1 runs 2, see bundler.pack.pack) is known for reuse
     assert len(journal) >= len(before) - 2
 
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)

@@ -11,8 +11,8 @@ import pytest
 from bundler.cli import main
 from manifests.errors import ModelError
 from manifests.layout import COMPLETE_MARKER
-from runtime.chat_template import ChatTemplate
-from runtime.tokenizer import Tokenizer
+from runtime.serve.chat_template import ChatTemplate
+from runtime.serve.tokenizer import Tokenizer
 from tests.models import CHAT_TEMPLATE
 
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from bundler.checks import (check_architecture, check_fits, check_pair, estimate_memory, run_preflight_checks,
+from bundler.resolve.checks import (check_architecture, check_fits, check_pair, estimate_memory, run_preflight_checks,
                             safetensors_weight_bytes)
-from bundler.resolve import resolve_models
+from bundler.resolve.checkpoint import resolve_models
 from manifests.errors import ModelError
 from manifests.targets import get_profile
 from tests.bundler.resolve.conftest import BIG_CONFIG
@@ -66,7 +66,7 @@ def test_too_big_for_orin_nano_is_refused_with_numbers(tmp_path):
         check_fits(tmp_path, nano, 8192, name="acme/llama-8b")
     msg = str(e.value)
     assert "acme/llama-8b does not fit jetson-orin-nano: expected at most 8.0 GiB (8589934592 bytes)" in msg
-    # What the fp16 TensorRT engine allocates (bundler.checks.FORMULA): 8.03 B parameters x 2 bytes = 14.96 GiB;
+    # What the fp16 TensorRT engine allocates (bundler.resolve.checks.FORMULA): 8.03 B parameters x 2 bytes = 14.96 GiB;
     # KV cache 2 ping-pong copies x 2 (K, V) x 32 layers x 8 heads x 128 x 8192 tokens x 2 bytes = 2 GiB;
     # activations 512 x 128256 x 4 (fp32 logits of a prefill chunk) + 512 x (4 x 4096 + 2 x 14336) x 2 = 294.5 MiB
     assert "needs 17.2 GiB (18516811776 bytes)" in msg and "weights 15.0 GiB (from config.json)" in msg

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bundler.keys import generate_key
-from runtime.trust import load_public_key
-from runtime.verify import verify_bundle
+from bundler.pack.keys import generate_key
+from runtime.store.trust import load_public_key
+from runtime.store.verify import verify_bundle
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bundler.keys import generate_key
+from bundler.pack.keys import generate_key
 from manifests.errors import ModelError
-from runtime.trust import load_public_key
-from runtime.verify import verify_bundle
+from runtime.store.trust import load_public_key
+from runtime.store.verify import verify_bundle
 from tests.bundler.resolve.test_create_from_hub import bundle
 
 
@@ -22,10 +22,10 @@ def _create(hub, tmp_path, head_ref, out, *extra):
 
 
 def test_hub_head_pinned_locked_packed_installed_served(hub, tmp_path):
-    from runtime.sampling import SamplingParams
+    from runtime.serve.sampling import SamplingParams
     from runtime.server.loader import load_serving_model
-    from runtime.store import Store
-    from runtime.trust import trusted_keys
+    from runtime.store.store import Store
+    from runtime.store.trust import trusted_keys
 
     key = tmp_path / "k"
     generate_key(key)

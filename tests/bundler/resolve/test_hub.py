@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from bundler.resolve import resolve_model
-from bundler.resolve_errors import (DigestMismatch, GatedRepo, HubAuthFailed, HubUnreachable, RepoNotFound,
+from bundler.resolve.checkpoint import resolve_model
+from bundler.resolve.errors import (DigestMismatch, GatedRepo, HubAuthFailed, HubUnreachable, RepoNotFound,
                                     RevisionNotFound)
 from manifests.errors import ResolveError, UsageError
 from tests.bundler.resolve.hub_server import Fault, free_port

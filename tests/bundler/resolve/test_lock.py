@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from bundler.lockfile import (LOCK_NAME, entry_from_resolved, read_lock, refs_from_lock, write_lock)
-from bundler.resolve import resolve_model, resolve_models
-from bundler.resolve_errors import LockMismatch
+from bundler.resolve.lockfile import (LOCK_NAME, entry_from_resolved, read_lock, refs_from_lock, write_lock)
+from bundler.resolve.checkpoint import resolve_model, resolve_models
+from bundler.resolve.errors import LockMismatch
 from manifests.errors import UsageError
 from tests.bundler.resolve.hub_server import copy_checkpoint
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = """
 import json, sys
 from manifests.errors import BundleError
-from bundler.resolve import resolve_model
+from bundler.resolve.checkpoint import resolve_model
 try:
     m = resolve_model(sys.argv[1], role="target")
 except BundleError as e:

@@ -8,11 +8,11 @@ import hashlib
 import pytest
 import zstandard
 
-from bundler import resolve as resolve_module
-from bundler.create import create_bundle, input_from_resolved
-from bundler.lockfile import LOCK_NAME, write_lock
-from bundler.resolve import check_packed, fetch_model, plan_model, resolve_model, resolve_models
-from bundler.resolve_errors import DigestMismatch, LockMismatch
+from bundler.resolve import checkpoint as resolve_module
+from bundler.pack.create import create_bundle, input_from_resolved
+from bundler.resolve.lockfile import LOCK_NAME, write_lock
+from bundler.resolve.checkpoint import check_packed, fetch_model, plan_model, resolve_model, resolve_models
+from bundler.resolve.errors import DigestMismatch, LockMismatch
 from manifests.layout import BLOBS_DIR, COMPLETE_MARKER, INDEX_FILE
 
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from bundler.resolve import parse_ref, resolve_model
-from bundler.select_files import select_files
+from bundler.resolve.checkpoint import parse_ref, resolve_model
+from bundler.resolve.select_files import select_files
 from manifests.errors import ResolveError, UsageError
 from manifests.speculative import parse_speculative_config
 

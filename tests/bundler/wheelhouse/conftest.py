@@ -39,10 +39,10 @@ def run_bootstrap(bundle: Path, pub: Path, prefix: Path, *extra: str, env: dict 
 
 @pytest.fixture(scope="session")
 def runtime_bundle(tmp_path_factory) -> RuntimeBundle:
-    from bundler.create import create_bundle, local_model
-    from bundler.engines import target_files_hook
-    from bundler.keys import generate_key, load_private_key
-    from bundler.wheelhouse import host_platform
+    from bundler.pack.create import create_bundle, local_model
+    from bundler.pack.engines import target_files_hook
+    from bundler.pack.keys import generate_key, load_private_key
+    from bundler.pack.wheelhouse import host_platform
 
     root = tmp_path_factory.mktemp("runtime-bundle")
     target = make_tiny_checkpoint(root / "target", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from bundler.keys import generate_key, load_private_key
+from bundler.pack.keys import generate_key, load_private_key
 from manifests import layout as L
-from runtime.trust import trusted_keys
-from runtime.verify import verify_bundle
+from runtime.store.trust import trusted_keys
+from runtime.store.verify import verify_bundle
 from tests.bundler.wheelhouse.conftest import run_bootstrap, system_python
 from tests.conftest import unshare_problem
-from tests.runtime.floor.craft import envelope, flip_byte, oci_manifest, resign
+from tests.runtime.store.craft import envelope, flip_byte, oci_manifest, resign
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -105,7 +105,7 @@ def test_bootstrap_then_floor_only_venv_installs_and_serves_offline(runtime_bund
     assert out["create"][0] == 6 and "pip install 'bundle[build]'" in out["create"][1], out["create"]
     assert out["install"][0] == 0, out["install"]
     assert out["reply"][0] in ("stop", "length") and out["reply"][1] > 0
-    assert "runtime.main" in out["imported"] and "runtime.server.app" in out["imported"], out["imported"][:50]
+    assert "runtime.cli.main" in out["imported"] and "runtime.server.app" in out["imported"], out["imported"][:50]
     assert not [m for m in out["imported"] if m.split(".")[0] == "bundler"], out["imported"]
     venvs = [p for p in (tmp_path / "opt").iterdir() if p.name.startswith("runtime-")]
     site = next((venvs[0] / "lib").glob("python3*/site-packages"))
@@ -217,7 +217,7 @@ def test_tampered_bundle_is_refused_with_nothing_installed(case, runtime_bundle,
 
 @pytest.mark.parametrize("case", sorted(MUTATIONS) + ["intact"])
 def test_bootstrap_and_runtime_verify_agree(case, runtime_bundle, bundle_copy, tmp_path):
-    """Same bundles accepted and refused: the bootstrap's openssl check and runtime/verify.py."""
+    """Same bundles accepted and refused: the bootstrap's openssl check and runtime/store/verify.py."""
     if case != "intact":
         MUTATIONS[case][0](bundle_copy, runtime_bundle.key, tmp_path)
     r = run_bootstrap(bundle_copy, runtime_bundle.pub, tmp_path / "opt", "--verify-only")
@@ -248,7 +248,7 @@ def test_malformed_trust_key_is_a_usage_error(runtime_bundle, tmp_path):
 def test_openssh_trust_key_works_like_pem(runtime_bundle, tmp_path):
     from cryptography.hazmat.primitives import serialization
 
-    from runtime.trust import load_public_key
+    from runtime.store.trust import load_public_key
 
     _, key = load_public_key(runtime_bundle.pub)
     ssh = tmp_path / "release.pub"

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from bundler.pack import PackFile, pack_bundle
-from bundler.wheelhouse import (
+from bundler.pack.pack import PackFile, pack_bundle
+from bundler.pack.wheelhouse import (
     default_platforms, host_platform, parse_platforms, pip_platform_args, wheel_fits, wheelhouse_from_files,
 )
 from manifests import layout as L
 from manifests.errors import BadBundleError, UsageError
 from manifests.schema import Manifest, Model, ModelSource, Target
-from runtime.inspect import format_inspect, inspect_bundle
-from runtime.store import Store
-from runtime.verify import verify_bundle
-from tests.runtime.floor.craft import oci_manifest
+from runtime.store.inspect import format_inspect, inspect_bundle
+from runtime.store.store import Store
+from runtime.store.verify import verify_bundle
+from tests.runtime.store.craft import oci_manifest
 from tests.wheels import make_wheel
 
 
@@ -170,7 +170,7 @@ def test_schema_refuses_inconsistent_runtime_sections(change, message):
 
 def test_extra_wheels_are_carried_for_the_platforms_they_fit(tmp_path, monkeypatch):
     """--extra-wheels: a site's aarch64 wheel joins the aarch64 wheelhouse only (pip resolution stubbed out)."""
-    import bundler.wheelhouse as wh
+    import bundler.pack.wheelhouse as wh
 
     site = tmp_path / "site"
     floor = make_wheel(site, "bundle-runtime", wh.floor_version())
@@ -192,14 +192,14 @@ def test_extra_wheels_are_carried_for_the_platforms_they_fit(tmp_path, monkeypat
 
 
 def test_extra_wheels_must_be_a_folder(tmp_path):
-    import bundler.wheelhouse as wh
+    import bundler.pack.wheelhouse as wh
 
     with pytest.raises(UsageError, match="--extra-wheels"):
         wh.build_wheelhouse(["linux_x86_64-cp311"], tmp_path / "w", extra_wheels=tmp_path / "nope")
 
 
 def test_with_and_no_runtime_together_is_a_usage_error(tmp_path, capsys):
-    from runtime.main import main
+    from runtime.cli.main import main
 
     code = main(["create", "--targets", "cpu", "--name", "d", "--version", "1", "--unsigned", "--no-progress",
                  "--with-runtime", "linux_x86_64-cp311", "--no-runtime", "--out", str(tmp_path / "b")])
@@ -207,7 +207,7 @@ def test_with_and_no_runtime_together_is_a_usage_error(tmp_path, capsys):
 
 
 def test_copy_carries_the_bootstrap_from_its_blob(tmp_path):
-    from runtime.copy import copy_bundle
+    from runtime.store.copy import copy_bundle
 
     shared = make_wheel(tmp_path / "w", "tiny-runtime", "1.0")
     out = _pack_with(tmp_path, {"linux_x86_64-cp311": [shared]})
@@ -234,7 +234,7 @@ def test_a_stored_file_a_target_needs_installs_like_a_compressed_one(tmp_path):
 @pytest.mark.parametrize("swap", ["wheel-as-zstd-part", "zstd-part-as-wheel", "unknown-media-type"])
 def test_layer_media_types_must_match_how_each_part_is_stored(swap, tmp_path):
     """A stored wheel passed off as a zstd part (or the reverse, or a made-up type) is a bad bundle."""
-    from tests.runtime.floor.craft import write_oci_manifest
+    from tests.runtime.store.craft import write_oci_manifest
 
     out = _pack_with(tmp_path, {"linux_x86_64-cp311": [make_wheel(tmp_path / "w", "tiny-runtime", "1.0")]})
     oci = oci_manifest(out)

@@ -1,4 +1,4 @@
-"""Host memory with the interface of runtime.cuda.Cudart, so the CUDA engine's bookkeeping runs without a GPU.
+"""Host memory with the interface of runtime.engines.cudalib.Cudart, so the CUDA engine's bookkeeping runs without a GPU.
 
 runtime.engines.cuda binds "device" pointers and copies between them; given this object it binds host
 pointers instead and ONNX Runtime's CPU provider runs the graph. Every slot, bucket, rollback and

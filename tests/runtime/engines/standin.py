@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runtime.engine_cache import DeviceInfo
+from runtime.engines.cache import DeviceInfo
 from runtime.engines.onnxruntime import OnnxRuntimeEngine
 
 

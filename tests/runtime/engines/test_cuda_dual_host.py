@@ -1,4 +1,4 @@
-"""The CUDA engine over both graphs (bundler.export_dual), without a GPU: decode rows through the
+"""The CUDA engine over both graphs (bundler.onnx.dual), without a GPU: decode rows through the
 GroupQueryAttention graph, multi-token rows through the Attention graph, one cache, one copy of the weights.
 
 As in test_cuda_engine_host.py, `memory=HostMemory()` makes the engine bind host buffers and run on
@@ -17,7 +17,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from runtime.engine import Row
+from runtime.engines.base import Row
 from tests.runtime.engines.host_memory import HostMemory
 
 
@@ -25,9 +25,9 @@ from tests.runtime.engines.host_memory import HostMemory
 def dual(tiny_export, tmp_path_factory) -> dict:
     """The tiny llama's fp16 Attention graph ("graph") with its decode graph ("decode"), the GQA graph
     alone ("gqa"), the fp32 pair ("graph32", "decode32") and the "checkpoint"."""
-    from bundler.export import export_onnx
-    from bundler.export_dual import add_decode_graph
-    from bundler.export_gqa import GQA_FUSIONS
+    from bundler.onnx.export import export_onnx
+    from bundler.onnx.dual import add_decode_graph
+    from bundler.onnx.inplace import GQA_FUSIONS
 
     ckpt = tiny_export[0]
     root = tmp_path_factory.mktemp("cuda-dual")
@@ -85,9 +85,9 @@ def test_the_decode_graph_points_into_the_attention_graphs_weights(dual):
 
 
 def test_share_weights_refuses_a_graph_of_other_weights(dual, tmp_path):
-    from bundler.export import export_onnx
-    from bundler.export_dual import share_weights
-    from bundler.export_gqa import GQA_FUSIONS
+    from bundler.onnx.export import export_onnx
+    from bundler.onnx.dual import share_weights
+    from bundler.onnx.inplace import GQA_FUSIONS
     from manifests.errors import ModelError
     from tests.models import make_tiny_checkpoint
 
@@ -127,7 +127,7 @@ def test_mixed_steps_match_transformers(dual):
     """Three slots, steps mixing decode rows, verification rows and prefill chunks in one forward: every
     row's logits are transformers' for that slot's tokens; decode rows are one GroupQueryAttention call,
     the multi-token rows Attention calls (a row in exactly one)."""
-    from tests.bundler.export.test_parity import FP16_RTOL, reference_logits
+    from tests.bundler.onnx.test_parity import FP16_RTOL, reference_logits
 
     rng = np.random.default_rng(1)
     streams = [rng.integers(0, 500, 40).tolist() for _ in range(3)]
@@ -176,8 +176,8 @@ def test_dual_rollback_and_prefix_copy_match_the_attention_graph(dual):
 def test_greedy_speculation_through_the_dual_engine_is_plain_greedy(dual):
     """Draft-model speculation (verification rows through the Attention graph, decode rows through the
     GroupQueryAttention graph) emits the same greedy tokens as plain decoding, and as the single graph."""
-    from runtime.model_runner import ModelRunner
-    from runtime.scheduler import Scheduler
+    from runtime.serve.model_runner import ModelRunner
+    from runtime.serve.scheduler import Scheduler
     from tests.runtime.serve.test_scheduler import Recorder, run_together
 
     rng = np.random.default_rng(4)
@@ -249,8 +249,8 @@ def test_the_two_sessions_do_not_each_hold_the_weights(tmp_path):
     fp32: ONNX Runtime's CPU provider would cast fp16 weights to fp32 copies (no fp16 MatMul there)."""
     from pathlib import Path
 
-    from bundler.export import export_onnx
-    from bundler.export_dual import add_decode_graph
+    from bundler.onnx.export import export_onnx
+    from bundler.onnx.dual import add_decode_graph
     from tests.models import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "llama", vocab_size=8192, hidden_size=256, intermediate_size=704,
@@ -310,13 +310,13 @@ def test_a_decode_graph_of_another_kind_is_refused(dual):
 
 
 def test_a_cuda_bundles_engine_record_names_the_decode_graph_the_engine_loads(dual, tmp_path):
-    """bundler.engines plans the `cuda` target with both graphs; laid out as installed, the loader's
+    """bundler.pack.engines plans the `cuda` target with both graphs; laid out as installed, the loader's
     decode_graph_of finds the decode graph by the record and the engine runs both; a record without it
     (older bundles) gives None, and one naming a file it does not carry is refused."""
     import dataclasses
     import shutil
 
-    from bundler.engines import prepare_targets
+    from bundler.pack.engines import prepare_targets
     from manifests.errors import ModelError
     from runtime.engines import decode_graph_of
     from runtime.engines.cuda import CudaEngine

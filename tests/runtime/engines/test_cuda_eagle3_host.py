@@ -14,7 +14,7 @@ import functools
 import numpy as np
 import pytest
 
-from runtime.engine import Row
+from runtime.engines.base import Row
 from tests.runtime.engines.host_memory import HostMemory
 
 LAYERS = (0, 1, 2)
@@ -28,11 +28,11 @@ FP16_RTOL = 1e-2
 @pytest.fixture(scope="module")
 def eagle3(tmp_path_factory) -> dict:
     """The tiny target's graphs with aux output, made the way `bundle create --targets cuda` makes them
-    (bundler.engines with the EAGLE-3 export): "graph" + "decode" (fp16 dual), "graph32" + "decode32"
+    (bundler.pack.engines with the EAGLE-3 export): "graph" + "decode" (fp16 dual), "graph32" + "decode32"
     (float32 pair), and the head's graph "head"."""
-    from bundler.engines import _eagle3_export, export_models
-    from bundler.export import export_onnx
-    from bundler.export_dual import add_decode_graph
+    from bundler.pack.engines import _eagle3_export, export_models
+    from bundler.onnx.export import export_onnx
+    from bundler.onnx.dual import add_decode_graph
     from runtime.profiles import get_profile
     from tests.eagle3_models import make_tiny_head
     from tests.models import make_tiny_checkpoint
@@ -125,8 +125,8 @@ def test_aux_rows_equal_the_cpu_engines(eagle3, variant, greedy):
 
 def test_decode_graph_without_the_aux_output_refused(eagle3, tmp_path):
     """Both graphs must return the aux rows: a decode graph exported without them is refused at load."""
-    from bundler.export import export_onnx
-    from bundler.export_dual import add_decode_graph
+    from bundler.onnx.export import export_onnx
+    from bundler.onnx.dual import add_decode_graph
     from manifests.errors import ModelError
     from runtime.engines.cuda import CudaEngine
 
@@ -143,9 +143,9 @@ def test_eagle3_speculation_greedy_token_identical_to_plain(eagle3, variant, k):
     """The head drafts from the CUDA engine's aux rows (the argmax-only path: forward_greedy); greedy output
     equals plain greedy decoding on the same kind of engine (fp16 dual: plain decode steps run the
     GroupQueryAttention graph, verification the Attention graph)."""
-    from runtime.eagle3 import OnnxDrafter
-    from runtime.sampling import SamplingParams
-    from runtime.speculative import Generator
+    from runtime.serve.eagle3 import OnnxDrafter
+    from runtime.serve.sampling import SamplingParams
+    from runtime.serve.generator import Generator
 
     fp32, single = variant.endswith("fp32"), variant.startswith("single")
     plain = Generator(cuda_engine(eagle3, fp32=fp32, single=single, max_context=128), method="none")

@@ -13,14 +13,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.engine import Row
-from tests.bundler.export.test_parity import FP16_RTOL, check_parity
+from runtime.engines.base import Row
+from tests.bundler.onnx.test_parity import FP16_RTOL, check_parity
 from tests.runtime.engines.test_cuda_eagle3_host import check_aux_rows, fp16_close
 from tests.runtime.engines.test_cuda_eagle3_host import eagle3  # noqa: F401 (the fixture)
 
 
 def _why_not() -> str | None:
-    from runtime.cuda import onnxruntime_cuda
+    from runtime.engines.cudalib import onnxruntime_cuda
 
     return onnxruntime_cuda()[1]
 
@@ -33,9 +33,9 @@ BF16_RTOL = 4e-2  # bf16 keeps 8 bits of mantissa: weights, activations and cach
 
 @pytest.fixture(scope="module")
 def gpu_graphs(tiny_export, tmp_path_factory) -> dict:
-    from bundler.export import export_onnx
-    from bundler.export_dual import add_decode_graph
-    from bundler.export_gqa import GQA_FUSIONS
+    from bundler.onnx.export import export_onnx
+    from bundler.onnx.dual import add_decode_graph
+    from bundler.onnx.inplace import GQA_FUSIONS
 
     ckpt = tiny_export[0]
     root = tmp_path_factory.mktemp("cuda")
@@ -114,9 +114,9 @@ def test_decode_runs_every_node_on_the_gpu(gpu_graphs, graph):
 
 @pytest.mark.parametrize("graph", ["fp16", "gqa", "dual"])
 def test_speculation_is_greedy_token_for_token(gpu_graphs, tmp_path, graph):
-    from bundler.export import export_onnx
-    from runtime.sampling import SamplingParams
-    from runtime.speculative import Generator
+    from bundler.onnx.export import export_onnx
+    from runtime.serve.sampling import SamplingParams
+    from runtime.serve.generator import Generator
     from tests.runtime.engines.test_fp16_fallback import noisy_copy
 
     draft_ckpt = noisy_copy(gpu_graphs["checkpoint"], tmp_path / "draft")
@@ -149,9 +149,9 @@ def test_eagle3_aux_rows_on_the_device_equal_the_cpu_engines(eagle3, cuda_graphs
 
 @pytest.mark.parametrize("graph", ["single", "dual"])
 def test_eagle3_speculation_on_the_device_is_greedy_token_for_token(eagle3, graph):
-    from runtime.eagle3 import OnnxDrafter
-    from runtime.sampling import SamplingParams
-    from runtime.speculative import Generator
+    from runtime.serve.eagle3 import OnnxDrafter
+    from runtime.serve.sampling import SamplingParams
+    from runtime.serve.generator import Generator
 
     decode = eagle3["decode"] if graph == "dual" else None
     prompt, greedy = [5, 17, 42, 9, 300], SamplingParams(temperature=0.0)
@@ -168,7 +168,7 @@ def test_the_head_on_the_cuda_provider_equals_it_on_the_cpu_provider(eagle3):
     """The head's in-place cache on the CUDA provider (an OrtValue in GPU memory): step by step, prefill then
     chain steps over a rollback, its logits and hidden rows equal the CPU provider's. With host buffers as
     that cache, ONNX Runtime 1.31's CUDA provider drafted wrongly (10 % acceptance on the H200, not 66 %)."""
-    from runtime.eagle3 import OnnxDrafter
+    from runtime.serve.eagle3 import OnnxDrafter
 
     cpu = OnnxDrafter(eagle3["head"], max_context=64)
     gpu = OnnxDrafter(eagle3["head"], max_context=64, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
@@ -199,7 +199,7 @@ def test_the_head_on_the_cuda_provider_equals_it_on_the_cpu_provider(eagle3):
 def test_the_dual_engines_sessions_read_its_one_copy_of_the_weights(gpu_graphs):
     """Shared initializers on the device: zeroing the engine's lm_head buffer zeroes the logits of rows of
     both graphs (a session with a copy of its own would not see it)."""
-    from runtime.cuda import H2D
+    from runtime.engines.cudalib import H2D
 
     engine = engine_for(gpu_graphs, "dual", max_context=64, num_slots=2)
     assert engine.cuda_graphs, engine.cuda_graph_error
@@ -215,7 +215,7 @@ def test_the_dual_engines_sessions_read_its_one_copy_of_the_weights(gpu_graphs):
 
 
 def test_thor_fallback_concat_graph_on_the_gpu_matches_transformers(tiny_export, tmp_path):
-    from bundler.export import export_onnx
+    from bundler.onnx.export import export_onnx
 
     ckpt = tiny_export[0]
     result = export_onnx(ckpt, tmp_path / "c", dtype="float16")
@@ -225,7 +225,7 @@ def test_thor_fallback_concat_graph_on_the_gpu_matches_transformers(tiny_export,
 
 
 def test_detection_reads_the_gpu():
-    from runtime.cuda import gpu
+    from runtime.engines.cudalib import gpu
 
     found = gpu()
     assert found is not None and found.memory_bytes > 2**30 and found.compute_capability.count(".") == 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.engine import ContextFull, Row
+from runtime.engines.base import ContextFull, Row
 from tests.runtime.engines.host_memory import HostMemory
 
 
@@ -19,8 +19,8 @@ from tests.runtime.engines.host_memory import HostMemory
 def graphs(tiny_export, tmp_path_factory) -> dict:
     """"batched" (fp32), "batched-fp16", "gqa-fp16" (the GroupQueryAttention decode graph), "concat-fp16"
     graphs of the tiny llama, and its "checkpoint"."""
-    from bundler.export import export_onnx
-    from bundler.export_gqa import GQA_FUSIONS
+    from bundler.onnx.export import export_onnx
+    from bundler.onnx.inplace import GQA_FUSIONS
 
     ckpt = tiny_export[0]
     root = tmp_path_factory.mktemp("cuda-host")
@@ -131,8 +131,8 @@ def test_the_runner_asks_for_the_argmax_only_on_greedy_steps_with_the_same_token
     """ModelRunner on the CUDA engine: greedy decode copies 8 bytes a token to the host, not a logits
     row, and produces the tokens the full-logits path produces (plain and draft-model speculation)."""
     from runtime.engines.cuda import D2H
-    from runtime.model_runner import ModelRunner
-    from runtime.scheduler import Scheduler
+    from runtime.serve.model_runner import ModelRunner
+    from runtime.serve.scheduler import Scheduler
     from tests.runtime.serve.test_scheduler import Recorder, run_together
 
     class CountingHost(HostMemory):
@@ -168,7 +168,7 @@ def test_the_runner_asks_for_the_argmax_only_on_greedy_steps_with_the_same_token
 
 
 def test_the_gqa_graph_matches_transformers_prefill_decode_verify_rollback(graphs):
-    from tests.bundler.export.test_parity import FP16_RTOL, check_parity
+    from tests.bundler.onnx.test_parity import FP16_RTOL, check_parity
 
     engine = host_engine(graphs["gqa-fp16"], max_context=128)
     assert "fp16 kv-cache batched gqa" in engine.description

@@ -14,7 +14,7 @@ import logging
 
 import pytest
 
-from runtime.engine_cache import FALLBACK_NAME
+from runtime.engines.cache import FALLBACK_NAME
 from tests.runtime.engines.standin import StandInBackend
 from tests.runtime.engines.test_load_engine import plan_bundle
 
@@ -116,7 +116,7 @@ def test_cuda_target_without_a_gpu_runs_on_the_cpu_recorded_and_logged(tiny_expo
 
 def test_the_real_cuda_probe_says_why_not_here():
     """On a machine without an NVIDIA GPU the real probe answers with a reason, never an exception."""
-    from runtime.cuda import gpu, onnxruntime_cuda
+    from runtime.engines.cudalib import gpu, onnxruntime_cuda
 
     if gpu() is not None:
         pytest.skip("an NVIDIA GPU is present here; tests/runtime/engines/test_cuda_engine.py covers it")

@@ -31,7 +31,7 @@ def noisy_copy(checkpoint, out, scale: float = 0.1):
 @pytest.fixture(scope="module")
 def fp16_bundle(tiny_export, tmp_path_factory):
     """An igx-thor bundle (target + draft, same tokenizer) laid out as installed."""
-    from bundler.engines import prepare_targets
+    from bundler.pack.engines import prepare_targets
 
     root = tmp_path_factory.mktemp("fp16-bundle")
     target = tiny_export[0]
@@ -44,8 +44,8 @@ def fp16_bundle(tiny_export, tmp_path_factory):
 def test_fallback_runs_the_fp16_graph_and_speculation_equals_plain_greedy(fp16_bundle, tmp_path):
     from runtime.engines import load_engine
     from runtime.engines.tensorrt import TensorRTBackend
-    from runtime.sampling import SamplingParams
-    from runtime.speculative import Generator
+    from runtime.serve.sampling import SamplingParams
+    from runtime.serve.generator import Generator
 
     if TensorRTBackend().device() is not None:
         pytest.skip("a real TensorRT GPU is present; the ONNX Runtime fallback is not taken")

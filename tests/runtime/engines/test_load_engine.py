@@ -34,7 +34,7 @@ def install_tree(files, targets, root: Path) -> Manifest:
 
 
 def plan_bundle(tiny_exports, tmp_path, target_ids, host_backend, **options):
-    from bundler.engines import prepare_targets
+    from bundler.pack.engines import prepare_targets
 
     checkpoint = tiny_exports["concat"].graph  # unused by the export below: every layout is exported once
     files, targets = prepare_targets(target_ids, {"target": checkpoint}, tmp_path / "work",
@@ -86,7 +86,7 @@ def test_a_record_whose_layout_differs_from_the_graph_is_refused(tiny_exports, t
 
 
 def test_no_shipped_engine_builds_locally_once_and_caches(tiny_exports, tmp_path):
-    from runtime.engine_cache import BUILD_NAME, KEY_NAME
+    from runtime.engines.cache import BUILD_NAME, KEY_NAME
     from runtime.engines import load_engine
 
     root, manifest = plan_bundle(tiny_exports, tmp_path, ["jetson-thor"], StandInBackend(None))
@@ -122,7 +122,7 @@ def test_a_shipped_plan_built_from_another_graph_or_options_is_not_used(tiny_exp
     """The plan's key must match the shipped ONNX and its build options, not merely itself."""
     import dataclasses
 
-    from runtime.engine_cache import canonical_sha256
+    from runtime.engines.cache import canonical_sha256
     from runtime.engines import load_engine
 
     host = StandInBackend("11.0", "10.13.3.9")
@@ -141,7 +141,7 @@ def test_a_shipped_plan_built_from_another_graph_or_options_is_not_used(tiny_exp
 
 
 def test_key_mismatch_falls_back_to_a_local_build_and_records_why(tiny_exports, tmp_path):
-    from runtime.engine_cache import BUILD_NAME
+    from runtime.engines.cache import BUILD_NAME
     from runtime.engines import load_engine
 
     root, manifest = plan_bundle(tiny_exports, tmp_path, ["jetson-thor"], StandInBackend("11.0", "10.13.3.9"))
@@ -158,7 +158,7 @@ def test_key_mismatch_falls_back_to_a_local_build_and_records_why(tiny_exports, 
 
 
 def test_a_cache_entry_with_another_key_is_not_used(tiny_exports, tmp_path):
-    from runtime.engine_cache import KEY_NAME
+    from runtime.engines.cache import KEY_NAME
     from runtime.engines import load_engine
 
     root, manifest = plan_bundle(tiny_exports, tmp_path, ["jetson-thor"], StandInBackend(None))
@@ -171,7 +171,7 @@ def test_a_cache_entry_with_another_key_is_not_used(tiny_exports, tmp_path):
 
 
 def test_without_tensorrt_onnxruntime_stands_in_and_it_is_recorded(tiny_exports, tmp_path, caplog):
-    from runtime.engine_cache import FALLBACK_NAME
+    from runtime.engines.cache import FALLBACK_NAME
     from runtime.engines import load_engine
     from runtime.engines.tensorrt import NOT_INSTALLED, TensorRTBackend
 

@@ -1,4 +1,4 @@
-"""The preflight memory estimate (bundler.checks) against what the engines really allocate.
+"""The preflight memory estimate (bundler.resolve.checks) against what the engines really allocate.
 
 The engines here are the real ONNX Runtime engine over the graphs each target ships: the fp32 batched
 graph for `cpu` (one sequence's slot), the fp16 concat graph (two ping-pong KV buffers, as the TensorRT engine allocates)
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from bundler.checks import FORMULA, estimate_memory
+from bundler.resolve.checks import FORMULA, estimate_memory
 from manifests.targets import get_profile
 from runtime.engines.onnxruntime import OnnxRuntimeEngine
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from manifests.errors import ModelError, ServeError
-from runtime.engine import Row
+from runtime.engines.base import Row
 
 LAYOUTS = ["concat", "shared", "batched"]
 

@@ -22,7 +22,7 @@ def test_without_tensorrt_the_backend_reports_no_device_and_why():
 
 @pytest.mark.skipif(not HAVE_TENSORRT, reason=REASON)
 def test_build_and_run_matches_onnxruntime(tiny_export, tmp_path):
-    from bundler.engines import ServeShape, build_options
+    from bundler.pack.engines import ServeShape, build_options
     from manifests.targets import get_profile
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
     from runtime.engines.tensorrt import TensorRTBackend
@@ -47,7 +47,7 @@ def test_build_and_run_matches_onnxruntime(tiny_export, tmp_path):
 def test_tensorrt_engine_implements_the_slot_interface_with_batch_1_inside():
     """Importable without TensorRT: every slot operation is implemented (no abstract method left), and it
     says it runs rows one after another (the scheduler then does not expect one call to batch them)."""
-    from runtime.engine import Engine
+    from runtime.engines.base import Engine
     from runtime.engines.tensorrt import TensorRTEngine
 
     assert issubclass(TensorRTEngine, Engine) and not TensorRTEngine.__abstractmethods__

@@ -25,7 +25,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def onnx_graphs(tiny_models, tmp_path_factory) -> dict[str, Path]:
-    from bundler.export import export_onnx
+    from bundler.onnx.export import export_onnx
 
     root = tmp_path_factory.mktemp("tiny-onnx")
     graphs = {}
@@ -39,7 +39,7 @@ def onnx_graphs(tiny_models, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def batched_graphs(tiny_models, tmp_path_factory) -> dict[str, Path]:
     """target and draft exported with the "batched" KV cache (one buffer for all slots)."""
-    from bundler.export import export_onnx
+    from bundler.onnx.export import export_onnx
 
     root = tmp_path_factory.mktemp("tiny-batched")
     return {name: export_onnx(tiny_models[name], root / name, kv_cache="batched").graph for name in ("target", "draft")}
@@ -67,11 +67,11 @@ class Bundle:
 @pytest.fixture(scope="session")
 def installed_bundle(tiny_models, tmp_path_factory) -> Bundle:
     """`bundle create` (cpu target, target + draft, signed) then `bundle install`, through the libraries."""
-    from bundler.create import create_bundle, local_model
-    from bundler.engines import target_files_hook
-    from bundler.keys import generate_key, load_private_key
-    from runtime.store import Store
-    from runtime.trust import trusted_keys
+    from bundler.pack.create import create_bundle, local_model
+    from bundler.pack.engines import target_files_hook
+    from bundler.pack.keys import generate_key, load_private_key
+    from runtime.store.store import Store
+    from runtime.store.trust import trusted_keys
 
     root = tmp_path_factory.mktemp("tiny-bundle")
     generate_key(root / "key")
@@ -86,7 +86,7 @@ def installed_bundle(tiny_models, tmp_path_factory) -> Bundle:
 @pytest.fixture(scope="session")
 def serving_model(installed_bundle):
     from runtime.server.loader import load_serving_model
-    from runtime.store import Store
+    from runtime.store.store import Store
 
     return load_serving_model(Store(installed_bundle.store).current("tiny"))
 
@@ -147,8 +147,8 @@ def demo_installed(tmp_path_factory):
     """The demo pair, made by `bundle create --serve-arg ...` (unsigned, cpu) and installed."""
     from click.testing import CliRunner
 
-    from bundler.cli_pack import create
-    from runtime.store import Store
+    from bundler.cli.pack import create
+    from runtime.store.store import Store
 
     root = tmp_path_factory.mktemp("demo-surface")
     r = CliRunner().invoke(create, ["--targets", "cpu", "--name", "demo", "--version", "1", "--unsigned",

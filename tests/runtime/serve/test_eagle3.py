@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from manifests.errors import UsageError
-from runtime.eagle3 import Drafter, OnnxDrafter
+from runtime.serve.eagle3 import Drafter, OnnxDrafter
 from runtime.engines.onnxruntime import OnnxRuntimeEngine
-from runtime.sampling import SamplingParams
-from runtime.speculative import Generator
+from runtime.serve.sampling import SamplingParams
+from runtime.serve.generator import Generator
 from tests.eagle3_models import make_tiny_head
 from tests.models import make_tiny_checkpoint
 from tests.runtime.serve.test_sampling import PROMPT, _exact, _pvalue, _sample, _tables
@@ -23,8 +23,8 @@ LAYERS = (0, 1, 2)
 @pytest.fixture(scope="module", params=["batched", "concat"])
 def graphs(request, tmp_path_factory):
     """(target graph with aux output, head graph): the batched target graph bundles ship, and the concat one."""
-    from bundler import eagle3
-    from bundler.export import export_onnx
+    from bundler.onnx import eagle3
+    from bundler.onnx.export import export_onnx
 
     root = tmp_path_factory.mktemp("eagle3-serve")
     target = make_tiny_checkpoint(root / "target", num_layers=3, seed=5)
@@ -54,9 +54,9 @@ def test_greedy_token_identical_to_plain(graphs, k):
 
 def test_demo_head_accepts_on_demo_target(tmp_path):
     """The shipped head on the shipped target: well above a random head's acceptance, output still identical."""
-    from bundler import eagle3
+    from bundler.onnx import eagle3
     from bundler.demo import DEMO_TARGET_DIR
-    from bundler.export import export_onnx
+    from bundler.onnx.export import export_onnx
 
     head_dir = DEMO_TARGET_DIR.parent / "eagle3"
     cfg = eagle3.read_head_config(head_dir)
@@ -135,7 +135,7 @@ def test_eagle3_needs_a_head_and_target_features():
 
 def test_serve_eagle3_on_a_draft_model_bundle_refused(installed_bundle):
     from runtime.server.loader import load_serving_model, parse_speculative_config
-    from runtime.store import Store
+    from runtime.store.store import Store
 
     with pytest.raises(UsageError, match="eagle3 needs an EAGLE-3 head.*carries a draft model"):
         load_serving_model(Store(installed_bundle.store).current("tiny"),
@@ -154,8 +154,8 @@ def assert_concurrent_greedy_equals_each_alone(make_target, head_graph) -> None:
     """The scheduler check of test_concurrent_greedy_equals_each_alone_with_prefix_reuse, for any target
     engine (`make_target(**kw)`; `num_slots=3` for the slotted one): ONNX Runtime here, CUDA in
     tests/runtime/engines/test_cuda_eagle3_host.py."""
-    from runtime.model_runner import ModelRunner
-    from runtime.scheduler import Scheduler
+    from runtime.serve.model_runner import ModelRunner
+    from runtime.serve.scheduler import Scheduler
     from tests.runtime.serve.test_scheduler import Recorder, run_together
 
     rng = np.random.default_rng(4)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from runtime.engine import SequenceSlots
-from runtime.engine_client import EngineClient, LoopInbox
-from runtime.model_runner import ModelRunner
-from runtime.sampling import SamplingParams
-from runtime.scheduler import EngineRequest, SchedulerConfig
+from runtime.engines.base import SequenceSlots
+from runtime.serve.engine_client import EngineClient, LoopInbox
+from runtime.serve.model_runner import ModelRunner
+from runtime.serve.sampling import SamplingParams
+from runtime.serve.scheduler import EngineRequest, SchedulerConfig
 from tests.runtime.serve.test_sampling import _tables
 from tests.runtime.serve.toy_engines import MarkovEngine
 

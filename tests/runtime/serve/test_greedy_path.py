@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.engine import Row
-from runtime.logits_process import LogitsProcessor
-from runtime.model_runner import ModelRunner
-from runtime.sampling import SamplingParams
-from runtime.scheduler import EngineRequest, Scheduler
+from runtime.engines.base import Row
+from runtime.serve.logits_process import LogitsProcessor
+from runtime.serve.model_runner import ModelRunner
+from runtime.serve.sampling import SamplingParams
+from runtime.serve.scheduler import EngineRequest, Scheduler
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -147,7 +147,7 @@ def test_greedy_verification_uses_the_argmax_and_accepts_the_same_drafts(recordi
 def test_a_new_runner_over_a_used_engine_starts_from_empty_slots(engine_factory):
     """A second Generator (or server) over an engine an earlier one filled must not read the old caches: its
     slot mirrors start empty, so the engine's slots must be emptied too."""
-    from runtime.speculative import Generator
+    from runtime.serve.generator import Generator
 
     engine, draft = engine_factory("target"), engine_factory("draft")
     prompt = [5, 17, 3, 99, 42, 7]

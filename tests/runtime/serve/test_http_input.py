@@ -68,8 +68,8 @@ def test_body_limit_is_413_and_documented(server):
     assert r.status_code == 413 and str(MAX_BODY_BYTES) in r.json()["error"]["message"]
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
-    assert "413" in readme and "8 MiB" in readme
+    serving = (Path(__file__).resolve().parents[3] / "docs" / "serving.md").read_text()
+    assert "413" in serving and "8 MiB" in serving
 
 
 def test_a_huge_prompt_does_not_stop_the_event_loop(server):

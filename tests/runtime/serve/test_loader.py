@@ -9,9 +9,9 @@ from click.testing import CliRunner
 
 from manifests.errors import ModelError, UsageError
 from manifests.schema import Speculative
-from runtime.cli_serve import serve as serve_cmd
+from runtime.cli.serve import serve as serve_cmd
 from runtime.server.loader import load_serving_model, parse_speculative_config, resolve_speculative
-from runtime.store import Store
+from runtime.store.store import Store
 
 
 @pytest.fixture(scope="module")

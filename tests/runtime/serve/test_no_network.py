@@ -20,13 +20,13 @@ from tests.conftest import unshare_problem
 REPO = Path(__file__).resolve().parents[3]
 FORBIDDEN = {"huggingface_hub", "requests", "httpx", "urllib3", "torch", "transformers", "bundler", "oras"}
 # The registry client (skopeo, run by these) is reached only by push / pull / install from a registry.
-FORBIDDEN_RUNTIME = {"runtime.registry", "runtime.cli_registry", "runtime.skopeo", "runtime.referrer"}
-SERVE_MODULES = ["runtime.cli_serve", "runtime.server", "runtime.server.app", "runtime.server.serving_engine",
+FORBIDDEN_RUNTIME = {"runtime.store.registry", "runtime.cli.registry", "runtime.store.skopeo", "runtime.store.referrer"}
+SERVE_MODULES = ["runtime.cli.serve", "runtime.server", "runtime.server.app", "runtime.server.serving_engine",
                  "runtime.server.serving_chat", "runtime.server.serving_completion", "runtime.server.serving_models",
-                 "runtime.server.body", "runtime.engine_client", "runtime.scheduler", "runtime.model_runner",
+                 "runtime.server.body", "runtime.serve.engine_client", "runtime.serve.scheduler", "runtime.serve.model_runner",
                  "runtime.server.loader", "runtime.server.metrics", "runtime.server.protocol",
-                 "runtime.speculative", "runtime.sampling", "runtime.tokenizer", "runtime.chat_template",
-                 "runtime.engines", "runtime.engines.onnxruntime", "runtime.store", "runtime.verify",
+                 "runtime.serve.speculative", "runtime.serve.sampling", "runtime.serve.tokenizer", "runtime.serve.chat_template",
+                 "runtime.engines", "runtime.engines.onnxruntime", "runtime.store.store", "runtime.store.verify",
                  "uvicorn", "fastapi", "prometheus_client", "onnxruntime", "tokenizers", "jinja2"]
 LOOPBACK = {"127.0.0.1", "::1", "localhost", "::ffff:127.0.0.1"}
 
@@ -79,7 +79,7 @@ HOOKED_SERVE = textwrap.dedent("""
     except OSError:
         pass
     s.close()
-    from runtime.cli_serve import serve
+    from runtime.cli.serve import serve
     try:
         serve.main(args=args, prog_name="bundle serve", standalone_mode=False)
     except KeyboardInterrupt:

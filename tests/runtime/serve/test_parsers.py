@@ -143,7 +143,7 @@ def test_mistral_keeps_special_tokens_in_the_text(tiny_models):
     """[TOOL_CALLS] is a special token: with the mistral parser the text keeps special tokens, as vLLM does."""
     from runtime.server import protocol as P
     from runtime.server.request_plan import Features, plan_for
-    from runtime.tokenizer import TextStream, Tokenizer
+    from runtime.serve.tokenizer import TextStream, Tokenizer
 
     req = P.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=TOOLS,
                                   tool_choice="auto")

@@ -9,8 +9,8 @@ import pytest
 from scipy.stats import chisquare
 
 from manifests.errors import UsageError
-from runtime.sampling import SamplingParams, draw, probabilities
-from runtime.speculative import Generator
+from runtime.serve.sampling import SamplingParams, draw, probabilities
+from runtime.serve.generator import Generator
 from tests.runtime.serve.toy_engines import MarkovEngine
 
 VOCAB = 5

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from manifests.errors import UsageError
-from runtime.engine import Row, SequenceSlots
-from runtime.model_runner import ModelRunner
-from runtime.sampling import SamplingParams
-from runtime.scheduler import EngineRequest, Scheduler
-from runtime.speculative import Generator
+from runtime.engines.base import Row, SequenceSlots
+from runtime.serve.model_runner import ModelRunner
+from runtime.serve.sampling import SamplingParams
+from runtime.serve.scheduler import EngineRequest, Scheduler
+from runtime.serve.generator import Generator
 from tests.runtime.serve.test_sampling import LENGTH, PROMPT, _exact, _pvalue, _tables
 from tests.runtime.serve.toy_engines import MarkovEngine
 
@@ -257,7 +257,7 @@ def test_budget_smaller_than_one_step_is_refused(batched):
 
 
 def test_slot_plan_follows_the_kv_budget(batched):
-    from runtime.engine_client import plan_slots
+    from runtime.serve.engine_client import plan_slots
 
     runner = ModelRunner(batched("target", 1), batched("draft", 1), "draft_model", 3)
     per = runner.kv_bytes_per_slot()
@@ -314,9 +314,9 @@ def assert_distributed_per_slot(scheduler, rec, reqs, slots: int, exact) -> None
 def test_a_grammar_that_fails_mid_generation_ends_only_its_own_request(batched, prompts, alone, tiny_models):
     """The matcher hits llguidance's item limit after the first character: that request ends with an error
     naming it and emits nothing unchecked; the requests beside it in the batch are unchanged."""
-    from runtime.grammar import GrammarCompiler, GrammarSpec
-    from runtime.logits_process import LogitsProcessor
-    from runtime.tokenizer import Tokenizer
+    from runtime.serve.grammar import GrammarCompiler, GrammarSpec
+    from runtime.serve.logits_process import LogitsProcessor
+    from runtime.serve.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny_models["target"])
     grammar = GrammarCompiler.for_tokenizer(tok, batched("target", 1).vocab_size).compile(

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from manifests.errors import UsageError
-from runtime.cli_serve import serve as serve_cmd
+from runtime.cli.serve import serve as serve_cmd
 
 #: The issue's list, each with a value a user would type.
 LISTED = {

@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
-from runtime.engine import Engine
-from runtime.sampling import SamplingParams
-from runtime.speculative import Generator
+from runtime.engines.base import Engine
+from runtime.serve.sampling import SamplingParams
+from runtime.serve.generator import Generator
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "def read(path):"}]
 

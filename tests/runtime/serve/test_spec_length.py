@@ -1,4 +1,4 @@
-"""The adaptive speculation length (runtime.spec_length): the cost model's choices from measured costs,
+"""The adaptive speculation length (runtime.serve.spec_length): the cost model's choices from measured costs,
 and losslessness: whatever length each step verifies, greedy output is token-identical to plain
 decoding and sampled output follows the target's exact distribution (chi-square per slot)."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.engine import SequenceSlots
-from runtime.model_runner import ModelRunner
-from runtime.sampling import SamplingParams
-from runtime.scheduler import Scheduler
-from runtime.spec_length import LinearCost, SpeculationLength
+from runtime.engines.base import SequenceSlots
+from runtime.serve.model_runner import ModelRunner
+from runtime.serve.sampling import SamplingParams
+from runtime.serve.scheduler import Scheduler
+from runtime.serve.spec_length import LinearCost, SpeculationLength
 from tests.runtime.serve.test_sampling import LENGTH, PROMPT, _exact, _tables
 from tests.runtime.serve.test_scheduler import Recorder, alone, assert_distributed_per_slot, batched, prompts, run_together  # noqa: F401
 from tests.runtime.serve.toy_engines import MarkovEngine

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from manifests.errors import UsageError
-from runtime.sampling import SamplingParams
-from runtime.speculative import Generator
-from runtime.tokenizer import Tokenizer
+from runtime.serve.sampling import SamplingParams
+from runtime.serve.generator import Generator
+from runtime.serve.tokenizer import Tokenizer
 from tests.runtime.serve.toy_engines import MarkovEngine
 
 GREEDY = SamplingParams(temperature=0.0)

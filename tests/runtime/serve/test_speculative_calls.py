@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.sampling import SamplingParams
-from runtime.speculative import Generator
+from runtime.serve.sampling import SamplingParams
+from runtime.serve.generator import Generator
 from tests.runtime.serve.toy_engines import MarkovEngine
 
 
@@ -66,7 +66,7 @@ def test_each_step_is_one_target_pass_and_g_draft_passes_with_minimal_catch_up(p
 
 def test_greedy_verification_needs_no_probabilities(monkeypatch):
     """Greedy compares argmaxes of raw logits; probabilities() is for sampling only."""
-    import runtime.speculative as spec
+    import runtime.serve.speculative as spec
 
     def refuse(*a, **k):
         raise AssertionError("probabilities() called on the greedy path")

@@ -10,7 +10,7 @@ from manifests.errors import UsageError
 from manifests.speculative import check_draft, parse_speculative_config
 from runtime.server.loader import load_serving_model
 from runtime.server.loader import parse_speculative_config as serve_parse
-from runtime.store import Store
+from runtime.store.store import Store
 
 VLLM_JSON = ('{"method": "draft_model", "model": "org/draft", "revision": "v2", "num_speculative_tokens": 4, '
              '"draft_tensor_parallel_size": 1}')

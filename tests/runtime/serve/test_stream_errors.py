@@ -16,7 +16,7 @@ def failing(installed_bundle):
     from runtime.server.app import OpenAIServer
     from runtime.server.loader import load_serving_model
     from runtime.server.serving_engine import ServeOptions
-    from runtime.store import Store
+    from runtime.store.store import Store
     from tests.runtime.serve.conftest import RunningServer
 
     server = RunningServer(OpenAIServer(load_serving_model(Store(installed_bundle.store).current("tiny")),

@@ -81,7 +81,7 @@ def test_grammar_size_is_bounded(client, structured, words):
 def test_grammars_are_compiled_off_the_event_loop(client, monkeypatch):
     """Building a grammar takes up to a fraction of a second (seconds for the largest schemas): a request
     compiles its grammar once in a preprocessing thread; each of its n choices copies the result."""
-    from runtime.grammar import GrammarCompiler
+    from runtime.serve.grammar import GrammarCompiler
 
     on_loop, compile_ = [], GrammarCompiler.compile
 

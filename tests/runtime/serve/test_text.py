@@ -7,8 +7,8 @@ import json
 import pytest
 
 from manifests.errors import ModelError
-from runtime.chat_template import ChatTemplate, ChatTemplateError
-from runtime.tokenizer import TextStream, Tokenizer
+from runtime.serve.chat_template import ChatTemplate, ChatTemplateError
+from runtime.serve.tokenizer import TextStream, Tokenizer
 
 UNICODE = "héllo wörld 🎉 naïve café — 日本語 ✓"
 

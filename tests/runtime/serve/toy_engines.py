@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.engine import SequenceEngine
+from runtime.engines.base import SequenceEngine
 
 
 class MarkovEngine(SequenceEngine):

@@ -1,0 +1,395 @@
+"""Hugging Face checkpoint -> ONNX decoder whose KV cache is updated in place (ONNX Runtime targets).
+
+The torch-exported graph (bundler.onnx.export, layout "concat") returns `present = Concat(past, new)`,
+so every step copies the whole cache: decode cost grows with context by that copy on top of
+attention. This graph is written directly with onnx.helper, the way onnxruntime-genai's model
+builder does it, and uses the com.microsoft GroupQueryAttention operator:
+
+    inputs   input_ids [batch, sequence_length] int64
+             attention_mask [batch, total_sequence_length] int64   (ones; past + new)
+             past_key_values.<i>.key / .value [batch, kv_heads, max_sequence_length, head_dim] float32
+    outputs  logits [batch, sequence_length, vocab] float32
+             present.<i>.key / .value [batch, kv_heads, max_sequence_length, head_dim] float32
+             aux_hidden_states [batch, sequence_length, 3 * hidden] float32   (EAGLE-3 targets only)
+
+aux_hidden_states (result.aux_layer_ids) is the inputs of those decoder layers, concatenated, for
+the new rows only: what an EAGLE-3 head's fc reads, in either in-place layout.
+
+The runtime binds past and present to the SAME preallocated buffer (GQA's
+past_present_share_buffer mode): a step writes only the new tokens' K/V at positions
+past..total-1 and attends over the first total positions. Rotary is applied inside GQA from
+cos/sin tables precomputed here with transformers' own rotary module (so scaled RoPE variants
+match), positions come from seqlens_k = sum(attention_mask) - 1. Prefill, decode and
+verification of k tokens after a past are one graph; rollback is a length change.
+GroupQueryAttention is an ONNX Runtime contrib op: TensorRT targets keep the "concat" graph.
+
+Weights are streamed tensor by tensor from the safetensors files into one external-data file,
+so memory stays at one tensor whatever the model size.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from manifests.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+KV_LAYOUT = "shared"
+BATCHED_LAYOUT = "batched"
+#: TensorScatter, RotaryEmbedding, RMSNormalization and Attention: ONNX opset 23/24 (ONNX 1.19).
+BATCHED_OPSET = 24
+BATCHED_IR_VERSION = 11
+#: Rows past max_context a slot's cache has room for: a batch pads every row to its longest one,
+#: and the padding (never attended to) is written there. Rows longer than this are split by the runtime.
+BATCHED_HEADROOM = 64
+MS_DOMAIN = "com.microsoft"
+#: EAGLE-3 targets: the inputs of the head's aux layers, concatenated (bundler.onnx.export's name too).
+AUX_OUTPUT = "aux_hidden_states"
+IR_VERSION = 9
+ALIGN = 64  # byte alignment of each tensor in the external-data file
+
+_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+class _Checkpoint:
+    """Reads one tensor at a time as float32 numpy from (possibly sharded) safetensors."""
+
+    def __init__(self, checkpoint_dir: Path):
+        from safetensors import safe_open
+
+        index = checkpoint_dir / "model.safetensors.index.json"
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        else:
+            shards = sorted(p.name for p in checkpoint_dir.glob("*.safetensors"))
+        if not shards:
+            raise ModelError(f"{checkpoint_dir}: expected model weights in *.safetensors, found none")
+        self._files = [safe_open(str(checkpoint_dir / s), framework="pt") for s in shards]
+        self._where = {k: f for f in self._files for k in f.keys()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise ModelError(f"checkpoint has no tensor {name!r}; expected the standard layout of its family")
+        return self._where[name].get_tensor(name).float().numpy()
+
+
+class _Writer:
+    """Appends initializers to one external-data file and keeps only their TensorProto headers."""
+
+    def __init__(self, data_path: Path):
+        self.location = data_path.name
+        self._f = open(data_path, "wb")
+        self.initializers: list = []
+        self._names: set[str] = set()
+
+    def add(self, name: str, array: np.ndarray) -> str:
+        """Store `array` as initializer `name` (once: a second add of the same name reuses it)."""
+        from onnx import TensorProto, helper
+
+        if name in self._names:
+            return name
+        self._names.add(name)
+        array = np.ascontiguousarray(array)
+        dtype = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64}[array.dtype]
+        if array.nbytes < 1024:  # small constants stay inline, like onnx.save's size_threshold
+            self.initializers.append(helper.make_tensor(name, dtype, array.shape, array.tobytes(), raw=True))
+            return name
+        pad = -self._f.tell() % ALIGN
+        self._f.write(b"\0" * pad)
+        offset = self._f.tell()
+        self._f.write(array.tobytes())
+        t = TensorProto(name=name, data_type=dtype, dims=array.shape, data_location=TensorProto.EXTERNAL)
+        for k, v in (("location", self.location), ("offset", str(offset)), ("length", str(array.nbytes))):
+            t.external_data.add(key=k, value=v)
+        self.initializers.append(t)
+        return name
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def rotary_tables(family: str, config, max_positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [max_positions, head_dim/2] from transformers' rotary module for this family."""
+    import torch
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    rotary = getattr(module, f"{_CLASS_PREFIX[family]}RotaryEmbedding")(config=config)
+    if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
+        raise ModelError(f"rope type {rotary.rope_type!r} depends on the sequence length and cannot be "
+                         f"tabulated; expected default, linear, yarn or llama3 rope scaling")
+    with torch.no_grad():
+        pos = torch.arange(max_positions, dtype=torch.int64)[None]
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), pos)
+    half = head_dim // 2
+    return cos[0, :, :half].numpy().astype(np.float32), sin[0, :, :half].numpy().astype(np.float32)
+
+
+#: ONNX Runtime's CPU GroupQueryAttention kernel refuses other head sizes at run time (not at load time).
+GQA_HEAD_DIM_MULTIPLE = 16
+
+
+class SharedLayoutUnsupported(ModelError):
+    """The in-place cache graph cannot run this model; the concat graph can (bundler.pack.engines falls back)."""
+
+
+def check_supported(config, head_dim: int, what: str) -> None:
+    """Refuse before exporting what ONNX Runtime would only refuse on the first run, on the device."""
+    if head_dim <= 0 or head_dim % GQA_HEAD_DIM_MULTIPLE:
+        raise SharedLayoutUnsupported(f"{what} cannot use the in-place KV cache graph: head_dim {head_dim} is not "
+                                      f"a multiple of {GQA_HEAD_DIM_MULTIPLE} (ONNX Runtime's GroupQueryAttention)")
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise SharedLayoutUnsupported(f"{what} cannot use the in-place KV cache graph: activation {act!r} is not "
+                                      f"silu (SwiGLU MLP)")
+
+
+def build_shared_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool) -> None:
+    """Write result.graph + result.weights (the ExportResult from bundler.onnx.export) for the shared layout."""
+    check_supported(config, result.head_dim, str(checkpoint_dir))
+    _build(checkpoint_dir, result, config, has_q_k_norm=has_q_k_norm, layout="shared")
+
+
+#: Graph variants of the batched layout (bundler/onnx/inplace.py `fusions`), measured on the GPU by
+#: benchmarks/cuda_variants.py. Each keeps the graph's inputs and outputs unless it says otherwise:
+#:   "qkv"       one MatMul for q, k and v (weights packed along the output axis), then Split;
+#:   "gate_up"   one MatMul for the MLP's gate and up projections, then Split;
+#:   "skip_norm" RMSNorm as com.microsoft SimplifiedLayerNormalization, for ONNX Runtime to fuse with the
+#:               residual Add before it into SkipSimplifiedLayerNormalization (measured: 1.31.1 does not);
+#:   "q3d"       q stays [batch, seq, heads*dim] through RotaryEmbedding and Attention (3D Q, 4D K/V),
+#:               and Attention's output is 3D: no Reshape/Transpose pairs for q and the output;
+#:   "bsnh"      (changes the cache layout) the KV cache as [batch, capacity, kv_heads*dim], written
+#:               with TensorScatter on axis 1: no Reshape/Transpose at all;
+#:   "gqa"       (changes the inputs: decode only) com.microsoft GroupQueryAttention over the same
+#:               [batch, kv_heads, capacity, dim] cache with packed QKV and fused rotary; inputs
+#:               input_ids, seqlens_k int32 [batch] (total length - 1), total_sequence_length int32 [].
+FUSIONS = ("qkv", "gate_up", "skip_norm", "q3d", "bsnh", "gqa")
+#: What the batched graph gets by default: exact (0 difference from the unpacked graph on the H200) and
+#: 12 % faster there (benchmarks/results/cuda_variants.md); the others measured no gain or change the
+#: engine interface ("q3d": ONNX Runtime's Attention wants Q and K of the same rank).
+DEFAULT_FUSIONS = frozenset({"qkv", "gate_up"})
+#: The CUDA decode graph: GroupQueryAttention (runtime.engines.cuda runs it, `cuda` target only).
+GQA_FUSIONS = frozenset({"gate_up", "gqa"})
+
+
+def build_batched_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool,
+                           fusions: frozenset[str] | None = None) -> None:
+    """Write result.graph + result.weights for the batched layout (standard TensorScatter + Attention,
+    or GroupQueryAttention with fusions containing "gqa"); fusions None: DEFAULT_FUSIONS."""
+    fusions = DEFAULT_FUSIONS if fusions is None else frozenset(fusions)
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise SharedLayoutUnsupported(f"{checkpoint_dir} cannot use the in-place KV cache graph: activation "
+                                      f"{act!r} is not silu (SwiGLU MLP)")
+    unknown = set(fusions) - set(FUSIONS)
+    if unknown:
+        raise ModelError(f"expected fusions among {', '.join(FUSIONS)}, found {', '.join(sorted(unknown))}")
+    _build(checkpoint_dir, result, config, has_q_k_norm=has_q_k_norm, layout=BATCHED_LAYOUT,
+           fusions=frozenset(fusions))
+
+
+def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: str,
+           fusions: frozenset[str] = frozenset()) -> None:
+    from onnx import TensorProto as TP
+    from onnx import helper as h
+
+    cfg = config
+    batched = layout == BATCHED_LAYOUT
+    family, layers = result.family, result.num_layers
+    heads, kv, hd = int(cfg.num_attention_heads), result.num_kv_heads, result.head_dim
+    eps = float(cfg.rms_norm_eps)
+    ckpt = _Checkpoint(Path(checkpoint_dir))
+    cos, sin = rotary_tables(family, cfg, result.max_positions + (BATCHED_HEADROOM if batched else 0), hd)
+    w = _Writer(result.weights)
+    nodes: list = []
+
+    def node(op, inputs, outputs=None, domain="", **attrs):
+        name = f"/{op}_{len(nodes)}"
+        outputs = outputs or [name + "/out"]
+        nodes.append(h.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def const(name, values):
+        return w.add(name, np.array(values, np.int64))
+
+    gqa, bsnh, q3d = "gqa" in fusions, "bsnh" in fusions, "q3d" in fusions or "bsnh" in fusions
+
+    def rms(x, weight_name):
+        if batched and "skip_norm" not in fusions:  # the standard op (opset 23), the contrib one's computation
+            return node("RMSNormalization", [x, w.add(weight_name, ckpt.get(weight_name))], axis=-1,
+                        epsilon=eps, stash_type=1)
+        return node("SimplifiedLayerNormalization", [x, w.add(weight_name, ckpt.get(weight_name))],
+                    axis=-1, epsilon=eps, stash_type=1)
+
+    def linear(x, prefix):
+        y = node("MatMul", [x, w.add(prefix + ".weight", ckpt.get(prefix + ".weight").T)])
+        if prefix + ".bias" in ckpt:
+            y = node("Add", [y, w.add(prefix + ".bias", ckpt.get(prefix + ".bias"))])
+        return y
+
+    def packed(x, prefix, names, split=True):
+        """One MatMul for several projections of x (weights side by side), split back unless split=False."""
+        weights = [ckpt.get(f"{prefix}.{n}.weight").T for n in names]
+        joined = f"{prefix}.{'_'.join(names)}"
+        y = node("MatMul", [x, w.add(joined + ".weight", np.concatenate(weights, axis=1))])
+        if f"{prefix}.{names[0]}.bias" in ckpt:
+            bias = np.concatenate([ckpt.get(f"{prefix}.{n}.bias") for n in names])
+            y = node("Add", [y, w.add(joined + ".bias", bias)])
+        if not split:
+            return y
+        sizes = const(f"split_{'_'.join(str(a.shape[1]) for a in weights)}", [a.shape[1] for a in weights])
+        return node("Split", [y, sizes], [f"{joined}/{n}" for n in names], axis=-1)
+
+    def head_norm(x, n_heads, weight_name):  # Qwen3: RMSNorm over each head's vector before rotary
+        x4 = node("Reshape", [x, const(f"shape_{n_heads}_{hd}", [0, 0, n_heads, hd])])
+        y = rms(x4, weight_name)
+        return node("Reshape", [y, const(f"shape_{n_heads * hd}", [0, 0, n_heads * hd])])
+
+    def heads_first(x, n_heads):  # [batch, seq, n*hd] -> [batch, n, seq, hd]
+        x4 = node("Reshape", [x, const(f"shape_{n_heads}_{hd}", [0, 0, n_heads, hd])])
+        return node("Transpose", [x4], perm=[0, 2, 1, 3])
+
+    def mlp_block(x, attn, p):  # o_proj + residual, post-attention norm, SwiGLU MLP + residual
+        x = node("Add", [x, linear(attn, f"{p}.self_attn.o_proj")])
+        hs = rms(x, f"{p}.post_attention_layernorm.weight")
+        if "gate_up" in fusions:
+            gate, up = packed(hs, f"{p}.mlp", ("gate_proj", "up_proj"))
+        else:
+            gate, up = linear(hs, f"{p}.mlp.gate_proj"), linear(hs, f"{p}.mlp.up_proj")
+        act = node("Mul", [node("Mul", [gate, node("Sigmoid", [gate])]), up])
+        return node("Add", [x, linear(act, f"{p}.mlp.down_proj")])
+
+    cos_name, sin_name = w.add("cos_cache", cos), w.add("sin_cache", sin)
+    if gqa and has_q_k_norm:
+        raise ModelError("the gqa variant has no q/k norm (Qwen3) path; expected a model without q_norm/k_norm")
+    if batched and not gqa:
+        window = node("Shape", ["attention_mask"], start=3, end=4)
+        zero, two = const("zero_1d", [0]), const("two_1d", [2])
+    if not batched:
+        # seqlens_k = total tokens - 1 per row; total_sequence_length = attention_mask's length (scalar)
+        tokens = node("ReduceSum", ["attention_mask", const("axes_1", [1])], keepdims=0)
+        seqlens_k = node("Cast", [node("Sub", [tokens, w.add("one", np.array(1, np.int64))])], to=TP.INT32)
+        total = node("Cast", [node("Squeeze", [node("Shape", ["attention_mask"], start=1, end=2),
+                                               const("axes_0", [0])])], to=TP.INT32)
+
+    x = node("Gather", [w.add("model.embed_tokens.weight", ckpt.get("model.embed_tokens.weight")), "input_ids"])
+    aux: dict[int, str] = {}  # EAGLE-3: layer id -> that layer's input (transformers' hidden_states[i])
+    for i in range(layers):  # x: the layer's input (the residual stream)
+        p = f"model.layers.{i}"
+        if i in result.aux_layer_ids:
+            aux[i] = x
+        hs = rms(x, f"{p}.input_layernorm.weight")
+        if gqa:  # packed QKV straight into GroupQueryAttention (rotary and the cache append inside it)
+            qkv = packed(hs, f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"), split=False)
+            attn = node("GroupQueryAttention",
+                        [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k",
+                         "total_sequence_length", cos_name, sin_name],
+                        [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN,
+                        num_heads=heads, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0,
+                        scale=float(hd) ** -0.5)[0]
+            x = mlp_block(x, attn, p)
+            continue
+        if "qkv" in fusions:
+            q, k, v = packed(hs, f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"))
+        else:
+            q, k, v = (linear(hs, f"{p}.self_attn.{n}_proj") for n in ("q", "k", "v"))
+        if has_q_k_norm:
+            q = head_norm(q, heads, f"{p}.self_attn.q_norm.weight")
+            k = head_norm(k, kv, f"{p}.self_attn.k_norm.weight")
+        past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
+        if batched and q3d:
+            q3 = node("RotaryEmbedding", [q, cos_name, sin_name, "position_ids"], interleaved=0, num_heads=heads)
+            if bsnh:  # cache [batch, capacity, kv_heads*dim]: no transposes at all
+                k3 = node("RotaryEmbedding", [k, cos_name, sin_name, "position_ids"], interleaved=0, num_heads=kv)
+                present_k = node("TensorScatter", [past_k, k3, "write_indices"], [f"present.{i}.key"], axis=1)
+                present_v = node("TensorScatter", [past_v, v, "write_indices"], [f"present.{i}.value"], axis=1)
+                axis = const("one_1d", [1])
+            else:
+                k4 = node("RotaryEmbedding", [heads_first(k, kv), cos_name, sin_name, "position_ids"], interleaved=0)
+                present_k = node("TensorScatter", [past_k, k4, "write_indices"], [f"present.{i}.key"], axis=2)
+                present_v = node("TensorScatter", [past_v, heads_first(v, kv), "write_indices"],
+                                 [f"present.{i}.value"], axis=2)
+                axis = two
+            k_win = node("Slice", [present_k, zero, window, axis])
+            v_win = node("Slice", [present_v, zero, window, axis])
+            attn = node("Attention", [q3, k_win, v_win, "attention_mask"], scale=float(hd) ** -0.5,
+                        q_num_heads=heads, kv_num_heads=kv)
+            # ONNX Runtime's shape inference gets a 3D Attention output's last axis wrong: say it.
+            attn = node("Reshape", [attn, const(f"shape_{heads * hd}", [0, 0, heads * hd])])
+        elif batched:
+            q4 = node("RotaryEmbedding", [heads_first(q, heads), cos_name, sin_name, "position_ids"], interleaved=0)
+            k4 = node("RotaryEmbedding", [heads_first(k, kv), cos_name, sin_name, "position_ids"], interleaved=0)
+            present_k = node("TensorScatter", [past_k, k4, "write_indices"], [f"present.{i}.key"], axis=2)
+            present_v = node("TensorScatter", [past_v, heads_first(v, kv), "write_indices"],
+                             [f"present.{i}.value"], axis=2)
+            # Attend over the first `window` cache rows only (the mask's last axis): ONNX Runtime's
+            # Attention expands grouped K/V heads over every row it is given.
+            k_win = node("Slice", [present_k, zero, window, two])
+            v_win = node("Slice", [present_v, zero, window, two])
+            y4 = node("Attention", [q4, k_win, v_win, "attention_mask"], scale=float(hd) ** -0.5)
+            attn = node("Reshape", [node("Transpose", [y4], perm=[0, 2, 1, 3]),
+                                    const(f"shape_{heads * hd}", [0, 0, heads * hd])])
+        else:
+            attn = node("GroupQueryAttention",
+                        [q, k, v, past_k, past_v, seqlens_k, total, cos_name, sin_name],
+                        [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN,
+                        num_heads=heads, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0,
+                        scale=float(hd) ** -0.5)[0]
+        x = mlp_block(x, attn, p)
+    x = rms(x, "model.norm.weight")
+    head = "lm_head.weight" if "lm_head.weight" in ckpt else "model.embed_tokens.weight"  # tied embeddings
+    node("MatMul", [x, w.add("lm_head.weight.T", ckpt.get(head).T)], ["logits"])
+    if result.aux_layer_ids:  # only the new rows, only these layers: [batch, sequence_length, len(ids) * H]
+        node("Concat", [aux[i] for i in result.aux_layer_ids], [AUX_OUTPUT], axis=-1)
+    w.close()
+
+    inputs = [h.make_tensor_value_info("input_ids", TP.INT64, ["batch", "sequence_length"])]
+    if gqa:
+        cache = ["batch", kv, "capacity", hd]
+        inputs += [h.make_tensor_value_info("seqlens_k", TP.INT32, ["batch"]),
+                   h.make_tensor_value_info("total_sequence_length", TP.INT32, [])]
+    elif batched:
+        cache = ["batch", "capacity", kv * hd] if bsnh else ["batch", kv, "capacity", hd]
+        inputs += [h.make_tensor_value_info("position_ids", TP.INT64, ["batch", "sequence_length"]),
+                   h.make_tensor_value_info("write_indices", TP.INT64, ["batch"]),
+                   h.make_tensor_value_info("attention_mask", TP.BOOL, ["batch", 1, "sequence_length", "window"])]
+    else:
+        cache = ["batch", kv, "max_sequence_length", hd]
+        inputs.append(h.make_tensor_value_info("attention_mask", TP.INT64, ["batch", "total_sequence_length"]))
+    outputs = [h.make_tensor_value_info("logits", TP.FLOAT, ["batch", "sequence_length", result.vocab_size])]
+    if result.aux_layer_ids:
+        width = len(result.aux_layer_ids) * int(cfg.hidden_size)
+        outputs.append(h.make_tensor_value_info(AUX_OUTPUT, TP.FLOAT, ["batch", "sequence_length", width]))
+    for i in range(layers):
+        for part in ("key", "value"):
+            inputs.append(h.make_tensor_value_info(f"past_key_values.{i}.{part}", TP.FLOAT, cache))
+            outputs.append(h.make_tensor_value_info(f"present.{i}.{part}", TP.FLOAT, cache))
+    graph = h.make_graph(nodes, "decoder", inputs, outputs, w.initializers)
+    if batched:
+        contrib = fusions & {"skip_norm", "gqa"}
+        opsets = [h.make_opsetid("", BATCHED_OPSET)] + ([h.make_opsetid(MS_DOMAIN, 1)] if contrib else [])
+        doc = "batched in-place KV-cache decoding (TensorScatter + Attention, one cache region per slot)"
+    else:
+        opsets = [h.make_opsetid("", result.opset), h.make_opsetid(MS_DOMAIN, 1)]
+        doc = "in-place KV-cache decoding (GroupQueryAttention, shared past/present buffers)"
+    model = h.make_model(graph, opset_imports=opsets, producer_name="bundle",
+                         doc_string=f"{result.architecture} built by bundle for {doc}")
+    model.ir_version = BATCHED_IR_VERSION if batched else IR_VERSION
+    for key, value in result.metadata().items():
+        model.metadata_props.add(key=key, value=value)
+    if batched:
+        model.metadata_props.add(key="bundle.kv_headroom", value=str(BATCHED_HEADROOM))
+        # The mask's last axis is the attention window (rows attended over), not the whole capacity.
+        model.metadata_props.add(key="bundle.attention_window", value="0" if gqa else "1")
+        model.metadata_props.add(key="bundle.fusions", value=",".join(sorted(fusions)))
+        model.metadata_props.add(key="bundle.attention", value="gqa" if gqa else "attention")
+    result.graph.write_bytes(model.SerializeToString())
+    log.info("built the %s-KV graph for %s (%d layers) at %s", layout, result.architecture, layers, result.graph)

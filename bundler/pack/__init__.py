@@ -1,0 +1,1 @@
+"""Bundles: create (orchestrates), engine plans, pack, keys, wheelhouse and bootstrap."""

@@ -1,0 +1,425 @@
+"""Per-target engine plan: which files each target carries, the exact build options, the engine key.
+
+The ONNX export of each model is shared by every target that runs it and stored once. Graph
+layouts (bundler.onnx.export.KV_CACHE_LAYOUTS): ONNX Runtime targets get the "batched" graph
+(engines/onnx-batched/<role>/, TensorScatter + Attention: many sequences per call, KV cache
+updated in place; chosen over the "shared" GroupQueryAttention graph, which cannot batch
+verification or prefill rows, on benchmarks/bench_graphs.py), TensorRT targets the "concat" graph
+(engines/onnx/<role>/), which is also what they fall back to on ONNX Runtime.
+The engine record's build["kv_cache"] names the layout. TensorRT targets whose profile lists fp16
+get the concat graph exported in fp16 (engines/onnx-fp16/<role>/, half the bytes; TensorRT 11 has
+no FP16 builder flag and takes the graph's types), the others the fp32 one; build["dtype"] names it
+and, being in the build options, in the engine key. The `cuda` target (ONNX Runtime's CUDA provider)
+gets the batched graph in fp16, or bf16 when the checkpoint was trained in bf16
+(engines/onnx-batched-fp16/<role>/, bundler.onnx.half; logits fp32), stored once for every target
+that runs it. A TensorRT target gets the exact build options
+(precision, optimisation profiles from max context, prefill chunk and draft tokens + 1) and the
+key the engine will have on a matching device; the plan itself is built here only when this
+host's GPU compute capability and TensorRT version equal the target's (see TARGETS.md: there is no
+cross-build), otherwise on the device at first start, or once per fleet by `bundle build-engines`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
+
+from bundler.model_config import read_config
+from bundler.onnx.export import KV_CACHE_LAYOUTS, ExportResult, export_onnx, past_names
+from bundler.onnx.inplace import SharedLayoutUnsupported
+from bundler.pack.pack import PackFile
+from manifests.errors import ModelError, UsageError
+from manifests.schema import Engine, Target
+from manifests.targets import TargetProfile
+from manifests.serve_config import DEFAULT_PREFILL_CHUNK
+from runtime.engines.cache import DeviceInfo, engine_key, onnx_digest
+from runtime.fsutil import file_sha256
+from runtime.profiles import get_profile
+
+log = logging.getLogger(__name__)
+
+ONNX_ROOT = "engines/onnx"
+#: (KV-cache layout, dtype) -> folder in the bundle. One graph per pair, shared by its targets.
+ONNX_ROOTS = {("concat", "float32"): ONNX_ROOT, ("concat", "float16"): "engines/onnx-fp16",
+              ("shared", "float32"): "engines/onnx-shared", ("batched", "float32"): "engines/onnx-batched",
+              ("batched", "float16"): "engines/onnx-batched-fp16", ("batched", "bfloat16"): "engines/onnx-batched-bf16",
+              ("shared", "float16"): "engines/onnx-shared-fp16", ("shared", "bfloat16"): "engines/onnx-shared-bf16"}
+#: ONNX Runtime that runs the shared layout: CPU GroupQueryAttention with new tokens after a past
+#: (verification, chunked prefill) arrived in 1.20 (microsoft/onnxruntime#21523).
+ONNXRUNTIME_MIN_SHARED = "1.20"
+#: ONNX Runtime that runs the batched layout: opset 24 TensorScatter, opset 23 Attention,
+#: RotaryEmbedding and RMSNormalization on the CPU provider (checked on 1.30 and 1.32).
+ONNXRUNTIME_MIN_BATCHED = "1.30"
+PLAN_ROOT = "engines/plans"
+DEFAULT_MAX_CONTEXT_CAP = 4096  # same cap as bundle create's serve default
+DEFAULT_DRAFT_TOKENS = 3
+ONNXRUNTIME_MIN = "1.18"
+BUILD_OPTIONS_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ServeShape:
+    """The serve settings that decide engine shapes."""
+
+    max_context: int
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS  # speculative tokens; verification feeds draft_tokens + 1
+
+
+def serve_shape(serve: Mapping, model_max_positions: int, num_speculative_tokens: int | None = None) -> ServeShape:
+    max_context = int(serve.get("max_model_len") or min(model_max_positions, DEFAULT_MAX_CONTEXT_CAP))
+    if max_context > model_max_positions:
+        raise ModelError(f"max_model_len {max_context} exceeds the model's limit; expected at most "
+                         f"{model_max_positions}")
+    chunk = int(serve.get("prefill_chunk") or DEFAULT_PREFILL_CHUNK)
+    draft = int(num_speculative_tokens if num_speculative_tokens is not None
+                else serve.get("num_speculative_tokens", DEFAULT_DRAFT_TOKENS))
+    if max_context < 2 or chunk < 1 or draft < 0:
+        raise UsageError(f"expected max_model_len >= 2, prefill_chunk >= 1, draft tokens >= 0; found "
+                         f"{max_context}, {chunk}, {draft}")
+    return ServeShape(max_context, min(chunk, max_context), draft)
+
+
+def optimization_profiles(shape: ServeShape, num_layers: int, kv_heads: int, head_dim: int) -> list[dict]:
+    """TensorRT optimisation profiles: "decode" (1 .. draft+1 new tokens) first, then "prefill" (chunks)."""
+    ctx = shape.max_context
+
+    def profile(name: str, new_max: int, new_opt: int, past_opt: int) -> dict:
+        new = {"min": [1, 1], "opt": [1, new_opt], "max": [1, new_max]}
+        shapes = {"input_ids": new, "position_ids": dict(new),
+                  "attention_mask": {"min": [1, 1], "opt": [1, past_opt + new_opt], "max": [1, ctx]}}
+        for n in past_names(num_layers):
+            shapes[n] = {"min": [1, kv_heads, 0, head_dim], "opt": [1, kv_heads, past_opt, head_dim],
+                         "max": [1, kv_heads, ctx - 1, head_dim]}
+        return {"name": name, "shapes": shapes}
+
+    verify = min(shape.draft_tokens + 1, ctx)
+    return [profile("decode", verify, verify, ctx // 2),
+            profile("prefill", shape.prefill_chunk, shape.prefill_chunk, 0)]
+
+
+def precision_for(profile: TargetProfile) -> str:
+    """fp16 where the target has it (and then its ONNX is fp16 too, see graph_dtype), else fp32."""
+    return "fp16" if "fp16" in profile.precisions else "fp32"
+
+
+def half_dtype(models: Mapping[str, Path]) -> str:
+    """bfloat16 when every model was trained in it (config torch_dtype), else float16: the `cuda` target's dtype.
+
+    A bf16-trained model's activations may leave fp16's range; fp16 keeps more mantissa otherwise."""
+    dtypes = set()
+    for checkpoint in models.values():
+        config = Path(checkpoint) / "config.json"
+        cfg = read_config(Path(checkpoint)) if config.is_file() else {}
+        dtypes.add(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16").replace("torch.", ""))
+    return "bfloat16" if dtypes == {"bfloat16"} else "float16"
+
+
+def graph_dtype(profile: TargetProfile, half: str = "float16") -> str:
+    """The dtype of the ONNX a target carries: float16 for TensorRT targets with fp16, `half` for the
+    `cuda` target (ONNX Runtime's CUDA provider), else float32.
+
+    ONNX Runtime targets on the CPU keep fp32: there fp16 only adds casts around kernels it lacks.
+    """
+    if profile.backend == "onnxruntime-cuda":
+        return half
+    return "float16" if profile.backend == "tensorrt" and precision_for(profile) == "fp16" else "float32"
+
+
+def build_options(profile: TargetProfile, export: ExportResult, shape: ServeShape) -> dict:
+    """Exactly what the TensorRT builder is given; its sha256 is part of the engine key."""
+    return {"format": BUILD_OPTIONS_FORMAT, "precision": precision_for(profile),
+            "dtype": getattr(export, "dtype", "float32"),
+            "max_context": shape.max_context, "prefill_chunk": shape.prefill_chunk,
+            "draft_tokens": shape.draft_tokens, "builder_optimization_level": 3,
+            "hardware_compatibility_level": "none",
+            "profiles": optimization_profiles(shape, export.num_layers, export.num_kv_heads, export.head_dim)}
+
+
+@dataclass(frozen=True)
+class ExportedModel:
+    role: str
+    export: ExportResult
+    onnx_sha256: str  # runtime.engines.cache.onnx_digest over graph + weights
+    #: file name -> sha256, computed once for onnx_sha256 and reused by pack (no second hash)
+    file_sha256: Mapping[str, str] = field(default_factory=dict)
+    #: (layout, dtype) of the target graphs it is packed beside, when its own differ: an EAGLE-3 head,
+    #: whose graph (bundler.onnx.eagle3) keeps a cache of its own whatever the target's layout
+    packed_with: tuple[str, str] | None = None
+    #: the `cuda` target's GroupQueryAttention decode graph over export.weights (bundler.onnx.dual)
+    decode_graph: Path | None = None
+
+    @property
+    def sources(self) -> tuple[Path, ...]:
+        """The files of the engine: graph, weights, and the decode graph with its shared weights index."""
+        if self.decode_graph is None:
+            return tuple(self.export.files)
+        from bundler.onnx.dual import SHARED_WEIGHTS_INDEX
+
+        return (*self.export.files, self.decode_graph, self.decode_graph.with_name(SHARED_WEIGHTS_INDEX))
+
+    @property
+    def layout(self) -> str:
+        return getattr(self.export, "kv_cache", "concat")
+
+    @property
+    def dtype(self) -> str:
+        return getattr(self.export, "dtype", "float32")
+
+    @property
+    def variant(self) -> tuple[str, str]:
+        return self.packed_with or (self.layout, self.dtype)
+
+    @property
+    def graph_path(self) -> str:
+        return f"{ONNX_ROOTS[self.variant]}/{self.role}/{self.export.graph.name}"
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(f"{ONNX_ROOTS[self.variant]}/{self.role}/{p.name}" for p in self.sources)
+
+    @property
+    def decode_path(self) -> str | None:
+        if self.decode_graph is None:
+            return None
+        return f"{ONNX_ROOTS[self.variant]}/{self.role}/{self.decode_graph.name}"
+
+    def pack_files(self, targets: tuple[str, ...] | None = None) -> list[PackFile]:
+        return [PackFile(src=src, path=path, targets=targets, sha256=self.file_sha256.get(src.name))
+                for src, path in zip(self.sources, self.paths)]
+
+
+def export_models(models: Mapping[str, Path], work_dir: Path,
+                  export: Callable[..., ExportResult] = export_onnx,
+                  variants: Sequence[tuple[str, str]] = (("concat", "float32"),)) -> list[ExportedModel]:
+    """Export every model once per (layout, dtype) variant; only non-default choices are passed to `export`."""
+    out = []
+    for role, checkpoint in models.items():
+        for layout, dtype in variants:
+            folder = Path(work_dir) / ONNX_ROOTS[layout, dtype].split("/")[-1] / role
+            options = {**({"kv_cache": layout} if layout != "concat" else {}),
+                       **({"dtype": dtype} if dtype != "float32" else {})}
+            result = export(Path(checkpoint), folder, **options)
+            head = getattr(result, "family", None) == "eagle3"
+            if getattr(result, "dtype", "float32") != dtype and not head:
+                raise ModelError(f"expected a {dtype} export of {checkpoint}, found "
+                                 f"{getattr(result, 'dtype', 'float32')}")
+            decode = _decode_graph(Path(checkpoint), result, export) \
+                if layout == "batched" and dtype != "float32" and not head else None
+            exported = ExportedModel(role, result, "", {}, packed_with=(layout, dtype) if head else None,
+                                     decode_graph=decode)
+            hashes = {p.name: file_sha256(p) for p in exported.sources}
+            out.append(dataclasses.replace(exported, onnx_sha256=onnx_digest(hashes), file_sha256=hashes))
+    return out
+
+
+def _decode_graph(checkpoint: Path, result: ExportResult, export) -> Path | None:
+    """The `cuda` target's GroupQueryAttention decode graph over result's weights, or None (logged) when the
+    model has no such graph (q/k norms): the CUDA engine then runs the Attention graph alone."""
+    from bundler.onnx.dual import add_decode_graph
+
+    try:
+        return add_decode_graph(checkpoint, result, export)
+    except ModelError as e:
+        log.warning("no GroupQueryAttention decode graph for %s: %s; the Attention graph runs every row", checkpoint, e)
+        return None
+
+
+def _variant_for(profile: TargetProfile, onnxruntime_layout: str, half: str = "float16") -> tuple[str, str]:
+    """(KV-cache layout, dtype) of the graph a target runs."""
+    if profile.backend == "onnxruntime-cuda":
+        return onnxruntime_layout, half if onnxruntime_layout != "concat" else "float16"
+    return (onnxruntime_layout if profile.backend == "onnxruntime" else "concat"), graph_dtype(profile)
+
+
+def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], shape: ServeShape,
+                   work_dir: Path, device: DeviceInfo | None = None, backend=None,
+                   onnxruntime_layout: str = "batched", half: str = "float16") -> tuple[list[PackFile], Target]:
+    """Engine records (and plan files, when this host can build them) for one target."""
+    files: list[PackFile] = []
+    engines: list[Engine] = []
+    precision = "fp32" if profile.backend == "onnxruntime" else precision_for(profile)
+    variant = _variant_for(profile, onnxruntime_layout, half)
+    layout = variant[0]
+    if profile.backend == "onnxruntime-cuda":
+        precision = {"float16": "fp16", "bfloat16": "bf16"}[variant[1]]
+    for m in (m for m in exported if m.variant == variant):
+        if profile.backend == "onnxruntime-cuda":
+            engines.append(Engine(model=m.role, backend="onnxruntime-cuda", format="onnx", path=m.graph_path,
+                                  files=m.paths, key={"onnx_sha256": m.onnx_sha256,
+                                                      "onnxruntime_min": ONNXRUNTIME_MIN_BATCHED},
+                                  build={"max_context": shape.max_context, "kv_cache": layout, "dtype": m.dtype,
+                                         **({"decode_graph": m.decode_path} if m.decode_path else {})}))
+            continue
+        if profile.backend == "onnxruntime":
+            minimum = {"shared": ONNXRUNTIME_MIN_SHARED, "batched": ONNXRUNTIME_MIN_BATCHED}.get(layout, ONNXRUNTIME_MIN)
+            engines.append(Engine(model=m.role, backend="onnxruntime", format="onnx", path=m.graph_path,
+                                  files=m.paths, key={"onnx_sha256": m.onnx_sha256, "onnxruntime_min": minimum},
+                                  build={"max_context": shape.max_context,
+                                         "kv_cache": m.export.kv_cache}))  # an EAGLE-3 head has its own
+            continue
+        options = build_options(profile, m.export, shape)
+        engines.append(Engine(model=m.role, backend="tensorrt", format="onnx", path=m.graph_path, files=m.paths,
+                              key=engine_key(m.onnx_sha256, options, profile.compute_capability,
+                                             profile.tensorrt_version), build=options))
+        if device is not None and profile.matches_compute_capability(device.compute_capability) \
+                and device.tensorrt_version == profile.tensorrt_version:
+            plan = Path(work_dir) / "plans" / profile.id / m.role / "engine.plan"
+            plan.parent.mkdir(parents=True, exist_ok=True)
+            log.info("building the %s engine for %s on this host", m.role, profile.id)
+            backend.build(m.export.graph, options, plan)
+            path = f"{PLAN_ROOT}/{profile.id}/{m.role}/engine.plan"
+            files.append(PackFile(src=plan, path=path, targets=(profile.id,)))
+            engines.append(Engine(model=m.role, backend="tensorrt", format="tensorrt-plan", path=path,
+                                  files=(path,), key=engine_key(m.onnx_sha256, options, device.compute_capability,
+                                                                device.tensorrt_version), build=options))
+    build = {"compute_capability": profile.compute_capability, "tensorrt_version": profile.tensorrt_version,
+             "cuda_version": profile.cuda_version, "precision": precision, "max_context": shape.max_context}
+    return files, Target(id=profile.id, backend=profile.backend, engines=tuple(engines),
+                         build={k: v for k, v in build.items() if v is not None})
+
+
+def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_dir: Path, serve: Mapping, *,
+                    num_speculative_tokens: int | None = None, extra_dirs: Iterable[Path] = (),
+                    backend=None, export: Callable[..., ExportResult] = export_onnx,
+                    kv_cache: str = "batched",
+                    eagle3_layers: Sequence[int] | None = None) -> tuple[list[PackFile], list[Target]]:
+    """Export every model once per layout its targets need and plan every target: (files to pack, Targets).
+
+    `kv_cache` is the layout ONNX Runtime targets get ("batched"; "shared" for the older
+    GroupQueryAttention graph, or "concat" to ship one graph for every target); TensorRT targets
+    always get "concat".
+    """
+    if not target_ids:
+        raise UsageError("expected at least one target, found none")
+    if kv_cache not in KV_CACHE_LAYOUTS:
+        raise UsageError(f"expected kv_cache to be one of {', '.join(KV_CACHE_LAYOUTS)}, found {kv_cache!r}")
+    profiles = [get_profile(t, tuple(extra_dirs)) for t in target_ids]
+    if eagle3_layers is not None:
+        export = _eagle3_export(models, tuple(eagle3_layers), export, profiles)
+    users = {}  # (layout, dtype) -> ids of the targets that run it
+    half = half_dtype(models)
+    for p in profiles:
+        users.setdefault(_variant_for(p, kv_cache, half), []).append(p.id)
+    try:
+        exported = export_models(models, Path(work_dir), export, variants=tuple(users))
+    except SharedLayoutUnsupported as e:
+        log.warning("%s; ONNX Runtime targets get the concat graph instead", e)
+        return prepare_targets(target_ids, models, work_dir, serve, num_speculative_tokens=num_speculative_tokens,
+                               extra_dirs=extra_dirs, backend=backend, export=export, kv_cache="concat")
+    limit = min(m.export.max_positions for m in exported)
+    shape = serve_shape(serve, limit, num_speculative_tokens)
+    device = None
+    if any(p.backend == "tensorrt" for p in profiles):
+        if backend is None:
+            from runtime.engines.tensorrt import TensorRTBackend
+            backend = TensorRTBackend()
+        device = backend.device()
+    # Each graph is stored once, for every target that runs it (no restriction when that is all of them).
+    files = [pf for m in exported
+             for pf in m.pack_files(None if len(users) == 1 else tuple(users[m.variant]))]
+    targets = []
+    for profile in profiles:
+        extra, target = target_engines(profile, exported, shape, Path(work_dir), device, backend, kv_cache, half)
+        files += extra
+        targets.append(target)
+    return files, targets
+
+
+def _eagle3_export(models: Mapping[str, Path], layers: tuple[int, ...], export, profiles):
+    """EAGLE-3: the target graph (the layout its targets run: batched, shared or concat; on `cuda` the
+    fp16/bf16 batched Attention graph and its GroupQueryAttention decode graph, both exported through
+    this function) also returns the head's aux hidden states; the draft role is the head, exported by
+    bundler.onnx.eagle3. TensorRT targets are refused: their engine builds no aux output."""
+    from bundler.onnx.eagle3 import export_head
+
+    trt = [p.id for p in profiles if p.backend == "tensorrt"]
+    if trt:
+        raise UsageError(f"EAGLE-3 runs on ONNX Runtime targets in this version; found TensorRT targets "
+                         f"{', '.join(trt)}: use method draft_model there")
+    head, target = Path(models["draft"]), Path(models["target"])
+
+    def run(checkpoint: Path, out: Path, **options):
+        if Path(checkpoint) == head:
+            return export_head(head, target, out)
+        return export(checkpoint, out, aux_layer_ids=layers, **options)
+    return run
+
+
+def target_files_hook(*, serve: Mapping | None = None, num_speculative_tokens: int | None = None,
+                      extra_dirs: Iterable[Path] = (), backend=None, kv_cache: str = "batched",
+                      eagle3_layers: Sequence[int] | None = None):
+    """Adapter to bundler.pack.create's `target_files` hook (models, targets, work_dir) -> (files, targets).
+    `eagle3_layers`: the draft is an EAGLE-3 head reading those target layers."""
+    def hook(inputs, targets, work_dir):
+        return prepare_targets([t.id for t in targets], {m.role: m.local_dir for m in inputs}, work_dir,
+                               dict(serve or {}), num_speculative_tokens=num_speculative_tokens,
+                               extra_dirs=extra_dirs, backend=backend, kv_cache=kv_cache,
+                               eagle3_layers=eagle3_layers)
+    return hook
+
+
+def build_engines_bundle(bundle_dir: Path, target_id: str, out: Path, *, sign_keys: list, trusted: dict,
+                         allow_unsigned: bool = False, backend=None, work_dir: Path | None = None,
+                         progress: bool = True):
+    """`bundle build-engines`: on a device of the target's kind, build its plans and pack version + 1.
+
+    The new bundle carries everything the old one did (the ONNX stays as the fallback for devices
+    whose TensorRT differs) plus one plan per model for this target, keyed to this device.
+    """
+    import dataclasses
+    import tempfile
+
+    from bundler.pack.pack import pack_bundle
+    from manifests.errors import EnvironmentProblem
+    from runtime.engines import onnx_sha256_of
+    from runtime.store.unpack import unpack_files
+    from runtime.store.verify import verify_bundle
+
+    verified = verify_bundle(Path(bundle_dir), trusted, allow_unsigned=allow_unsigned)
+    manifest = verified.manifest
+    target = manifest.target(target_id)
+    sources = [e for e in target.engines if e.backend == "tensorrt" and e.format == "onnx"]
+    if not sources:
+        raise UsageError(f"target {target_id!r} of {manifest.name} v{manifest.version} has no TensorRT engines "
+                         f"to build (backend {target.backend!r})")
+    if backend is None:
+        from runtime.engines.tensorrt import TensorRTBackend
+        backend = TensorRTBackend()
+    device = backend.device()
+    if device is None:
+        raise EnvironmentProblem(getattr(backend, "unavailable", "TensorRT is not available on this machine"))
+    wanted = target.build.get("compute_capability")
+    if wanted and device.compute_capability != wanted:
+        profile = get_profile(target_id)
+        if not profile.matches_compute_capability(device.compute_capability):
+            raise EnvironmentProblem(f"this GPU has compute capability {device.compute_capability}; target "
+                                     f"{target_id!r} expects {wanted}: run build-engines on a {target_id} device")
+    # Unpack next to the output (same disk, which must hold the new bundle anyway), not in a small /tmp.
+    Path(out).resolve().parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=work_dir or Path(out).resolve().parent,
+                                     prefix="bundle-build-engines-") as tmp:
+        root = Path(tmp) / "files"
+        unpack_files(verified.layout, manifest.files, root, progress=progress)
+        files = [PackFile(src=root / f.path, path=f.path, targets=f.targets, executable=f.executable)
+                 for f in manifest.files if not f.path.startswith(f"{PLAN_ROOT}/{target_id}/")]
+        engines = [e for e in target.engines if e.format != "tensorrt-plan"]
+        for src in sources:
+            path = f"{PLAN_ROOT}/{target_id}/{src.model}/engine.plan"
+            plan = Path(tmp) / "plans" / src.model / "engine.plan"
+            plan.parent.mkdir(parents=True, exist_ok=True)
+            backend.build(root / src.path, src.build, plan)
+            key = engine_key(onnx_sha256_of(manifest, src), src.build, device.compute_capability,
+                             device.tensorrt_version)
+            files.append(PackFile(src=plan, path=path, targets=(target_id,)))
+            engines.append(Engine(model=src.model, backend="tensorrt", format="tensorrt-plan", path=path,
+                                  files=(path,), key=key, build=src.build))
+        targets = [dataclasses.replace(t, engines=tuple(engines)) if t.id == target_id else t
+                   for t in manifest.targets]
+        return pack_bundle(Path(out), name=manifest.name, version=manifest.version + 1, models=list(manifest.models),
+                           files=files, targets=targets, speculative=manifest.speculative, serve=dict(manifest.serve),
+                           expires=manifest.expires, sign_keys=sign_keys, unsigned=not sign_keys and allow_unsigned,
+                           progress=progress)

@@ -1,0 +1,46 @@
+"""Model families: which checkpoints the export pipeline writes and the runtime serves. One table, both sides.
+
+A family is a config.json `model_type` with the `architectures` names accepted for it. The build host
+refuses anything else by name before a download (bundler.resolve.checks) and again at export
+(bundler.onnx.export); the runtime tells an EAGLE-3 head from a draft model by its architecture.
+Stdlib only, no I/O: config dicts come in already parsed (bundler.model_config.read_config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from manifests.errors import ModelError
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architectures: tuple[str, ...]  # the first is the one recorded when a config names none
+    blocks: str  # what its decoder layers are made of, for messages and the docs
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("llama", ("LlamaForCausalLM",), "attention + MLP"),
+    Family("mistral", ("MistralForCausalLM",), "attention + MLP"),
+    Family("qwen2", ("Qwen2ForCausalLM",), "attention + MLP"),
+    Family("qwen3", ("Qwen3ForCausalLM",), "attention (q/k norms) + MLP"),
+)}
+
+#: config.json architectures of EAGLE-3 draft heads (the public checkpoints' and vLLM's names).
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+def check_family(config: dict, where: str = "model") -> tuple[str, str]:
+    """(model_type, architecture), or ModelError naming what was found and what is supported."""
+    model_type = config.get("model_type")
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs else None
+    if model_type not in FAMILIES:
+        raise ModelError(f"{where}: expected an architecture of family {', '.join(FAMILIES)}, found model_type "
+                         f"{model_type!r} ({', '.join(map(str, archs)) or 'no architectures listed'})")
+    family = FAMILIES[model_type]
+    if arch is not None and arch not in family.architectures:
+        raise ModelError(f"{where}: architecture {arch!r} cannot be exported; expected "
+                         f"{' or '.join(family.architectures)} for model type {model_type!r}")
+    return str(model_type), arch or family.architectures[0]

@@ -1,0 +1,1 @@
+"""The `bundle` command (main) and the floor's commands."""

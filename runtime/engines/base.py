@@ -1,0 +1,222 @@
+"""The interface the scheduler drives: many sequences at once, each in a slot with its own KV cache.
+
+A slot is one sequence's KV cache region. One `forward` call advances several slots at once; its
+rows may mix a prefill chunk, single-token decode and the k+1 tokens of a speculative
+verification. Rollback (rejected drafts) and release (finished request) are per slot, and
+`copy_prefix` lets a new request start from KV another slot already computed (prefix caching).
+
+Implementations:
+- `runtime.engines.onnxruntime.OnnxRuntimeEngine`: the "batched" graph (TensorScatter + Attention,
+  bundler.onnx.inplace) runs all rows in one session call; the older graphs ("shared"
+  GroupQueryAttention, "concat") run row by row with batch 1 (bundles made before this graph).
+- `runtime.engines.tensorrt.TensorRTEngine`: batch 1 inside, row by row (its plans are built
+  from the concat graph).
+- `SequenceSlots` below: any single-sequence engine (`SequenceEngine`, the interface before
+  slots) turned into a slot engine, one instance per slot, rows run one after another.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Collection, Sequence
+
+import numpy as np
+
+from manifests.errors import ServeError
+
+
+class ContextFull(ServeError):
+    """A forward() would hold more tokens in a slot than the engine's max_context."""
+
+
+def check_rollback(slot: int, length: int, have: int) -> None:
+    """The refusal every slot engine's rollback makes: a length outside 0..(tokens the slot holds)."""
+    if not 0 <= length <= have:
+        raise ValueError(f"rollback of slot {slot} to {length}: expected 0..{have}")
+
+
+@dataclass(frozen=True)
+class Row:
+    """Tokens to append after what slot `slot` holds; logits come back for each of them.
+
+    `fetch` says which logits the caller reads: "all", "last" (a prefill chunk whose next token is
+    sampled) or "none" (a prefill chunk whose logits nobody reads). An engine may return only those
+    ([1, vocab] or [0, vocab]), which saves a GPU engine a device-to-host copy of chunk x vocab floats;
+    engines whose logits are host memory anyway may return all of them."""
+
+    slot: int
+    tokens: Sequence[int]
+    fetch: str = "all"
+
+
+class Engine(ABC):
+    """A causal LM with `num_slots` KV caches of `max_context` tokens each."""
+
+    #: size of the logits' last axis
+    vocab_size: int
+    #: the most tokens one slot can hold (prompt + generated)
+    max_context: int
+    #: how many sequences the engine holds at once
+    num_slots: int = 1
+    #: short description for logs and /v1/models, e.g. "onnxruntime CPUExecutionProvider fp32"
+    description: str = ""
+    #: True when one forward computes all rows together; False when rows run one after another
+    batched: bool = False
+
+    @abstractmethod
+    def length(self, slot: int) -> int:
+        """Tokens currently held in `slot`'s cache."""
+
+    def check_rows(self, rows: Sequence[Row]) -> None:
+        """Refuse a forward before it touches a cache: each slot in range and at most once, and every
+        row fitting its slot (ContextFull otherwise)."""
+        seen = set()
+        for r in rows:
+            if r.slot in seen or not 0 <= r.slot < self.num_slots:
+                raise ValueError(f"expected each slot in 0..{self.num_slots - 1} at most once, found slot {r.slot}")
+            seen.add(r.slot)
+            if self.length(r.slot) + len(r.tokens) > self.max_context:
+                raise ContextFull(f"context full: expected at most {self.max_context} tokens, found "
+                                  f"{self.length(r.slot)} cached + {len(r.tokens)} new in slot {r.slot}")
+
+    @abstractmethod
+    def forward(self, rows: Sequence[Row]) -> list[np.ndarray]:
+        """Append each row's tokens to its slot; return float32 logits [len(row.tokens), vocab] per row.
+
+        Row i's logits j are the next-token distribution after row i's token j. A slot appears at
+        most once per call. Prefill, decode and verification are all this one call.
+        """
+
+    def forward_greedy(self, rows: Sequence[Row], logits_for: Collection[int] = ()) -> list[np.ndarray]:
+        """As forward, but only the argmax token of each logits row comes back (int64 [k] per row).
+
+        Greedy decoding and greedy verification read nothing else. Row i's entry j is the argmax of
+        forward's logits i, j, ties to the lowest id (numpy's argmax): the same tokens either way. This
+        default takes it from `forward`; an engine whose graph computes the argmax itself (CUDA)
+        overrides it so a vocab-sized row never crosses to the host. The rows of the slots in
+        `logits_for` come back as forward returns them (logits): a sampled row beside greedy ones
+        keeps the step one call with the others still on the argmax path.
+        """
+        return [lg if row.slot in logits_for else np.asarray(lg).argmax(-1)
+                for row, lg in zip(rows, self.forward(rows))]
+
+    @abstractmethod
+    def rollback(self, slot: int, length: int) -> None:
+        """Forget every token of `slot` at position >= length (rejected drafts, a shorter prefix)."""
+
+    def release(self, slot: int) -> None:
+        """Empty `slot` (its cached tokens are forgotten)."""
+        self.rollback(slot, 0)
+
+    @abstractmethod
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Make `dst` hold the first `length` tokens of `src` (prefix caching across slots)."""
+
+    def kv_bytes_per_slot(self) -> int:
+        """KV memory one slot takes, for the slot budget, /health and the banner."""
+        return 0
+
+    def allocate_slots(self, num_slots: int) -> None:
+        """(Re)allocate the caches for `num_slots` empty slots. Engines with a fixed count refuse."""
+        raise NotImplementedError(f"{type(self).__name__} has a fixed number of slots ({self.num_slots})")
+
+    def memory(self) -> dict:
+        """Bytes used, for /metrics and logs: {"weights", "kv_cache"} and, where known, "activations"
+        (scratch the runtime allocates per execution) and "buffers" (inputs and logits)."""
+        return {}
+
+    def close(self) -> None:
+        """Release resources."""
+
+    # --- one-sequence convenience (tests, tools): slot 0 ------------------------------------------
+    def forward_one(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray:
+        return self.forward([Row(slot, list(token_ids))])[0]
+
+
+class SequenceEngine(ABC):
+    """One sequence, batch 1: the engine interface before slots. Turned into slots by SequenceSlots."""
+
+    vocab_size: int
+    max_context: int
+    description: str = ""
+
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """Tokens currently held in the cache."""
+
+    @abstractmethod
+    def forward(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Append `token_ids`; float32 logits [len(token_ids), vocab]."""
+
+    @abstractmethod
+    def rollback(self, length: int) -> None:
+        """Forget every cached token at position >= length."""
+
+    def memory(self) -> dict:
+        """Bytes used, for /metrics and logs: {"weights", "kv_cache"} and, where known, "activations"
+        (scratch the runtime allocates per execution) and "buffers" (inputs and logits)."""
+        return {}
+
+    def close(self) -> None:
+        """Release resources."""
+
+
+class SequenceSlots(Engine):
+    """Slots over single-sequence engines, one per slot; rows run one by one.
+
+    copy_prefix replays the tokens (`tokens_of(src)` is kept here), since a single-sequence engine
+    exposes no cache memory: correct for any engine, and only as fast as a prefill.
+    """
+
+    batched = False
+
+    def __init__(self, engines: Sequence[SequenceEngine]):
+        if not engines:
+            raise ValueError("expected at least one engine (one per slot), found none")
+        self._slots = list(engines)
+        first = self._slots[0]
+        num_slots = len(self._slots)
+        self.vocab_size = first.vocab_size
+        self.max_context = min(e.max_context for e in self._slots)
+        self.num_slots = num_slots
+        self.description = first.description
+        self._tokens: list[list[int]] = [[] for _ in range(num_slots)]
+
+    @property
+    def sequences(self) -> list[SequenceEngine]:
+        return self._slots
+
+    def length(self, slot: int) -> int:
+        return self._slots[slot].length
+
+    def forward(self, rows: Sequence[Row]) -> list[np.ndarray]:
+        out = []
+        for row in rows:
+            out.append(self._slots[row.slot].forward(row.tokens))
+            self._tokens[row.slot].extend(int(t) for t in row.tokens)
+        return out
+
+    def rollback(self, slot: int, length: int) -> None:
+        self._slots[slot].rollback(length)
+        del self._tokens[slot][length:]
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        if src == dst:
+            self.rollback(dst, length)
+            return
+        self.rollback(dst, 0)
+        if length:
+            self.forward([Row(dst, self._tokens[src][:length])])
+
+    def memory(self) -> dict:
+        total: dict = {}
+        for s in self._slots:
+            for k, v in s.memory().items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def close(self) -> None:
+        for s in self._slots:
+            s.close()

@@ -1,0 +1,1 @@
+"""The serving core: engine client, scheduler, model runner, speculation, sampling, grammar, tokenizer."""

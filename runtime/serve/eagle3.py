@@ -1,0 +1,220 @@
+"""EAGLE-3 drafting on the device: the head's graph with its own KV cache, and chain proposals.
+
+The target graph (bundler.onnx.export with aux layer ids) returns `aux_hidden_states` beside the logits;
+an engine that has them exposes the rows of its last forward as `last_aux_hidden` ([n, 3H]).
+The head (bundler.onnx.eagle3.export_head_onnx) keeps one cache entry per position t, made from
+(token t + 1, feature of t). Entries whose feature is the target's (fc of its aux states) stay
+across steps; entries made while chain drafting (feature = the head's own output) are dropped
+after every proposal, since after verification the target's feature for those positions exists.
+The head's logits cover the target vocabulary with -inf outside the draft vocabulary (d2t applied
+in the graph), so q = 0 there and acceptance is exactly runtime.serve.speculative's.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from manifests.errors import EnvironmentProblem, ModelError
+from runtime.engines.onnxruntime import open_session
+
+FORMAT = "eagle3-head-v1"
+
+
+class Drafter(ABC):
+    """An EAGLE-3 head with its own KV cache for one sequence."""
+
+    vocab_size: int
+    hidden_size: int
+    target_hidden_size: int
+    max_context: int
+    description: str = ""
+
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """Entries in the cache."""
+
+    @abstractmethod
+    def forward(self, token_ids: Sequence[int], target_hidden: np.ndarray,
+                draft_hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Append len(token_ids) entries: first len(target_hidden) rows with target features, then
+        len(draft_hidden) with the head's own. Returns (logits [n, vocab] float32, hidden [n, H])."""
+
+    @abstractmethod
+    def rollback(self, length: int) -> None:
+        """Forget every entry at position >= length."""
+
+    def reset(self) -> None:
+        self.rollback(0)
+
+    def fork(self) -> "Drafter":
+        """Another empty cache over the same weights (one per slot)."""
+        raise NotImplementedError(f"{type(self).__name__} serves one sequence")
+
+
+class OnnxDrafter(Drafter):
+    """The head's ONNX graph on ONNX Runtime, one sequence per instance (fork() for more).
+
+    Layout "batched" (bundler.onnx.eagle3_graph, what bundles ship): the cache is one preallocated
+    [1, kv_heads, max_context, head_dim] buffer per K and V on the session's device (an OrtValue in GPU
+    memory under CUDAExecutionProvider), bound as both past and present with I/O binding, so a step writes
+    only its new rows (nothing is copied or allocated) and a rollback is a length change. Host buffers under
+    the CUDA provider are copied to the device and back at every step, and proposals went wrong there (10 %
+    acceptance on the H200 with ONNX Runtime 1.31, against 66 % on the CPU provider). Layout "concat" (heads
+    exported before it): the graph returns past + new, kept as two numpy arrays.
+    """
+
+    def __init__(self, graph: Path, *, max_context: int | None = None, threads: int | None = None,
+                 providers: Sequence[str] = ("CPUExecutionProvider",)):
+        import onnxruntime as ort
+
+        graph = Path(graph)
+        if not graph.is_file():
+            raise EnvironmentProblem(f"expected the EAGLE-3 head graph at {graph}, found nothing")
+        so = ort.SessionOptions()
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = open_session(graph, so, providers, threads)
+        meta = self.session.get_modelmeta().custom_metadata_map
+        if meta.get("bundle.format") != FORMAT:
+            raise ModelError(f"{graph}: expected an EAGLE-3 head graph (bundle.format {FORMAT}), "
+                             f"found {meta.get('bundle.format')!r}")
+        self.kv_cache = meta.get("bundle.kv_cache", "concat")
+        if self.kv_cache not in ("batched", "concat"):
+            raise ModelError(f"{graph}: expected an EAGLE-3 head KV cache 'batched' or 'concat', found {self.kv_cache!r}")
+        self.vocab_size = int(meta["bundle.vocab_size"])
+        self.hidden_size = int(meta["bundle.hidden_size"])
+        self.target_hidden_size = int(meta["bundle.target_hidden_size"])
+        self.layer_ids = [int(i) for i in meta["bundle.aux_hidden_state_layer_ids"].split(",")]
+        self.max_context = min(int(max_context or meta["bundle.max_positions"]), int(meta["bundle.max_positions"]))
+        self._kv, self._hd = int(meta["bundle.num_kv_heads"]), int(meta["bundle.head_dim"])
+        self._ort = ort
+        self.device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
+        self._new_cache()
+        self.description = (f"onnxruntime {ort.__version__} EAGLE-3 head (draft vocab {meta['bundle.draft_vocab_size']},"
+                            f" kv-cache {self.kv_cache})")
+
+    def _new_cache(self) -> None:
+        self._length = 0
+        if self.kv_cache == "batched":
+            shape = [1, self._kv, self.max_context, self._hd]
+            new = self._ort.OrtValue.ortvalue_from_shape_and_type
+            self._k, self._v = new(shape, np.float32, self.device, 0), new(shape, np.float32, self.device, 0)
+            self._binding = self.session.io_binding()
+            for name, buf in (("key", self._k), ("value", self._v)):
+                self._binding.bind_ortvalue_input(f"past_key_values.0.{name}", buf)
+                self._binding.bind_ortvalue_output(f"present.0.{name}", buf)
+        else:
+            self._k = np.zeros((1, self._kv, 0, self._hd), np.float32)
+            self._v = self._k.copy()
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def fork(self) -> "OnnxDrafter":
+        other = object.__new__(OnnxDrafter)
+        other.__dict__.update(self.__dict__)  # the session is shared; ONNX Runtime's run() is thread-safe
+        other._new_cache()
+        return other
+
+    def forward(self, token_ids, target_hidden, draft_hidden):
+        n = len(token_ids)
+        past = self._length
+        if past + n > self.max_context:
+            raise ModelError(f"EAGLE-3 head context full: {past} cached + {n} new > {self.max_context}")
+        th = np.asarray(target_hidden, np.float32).reshape(1, -1, 3 * self.target_hidden_size)
+        dh = np.asarray(draft_hidden, np.float32).reshape(1, -1, self.hidden_size)
+        if th.shape[1] + dh.shape[1] != n:
+            raise ValueError(f"expected {n} feature rows, found {th.shape[1]} + {dh.shape[1]}")
+        ids = np.asarray(token_ids, np.int64).reshape(1, n)
+        positions = np.arange(past, past + n, dtype=np.int64)[None]
+        if self.kv_cache == "concat":
+            logits, hidden, self._k, self._v = self.session.run(None, {
+                "input_ids": ids, "target_hidden_states": th, "draft_hidden_states": dh, "position_ids": positions,
+                "past_key_values.0.key": self._k, "past_key_values.0.value": self._v})
+            self._length = past + n
+            return logits[0], hidden[0]
+        b = self._binding
+        b.bind_cpu_input("input_ids", ids)
+        b.bind_cpu_input("target_hidden_states", np.ascontiguousarray(th))
+        b.bind_cpu_input("draft_hidden_states", np.ascontiguousarray(dh))
+        b.bind_cpu_input("position_ids", positions)
+        b.bind_cpu_input("write_indices", np.array([past], np.int64))
+        # new row i attends to every cached row and to new rows 0..i: the first past + n rows only
+        b.bind_cpu_input("attention_mask", np.arange(past + n)[None, None, None, :] <= positions[:, None, :, None])
+        logits = np.empty((1, n, self.vocab_size), np.float32)
+        hidden = np.empty((1, n, self.hidden_size), np.float32)
+        b.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        b.bind_output("hidden_states", "cpu", 0, np.float32, list(hidden.shape), hidden.ctypes.data)
+        self.session.run_with_iobinding(b)
+        self._length = past + n
+        return logits[0], hidden[0]
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"rollback to {length}: expected 0..{self._length}")
+        if self.kv_cache == "concat":
+            self._k, self._v = self._k[:, :, :length], self._v[:, :, :length]
+        self._length = length
+
+
+class ChainProposer:
+    """Chain drafting of g tokens from the target's features, for one slot.
+
+    `features` holds the target's aux rows for every token its cache holds (row t: after token t);
+    the model runner appends and truncates it alongside the target cache.
+    """
+
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter
+        self.features: list[np.ndarray] = []  # one [3H] row per target cache position
+        self._covered: list[int] = []  # tokens[:length + 1]: what the cached target-feature entries read
+
+    def on_target_forward(self, rows, n: int) -> None:
+        """The target appended n tokens; `rows` are their aux hidden states."""
+        if rows is None or len(rows) != n:
+            raise ModelError("EAGLE-3 needs a target graph with aux_hidden_states (export with the head's "
+                             "layer ids); this target engine returned none")
+        self.features.extend(np.asarray(rows, np.float32))
+
+    def on_target_rollback(self, length: int) -> None:
+        del self.features[length:]
+
+    def reset(self) -> None:
+        self.features.clear()
+        self._covered.clear()
+        self.drafter.reset()
+
+    def propose(self, tokens: Sequence[int], g: int, pick) -> tuple[list[int], list]:
+        """`pick(logits row, drafts so far)` -> (token, q or None). Returns (drafts, qs)."""
+        L = len(tokens)
+        if len(self.features) < L - 1:
+            raise ModelError(f"EAGLE-3: the target's features cover {len(self.features)} positions, "
+                             f"expected {L - 1}")
+        same = 0
+        for a, b in zip(self._covered, tokens):
+            if a != b:
+                break
+            same += 1
+        keep = min(self.drafter.length, max(0, same - 1), L - 2)
+        self.drafter.rollback(keep)
+        feats = np.stack(self.features[keep:L - 1])  # keep <= L - 2: at least one row
+        logits, hidden = self.drafter.forward(list(tokens[keep + 1:L]), feats,
+                                              np.zeros((0, self.drafter.hidden_size), np.float32))
+        self._covered = list(tokens[:L])
+        drafts, qs = [], []
+        row, h = logits[-1], hidden[-1:]
+        for i in range(g):
+            d, q = pick(row, drafts)
+            drafts.append(d)
+            if q is not None:
+                qs.append(q)
+            if i < g - 1:
+                lg, hd = self.drafter.forward([d], np.zeros((0, 3 * self.drafter.target_hidden_size), np.float32), h)
+                row, h = lg[-1], hd[-1:]
+        self.drafter.rollback(L - 1)  # chain entries read the head's own features: never kept
+        return drafts, qs

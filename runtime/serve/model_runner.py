@@ -1,0 +1,374 @@
+"""One scheduled step on the engines: draft proposals for every speculating slot, ONE target forward
+for every slot (prefill chunks and [pending + drafts] rows together), exact acceptance per slot.
+
+Cache bookkeeping per slot: the target slot holds every token of the sequence except the last
+("pending", whose logits are not computed yet) once its first token is out (sampled from the
+prompt's last prefill row, in the step that prefills it); a verification
+appends pending + drafts and rolls back to the accepted prefix. `target_cache[slot]` /
+`draft_cache[slot]` mirror what each slot holds (token ids): the draft catches up from the common
+prefix, and a new request reuses the longest prefix any slot holds (prefix caching).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Collection, Sequence
+
+import numpy as np
+
+from manifests.errors import UsageError
+from runtime.serve.eagle3 import ChainProposer
+from runtime.engines.base import Engine, Row
+from runtime.serve.logits_process import token_logprobs
+from runtime.serve.spec_length import SpeculationLength
+from runtime.serve.speculative import METHODS, SpecStats, Step, accept, accept_greedy, ngram_lookup, propose_token
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ModelRunner:
+    def __init__(self, target: Engine, draft: Engine | None = None, method: str = "none",
+                 num_speculative_tokens: int = 3, *, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
+                 clock=time.perf_counter, greedy_argmax: bool = True, adaptive: bool = True,
+                 disable_by_batch_size: int | None = None):
+        """`greedy_argmax`: a step whose decoding rows are all greedy asks the target for the argmax
+        only (Engine.forward_greedy); False always fetches logits (the reference in tests).
+        `adaptive`: pick each step's number of proposals from measured costs (runtime.serve.spec_length);
+        False verifies num_speculative_tokens every step. `disable_by_batch_size`: vLLM's key."""
+        if method not in METHODS:
+            raise UsageError(f"speculative method must be one of {', '.join(METHODS)}, found {method!r}")
+        if method == "draft_model" and draft is None:
+            raise UsageError("speculative method 'draft_model' needs a draft engine; the bundle has no draft model")
+        if method != "none" and not (1 <= num_speculative_tokens <= 16):
+            raise UsageError(f"num_speculative_tokens must be in 1..16, found {num_speculative_tokens}")
+        if not (1 <= prompt_lookup_min <= prompt_lookup_max):
+            raise UsageError(f"expected 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                             f"found {prompt_lookup_min} and {prompt_lookup_max}")
+        if method == "eagle3" and draft is None:
+            raise UsageError("speculative method 'eagle3' needs an EAGLE-3 head; the bundle has none")
+        if draft is not None and method in ("draft_model", "eagle3") and draft.vocab_size != target.vocab_size:
+            # Logit rows must index the same tokens; a smaller draft vocabulary would need padding.
+            raise UsageError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
+        self.target = target
+        self.draft = draft if method == "draft_model" else None
+        self.head = draft if method == "eagle3" else None  # runtime.serve.eagle3.Drafter
+        self.method = method
+        self.num_speculative_tokens = num_speculative_tokens if method != "none" else 0
+        self.prompt_lookup_min = prompt_lookup_min
+        self.prompt_lookup_max = prompt_lookup_max
+        self.stats = SpecStats()
+        self.speculation = SpeculationLength(self.num_speculative_tokens, adaptive=adaptive,
+                                             disable_by_batch_size=disable_by_batch_size)
+        self._clock = clock
+        self.greedy_argmax = greedy_argmax
+        #: called before every engine forward (the engine client hands the previous step's tokens to
+        #: the event loop there, while the engine is about to release the GIL for its run)
+        self.before_forward = None
+        self._mirrors()
+
+    def _mirrors(self) -> None:
+        """Empty slots on both sides: the mirrors start empty, so the engines' slots are emptied too (an
+        engine an earlier runner filled would otherwise answer from caches the mirrors do not know)."""
+        for engine in (self.target, self.draft):
+            if engine is not None:
+                for slot in range(engine.num_slots):
+                    engine.release(slot)
+        self.target_cache: list[list[int]] = [[] for _ in range(self.num_slots)]
+        self.draft_cache: list[list[int]] = [[] for _ in range(self.num_slots)]
+        # EAGLE-3: per slot, the target's features and a head cache of its own
+        self.eagle = ([ChainProposer(self.head if i == 0 else self.head.fork()) for i in range(self.num_slots)]
+                      if self.head is not None else None)
+
+    @property
+    def num_slots(self) -> int:
+        n = self.target.num_slots
+        return min(n, self.draft.num_slots) if self.draft is not None else n
+
+    @property
+    def max_context(self) -> int:
+        m = self.target.max_context
+        if self.head is not None:
+            m = min(m, self.head.max_context + 1)
+        return min(m, self.draft.max_context) if self.draft is not None else m
+
+    def kv_bytes_per_slot(self) -> int:
+        return self.target.kv_bytes_per_slot() + (self.draft.kv_bytes_per_slot() if self.draft else 0)
+
+    def allocate_slots(self, num_slots: int) -> None:
+        """Give both engines `num_slots` caches (only engines that can: ONNX Runtime, TensorRT)."""
+        for engine in (self.target, self.draft):
+            if engine is not None and engine.num_slots != num_slots:
+                engine.allocate_slots(num_slots)
+        self._mirrors()
+
+    def check(self, request) -> None:
+        if not request.prompt:
+            raise UsageError("prompt must hold at least one token")
+        if request.max_tokens < 1:
+            raise UsageError(f"max_tokens must be >= 1, found {request.max_tokens}")
+        if len(request.prompt) >= self.max_context:
+            raise UsageError(f"prompt has {len(request.prompt)} tokens, the context holds {self.max_context}")
+
+    def uses_draft(self, request) -> bool:
+        return self.draft is not None and request.speculative
+
+    # --- slots and the prefix cache -------------------------------------------------------------
+    def prefix_length(self, slot: int, tokens: Sequence[int]) -> int:
+        """Tokens of `tokens` that slot's target cache already holds (at most all but the last)."""
+        return min(common_prefix(self.target_cache[slot], tokens), len(tokens) - 1)
+
+    def place(self, request, slot: int, *, reuse: bool) -> int:
+        """Make `slot` hold the longest cached prefix of the request's tokens; return its length.
+
+        reuse=False (prefix caching off): the slot starts empty. Otherwise the slot keeps what it
+        shares with the request, or takes a longer prefix from another slot (a copy of its KV rows).
+        """
+        tokens = request.tokens
+        best, source = 0, slot
+        if reuse:
+            best = self.prefix_length(slot, tokens)
+            for other in range(self.num_slots):
+                n = self.prefix_length(other, tokens) if other != slot else 0
+                if n > best:
+                    best, source = n, other
+        self._reuse(self.target, self.target_cache, source, slot, best)
+        if self.draft is not None:
+            own = min(common_prefix(self.draft_cache[slot], tokens), len(tokens) - 1) if reuse else 0
+            there = min(common_prefix(self.draft_cache[source], tokens), best) if reuse else 0
+            if there > own:
+                self._reuse(self.draft, self.draft_cache, source, slot, there)
+            else:
+                self._reuse(self.draft, self.draft_cache, slot, slot, own)
+        request.slot, request.computed, request.cached_tokens = slot, best, best
+        return best
+
+    def _reuse(self, engine: Engine, mirror: list[list[int]], source: int, slot: int, n: int) -> None:
+        eagle = self.eagle if engine is self.target else None
+        if source == slot:
+            if n < len(mirror[slot]):
+                engine.rollback(slot, n)
+                del mirror[slot][n:]
+                if eagle is not None:
+                    eagle[slot].on_target_rollback(n)
+            return
+        engine.copy_prefix(source, slot, n)
+        mirror[slot] = mirror[source][:n]
+        if eagle is not None:
+            eagle[slot].reset()
+            eagle[slot].features = list(eagle[source].features[:n])
+
+    def release(self, slot: int) -> None:
+        for engine, mirror in ((self.target, self.target_cache), (self.draft, self.draft_cache)):
+            if engine is not None and mirror[slot]:
+                engine.release(slot)
+                mirror[slot].clear()
+        if self.eagle is not None:
+            self.eagle[slot].reset()
+
+    def reset(self) -> None:
+        """Empty every slot (after an engine error the mirrors may be wrong)."""
+        for engine, mirror in ((self.target, self.target_cache), (self.draft, self.draft_cache)):
+            if engine is not None:
+                for slot in range(self.num_slots):
+                    engine.release(slot)
+                    mirror[slot].clear()
+        for proposer in self.eagle or ():
+            proposer.reset()
+
+    # --- one step ---------------------------------------------------------------------------------
+    def step(self, decodes: Sequence[tuple], prefills: Sequence[tuple]) -> None:
+        """`decodes`: (request, g) with g proposals wanted (0: plain); `prefills`: (request, n prompt tokens).
+
+        Each decoding request gets one Step through `request.emit`, and so does each request whose
+        prompt's last chunk runs now (its first token, sampled from that chunk's last row).
+        """
+        t0, target0, draft0 = self._clock(), self.stats.target_seconds, self.stats.draft_seconds
+        proposals = self._propose(decodes, prefills)
+        rows, firsts = [], []  # firsts: the prefills whose last chunk this is
+        for r, n in prefills:
+            last = r.computed + n == len(r.prompt)
+            rows.append(Row(r.slot, r.tokens[r.computed:r.computed + n], fetch="last" if last else "none"))
+            if last:
+                firsts.append(r)
+        for r, _ in decodes:
+            drafts, _ = proposals.get(r.slot, ([], []))
+            rows.append(Row(r.slot, [r.tokens[-1], *drafts]))
+        # Sampling rows (decodes, and prompts whose last chunk runs now) that are greedy with nothing
+        # reading the full distribution get only the argmax back; rows that read it (sampling, logprobs,
+        # a logits processor) their logits, in the same call.
+        sampling = [r for r, _ in decodes] + firsts
+        sampled = {r.slot for r in sampling if not argmax_suffices(r)}
+        greedy = self.greedy_argmax and len(sampled) < len(sampling) and offers_greedy(self.target)
+        logits = self._forward(self.target, self.target_cache, rows, "target", greedy=greedy, logits_for=sampled)
+        for (r, n), row_logits in zip(prefills, logits):
+            r.computed += n
+            if r.computed == len(r.prompt):  # the first token, from the prompt's last row
+                self._finish_row(r, np.asarray(row_logits)[-1:], [], [], greedy and r.slot not in sampled)
+        for (r, _), row_logits in zip(decodes, logits[len(prefills):]):
+            drafts, qs = proposals.get(r.slot, ([], []))
+            self._finish_row(r, row_logits, drafts, qs, greedy and r.slot not in sampled)
+        target_s, draft_s = self.stats.target_seconds - target0, self.stats.draft_seconds - draft0
+        rounds = max((len(d) for d, _ in proposals.values()), default=0)
+        # the target's cost line is fitted on decode-only steps: a prefill chunk runs as a call of its
+        # own, with another cost per token than verification rows
+        self.speculation.observe_step(0 if prefills else sum(len(row.tokens) for row in rows), target_s, rounds,
+                                      sum(1 for d, _ in proposals.values() if d), draft_s,
+                                      self._clock() - t0 - target_s - draft_s)
+
+    def _finish_row(self, r, row_logits, drafts: list[int], qs: list, greedy: bool) -> None:
+        """Accept from a row's target output (argmax or logits after [pending, *drafts]); emit the Step."""
+        if greedy:  # row_logits: the argmax after [pending, *drafts]
+            new = accept_greedy(np.asarray(row_logits).tolist()[-(len(drafts) + 1):], drafts)
+        else:
+            new = accept(row_logits, drafts, qs, r.params, r.rng, r.logits_processors, r.output_ids)
+        accepted = len(new) - 1
+        self.stats.record(len(drafts), accepted)
+        self.speculation.record(r, len(drafts), accepted)
+        keep = len(r.tokens) + accepted  # target now holds tokens + drafts; keep tokens + accepted
+        self._rollback(self.target, self.target_cache, r.slot, keep)
+        if self.draft is not None and self.uses_draft(r):
+            self._rollback(self.draft, self.draft_cache, r.slot, min(len(self.draft_cache[r.slot]), keep))
+        r.tokens.extend(new)
+        r.computed = len(r.tokens) - 1
+        # row i of the raw target logits is the distribution new[i] was chosen from
+        logprobs = None if r.logprobs is None else [token_logprobs(row_logits[i], t, r.logprobs)
+                                                     for i, t in enumerate(new)]
+        r.emit(new, len(drafts), accepted, logprobs)
+
+    def _propose(self, decodes, prefills) -> dict[int, tuple[list[int], list]]:
+        out: dict[int, tuple[list[int], list]] = {}
+        if self.method == "ngram":
+            for r, g in decodes:
+                if g > 0:
+                    out[r.slot] = (ngram_lookup(r.tokens, g, self.prompt_lookup_min, self.prompt_lookup_max), [])
+            return out
+        if self.eagle is not None:
+            t0 = self._clock()
+            for r, g in decodes:
+                if g > 0 and r.speculative and len(r.tokens) >= 2:
+                    def pick(logits, drafts, r=r):
+                        return propose_token(logits, r.params, r.rng, r.logits_processors, r.output_ids + drafts)
+                    out[r.slot] = self.eagle[r.slot].propose(r.tokens, g, pick)
+                    self.stats.draft_forwards += g
+            self.stats.draft_seconds += self._clock() - t0
+            return out
+        if self.draft is None:
+            return out
+        # First call: every speculating slot's catch-up (what its draft cache lacks: at least the
+        # pending token) plus the draft's share of this step's prefill chunks; then one token per call.
+        rows, wanting = [], []
+        for r, n in prefills:
+            if self.uses_draft(r):
+                end = r.computed + n
+                have = min(common_prefix(self.draft_cache[r.slot], r.tokens[:end]), end)
+                self._rollback(self.draft, self.draft_cache, r.slot, have)
+                if end > have:
+                    rows.append(Row(r.slot, r.tokens[have:end], fetch="none"))
+        for r, g in decodes:
+            if g <= 0 or not self.uses_draft(r):
+                continue
+            have = min(common_prefix(self.draft_cache[r.slot], r.tokens), len(r.tokens) - 1)
+            self._rollback(self.draft, self.draft_cache, r.slot, have)
+            rows.append(Row(r.slot, r.tokens[have:], fetch="last"))
+            wanting.append((r, g))
+            out[r.slot] = ([], [])
+        if not rows:
+            return out
+        # Greedy proposals without a logits processor are the draft's argmax: only that comes back.
+        sampled = {r.slot for r, _ in wanting if not (r.params.greedy and not r.logits_processors)}
+        greedy = self.greedy_argmax and len(sampled) < len(wanting) and offers_greedy(self.draft)
+        logits = dict(zip((row.slot for row in rows), self._forward(self.draft, self.draft_cache, rows, "draft",
+                                                                    greedy=greedy, logits_for=sampled)))
+        last = {r.slot: logits[r.slot][-1] for r, _ in wanting}
+        for i in range(max((g for _, g in wanting), default=0)):
+            rows = []
+            for r, g in wanting:
+                if i >= g:
+                    continue
+                drafts, qs = out[r.slot]
+                if greedy and r.slot not in sampled:  # last[r.slot]: the draft's argmax token
+                    d, q = int(last[r.slot]), None
+                else:
+                    d, q = propose_token(last[r.slot], r.params, r.rng, r.logits_processors, r.output_ids + drafts)
+                drafts.append(d)
+                if q is not None:
+                    qs.append(q)
+                if i < g - 1:  # the last proposal is fed to the draft next step, only if it is accepted
+                    rows.append(Row(r.slot, [d]))
+            if rows:
+                for row, lg in zip(rows, self._forward(self.draft, self.draft_cache, rows, "draft", greedy=greedy,
+                                                       logits_for=sampled)):
+                    last[row.slot] = lg[-1]
+        return out
+
+    # --- cache helpers ---------------------------------------------------------------------------
+    def _forward(self, engine: Engine, mirror: list[list[int]], rows: list[Row], role: str, *,
+                 greedy: bool = False, logits_for: Collection[int] = ()) -> list[np.ndarray]:
+        """greedy: argmax only (Engine.forward_greedy), except logits for the slots in logits_for."""
+        if self.before_forward is not None:
+            self.before_forward()
+        t0 = self._clock()
+        logits = engine.forward_greedy(rows, logits_for=logits_for) if greedy else engine.forward(rows)
+        for row in rows:
+            mirror[row.slot].extend(int(t) for t in row.tokens)
+            if self.eagle is not None and engine is self.target and len(row.tokens):
+                self.eagle[row.slot].on_target_forward(aux_rows(engine, row.slot), len(row.tokens))
+        dt = self._clock() - t0
+        if role == "target":
+            self.stats.target_forwards += 1
+            self.stats.target_seconds += dt
+        else:
+            self.stats.draft_forwards += 1
+            self.stats.draft_seconds += dt
+        return logits
+
+    def _rollback(self, engine: Engine, mirror: list[list[int]], slot: int, length: int) -> None:
+        if length < len(mirror[slot]):
+            engine.rollback(slot, length)
+            del mirror[slot][length:]
+            if self.eagle is not None and engine is self.target:
+                self.eagle[slot].on_target_rollback(length)
+
+
+def argmax_suffices(request) -> bool:
+    """True when the request's next tokens are the argmax of the raw logits: greedy, no logits
+    processor (grammar mask, penalties, bias, min_tokens change the argmax) and no logprobs."""
+    return request.params.greedy and not request.logits_processors and request.logprobs is None
+
+
+def offers_greedy(engine) -> bool:
+    """The engine's own class has forward_greedy (every runtime.engines.base.Engine does). Looked up on the
+    class: a wrapper that forwards unknown attributes to an inner engine would otherwise skip its
+    own `forward`."""
+    return callable(getattr(type(engine), "forward_greedy", None))
+
+
+def aux_rows(engine, slot: int):
+    """The aux hidden rows of `slot`'s last forward (EAGLE-3 target graphs), or None."""
+    sequences = getattr(engine, "sequences", None)
+    if sequences is not None:  # runtime.engines.base.SequenceSlots: one single-sequence engine per slot
+        return getattr(sequences[slot], "last_aux_hidden", None)
+    rows = getattr(engine, "last_aux_hidden", None)
+    return rows.get(slot) if isinstance(rows, dict) else rows
+
+
+def step_of(tokens: list[int], drafted: int, accepted: int, eos, produced: int, max_tokens: int) -> tuple[Step, int]:
+    """Cut a verification's tokens at eos (not included) and max_tokens: (the Step, tokens produced now)."""
+    out, finish = [], None
+    for t in tokens:
+        if t in eos:
+            finish = "stop"
+            break
+        out.append(t)
+        if produced + len(out) >= max_tokens:
+            finish = "length"
+            break
+    return Step(out, drafted=drafted, accepted=accepted, finish_reason=finish), len(out)

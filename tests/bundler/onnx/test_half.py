@@ -1,0 +1,149 @@
+"""The half-precision in-place graph of the `cuda` target (bundler.onnx.half): types, argmax, size, parity, plan.
+
+ONNX Runtime's CPU provider runs the fp16 batched graph too, so its parity with transformers is checked
+here; bf16 runs only on a GPU (tests/runtime/engines/test_cuda_engine.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from manifests.errors import ModelError
+from tests.bundler.onnx.test_parity import FP16_RTOL, check_parity
+from tests.models import FAMILIES
+from tests.runtime.engines.standin import StandInBackend
+
+
+@pytest.fixture(scope="session")
+def family_half_exports(family_exports, tmp_path_factory) -> dict:
+    """family -> (checkpoint, ExportResult) of the batched graph in float16."""
+    from bundler.onnx.export import export_onnx
+
+    root = tmp_path_factory.mktemp("export-half")
+    return {family: (ckpt, export_onnx(ckpt, root / family, kv_cache="batched", dtype="float16"))
+            for family, (ckpt, _) in family_exports.items()}
+
+
+def test_half_graph_types_outputs_and_metadata(family_half_exports):
+    import onnx
+
+    _, result = family_half_exports["qwen3"]
+    assert result.dtype == "float16" and result.kv_cache == "batched"
+    assert sorted(p.name for p in result.graph.parent.iterdir()) == ["model.onnx", "model.onnx.data"]  # no leftovers
+    model = onnx.load(str(result.graph), load_external_data=False)
+    T = onnx.TensorProto
+    inputs = {v.name: v.type.tensor_type.elem_type for v in model.graph.input}
+    outputs = {v.name: v.type.tensor_type.elem_type for v in model.graph.output}
+    assert {inputs[n] for n in inputs if n.startswith("past_key_values.")} == {T.FLOAT16}
+    assert {outputs[n] for n in outputs if n.startswith("present.")} == {T.FLOAT16}
+    assert outputs["logits"] == T.FLOAT and outputs["argmax"] == T.INT64
+    assert {t.data_type for t in model.graph.initializer if t.data_location == T.EXTERNAL} <= {T.FLOAT16, T.INT64}
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert meta["bundle.dtype"] == "float16" and meta["bundle.kv_cache"] == "batched"
+
+
+def test_half_weights_are_half_the_float32_ones(family_half_exports, family_batched_exports):
+    for family, (_, half) in family_half_exports.items():
+        ratio = half.weights.stat().st_size / family_batched_exports[family][1].weights.stat().st_size
+        assert 0.45 <= ratio <= 0.55, (family, ratio)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_half_graph_matches_transformers_within_fp16_tolerance(family, family_half_exports):
+    checkpoint, result = family_half_exports[family]
+    engine = check_parity(checkpoint, result.graph, result.vocab_size, rtol=FP16_RTOL)
+    assert engine.kv_dtype == np.float16 and engine.batched
+
+
+def test_argmax_output_is_numpys_argmax_of_the_logits(family_half_exports):
+    import onnxruntime as ort
+
+    _, result = family_half_exports["llama"]
+    session = ort.InferenceSession(str(result.graph), providers=["CPUExecutionProvider"])
+    cap, kv, hd = 8 + 64, result.num_kv_heads, result.head_dim
+    feeds = {"input_ids": np.array([[3, 99, 7, 250]], np.int64), "position_ids": np.arange(4)[None],
+             "write_indices": np.zeros(1, np.int64),
+             "attention_mask": np.arange(cap)[None, None, None, :] <= np.arange(4)[None, None, :, None]}
+    for i in range(result.num_layers):
+        for part in ("key", "value"):
+            feeds[f"past_key_values.{i}.{part}"] = np.zeros((1, kv, cap, hd), np.float16)
+    logits, argmax = session.run(["logits", "argmax"], feeds)
+    assert logits.dtype == np.float32 and argmax.tolist() == logits.argmax(-1).tolist()
+
+
+def test_bfloat16_bits_round_to_nearest_even():
+    from bundler.onnx.half import to_bfloat16_bits
+
+    values = np.array([1.0, -2.0, 1 + 2**-8, 1 + 3 * 2**-8, 3.4e38, np.nan, 0.0], np.float32)
+    bits = to_bfloat16_bits(values).tolist()
+    assert bits[:2] == [0x3F80, 0xC000]
+    assert bits[2] == 0x3F80 and bits[3] == 0x3F82  # ties go to the even mantissa
+    assert bits[4] == 0x7F80 or bits[4] == 0x7F7F  # the largest floats round to inf or stay finite, never NaN
+    assert bits[5] == 0x7FC0 and bits[6] == 0
+
+
+def test_bf16_export_and_refusals(family_exports, family_batched_exports, tmp_path):
+    import onnx
+
+    from bundler.onnx.export import export_onnx
+    from bundler.onnx.half import convert_graph
+
+    checkpoint = family_exports["llama"][0]
+    bf16 = export_onnx(checkpoint, tmp_path / "bf16", kv_cache="batched", dtype="bfloat16")
+    model = onnx.load(str(bf16.graph), load_external_data=False)
+    assert {v.type.tensor_type.elem_type for v in model.graph.input if v.name.startswith("past_")} == {
+        onnx.TensorProto.BFLOAT16}
+    with pytest.raises(ModelError, match="expected a float32 in-place KV-cache graph, found kv_cache 'concat'"):
+        convert_graph(family_exports["llama"][1].graph, tmp_path / "x.onnx")
+    with pytest.raises(ModelError, match="expected a float32 in-place KV-cache graph, found .*'bfloat16'"):
+        convert_graph(bf16.graph, tmp_path / "y.onnx")  # already half
+    with pytest.raises(ModelError, match="expected dtype one of float16, bfloat16, found 'int8'"):
+        convert_graph(family_batched_exports["llama"][1].graph, tmp_path / "z.onnx", "int8")
+    assert not (tmp_path / "x.onnx").exists() and not (tmp_path / "z.onnx").exists()
+
+
+def test_an_fp16_overflow_is_refused_by_name(family_batched_exports, tmp_path):
+    from bundler.onnx.half import _half_bytes
+
+    with pytest.raises(ModelError, match="overflows float16; export bfloat16"):
+        _half_bytes(np.array([1.0, 7e4], np.float32), "float16")
+
+
+def test_cuda_cpu_and_thor_bundle_each_graph_once(family_exports, tmp_path):
+    """The cuda target carries the fp16 batched graph (and its GroupQueryAttention decode graph over the same
+    weights file), the cpu the fp32 one, the Thor the fp16 concat one."""
+    import shutil
+
+    from bundler.pack.engines import prepare_targets
+
+    checkpoint = family_exports["llama"][0]
+    files, targets = prepare_targets(["cuda", "cpu", "jetson-thor"], {"target": checkpoint}, tmp_path / "work",
+                                     {"max_model_len": 128}, backend=StandInBackend(None))
+    by_path = {f.path: f.targets for f in files}
+    assert by_path["engines/onnx-batched-fp16/target/model.onnx.data"] == ("cuda",)
+    assert by_path["engines/onnx-batched-fp16/target/decode.onnx"] == ("cuda",)
+    assert by_path["engines/onnx-batched/target/model.onnx.data"] == ("cpu",)
+    assert by_path["engines/onnx-fp16/target/model.onnx.data"] == ("jetson-thor",)
+    cuda = next(t for t in targets if t.id == "cuda")
+    assert cuda.backend == "onnxruntime-cuda" and cuda.build["precision"] == "fp16"
+    (record,) = cuda.engines
+    assert (record.backend, record.format, record.build) == (
+        "onnxruntime-cuda", "onnx", {"max_context": 128, "kv_cache": "batched", "dtype": "float16",
+                                     "decode_graph": "engines/onnx-batched-fp16/target/decode.onnx"})
+    assert record.files == tuple(f"engines/onnx-batched-fp16/target/{n}" for n in
+                                 ("model.onnx", "model.onnx.data", "decode.onnx", "shared_weights.json"))
+    assert not any(p.endswith("decode.onnx.data") for p in by_path)  # its weights: model.onnx.data
+
+    bf16 = tmp_path / "bf16-model"  # the same model, declared trained in bf16: the cuda target gets bf16
+    shutil.copytree(checkpoint, bf16)
+    config = json.loads((bf16 / "config.json").read_text())
+    (bf16 / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    files, targets = prepare_targets(["cuda"], {"target": bf16}, tmp_path / "work-bf16", {"max_model_len": 128})
+    assert {f.path for f in files} == {"engines/onnx-batched-bf16/target/model.onnx",
+                                       "engines/onnx-batched-bf16/target/model.onnx.data",
+                                       "engines/onnx-batched-bf16/target/decode.onnx",
+                                       "engines/onnx-batched-bf16/target/shared_weights.json"}
+    assert targets[0].build["precision"] == "bf16" and targets[0].engines[0].build["dtype"] == "bfloat16"
