@@ -11,7 +11,7 @@ from runtime.serve.grammar import GrammarCompiler, GrammarError, GrammarSpec, sp
 from runtime.serve.logits_process import LogitsProcessor, Penalties, parse_logit_bias, token_logprobs
 from runtime.serve.tokenizer import Tokenizer
 
-DEMO = Path(__file__).resolve().parents[2] / "bundler" / "demo" / "models" / "target"
+DEMO = Path(__file__).resolve().parents[3] / "bundler" / "demo" / "models" / "target"
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Bergen"]},
                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
           "required": ["city", "days"], "additionalProperties": False}

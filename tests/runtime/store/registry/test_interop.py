@@ -98,7 +98,7 @@ def test_oras_reads_every_blob_of_a_pushed_bundle(registry, options, bundles, tr
     assert verify_bundle(out, trusted).manifest.version == 1
 
 
-@pytest.mark.parametrize("sample", sorted((Path(__file__).resolve().parents[2] / "samples").glob("format-v*")),
+@pytest.mark.parametrize("sample", sorted((Path(__file__).resolve().parents[3] / "samples").glob("format-v*")),
                          ids=lambda p: p.name)
 def test_frozen_samples_install_from_a_registry(registry, options, sample, tmp_path):
     """Bundles made by earlier releases travel through a registry unchanged and install from it."""

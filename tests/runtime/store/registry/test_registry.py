@@ -26,7 +26,7 @@ from runtime.store.verify import verify_bundle
 from tests.runtime.store.craft import oci_manifest, resign, tree_digests
 from tests.runtime.store.helpers import assert_no_leftovers, assert_serving_ready
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[4]
 EMPTY = L.digest_of(EMPTY_CONFIG)  # the OCI empty config of the signature referrer
 
 
