@@ -69,6 +69,8 @@ def check_architecture(model_dir: Path, name: str | None = None) -> str:
         raise ModelError(f"{name or model_dir}: expected an architecture of family "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}, found model_type {model_type!r}"
                          f" ({', '.join(map(str, archs)) or 'no architectures listed'})")
+    from bundler.gptq_pack import checkpoint_format
+    checkpoint_format(cfg, str(name or model_dir))  # FP8, NVFP4, compressed-tensors...: refused by name
     return str(model_type)
 
 

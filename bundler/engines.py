@@ -244,6 +244,18 @@ def export_models(models: Mapping[str, Path], work_dir: Path,
     return out
 
 
+def _packed_checkpoints(models: Mapping[str, Path]) -> list[str]:
+    """The models whose config.json says they are already 4-bit (GPTQ/AWQ); other formats are refused."""
+    from bundler.gptq_pack import checkpoint_format
+
+    out = []
+    for checkpoint in models.values():
+        if (Path(checkpoint) / "config.json").is_file() and \
+                checkpoint_format(read_config(Path(checkpoint)), str(checkpoint)) is not None:
+            out.append(str(checkpoint))
+    return out
+
+
 def _quantized(export, options: QuantizeOptions, models: Mapping[str, Path]):
     """`export` then the 4-bit pass (bundler.quantize); the target's graphs measured and checked."""
     from bundler.quality import check_quality, held_out
@@ -375,8 +387,16 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
     profiles = [get_profile(t, tuple(extra_dirs)) for t in target_ids]
     if eagle3_layers is not None:
         export = _eagle3_export(models, tuple(eagle3_layers), export, profiles)
+    refused_none = quantization is not None and quantization.mode == "none"
     quantization = quantization or QuantizeOptions(mode="none")
     quants = {p.id: quantization.mode_for(p) for p in profiles}
+    packed = _packed_checkpoints(models)
+    if packed:  # already 4-bit: every target runs its integers (bundler.gptq_pack)
+        if refused_none:
+            raise UsageError(f"{packed[0]} is a 4-bit checkpoint (quantization_config); expected --quantization "
+                             f"int4 or no --quantization for it, found --quantization none (that needs the "
+                             f"model's float checkpoint)")
+        quants = {p.id: "int4" for p in profiles}
     users = {}  # (layout, dtype, quantization) -> ids of the targets that run it
     half = half_dtype(models)
     for p in profiles:

@@ -61,10 +61,12 @@ def lm_head_weight(model) -> str | None:
     return None
 
 
-def quantize_graph(graph: Path, out: Path, options: QuantizeOptions, dtype: str = "float32") -> Quantization:
+def quantize_graph(graph: Path, out: Path, options: QuantizeOptions, dtype: str = "float32",
+                   accuracy_level: int | None = None) -> Quantization:
     """Write `out` (a graph path) and its `out.name + '.data'`: `graph` with its MatMul weights in 4 bits.
 
-    Returns the record of what was quantized. ModelError when the graph has no MatMul weight to quantize."""
+    `accuracy_level`: MatMulNBits' attribute (default ACCURACY_LEVEL of `dtype`). Returns the record of
+    what was quantized. ModelError when the graph has no MatMul weight to quantize."""
     import onnx
 
     q = _quantizer_module()
@@ -80,7 +82,7 @@ def quantize_graph(graph: Path, out: Path, options: QuantizeOptions, dtype: str 
             n.name = f"/MatMul_w{i}"
     head = lm_head_weight(model) if options.keep_lm_head else None
     exclude = [n.name for n in matmuls if n.input[1] == head]
-    level = ACCURACY_LEVEL.get(dtype, 0)
+    level = ACCURACY_LEVEL.get(dtype, 0) if accuracy_level is None else accuracy_level
     if options.method == "hqq":
         config = q.HQQWeightOnlyQuantConfig(block_size=options.block_size, bits=BITS)
         level = 0  # HQQ's nodes carry no accuracy_level
@@ -131,19 +133,27 @@ def quantizing_export(export, options: QuantizeOptions, *, measure_dir: Path | N
     import dataclasses
 
     def run(checkpoint, out, **kw):
+        from bundler.gptq_pack import checkpoint_format, dequantized_checkpoint, pack_graph
+
         out = Path(out)
         plain = out / ".unquantized"
         shutil.rmtree(plain, ignore_errors=True)
+        config = Path(checkpoint) / "config.json"
+        fmt = checkpoint_format(_config(config), str(checkpoint)) if config.is_file() else None
         try:
-            result = export(checkpoint, plain, **kw)
+            source = dequantized_checkpoint(checkpoint, plain / "checkpoint", fmt) if fmt else checkpoint
+            result = export(source, plain, **kw)
             dtype = getattr(result, "dtype", "float32")
             graph = out / result.graph.name
-            record = quantize_graph(result.graph, graph, options, dtype)
+            if fmt is not None:  # already 4-bit: its own integers, not quantized again
+                record = pack_graph(result.graph, graph, checkpoint, fmt, dtype)
+            else:
+                record = quantize_graph(result.graph, graph, options, dtype)
             if measure_dir is not None and Path(checkpoint) == Path(measure_dir) and kw.get("fusions") is None:
                 from bundler.quality import measure
 
                 log.info("measuring the 4-bit %s graph of %s against the unquantized one", dtype, checkpoint)
-                quality = measure(result.graph, graph, Path(measure_dir), held,
+                quality = measure(result.graph, graph, Path(source), held,
                                   max_context=min(512, int(getattr(result, "max_positions", 512))))
                 record = dataclasses.replace(record, quality={**quality, "dtype": dtype})
             return dataclasses.replace(result, graph=graph, weights=graph.with_name(graph.name + ".data"),
@@ -151,3 +161,9 @@ def quantizing_export(export, options: QuantizeOptions, *, measure_dir: Path | N
         finally:
             shutil.rmtree(plain, ignore_errors=True)
     return run
+
+
+def _config(path: Path) -> dict:
+    from bundler.export import read_config
+
+    return read_config(path.parent)
