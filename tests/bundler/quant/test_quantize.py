@@ -117,21 +117,30 @@ def test_matmulnbits_graph_equals_its_dequantized_reference(tiny_float, tmp_path
     assert np.abs(logits_of(export.graph) - want).max() > 1e-3
 
 
-def test_cpu_graph_computes_in_int8_close_to_the_reference(tiny_float, tmp_path):
-    """The fp32 graph's MatMulNBits carry accuracy_level 4 (int8 activations: the fast CPU kernel); the
-    activations' rounding keeps the logits within a few percent of the dequantized reference."""
+def test_logits_do_not_depend_on_how_tokens_are_batched(tiny_float, tmp_path):
+    """Speculation verifies k+1 tokens in one row where plain decoding runs them one by one: the 4-bit graph
+    must give a token the same logits either way (to float32 rounding), or greedy output would change with
+    speculation. The default (accuracy_level 0) does; int8 activations (level 4) measured 1e-2 apart on the
+    demo target, which is why the default is not 4 (bundler.quantize.ACCURACY_LEVEL)."""
     from onnx import helper
 
     from bundler.quantize import quantize_graph
+    from runtime.engine import Row
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
 
     _, export = tiny_float
-    quantize_graph(export.graph, tmp_path / "model.onnx", QuantizeOptions(mode="int4"))
-    levels = {helper.get_attribute_value(a) for n in _ops(tmp_path / "model.onnx") if n.op_type == "MatMulNBits"
+    graph = tmp_path / "model.onnx"
+    quantize_graph(export.graph, graph, QuantizeOptions(mode="int4"))
+    levels = {helper.get_attribute_value(a) for n in _ops(graph) if n.op_type == "MatMulNBits"
               for a in n.attribute if a.name == "accuracy_level"}
-    assert levels == {4}
-    ref = dequantized_reference(tmp_path / "model.onnx", tmp_path / "reference.onnx")
-    got, want = logits_of(tmp_path / "model.onnx"), logits_of(ref)
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05
+    assert levels == set()  # the attribute is left out: level 0
+    engine = OnnxRuntimeEngine(graph, max_context=64)
+    whole = engine.forward([Row(0, PROMPT)])[0]
+    engine.rollback(0, 0)
+    parts = [engine.forward([Row(0, PROMPT[:4])])[0]] + [engine.forward([Row(0, [t])])[0] for t in PROMPT[4:]]
+    engine.close()
+    diff = np.abs(whole - np.concatenate(parts)).max() / np.abs(whole).max()
+    assert diff < 1e-5, diff
 
 
 def test_the_quantizer_is_deterministic(tiny_float, tmp_path):
