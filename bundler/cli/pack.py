@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from bundler.cli.quant import create_quantization, quality_lines, quantization_options
 from manifests.errors import UsageError
 from manifests.sizes import format_size, parse_size
 from runtime import settings
@@ -151,10 +152,11 @@ Examples:
                    "then serves /v1/completions only.")
 @click.option("--jobs", type=click.IntRange(min=1), help="Compression threads. Default: every core (BUNDLE_JOBS).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@quantization_options
 def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_model_len, targets_text, name,
            version, sign_key_paths, unsigned, max_part_size, out, expires, num_speculative_tokens,
            serve_args, serve_config_path, with_checkpoint_weights, with_runtime, no_runtime, extra_wheels,
-           wheel_cache, force, allow_no_chat_template, jobs, no_progress) -> None:
+           wheel_cache, force, allow_no_chat_template, jobs, no_progress, quantization) -> None:
     """Pack a model (and draft) into a signed, zstd-compressed bundle directory (an OCI image layout).
 
     Every file is recorded in a signed manifest with its sha256; files larger than --max-part-size are
@@ -167,6 +169,7 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     from runtime.profiles import parse_targets
 
     targets = parse_targets(targets_text)
+    quantization, quant_record = create_quantization(quantization, targets, lock_path)
     part_size = parse_size(max_part_size)
     serve = read_serve_defaults(serve_config_path, serve_args, max_model_len)
     max_model_len = serve.get("max_model_len")
@@ -194,7 +197,8 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     model, draft, resolved = resolve_inputs(model_ref, draft_ref, targets=targets, include=include,
                                             exclude=exclude, lock_path=lock_path, max_model_len=max_model_len,
                                             force=force, allow_no_chat_template=allow_no_chat_template,
-                                            demo_draft=method == "draft_model", eagle3_head=method == "eagle3")
+                                            demo_draft=method == "draft_model", eagle3_head=method == "eagle3",
+                                            quantization=quantization)
     layers = None
     if method == "eagle3":
         from bundler.pack.create import eagle3_head_input
@@ -206,10 +210,12 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
                              progress=not no_progress, serve=serve, checkpoint_weights=with_checkpoint_weights,
                              speculative_method=method,
                              target_files=target_files_hook(num_speculative_tokens=num_speculative_tokens,
-                                                            serve=serve, eagle3_layers=layers),
+                                                            serve=serve, eagle3_layers=layers,
+                                                            quantization=quantization),
                              runtime_platforms=platforms, extra_wheels=extra_wheels, wheel_cache=wheel_cache)
     lock_out = lock_path or write_lock(out.parent / f"{out.name}.lock.json", checked_resolution(resolved, manifest),
-                                       speculative_method=method if draft is not None else None)
+                                       speculative_method=method if draft is not None else None,
+                                       quantization=quant_record)
     from bundler.pack.keys import public_key_id
 
     stored = sum(p.size for p in {p.digest: p for f in manifest.files for p in f.parts}.values())
@@ -221,6 +227,8 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
         click.echo(f"left out: {len(left_out)} checkpoint files, {format_size(sum(o['size'] for o in left_out))} "
                    f"no target installs (size and sha256 in the manifest; --with-checkpoint-weights carries them)")
     click.echo(f"targets:  {', '.join(t.id for t in manifest.targets)}")
+    for line in quality_lines(manifest):
+        click.echo(line)
     for m in manifest.models:
         click.echo(f"model:    {m.role} {m.name} @ {m.source.revision}")
     if manifest.runtime is not None:

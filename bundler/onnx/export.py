@@ -83,6 +83,8 @@ class ExportResult:
     kv_cache: str = "concat"  # graph layout, see KV_CACHE_LAYOUTS
     dtype: str = "float32"  # weights / activations / KV cache, see DTYPES (logits are float32 always)
     aux_layer_ids: tuple[int, ...] = ()  # EAGLE-3: output aux_hidden_states of these layers' inputs
+    #: a manifests.quantization.Quantization when bundler.onnx.quantize rewrote the graph's MatMuls in 4 bits
+    quantization: object = None
 
     @property
     def files(self) -> tuple[Path, Path]:

@@ -86,7 +86,8 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
                    include: Sequence[str] = (), exclude: Sequence[str] = (), lock_path: Path | None = None,
                    max_model_len: int | None = None, force: bool = False, allow_no_chat_template: bool = False,
                    cache_dir: Path | None = None,
-                   demo_draft: bool = True, eagle3_head: bool = False) -> tuple[ModelInput, ModelInput | None, dict]:
+                   demo_draft: bool = True, eagle3_head: bool = False,
+                   quantization=None) -> tuple[ModelInput, ModelInput | None, dict]:
     """Turn what the user typed into pinned, verified local files, refusing early what cannot work.
 
     Hub references, local folders and the embedded demo pair all go through bundler.resolve.checkpoint, so every
@@ -94,6 +95,7 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
     draft tokenizer, memory fit per target) before any weights are downloaded.
     `eagle3_head`: the draft is an EAGLE-3 head (pinned and locked like a draft; its pre-flight check is
     the head's: config against the target's hidden size, vocabulary and layers, not a tokenizer).
+    `quantization` (manifests.quantization.QuantizeOptions): the memory check counts 4-bit weights where given.
     """
     from bundler.model_config import read_config
     from bundler.resolve.checks import run_preflight_checks
@@ -111,7 +113,8 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
         target, draft = demo_models()
         model_ref, embedded = str(target.local_dir), True
         draft_ref = str(draft.local_dir) if demo_draft else None
-    profiles = [get_profile(t) for t in targets]
+    from manifests.quantization import with_quantization
+    profiles = [with_quantization(get_profile(t), quantization) for t in targets]
 
     def preflight(plans):
         length = max_model_len

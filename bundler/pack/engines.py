@@ -32,6 +32,7 @@ from bundler.onnx.export import KV_CACHE_LAYOUTS, ExportResult, export_onnx, pas
 from bundler.onnx.inplace import SharedLayoutUnsupported
 from bundler.pack.pack import PackFile
 from manifests.errors import ModelError, UsageError
+from manifests.quantization import QuantizeOptions
 from manifests.schema import Engine, Target
 from manifests.targets import TargetProfile
 from manifests.serve_config import DEFAULT_PREFILL_CHUNK
@@ -47,6 +48,14 @@ ONNX_ROOTS = {("concat", "float32"): ONNX_ROOT, ("concat", "float16"): "engines/
               ("shared", "float32"): "engines/onnx-shared", ("batched", "float32"): "engines/onnx-batched",
               ("batched", "float16"): "engines/onnx-batched-fp16", ("batched", "bfloat16"): "engines/onnx-batched-bf16",
               ("shared", "float16"): "engines/onnx-shared-fp16", ("shared", "bfloat16"): "engines/onnx-shared-bf16"}
+
+
+def onnx_root(variant: tuple) -> str:
+    """The bundle folder of a (layout, dtype[, quantization]) graph: ONNX_ROOTS, "-int4" for 4-bit graphs."""
+    root = ONNX_ROOTS[variant[0], variant[1]]
+    return root + "-int4" if len(variant) > 2 and variant[2] != "none" else root
+
+
 #: ONNX Runtime that runs the shared layout: CPU GroupQueryAttention with new tokens after a past
 #: (verification, chunked prefill) arrived in 1.20 (microsoft/onnxruntime#21523).
 ONNXRUNTIME_MIN_SHARED = "1.20"
@@ -170,22 +179,31 @@ class ExportedModel:
         return getattr(self.export, "dtype", "float32")
 
     @property
-    def variant(self) -> tuple[str, str]:
-        return self.packed_with or (self.layout, self.dtype)
+    def quantization(self):
+        """The graph's manifests.quantization.Quantization (None: weights in the graph's dtype)."""
+        return getattr(self.export, "quantization", None)
+
+    @property
+    def quant(self) -> str:
+        return "none" if self.quantization is None else f"int{self.quantization.bits}"
+
+    @property
+    def variant(self) -> tuple[str, str, str]:
+        return self.packed_with or (self.layout, self.dtype, self.quant)
 
     @property
     def graph_path(self) -> str:
-        return f"{ONNX_ROOTS[self.variant]}/{self.role}/{self.export.graph.name}"
+        return f"{onnx_root(self.variant)}/{self.role}/{self.export.graph.name}"
 
     @property
     def paths(self) -> tuple[str, ...]:
-        return tuple(f"{ONNX_ROOTS[self.variant]}/{self.role}/{p.name}" for p in self.sources)
+        return tuple(f"{onnx_root(self.variant)}/{self.role}/{p.name}" for p in self.sources)
 
     @property
     def decode_path(self) -> str | None:
         if self.decode_graph is None:
             return None
-        return f"{ONNX_ROOTS[self.variant]}/{self.role}/{self.decode_graph.name}"
+        return f"{onnx_root(self.variant)}/{self.role}/{self.decode_graph.name}"
 
     def pack_files(self, targets: tuple[str, ...] | None = None) -> list[PackFile]:
         return [PackFile(src=src, path=path, targets=targets, sha256=self.file_sha256.get(src.name))
@@ -194,14 +212,25 @@ class ExportedModel:
 
 def export_models(models: Mapping[str, Path], work_dir: Path,
                   export: Callable[..., ExportResult] = export_onnx,
-                  variants: Sequence[tuple[str, str]] = (("concat", "float32"),)) -> list[ExportedModel]:
-    """Export every model once per (layout, dtype) variant; only non-default choices are passed to `export`."""
+                  variants: Sequence[tuple] = (("concat", "float32"),),
+                  quantization: QuantizeOptions | None = None) -> list[ExportedModel]:
+    """Export every model once per (layout, dtype[, quantization]) variant; only non-default choices are
+    passed to `export`. "int4" variants go through bundler.onnx.quantize (`quantization`: its options), the
+    target's with its quality measured against the unquantized graph and checked (--max-quality-loss)."""
     out = []
+    plain_export, quantized_export = export, None
     for role, checkpoint in models.items():
-        for layout, dtype in variants:
-            folder = Path(work_dir) / ONNX_ROOTS[layout, dtype].split("/")[-1] / role
+        for variant in variants:
+            layout, dtype = variant[0], variant[1]
+            quant = variant[2] if len(variant) > 2 else "none"
+            folder = Path(work_dir) / onnx_root(variant).split("/")[-1] / role
             options = {**({"kv_cache": layout} if layout != "concat" else {}),
                        **({"dtype": dtype} if dtype != "float32" else {})}
+            export = plain_export
+            if quant != "none":
+                if quantized_export is None:
+                    quantized_export = _quantized(plain_export, quantization or QuantizeOptions(), models)
+                export = quantized_export
             result = export(Path(checkpoint), folder, **options)
             head = getattr(result, "family", None) == "eagle3"
             if getattr(result, "dtype", "float32") != dtype and not head:
@@ -209,11 +238,49 @@ def export_models(models: Mapping[str, Path], work_dir: Path,
                                  f"{getattr(result, 'dtype', 'float32')}")
             decode = _decode_graph(Path(checkpoint), result, export) \
                 if layout == "batched" and dtype != "float32" and not head else None
-            exported = ExportedModel(role, result, "", {}, packed_with=(layout, dtype) if head else None,
+            exported = ExportedModel(role, result, "", {}, packed_with=(layout, dtype, quant) if head else None,
                                      decode_graph=decode)
             hashes = {p.name: file_sha256(p) for p in exported.sources}
             out.append(dataclasses.replace(exported, onnx_sha256=onnx_digest(hashes), file_sha256=hashes))
     return out
+
+
+def _packed_checkpoints(models: Mapping[str, Path]) -> list[str]:
+    """The models whose config.json says they are already 4-bit (GPTQ/AWQ); other formats are refused."""
+    from bundler.onnx.gptq_pack import checkpoint_format
+
+    out = []
+    for checkpoint in models.values():
+        if (Path(checkpoint) / "config.json").is_file() and \
+                checkpoint_format(read_config(Path(checkpoint)), str(checkpoint)) is not None:
+            out.append(str(checkpoint))
+    return out
+
+
+def _quantized(export, options: QuantizeOptions, models: Mapping[str, Path]):
+    """`export` then the 4-bit pass (bundler.onnx.quantize); the target's graphs measured and checked."""
+    from bundler.onnx.quality import check_quality, held_out
+    from bundler.onnx.quantize import quantizing_export
+
+    target = Path(models["target"])
+    try:
+        from bundler import demo
+        is_demo = target.resolve() == Path(demo.DEMO_TARGET_DIR).resolve()
+    except ImportError:
+        is_demo = False
+    held = held_out(options.calibration_text, is_demo)
+    run = quantizing_export(export, options, measure_dir=target, held=held)
+
+    def checked(checkpoint, out, **kw):
+        result = run(checkpoint, out, **kw)
+        quality = result.quantization.quality
+        if quality is not None:
+            check_quality(quality, options.max_quality_loss, f"{checkpoint} ({result.dtype})")
+            log.info("4-bit %s graph of %s: perplexity %.3f -> %.3f (%+.2f%%), greedy agreement %.1f%%",
+                     result.dtype, checkpoint, quality["perplexity_reference"], quality["perplexity"],
+                     100 * quality["relative_increase"], 100 * quality["greedy_agreement"])
+        return result
+    return checked
 
 
 def _decode_graph(checkpoint: Path, result: ExportResult, export) -> Path | None:
@@ -228,38 +295,47 @@ def _decode_graph(checkpoint: Path, result: ExportResult, export) -> Path | None
         return None
 
 
-def _variant_for(profile: TargetProfile, onnxruntime_layout: str, half: str = "float16") -> tuple[str, str]:
-    """(KV-cache layout, dtype) of the graph a target runs."""
-    if profile.backend == "onnxruntime-cuda":
-        return onnxruntime_layout, half if onnxruntime_layout != "concat" else "float16"
-    return (onnxruntime_layout if profile.backend == "onnxruntime" else "concat"), graph_dtype(profile)
+def _variant_for(profile: TargetProfile, onnxruntime_layout: str, half: str = "float16",
+                 quant: str = "none") -> tuple[str, str, str]:
+    """(KV-cache layout, dtype, quantization) of the graph a target runs. A 4-bit TensorRT target runs the
+    `cuda` target's 4-bit graph on ONNX Runtime's CUDA provider: TensorRT has no MatMulNBits."""
+    if profile.backend == "onnxruntime-cuda" or (profile.backend == "tensorrt" and quant != "none"):
+        return onnxruntime_layout, half if onnxruntime_layout != "concat" else "float16", quant
+    return (onnxruntime_layout if profile.backend == "onnxruntime" else "concat"), graph_dtype(profile), quant
 
 
 def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], shape: ServeShape,
                    work_dir: Path, device: DeviceInfo | None = None, backend=None,
-                   onnxruntime_layout: str = "batched", half: str = "float16") -> tuple[list[PackFile], Target]:
-    """Engine records (and plan files, when this host can build them) for one target."""
+                   onnxruntime_layout: str = "batched", half: str = "float16",
+                   quant: str = "none") -> tuple[list[PackFile], Target]:
+    """Engine records (and plan files, when this host can build them) for one target. A 4-bit graph's
+    record carries its quantization (manifests.quantization.Quantization) in `build` and in `key`."""
     files: list[PackFile] = []
     engines: list[Engine] = []
     precision = "fp32" if profile.backend == "onnxruntime" else precision_for(profile)
-    variant = _variant_for(profile, onnxruntime_layout, half)
+    variant = _variant_for(profile, onnxruntime_layout, half, quant)
     layout = variant[0]
-    if profile.backend == "onnxruntime-cuda":
+    on_cuda = profile.backend == "onnxruntime-cuda" or (profile.backend == "tensorrt" and quant != "none")
+    if on_cuda:
         precision = {"float16": "fp16", "bfloat16": "bf16"}[variant[1]]
     for m in (m for m in exported if m.variant == variant):
-        if profile.backend == "onnxruntime-cuda":
+        q = m.quantization
+        qkey = {"quantization": q.key()} if q is not None else {}
+        qbuild = {"quantization": q.to_dict()} if q is not None else {}
+        if on_cuda:
             engines.append(Engine(model=m.role, backend="onnxruntime-cuda", format="onnx", path=m.graph_path,
                                   files=m.paths, key={"onnx_sha256": m.onnx_sha256,
-                                                      "onnxruntime_min": ONNXRUNTIME_MIN_BATCHED},
+                                                      "onnxruntime_min": ONNXRUNTIME_MIN_BATCHED, **qkey},
                                   build={"max_context": shape.max_context, "kv_cache": layout, "dtype": m.dtype,
-                                         **({"decode_graph": m.decode_path} if m.decode_path else {})}))
+                                         **({"decode_graph": m.decode_path} if m.decode_path else {}), **qbuild}))
             continue
         if profile.backend == "onnxruntime":
             minimum = {"shared": ONNXRUNTIME_MIN_SHARED, "batched": ONNXRUNTIME_MIN_BATCHED}.get(layout, ONNXRUNTIME_MIN)
             engines.append(Engine(model=m.role, backend="onnxruntime", format="onnx", path=m.graph_path,
-                                  files=m.paths, key={"onnx_sha256": m.onnx_sha256, "onnxruntime_min": minimum},
+                                  files=m.paths, key={"onnx_sha256": m.onnx_sha256, "onnxruntime_min": minimum,
+                                                      **qkey},
                                   build={"max_context": shape.max_context,
-                                         "kv_cache": m.export.kv_cache}))  # an EAGLE-3 head has its own
+                                         "kv_cache": m.export.kv_cache, **qbuild}))  # an EAGLE-3 head has its own
             continue
         options = build_options(profile, m.export, shape)
         engines.append(Engine(model=m.role, backend="tensorrt", format="onnx", path=m.graph_path, files=m.paths,
@@ -277,7 +353,8 @@ def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], sh
                                   files=(path,), key=engine_key(m.onnx_sha256, options, device.compute_capability,
                                                                 device.tensorrt_version), build=options))
     build = {"compute_capability": profile.compute_capability, "tensorrt_version": profile.tensorrt_version,
-             "cuda_version": profile.cuda_version, "precision": precision, "max_context": shape.max_context}
+             "cuda_version": profile.cuda_version, "precision": precision, "max_context": shape.max_context,
+             "quantization": quant if quant != "none" else None}
     return files, Target(id=profile.id, backend=profile.backend, engines=tuple(engines),
                          build={k: v for k, v in build.items() if v is not None})
 
@@ -286,12 +363,15 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
                     num_speculative_tokens: int | None = None, extra_dirs: Iterable[Path] = (),
                     backend=None, export: Callable[..., ExportResult] = export_onnx,
                     kv_cache: str = "batched",
-                    eagle3_layers: Sequence[int] | None = None) -> tuple[list[PackFile], list[Target]]:
+                    eagle3_layers: Sequence[int] | None = None,
+                    quantization: QuantizeOptions | None = None) -> tuple[list[PackFile], list[Target]]:
     """Export every model once per layout its targets need and plan every target: (files to pack, Targets).
 
     `kv_cache` is the layout ONNX Runtime targets get ("batched"; "shared" for the older
     GroupQueryAttention graph, or "concat" to ship one graph for every target); TensorRT targets
-    always get "concat".
+    always get "concat" (a 4-bit TensorRT target: the `cuda` target's graph, see _variant_for).
+    `quantization`: --quantization and its options (None: no target quantized; mode None: each target's
+    profile default, what `bundle create` passes without --quantization).
     """
     if not target_ids:
         raise UsageError("expected at least one target, found none")
@@ -300,20 +380,31 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
     profiles = [get_profile(t, tuple(extra_dirs)) for t in target_ids]
     if eagle3_layers is not None:
         export = _eagle3_export(models, tuple(eagle3_layers), export, profiles)
-    users = {}  # (layout, dtype) -> ids of the targets that run it
+    refused_none = quantization is not None and quantization.mode == "none"
+    quantization = quantization or QuantizeOptions(mode="none")
+    quants = {p.id: quantization.mode_for(p) for p in profiles}
+    packed = _packed_checkpoints(models)
+    if packed:  # already 4-bit: every target runs its integers (bundler.onnx.gptq_pack)
+        if refused_none:
+            raise UsageError(f"{packed[0]} is a 4-bit checkpoint (quantization_config); expected --quantization "
+                             f"int4 or no --quantization for it, found --quantization none (that needs the "
+                             f"model's float checkpoint)")
+        quants = {p.id: "int4" for p in profiles}
+    users = {}  # (layout, dtype, quantization) -> ids of the targets that run it
     half = half_dtype(models)
     for p in profiles:
-        users.setdefault(_variant_for(p, kv_cache, half), []).append(p.id)
+        users.setdefault(_variant_for(p, kv_cache, half, quants[p.id]), []).append(p.id)
     try:
-        exported = export_models(models, Path(work_dir), export, variants=tuple(users))
+        exported = export_models(models, Path(work_dir), export, variants=tuple(users), quantization=quantization)
     except SharedLayoutUnsupported as e:
         log.warning("%s; ONNX Runtime targets get the concat graph instead", e)
         return prepare_targets(target_ids, models, work_dir, serve, num_speculative_tokens=num_speculative_tokens,
-                               extra_dirs=extra_dirs, backend=backend, export=export, kv_cache="concat")
+                               extra_dirs=extra_dirs, backend=backend, export=export, kv_cache="concat",
+                               quantization=quantization)
     limit = min(m.export.max_positions for m in exported)
     shape = serve_shape(serve, limit, num_speculative_tokens)
     device = None
-    if any(p.backend == "tensorrt" for p in profiles):
+    if any(p.backend == "tensorrt" and quants[p.id] == "none" for p in profiles):
         if backend is None:
             from runtime.engines.tensorrt import TensorRTBackend
             backend = TensorRTBackend()
@@ -323,7 +414,8 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
              for pf in m.pack_files(None if len(users) == 1 else tuple(users[m.variant]))]
     targets = []
     for profile in profiles:
-        extra, target = target_engines(profile, exported, shape, Path(work_dir), device, backend, kv_cache, half)
+        extra, target = target_engines(profile, exported, shape, Path(work_dir), device, backend, kv_cache, half,
+                                       quants[profile.id])
         files += extra
         targets.append(target)
     return files, targets
@@ -351,14 +443,14 @@ def _eagle3_export(models: Mapping[str, Path], layers: tuple[int, ...], export, 
 
 def target_files_hook(*, serve: Mapping | None = None, num_speculative_tokens: int | None = None,
                       extra_dirs: Iterable[Path] = (), backend=None, kv_cache: str = "batched",
-                      eagle3_layers: Sequence[int] | None = None):
+                      eagle3_layers: Sequence[int] | None = None, quantization: QuantizeOptions | None = None):
     """Adapter to bundler.pack.create's `target_files` hook (models, targets, work_dir) -> (files, targets).
     `eagle3_layers`: the draft is an EAGLE-3 head reading those target layers."""
     def hook(inputs, targets, work_dir):
         return prepare_targets([t.id for t in targets], {m.role: m.local_dir for m in inputs}, work_dir,
                                dict(serve or {}), num_speculative_tokens=num_speculative_tokens,
                                extra_dirs=extra_dirs, backend=backend, kv_cache=kv_cache,
-                               eagle3_layers=eagle3_layers)
+                               eagle3_layers=eagle3_layers, quantization=quantization)
     return hook
 
 

@@ -45,7 +45,10 @@ class MemoryEstimate:
 
 def check_architecture(model_dir: Path, name: str | None = None) -> str:
     """Return the model_type if the export step supports it, else ModelError naming what was found."""
-    return check_family(read_config(model_dir, name), str(name or model_dir))[0]
+    cfg = read_config(model_dir, name)
+    from bundler.onnx.gptq_pack import checkpoint_format
+    checkpoint_format(cfg, str(name or model_dir))  # FP8, NVFP4, compressed-tensors...: refused by name
+    return check_family(cfg, str(name or model_dir))[0]
 
 
 def load_vocab(model_dir: Path, name: str | None = None) -> dict[str, int]:
@@ -172,11 +175,14 @@ class EngineLayout:
 def engine_layout(profile: Any) -> EngineLayout:
     from manifests.serve_config import DEFAULT_PREFILL_CHUNK
     from bundler.onnx.inplace import BATCHED_HEADROOM
+    from manifests.quantization import applied
 
-    if profile.backend == "tensorrt":  # fp16 concat graph where the profile lists fp16; prefill in chunks
+    if profile.backend == "tensorrt" and applied(profile) == "none":  # fp16 concat graph where the
+        # profile lists fp16; prefill in chunks (a 4-bit TensorRT target runs the cuda graph, below)
         return EngineLayout(2 if "fp16" in profile.precisions else 4, 2,
                             lambda n: min(DEFAULT_PREFILL_CHUNK, n), attention_scores=False)
-    if profile.backend == "onnxruntime-cuda":  # fp16/bf16 batched graph on the GPU: in-place cache, chunked prefill
+    if profile.backend in ("onnxruntime-cuda", "tensorrt"):  # fp16/bf16 batched graph on the GPU: in-place cache,
+        # chunked prefill
         return EngineLayout(2, 1, lambda n: min(DEFAULT_PREFILL_CHUNK, n), attention_scores=False, rotary_tables=True,
                             kv_spare_rows=BATCHED_HEADROOM)
     return EngineLayout(4, 1, lambda n: n, attention_scores=True, rotary_tables=True,  # cpu: fp32 batched graph
@@ -196,12 +202,19 @@ FORMULA = ("weights = (parameters + vocab x hidden when the embeddings are tied:
 
 def device_memory(cfg: Mapping[str, Any], parameters: int, max_model_len: int, profile: Any,
                   weights_from: str = "") -> MemoryEstimate:
-    """What the device allocates to serve one model (see FORMULA), for a profile's engine layout."""
+    """What the device allocates to serve one model (see FORMULA), for a profile's engine layout; a profile
+    with quantization int4 (manifests.quantization.with_quantization) counts 4-bit linear layers."""
+    from manifests.quantization import DEFAULT_BLOCK_SIZE, applied, weight_bytes_per_parameter
+
     s = _shape(cfg)
     lay = engine_layout(profile)
     b = lay.value_bytes
     tied_head = s["vocab"] * s["hidden"] if cfg.get("tie_word_embeddings") else 0
     weights = (parameters + tied_head) * b
+    if applied(profile) == "int4":  # every linear layer (the lm_head too) in MatMulNBits blocks
+        per = weight_bytes_per_parameter(int(profile.extra.get("quantization_block_size", DEFAULT_BLOCK_SIZE)), b)
+        embed = s["vocab"] * s["hidden"]  # the Gather table stays in the graph's dtype
+        weights = embed * b + int((parameters + tied_head - embed) * per)
     if lay.rotary_tables:
         weights += 2 * (s["positions"] + lay.kv_spare_rows) * (s["head_dim"] // 2) * 4
     kv = kv_cache_bytes(cfg, max_model_len + lay.kv_spare_rows, b, lay.kv_copies)

@@ -79,13 +79,17 @@ def entry_from_resolved(model: "ResolvedModel", speculative_method: str | None =
 
 
 def write_lock(path: Path, models: Mapping[str, "ResolvedModel"] | Iterable["ResolvedModel"], *,
-               speculative_method: str | None = None) -> Path:
+               speculative_method: str | None = None, quantization: Mapping[str, Any] | None = None) -> Path:
     """Write atomically and durably (runtime.fsutil.write_atomic): an interrupted create never leaves half a
-    lock file. `speculative_method`: recorded on the draft's entry."""
+    lock file. `speculative_method`: recorded on the draft's entry. `quantization`: what each target got
+    (bundler.cli.quant: {"targets": {id: mode}, "method", "block_size", "keep_lm_head"}), which `create --lock`
+    rebuilds with when no --quantization is given."""
     items = list(models.values()) if isinstance(models, Mapping) else list(models)
     doc = {"lock_version": LOCK_VERSION,
            "models": {m.role: entry_from_resolved(m, speculative_method).to_dict()
                       for m in sorted(items, key=lambda m: m.role)}}
+    if quantization is not None:
+        doc["quantization"] = dict(quantization)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, (json.dumps(doc, indent=2, sort_keys=False) + "\n").encode())
@@ -192,3 +196,19 @@ def check_against_lock(entry: LockEntry, *, role: str, repo: str | None, revisio
 def refs_from_lock(locks: Mapping[str, LockEntry]) -> dict[str, str]:
     """--model/--draft values that reproduce a lock file (for `bundle create --lock FILE` without --model)."""
     return {role: e.ref for role, e in locks.items()}
+
+
+def quantization_from_lock(path: Path) -> dict | None:
+    """The lock file's "quantization" section (write_lock), checked; None for lock files without one."""
+    read_lock(path)  # the same size and shape checks first
+    q = json.loads(Path(path).read_bytes()).get("quantization")
+    if q is None:
+        return None
+    ok = (isinstance(q, dict) and isinstance(q.get("targets"), dict)
+          and all(isinstance(k, str) and v in ("none", "int4") for k, v in q["targets"].items())
+          and isinstance(q.get("method"), str) and isinstance(q.get("block_size"), int)
+          and isinstance(q.get("keep_lm_head"), bool))
+    if not ok:
+        raise UsageError(f"lock file {path}: expected quantization as {{targets: {{id: none|int4}}, method, "
+                         f"block_size, keep_lm_head}}, found {q!r}"[:300])
+    return q

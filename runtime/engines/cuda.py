@@ -116,7 +116,7 @@ class _Lane:
 
 
 #: ONNX element type -> DLPack (type code, bits): float, bfloat, int.
-_DLPACK_TYPES = {1: (2, 32), 10: (2, 16), 16: (4, 16), 7: (0, 64), 6: (0, 32)}
+_DLPACK_TYPES = {1: (2, 32), 10: (2, 16), 16: (4, 16), 7: (0, 64), 6: (0, 32), 2: (1, 8)}  # 2: uint8 (4-bit blocks)
 
 
 class _DLDevice(ctypes.Structure):
@@ -191,7 +191,7 @@ def from_dlpack(ort, capsule):
 SHARED_WEIGHTS_INDEX = "shared_weights.json"
 MAX_INDEX_BYTES = 16 << 20
 #: ONNX element type -> bytes per element, for the types an index may name.
-_ITEMSIZE = {1: 4, 10: 2, 16: 2, 7: 8, 6: 4}
+_ITEMSIZE = {1: 4, 10: 2, 16: 2, 7: 8, 6: 4, 2: 1}  # 2: uint8, MatMulNBits' blocks and zero points
 
 
 def read_weight_index(index: Path) -> tuple[Path, list[dict]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from manifests.errors import BadBundleError
+from manifests.quantization import Quantization, quality_line
 from manifests.sizes import format_size
 from runtime.store.reader import open_bundle
 from runtime.store.trust import parse_envelope
@@ -41,8 +42,8 @@ def inspect_bundle(bundle_dir: Path) -> dict:
         files = m.files_for(t.id)
         targets.append({"id": t.id, "backend": t.backend, "files": len(files), "size": sum(f.size for f in files),
                         "compressed_size": sum({p.digest: p.size for f in files for p in f.parts}.values()),
-                        "engines": [{"model": e.model, "backend": e.backend, "format": e.format, "path": e.path}
-                                    for e in t.engines], "build": t.build})
+                        "engines": [{"model": e.model, "backend": e.backend, "format": e.format, "path": e.path,
+                                     **_quantization(e)} for e in t.engines], "build": t.build})
     return {
         "path": str(layout.path),
         "complete": layout.complete,
@@ -64,11 +65,37 @@ def inspect_bundle(bundle_dir: Path) -> dict:
     }
 
 
+def _quantization(engine) -> dict:
+    """{"quantization": record} of a 4-bit engine (manifests.quantization), {} otherwise; unverified, so a
+    malformed record is shown as such, not trusted."""
+    q = engine.build.get("quantization")
+    if q is None:
+        return {}
+    try:
+        Quantization.from_dict(q)
+    except BadBundleError as e:
+        return {"quantization": {"unreadable": str(e)}}
+    return {"quantization": q}
+
+
 def _runtime_paths(m) -> set[str]:
     """The wheelhouse and bootstrap: installed by no target, but not checkpoint weights either."""
     if m.runtime is None:
         return set()
     return set(m.runtime.wheel_paths()) | {m.runtime.bootstrap}
+
+
+def _quantization_lines(engine: dict) -> list[str]:
+    q = engine.get("quantization")
+    if q is None:
+        return [] if engine["format"] != "onnx" else [f"    {engine['model']}: weights not quantized"]
+    if "unreadable" in q:
+        return [f"    {engine['model']}: quantization record unreadable: {q['unreadable']}"]
+    rec = Quantization.from_dict(q)
+    lines = [f"    {engine['model']}: {rec.summary}, {rec.operator} ({rec.source})"]
+    if rec.quality:
+        lines.append(f"    {engine['model']}: quality {quality_line(rec.quality)}")
+    return lines
 
 
 def _left_out(models) -> list[dict]:
@@ -114,6 +141,8 @@ def format_inspect(info: dict) -> str:
         engines = ", ".join(f"{e['model']}:{e['format']}" for e in t["engines"]) or "no engines"
         lines.append(f"  target    {t['id']} ({t['backend']}): {format_size(t['size'])} to install "
                      f"({format_size(t['compressed_size'])} compressed), {engines}")
+        for e in t["engines"]:
+            lines += _quantization_lines(e)
     if info["installed_by_no_target"]:
         lines.append(f"  carried   {format_size(info['installed_by_no_target'])} that no target installs "
                      f"(checkpoint weights, for re-export)")
