@@ -10,6 +10,8 @@ that names what was expected and what was found.
 
 from __future__ import annotations
 
+import unicodedata
+
 
 class BundleError(Exception):
     """Base of every error the tool reports without a traceback."""
@@ -119,3 +121,24 @@ EXIT_CODES = {
     RegistryAuthError.exit_code: "registry refused the credentials (or none found for it)",
     RegistryTLSError.exit_code: "registry's TLS certificate is not trusted (pass --ca-file)",
 }
+
+
+#: Unicode's bidirectional overrides and isolates: they reorder what a terminal shows (category Cf).
+_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def printable(text: str, *, keep_newlines: bool = False) -> str:
+    """`text` safe for a terminal: control characters (an ESC that would set the window title or move the
+    cursor, a CR that would overwrite the line, C1 codes, bidi overrides) shown as \\x1b-style escapes.
+
+    Messages carry text from outside (a registry's error, a file name, a realm URL); printed raw, it could
+    rewrite what the user sees. `keep_newlines` keeps line breaks (and tabs) of the tool's own messages.
+    """
+    out = []
+    for ch in text:
+        if (keep_newlines and ch in "\n\t") or not (unicodedata.category(ch) == "Cc" or ch in _BIDI):
+            out.append(ch)
+        else:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+    return "".join(out)
