@@ -29,6 +29,7 @@ from manifests.errors import BadBundleError, EnvironmentProblem, RegistryError, 
 from manifests.schema import Manifest
 from manifests.strict_json import parse as parse_json
 from runtime.bundle_files import NotRegularFile, open_dir
+from runtime.copy import write_top_level_bootstrap
 from runtime.fsutil import fsync_dir, write_atomic
 from runtime.hooks import pause
 from runtime.reader import BundleLayout, Descriptor, open_bundle, read_blob
@@ -37,7 +38,7 @@ from runtime.skopeo import MAX_REMOTE_CONFIG_BYTES, Reference, RegistryOptions, 
 from runtime.validate import check_bundle
 from runtime.verify import CorruptBundleError, check_blob, check_signature, scan_blobs
 
-_OWN = {L.OCI_LAYOUT_FILE, L.INDEX_FILE, L.COMPLETE_MARKER, "blobs"}
+_OWN = {L.OCI_LAYOUT_FILE, L.INDEX_FILE, L.COMPLETE_MARKER, L.BOOTSTRAP_FILE, "blobs"}
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,8 @@ def _prepare(dest: Path, wanted: dict[str, int]) -> set[str]:
 
 
 def _finish(dest: Path, oci_bytes: bytes, keep: set[str]) -> Manifest:
-    """Leave DEST exactly a bundle: one index entry, only this manifest's blobs, COMPLETE last."""
+    """Leave DEST exactly a bundle: one index entry, only this manifest's blobs, the top-level bootstrap
+    when it carries one, COMPLETE last."""
     digest = L.digest_of(oci_bytes)
     blobs = dest / L.BLOBS_DIR
     read_blob(dest, Descriptor(digest, len(oci_bytes), L.OCI_MANIFEST_MEDIA_TYPE), "pulled OCI manifest")
@@ -182,6 +184,11 @@ def _finish(dest: Path, oci_bytes: bytes, keep: set[str]) -> Manifest:
         "size": len(oci_bytes), "annotations": {L.REF_NAME_ANNOTATION: f"{manifest.name}:{manifest.version}"}}]}
     write_atomic(dest / L.OCI_LAYOUT_FILE, L.OCI_LAYOUT_CONTENT)
     write_atomic(dest / L.INDEX_FILE, json.dumps(index, sort_keys=True, separators=(",", ":")).encode())
+    blobs_fd = open_dir(dest, L.BLOBS_DIR)
+    try:
+        write_top_level_bootstrap(dest, blobs_fd, manifest)  # a pulled bundle has every file a created one has
+    finally:
+        os.close(blobs_fd)
     fsync_dir(dest)
     pause("pulled")
     write_atomic(dest / L.COMPLETE_MARKER, (digest + "\n").encode())
