@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from manifests.errors import (BadBundleError, EnvironmentProblem, RegistryAuthError, RegistryError,
-                              RegistryTLSError, UsageError)
+                              RegistryTLSError, UsageError, printable)
 
 SKOPEO = "skopeo"
 #: containers/image reads a config blob into memory up to this size (iolimits.MaxConfigBodySize).
@@ -95,7 +95,7 @@ def _message(stderr: str) -> str:
 
 def classify(stderr: str, ref: Reference, *, pushing: bool = False) -> Exception:
     """Turn skopeo's failure into the error class (and exit code) whose next step fits it."""
-    why = _message(stderr)
+    why = printable(_message(stderr))  # the registry's own error text is in it
     low = why.lower()
     if "x509:" in low or "certificate" in low or "tls:" in low:
         return RegistryTLSError(f"registry {ref.host}: TLS certificate not trusted: expected one signed by a CA "
