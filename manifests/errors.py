@@ -86,14 +86,15 @@ class ServeError(BundleError):
 
 
 class RegistryError(BundleError):
-    """An OCI registry could not be used: unreachable, or it has no such repository or tag."""
+    """An OCI registry could not be used: unreachable, stopped answering, or it has no such repository or tag."""
 
     exit_code = 10
     kind = "registry error"
 
 
 class RegistryAuthError(RegistryError):
-    """The registry refused the credentials (or none were found for it)."""
+    """The registry refused the credentials (or none were found for it), or names a token realm on another
+    host, which would get them."""
 
     exit_code = 11
     kind = "registry credentials"
@@ -117,8 +118,9 @@ EXIT_CODES = {
     ResolveError.exit_code: "model reference could not be resolved to exact bytes",
     ModelError.exit_code: "model cannot be bundled or served on this target",
     ServeError.exit_code: "server could not start",
-    RegistryError.exit_code: "registry unreachable, or it has no such repository or tag",
-    RegistryAuthError.exit_code: "registry refused the credentials (or none found for it)",
+    RegistryError.exit_code: "registry unreachable or stopped answering, or it has no such repository or tag",
+    RegistryAuthError.exit_code: "registry refused the credentials (or none found for it, or its token realm is "
+                                 "on another host)",
     RegistryTLSError.exit_code: "registry's TLS certificate is not trusted (pass --ca-file)",
 }
 

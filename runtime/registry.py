@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import shutil
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from manifests import layout as L
-from manifests.errors import BadBundleError, EnvironmentProblem, RegistryError, UsageError
+from manifests.errors import BadBundleError, EnvironmentProblem, RegistryError, UsageError, printable
 from manifests.schema import Manifest
 from manifests.strict_json import parse as parse_json
 from runtime.bundle_files import NotRegularFile, open_dir
@@ -39,6 +40,8 @@ from runtime.validate import check_bundle
 from runtime.verify import CorruptBundleError, check_blob, check_signature, scan_blobs
 
 _OWN = {L.OCI_LAYOUT_FILE, L.INDEX_FILE, L.COMPLETE_MARKER, L.BOOTSTRAP_FILE, "blobs"}
+#: the lock file in a pull's destination; it says which process holds it
+LOCK_FILE = ".pull.lock"
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ def push(bundle_dir: Path, target: str, *, options: RegistryOptions = RegistryOp
                                  f"first: {problems[0]}", problems)
     ref = ref if ref.tag else ref.with_tag(str(manifest.version))
     source = f"oci:{bundle_dir.resolve()}" + (f":{layout.ref_name}" if layout.ref_name else "")
-    with skopeo(options) as sk:
+    with skopeo(options, ref) as sk:
         sk.copy(source, ref.transport, ref, src_remote=False, quiet=quiet)
         pushed = sk.inspect_raw(ref, limit=L.MAX_OCI_MANIFEST_BYTES)
         if L.digest_of(pushed) != layout.oci_manifest.digest:
@@ -128,15 +131,30 @@ def parse_remote_manifest(data: bytes, ref: Reference) -> tuple[Descriptor, list
 
 
 @contextmanager
-def _locked(dest: Path):
-    """One pull into a directory at a time (two devices' scripts, or a pull beside an install)."""
+def _locked(dest: Path, ref: Reference, timeout: float):
+    """One pull into a directory at a time (two devices' scripts, or a pull beside an install), waiting at
+    most `timeout` seconds; the holder writes its pid and reference into the lock file for the message."""
     dest.mkdir(parents=True, exist_ok=True)
-    fd = os.open(dest / ".pull.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    path = dest / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
+                    raise EnvironmentProblem(
+                        f"{dest} is busy: {printable(holder)} holds {path}; waited {timeout:g} s "
+                        f"(--lock-timeout): expected no other pull or install into it; wait for it or stop it")
+                time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} (pulling {ref})\n".encode(), 0)
         yield
     finally:
-        os.close(fd)
+        os.close(fd)  # releases the lock; what it says is only read while it is held
 
 
 def _prepare(dest: Path, wanted: dict[str, int]) -> set[str]:
@@ -234,7 +252,7 @@ def pull(source: str | Reference, dest: Path, *, options: RegistryOptions = Regi
     if ":" in str(dest.resolve()):
         raise UsageError(f"expected a destination path without ':' (skopeo's oci: syntax), found {dest}")
     ref = ref if ref.tag or ref.digest else ref.with_tag("latest")
-    with skopeo(options) as sk:
+    with skopeo(options, ref) as sk:
         oci_bytes = sk.inspect_raw(ref, limit=L.MAX_OCI_MANIFEST_BYTES)
         digest = L.digest_of(oci_bytes)
         if ref.digest and digest != ref.digest:
@@ -242,7 +260,7 @@ def pull(source: str | Reference, dest: Path, *, options: RegistryOptions = Regi
         config, layers = parse_remote_manifest(oci_bytes, ref)
         wanted = {d.digest: d.size for d in (config, *layers)}
         try:
-            with _locked(dest):
+            with _locked(dest, ref, options.timeouts.pull_lock):
                 reused = _prepare(dest, wanted)
                 need = sum(s for d, s in wanted.items() if d not in reused)
                 free = shutil.disk_usage(dest).free

@@ -390,8 +390,9 @@ def test_push_keeps_other_referrers_at_the_referrers_tag(registry, options, bund
     monkeypatch.setattr(referrer, "signature_manifest", original)
     push(bundles["v1"], ref, options=options)  # ours again: not listed twice
     digest = open_bundle(bundles["v1"]).oci_manifest.digest
-    with skopeo_client(options) as sk:
-        entries = referrer._entries(sk, parse_reference(f"{registry.host}/fleet/demo:{referrers_tag(digest)}"))
+    tag_ref = parse_reference(f"{registry.host}/fleet/demo:{referrers_tag(digest)}")
+    with skopeo_client(options, tag_ref) as sk:
+        entries = referrer._entries(sk, tag_ref)
     assert len(entries) == 2
     assert pull(ref, tmp_path / "d", options=options, trusted=trusted).signature == "checked before download"
 
@@ -456,4 +457,4 @@ def test_a_directory_install_loads_no_registry_code(bundles, keys, tmp_path):
                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), timeout=120)
     rc, modules = json.loads(out.stdout.strip().splitlines()[-1])
     assert rc == 0 and "runtime.store" in modules, out.stderr
-    assert not {"runtime.registry", "runtime.skopeo", "runtime.referrer"} & set(modules)
+    assert not {"runtime.registry", "runtime.skopeo", "runtime.referrer", "runtime.registry_ping"} & set(modules)
