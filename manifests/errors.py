@@ -10,6 +10,8 @@ that names what was expected and what was found.
 
 from __future__ import annotations
 
+import unicodedata
+
 
 class BundleError(Exception):
     """Base of every error the tool reports without a traceback."""
@@ -84,14 +86,15 @@ class ServeError(BundleError):
 
 
 class RegistryError(BundleError):
-    """An OCI registry could not be used: unreachable, or it has no such repository or tag."""
+    """An OCI registry could not be used: unreachable, stopped answering, or it has no such repository or tag."""
 
     exit_code = 10
     kind = "registry error"
 
 
 class RegistryAuthError(RegistryError):
-    """The registry refused the credentials (or none were found for it)."""
+    """The registry refused the credentials (or none were found for it), or names a token realm on another
+    host, which would get them."""
 
     exit_code = 11
     kind = "registry credentials"
@@ -115,7 +118,29 @@ EXIT_CODES = {
     ResolveError.exit_code: "model reference could not be resolved to exact bytes",
     ModelError.exit_code: "model cannot be bundled or served on this target",
     ServeError.exit_code: "server could not start",
-    RegistryError.exit_code: "registry unreachable, or it has no such repository or tag",
-    RegistryAuthError.exit_code: "registry refused the credentials (or none found for it)",
+    RegistryError.exit_code: "registry unreachable or stopped answering, or it has no such repository or tag",
+    RegistryAuthError.exit_code: "registry refused the credentials (or none found for it, or its token realm is "
+                                 "on another host)",
     RegistryTLSError.exit_code: "registry's TLS certificate is not trusted (pass --ca-file)",
 }
+
+
+#: Unicode's bidirectional overrides and isolates: they reorder what a terminal shows (category Cf).
+_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def printable(text: str, *, keep_newlines: bool = False) -> str:
+    """`text` safe for a terminal: control characters (an ESC that would set the window title or move the
+    cursor, a CR that would overwrite the line, C1 codes, bidi overrides) shown as \\x1b-style escapes.
+
+    Messages carry text from outside (a registry's error, a file name, a realm URL); printed raw, it could
+    rewrite what the user sees. `keep_newlines` keeps line breaks (and tabs) of the tool's own messages.
+    """
+    out = []
+    for ch in text:
+        if (keep_newlines and ch in "\n\t") or not (unicodedata.category(ch) == "Cc" or ch in _BIDI):
+            out.append(ch)
+        else:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+    return "".join(out)

@@ -131,6 +131,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bundle"
 
 
+def container_cert_dirs() -> tuple[Path, ...]:
+    """Where containers/image (skopeo) looks for a registry's `HOST:PORT/*.crt` when no --ca-file is given,
+    in its order: ~/.config/containers/certs.d ($HOME), /etc/containers/certs.d, /etc/docker/certs.d."""
+    return (Path.home() / ".config/containers/certs.d", Path("/etc/containers/certs.d"), Path("/etc/docker/certs.d"))
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment for a child process (pip on the build host), with `extra` set."""
     return {**os.environ, **extra}

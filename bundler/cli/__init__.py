@@ -6,8 +6,6 @@ The build-host commands reach the group through the `bundle.commands` entry poin
 
 from __future__ import annotations
 
-import sys
-
 from runtime.cli.main import FLOOR_COMMANDS, cli, main
 
 #: every command of a full install: the floor's plus the build host's (keygen, create, build-engines)
@@ -15,6 +13,3 @@ COMMANDS = {**FLOOR_COMMANDS, "keygen": "bundler.cli.pack:keygen", "create": "bu
             "build-engines": "bundler.cli.engines:build_engines"}
 
 __all__ = ["COMMANDS", "cli", "main"]
-
-if __name__ == "__main__":
-    sys.exit(main())

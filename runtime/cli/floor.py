@@ -11,7 +11,7 @@ import click
 
 from manifests.sizes import format_size
 from runtime import settings
-from runtime.cli.registry import authfile_option, ca_file_option, looks_like_reference, registry_options
+from runtime.cli.registry import looks_like_reference, registry_flags, registry_options
 
 _trust_option = click.option(
     "--trust", "trust", multiple=True, type=click.Path(dir_okay=False, path_type=Path), metavar="PUB",
@@ -163,10 +163,9 @@ Examples:
 @_expiry_option
 @_jobs_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-@ca_file_option
-@authfile_option
+@registry_flags()
 def install(bundle_dir: str, store: Path, target, trust, allow_unsigned, allow_downgrade, ignore_expiry, jobs,
-            no_progress, ca_file, authfile) -> None:
+            no_progress, **registry) -> None:
     """Verify and install a bundle into the store, then make it current.
 
     The signature is checked before any blob is read, then the policy decides (target, version,
@@ -197,7 +196,7 @@ def install(bundle_dir: str, store: Path, target, trust, allow_unsigned, allow_d
     if looks_like_reference(bundle_dir):
         from runtime.store.registry import install_from_registry
 
-        pulled, inst = install_from_registry(bundle_dir, store, options=registry_options(ca_file, authfile),
+        pulled, inst = install_from_registry(bundle_dir, store, options=registry_options(**registry),
                                              quiet=not _show_progress(no_progress), **args)
         click.echo(f"pulled {pulled.ref}@{pulled.digest}: fetched {pulled.blobs_fetched} blobs "
                    f"({format_size(pulled.bytes_fetched)}), reused {pulled.blobs_reused}; signature "

@@ -17,7 +17,7 @@ import traceback
 
 import click
 
-from manifests.errors import EXIT_CODES, BundleError, EnvironmentProblem
+from manifests.errors import EXIT_CODES, BundleError, EnvironmentProblem, printable
 from runtime import settings
 from runtime.signals import Terminated, exit_on_signals
 
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     def report(e: BundleError) -> int:
         if debug:
             traceback.print_exc()
-        click.echo(f"error ({e.kind}): {e}", err=True)
+        click.echo(printable(f"error ({e.kind}): {e}", keep_newlines=True), err=True)  # remote text in it
         return e.exit_code
 
     try:
@@ -142,8 +142,8 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - the one place every unexpected error becomes exit 1
         if debug:
             traceback.print_exc()
-        click.echo(f"error (internal): {type(e).__name__}: {e} (rerun with --debug for the traceback, "
-                   f"and report it)", err=True)
+        click.echo(printable(f"error (internal): {type(e).__name__}: {e} (rerun with --debug for the traceback, "
+                             f"and report it)", keep_newlines=True), err=True)
         return 1
 
 

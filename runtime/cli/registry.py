@@ -15,12 +15,44 @@ from manifests.sizes import format_size
 
 ca_file_option = click.option(
     "--ca-file", type=click.Path(dir_okay=False, path_type=Path), metavar="PEM",
-    help="Trust this CA for the registry's TLS certificate (besides the system's and "
-         "/etc/containers/certs.d/HOST/).")
+    help="Trust this CA for the registry's TLS certificate, besides the system's (instead of "
+         "/etc/containers/certs.d/HOST:PORT/).")
 authfile_option = click.option(
     "--authfile", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
     help="Registry credentials (Podman auth.json or Docker config.json format). Default: REGISTRY_AUTH_FILE, "
          "$XDG_RUNTIME_DIR/containers/auth.json, ~/.docker/config.json (`podman login` / `docker login`).")
+
+
+def _seconds(name: str, default: float, help: str):
+    return click.option(name, type=click.FloatRange(min=0, min_open=True), default=default, show_default=True,
+                        metavar="SECONDS", help=help)
+
+
+def registry_flags(*, pull: bool = True):
+    """Every registry flag of push, pull and install REF (one place: they stay alike)."""
+    from runtime.store.registry_options import Timeouts
+
+    t = Timeouts()
+    options = [
+        ca_file_option, authfile_option,
+        click.option("--allow-token-realm", "allow_token_realm", multiple=True, metavar="HOST",
+                     help="Let the registry's token realm on HOST (or HOST:PORT) get its credentials; by default "
+                          "a realm on another host than the registry's is refused. Repeatable."),
+        _seconds("--connect-timeout", t.connect, "Give up when the registry does not accept a connection in this "
+                                                  "long (exit 10)."),
+        _seconds("--idle-timeout", t.idle, "Give up when less than 1 KiB moves in this long: a registry that stops "
+                                           "answering or trickles (exit 10)."),
+        _seconds("--total-timeout", t.total, "Give up when the whole transfer takes longer (exit 10)."),
+    ]
+    if pull:
+        options.append(_seconds("--lock-timeout", t.pull_lock, "Wait at most this long for another pull or "
+                                                               "install into the same directory (exit 6)."))
+
+    def apply(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return apply
 
 
 def looks_like_reference(text: str) -> bool:
@@ -34,10 +66,14 @@ def looks_like_reference(text: str) -> bool:
     return "/" in text and ("." in first or ":" in first or first == "localhost")
 
 
-def registry_options(ca_file, authfile):
-    from runtime.store.skopeo import RegistryOptions
+def registry_options(ca_file=None, authfile=None, allow_token_realm=(), connect_timeout=None, idle_timeout=None,
+                     total_timeout=None, lock_timeout=None):
+    """The values of `registry_flags` as RegistryOptions (a flag left out keeps its default)."""
+    from runtime.store.registry_options import RegistryOptions, Timeouts
 
-    return RegistryOptions(ca_file=ca_file, authfile=authfile)
+    given = {"connect": connect_timeout, "idle": idle_timeout, "total": total_timeout, "pull_lock": lock_timeout}
+    return RegistryOptions(ca_file=ca_file, authfile=authfile, allow_token_realms=tuple(allow_token_realm),
+                           timeouts=Timeouts(**{k: v for k, v in given.items() if v is not None}))
 
 
 def _quiet(no_progress: bool) -> bool:
@@ -51,10 +87,9 @@ Examples:
 """)
 @click.argument("bundle_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
 @click.argument("target", metavar="REGISTRY/REPO[:TAG]")
-@ca_file_option
-@authfile_option
+@registry_flags(pull=False)
 @click.option("--no-progress", is_flag=True, help="No progress output.")
-def push(bundle_dir: Path, target: str, ca_file, authfile, no_progress) -> None:
+def push(bundle_dir: Path, target: str, no_progress, **registry) -> None:
     """Push bundle DIR to an OCI registry, uploading only the blobs the registry lacks.
 
     Every blob is checked first (a damaged bundle is never published). The bundle travels unchanged:
@@ -63,7 +98,7 @@ def push(bundle_dir: Path, target: str, ca_file, authfile, no_progress) -> None:
     """
     from runtime.store.registry import push as push_bundle
 
-    r = push_bundle(bundle_dir, target, options=registry_options(ca_file, authfile), quiet=_quiet(no_progress))
+    r = push_bundle(bundle_dir, target, options=registry_options(**registry), quiet=_quiet(no_progress))
     click.echo(f"pushed {r.name} v{r.version} ({r.blobs} blobs, {format_size(r.size)}) to {r.ref}@{r.digest}")
 
 
@@ -74,10 +109,9 @@ Examples:
 """)
 @click.argument("source", metavar="REGISTRY/REPO[:TAG|@DIGEST]")
 @click.argument("dest", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
-@ca_file_option
-@authfile_option
+@registry_flags()
 @click.option("--no-progress", is_flag=True, help="No progress output.")
-def pull(source: str, dest: Path, ca_file, authfile, no_progress) -> None:
+def pull(source: str, dest: Path, no_progress, **registry) -> None:
     """Pull a bundle from an OCI registry into DIR, fetching only the blobs DIR lacks.
 
     DIR may hold an earlier version or an interrupted pull: its intact blobs are reused, so a rerun
@@ -86,6 +120,6 @@ def pull(source: str, dest: Path, ca_file, authfile, no_progress) -> None:
     """
     from runtime.store.registry import pull as pull_bundle
 
-    r = pull_bundle(source, dest, options=registry_options(ca_file, authfile), quiet=_quiet(no_progress))
+    r = pull_bundle(source, dest, options=registry_options(**registry), quiet=_quiet(no_progress))
     click.echo(f"pulled {r.name} v{r.version} ({r.digest}): fetched {r.blobs_fetched} blobs "
                f"({format_size(r.bytes_fetched)}), reused {r.blobs_reused} ({format_size(r.bytes_reused)}): {dest}")

@@ -101,15 +101,18 @@ def _prepare_dst(src: Path, dst: Path) -> int:
     return blobs_fd
 
 
-def _write_bootstrap(dst: Path, blobs_fd: int, manifest) -> None:
-    """DST/bootstrap from DST's own (just digest-checked) blob, never copied from whatever SRC has at the top."""
+def write_top_level_bootstrap(dst: Path, blobs_fd: int, manifest) -> None:
+    """DST/bootstrap (what `sh DST/bootstrap` runs) from DST's own digest-checked blob, as `bundle create`
+    writes it, never taken from whatever a source has at its top; removed when the bundle carries none
+    (left by an earlier version in DST). Shared by copy and pull, so each leaves the files create does."""
     rt = manifest.runtime
     entry = next((f for f in manifest.files if rt is not None and f.path == rt.bootstrap), None)
     if entry is None:
+        (dst / L.BOOTSTRAP_FILE).unlink(missing_ok=True)
         return
     fd = os.open(entry.parts[0].hex, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=blobs_fd)
     with os.fdopen(fd, "rb") as f:
-        write_atomic(dst / L.BOOTSTRAP_FILE, f.read(entry.size))
+        write_atomic(dst / L.BOOTSTRAP_FILE, f.read(entry.size), mode=0o755)
 
 
 def copy_bundle(src: Path, dst: Path, *, jobs: int | None = None, progress: bool = True) -> CopyReport:
@@ -163,7 +166,7 @@ def copy_bundle(src: Path, dst: Path, *, jobs: int | None = None, progress: bool
         # oci-layout is the spec's constant, never SRC's bytes (which could be a link to anything).
         write_atomic(dst / L.OCI_LAYOUT_FILE, L.OCI_LAYOUT_CONTENT)
         write_atomic(dst / L.INDEX_FILE, layout.index_bytes)  # read bounded, validated above
-        _write_bootstrap(dst, blobs_fd, manifest)
+        write_top_level_bootstrap(dst, blobs_fd, manifest)
         fsync_dir(dst)
         write_atomic(dst / L.COMPLETE_MARKER, (layout.oci_manifest.digest + "\n").encode())
         fsync_dir(dst)

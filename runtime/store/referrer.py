@@ -19,6 +19,7 @@ from manifests import layout as L
 from manifests.errors import BadBundleError, RegistryError
 from manifests.strict_json import parse as parse_json
 from runtime.store.reader import BundleLayout, Descriptor
+from runtime.store.registry_ping import RegistryTimeout
 from runtime.store.skopeo import Reference, RegistryNotFound, Skopeo
 
 EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
@@ -101,6 +102,8 @@ def fetch_signature(sk: Skopeo, ref: Reference, digest: str, envelope: Descripto
             L.blob_path(entry_digest)
             raw = sk.inspect_raw(ref.pinned(entry_digest), limit=MAX_REFERRER_MANIFEST_BYTES)
             art = parse_json(raw, what=f"referrer {entry_digest}", max_bytes=MAX_REFERRER_MANIFEST_BYTES)
+        except RegistryTimeout:
+            raise  # a registry that stopped answering: not a referrer to skip
         except (ValueError, BadBundleError, RegistryError):
             continue
         if L.digest_of(raw) != entry_digest or not isinstance(art, dict):

@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import shutil
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +26,11 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from manifests import layout as L
-from manifests.errors import BadBundleError, EnvironmentProblem, RegistryError, UsageError
+from manifests.errors import BadBundleError, EnvironmentProblem, RegistryError, UsageError, printable
 from manifests.schema import Manifest
 from manifests.strict_json import parse as parse_json
 from runtime.bundle_files import NotRegularFile, open_dir
+from runtime.store.copy import write_top_level_bootstrap
 from runtime.fsutil import fsync_dir, write_atomic
 from runtime.store.hooks import pause
 from runtime.store.reader import BundleLayout, Descriptor, open_bundle, read_blob
@@ -37,7 +39,9 @@ from runtime.store.skopeo import MAX_REMOTE_CONFIG_BYTES, Reference, RegistryOpt
 from runtime.store.validate import check_bundle
 from runtime.store.verify import CorruptBundleError, check_blob, check_signature, scan_blobs
 
-_OWN = {L.OCI_LAYOUT_FILE, L.INDEX_FILE, L.COMPLETE_MARKER, "blobs"}
+_OWN = {L.OCI_LAYOUT_FILE, L.INDEX_FILE, L.COMPLETE_MARKER, L.BOOTSTRAP_FILE, "blobs"}
+#: the lock file in a pull's destination; it says which process holds it
+LOCK_FILE = ".pull.lock"
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ def push(bundle_dir: Path, target: str, *, options: RegistryOptions = RegistryOp
                                  f"first: {problems[0]}", problems)
     ref = ref if ref.tag else ref.with_tag(str(manifest.version))
     source = f"oci:{bundle_dir.resolve()}" + (f":{layout.ref_name}" if layout.ref_name else "")
-    with skopeo(options) as sk:
+    with skopeo(options, ref) as sk:
         sk.copy(source, ref.transport, ref, src_remote=False, quiet=quiet)
         pushed = sk.inspect_raw(ref, limit=L.MAX_OCI_MANIFEST_BYTES)
         if L.digest_of(pushed) != layout.oci_manifest.digest:
@@ -127,15 +131,30 @@ def parse_remote_manifest(data: bytes, ref: Reference) -> tuple[Descriptor, list
 
 
 @contextmanager
-def _locked(dest: Path):
-    """One pull into a directory at a time (two devices' scripts, or a pull beside an install)."""
+def _locked(dest: Path, ref: Reference, timeout: float):
+    """One pull into a directory at a time (two devices' scripts, or a pull beside an install), waiting at
+    most `timeout` seconds; the holder writes its pid and reference into the lock file for the message."""
     dest.mkdir(parents=True, exist_ok=True)
-    fd = os.open(dest / ".pull.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    path = dest / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
+                    raise EnvironmentProblem(
+                        f"{dest} is busy: {printable(holder)} holds {path}; waited {timeout:g} s "
+                        f"(--lock-timeout): expected no other pull or install into it; wait for it or stop it")
+                time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} (pulling {ref})\n".encode(), 0)
         yield
     finally:
-        os.close(fd)
+        os.close(fd)  # releases the lock; what it says is only read while it is held
 
 
 def _prepare(dest: Path, wanted: dict[str, int]) -> set[str]:
@@ -166,7 +185,8 @@ def _prepare(dest: Path, wanted: dict[str, int]) -> set[str]:
 
 
 def _finish(dest: Path, oci_bytes: bytes, keep: set[str]) -> Manifest:
-    """Leave DEST exactly a bundle: one index entry, only this manifest's blobs, COMPLETE last."""
+    """Leave DEST exactly a bundle: one index entry, only this manifest's blobs, the top-level bootstrap
+    when it carries one, COMPLETE last."""
     digest = L.digest_of(oci_bytes)
     blobs = dest / L.BLOBS_DIR
     read_blob(dest, Descriptor(digest, len(oci_bytes), L.OCI_MANIFEST_MEDIA_TYPE), "pulled OCI manifest")
@@ -182,6 +202,11 @@ def _finish(dest: Path, oci_bytes: bytes, keep: set[str]) -> Manifest:
         "size": len(oci_bytes), "annotations": {L.REF_NAME_ANNOTATION: f"{manifest.name}:{manifest.version}"}}]}
     write_atomic(dest / L.OCI_LAYOUT_FILE, L.OCI_LAYOUT_CONTENT)
     write_atomic(dest / L.INDEX_FILE, json.dumps(index, sort_keys=True, separators=(",", ":")).encode())
+    blobs_fd = open_dir(dest, L.BLOBS_DIR)
+    try:
+        write_top_level_bootstrap(dest, blobs_fd, manifest)  # a pulled bundle has every file a created one has
+    finally:
+        os.close(blobs_fd)
     fsync_dir(dest)
     pause("pulled")
     write_atomic(dest / L.COMPLETE_MARKER, (digest + "\n").encode())
@@ -227,7 +252,7 @@ def pull(source: str | Reference, dest: Path, *, options: RegistryOptions = Regi
     if ":" in str(dest.resolve()):
         raise UsageError(f"expected a destination path without ':' (skopeo's oci: syntax), found {dest}")
     ref = ref if ref.tag or ref.digest else ref.with_tag("latest")
-    with skopeo(options) as sk:
+    with skopeo(options, ref) as sk:
         oci_bytes = sk.inspect_raw(ref, limit=L.MAX_OCI_MANIFEST_BYTES)
         digest = L.digest_of(oci_bytes)
         if ref.digest and digest != ref.digest:
@@ -235,7 +260,7 @@ def pull(source: str | Reference, dest: Path, *, options: RegistryOptions = Regi
         config, layers = parse_remote_manifest(oci_bytes, ref)
         wanted = {d.digest: d.size for d in (config, *layers)}
         try:
-            with _locked(dest):
+            with _locked(dest, ref, options.timeouts.pull_lock):
                 reused = _prepare(dest, wanted)
                 need = sum(s for d, s in wanted.items() if d not in reused)
                 free = shutil.disk_usage(dest).free

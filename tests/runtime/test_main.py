@@ -55,6 +55,17 @@ def test_unexpected_error_is_one_line_and_exit_1(monkeypatch, capsys):
     assert "error (internal): RuntimeError: kaput" in err and "Traceback" not in err
 
 
+def test_error_messages_are_printed_with_control_characters_escaped(monkeypatch, capsys):
+    """Every error is printed here, whatever text it carries from outside (a registry, a file name)."""
+    def boom(*a, **k):
+        raise UsageError("bad name 'x\x1b]0;owned\x07\u202eexe.txt'\r")
+
+    monkeypatch.setattr("runtime.cli.targets.all_profiles", boom)
+    assert main(["targets"]) == UsageError.exit_code
+    err = capsys.readouterr().err
+    assert err == "error (usage error): bad name 'x\\x1b]0;owned\\x07\\u202eexe.txt'\\x0d\n"
+
+
 def test_build_host_commands_are_plugins_of_the_full_package():
     from runtime.cli.main import plugin_commands
 

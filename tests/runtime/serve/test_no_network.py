@@ -20,7 +20,8 @@ from tests.conftest import unshare_problem
 REPO = Path(__file__).resolve().parents[3]
 FORBIDDEN = {"huggingface_hub", "requests", "httpx", "urllib3", "torch", "transformers", "bundler", "oras"}
 # The registry client (skopeo, run by these) is reached only by push / pull / install from a registry.
-FORBIDDEN_RUNTIME = {"runtime.store.registry", "runtime.cli.registry", "runtime.store.skopeo", "runtime.store.referrer"}
+FORBIDDEN_RUNTIME = {"runtime.store.registry", "runtime.cli.registry", "runtime.store.skopeo", "runtime.store.referrer",
+                     "runtime.store.registry_ping"}
 SERVE_MODULES = ["runtime.cli.serve", "runtime.server", "runtime.server.app", "runtime.server.serving_engine",
                  "runtime.server.serving_chat", "runtime.server.serving_completion", "runtime.server.serving_models",
                  "runtime.server.body", "runtime.serve.engine_client", "runtime.serve.scheduler", "runtime.serve.model_runner",

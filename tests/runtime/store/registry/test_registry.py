@@ -79,10 +79,54 @@ def test_push_pull_round_trip_is_identical_to_a_copy(registry, options, bundles,
     assert verify_bundle(tmp_path / "pulled", trusted).signers == [keys.release_id]
     copied = tmp_path / "copied"
     copy_bundle(bundles["v1"], copied, progress=False)
-
-    def bundle_files(root: Path) -> dict[str, str]:
-        return {k: v for k, v in tree_digests(root).items() if not Path(k).name.startswith(".")}
     assert bundle_files(tmp_path / "pulled") == bundle_files(copied)  # byte for byte, index.json included
+
+
+def runtime_bundle(out: Path, inputs: Path, keys) -> Path:
+    """A signed bundle that carries the floor runtime (a wheelhouse and the bootstrap), packed as
+    `bundle create --runtime-platforms` packs it."""
+    from bundler.pack.pack import PackFile, pack_bundle
+    from bundler.pack.wheelhouse import wheelhouse_from_files
+    from manifests.schema import Model, ModelSource, Target
+    from tests.wheels import make_wheel
+    wheel = make_wheel(out.parent / "wheels", "tiny-runtime", "1.0")
+    house = wheelhouse_from_files("tiny-runtime", "1.0", {"linux_x86_64-cp312": [wheel],
+                                                          "linux_aarch64-cp312": [wheel]})
+    files = [PackFile(p, f"models/target/{p.name}") for p in sorted((inputs / "target").iterdir())]
+    pack_bundle(out, name="tiny", version=1, models=[Model("target", "t", "models/target",
+                                                            ModelSource("local", revision="x"))],
+                files=[*files, *house.files], targets=[Target("cpu", "onnxruntime")], speculative=None,
+                serve={}, expires=None, sign_keys=[keys.release], progress=False, runtime=house.runtime)
+    return out
+
+
+def bundle_files(root: Path) -> dict[str, str]:
+    """Every file of a bundle directory and its sha256 (the pull's lock file left out)."""
+    return {k: v for k, v in tree_digests(root).items() if not Path(k).name.startswith(".")}
+
+
+@pytest.mark.slow
+def test_a_pulled_bundle_with_the_runtime_has_its_bootstrap(registry, options, inputs, bundles, keys, tmp_path):
+    """A pulled bundle holds every file `bundle create` wrote and `bundle copy` copies: the top-level
+    bootstrap too, so `bundle verify` passes and `sh DIR/bootstrap` runs the signed script."""
+    created = runtime_bundle(tmp_path / "created", inputs, keys)
+    ref = f"{registry.host}/fleet/tiny:1"
+    assert main(["push", str(created), ref, *reg_args(registry)]) == 0
+    pulled = tmp_path / "pulled"
+    assert main(["pull", ref, str(pulled), *reg_args(registry)]) == 0
+    assert main(["verify", str(pulled), "--trust", str(keys.release_pub), "--no-progress"]) == 0
+    assert (pulled / L.BOOTSTRAP_FILE).read_bytes() == (created / L.BOOTSTRAP_FILE).read_bytes()
+    assert os.access(pulled / L.BOOTSTRAP_FILE, os.X_OK)
+    copied = tmp_path / "copied"
+    copy_bundle(created, copied, progress=False)
+    assert bundle_files(pulled) == bundle_files(created) == bundle_files(copied)
+    assert main(["pull", ref, str(pulled), *reg_args(registry)]) == 0  # a rerun accepts its own bootstrap
+    # The next bundle in the same directory carries no runtime: no stale bootstrap stays behind.
+    push(bundles["v1"], f"{registry.host}/fleet/tiny:2", options=options)
+    pull(f"{registry.host}/fleet/tiny:2", pulled, options=options)
+    assert bundle_files(pulled) == bundle_files(bundles["v1"])
+    copy_bundle(bundles["v1"], copied, progress=False)  # copy keeps other blobs in DST, not the bootstrap
+    assert not (copied / L.BOOTSTRAP_FILE).exists()
 
 
 @pytest.mark.slow
@@ -346,8 +390,9 @@ def test_push_keeps_other_referrers_at_the_referrers_tag(registry, options, bund
     monkeypatch.setattr(referrer, "signature_manifest", original)
     push(bundles["v1"], ref, options=options)  # ours again: not listed twice
     digest = open_bundle(bundles["v1"]).oci_manifest.digest
-    with skopeo_client(options) as sk:
-        entries = referrer._entries(sk, parse_reference(f"{registry.host}/fleet/demo:{referrers_tag(digest)}"))
+    tag_ref = parse_reference(f"{registry.host}/fleet/demo:{referrers_tag(digest)}")
+    with skopeo_client(options, tag_ref) as sk:
+        entries = referrer._entries(sk, tag_ref)
     assert len(entries) == 2
     assert pull(ref, tmp_path / "d", options=options, trusted=trusted).signature == "checked before download"
 
@@ -412,4 +457,4 @@ def test_a_directory_install_loads_no_registry_code(bundles, keys, tmp_path):
                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), timeout=120)
     rc, modules = json.loads(out.stdout.strip().splitlines()[-1])
     assert rc == 0 and "runtime.store.store" in modules, out.stderr
-    assert not {"runtime.store.registry", "runtime.store.skopeo", "runtime.store.referrer"} & set(modules)
+    assert not {"runtime.store.registry", "runtime.store.skopeo", "runtime.store.referrer", "runtime.store.registry_ping"} & set(modules)

@@ -25,9 +25,10 @@ def _b64url(data: bytes) -> str:
 
 
 class TokenServer:
-    """Grants every requested action on every requested repository to USER:PASSWORD, nothing to others."""
+    """Grants every requested action on every requested repository to USER:PASSWORD, nothing to others.
+    `host`: where it listens (another loopback address than the registry's plays another host)."""
 
-    def __init__(self, root: Path, user: str, password: str):
+    def __init__(self, root: Path, user: str, password: str, host: str = "127.0.0.1"):
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.hazmat.primitives.asymmetric import ec
@@ -71,8 +72,8 @@ class TokenServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.realm = f"http://127.0.0.1:{self._httpd.server_address[1]}/token"
+        self._httpd = ThreadingHTTPServer((host, 0), Handler)
+        self.realm = f"http://{host}:{self._httpd.server_address[1]}/token"
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
         self._thread.start()
 
