@@ -152,7 +152,8 @@ Examples:
               help="Bundle a target with no chat template (a warning instead of a refusal, exit 8): the device "
                    "then serves /v1/completions only.")
 @click.option("--jobs", type=click.IntRange(min=1), help="Compression threads. Default: every core (BUNDLE_JOBS).")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--no-progress", is_flag=True,
+              help="No progress: neither the bars (on a terminal) nor the timestamped lines on stderr (otherwise).")
 def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_model_len, targets_text, name,
            version, sign_key_paths, unsigned, max_part_size, out, expires, num_speculative_tokens,
            serve_args, serve_config_path, with_checkpoint_weights, with_runtime, no_runtime, extra_wheels,
@@ -166,8 +167,10 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     from bundler.engines import target_files_hook
     from bundler.keys import load_private_key
     from bundler.lockfile import write_lock
+    from bundler.progress import lines_wanted, progress_lines
     from runtime.profiles import parse_targets
 
+    click.get_current_context().with_resource(progress_lines(lines_wanted(not no_progress)))
     targets = parse_targets(targets_text)
     part_size = parse_size(max_part_size)
     serve = read_serve_defaults(serve_config_path, serve_args, max_model_len)
