@@ -115,7 +115,8 @@ Examples:
                                   "Encrypted keys read their passphrase from BUNDLE_KEY_PASSPHRASE.")
 @click.option("--unsigned", is_flag=True, help="Make an unsigned bundle (devices refuse it without --allow-unsigned).")
 @click.option("--max-part-size", default="3.9G", show_default=True, metavar="SIZE",
-              help="No file in the bundle exceeds this size (FAT32 holds < 4 GiB). Accepts 512K, 1M, 3.9G.")
+              help="No file in the bundle exceeds this size (FAT32 holds < 4 GiB). Accepts 512K, 1M, 3.9G. "
+                   "Wheels are stored whole: a larger one is refused.")
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
               help="Bundle directory to write. Default: ./NAME-VERSION. Rerun the same command to resume.")
 @click.option("--expires", metavar="DATE|Nd", help="Devices refuse the bundle after this: 2027-06-01, or 90d from now.")

@@ -419,6 +419,8 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
             house = build_wheelhouse(runtime_platforms, Path(work) / "wheelhouse", extra_wheels=extra_wheels,
                                      cache=wheel_cache)
         if house is not None:
+            from bundler.pack import check_stored_sizes
+            check_stored_sizes(house.files, max_part_size)  # before the export, not after it
             log.info("wheelhouse: %s", "; ".join(f"{p}: {len(w)} wheels, {format_size(house.sizes.get(p, 0))}"
                                                  for p, w in house.runtime.platforms.items()))
         else:

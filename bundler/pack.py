@@ -71,8 +71,8 @@ from runtime import settings
 from runtime.fsutil import fsync_dir, write_atomic
 from runtime.parallel import MAX_WORKERS, ShortRead, Stopped, read_span, run_parallel
 
-__all__ = ["PackFile", "pack_bundle", "part_length", "DEFAULT_MAX_PART_SIZE", "DEFAULT_LEVEL", "JOURNAL_FILE",
-           "PART_CHUNK"]
+__all__ = ["PackFile", "pack_bundle", "part_length", "check_stored_sizes", "DEFAULT_MAX_PART_SIZE", "DEFAULT_LEVEL",
+           "JOURNAL_FILE", "PART_CHUNK"]
 
 log = logging.getLogger(__name__)  # progress lines (bundler.progress)
 
@@ -119,6 +119,25 @@ def part_length(max_part_size: int) -> int:
     while compress_bound(n) + _FRAME_OVERHEAD > max_part_size:
         n -= 1
     return n
+
+
+def check_stored_sizes(files, max_part_size: int) -> None:
+    """Refuse a stored file (a wheel, the bootstrap) larger than --max-part-size, before any work.
+
+    Stored files are not split: format 2 defines one as a single blob named by the file's own sha256,
+    which is what lets the bootstrap check a wheel with `sha256sum` alone and what every format-2 reader
+    checks. Splitting them would need a new format that no device deployed today reads; no wheel comes
+    near the 3.9 GiB default (FAT32's 4 GiB file limit), so the refusal only meets a small --max-part-size.
+    """
+    for pf in files:
+        if pf.media_type is None:
+            continue
+        size = os.stat(pf.src).st_size
+        if size > max_part_size:
+            raise UsageError(f"{pf.path} is {format_size(size)} ({size} bytes), over --max-part-size "
+                             f"{format_size(max_part_size)}: a wheel is stored as one blob that the device checks "
+                             f"with sha256sum, never split; expected --max-part-size of at least {size} bytes "
+                             f"(or --no-runtime, or that wheel left out of --extra-wheels)")
 
 
 # --- small file helpers ----------------------------------------------------------------------
@@ -531,6 +550,7 @@ def pack_bundle(out: Path, *, name: str, version: int, models: list[Model], file
         if not os.path.isfile(pf.src):
             raise UsageError(f"expected a regular file at {pf.src} (for {pf.path}), found something else")
         stats.append(st.st_size)
+    check_stored_sizes(files, max_part_size)
     placeholder = Manifest(
         name=name, version=version, created=created, builder=builder, models=tuple(models),
         files=tuple(FileEntry(pf.path, 0, "0" * 64, (), pf.targets, pf.executable) for pf in files),

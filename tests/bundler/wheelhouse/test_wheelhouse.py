@@ -248,3 +248,37 @@ def test_layer_media_types_must_match_how_each_part_is_stored(swap, tmp_path):
         verify_bundle(out, {}, allow_unsigned=True)
     with pytest.raises(BadBundleError, match="mediaType"):
         Store(tmp_path / "store").install(out, target="cpu", trusted={}, allow_unsigned=True, progress=False)
+
+
+def test_a_wheel_over_max_part_size_is_refused_by_name_and_size_before_the_export(tmp_path):
+    """Stored wheels are never split (the bootstrap checks each one with sha256sum): a 17 MiB wheel with
+    --max-part-size 8M is one line naming it and its size, before the engines are exported."""
+    from bundler.create import create_bundle, local_model
+    from tests.models import make_tiny_checkpoint
+
+    big = tmp_path / "w" / "big_native-1.0-py3-none-any.whl"
+    big.parent.mkdir()
+    with open(big, "wb") as f:
+        f.truncate(17 * 1024 * 1024)
+    house = wheelhouse_from_files("tiny-runtime", "1.0", {"linux_x86_64-cp312": [make_wheel(tmp_path / "w",
+                                                                                          "tiny-runtime", "1.0"), big]})
+    exported = []
+    model = local_model(make_tiny_checkpoint(tmp_path / "m", hidden_size=64, num_layers=2), "target")
+    with pytest.raises(UsageError) as e:
+        create_bundle(tmp_path / "b", name="w", version=1, model=model, draft=None, targets=["cpu"], sign_keys=[],
+                      unsigned=True, progress=False, max_part_size=8 * 1024 * 1024, wheelhouse=house,
+                      target_files=lambda inputs, targets, work: exported.append(1) or ([], list(targets)))
+    msg = str(e.value)
+    assert "wheelhouse/big_native-1.0-py3-none-any.whl is 17.0 MiB" in msg and "--max-part-size 8.0 MiB" in msg
+    assert "\n" not in msg and not exported and not (tmp_path / "b").exists()
+    # pack_bundle itself refuses it too (build-engines and other callers), before writing anything
+    with pytest.raises(UsageError, match="big_native-1.0-py3-none-any.whl is 17.0 MiB"):
+        pack_bundle(tmp_path / "b2", name="w", version=1, models=[], files=list(house.files),
+                    targets=[Target("cpu", "onnxruntime")], speculative=None, serve={}, expires=None, sign_keys=[],
+                    unsigned=True, progress=False, max_part_size=8 * 1024 * 1024, runtime=house.runtime)
+    assert not (tmp_path / "b2").exists()
+    # with room for it, the wheel is one stored blob of its own size (what the bootstrap checks)
+    (tmp_path / "fits").mkdir()
+    out = _pack_with(tmp_path / "fits", {"linux_x86_64-cp312": [big]})
+    entry = next(f for f in verify_bundle(out, {}, allow_unsigned=True).manifest.files if f.path.endswith(big.name))
+    assert [(p.size, p.compression) for p in entry.parts] == [(17 * 1024 * 1024, "none")]
