@@ -137,7 +137,7 @@ Examples:
               help="Put the floor runtime (bundle-runtime and every dependency, as wheels) and the bootstrap into "
                    "the bundle for these platforms: linux_aarch64-cp312 (JetPack 7, DGX Spark), linux_x86_64-cp311, "
                    "linux_x86_64-cp312, ... Default: the targets' platforms (jetson-thor: linux_aarch64-cp312; "
-                   "cpu: this host's).")
+                   "cpu: this host's; cuda names none: give --with-runtime or --no-runtime).")
 @click.option("--no-runtime", "no_runtime", is_flag=True,
               help="Leave the runtime wheelhouse and the bootstrap out (devices that have the runtime installed).")
 @click.option("--extra-wheels", "extra_wheels", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",

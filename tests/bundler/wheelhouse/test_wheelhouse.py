@@ -29,6 +29,45 @@ def test_platforms_follow_the_targets():
     assert default_platforms(["jetson-agx-orin"]) == ["linux_aarch64-cp310"]
 
 
+def test_every_built_in_profile_names_its_runtime_platform_or_null():
+    from manifests.targets import all_profiles
+
+    for p in all_profiles():
+        assert "runtime_platform" in p.extra, p.id  # a platform, "build-host" (cpu) or null (cuda: ask)
+
+
+def test_cuda_has_no_default_runtime_platform_create_asks_for_one(tmp_path, capsys):
+    """A `cuda` device is any x86_64 or aarch64 machine with any Python: no runtime for the build host's
+    Python (a 3.11 wheelhouse does not install on a 3.12 device); create asks, in one line, before any work."""
+    from bundler.cli_pack import runtime_platforms
+    from runtime.main import main
+
+    with pytest.raises(UsageError, match=r"target cuda names no runtime platform.*--with-runtime.*--no-runtime"):
+        default_platforms(["cpu", "cuda"])
+    assert runtime_platforms("linux_x86_64-cp312", False, ["cuda"]) == ["linux_x86_64-cp312"]
+    assert runtime_platforms(None, True, ["cuda"]) == []
+    code = main(["create", "--targets", "cuda", "--name", "d", "--version", "1", "--unsigned", "--no-progress",
+                 "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert code == UsageError.exit_code and err.count("\n") == 1, err
+    assert "expected --with-runtime PLATFORM" in err and "linux_x86_64-cp312" in err and "--no-runtime" in err
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_site_profile_without_runtime_platform_is_asked_for_one_too(tmp_path, monkeypatch):
+    from manifests.targets import get_profile
+
+    board = {k: v for k, v in get_profile("jetson-thor").to_dict().items() if k != "runtime_platform"}
+    (tmp_path / "my-board.json").write_text(json.dumps({**board, "id": "my-board"}))
+    (tmp_path / "bad-board.json").write_text(json.dumps({**board, "id": "bad-board", "runtime_platform": "arm64"}))
+    monkeypatch.setenv("BUNDLE_PROFILE_DIR", str(tmp_path))
+    with pytest.raises(UsageError, match="target my-board names no runtime platform"):
+        default_platforms(["my-board"])
+    with pytest.raises(UsageError, match=r"bad-board.json \(bad-board\): expected runtime_platform like "
+                                         r"linux_aarch64-cp312, 'build-host' or null, found 'arm64'"):
+        default_platforms(["bad-board"])
+
+
 def test_platform_list_is_validated():
     assert parse_platforms("linux_aarch64-cp312, linux_x86_64-cp311,linux_aarch64-cp312") == [
         "linux_aarch64-cp312", "linux_x86_64-cp311"]
