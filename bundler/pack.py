@@ -430,7 +430,8 @@ class _Packer:
         order = sorted(pending, key=lambda p: -p.size)
         run_parallel((t for p in order for t in p.tasks()), 2 * self.jobs, self.stop, max_threads=2 * MAX_WORKERS)
 
-    def store_file(self, src: Path, size: int, media_type: str, name: str | None = None) -> tuple[str, tuple[Part, ...]]:
+    def store_file(self, src: Path, size: int, media_type: str,
+                   name: str | None = None) -> tuple[str, tuple[Part, ...]]:
         """Store one file as is (no zstd): the blob is the file, named by its sha256 (one part)."""
         file_hash = hashlib.sha256()
         tmp = self.blobs / f".tmp-{uuid.uuid4().hex}"
