@@ -114,7 +114,8 @@ Examples:
                                   "Encrypted keys read their passphrase from BUNDLE_KEY_PASSPHRASE.")
 @click.option("--unsigned", is_flag=True, help="Make an unsigned bundle (devices refuse it without --allow-unsigned).")
 @click.option("--max-part-size", default="3.9G", show_default=True, metavar="SIZE",
-              help="No file in the bundle exceeds this size (FAT32 holds < 4 GiB). Accepts 512K, 1M, 3.9G.")
+              help="No file in the bundle exceeds this size (FAT32 holds < 4 GiB). Accepts 512K, 1M, 3.9G. "
+                   "Wheels are stored whole: a larger one is refused.")
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
               help="Bundle directory to write. Default: ./NAME-VERSION. Rerun the same command to resume.")
 @click.option("--expires", metavar="DATE|Nd", help="Devices refuse the bundle after this: 2027-06-01, or 90d from now.")
@@ -135,7 +136,7 @@ Examples:
               help="Put the floor runtime (bundle-runtime and every dependency, as wheels) and the bootstrap into "
                    "the bundle for these platforms: linux_aarch64-cp312 (JetPack 7, DGX Spark), linux_x86_64-cp311, "
                    "linux_x86_64-cp312, ... Default: the targets' platforms (jetson-thor: linux_aarch64-cp312; "
-                   "cpu: this host's).")
+                   "cpu: this host's; cuda names none: give --with-runtime or --no-runtime).")
 @click.option("--no-runtime", "no_runtime", is_flag=True,
               help="Leave the runtime wheelhouse and the bootstrap out (devices that have the runtime installed).")
 @click.option("--extra-wheels", "extra_wheels", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
@@ -151,7 +152,8 @@ Examples:
               help="Bundle a target with no chat template (a warning instead of a refusal, exit 8): the device "
                    "then serves /v1/completions only.")
 @click.option("--jobs", type=click.IntRange(min=1), help="Compression threads. Default: every core (BUNDLE_JOBS).")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--no-progress", is_flag=True,
+              help="No progress: neither the bars (on a terminal) nor the timestamped lines on stderr (otherwise).")
 @quantization_options
 def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_model_len, targets_text, name,
            version, sign_key_paths, unsigned, max_part_size, out, expires, num_speculative_tokens,
@@ -166,8 +168,10 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     from bundler.pack.engines import target_files_hook
     from bundler.pack.keys import load_private_key
     from bundler.resolve.lockfile import write_lock
+    from bundler.pack.progress import lines_wanted, progress_lines
     from runtime.profiles import parse_targets
 
+    click.get_current_context().with_resource(progress_lines(lines_wanted(not no_progress)))
     targets = parse_targets(targets_text)
     quantization, quant_record = create_quantization(quantization, targets, lock_path)
     part_size = parse_size(max_part_size)

@@ -8,6 +8,7 @@ Models arrive already turned into local folders plus where they came from (`Mode
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tempfile
@@ -23,7 +24,10 @@ from bundler.resolve.provenance import local_source
 from manifests.errors import ResolveError, UsageError
 from manifests.layout import BLOBS_DIR
 from manifests.schema import Builder, FileEntry, Manifest, Model, ModelSource, Speculative, Target, format_time
+from manifests.sizes import format_size
 from runtime.fsutil import file_sha256
+
+log = logging.getLogger(__name__)  # progress lines (bundler.pack.progress)
 
 #: serve default for max_model_len: the model's own limit, capped so a small device does not run out of KV cache
 MAX_MODEL_LEN_CAP = 4096
@@ -127,8 +131,12 @@ def resolve_inputs(model_ref: str | None, draft_ref: str | None, *, targets: Seq
             plans = {"target": plans["target"]}
         run_preflight_checks(plans, profiles, length, force=force, allow_no_chat_template=allow_no_chat_template)
 
+    log.info("resolve: %s%s for %s", model_ref, f" with draft {draft_ref}" if draft_ref else "", ", ".join(targets))
     resolved = resolve_models(model_ref, draft_ref, include=include, exclude=exclude, lock_path=lock_path,
                               cache_dir=cache_dir, preflight=preflight, hash_files=False)
+    for r in resolved.values():
+        log.info("resolve: %s %s @ %s: %d files, %s", r.role, r.name, r.source.revision or "(hashed when packed)",
+                 len(r.files), format_size(sum(f.size for f in r.files)))
     inputs = {role: input_from_resolved(r, embedded=embedded) for role, r in resolved.items()}
     return inputs["target"], inputs.get("draft"), resolved
 
@@ -395,8 +403,16 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
         house = wheelhouse
         if house is None and runtime_platforms:  # first: a pip failure should not come after a long export
             from bundler.pack.wheelhouse import build_wheelhouse
+            log.info("wheelhouse: resolving the runtime's wheels for %s", ", ".join(runtime_platforms))
             house = build_wheelhouse(runtime_platforms, Path(work) / "wheelhouse", extra_wheels=extra_wheels,
                                      cache=wheel_cache)
+        if house is not None:
+            from bundler.pack.pack import check_stored_sizes
+            check_stored_sizes(house.files, max_part_size)  # before the export, not after it
+            log.info("wheelhouse: %s", "; ".join(f"{p}: {len(w)} wheels, {format_size(house.sizes.get(p, 0))}"
+                                                 for p, w in house.runtime.platforms.items()))
+        else:
+            log.info("wheelhouse: none (no runtime platforms: devices bring their own runtime)")
         if target_files is not None:
             extra, target_list = target_files(inputs, target_list, Path(work))
             if all(t.engines for t in target_list):

@@ -226,6 +226,7 @@ def export_models(models: Mapping[str, Path], work_dir: Path,
             folder = Path(work_dir) / onnx_root(variant).split("/")[-1] / role
             options = {**({"kv_cache": layout} if layout != "concat" else {}),
                        **({"dtype": dtype} if dtype != "float32" else {})}
+            log.info("export: %s to ONNX (%s KV cache, %s)", role, layout, dtype)
             export = plain_export
             if quant != "none":
                 if quantized_export is None:
@@ -412,6 +413,8 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
     # Each graph is stored once, for every target that runs it (no restriction when that is all of them).
     files = [pf for m in exported
              for pf in m.pack_files(None if len(users) == 1 else tuple(users[m.variant]))]
+    log.info("engines: planning %s (context %d, %d draft tokens)", ", ".join(p.id for p in profiles),
+             shape.max_context, shape.draft_tokens)
     targets = []
     for profile in profiles:
         extra, target = target_engines(profile, exported, shape, Path(work_dir), device, backend, kv_cache, half,

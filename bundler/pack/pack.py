@@ -30,7 +30,8 @@ Crash safety: a blob appears under its digest only after fsync + rename, and a s
 journal ((sha256 of the part's uncompressed bytes, length, level) -> blob, appended as each blob lands)
 lets a rerun skip parts already done: it hashes each part's bytes and reuses the blob of the same content.
 index.json and the COMPLETE marker are written last; a directory without COMPLETE is never a
-finished bundle.
+finished bundle. Before COMPLETE the bundle is read back with the device's own reader and signature
+check, and every blob's size is checked (nothing is hashed again).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import fcntl
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import platform
 import queue
@@ -56,6 +58,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from tqdm import tqdm
 
 from bundler.pack.keys import public_key_id
+from bundler.pack.progress import LARGE_FILE_BYTES
 from manifests.errors import BadBundleError, BundleError, EnvironmentProblem, UsageError
 from manifests.layout import (
     ARTIFACT_TYPE, BLOBS_DIR, BOOTSTRAP_FILE, COMPLETE_MARKER, DEFAULT_MAX_PART_SIZE, DSSE_PAYLOAD_TYPE, INDEX_FILE,
@@ -63,12 +66,15 @@ from manifests.layout import (
     PART_MEDIA_TYPE, REF_NAME_ANNOTATION, SIGNATURE_MEDIA_TYPE, b64, digest_of, pae,
 )
 from manifests.schema import Builder, FileEntry, Manifest, Model, Part, Runtime, Speculative, Target, format_time
+from manifests.sizes import format_size
 from runtime import settings
 from runtime.fsutil import fsync_dir, write_atomic
 from runtime.store.parallel import MAX_WORKERS, ShortRead, Stopped, read_span, run_parallel
 
-__all__ = ["PackFile", "pack_bundle", "part_length", "DEFAULT_MAX_PART_SIZE", "DEFAULT_LEVEL", "JOURNAL_FILE",
-           "PART_CHUNK"]
+__all__ = ["PackFile", "pack_bundle", "part_length", "check_stored_sizes", "DEFAULT_MAX_PART_SIZE", "DEFAULT_LEVEL",
+           "JOURNAL_FILE", "PART_CHUNK"]
+
+log = logging.getLogger(__name__)  # progress lines (bundler.pack.progress)
 
 DEFAULT_LEVEL = 3  # what `tar -I 'zstd -3'` uses; weights barely compress further at higher levels
 READ_CHUNK = 1024 * 1024
@@ -113,6 +119,25 @@ def part_length(max_part_size: int) -> int:
     while compress_bound(n) + _FRAME_OVERHEAD > max_part_size:
         n -= 1
     return n
+
+
+def check_stored_sizes(files, max_part_size: int) -> None:
+    """Refuse a stored file (a wheel, the bootstrap) larger than --max-part-size, before any work.
+
+    Stored files are not split: format 2 defines one as a single blob named by the file's own sha256,
+    which is what lets the bootstrap check a wheel with `sha256sum` alone and what every format-2 reader
+    checks. Splitting them would need a new format that no device deployed today reads; no wheel comes
+    near the 3.9 GiB default (FAT32's 4 GiB file limit), so the refusal only meets a small --max-part-size.
+    """
+    for pf in files:
+        if pf.media_type is None:
+            continue
+        size = os.stat(pf.src).st_size
+        if size > max_part_size:
+            raise UsageError(f"{pf.path} is {format_size(size)} ({size} bytes), over --max-part-size "
+                             f"{format_size(max_part_size)}: a wheel is stored as one blob that the device checks "
+                             f"with sha256sum, never split; expected --max-part-size of at least {size} bytes "
+                             f"(or --no-runtime, or that wheel left out of --extra-wheels)")
 
 
 # --- small file helpers ----------------------------------------------------------------------
@@ -197,8 +222,9 @@ class _PendingFile:
     """One file being packed: its tasks (one per part, and a hash of the whole file unless its digest is
     known or it has one part), and its sha256 and parts once the last of them is done."""
 
-    def __init__(self, packer: "_Packer", src: Path, size: int, sha256: str | None):
+    def __init__(self, packer: "_Packer", src: Path, size: int, sha256: str | None, name: str | None = None):
         self.packer, self.src, self.size, self.sha256 = packer, src, size, sha256
+        self.name = name or str(src)
         self.ident = _identity(os.stat(src))
         if self.ident[0] != size:
             raise UsageError(f"{src} changed while packing: expected {size} bytes, found {self.ident[0]}")
@@ -286,6 +312,8 @@ class _PendingFile:
                              f"when packing started")
         if self.sha256 is None:
             self.sha256 = self._computed if self._hash_needed else self.parts[0].sha256  # type: ignore[union-attr]
+        n = len(self.spans)
+        self.packer.file_done(self.name, self.size, f"{n} zstd part{'s' if n != 1 else ''}")
         return self
 
     def result(self) -> tuple[str, tuple[Part, ...]]:
@@ -322,6 +350,7 @@ class _Packer:
         for _ in range(self.jobs):
             self._slots.put(None)
         self._bar_lock = threading.Lock()
+        self.done, self.total = 0, bar.total or 0
         self.journal = _Journal(out / JOURNAL_FILE, self.blobs)
         self.resuming = bool(self.journal.entries)
         self.stored_media_types: dict[str, str] = {}  # digest of a stored blob -> its layer media type
@@ -329,6 +358,13 @@ class _Packer:
     def progress(self, n: int) -> None:
         with self._bar_lock:
             self.bar.update(n)
+            self.done += n
+
+    def file_done(self, name: str, size: int, how: str) -> None:
+        """A progress line for a large file (bundler.pack.progress), with how much of the bundle is packed."""
+        if size >= LARGE_FILE_BYTES:
+            log.info("pack: %s (%s, %s) done; %s of %s packed", name, format_size(size), how,
+                     format_size(self.done), format_size(self.total))
 
     def _take_slot(self) -> tuple[zstandard.ZstdCompressor, bytearray]:
         """One of `jobs` compression slots (a zstd context and a read buffer), waiting for a free one."""
@@ -385,16 +421,17 @@ class _Packer:
                 raise UsageError(f"{what} changed while packing: {e}") from None
             raise
 
-    def pack_file(self, src: Path, size: int, sha256: str | None = None) -> _PendingFile:
-        """Plan one file; its work runs as tasks (`_PendingFile.tasks`)."""
-        return _PendingFile(self, src, size, sha256)
+    def pack_file(self, src: Path, size: int, sha256: str | None = None, name: str | None = None) -> _PendingFile:
+        """Plan one file (`name`: its path in the bundle); its work runs as tasks (`_PendingFile.tasks`)."""
+        return _PendingFile(self, src, size, sha256, name)
 
     def run(self, pending: list[_PendingFile]) -> None:
         """Every part of every file on the pool, largest files first (they decide the wall time)."""
         order = sorted(pending, key=lambda p: -p.size)
         run_parallel((t for p in order for t in p.tasks()), 2 * self.jobs, self.stop, max_threads=2 * MAX_WORKERS)
 
-    def store_file(self, src: Path, size: int, media_type: str) -> tuple[str, tuple[Part, ...]]:
+    def store_file(self, src: Path, size: int, media_type: str,
+                   name: str | None = None) -> tuple[str, tuple[Part, ...]]:
         """Store one file as is (no zstd): the blob is the file, named by its sha256 (one part)."""
         file_hash = hashlib.sha256()
         tmp = self.blobs / f".tmp-{uuid.uuid4().hex}"
@@ -420,6 +457,7 @@ class _Packer:
             raise
         digest = "sha256:" + hexd
         self.stored_media_types[digest] = media_type
+        self.file_done(name or str(src), size, "stored")
         return hexd, (Part(digest=digest, size=size, offset=0, length=size, compression="none"),)
 
     def write_blob(self, data: bytes) -> tuple[str, int]:
@@ -513,6 +551,7 @@ def pack_bundle(out: Path, *, name: str, version: int, models: list[Model], file
         if not os.path.isfile(pf.src):
             raise UsageError(f"expected a regular file at {pf.src} (for {pf.path}), found something else")
         stats.append(st.st_size)
+    check_stored_sizes(files, max_part_size)
     placeholder = Manifest(
         name=name, version=version, created=created, builder=builder, models=tuple(models),
         files=tuple(FileEntry(pf.path, 0, "0" * 64, (), pf.targets, pf.executable) for pf in files),
@@ -524,6 +563,8 @@ def pack_bundle(out: Path, *, name: str, version: int, models: list[Model], file
 
     jobs = jobs or settings.jobs()
     show = progress and sys.stderr.isatty()
+    log.info("pack: %d files, %s into %s (%d threads, parts of at most %s)", len(files), format_size(sum(stats)),
+             out, jobs, format_size(max_part_size))
     try:
         _prepare_out(out, force)
         with tqdm(total=sum(stats), unit="B", unit_scale=True, unit_divisor=1024, desc=f"packing {name}",
@@ -567,10 +608,10 @@ def _pack_files(packer: _Packer, files: list[PackFile], sizes: list[int], bar: t
     stored: dict[int, tuple[str, tuple[Part, ...]]] = {}  # wheels and the bootstrap: copied as they are
     for i, (pf, size) in enumerate(zip(files, sizes)):
         if pf.media_type is not None:
-            stored[i] = packer.store_file(pf.src, size, pf.media_type)
+            stored[i] = packer.store_file(pf.src, size, pf.media_type, pf.path)
             holders.append(None)
             continue
-        pending = packer.pack_file(pf.src, size, pf.sha256)
+        pending = packer.pack_file(pf.src, size, pf.sha256, pf.path)
         if pending.sha256 is not None and pending.sha256 in by_sha:
             holders.append(by_sha[pending.sha256])
             packer.progress(size)
@@ -592,6 +633,8 @@ def _finish(packer: _Packer, manifest: Manifest, keys: list[Ed25519PrivateKey]) 
     out = packer.out
     manifest_bytes = manifest.to_json_bytes()
     Manifest.from_json_bytes(manifest_bytes)  # what the device will parse must parse
+    log.info("sign: the manifest (%d files, format %d) %s", len(manifest.files), manifest.format_version,
+             f"with key {', '.join(public_key_id(k)[:16] for k in keys)}" if keys else "unsigned (--unsigned)")
     envelope = sign_envelope(manifest_bytes, keys)
     layers, seen = [], set()
     for entry in manifest.files:
@@ -621,9 +664,33 @@ def _finish(packer: _Packer, manifest: Manifest, keys: list[Ed25519PrivateKey]) 
     write_atomic(out / INDEX_FILE, json.dumps(index, sort_keys=True, separators=(",", ":")).encode())
     _write_top_level_bootstrap(packer, manifest)
     fsync_dir(out)
+    _check_written(out, manifest_bytes, keys)
     packer.journal.remove()
     write_atomic(out / COMPLETE_MARKER, (oci_digest + "\n").encode())
     fsync_dir(out)
+
+
+def _check_written(out: Path, manifest_bytes: bytes, keys: list[Ed25519PrivateKey]) -> None:
+    """Before COMPLETE: read the bundle back as a device does (its reader, pointer checks and signature
+    check) and check every blob's size. Cheap (no blob is hashed; `bundle verify` does that), and a bundle
+    this tool cannot open itself is never marked finished."""
+    from runtime.store.reader import open_bundle
+    from runtime.store.validate import check_bundle
+    from runtime.store.verify import check_signature
+
+    layout = open_bundle(out, require_complete=False)
+    manifest, signers = check_signature(layout, {public_key_id(k): k.public_key() for k in keys},
+                                        allow_unsigned=not keys)
+    check_bundle(layout, manifest)
+    if layout.manifest_bytes != manifest_bytes or len(signers) != len(keys):
+        raise BundleError(f"internal error: {out} does not read back as the manifest this run signed")
+    blobs = {p.digest: p.size for f in manifest.files for p in f.parts}
+    for digest, size in blobs.items():
+        found = os.stat(out / BLOBS_DIR / digest.partition(":")[2]).st_size
+        if found != size:
+            raise BadBundleError(f"blob {digest} in {out} is {found} bytes, expected {size}: the disk lost a write")
+    log.info("verify: %s reads back as a device reads it (%s), %d blobs at their sizes", out,
+             f"signed by {', '.join(s[:16] for s in signers)}" if signers else "unsigned", len(blobs))
 
 
 def _write_top_level_bootstrap(packer: _Packer, manifest: Manifest) -> None:

@@ -35,6 +35,11 @@ BOOTSTRAP_SOURCE = Path(__file__).with_name("bootstrap.sh")
 #: (JetPack 7, DGX OS 7) 2.39. pip is told every manylinux tag up to it.
 GLIBC_FLOOR = (2, 35)
 _PLATFORM = re.compile(r"^linux_(x86_64|aarch64)-cp3(\d{1,2})$")
+#: a profile's runtime_platform meaning "the build host's own" (`cpu`: the demo, a fleet like this host)
+BUILD_HOST = "build-host"
+#: what prints a device's platform in this naming (the bootstrap picks the wheels the same way)
+PLATFORM_COMMAND = ("python3 -c 'import platform, sys; "
+                    "print(f\"linux_{platform.machine()}-cp{sys.version_info[0]}{sys.version_info[1]}\")'")
 #: reproducible floor wheels: zip timestamps fixed (1980-01-01, the zip epoch)
 SOURCE_DATE_EPOCH = "315532800"
 PIP_TIMEOUT_S = 1800
@@ -73,12 +78,27 @@ def parse_platforms(text: str) -> list[str]:
 
 
 def default_platforms(target_ids: Sequence[str]) -> list[str]:
-    """The platforms the targets run: each profile's `runtime_platform`; the build host's for `cpu`."""
+    """The platforms the targets run: each profile's `runtime_platform`.
+
+    A device kind with one OS image names its platform (jetson-thor: linux_aarch64-cp312); `cpu` names
+    BUILD_HOST, the build host's own (the demo, a fleet of machines like this one). A profile that names
+    none (`cuda`: any x86_64 or aarch64 machine with any Python, so no guess is safe) is refused: a runtime
+    for the wrong Python does not install, and only the user knows the devices'.
+    """
     from manifests.targets import get_profile
 
     out = []
     for t in target_ids:
-        plat = get_profile(t, settings.profile_dirs()).extra.get("runtime_platform") or host_platform()
+        profile = get_profile(t, settings.profile_dirs())
+        plat = profile.extra.get("runtime_platform")
+        if plat is None:
+            raise UsageError(f"target {t} names no runtime platform (its devices' Python and architecture vary): "
+                             f"expected --with-runtime PLATFORM[,PLATFORM...] for them, e.g. linux_x86_64-cp312 "
+                             f"(a device prints its own: {PLATFORM_COMMAND}), or --no-runtime")
+        if plat != BUILD_HOST and not (isinstance(plat, str) and _PLATFORM.match(plat)):
+            raise UsageError(f"target profile {profile.source} ({t}): expected runtime_platform like "
+                             f"linux_aarch64-cp312, {BUILD_HOST!r} or null, found {plat!r}")
+        plat = host_platform() if plat == BUILD_HOST else plat
         if plat not in out:
             out.append(plat)
     return out

@@ -32,12 +32,28 @@ log = logging.getLogger(__name__)
 NOT_INSTALLED = "TensorRT is not installed (libnvinfer cannot be installed on this machine)"
 
 
+def install_hint(device_tree: Path | None = None) -> str:
+    """Where an offline device gets TensorRT's Python bindings. Not `pip install tensorrt-cu13`: that is a
+    stub that downloads the real wheels from NVIDIA's index, which a device on the floor cannot reach."""
+    import platform
+    import sys
+
+    from runtime.detect import DEVICE_TREE_MODEL, read_device_tree_model
+
+    model = read_device_tree_model(device_tree or DEVICE_TREE_MODEL) or ""
+    if "jetson" in model.lower():
+        return ("on a Jetson it comes with JetPack: install python3-libnvinfer with apt from the JetPack "
+                "repository (a full JetPack install already has it)")
+    plat = f"linux_{platform.machine()}-cp{sys.version_info[0]}{sys.version_info[1]}"
+    return (f"carry TensorRT's wheels for {plat} (tensorrt_cu13_bindings, tensorrt_cu13_libs, downloaded on the "
+            f"connected build host) in the bundle with `bundle create --extra-wheels DIR`, then run its bootstrap")
+
+
 def _modules():
     try:
         import tensorrt as trt
     except ImportError:
-        raise EnvironmentProblem(f"{NOT_INSTALLED}; install JetPack's python3-libnvinfer or "
-                                 f"'pip install tensorrt-cu13'") from None
+        raise EnvironmentProblem(f"{NOT_INSTALLED}; {install_hint()}") from None
     try:
         from cuda.bindings import runtime as cudart
     except ImportError:

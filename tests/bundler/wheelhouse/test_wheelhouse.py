@@ -29,6 +29,45 @@ def test_platforms_follow_the_targets():
     assert default_platforms(["jetson-agx-orin"]) == ["linux_aarch64-cp310"]
 
 
+def test_every_built_in_profile_names_its_runtime_platform_or_null():
+    from manifests.targets import all_profiles
+
+    for p in all_profiles():
+        assert "runtime_platform" in p.extra, p.id  # a platform, "build-host" (cpu) or null (cuda: ask)
+
+
+def test_cuda_has_no_default_runtime_platform_create_asks_for_one(tmp_path, capsys):
+    """A `cuda` device is any x86_64 or aarch64 machine with any Python: no runtime for the build host's
+    Python (a 3.11 wheelhouse does not install on a 3.12 device); create asks, in one line, before any work."""
+    from bundler.cli.pack import runtime_platforms
+    from runtime.cli.main import main
+
+    with pytest.raises(UsageError, match=r"target cuda names no runtime platform.*--with-runtime.*--no-runtime"):
+        default_platforms(["cpu", "cuda"])
+    assert runtime_platforms("linux_x86_64-cp312", False, ["cuda"]) == ["linux_x86_64-cp312"]
+    assert runtime_platforms(None, True, ["cuda"]) == []
+    code = main(["create", "--targets", "cuda", "--name", "d", "--version", "1", "--unsigned", "--no-progress",
+                 "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert code == UsageError.exit_code and err.count("\n") == 1, err
+    assert "expected --with-runtime PLATFORM" in err and "linux_x86_64-cp312" in err and "--no-runtime" in err
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_site_profile_without_runtime_platform_is_asked_for_one_too(tmp_path, monkeypatch):
+    from manifests.targets import get_profile
+
+    board = {k: v for k, v in get_profile("jetson-thor").to_dict().items() if k != "runtime_platform"}
+    (tmp_path / "my-board.json").write_text(json.dumps({**board, "id": "my-board"}))
+    (tmp_path / "bad-board.json").write_text(json.dumps({**board, "id": "bad-board", "runtime_platform": "arm64"}))
+    monkeypatch.setenv("BUNDLE_PROFILE_DIR", str(tmp_path))
+    with pytest.raises(UsageError, match="target my-board names no runtime platform"):
+        default_platforms(["my-board"])
+    with pytest.raises(UsageError, match=r"bad-board.json \(bad-board\): expected runtime_platform like "
+                                         r"linux_aarch64-cp312, 'build-host' or null, found 'arm64'"):
+        default_platforms(["bad-board"])
+
+
 def test_platform_list_is_validated():
     assert parse_platforms("linux_aarch64-cp312, linux_x86_64-cp311,linux_aarch64-cp312") == [
         "linux_aarch64-cp312", "linux_x86_64-cp311"]
@@ -248,3 +287,37 @@ def test_layer_media_types_must_match_how_each_part_is_stored(swap, tmp_path):
         verify_bundle(out, {}, allow_unsigned=True)
     with pytest.raises(BadBundleError, match="mediaType"):
         Store(tmp_path / "store").install(out, target="cpu", trusted={}, allow_unsigned=True, progress=False)
+
+
+def test_a_wheel_over_max_part_size_is_refused_by_name_and_size_before_the_export(tmp_path):
+    """Stored wheels are never split (the bootstrap checks each one with sha256sum): a 17 MiB wheel with
+    --max-part-size 8M is one line naming it and its size, before the engines are exported."""
+    from bundler.pack.create import create_bundle, local_model
+    from tests.models import make_tiny_checkpoint
+
+    big = tmp_path / "w" / "big_native-1.0-py3-none-any.whl"
+    big.parent.mkdir()
+    with open(big, "wb") as f:
+        f.truncate(17 * 1024 * 1024)
+    house = wheelhouse_from_files("tiny-runtime", "1.0", {"linux_x86_64-cp312": [make_wheel(tmp_path / "w",
+                                                                                          "tiny-runtime", "1.0"), big]})
+    exported = []
+    model = local_model(make_tiny_checkpoint(tmp_path / "m", hidden_size=64, num_layers=2), "target")
+    with pytest.raises(UsageError) as e:
+        create_bundle(tmp_path / "b", name="w", version=1, model=model, draft=None, targets=["cpu"], sign_keys=[],
+                      unsigned=True, progress=False, max_part_size=8 * 1024 * 1024, wheelhouse=house,
+                      target_files=lambda inputs, targets, work: exported.append(1) or ([], list(targets)))
+    msg = str(e.value)
+    assert "wheelhouse/big_native-1.0-py3-none-any.whl is 17.0 MiB" in msg and "--max-part-size 8.0 MiB" in msg
+    assert "\n" not in msg and not exported and not (tmp_path / "b").exists()
+    # pack_bundle itself refuses it too (build-engines and other callers), before writing anything
+    with pytest.raises(UsageError, match="big_native-1.0-py3-none-any.whl is 17.0 MiB"):
+        pack_bundle(tmp_path / "b2", name="w", version=1, models=[], files=list(house.files),
+                    targets=[Target("cpu", "onnxruntime")], speculative=None, serve={}, expires=None, sign_keys=[],
+                    unsigned=True, progress=False, max_part_size=8 * 1024 * 1024, runtime=house.runtime)
+    assert not (tmp_path / "b2").exists()
+    # with room for it, the wheel is one stored blob of its own size (what the bootstrap checks)
+    (tmp_path / "fits").mkdir()
+    out = _pack_with(tmp_path / "fits", {"linux_x86_64-cp312": [big]})
+    entry = next(f for f in verify_bundle(out, {}, allow_unsigned=True).manifest.files if f.path.endswith(big.name))
+    assert [(p.size, p.compression) for p in entry.parts] == [(17 * 1024 * 1024, "none")]

@@ -17,7 +17,28 @@ def test_without_tensorrt_the_backend_reports_no_device_and_why():
 
     backend = TensorRTBackend()
     assert backend.device() is None
-    assert backend.unavailable.startswith(NOT_INSTALLED) and "pip install tensorrt" in backend.unavailable
+    assert backend.unavailable.startswith(NOT_INSTALLED) and "pip install" not in backend.unavailable
+    assert "--extra-wheels" in backend.unavailable or "python3-libnvinfer" in backend.unavailable
+
+
+def test_the_install_hint_names_what_an_offline_device_can_use(tmp_path):
+    """Not `pip install tensorrt-cu13` (a stub that downloads from NVIDIA's index): JetPack's apt package on a
+    Jetson, a wheel carried in the bundle elsewhere."""
+    import platform
+    import sys
+
+    from runtime.engines.tensorrt import install_hint
+
+    jetson = tmp_path / "jetson-model"
+    jetson.write_bytes(b"NVIDIA Jetson AGX Thor Developer Kit\x00")
+    hint = install_hint(jetson)
+    assert "python3-libnvinfer" in hint and "JetPack" in hint and "pip" not in hint
+    igx = tmp_path / "igx-model"
+    igx.write_bytes(b"NVIDIA IGX Thor\x00")
+    plat = f"linux_{platform.machine()}-cp{sys.version_info[0]}{sys.version_info[1]}"
+    for tree in (igx, tmp_path / "no-device-tree"):  # an x86 server has none
+        hint = install_hint(tree)
+        assert "bundle create --extra-wheels DIR" in hint and plat in hint and "pip" not in hint, hint
 
 
 @pytest.mark.skipif(not HAVE_TENSORRT, reason=REASON)
