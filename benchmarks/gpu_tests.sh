@@ -4,19 +4,24 @@
 #
 # onnxruntime-gpu (255 MB wheel) travels as parts of an xz tarball of the wheel less what the engine never
 # loads (TensorRT's provider, libonnxruntime.so: the C API, which the Python module does not link, and the
-# transformers/tools/quantization/datasets folders): 185 MiB in 6 parts of 31 MiB, each part beside the
-# ~28 MiB tree under one call's 64 MiB. Prepare here (all under the ignored .gpu/):
+# transformers/tools/quantization/datasets folders): 185 MiB in 6 parts, each beside the ~28 MiB tree under
+# one call's 64 MiB. The suite also needs zstandard and cryptography (with cffi, pycparser), which the
+# machine's image lacks: wheels, in the first two calls beside smaller parts. Prepare here (all ignored):
 #   pip download onnxruntime-gpu==1.31.1 --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
 #       --python-version 3.12 --implementation cp -d W && mkdir x && (cd x && unzip -q ../W/*.whl &&
 #     rm -rf onnxruntime/capi/libonnxruntime_providers_tensorrt.so onnxruntime/capi/libonnxruntime.so.* \
 #            onnxruntime/{transformers,tools,quantization,datasets} &&
 #     tar cf - onnxruntime onnxruntime_gpu-1.31.1.dist-info | xz -9e -T2 > ../ort.tar.xz)
-#   mkdir -p .gpu && split -n 6 -d ort.tar.xz .gpu/p && sha256sum ort.tar.xz > .gpu/ort.sha256
+#   mkdir -p .gpu && sha256sum ort.tar.xz > .gpu/ort.sha256 && (cd .gpu && head -c 30000000 ../ort.tar.xz > p00 &&
+#     tail -c +30000001 ../ort.tar.xz | split -b 34000000 -d --numeric-suffixes=1 - p)
+#   pip download --no-deps --only-binary=:all: (README of the device tool: --python-version 3.12 and the
+#     manylinux platforms) -d .whl zstandard cryptography cffi pycparser
 # There, back to back (the machine goes back 30 s after a call and with it /tmp; each call replaces the
-# working tree): every part but the last, one call each, carrying .gpu/pNN:   mkdir -p /tmp/p && cp .gpu/p* /tmp/p/
+# working tree): one call per part but the last, carrying .gpu/pNN (the first two also the wheels):
+#   mkdir -p /tmp/p /tmp/whl && cp .gpu/p* /tmp/p/ && { cp .whl/*.whl /tmp/whl/ 2>/dev/null; true; }
 # then one call carrying the last part, .gpu/ort.sha256 and the code:
 #   CODE/benchmarks/gpu_tests.sh NAME [pytest arguments]     (default: the GPU suite, SUITE below)
-# Installs the parts into /tmp/site once (a later call in the same lease skips it).
+# Installs the parts and the wheels into /tmp/site once (a later call in the same lease skips it).
 set -u -o pipefail
 CODE=$(cd "$(dirname "$0")/.." && pwd)
 TREE=$PWD
@@ -39,6 +44,7 @@ if [ ! -f /tmp/site/onnxruntime/__init__.py ]; then
   python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:xz').extractall(sys.argv[2], filter='data')" \
     /tmp/ort.tar.xz /tmp/site || exit 4
   rm -f /tmp/ort.tar.xz
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site /tmp/whl/*.whl || exit 5
 fi
 # onnxruntime-gpu links the CUDA 13 libraries by name: those of the nvidia-* packages beside PyTorch
 NV=$(python3 -c "import nvidia, os; print(':'.join(sorted({r for p in nvidia.__path__ for r, _, fs in os.walk(p) if any(f.startswith('lib') and '.so' in f for f in fs)})))")
