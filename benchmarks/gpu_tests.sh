@@ -12,8 +12,8 @@
 #     rm -rf onnxruntime/capi/libonnxruntime_providers_tensorrt.so onnxruntime/capi/libonnxruntime.so.* \
 #            onnxruntime/{transformers,tools,quantization,datasets} &&
 #     tar cf - onnxruntime onnxruntime_gpu-1.31.1.dist-info | xz -9e -T2 > ../ort.tar.xz)
-#   mkdir -p .gpu && sha256sum ort.tar.xz > .gpu/ort.sha256 && (cd .gpu && head -c 30000000 ../ort.tar.xz > p00 &&
-#     tail -c +30000001 ../ort.tar.xz | split -b 34000000 -d --numeric-suffixes=1 - p)
+#   mkdir -p .gpu && sha256sum ort.tar.xz > .gpu/ort.sha256 && (cd .gpu && head -c 60000000 ../ort.tar.xz |
+#     split -b 30000000 -d - p && tail -c +60000001 ../ort.tar.xz | split -b 34000000 -d --numeric-suffixes=2 - p)
 #   pip download --no-deps --only-binary=:all: (README of the device tool: --python-version 3.12 and the
 #     manylinux platforms) -d .whl zstandard cryptography cffi pycparser
 # There, back to back (the machine goes back 30 s after a call and with it /tmp; each call replaces the
