@@ -2,7 +2,8 @@
 
 Slots (runtime.engines.base) as in runtime.engines.onnxruntime, with nothing on the host that need not be:
 
-- the KV cache lives in device memory (cudaMalloc), bound to the graph's past and present with
+- the KV cache lives in device memory (cudaMalloc, then zeroed: attention reads rows nobody wrote yet
+  under its mask, and recycled memory may hold NaN), bound to the graph's past and present with
   I/O binding, so a step writes only the new tokens' keys and values, on the device;
 - logits are computed into a device buffer and only the rows asked for come back: what each Row's
   `fetch` names (all, the last, none: a prefill chunk's logits nobody reads never leave the GPU),
@@ -454,6 +455,15 @@ class CudaEngine(Engine):
         else:  # [slot][copy][layer*2 + kv] -> [kv_heads, length, head_dim], packed
             self._buffers = [[[_Device(self.cudart, per_head * self.max_context) for _ in self._past]
                               for _ in range(2)] for _ in range(num_slots)]
+        # cudaMalloc does not clear: memory this process freed earlier (an earlier engine's, ONNX Runtime's
+        # arenas) comes back with its old bytes, NaN and inf among them. Attention reads cache rows no row
+        # has written yet (a window rounded up for a CUDA graph, the rows beyond a shorter slot's length in
+        # a shared call) under its mask, and a masked NaN still poisons the sum (0 * NaN), so the cache
+        # starts as zeros, as the CPU engine's does. The memset runs on the legacy stream and ONNX Runtime's
+        # stream does not wait for it.
+        for buf in self._flat_buffers():
+            self.cudart.memset(buf.ptr, 0, buf.nbytes)
+        self.cudart.synchronize()
         self._current = [0] * num_slots
         self._lengths = [0] * num_slots
         self._generation += 1

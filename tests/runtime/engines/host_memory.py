@@ -3,11 +3,19 @@
 runtime.engines.cuda binds "device" pointers and copies between them; given this object it binds host
 pointers instead and ONNX Runtime's CPU provider runs the graph. Every slot, bucket, rollback and
 prefix copy then happens for real, on real buffers; only the memory is not a GPU's.
+
+Like cudaMalloc, `malloc` does not clear what it hands out: device memory the process freed earlier
+comes back holding whatever was written there. Here every fresh block holds 0xFF bytes (NaN in float32,
+float16 and bfloat16), so an engine that reads memory it never wrote shows it in its logits.
 """
 
 from __future__ import annotations
 
 import ctypes
+
+
+#: What a fresh block holds: 0xFF bytes, NaN in every float type the engine binds.
+FRESH_BYTE = 0xFF
 
 
 class HostMemory:
@@ -18,6 +26,7 @@ class HostMemory:
     def malloc(self, nbytes: int) -> int:
         block = (ctypes.c_char * max(int(nbytes), 1))()
         ptr = ctypes.addressof(block)
+        ctypes.memset(ptr, FRESH_BYTE, len(block))
         self._blocks[ptr] = block
         return ptr
 
@@ -26,6 +35,10 @@ class HostMemory:
 
     def _inside(self, ptr: int, nbytes: int) -> bool:
         return any(p <= ptr and ptr + nbytes <= p + len(b) for p, b in self._blocks.items())
+
+    def memset(self, ptr: int, value: int, nbytes: int) -> None:
+        assert self._inside(ptr, nbytes), "a memset outside every allocated block"
+        ctypes.memset(ptr, value, nbytes)
 
     def memcpy(self, dst: int, src: int, nbytes: int, kind: int) -> None:
         assert self._inside(dst, nbytes) or self._inside(src, nbytes), "a copy touches no allocated block"

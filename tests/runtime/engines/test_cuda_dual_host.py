@@ -217,6 +217,31 @@ def test_both_sessions_read_the_engines_one_copy_of_the_weights(dual):
     assert all(not np.abs(x).any() for x in after)
 
 
+def test_the_cache_starts_as_zeros_whatever_fresh_device_memory_held(dual):
+    """cudaMalloc does not clear memory (HostMemory hands out NaN bytes, as recycled device memory can
+    hold): a call of the Attention graph reads, under its mask, cache rows of a shorter slot that no
+    row has written, and a masked NaN still reaches the sum. The engine zeroes its cache, so those rows
+    change nothing: each slot's logits equal that slot's alone."""
+    rng = np.random.default_rng(3)
+    long, first, second = (rng.integers(2, 500, n).tolist() for n in (12, 2, 3))
+    engine = engine_of(dual, max_context=64, num_slots=2)
+    assert not any(cache_of(engine, kv).any() for kv in range(len(engine._buffers)))
+    engine.forward([Row(0, long)])
+    # one Attention call over a window of 14 rows: slot 1's rows 3..13 were never written
+    calls = count_calls(engine)
+    mixed = engine.forward([Row(0, first), Row(1, second)])
+    assert calls == {"main": 1, "decode": 0}
+    for tokens, got in ((long, mixed[0]), ([], mixed[1])):
+        alone = engine_of(dual, max_context=64)
+        if tokens:
+            alone.forward([Row(0, tokens)])
+        want = alone.forward([Row(0, first if tokens else second)])[0]
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-2 * float(np.abs(want).max()))
+    engine.allocate_slots(3)  # new buffers: zeroed too
+    assert not any(cache_of(engine, kv).any() for kv in range(len(engine._buffers)))
+
+
 SESSIONS_RSS = textwrap.dedent("""
     import json, sys
     from pathlib import Path

@@ -214,6 +214,41 @@ def test_the_dual_engines_sessions_read_its_one_copy_of_the_weights(gpu_graphs):
     assert all(not np.abs(x).any() for x in after)
 
 
+@pytest.fixture
+def recycled_device_memory(monkeypatch):
+    """cudaMalloc as a process that has freed device memory gets it back: with the old bytes (0xFF here,
+    NaN in float32, float16 and bfloat16), as after earlier engines and sessions in the same process."""
+    from runtime.cuda import Cudart
+
+    malloc = Cudart.malloc
+
+    def dirty(self, nbytes):
+        ptr = malloc(self, nbytes)
+        self.memset(ptr, 0xFF, max(int(nbytes), 1))
+        self.synchronize()
+        return ptr
+
+    monkeypatch.setattr(Cudart, "malloc", dirty)
+
+
+@pytest.mark.parametrize("graph", ["fp16", "gqa", "dual"])
+def test_an_engine_over_recycled_device_memory_equals_the_cpu_engine_from_its_first_step(
+        gpu_graphs, recycled_device_memory, graph):
+    """CUDA-graph steps attend over a window rounded up past what any row wrote, under the mask; cache
+    rows holding an earlier allocation's NaN would still reach the sum. From the first forward on
+    (prefill beside decode, verification beside decode, decode), every row equals ONNX Runtime's CPU
+    engine on the fp16 Attention graph."""
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    engine = engine_for(gpu_graphs, graph, max_context=64, num_slots=2)
+    assert engine.cuda_graphs, engine.cuda_graph_error
+    cpu = OnnxRuntimeEngine(gpu_graphs["fp16"].graph, max_context=64, num_slots=2)
+    for rows in ([Row(0, [1, 2, 3]), Row(1, [4])], [Row(0, [5, 6]), Row(1, [7])], [Row(0, [8]), Row(1, [9])]):
+        for got, want in zip(engine.forward(rows), cpu.forward(rows)):
+            assert np.isfinite(got).all()
+            fp16_close(got, want)
+
+
 def test_thor_fallback_concat_graph_on_the_gpu_matches_transformers(tiny_export, tmp_path):
     from bundler.onnx.export import export_onnx
 
