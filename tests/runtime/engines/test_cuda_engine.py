@@ -218,7 +218,7 @@ def test_the_dual_engines_sessions_read_its_one_copy_of_the_weights(gpu_graphs):
 def recycled_device_memory(monkeypatch):
     """cudaMalloc as a process that has freed device memory gets it back: with the old bytes (0xFF here,
     NaN in float32, float16 and bfloat16), as after earlier engines and sessions in the same process."""
-    from runtime.cuda import Cudart
+    from runtime.engines.cudalib import Cudart
 
     malloc = Cudart.malloc
 
