@@ -114,7 +114,8 @@ def serve(ctx, bundle, store, as_dir, ignore_expiry, target, no_speculation, max
 
     \b
     Endpoints: /v1/models, /v1/chat/completions, /v1/completions, /v1/responses, /tokenize,
-    /detokenize, /version, /health, /health/ready, /metrics.
+    /detokenize, /version, /health, /health/ready, /metrics. With --api-key, every one but
+    /health and /health/ready needs the key.
 
     \b
     Examples:
