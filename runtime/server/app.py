@@ -30,9 +30,9 @@ from runtime.engine_client import EngineClient, SlotPlan, plan_slots
 from runtime.scheduler import SchedulerConfig
 from runtime.server.errors import APIError
 from runtime.server.metrics import Metrics
+from runtime.server.preprocess import Preprocess
 from runtime.server.serving_chat import ServingChat
 from runtime.server.serving_completion import ServingCompletion
-from runtime.server.preprocess import Preprocess
 from runtime.server.serving_engine import Admission, ServeOptions, ServingModel
 from runtime.server.responses import ServingResponses
 from runtime.server.serving_models import ServingModels

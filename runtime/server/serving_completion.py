@@ -79,6 +79,7 @@ class ServingCompletion(OpenAIServing):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab}), found {bad[0]}", param="prompt")
             if not ids:
                 raise APIError(400, "prompt is empty: expected at least one token", param="prompt")
+            self.max_tokens(None, len(ids))  # too long for the context: refused before the next is tokenized
             out.append(ids)
         return out
 

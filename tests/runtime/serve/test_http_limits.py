@@ -184,7 +184,7 @@ def strict_server(serving_model):
     from runtime.server.serving_engine import ServeOptions
     from tests.runtime.serve.conftest import RunningServer
 
-    limits = HTTPLimits(header_timeout_s=2.0, body_timeout_s=2.0)
+    limits = HTTPLimits(header_timeout_s=2.0, body_timeout_s=2.0, max_header_bytes=4096, max_header_count=64)
     s = RunningServer(OpenAIServer(serving_model, ServeOptions(api_key=KEY, http=limits, log_stats=False)))
     yield s
     s.stop()
@@ -241,10 +241,45 @@ def test_the_api_key_guards_every_route_but_the_probes(strict_server, method, pa
         assert httpx.get(strict_server.url + probe, timeout=60).status_code == 200
 
 
-def test_too_many_header_fields_is_431(strict_server):
-    headers = {**AUTH, **{f"x-h{i}": "1" for i in range(300)}}
-    r = httpx.get(strict_server.url + "/v1/models", headers=headers, timeout=60)
-    assert r.status_code == 431 and "256" in r.json()["error"]["message"]
+def test_header_bytes_and_fields_are_bounded(strict_server):
+    """vLLM's --h11-max-incomplete-event-size and --h11-max-header-count (here 4096 bytes, 64 fields)."""
+    def status(*parts: bytes) -> bytes:
+        """The status line answered to a request sent in parts (h11 bounds the unfinished headers it holds)."""
+        with socket.create_connection(("127.0.0.1", strict_server.port), timeout=60) as s:
+            for part in parts:
+                s.sendall(part)
+            return s.makefile("rb").readline()
+
+    start = b"GET /v1/models HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer " + KEY.encode() + b"\r\nX-Big: "
+    assert status(start + b"a" * 2000, b"\r\nConnection: close\r\n\r\n").startswith(b"HTTP/1.1 200")
+    assert status(start + b"a" * 6000).startswith(b"HTTP/1.1 400")  # unfinished, and already too long
+    get = lambda headers: httpx.get(strict_server.url + "/v1/models", headers={**AUTH, **headers}, timeout=60)
+    assert get({f"x-h{i}": "1" for i in range(50)}).status_code == 200
+    r = get({f"x-h{i}": "1" for i in range(80)})
+    assert r.status_code == 431 and "at most 64 header fields" in r.json()["error"]["message"]
+
+
+def test_serve_flags_set_the_limits(monkeypatch):
+    from click.testing import CliRunner
+
+    import runtime.server
+    from runtime.cli_serve import serve as serve_cmd
+    from runtime.server.limits import HTTPLimits
+    from runtime.server.options import http_limits
+
+    calls = []
+    monkeypatch.setattr(runtime.server, "serve", lambda *a, **kw: calls.append(kw))
+    r = CliRunner().invoke(serve_cmd, ["demo", "--header-timeout", "3", "--body-timeout", "7",
+                                       "--max-connections-per-client", "5", "--h11-max-incomplete-event-size",
+                                       "32768", "--h11-max-header-count", "100"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    kw, = calls
+    assert kw["http"] == HTTPLimits(header_timeout_s=3, body_timeout_s=7, max_connections_per_client=5)
+    assert http_limits(kw["http"], kw["serve_args"]) == HTTPLimits(
+        header_timeout_s=3, body_timeout_s=7, max_connections_per_client=5, max_header_bytes=32768,
+        max_header_count=100)
+    bad = CliRunner().invoke(serve_cmd, ["demo", "--h11-max-header-count", "0"])
+    assert "--h11-max-header-count: expected at least 1, found 0" in str(bad.exception)
 
 
 class EncodeSpy:
@@ -294,6 +329,20 @@ def test_a_megabyte_prompt_is_refused_by_its_bytes_before_tokenizing(server, ser
         assert f"at most {limit} ({MAX_BYTES_PER_TOKEN} per token)" in err["message"], err
     assert max(spy.lengths, default=0) <= limit, "the tokenizer was given a prompt that cannot fit"
     assert _rss_bytes() - rss < 400 * 1024 * 1024
+
+
+def test_a_prompt_list_is_refused_at_its_first_prompt_too_long(server, serving_model, monkeypatch):
+    """Each prompt of a list may be up to the byte bound; the list stops at the first that cannot fit, so
+    a body of many such prompts costs one tokenization, not one per prompt."""
+    from runtime.server.limits import prompt_byte_limit
+
+    spy = EncodeSpy(serving_model.tokenizer)
+    monkeypatch.setattr(serving_model.tokenizer, "encode", spy)
+    text = ("def read(path):\n" * 2000)[: prompt_byte_limit(serving_model.max_model_len)]
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": ["hi", text] + [text] * 30},
+                   timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert spy.lengths == [2, len(text)]
 
 
 def test_large_but_legal_requests_are_served(server, serving_model):
