@@ -9,6 +9,11 @@ client address and in all; when the server is full, a new connection closes the 
 still sending its request, so slow connections cannot crowd out /health or a client that sends its
 request at once. Limits: runtime.server.limits. Counted on /metrics: `bundle:http_connections` and
 `bundle:http_connections_closed_total{reason}`.
+
+uvicorn's own knobs are used where they fit (h11_max_incomplete_event_size, timeout_keep_alive, backlog);
+its limit_concurrency is not: past that many connections it answers 503 to every request, /health
+included, which is what slow connections are after. The protocol is always h11 (httptools, where
+installed, would bypass the deadlines).
 """
 
 from __future__ import annotations
