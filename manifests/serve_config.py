@@ -143,7 +143,8 @@ FLAGS: tuple[Flag, ...] = (
     # --- where and who ---------------------------------------------------------------------------------
     Flag("--host", "str", "Address to listen on."),
     Flag("--port", "int", "Port to listen on."),
-    Flag("--api-key", "str", "Require 'Authorization: Bearer KEY' on /v1/ routes."),
+    Flag("--api-key", "str", "Require 'Authorization: Bearer KEY' on every route but /health and /health/ready "
+         "(vLLM: /v1/ routes only)."),
     Flag("--served-model-name", "str", "Model id clients use (repeatable; the first is reported). "
          "Default: the bundle name.", multiple=True),
     Flag("--uvicorn-log-level", "str", "Log level of the HTTP server.",
@@ -156,6 +157,9 @@ FLAGS: tuple[Flag, ...] = (
          effect="the HTTP access log is off here; requests are logged one line each"),
     Flag("--ssl-keyfile", "str", "TLS private key file (with --ssl-certfile)."),
     Flag("--ssl-certfile", "str", "TLS certificate file (with --ssl-keyfile)."),
+    Flag("--h11-max-incomplete-event-size", "int", "Most bytes of a request's line and headers (default 16384; "
+         "more: the connection is answered 400 and closed)."),
+    Flag("--h11-max-header-count", "int", "Most header fields in a request (default 256; more: 431)."),
     Flag("--max-log-len", "int", "Most prompt characters shown in request logs.",
          effect="request log lines show token counts, never prompt text; no effect"),
     # --- the model and its context ----------------------------------------------------------------------
@@ -438,7 +442,8 @@ def _check_together(config: Mapping[str, Any]) -> None:
 
 def _check_ranges(config: Mapping[str, Any]) -> None:
     for key, low in (("max_model_len", 16), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
-                     ("max_logprobs", 0), ("port", 0), ("kv_cache_memory_bytes", 1)):
+                     ("max_logprobs", 0), ("port", 0), ("kv_cache_memory_bytes", 1),
+                     ("h11_max_incomplete_event_size", 1024), ("h11_max_header_count", 1)):
         v = config.get(key)
         if v is not None and v < low:
             raise UsageError(f"--{key.replace('_', '-')}: expected at least {low}, found {v}")

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from manifests import serve_config
+from runtime.server.limits import HTTPLimits
 
 
 def _help(flag: serve_config.Flag) -> str:
@@ -87,9 +88,18 @@ class VllmServeCommand(click.Command):
 @click.option("--allow-unsigned", is_flag=True, help="Serve an unsigned bundle directory (digests still checked).")
 @click.option("--log-interval", type=click.FloatRange(1, None), default=10.0, show_default=True,
               help="Seconds between log lines with tokens/s and acceptance rate.")
+@click.option("--header-timeout", type=click.FloatRange(0.1, 3600), default=HTTPLimits.header_timeout_s,
+              show_default=True, help="Seconds a connection has to send a request's line and headers (from "
+              "connecting, or from the previous response); then it is closed.")
+@click.option("--body-timeout", type=click.FloatRange(0.1, 3600), default=HTTPLimits.body_timeout_s,
+              show_default=True, help="Seconds a request has to send its body once its headers are in; then "
+              "the connection is closed.")
+@click.option("--max-connections-per-client", type=click.IntRange(1, None),
+              default=HTTPLimits.max_connections_per_client, show_default=True,
+              help="Connections one client address may hold open; more are closed at once.")
 @click.pass_context
 def serve(ctx, bundle, store, as_dir, ignore_expiry, target, no_speculation, max_queued_requests, trust,
-          allow_unsigned, log_interval, **vllm):
+          allow_unsigned, log_interval, header_timeout, body_timeout, max_connections_per_client, **vllm):
     """Serve an installed bundle (by NAME) or a bundle directory over an OpenAI-compatible API.
 
     NAME or DIR: the argument is a directory when it contains a '/' (or is '.', or --dir is given),
@@ -104,7 +114,8 @@ def serve(ctx, bundle, store, as_dir, ignore_expiry, target, no_speculation, max
 
     \b
     Endpoints: /v1/models, /v1/chat/completions, /v1/completions, /v1/responses, /tokenize,
-    /detokenize, /version, /health, /health/ready, /metrics.
+    /detokenize, /version, /health, /health/ready, /metrics. With --api-key, every one but
+    /health and /health/ready needs the key.
 
     \b
     Examples:
@@ -120,10 +131,14 @@ def serve(ctx, bundle, store, as_dir, ignore_expiry, target, no_speculation, max
     from runtime.server import serve as run_server
     from runtime.store.store import bundle_ref
 
+    http = HTTPLimits(header_timeout_s=header_timeout, body_timeout_s=body_timeout,
+                      max_connections_per_client=max_connections_per_client)
+
     args = given_serve_args(ctx, vllm)
     if no_speculation and "speculative_config" in args:
         raise UsageError("--no-speculation and --speculative-config contradict each other; pass one")
     serve_config.check(args, complete=False)  # refusals before anything is opened
     run_server(bundle_ref(bundle, is_dir=as_dir), store=store, ignore_expiry=ignore_expiry, target=target,
                no_speculation=no_speculation, max_queued_requests=max_queued_requests, trust=tuple(trust),
-               allow_unsigned=allow_unsigned, log_interval_s=log_interval, serve_args=args, echo=click.echo)
+               allow_unsigned=allow_unsigned, log_interval_s=log_interval, serve_args=args, http=http,
+               echo=click.echo)

@@ -78,7 +78,7 @@ def serve(name_or_dir, *, store: Path | None = None, host: str | None = None, po
           max_model_len: int | None = None, max_queued_requests: int = 16, api_key: str | None = None,
           trust: tuple[Path, ...] = (), allow_unsigned: bool = False, ignore_expiry: bool = False,
           log_interval_s: float = 10.0,
-          served_model_name: str | None = None, serve_args: dict | None = None,
+          served_model_name: str | None = None, serve_args: dict | None = None, http=None,
           echo: Callable[[str], None] = print) -> None:
     """Load the bundle, print what is served, run uvicorn until interrupted.
 
@@ -87,11 +87,13 @@ def serve(name_or_dir, *, store: Path | None = None, host: str | None = None, po
     `serve_args`: vLLM flags by their argument names (manifests.serve_config), laid over the bundle's
     serve defaults; the keyword arguments of the same meaning are kept for library callers.
     `speculative_config`: a Speculative, or vLLM-style JSON text / dict.
+    `http`: runtime.server.limits.HTTPLimits (connection deadlines and caps); the defaults when None.
     """
     import uvicorn
 
     from manifests import serve_config
     from runtime.server.app import build_app
+    from runtime.server.connections import uvicorn_config
     from runtime.server.options import apply_serve_config
 
     given = dict(serve_args or {})
@@ -117,7 +119,7 @@ def serve(name_or_dir, *, store: Path | None = None, host: str | None = None, po
                             echo=echo) as (installed, st):
             setup = apply_serve_config(installed, given, spec_override=spec_override,
                                        no_speculation=no_speculation, max_queued_requests=max_queued_requests,
-                                       log_interval_s=log_interval_s,
+                                       log_interval_s=log_interval_s, http=http,
                                        cache_dir=getattr(st, "engine_cache_dir", None), echo=echo)
             if sock is None:
                 sock = bind_socket(setup.host, setup.port)
@@ -131,12 +133,14 @@ def serve(name_or_dir, *, store: Path | None = None, host: str | None = None, po
             echo(f"speculative: {info['speculative']}")
             for line in setup.features_lines:
                 echo(line)
-            echo(f"auth:        {'API key required' if setup.serving.options.api_key else 'none'}")
+            keyed = "API key required (not on /health, /health/ready)"
+            echo(f"auth:        {keyed if setup.serving.options.api_key else 'none'}")
+            config = uvicorn_config(app, setup.serving, log_level=setup.uvicorn_log_level,
+                                    timeout_graceful_shutdown=5, access_log=False, **setup.ssl)
+            echo(f"connections: {config.http.book.describe()}")
             scheme = "https" if setup.ssl else "http"
             echo(f"serving at   {scheme}://{bound_host}:{bound_port}/v1  (Ctrl-C to stop)")
             sys.stdout.flush()
-            config = uvicorn.Config(app, log_level=setup.uvicorn_log_level, timeout_graceful_shutdown=5,
-                                    access_log=False, **setup.ssl)
             uvicorn.Server(config).run(sockets=[sock])
     finally:
         if sock is not None:

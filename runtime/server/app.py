@@ -8,6 +8,10 @@ input.
 Bad input of any kind (malformed JSON, wrong types, unknown routes, wrong methods) is a 4xx in
 OpenAI's error shape; a catch-all handler logs anything unexpected and answers 500 in the same
 shape, so a client never sees an HTML page or a dropped connection.
+
+With --api-key every route needs the key except the probes /health and /health/ready (vLLM guards
+only /v1/*; on a device /tokenize, /detokenize, /metrics and /version are the owner's too: a keyless
+client must not make the server tokenize megabytes or read its traffic).
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ from runtime.serve.engine_client import EngineClient, SlotPlan, plan_slots
 from runtime.serve.scheduler import SchedulerConfig
 from runtime.server.errors import APIError
 from runtime.server.metrics import Metrics
+from runtime.server.preprocess import Preprocess
 from runtime.server.serving_chat import ServingChat
 from runtime.server.serving_completion import ServingCompletion
-from runtime.server.serving_engine import PREPROCESS_THREADS, Admission, ServeOptions, ServingModel
+from runtime.server.serving_engine import Admission, ServeOptions, ServingModel
 from runtime.server.responses import ServingResponses
 from runtime.server.serving_models import ServingModels
 from runtime.server.tokenize import ServingTokenize, version
@@ -40,8 +45,6 @@ class OpenAIServer:
     """One model served: engine client, endpoint handlers, metrics. `close()` stops the engine thread."""
 
     def __init__(self, model: ServingModel, options: ServeOptions = ServeOptions(), metrics: Metrics | None = None):
-        from concurrent.futures import ThreadPoolExecutor
-
         self.model, self.options = model, options
         runner = model.generator.runner
         self.metrics = metrics or Metrics(runner.num_speculative_tokens, model_name=model.name)
@@ -58,7 +61,7 @@ class OpenAIServer:
         self.engine = EngineClient(runner, config, on_step_done=self._gauges)
         self.metrics.watch_engine(lambda: (self.engine.steps, self.engine.step_seconds,
                                            runner.stats.target_seconds + runner.stats.draft_seconds))
-        self._preprocess = ThreadPoolExecutor(max_workers=PREPROCESS_THREADS, thread_name_prefix="preprocess")
+        self._preprocess = Preprocess()
         shared = (model, options, self.metrics, self.engine, self._preprocess, Admission())
         compiler = [None]  # the grammar compiler, built once on the first structured request
         self.chat = ServingChat(*shared, compiler=compiler)
@@ -73,11 +76,15 @@ class OpenAIServer:
 
     def close(self) -> None:
         self.engine.close()
-        self._preprocess.shutdown(wait=False, cancel_futures=True)
+        self._preprocess.shutdown()
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
     return JSONResponse(APIError(status, message, type=type, code=code).body(), status_code=status)
+
+
+#: Routes answered without the API key: liveness and readiness probes.
+OPEN_PATHS = frozenset({"/health", "/health/ready"})
 
 
 class APIKeyMiddleware:
@@ -87,7 +94,7 @@ class APIKeyMiddleware:
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
@@ -95,6 +102,21 @@ class APIKeyMiddleware:
                                   code="invalid_api_key")
                 await response(scope, receive, send)
                 return
+        await self.app(scope, receive, send)
+
+
+class HeaderCountMiddleware:
+    """vLLM's --h11-max-header-count: a request with more header fields is answered 431."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and len(scope["headers"]) > self.limit:
+            response = _error(431, f"expected at most {self.limit} header fields, found {len(scope['headers'])}",
+                              code="request_header_fields_too_large")
+            await response(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -141,6 +163,7 @@ def build_app(serving: OpenAIServer) -> FastAPI:
 
     if serving.options.api_key:
         app.add_middleware(APIKeyMiddleware, key=serving.options.api_key)
+    app.add_middleware(HeaderCountMiddleware, limit=serving.options.http.max_header_count)
 
     @app.get("/health")
     async def health():

@@ -9,16 +9,18 @@
   strings with lone UTF-16 surrogates ("\\ud800", which no UTF-8 tokenizer can encode) are 400
   in OpenAI's error shape, never a 500.
 - Decoding and validation of up to 8 MiB run in a worker thread, so /health keeps answering.
+- A body that stops arriving is cut off by the connection's body deadline (runtime.server.connections);
+  the read then ends as a client disconnect (499), not a 500.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from manifests.strict_json import parse as parse_json
 from runtime.server.errors import APIError
-
-MAX_BODY_BYTES = 8 * 1024 * 1024
+from runtime.server.limits import MAX_BODY_BYTES
 
 
 def decode(raw: bytes, cls: type[BaseModel]) -> BaseModel:
@@ -48,9 +50,12 @@ async def read_body(request) -> bytes:
         raise APIError(413, f"request body is {size} bytes, expected at most {MAX_BODY_BYTES}")
     check_content_type(request)
     chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > MAX_BODY_BYTES:
-            raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes, expected at most {MAX_BODY_BYTES}")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > MAX_BODY_BYTES:
+                raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes, expected at most {MAX_BODY_BYTES}")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(499, f"client disconnected after {total} bytes of the request body") from None
     return b"".join(chunks)

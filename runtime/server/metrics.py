@@ -103,6 +103,9 @@ class Metrics:
             self.refused.labels(reason=o)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
+        self.connections = gauge("bundle:http_connections", "HTTP connections open now")
+        self.connections_closed = counter("bundle:http_connections_closed", "HTTP connections the server closed "
+                                          "(a read deadline passed, or a connection limit)", ["reason"])
         self.running = gauge("vllm:num_requests_running", "Requests generating now")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests queued for the generator")
         self._clock = clock

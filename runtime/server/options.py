@@ -70,13 +70,23 @@ def generation_defaults(model_dir: Path, choice: str | None) -> dict:
             and not isinstance(data.get(theirs), bool)}
 
 
+def http_limits(base, config: dict):
+    """The connection limits, with vLLM's --h11-max-incomplete-event-size and --h11-max-header-count laid over."""
+    from dataclasses import replace
+
+    given = {"max_header_bytes": config.get("h11_max_incomplete_event_size"),
+             "max_header_count": config.get("h11_max_header_count")}
+    return replace(base, **{k: int(v) for k, v in given.items() if v is not None})
+
+
 def apply_serve_config(installed, given: dict, *, spec_override: Speculative | None = None,
                        no_speculation: bool = False, max_queued_requests: int = 16, log_interval_s: float = 10.0,
-                       cache_dir: Path | None = None, echo: Callable[[str], None] = print,
+                       http=None, cache_dir: Path | None = None, echo: Callable[[str], None] = print,
                        load_engine=None) -> Setup:
     from runtime.serve.chat_template import ChatTemplate
     from runtime.server.loader import load_serving_model, parse_speculative_config
     from runtime.server.app import OpenAIServer
+    from runtime.server.limits import HTTPLimits
     from runtime.server.request_plan import Features
     from runtime.server.serving_engine import ServeOptions
 
@@ -117,7 +127,8 @@ def apply_serve_config(installed, given: dict, *, spec_override: Speculative | N
                            max_num_seqs=int(config.get("max_num_seqs", 8)),
                            max_num_batched_tokens=int(config.get("max_num_batched_tokens", 256)),
                            enable_prefix_caching=bool(config.get("enable_prefix_caching", True)),
-                           kv_cache_memory_bytes=config.get("kv_cache_memory_bytes"))
+                           kv_cache_memory_bytes=config.get("kv_cache_memory_bytes"),
+                           http=http_limits(http or HTTPLimits(), config))
     lines = []
     if features.enable_auto_tool_choice:
         lines.append(f"tools:       auto tool choice, {features.tool_call_parser} parser")

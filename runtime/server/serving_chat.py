@@ -41,7 +41,7 @@ class ServingChat(OpenAIServing):
         self.check_common(req)
         plan = self.plan(req, chat=True)
         text = self.render(req)
-        prompt = self.model.tokenizer.encode(text, add_special_tokens=False)
+        prompt = self.encode(text, add_special_tokens=False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return Prepared(plan, text, prompt, self.max_tokens(max_tokens, len(prompt)))
 

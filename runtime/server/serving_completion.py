@@ -66,12 +66,13 @@ class ServingCompletion(OpenAIServing):
         vocab = self.model.generator.target.vocab_size
         out = []
         for item in items:
-            ids = self.model.tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
+            ids = self.encode(item, add_special_tokens=True, param="prompt") if isinstance(item, str) else list(item)
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise APIError(400, f"prompt token ids must be in [0, {vocab}), found {bad[0]}", param="prompt")
             if not ids:
                 raise APIError(400, "prompt is empty: expected at least one token", param="prompt")
+            self.max_tokens(None, len(ids))  # too long for the context: refused before the next is tokenized
             out.append(ids)
         return out
 

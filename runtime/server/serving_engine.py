@@ -3,8 +3,9 @@ client, streaming or collecting the answer. One subclass per endpoint (serving_c
 serving_completion), as vLLM splits them.
 
 CPU work on request input (JSON decoding and validation, template rendering, tokenization) runs
-in a small thread pool, never on the event loop: an 8 MB prompt must not hold up /health or the
-streams of running requests. Generated tokens are detokenized on the engine thread (a few tokens
+in worker threads (runtime.server.preprocess), never on the event loop: an 8 MB body must not hold up
+/health or the streams of running requests; a prompt too long in bytes for the context is refused
+before tokenizing (`encode`). Generated tokens are detokenized on the engine thread (a few tokens
 per step) and handed to the request's asyncio queue.
 """
 
@@ -15,7 +16,6 @@ import contextlib
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
@@ -28,15 +28,15 @@ from runtime.server import openai_format as F
 from runtime.server import protocol as P
 from runtime.server.body import decode, read_body
 from runtime.server.errors import APIError
+from runtime.server.limits import MAX_BYTES_PER_TOKEN, HTTPLimits, prompt_byte_limit
 from runtime.server.metrics import Metrics
+from runtime.server.preprocess import Preprocess
 from runtime.server.request_plan import Features, Plan, RequestError, plan_for
 from runtime.serve.generator import Generator
 from runtime.serve.speculative import Step
 from runtime.serve.tokenizer import TextStream, Tokenizer
 
 log = logging.getLogger("bundle.serve")
-
-PREPROCESS_THREADS = 2
 
 
 class _JobFailed(Exception):
@@ -77,6 +77,7 @@ class ServeOptions:
     log_requests: bool = True  # one line per request (--disable-log-requests turns it off)
     log_stats: bool = True  # the periodic throughput line (--disable-log-stats)
     features: Features = Features()  # tool and reasoning parsers, --max-logprobs
+    http: HTTPLimits = HTTPLimits()  # connection deadlines and caps (runtime.server.limits)
 
 
 @dataclass
@@ -123,7 +124,7 @@ class OpenAIServing:
     """Shared state and generation; `ServingChat` and `ServingCompletion` add their endpoint."""
 
     def __init__(self, model: ServingModel, options: ServeOptions, metrics: Metrics, engine: EngineClient,
-                 preprocess: ThreadPoolExecutor, admission: Admission, clock=time.monotonic, compiler=None):
+                 preprocess: Preprocess, admission: Admission, clock=time.monotonic, compiler=None):
         self.model, self.options, self.metrics, self.engine = model, options, metrics, engine
         self._preprocess = preprocess
         self._admission = admission
@@ -134,17 +135,26 @@ class OpenAIServing:
     async def prepare(self, request, cls, build):
         """Read the body here; decode, validate and `build(req)` (render, tokenize) in a worker thread."""
         raw = await read_body(request)
-        loop = asyncio.get_running_loop()
 
         def work():
             req = decode(raw, cls)
             return req, build(req)
 
-        return await loop.run_in_executor(self._preprocess, work)
+        return await self._preprocess.run(len(raw), work)
 
     async def in_worker(self, fn, *args):
         """CPU work (rendering, tokenizing) in the preprocessing threads, off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._preprocess, fn, *args)
+        return await self._preprocess.run(0, fn, *args)
+
+    def encode(self, text: str, *, add_special_tokens: bool, param: str = "messages") -> list[int]:
+        """A prompt's token ids. One too long in bytes to fit the context is refused before the tokenizer
+        sees it (limits.MAX_BYTES_PER_TOKEN): a megabyte prompt costs no tokenizer time or memory."""
+        size, limit = len(text.encode("utf-8", "surrogatepass")), prompt_byte_limit(self.model.max_model_len)
+        if size > limit:
+            raise APIError(400, f"prompt is {size} bytes, but a context of {self.model.max_model_len} tokens "
+                                f"(max_model_len) holds at most {limit} ({MAX_BYTES_PER_TOKEN} per token); "
+                                f"shorten the prompt", param=param, code="context_length_exceeded")
+        return self.model.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_common(self, req: P._Common) -> None:
         if not self.model.accepts(req.model):

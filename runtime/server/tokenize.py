@@ -1,16 +1,22 @@
-"""vLLM's /tokenize, /detokenize and /version endpoints (same request and response fields as vLLM's)."""
+"""vLLM's /tokenize, /detokenize and /version endpoints (same request and response fields as vLLM's).
+
+A prompt is bounded as a generation prompt is (OpenAIServing.encode: too many bytes to fit the context
+is a 400 before tokenizing), and the answer, up to one id per byte, is rendered to JSON in the worker
+thread, never on the event loop.
+"""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.server import protocol as P
 from runtime.server.errors import APIError
+from runtime.server.limits import MAX_DETOKENIZE_IDS
 from runtime.server.serving_engine import OpenAIServing
-
-MAX_TOKENS_IN = 1 << 20
 
 
 class TokenizeRequest(BaseModel):
@@ -28,7 +34,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    tokens: list[int] = Field(max_length=MAX_TOKENS_IN)
+    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_IDS)
 
 
 class ServingTokenize(OpenAIServing):
@@ -37,11 +43,11 @@ class ServingTokenize(OpenAIServing):
             raise APIError(404, f"model '{name}' does not exist; this server serves '{self.model.name}'",
                            param="model", code="model_not_found")
 
-    async def tokenize(self, request) -> dict[str, Any]:
+    async def tokenize(self, request) -> Response:
         req, out = await self.prepare(request, TokenizeRequest, self._tokenize)
         return out
 
-    def _tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+    def _tokenize(self, req: TokenizeRequest) -> Response:
         self._check_model(req.model)
         tok = self.model.tokenizer
         if (req.prompt is None) == (req.messages is None):
@@ -52,25 +58,31 @@ class ServingTokenize(OpenAIServing):
             chat = P.ChatCompletionRequest(model=self.model.name, messages=req.messages, tools=req.tools,
                                            add_generation_prompt=req.add_generation_prompt,
                                            chat_template_kwargs=req.chat_template_kwargs)
-            ids = tok.encode(ServingChat.render(self, chat), add_special_tokens=bool(req.add_special_tokens))
+            ids = self.encode(ServingChat.render(self, chat), add_special_tokens=bool(req.add_special_tokens))
         else:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+            ids = self.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False, param="prompt")
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.model.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = [tok.decode([t], skip_special_tokens=False) for t in ids]
-        return out
+        return rendered(out)
 
-    async def detokenize(self, request) -> dict[str, Any]:
+    async def detokenize(self, request) -> Response:
         req, out = await self.prepare(request, DetokenizeRequest, self._detokenize)
         return out
 
-    def _detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+    def _detokenize(self, req: DetokenizeRequest) -> Response:
         self._check_model(req.model)
         vocab = self.model.generator.target.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids must be in [0, {vocab}), found {bad[0]}", param="tokens")
-        return {"prompt": self.model.tokenizer.decode(req.tokens)}
+        return rendered({"prompt": self.model.tokenizer.decode(req.tokens)})
+
+
+def rendered(body: dict) -> Response:
+    """A JSON answer encoded here, in the worker thread (as starlette's JSONResponse would encode it)."""
+    return Response(json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8"),
+                    media_type="application/json")
 
 
 def version() -> dict[str, str]:

@@ -92,19 +92,21 @@ def serving_model(installed_bundle):
 
 
 class RunningServer:
-    """A real uvicorn server in a thread of this process, on a free loopback port."""
+    """A real uvicorn server in a thread of this process, on a free loopback port, configured as `bundle serve`
+    configures it (runtime.server.connections)."""
 
     def __init__(self, serving):
         import uvicorn
 
         from runtime.server import bind_socket
         from runtime.server.app import build_app
+        from runtime.server.connections import uvicorn_config
 
         self.serving = serving
         self.sock = bind_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(build_app(serving), log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(build_app(serving), serving, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
