@@ -328,4 +328,4 @@ def test_environment_cannot_inject_code_or_wheels(runtime_bundle, tmp_path):
     assert r.returncode == 0, r.stderr
     assert not marker.exists(), "a sitecustomize from PYTHONPATH ran inside the bootstrap"
     site = next(prefix.glob("runtime-*/lib/python3*/site-packages"))
-    assert (site / "runtime" / "main.py").is_file() and not list(site.glob("evil_extra*"))
+    assert (site / "runtime" / "cli" / "main.py").is_file() and not list(site.glob("evil_extra*"))
