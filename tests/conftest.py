@@ -2,12 +2,59 @@
 
 from __future__ import annotations
 
+import os
+import pickle
+import shutil
 import subprocess
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import pytest
+
+T = TypeVar("T")
 
 
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true", default=False,
                      help="Rewrite golden files (tests/**/golden/*) from the current code instead of comparing.")
+
+
+def pytest_configure(config):
+    # One OpenMP thread for torch here and in every process a test starts (they inherit it): the models are
+    # tiny, so more threads only add synchronization, and on a loaded machine or beside pytest-xdist's other
+    # workers the threads of one parallel region spin waiting for each other (seen: 13 s -> 94 s for
+    # tests/bundler/demo under -n 2). OMP_NUM_THREADS set by the caller wins.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (scripts/test): the CPUs this process may use, at least 2 (many tests mostly wait on
+    subprocesses and servers) and at most 4 (each worker holds its own torch, servers and engines)."""
+    return max(2, min(4, len(os.sched_getaffinity(0))))
+
+
+def once_per_run(tmp_path_factory, name: str, build: Callable[[Path], T]) -> T:
+    """`build(folder)`'s value, built once per test run: under pytest-xdist the first worker that asks
+    builds it into a folder of the run's shared temporary directory and the others wait for it and read the
+    same files. Only for results no test changes (copy them first): other workers read them concurrently.
+    The value is pickled beside the folder, so it holds paths and plain data, never live objects."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # pytest-of-USER/pytest-N/popen-gwK -> pytest-N, shared by the run's workers
+    folder, done = base / name, base / f"{name}.pickle"
+    with FileLock(str(base / f"{name}.lock")):
+        if done.is_file():
+            return pickle.loads(done.read_bytes())
+        shutil.rmtree(folder, ignore_errors=True)  # a build that failed in another worker
+        folder.mkdir()
+        value = build(folder)
+        partial = base / f"{name}.pickle.partial"
+        partial.write_bytes(pickle.dumps(value))
+        partial.replace(done)
+        return value
 
 
 def unshare_problem() -> str | None:

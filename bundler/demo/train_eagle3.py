@@ -177,7 +177,7 @@ def ttt_midlayer(layer, embeds, hidden, position_ids, keys: list, values: list):
     causal = torch.ones((T, T), dtype=torch.bool, device=q.device).triu(1)
     scores = [torch.matmul(q, all_k[0].transpose(-1, -2)).mul(scale).masked_fill(causal, float("-inf"))]
     scores += [(q * kj).sum(-1, keepdim=True).mul(scale) for kj in all_k[1:]]
-    p = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
+    p = torch.softmax(eagle3.at_least_float32(torch.cat(scores, dim=-1)), dim=-1).to(q.dtype)
     out = torch.matmul(p[..., :T], all_v[0])
     for i, vj in enumerate(all_v[1:]):
         out = out + p[..., T + i:T + i + 1] * vj

@@ -143,6 +143,14 @@ def check_vocab_map(d2t, t2d, cfg: HeadConfig, where: str = "EAGLE-3 head") -> N
                          f"found shape {list(t2d.shape)} with {int(t2d.astype(bool).sum())} marked")
 
 
+def at_least_float32(t):
+    """t in float32 when narrower (half-precision norms and softmax lose too much), else unchanged: a
+    float64 head computes in float64 throughout, so a float64 check compares at float64's precision."""
+    import torch
+
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _torch_modules():
     import torch
     from torch import nn
@@ -155,7 +163,7 @@ def _torch_modules():
 
         def forward(self, x):
             dtype = x.dtype
-            x = x.float()
+            x = at_least_float32(x)
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
             return self.weight * x.to(dtype)
 
@@ -204,7 +212,7 @@ def _torch_modules():
                 scores = scores.masked_fill(kpos > qpos, float("-inf"))
             else:
                 scores = scores + mask
-            attn = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            attn = torch.softmax(at_least_float32(scores), dim=-1).to(q.dtype)
             out = torch.matmul(attn, vv).transpose(1, 2).reshape(b, s, c.num_heads * c.head_dim)
             return self.o_proj(out), k, v
 

@@ -147,10 +147,27 @@ def serve(name_or_dir, *, store: Path | None = None, host: str | None = None, po
             sock.close()
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each record, not the stream it was at setup: a caller that swapped
+    stderr for serve() and closed it afterwards (a test's capture, a library user's redirect) would
+    otherwise make every later log line a "Logging error" traceback."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
 def _setup_logging() -> None:
     logger = logging.getLogger("bundle")
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

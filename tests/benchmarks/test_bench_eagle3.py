@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.runtime.engines.host_memory import HostMemory
 
 
+@pytest.mark.slow
 def test_cuda_path_runs_every_row_on_the_cuda_engine(capsys):
     from benchmarks import bench_eagle3
 

@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_two_recipes_side_by_side_and_the_pick(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -43,6 +43,7 @@ def test_sample_verifies_installs_and_serves_the_recorded_tokens(sample, tmp_pat
 RUNTIME_SAMPLES = [p for p in SAMPLES if "runtime" in json.loads((p / "expected.json").read_text())]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sample", RUNTIME_SAMPLES, ids=lambda p: p.name)
 def test_sample_bootstrap_still_installs_its_wheelhouse(sample, tmp_path):
     """The bootstrap frozen in the sample verifies the sample with openssl and installs its wheel offline."""

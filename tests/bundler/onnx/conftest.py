@@ -1,50 +1,55 @@
-"""Session fixtures: one tiny random checkpoint per supported family, exported once per KV-cache layout."""
+"""Session fixtures: one tiny random checkpoint per supported family, exported once per KV-cache layout
+(once per run: pytest-xdist workers share them, tests.conftest.once_per_run)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from tests.conftest import once_per_run
 from tests.models import FAMILIES, make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
 def family_exports(tmp_path_factory) -> dict:
     """family -> (checkpoint dir, ExportResult)."""
-    from bundler.onnx.export import export_onnx
+    def build(root: Path) -> dict:
+        from bundler.onnx.export import export_onnx
 
-    root = tmp_path_factory.mktemp("export-families")
-    out = {}
-    for i, family in enumerate(sorted(FAMILIES)):
-        ckpt = make_tiny_checkpoint(root / family, family=family, seed=i)
-        out[family] = (ckpt, export_onnx(ckpt, root / f"{family}-onnx"))
-    return out
+        out = {}
+        for i, family in enumerate(sorted(FAMILIES)):
+            ckpt = make_tiny_checkpoint(root / family, family=family, seed=i)
+            out[family] = (ckpt, export_onnx(ckpt, root / f"{family}-onnx"))
+        return out
+
+    return once_per_run(tmp_path_factory, "export-families", build)
+
+
+def _exports_of(family_exports, tmp_path_factory, name: str, **options) -> dict:
+    """family -> (checkpoint dir, ExportResult) of each family's checkpoint exported with `options`."""
+    def build(root: Path) -> dict:
+        from bundler.onnx.export import export_onnx
+
+        return {family: (ckpt, export_onnx(ckpt, root / family, **options))
+                for family, (ckpt, _) in family_exports.items()}
+
+    return once_per_run(tmp_path_factory, name, build)
 
 
 @pytest.fixture(scope="session")
 def family_fp16_exports(family_exports, tmp_path_factory) -> dict:
-    """family -> (checkpoint dir, ExportResult) of the concat graph in float16 (fp16 TensorRT targets)."""
-    from bundler.onnx.export import export_onnx
-
-    root = tmp_path_factory.mktemp("export-fp16")
-    return {family: (ckpt, export_onnx(ckpt, root / family, dtype="float16"))
-            for family, (ckpt, _) in family_exports.items()}
+    """The concat graph in float16 (fp16 TensorRT targets)."""
+    return _exports_of(family_exports, tmp_path_factory, "export-fp16", dtype="float16")
 
 
 @pytest.fixture(scope="session")
 def family_shared_exports(family_exports, tmp_path_factory) -> dict:
-    """family -> (checkpoint dir, ExportResult) of the in-place GroupQueryAttention graph ("shared")."""
-    from bundler.onnx.export import export_onnx
-
-    root = tmp_path_factory.mktemp("export-shared")
-    return {family: (ckpt, export_onnx(ckpt, root / family, kv_cache="shared"))
-            for family, (ckpt, _) in family_exports.items()}
+    """The in-place GroupQueryAttention graph ("shared")."""
+    return _exports_of(family_exports, tmp_path_factory, "export-shared", kv_cache="shared")
 
 
 @pytest.fixture(scope="session")
 def family_batched_exports(family_exports, tmp_path_factory) -> dict:
-    """family -> (checkpoint dir, ExportResult) of the batched in-place graph (TensorScatter + Attention)."""
-    from bundler.onnx.export import export_onnx
-
-    root = tmp_path_factory.mktemp("export-batched")
-    return {family: (ckpt, export_onnx(ckpt, root / family, kv_cache="batched"))
-            for family, (ckpt, _) in family_exports.items()}
+    """The batched in-place graph (TensorScatter + Attention)."""
+    return _exports_of(family_exports, tmp_path_factory, "export-batched", kv_cache="batched")

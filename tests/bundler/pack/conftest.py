@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bundler.pack.keys import generate_key, load_private_key
+from tests.conftest import once_per_run
 
 
 @pytest.fixture
@@ -18,12 +19,13 @@ def update_golden(request) -> bool:
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     """A 16 MB Llama target and a small draft sharing its tokenizer, as Hugging Face lays them out."""
-    from tests.models import make_tiny_checkpoint
+    def build(root: Path) -> tuple[Path, Path]:
+        from tests.models import make_tiny_checkpoint
 
-    root = tmp_path_factory.mktemp("models")
-    target = make_tiny_checkpoint(root / "target", hidden_size=256, num_layers=4, intermediate_size=1024)
-    draft = make_tiny_checkpoint(root / "draft", seed=1, tokenizer_from=target)
-    return target, draft
+        target = make_tiny_checkpoint(root / "target", hidden_size=256, num_layers=4, intermediate_size=1024)
+        return target, make_tiny_checkpoint(root / "draft", seed=1, tokenizer_from=target)
+
+    return once_per_run(tmp_path_factory, "models", build)  # read-only: model_copy to change it
 
 
 @pytest.fixture

@@ -128,6 +128,7 @@ def test_changed_input_never_reuses_stale_blobs(model_copy, tmp_path, monkeypatc
     assert unpack_file(out, weights) == bytes(data)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_pack_then_rerun_completes(model_copy, tmp_path):
     _bf16_like(model_copy / "big.bin", 48 * 1024 * 1024)
     out = tmp_path / "b"

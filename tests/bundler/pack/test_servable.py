@@ -17,8 +17,9 @@ from tests.models import CHAT_TEMPLATE
 
 
 def _create(model, out, *extra):
+    """No runtime wheelhouse: what the checkpoint carries is the point (tests/bundler/wheelhouse covers that)."""
     return main(["create", "--model", str(model), "--targets", "cpu", "--name", "s", "--version", "1",
-                 "--unsigned", "--out", str(out), "--no-progress", *extra])
+                 "--unsigned", "--out", str(out), "--no-progress", "--no-runtime", *extra])
 
 
 def _without_template(model):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.bundler.resolve.hub_server import HubProxy, HubRepos, Olah, copy_checkpoint
+from tests.conftest import once_per_run
 from tests.eagle3_models import make_tiny_head
 from tests.models import make_tiny_checkpoint
 
@@ -34,15 +35,17 @@ class Checkpoints:
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> Checkpoints:
-    root = tmp_path_factory.mktemp("checkpoints")
-    target = make_tiny_checkpoint(root / "target", hidden_size=64, num_layers=2, seed=0)
-    draft = make_tiny_checkpoint(root / "draft", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                 intermediate_size=64, seed=1, tokenizer_from=target)
-    other = make_tiny_checkpoint(root / "other", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                 intermediate_size=64, vocab_size=300, seed=2)
-    head = make_tiny_head(root / "eagle3", target, layer_ids=[0, 1, 1], seed=4)
-    other_head = make_tiny_head(root / "eagle3-other", other, draft_vocab=200, layer_ids=[0, 0, 0], seed=5)
-    return Checkpoints(target, draft, other, head, other_head)
+    def build(root: Path) -> Checkpoints:
+        target = make_tiny_checkpoint(root / "target", hidden_size=64, num_layers=2, seed=0)
+        draft = make_tiny_checkpoint(root / "draft", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                     intermediate_size=64, seed=1, tokenizer_from=target)
+        other = make_tiny_checkpoint(root / "other", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                     intermediate_size=64, vocab_size=300, seed=2)
+        head = make_tiny_head(root / "eagle3", target, layer_ids=[0, 1, 1], seed=4)
+        other_head = make_tiny_head(root / "eagle3-other", other, draft_vocab=200, layer_ids=[0, 0, 0], seed=5)
+        return Checkpoints(target, draft, other, head, other_head)
+
+    return once_per_run(tmp_path_factory, "checkpoints", build)  # read-only: the hub serves copies
 
 
 @dataclass

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bundler.pack.keys import generate_key
 from runtime.store.trust import load_public_key
 from runtime.store.verify import verify_bundle
@@ -22,6 +24,7 @@ def bundle(args: list[str], hub_url: str, hf_home: Path) -> subprocess.Completed
                           env=env, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow
 def test_create_pins_sha_writes_lock_and_rebuilds_from_it(hub, tmp_path):
     key = tmp_path / "k"
     generate_key(key)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bundler.pack.keys import generate_key
 from manifests.errors import ModelError
 from runtime.store.trust import load_public_key
@@ -21,6 +23,7 @@ def _create(hub, tmp_path, head_ref, out, *extra):
                   hub.url, tmp_path / "hf")
 
 
+@pytest.mark.slow
 def test_hub_head_pinned_locked_packed_installed_served(hub, tmp_path):
     from runtime.serve.sampling import SamplingParams
     from runtime.server.loader import load_serving_model

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import once_per_run
 from tests.models import make_tiny_checkpoint
 
 
@@ -37,14 +38,12 @@ def run_bootstrap(bundle: Path, pub: Path, prefix: Path, *extra: str, env: dict 
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
 
 
-@pytest.fixture(scope="session")
-def runtime_bundle(tmp_path_factory) -> RuntimeBundle:
+def _build_runtime_bundle(root: Path) -> RuntimeBundle:
     from bundler.pack.create import create_bundle, local_model
     from bundler.pack.engines import target_files_hook
     from bundler.pack.keys import generate_key, load_private_key
     from bundler.pack.wheelhouse import host_platform
 
-    root = tmp_path_factory.mktemp("runtime-bundle")
     target = make_tiny_checkpoint(root / "target", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                                   intermediate_size=64, max_positions=128, seed=0)
     draft = make_tiny_checkpoint(root / "draft", hidden_size=16, num_layers=1, num_heads=1, num_kv_heads=1,
@@ -55,6 +54,12 @@ def runtime_bundle(tmp_path_factory) -> RuntimeBundle:
                   sign_keys=[load_private_key(root / "release.key")], target_files=target_files_hook(),
                   progress=False, runtime_platforms=[host_platform()])
     return RuntimeBundle(root / "bundle", root / "release.key", root / "release.key.pub", "tiny")
+
+
+@pytest.fixture(scope="session")
+def runtime_bundle(tmp_path_factory) -> RuntimeBundle:
+    """Read-only (bundle_copy to tamper): built once per run, its pip resolution included."""
+    return once_per_run(tmp_path_factory, "runtime-bundle", _build_runtime_bundle)
 
 
 @pytest.fixture

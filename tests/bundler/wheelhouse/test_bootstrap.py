@@ -73,6 +73,7 @@ NAMESPACE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_bootstrap_then_floor_only_venv_installs_and_serves_offline(runtime_bundle, tmp_path):
     """The floor wheel alone, from the bundle, in a fresh venv with no index and no network at all."""
     problem = unshare_problem()
@@ -299,6 +300,7 @@ def test_a_modified_bootstrap_notices_it_is_not_the_signed_one(runtime_bundle, b
         verify_bundle(bundle_copy, trusted_keys([runtime_bundle.pub], trust_dir=None))
 
 
+@pytest.mark.slow
 def test_second_run_reuses_the_installed_runtime(runtime_bundle, tmp_path):
     prefix = tmp_path / "opt"
     first = run_bootstrap(runtime_bundle.dir, runtime_bundle.pub, prefix, env={**os.environ, "PYTHON": system_python()})
@@ -312,6 +314,7 @@ def test_second_run_reuses_the_installed_runtime(runtime_bundle, tmp_path):
     assert subprocess.run([str(prefix / "bin" / "bundle"), "--version"], capture_output=True).returncode == 0
 
 
+@pytest.mark.slow
 def test_environment_cannot_inject_code_or_wheels(runtime_bundle, tmp_path):
     """PYTHONPATH/sitecustomize and PIP_* settings on the device must not reach what the bootstrap runs."""
     hook = tmp_path / "inject"

@@ -10,39 +10,43 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import once_per_run
 from tests.models import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """target, a draft with other random weights (shared tokenizer), and "same": the target as its own draft."""
-    root = tmp_path_factory.mktemp("tiny-models")
-    target = make_tiny_checkpoint(root / "target", hidden_size=64, num_layers=2, seed=0)
-    other = make_tiny_checkpoint(root / "draft", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                 intermediate_size=64, seed=1, tokenizer_from=target)
-    return {"target": target, "draft": other, "same": target}
+    def build(root: Path) -> dict[str, Path]:
+        target = make_tiny_checkpoint(root / "target", hidden_size=64, num_layers=2, seed=0)
+        other = make_tiny_checkpoint(root / "draft", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                     intermediate_size=64, seed=1, tokenizer_from=target)
+        return {"target": target, "draft": other, "same": target}
+
+    return once_per_run(tmp_path_factory, "tiny-models", build)
 
 
 @pytest.fixture(scope="session")
 def onnx_graphs(tiny_models, tmp_path_factory) -> dict[str, Path]:
-    from bundler.onnx.export import export_onnx
+    def build(root: Path) -> dict[str, Path]:
+        from bundler.onnx.export import export_onnx
 
-    root = tmp_path_factory.mktemp("tiny-onnx")
-    graphs = {}
-    for name in ("target", "draft"):
-        result = export_onnx(tiny_models[name], root / name)
-        graphs[name] = result.files[0]
-    graphs["same"] = graphs["target"]
-    return graphs
+        graphs = {name: export_onnx(tiny_models[name], root / name).files[0] for name in ("target", "draft")}
+        return {**graphs, "same": graphs["target"]}
+
+    return once_per_run(tmp_path_factory, "tiny-onnx", build)
 
 
 @pytest.fixture(scope="session")
 def batched_graphs(tiny_models, tmp_path_factory) -> dict[str, Path]:
     """target and draft exported with the "batched" KV cache (one buffer for all slots)."""
-    from bundler.onnx.export import export_onnx
+    def build(root: Path) -> dict[str, Path]:
+        from bundler.onnx.export import export_onnx
 
-    root = tmp_path_factory.mktemp("tiny-batched")
-    return {name: export_onnx(tiny_models[name], root / name, kv_cache="batched").graph for name in ("target", "draft")}
+        return {name: export_onnx(tiny_models[name], root / name, kv_cache="batched").graph
+                for name in ("target", "draft")}
+
+    return once_per_run(tmp_path_factory, "tiny-batched", build)
 
 
 @pytest.fixture(scope="session")
@@ -66,21 +70,24 @@ class Bundle:
 
 @pytest.fixture(scope="session")
 def installed_bundle(tiny_models, tmp_path_factory) -> Bundle:
-    """`bundle create` (cpu target, target + draft, signed) then `bundle install`, through the libraries."""
-    from bundler.pack.create import create_bundle, local_model
-    from bundler.pack.engines import target_files_hook
-    from bundler.pack.keys import generate_key, load_private_key
-    from runtime.store.store import Store
-    from runtime.store.trust import trusted_keys
+    """`bundle create` (cpu target, target + draft, signed) then `bundle install`, through the libraries.
+    Read-only: tests serve from its store, never install into it."""
+    def build(root: Path) -> Bundle:
+        from bundler.pack.create import create_bundle, local_model
+        from bundler.pack.engines import target_files_hook
+        from bundler.pack.keys import generate_key, load_private_key
+        from runtime.store.store import Store
+        from runtime.store.trust import trusted_keys
 
-    root = tmp_path_factory.mktemp("tiny-bundle")
-    generate_key(root / "key")
-    create_bundle(root / "bundle", name="tiny", version=1, model=local_model(tiny_models["target"], "target"),
-                  draft=local_model(tiny_models["draft"], "draft"), targets=["cpu"],
-                  sign_keys=[load_private_key(root / "key")], target_files=target_files_hook(), progress=False)
-    Store(root / "store").install(root / "bundle", target="cpu",
-                                  trusted=trusted_keys([root / "key.pub"], trust_dir=None))
-    return Bundle(root / "bundle", root / "store", root / "key.pub", "tiny")
+        generate_key(root / "key")
+        create_bundle(root / "bundle", name="tiny", version=1, model=local_model(tiny_models["target"], "target"),
+                      draft=local_model(tiny_models["draft"], "draft"), targets=["cpu"],
+                      sign_keys=[load_private_key(root / "key")], target_files=target_files_hook(), progress=False)
+        Store(root / "store").install(root / "bundle", target="cpu",
+                                      trusted=trusted_keys([root / "key.pub"], trust_dir=None))
+        return Bundle(root / "bundle", root / "store", root / "key.pub", "tiny")
+
+    return once_per_run(tmp_path_factory, "tiny-bundle", build)
 
 
 @pytest.fixture(scope="session")
@@ -146,19 +153,26 @@ DEMO_SERVE_ARGS = ("--served-model-name demo --served-model-name plant-assistant
 
 @pytest.fixture(scope="session")
 def demo_installed(tmp_path_factory):
-    """The demo pair, made by `bundle create --serve-arg ...` (unsigned, cpu) and installed."""
-    from click.testing import CliRunner
-
-    from bundler.cli.pack import create
+    """The demo pair, made by `bundle create --serve-arg ...` (unsigned, cpu; no runtime wheelhouse: nothing
+    here bootstraps it) and installed. Read-only, like installed_bundle."""
     from runtime.store.store import Store
 
-    root = tmp_path_factory.mktemp("demo-surface")
-    r = CliRunner().invoke(create, ["--targets", "cpu", "--name", "demo", "--version", "1", "--unsigned",
-                                    "--out", str(root / "bundle"), "--no-progress", "--serve-arg", DEMO_SERVE_ARGS,
-                                    "--serve-arg", "--max-model-len=512"], catch_exceptions=False)
-    assert r.exit_code == 0, r.output
-    assert "--tool-call-parser hermes" in r.output  # create prints the serve defaults it signed in
-    installed = Store(root / "store").install(root / "bundle", target="cpu", trusted={}, allow_unsigned=True)
+    def build(root: Path) -> Path:
+        from click.testing import CliRunner
+
+        from bundler.cli.pack import create
+
+        r = CliRunner().invoke(create, ["--targets", "cpu", "--name", "demo", "--version", "1", "--unsigned",
+                                        "--out", str(root / "bundle"), "--no-progress", "--no-runtime",
+                                        "--serve-arg", DEMO_SERVE_ARGS, "--serve-arg", "--max-model-len=512"],
+                               catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        assert "--tool-call-parser hermes" in r.output  # create prints the serve defaults it signed in
+        Store(root / "store").install(root / "bundle", target="cpu", trusted={}, allow_unsigned=True)
+        return root
+
+    root = once_per_run(tmp_path_factory, "demo-surface", build)
+    installed = Store(root / "store").current("demo")
     assert installed.manifest.serve["tool_call_parser"] == "hermes"
     return installed, root
 
