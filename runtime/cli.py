@@ -30,6 +30,10 @@ def _show_progress(no_progress: bool) -> bool:
     return not no_progress and sys.stderr.isatty()
 
 
+def _warn(message: str) -> None:
+    click.echo(f"bundle: warning: {message}", err=True)
+
+
 def _keys(trust):
     from runtime.trust import trusted_keys
     return trusted_keys(list(trust), settings.trust_dir())
@@ -160,13 +164,16 @@ Examples:
 @click.option("--allow-downgrade", is_flag=True,
               help="Install a version below the highest one ever installed here (or replace an installed "
                    "version with a different manifest).")
+@click.option("--force-target", is_flag=True,
+              help="Install for --target ID even when this machine is not one (a store prepared for another "
+                   "device); without it a mismatch is exit 6.")
 @_expiry_option
 @_jobs_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @ca_file_option
 @authfile_option
-def install(bundle_dir: str, store: Path, target, trust, allow_unsigned, allow_downgrade, ignore_expiry, jobs,
-            no_progress, ca_file, authfile) -> None:
+def install(bundle_dir: str, store: Path, target, force_target, trust, allow_unsigned, allow_downgrade,
+            ignore_expiry, jobs, no_progress, ca_file, authfile) -> None:
     """Verify and install a bundle into the store, then make it current.
 
     The signature is checked before any blob is read, then the policy decides (target, version,
@@ -184,14 +191,17 @@ def install(bundle_dir: str, store: Path, target, trust, allow_unsigned, allow_d
     missing `current` link) are repaired from the bundle and the good ones kept.
     Registry: DIR may be REGISTRY/REPO:TAG; the bundle is pulled into STORE/registry-cache/ (kept:
     the next version fetches only its new blobs), then installed from there with every check above.
+    Target: --target ID must be what this machine is (as auto detects it; cpu fits any machine),
+    else exit 6 unless --force-target.
     """
+    from runtime.detect import check_target, detect_target
     from runtime.store import Store
 
     if target == "auto":
-        from runtime.detect import detect_target
-
         target, reason = detect_target()
         click.echo(f"target: {target} ({reason})")
+    elif warning := check_target(target, force=force_target):
+        _warn(warning)
     args = dict(target=target, trusted=_keys(trust), allow_unsigned=allow_unsigned, allow_downgrade=allow_downgrade,
                 ignore_expiry=ignore_expiry, jobs=jobs, progress=_show_progress(no_progress))
     if looks_like_reference(bundle_dir):

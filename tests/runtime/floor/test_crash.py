@@ -22,11 +22,12 @@ ROOT = Path(__file__).resolve().parents[3]
 def start_install(bundle: Path, store: Path, pub: Path, pause: str = "") -> subprocess.Popen:
     env = {**os.environ, "BUNDLE_PAUSE_AT": pause, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-m", "bundler.cli", "install", str(bundle), "--store", str(store),
-                             "--target", "jetson-thor", "--trust", str(pub), "--no-progress", "--jobs", "2"],
+                             "--target", "jetson-thor", "--force-target", "--trust", str(pub), "--no-progress", "--jobs", "2"],
                             env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
 
 
 def killed_at_stage(proc: subprocess.Popen, stage: str) -> None:
+    proc.stderr.readline()  # the --force-target warning
     line = proc.stderr.readline()  # the hook announces the pause, then sleeps
     assert line.strip() == f"bundle: paused at {stage}", line
     proc.send_signal(signal.SIGKILL)
@@ -104,7 +105,7 @@ def test_full_disk_fails_cleanly(small_fs, bundles, keys, trusted, monkeypatch, 
     store = Store(small_fs / "store")
     store.install(bundles["v1"], target="jetson-thor", trusted=trusted)  # ~5.7 MB of 8
     # Checked before writing: a clear refusal with the numbers.
-    code = main(["install", str(bundles["v2"]), "--store", str(store.root), "--target", "jetson-thor",
+    code = main(["install", str(bundles["v2"]), "--store", str(store.root), "--target", "jetson-thor", "--force-target",
                  "--trust", str(keys.release_pub)])
     assert code == EnvironmentProblem.exit_code
     err = capsys.readouterr().err

@@ -98,8 +98,8 @@ def test_install_sigterm_removes_staging_and_keeps_the_previous_version(bundles,
     store = Store(tmp_path / "store")
     store.install(bundles["v1"], target="jetson-thor", trusted=trusted)
     proc = subprocess.Popen([sys.executable, "-m", "bundler.cli", "install", str(bundles["v2"]), "--store",
-                             str(store.root), "--target", "jetson-thor", "--trust", str(keys.release_pub),
-                             "--no-progress"], env=_env(tmp_path / "tmp", BUNDLE_PAUSE_AT="staging:120"),
+                             str(store.root), "--target", "jetson-thor", "--force-target", "--trust",
+                             str(keys.release_pub), "--no-progress"], env=_env(tmp_path / "tmp", BUNDLE_PAUSE_AT="staging:120"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         _wait_for_line(proc.stderr, "paused at staging")

@@ -158,7 +158,7 @@ def test_killed_pull_is_not_complete_and_a_rerun_fetches_nothing_again(registry,
 
 # --- install from the registry -----------------------------------------------------------------------
 def install_args(registry, store, keys, *extra) -> list[str]:
-    return ["--store", str(store), "--target", "jetson-thor", "--trust", str(keys.release_pub),
+    return ["--store", str(store), "--target", "jetson-thor", "--force-target", "--trust", str(keys.release_pub),
             *reg_args(registry), *extra]
 
 
