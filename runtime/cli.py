@@ -192,9 +192,11 @@ def install(bundle_dir: str, store: Path, target, force_target, trust, allow_uns
     Registry: DIR may be REGISTRY/REPO:TAG; the bundle is pulled into STORE/registry-cache/ (kept:
     the next version fetches only its new blobs), then installed from there with every check above.
     Target: --target ID must be what this machine is (as auto detects it; cpu fits any machine),
-    else exit 6 unless --force-target.
+    else exit 6 unless --force-target. Ctrl-C/SIGTERM: before the commit nothing stays changed
+    (exit 130/143); from the commit on the install finishes and exits 0.
     """
     from runtime.detect import check_target, detect_target
+    from runtime.signals import finish
     from runtime.store import Store
 
     if target == "auto":
@@ -213,7 +215,7 @@ def install(bundle_dir: str, store: Path, target, force_target, trust, allow_uns
                    f"({format_size(pulled.bytes_fetched)}), reused {pulled.blobs_reused}; signature "
                    f"{pulled.signature}")
     else:
-        inst = Store(store).install(Path(bundle_dir), **args)
+        inst = finish(lambda: Store(store).install(Path(bundle_dir), **args), "install", _warn)
     verb = "already installed (every file checked)" if inst.noop else "installed"
     if inst.repaired:
         verb = f"repaired ({inst.repaired})"
@@ -275,8 +277,9 @@ def rollback(name: str, store: Path, ignore_expiry: bool) -> None:
     The same policy as install and serve: an expired previous version is refused unless
     --ignore-expiry. Rolling back is the one way down that needs no --allow-downgrade.
     """
+    from runtime.signals import finish
     from runtime.store import Store
 
-    inst = Store(store).rollback(name, ignore_expiry=ignore_expiry)
+    inst = finish(lambda: Store(store).rollback(name, ignore_expiry=ignore_expiry), "rollback", _warn)
     click.echo(f"rolled back {inst.name} to v{inst.version} ({inst.target}); "
                f"v{inst.previous_version} kept as previous")
