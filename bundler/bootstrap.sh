@@ -24,12 +24,13 @@ PY=${PYTHON:-python3}
 WORK=        # $TMPDIR/bundle-bootstrap-*: the verified wheel copies
 CHILD=       # the long step running now (venv, pip), killed with the bootstrap
 NEW_VENV=    # the runtime this run is creating: removed unless `current` names it
-HELD=        # a signal that arrived while `current` was being switched
+HELD=        # a signal that arrived while traps only record (a child's start, the switch of `current`)
 die() { code=$1; shift; echo "bootstrap: error: $*" >&2; exit "$code"; }
 usage() { echo "usage: sh $0 --trust KEY.pub [--prefix DIR] [--python PYTHON] [--verify-only] [--allow-downgrade]"; }
 
 cleanup() {  # every exit path: the unfinished runtime, the work folder (tens of MB of wheels)
-  if [ -n "$CHILD" ]; then kill "$CHILD" 2>/dev/null || :; wait "$CHILD" 2>/dev/null || :; CHILD=; fi
+  # SIGKILL: a child between fork and exec loses a catchable signal, and all it wrote is removed below anyway
+  if [ -n "$CHILD" ]; then kill -s KILL "$CHILD" 2>/dev/null || :; wait "$CHILD" 2>/dev/null || :; CHILD=; fi
   if [ -n "$NEW_VENV" ] && [ "$(readlink "$PREFIX/current" 2>/dev/null || :)" != "${NEW_VENV##*/}" ]; then
     rm -rf "$NEW_VENV"
   fi
@@ -42,22 +43,25 @@ on_signal() {  # $1 name, $2 exit status. A second signal cannot cut the cleanup
   echo "bootstrap: stopped by $1: nothing installed, $PREFIX/current unchanged" >&2
   exit "$2"
 }
+arm() { trap 'on_signal SIGINT 130' INT; trap 'on_signal SIGTERM 143' TERM; trap 'on_signal SIGHUP 129' HUP; }
+hold() { trap 'HELD="SIGINT 130"' INT; trap 'HELD="SIGTERM 143"' TERM; trap 'HELD="SIGHUP 129"' HUP; }
 trap cleanup EXIT
-trap 'on_signal SIGINT 130' INT
-trap 'on_signal SIGTERM 143' TERM
-trap 'on_signal SIGHUP 129' HUP
-run() {  # a long step in the background: sh acts on a signal only between foreground commands, but at once in wait
+arm
+# A long step runs in the background: sh acts on a signal only between foreground commands, but at once in wait.
+start() {
+  hold  # until CHILD names it, so the trap cannot miss the child it must stop
   "$@" &
   CHILD=$!
-  wait "$CHILD" && rc=0 || rc=$?
-  CHILD=
-  return "$rc"
+  arm
+  if [ -n "$HELD" ]; then on_signal $HELD; fi
 }
+finish() { wait "$CHILD" && rc=0 || rc=$?; CHILD=; return "$rc"; }
+run() { start "$@"; finish; }
 pause() {  # test hook: BUNDLE_PAUSE_AT=STAGE:SECONDS waits at STAGE (verified, venv, pip, installed) for a signal
   case ${BUNDLE_PAUSE_AT:-} in
     "$1":*) secs=${BUNDLE_PAUSE_AT#*:}
             case $secs in ''|*[!0-9]*) die 2 "BUNDLE_PAUSE_AT=$BUNDLE_PAUSE_AT: expected STAGE:SECONDS" ;; esac
-            echo "bootstrap: paused at $1" >&2; run sleep "$secs" ;;
+            start sleep "$secs"; echo "bootstrap: paused at $1" >&2; finish ;;
   esac
 }
 
@@ -95,6 +99,11 @@ for old in "${TMPDIR:-/tmp}"/bundle-bootstrap-*; do
 done
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/bundle-bootstrap-XXXXXX")
 echo "$$" > "$WORK/.owner-pid"
+# Every child's temporary files (venv's ensurepip, pip's build and unpack folders) go inside it, so a pip
+# killed with the bootstrap leaves nothing behind in TMPDIR either.
+mkdir "$WORK/tmp"
+TMPDIR=$WORK/tmp
+export TMPDIR
 HELPER=$WORK/helper.py
 cat > "$HELPER" <<'PY'
 """Reads (bounded; through no link, but for the operator's own --trust key) and writes files for the shell;
@@ -423,13 +432,11 @@ if [ ! -f "$VENV/.bootstrap-complete" ]; then
   pause installed
 fi
 # The switch: a signal from here on waits for it (the runtime is complete), then the run ends as installed.
-trap 'HELD=SIGINT' INT
-trap 'HELD=SIGTERM' TERM
-trap 'HELD=SIGHUP' HUP
+hold
 mkdir -p "$PREFIX/bin"
 ln -sfn "$(basename "$VENV")" "$PREFIX/.current-new" && mv -T "$PREFIX/.current-new" "$PREFIX/current"
 NEW_VENV=
 ln -sfn ../current/bin/bundle "$PREFIX/bin/.bundle-new" && mv -T "$PREFIX/bin/.bundle-new" "$PREFIX/bin/bundle"
-[ -z "$HELD" ] || echo "bootstrap: $HELD arrived after $PREFIX/current was switched: the install is complete" >&2
+[ -z "$HELD" ] || echo "bootstrap: ${HELD% *} arrived after $PREFIX/current was switched: the install is complete" >&2
 echo "bootstrap: installed $PACKAGE $VERSION at $VENV ($PREFIX/current)"
 echo "next:  $PREFIX/bin/bundle install $BUNDLE --trust $TRUST --store /data/store"
