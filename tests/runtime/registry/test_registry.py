@@ -406,7 +406,7 @@ def test_bearer_token_auth_as_harbor_does_it(bundles, keys, tmp_path):
 def test_a_directory_install_loads_no_registry_code(bundles, keys, tmp_path):
     code = ("import json, sys\nfrom bundler.cli import main\n"
             f"rc = main(['install', {str(bundles['v1'])!r}, '--store', {str(tmp_path / 's')!r}, '--target', "
-            f"'jetson-thor', '--trust', {str(keys.release_pub)!r}, '--no-progress'])\n"
+            f"'jetson-thor', '--force-target', '--trust', {str(keys.release_pub)!r}, '--no-progress'])\n"
             "print(json.dumps([rc, sorted(sys.modules)]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), timeout=120)
