@@ -54,7 +54,9 @@ BOOTSTRAP_PATH = "bootstrap"
 COMPRESSIONS = ("zstd", "none")
 _PLATFORM = re.compile(r"linux_(x86_64|aarch64)-cp3\d{1,2}")
 _PACKAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-_WHEEL_NAME = re.compile(r"[A-Za-z0-9_.+!-]+\.whl")
+#: The one rule for a wheel's manifest path, which bundler/pack/bootstrap.sh applies too (a test keeps the two
+#: equal): a file name directly under WHEELHOUSE_PREFIX (no folder, no '..'), as long as a name may be.
+WHEEL_PATH = re.compile(r"wheelhouse/[A-Za-z0-9_.+!-]{1,251}\.whl")
 
 
 def format_time(moment: datetime) -> str:
@@ -392,7 +394,7 @@ class Runtime(_Record):
                    f"runtime: expected a list of wheel paths for {plat}")
             out[plat] = tuple(safe_relative_path(w) for w in wheels)
             for w in out[plat]:
-                _check(w.startswith(WHEELHOUSE_PREFIX) and _WHEEL_NAME.fullmatch(w[len(WHEELHOUSE_PREFIX):]) is not None,
+                _check(WHEEL_PATH.fullmatch(w) is not None,
                        f"runtime: expected wheel paths like {WHEELHOUSE_PREFIX}NAME.whl, found {w!r}")
         bootstrap = k.get("bootstrap")
         _check(bootstrap in (None, BOOTSTRAP_PATH), f"runtime: expected bootstrap {BOOTSTRAP_PATH!r}, found {bootstrap!r}")
@@ -429,7 +431,7 @@ def _check_runtime_files(runtime: Runtime | None, files: tuple[FileEntry, ...]) 
         if f.path.startswith(WHEELHOUSE_PREFIX):
             _check(f.path in listed, f"{f.path}: expected every file under {WHEELHOUSE_PREFIX} to be a wheel "
                                      f"of the runtime section")
-            _check(_WHEEL_NAME.fullmatch(f.path[len(WHEELHOUSE_PREFIX):]) is not None,
+            _check(WHEEL_PATH.fullmatch(f.path) is not None,
                    f"{f.path}: expected a wheel file name directly under {WHEELHOUSE_PREFIX}")
 
 

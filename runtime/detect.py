@@ -66,6 +66,14 @@ def probe_cuda_provider() -> str | None:
     return onnxruntime_cuda()[1]
 
 
+class AmbiguousTarget(EnvironmentProblem):
+    """The GPU fits several profiles and nothing tells them apart; `candidates` names them."""
+
+    def __init__(self, message: str, candidates: tuple[str, ...]):
+        super().__init__(message)
+        self.candidates = candidates
+
+
 def detect_target(profiles: Sequence[TargetProfile] | None = None, *, device_tree: Path = DEVICE_TREE_MODEL,
                   compute_capability: Callable[[], str | None] | str | None = probe_compute_capability,
                   cuda_provider: Callable[[], str | None] = probe_cuda_provider) -> tuple[str, str]:
@@ -88,8 +96,9 @@ def detect_target(profiles: Sequence[TargetProfile] | None = None, *, device_tre
         if len(matches) > 1:
             ids = ", ".join(p.id for p in matches)
             seen = f"device tree model {model!r}" if model else "no device tree model"
-            raise EnvironmentProblem(f"GPU compute capability {cc} fits several targets ({ids}) and {seen} "
-                                     f"does not tell them apart; expected one: pass --target ID")
+            raise AmbiguousTarget(f"GPU compute capability {cc} fits several targets ({ids}) and {seen} "
+                                  f"does not tell them apart; expected one: pass --target ID",
+                                  tuple(p.id for p in matches))
         unmatched = f"GPU compute capability {cc} matches no TensorRT target profile"
         cuda = next((p for p in profiles if p.backend == "onnxruntime-cuda"), None)
         if cuda is not None:
@@ -100,3 +109,27 @@ def detect_target(profiles: Sequence[TargetProfile] | None = None, *, device_tre
         return "cpu", f"{unmatched} (add one to a profile directory); using cpu"
     where = f"device tree model {model!r} matches no profile" if model else "no device tree model"
     return "cpu", f"{where} and no NVIDIA GPU found; using cpu"
+
+
+def check_target(target: str, *, force: bool = False, profiles: Sequence[TargetProfile] | None = None,
+                 **probes) -> str | None:
+    """An explicit `--target ID` against what this machine is: None when it fits (detection finds it, it is
+    one of the profiles an ambiguous GPU fits, or it runs on the CPU, which every machine has; an id no
+    profile knows is left to the bundle's own check). Otherwise EnvironmentProblem naming both, or with
+    `force` the warning to print: preparing a store for another device is deliberate, a typo is not."""
+    profiles = list(profiles) if profiles is not None else all_profiles()
+    wanted = next((p for p in profiles if p.id == target), None)
+    if wanted is None or wanted.backend == "onnxruntime":
+        return None
+    try:
+        found, reason = detect_target(profiles, **probes)
+    except AmbiguousTarget as e:
+        if target in e.candidates:
+            return None
+        found, reason = " or ".join(e.candidates), str(e).split(";")[0]
+    if found == target:
+        return None
+    if force:
+        return f"installing for {target} although this machine is {found} ({reason}), as --force-target asks"
+    raise EnvironmentProblem(f"--target {target} does not match this machine: expected a {target}, found "
+                             f"{found} ({reason}); pass --force-target to install for {target} anyway")

@@ -103,8 +103,8 @@ def profile_dirs() -> tuple[Path, ...]:
 
 def pause_at() -> tuple[str, float] | None:
     """Test hook for crash-safety tests: BUNDLE_PAUSE_AT="STAGE:SECONDS" makes `bundle install` or
-    `bundle copy` sleep at STAGE (install: staging, staged, renamed, switched; copy: copying) so a test
-    can SIGKILL it there. Unset in production. See runtime.store.hooks."""
+    `bundle copy` sleep at STAGE (install: runtime.store.hooks.INSTALL_STAGES; copy: copying) so a test
+    can signal it there. Unset in production. See runtime.store.hooks."""
     value = _get("BUNDLE_PAUSE_AT")
     if value is None:
         return None

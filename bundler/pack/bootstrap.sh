@@ -5,29 +5,79 @@
 #      and the key given with --trust (the pre-authentication encoding exactly as runtime/store/trust.py builds it);
 #   2. every wheel for this platform against its size and sha256 in that signed manifest (`sha256sum`),
 #      on a private copy, so the stick cannot change them after the check;
-#   3. only then `python3 -m venv` and `pip install --no-index` from those verified copies.
+#   3. only then `python3 -m venv` and `pip install --no-index` from those verified copies; a runtime
+#      older than the newest one installed under PREFIX is refused unless --allow-downgrade.
 # Usage:  sh /media/usb/assistant-3/bootstrap --trust release.pub [--prefix /opt/bundle] [--verify-only]
-# Exit codes: 0 ok, 2 usage, 3 bad bundle, 4 untrusted, 5 newer format, 6 environment (the bundle's own table).
+#         [--allow-downgrade]
+# Exit codes (the bundle's own table): 0 ok, 2 usage (also a --trust file that is not an Ed25519 public key),
+#   3 bad bundle, 4 untrusted, 5 refused (newer format; an older runtime without --allow-downgrade),
+#   6 environment; 128+N when signal N ends it (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP): the runtime being
+#   installed is removed and `current` is unchanged. The work folder goes on every exit path; one that
+#   SIGKILL left is removed by the next run once its process is gone.
 set -eu
 
 PREFIX=/opt/bundle
 TRUST=
 VERIFY_ONLY=0
+ALLOW_DOWNGRADE=0
 PY=${PYTHON:-python3}
+WORK=        # $TMPDIR/bundle-bootstrap-*: the verified wheel copies
+CHILD=       # the long step running now (venv, pip), killed with the bootstrap
+NEW_VENV=    # the runtime this run is creating: removed unless `current` names it
+HELD=        # a signal that arrived while traps only record (a child's start, the switch of `current`)
 die() { code=$1; shift; echo "bootstrap: error: $*" >&2; exit "$code"; }
-usage() { echo "usage: sh $0 --trust KEY.pub [--prefix DIR] [--python PYTHON] [--verify-only]"; }
+usage() { echo "usage: sh $0 --trust KEY.pub [--prefix DIR] [--python PYTHON] [--verify-only] [--allow-downgrade]"; }
+
+cleanup() {  # every exit path: the unfinished runtime, the work folder (tens of MB of wheels)
+  # SIGKILL: a child between fork and exec loses a catchable signal, and all it wrote is removed below anyway
+  if [ -n "$CHILD" ]; then kill -s KILL "$CHILD" 2>/dev/null || :; wait "$CHILD" 2>/dev/null || :; CHILD=; fi
+  if [ -n "$NEW_VENV" ] && [ "$(readlink "$PREFIX/current" 2>/dev/null || :)" != "${NEW_VENV##*/}" ]; then
+    rm -rf "$NEW_VENV"
+  fi
+  NEW_VENV=
+  if [ -n "$WORK" ]; then rm -rf "$WORK"; WORK=; fi
+}
+on_signal() {  # $1 name, $2 exit status. A second signal cannot cut the cleanup short.
+  trap '' INT TERM HUP
+  cleanup
+  echo "bootstrap: stopped by $1: nothing installed, $PREFIX/current unchanged" >&2
+  exit "$2"
+}
+arm() { trap 'on_signal SIGINT 130' INT; trap 'on_signal SIGTERM 143' TERM; trap 'on_signal SIGHUP 129' HUP; }
+hold() { trap 'HELD="SIGINT 130"' INT; trap 'HELD="SIGTERM 143"' TERM; trap 'HELD="SIGHUP 129"' HUP; }
+trap cleanup EXIT
+arm
+# A long step runs in the background: sh acts on a signal only between foreground commands, but at once in wait.
+start() {
+  hold  # until CHILD names it, so the trap cannot miss the child it must stop
+  "$@" &
+  CHILD=$!
+  arm
+  if [ -n "$HELD" ]; then on_signal $HELD; fi
+}
+finish() { wait "$CHILD" && rc=0 || rc=$?; CHILD=; return "$rc"; }
+run() { start "$@"; finish; }
+pause() {  # test hook: BUNDLE_PAUSE_AT=STAGE:SECONDS waits at STAGE (verified, venv, pip, installed) for a signal
+  case ${BUNDLE_PAUSE_AT:-} in
+    "$1":*) secs=${BUNDLE_PAUSE_AT#*:}
+            case $secs in ''|*[!0-9]*) die 2 "BUNDLE_PAUSE_AT=$BUNDLE_PAUSE_AT: expected STAGE:SECONDS" ;; esac
+            start sleep "$secs"; echo "bootstrap: paused at $1" >&2; finish ;;
+  esac
+}
+
 while [ $# -gt 0 ]; do
   case $1 in
     --trust) [ $# -ge 2 ] || die 2 "--trust needs a public key file"; TRUST=$2; shift 2 ;;
     --prefix) [ $# -ge 2 ] || die 2 "--prefix needs a directory"; PREFIX=$2; shift 2 ;;
     --python) [ $# -ge 2 ] || die 2 "--python needs an interpreter"; PY=$2; shift 2 ;;
     --verify-only) VERIFY_ONLY=1; shift ;;
+    --allow-downgrade) ALLOW_DOWNGRADE=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) usage >&2; die 2 "unknown argument: $1" ;;
   esac
 done
 [ -n "$TRUST" ] || { usage >&2; die 2 "expected --trust KEY.pub (the release public key), found none"; }
-[ -f "$TRUST" ] || die 2 "expected a public key file at $TRUST, found none"
+[ -e "$TRUST" ] || die 2 "expected a public key file at $TRUST, found none"
 BUNDLE=$(cd "$(dirname "$0")" && pwd -P)
 SELF=$BUNDLE/$(basename "$0")
 
@@ -39,18 +89,38 @@ command -v "$PY" >/dev/null 2>&1 || die 6 "$PY not found: expected Python 3.10+ 
 "$PY" -I -c 'import venv, ensurepip' 2>/dev/null \
   || die 6 "$PY has no venv/ensurepip: expected the venv module (apt install python3-venv)"
 
+# What an earlier run killed by SIGKILL left (its process is gone), then this run's own work folder.
+for old in "${TMPDIR:-/tmp}"/bundle-bootstrap-*; do
+  [ -d "$old" ] && [ ! -L "$old" ] && [ -O "$old" ] || continue
+  pid=
+  read -r pid 2>/dev/null < "$old/.owner-pid" || :
+  case $pid in ''|*[!0-9]*) continue ;; esac
+  [ -d "/proc/$pid" ] || rm -rf "$old"
+done
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/bundle-bootstrap-XXXXXX")
-trap 'rm -rf "$WORK"' EXIT INT TERM
+echo "$$" > "$WORK/.owner-pid"
+# Every child's temporary files (venv's ensurepip, pip's build and unpack folders) go inside it, so a pip
+# killed with the bootstrap leaves nothing behind in TMPDIR either.
+mkdir "$WORK/tmp"
+TMPDIR=$WORK/tmp
+export TMPDIR
 HELPER=$WORK/helper.py
 cat > "$HELPER" <<'PY'
-"""Reads (bounded, no links) and writes files for the shell; decides nothing about trust: openssl does."""
-import base64, hashlib, json, os, platform, re, stat, sys
+"""Reads (bounded; through no link, but for the operator's own --trust key) and writes files for the shell;
+decides nothing about trust: openssl does."""
+import base64, hashlib, json, os, platform, re, signal, stat, sys
+
+signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C: the shell's trap reports it and cleans up, no traceback
 
 MANIFEST_TYPE = "application/vnd.bundle.manifest.v1+json"
 ENVELOPE_TYPE = "application/vnd.dsse.envelope.v1+json"
 OCI_MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 FORMAT_VERSION = 2
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+# The one rule for a wheel's path in the signed manifest, the same as manifests.schema.WHEEL_PATH (a test keeps
+# the two equal): a file name directly under wheelhouse/, so never a folder, a '..' or a newline.
+WHEEL_PATH = re.compile(r"wheelhouse/[A-Za-z0-9_.+!-]{1,251}\.whl")
+KEY_LIMIT = 64 * 1024
 SPKI_ED25519 = bytes.fromhex("302a300506032b6570032100")
 
 
@@ -95,8 +165,22 @@ def loads(data, what):
 
 
 def key(path, out):
-    """Normalise a PEM or OpenSSH Ed25519 public key to PEM for openssl; print its key id."""
-    text = read(path, 64 * 1024, "public key").decode("ascii", "replace").strip()
+    """Normalise a PEM or OpenSSH Ed25519 public key to PEM for openssl; print its key id.
+
+    Like runtime/store/trust.py: the key is the operator's own file, so a symbolic link to it is followed (bundle
+    content never is); anything but a regular file holding such a key is exit 2, as a usage error."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        die(2, f"cannot read public key {path}: {e.strerror}")
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            die(2, f"{path}: expected a PEM or OpenSSH Ed25519 public key in a regular file, found a "
+                   f"{'directory' if stat.S_ISDIR(os.fstat(f.fileno()).st_mode) else 'FIFO or device'}")
+        data = f.read(KEY_LIMIT + 1)
+    if len(data) > KEY_LIMIT:
+        die(2, f"{path}: expected a PEM or OpenSSH Ed25519 public key of a few hundred bytes, found a larger file")
+    text = data.decode("ascii", "replace").strip()
     try:
         if text.startswith("ssh-ed25519 "):
             wire = base64.b64decode(text.split()[1], validate=True)
@@ -187,11 +271,13 @@ def wheels(work, bundle, self_path):
     os.mkdir(out)
     sums, sizes, total = [], [], 0
     for p in paths:
+        if not isinstance(p, str) or not WHEEL_PATH.fullmatch(p):
+            die(3, f"signed manifest: expected wheel paths like wheelhouse/NAME.whl, found {p!r}")
         f = files.get(p)
-        name = p.rsplit("/", 1)[-1]
+        name = p[len("wheelhouse/"):]
         parts = f.get("parts") if isinstance(f, dict) else None
-        if not isinstance(parts, list) or len(parts) != 1 or parts[0].get("compression") != "none" \
-                or not re.match(r"^[A-Za-z0-9_.+!-]+\.whl$", name) or not p.startswith("wheelhouse/"):
+        if not isinstance(parts, list) or len(parts) != 1 or not isinstance(parts[0], dict) \
+                or parts[0].get("compression") != "none":
             die(3, f"signed manifest: expected {p} to be one stored wheel")
         size, sha = f.get("size"), f.get("sha256")
         if not isinstance(size, int) or not isinstance(sha, str) or not re.match(r"^[0-9a-f]{64}$", sha):
@@ -223,8 +309,53 @@ def wheels(work, bundle, self_path):
     print(rt.get("package"), rt.get("version"), plat, len(paths), total, digest)
 
 
+def _version_key(text):
+    """A PEP 440 version (release, a/b/rc, .post, .dev; a +local part is ignored) as a sortable tuple."""
+    m = re.fullmatch(r"v?(\d+(?:\.\d+)*)(?:[-_.]?(a|b|rc)[-_.]?(\d*))?(?:[-_.]?(post)[-_.]?(\d*))?"
+                     r"(?:[-_.]?(dev)[-_.]?(\d*))?(?:\+[a-z0-9.]+)?", str(text).strip().lower())
+    if m is None:
+        return None
+    release = [int(x) for x in m.group(1).split(".")]
+    while len(release) > 1 and release[-1] == 0:
+        release.pop()
+    pre = ({"a": 0, "b": 1, "rc": 2}[m.group(2)], int(m.group(3) or 0)) if m.group(2) else \
+        ((-1, 0) if m.group(6) and not m.group(4) else (3, 0))  # X.devN sorts before X's pre-releases
+    post = int(m.group(5) or 0) if m.group(4) else -1
+    dev = int(m.group(7) or 0) if m.group(6) else float("inf")
+    return tuple(release), pre, post, dev
+
+
+def downgrade(prefix, package, version):
+    """`older NEWEST` when `version` is below the newest runtime of `package` installed under prefix,
+    `unordered OTHER` when it cannot be ordered against one of them (not PEP 440), nothing otherwise."""
+    newest = None
+    try:
+        names = sorted(n for n in os.listdir(prefix) if n.startswith("runtime-"))
+    except OSError:
+        names = []
+    for n in names:
+        marker = os.path.join(prefix, n, ".bootstrap-complete")
+        try:
+            fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        with os.fdopen(fd, "rb") as f:
+            fields = f.read(4096).decode("utf-8", "replace").split() if stat.S_ISREG(os.fstat(f.fileno()).st_mode) \
+                else []
+        if len(fields) < 2 or fields[0] != package:
+            continue
+        have = _version_key(fields[1])
+        if have is None or _version_key(version) is None:
+            print("unordered", fields[1])
+            return
+        if newest is None or have > newest[0]:
+            newest = (have, fields[1])
+    if newest is not None and _version_key(version) < newest[0]:
+        print("older", newest[1])
+
+
 try:
-    {"key": key, "extract": extract, "wheels": wheels}[sys.argv[1]](*sys.argv[2:])
+    {"key": key, "extract": extract, "wheels": wheels, "downgrade": downgrade}[sys.argv[1]](*sys.argv[2:])
 except (AttributeError, KeyError, TypeError, ValueError, IndexError) as e:  # malformed content: one line
     die(3, f"unexpected bundle content ({type(e).__name__}: {str(e)[:200]})")
 PY
@@ -270,22 +401,42 @@ done < "$WORK/SIZES"
   die 3 "a wheel differs from its signed sha256 (${bad:-unknown}): copy the bundle again"
 }
 echo "bootstrap: $NWHEELS wheels for $PLATFORM OK ($TOTAL bytes, sha256 as signed)"
+pause verified
 if [ "$VERIFY_ONLY" = 1 ]; then echo "bootstrap: verified (--verify-only: nothing installed)"; exit 0; fi
 
 # 3. install from the verified copies: a fresh venv per runtime content, then switch `current`
+out=$("$PY" -I "$HELPER" downgrade "$PREFIX" "$PACKAGE" "$VERSION") || exit $?
+set -- $out
+if [ $# -eq 2 ]; then  # the store's rule for models, for the runtime: never down unless asked
+  if [ "$1" = older ]; then why="is older than $2 installed in $PREFIX: expected $2 or newer"
+  else why="cannot be ordered against $2 installed in $PREFIX: expected PEP 440 versions"; fi
+  [ "$ALLOW_DOWNGRADE" = 1 ] || die 5 "runtime $PACKAGE $VERSION $why (pass --allow-downgrade to install it anyway)"
+  echo "bootstrap: warning: runtime $PACKAGE $VERSION $why; installing it (--allow-downgrade)" >&2
+fi
 VENV=$PREFIX/runtime-$VERSION-$HOUSE
 mkdir -p "$PREFIX" || die 6 "cannot create $PREFIX"
 if [ ! -f "$VENV/.bootstrap-complete" ]; then
+  NEW_VENV=$VENV
   rm -rf "$VENV"
-  "$PY" -I -m venv "$VENV" >/dev/null || die 6 "python3 -m venv $VENV failed"
+  run "$PY" -I -m venv "$VENV" >/dev/null || die 6 "python3 -m venv $VENV failed"
+  pause venv
   # -I and --isolated: no PYTHON*/PIP_* variable and no pip.conf (PIP_CONFIG_FILE=/dev/null skips them all)
   # can add code or another wheel source; the only source is the verified copies.
-  PIP_CONFIG_FILE=/dev/null "$VENV/bin/python" -I -m pip --isolated install --no-index --no-cache-dir \
+  PIP_CONFIG_FILE=/dev/null
+  export PIP_CONFIG_FILE
+  run "$VENV/bin/python" -I -m pip --isolated install --no-index --no-cache-dir \
       --disable-pip-version-check --no-input -q --find-links "$WORK/wheels" "$WORK"/wheels/*.whl \
-    || { rm -rf "$VENV"; die 6 "pip could not install $PACKAGE $VERSION from the verified wheels (see above)"; }
+    || die 6 "pip could not install $PACKAGE $VERSION from the verified wheels (see above)"
+  pause pip
   echo "$PACKAGE $VERSION $PLATFORM $HOUSE" > "$VENV/.bootstrap-complete"
+  pause installed
 fi
+# The switch: a signal from here on waits for it (the runtime is complete), then the run ends as installed.
+hold
+mkdir -p "$PREFIX/bin"
 ln -sfn "$(basename "$VENV")" "$PREFIX/.current-new" && mv -T "$PREFIX/.current-new" "$PREFIX/current"
-mkdir -p "$PREFIX/bin" && ln -sfn ../current/bin/bundle "$PREFIX/bin/bundle"
+NEW_VENV=
+ln -sfn ../current/bin/bundle "$PREFIX/bin/.bundle-new" && mv -T "$PREFIX/bin/.bundle-new" "$PREFIX/bin/bundle"
+[ -z "$HELD" ] || echo "bootstrap: ${HELD% *} arrived after $PREFIX/current was switched: the install is complete" >&2
 echo "bootstrap: installed $PACKAGE $VERSION at $VENV ($PREFIX/current)"
 echo "next:  $PREFIX/bin/bundle install $BUNDLE --trust $TRUST --store /data/store"

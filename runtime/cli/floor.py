@@ -30,6 +30,10 @@ def _show_progress(no_progress: bool) -> bool:
     return not no_progress and sys.stderr.isatty()
 
 
+def _warn(message: str) -> None:
+    click.echo(f"bundle: warning: {message}", err=True)
+
+
 def _keys(trust):
     from runtime.store.trust import trusted_keys
     return trusted_keys(list(trust), settings.trust_dir())
@@ -160,12 +164,15 @@ Examples:
 @click.option("--allow-downgrade", is_flag=True,
               help="Install a version below the highest one ever installed here (or replace an installed "
                    "version with a different manifest).")
+@click.option("--force-target", is_flag=True,
+              help="Install for --target ID even when this machine is not one (a store prepared for another "
+                   "device); without it a mismatch is exit 6.")
 @_expiry_option
 @_jobs_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @registry_flags()
-def install(bundle_dir: str, store: Path, target, trust, allow_unsigned, allow_downgrade, ignore_expiry, jobs,
-            no_progress, **registry) -> None:
+def install(bundle_dir: str, store: Path, target, force_target, trust, allow_unsigned, allow_downgrade,
+            ignore_expiry, jobs, no_progress, **registry) -> None:
     """Verify and install a bundle into the store, then make it current.
 
     The signature is checked before any blob is read, then the policy decides (target, version,
@@ -183,14 +190,19 @@ def install(bundle_dir: str, store: Path, target, trust, allow_unsigned, allow_d
     missing `current` link) are repaired from the bundle and the good ones kept.
     Registry: DIR may be REGISTRY/REPO:TAG; the bundle is pulled into STORE/registry-cache/ (kept:
     the next version fetches only its new blobs), then installed from there with every check above.
+    Target: --target ID must be what this machine is (as auto detects it; cpu fits any machine),
+    else exit 6 unless --force-target. Ctrl-C/SIGTERM: before the commit nothing stays changed
+    (exit 130/143); from the commit on the install finishes and exits 0.
     """
+    from runtime.detect import check_target, detect_target
+    from runtime.signals import finish
     from runtime.store.store import Store
 
     if target == "auto":
-        from runtime.detect import detect_target
-
         target, reason = detect_target()
         click.echo(f"target: {target} ({reason})")
+    elif warning := check_target(target, force=force_target):
+        _warn(warning)
     args = dict(target=target, trusted=_keys(trust), allow_unsigned=allow_unsigned, allow_downgrade=allow_downgrade,
                 ignore_expiry=ignore_expiry, jobs=jobs, progress=_show_progress(no_progress))
     if looks_like_reference(bundle_dir):
@@ -202,7 +214,7 @@ def install(bundle_dir: str, store: Path, target, trust, allow_unsigned, allow_d
                    f"({format_size(pulled.bytes_fetched)}), reused {pulled.blobs_reused}; signature "
                    f"{pulled.signature}")
     else:
-        inst = Store(store).install(Path(bundle_dir), **args)
+        inst = finish(lambda: Store(store).install(Path(bundle_dir), **args), "install", _warn)
     verb = "already installed (every file checked)" if inst.noop else "installed"
     if inst.repaired:
         verb = f"repaired ({inst.repaired})"
@@ -264,8 +276,9 @@ def rollback(name: str, store: Path, ignore_expiry: bool) -> None:
     The same policy as install and serve: an expired previous version is refused unless
     --ignore-expiry. Rolling back is the one way down that needs no --allow-downgrade.
     """
+    from runtime.signals import finish
     from runtime.store.store import Store
 
-    inst = Store(store).rollback(name, ignore_expiry=ignore_expiry)
+    inst = finish(lambda: Store(store).rollback(name, ignore_expiry=ignore_expiry), "rollback", _warn)
     click.echo(f"rolled back {inst.name} to v{inst.version} ({inst.target}); "
                f"v{inst.previous_version} kept as previous")

@@ -66,10 +66,27 @@ def open_installed(name_or_dir, *, store: Path | None, target: str, trust: tuple
             installed = Store(tmp, time_from=home).install(
                 ref, target=target, trusted=trusted_keys(list(trust)), allow_unsigned=allow_unsigned,
                 ignore_expiry=ignore_expiry)
-            yield installed, Store(tmp)
+            yield installed, _engine_cache_store(home, Store(tmp), echo)
         return
     echo(f"bundle:      installed {ref!r} from {home.root} (a name: no '/' in it)")
     yield home.servable(ref, target=target, ignore_expiry=ignore_expiry), home
+
+
+def _engine_cache_store(home, scratch, echo: Callable[[str], None]):
+    """The store whose engine cache a bundle directory's engines go to: the device store's, so the next
+    `serve DIR` (a TensorRT device serving from a stick) finds the engine built at the first start; the
+    private one (lost at exit) only when the device store's cache cannot be written."""
+    import os
+
+    try:
+        home.engine_cache_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(home.engine_cache_dir, os.W_OK | os.X_OK):
+            raise PermissionError(f"{home.engine_cache_dir} is not writable")
+    except OSError as e:
+        echo(f"engine cache: {scratch.engine_cache_dir}, removed at exit (the device store's "
+             f"{home.engine_cache_dir} cannot be used: {e.strerror or e})")
+        return scratch
+    return home
 
 
 def serve(name_or_dir, *, store: Path | None = None, host: str | None = None, port: int | None = None,

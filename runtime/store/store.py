@@ -17,8 +17,13 @@ protection and the clock floor live in state.json, not in the links: deleting `c
 neither, and a store whose `current` is missing or damaged is repaired by installing a good copy.
 
 Crash safety: a version is built in STORE/.staging-<random>, fsynced, renamed into bundles/<name>/
-and only then does `current` move, with one rename(2). Killed at any moment, `current` names
-either the old complete version or the new complete one; the next install removes leftovers.
+(beside a `.pending-<dir>` marker: a directory no link names yet is not an installed version, even
+when no `current` link exists at all, as on a first install) and only then does `current` move, with
+one rename(2). Killed at any moment, `current` names either the old complete version or the new
+complete one, and a first install is either absent or complete; the next install removes leftovers.
+SIGINT and SIGTERM: before the commit, the install undoes what it wrote; the commit itself (state.json,
+then the links) runs with signals held (runtime.signals.held_signals), so a signal from there on
+finishes the install and is reported with the finished result (`runtime.signals.finish`).
 Re-installing the same version over itself (repair, other target) uses `<version>.<n>`:
 read paths from `Installed.path` or the `current` link, never build them from the version.
 """
@@ -54,6 +59,7 @@ from runtime.fsutil import fsync_dir, write_atomic, write_new
 from runtime.store.hooks import pause
 from runtime.store.policy import Decision, Facts, decide
 from runtime.store.reader import CHUNK, open_bundle
+from runtime.signals import held_signals
 from runtime.store.state import MAX_STATE_BYTES, Record, StoreState
 from runtime.store.unpack import os_error, unpack_files
 from runtime.store.validate import check_bundle
@@ -65,6 +71,8 @@ ENVELOPE_FILE = "envelope.json"
 INSTALL_FILE = "install.json"
 
 _VERSION_DIR = re.compile(r"^([0-9]+)(\.[0-9]+)?$")
+#: bundles/NAME/.pending-DIR: DIR was renamed in by an install that has not switched a link to it yet
+PENDING_PREFIX = ".pending-"
 _MAX_INFO_BYTES = 64 * 1024
 
 
@@ -184,6 +192,15 @@ def _check_files(root: Path, files: tuple[FileEntry, ...], jobs: int | None) -> 
     with ThreadPoolExecutor(max_workers=jobs or settings.jobs()) as pool:
         ok = list(pool.map(lambda f: _file_matches(root / f.path, f), order))
     return [f for f, good in zip(order, ok) if not good]
+
+
+@dataclass
+class _Work:
+    """What an install has written so far, so an interrupted one can undo it (Store._undo)."""
+
+    name_dir: Path
+    staging: Path | None = None
+    final: str | None = None  # the version directory's name in name_dir, once chosen
 
 
 def _switch_link(link: Path, target_name: str) -> None:
@@ -388,7 +405,9 @@ class Store:
         d = self.bundles_dir / name
         if not d.is_dir():
             return []
-        names = [p.name for p in d.iterdir() if not p.is_symlink() and p.is_dir() and _VERSION_DIR.match(p.name)]
+        linked = {self._link(name, "current"), self._link(name, "previous")}
+        names = [p.name for p in d.iterdir() if not p.is_symlink() and p.is_dir() and _VERSION_DIR.match(p.name)
+                 and (p.name in linked or not os.path.lexists(d / f"{PENDING_PREFIX}{p.name}"))]
         return sorted(names, key=lambda n: tuple(int(x) for x in n.split(".")) + (0,))
 
     def _current_for_install(self, name: str) -> _Current | None:
@@ -437,6 +456,20 @@ class Store:
             removed.append(p)
         for p in self.root.glob(".state-*"):
             p.unlink(missing_ok=True)
+        return removed + self._clean_pending()
+
+    def _clean_pending(self) -> list[Path]:
+        """Version directories an interrupted install renamed in but never linked, and their markers."""
+        removed = []
+        for name_dir in self._name_dirs():
+            linked = {self._link(name_dir.name, "current"), self._link(name_dir.name, "previous")}
+            for marker in name_dir.glob(f"{PENDING_PREFIX}*"):
+                dirname = marker.name[len(PENDING_PREFIX):]
+                if dirname not in linked and _VERSION_DIR.match(dirname):
+                    shutil.rmtree(name_dir / dirname, ignore_errors=True)
+                    removed.append(name_dir / dirname)
+                marker.unlink(missing_ok=True)
+            _remove_if_empty(name_dir)
         return removed
 
     def clean_leftovers(self) -> list[Path]:
@@ -477,21 +510,27 @@ class Store:
         rebuilt in staging from the files that still match (hard links) and the bundle (the rest)."""
         with self._lock():
             self._clean_staging()
+            pause("locked")
             layout = open_bundle(Path(bundle_dir))
             # Trust first: no part blob is read before the signature over the manifest holds.
             manifest, signers = check_signature(layout, trusted, allow_unsigned=allow_unsigned)
             check_bundle(layout, manifest)  # the rules verify and copy apply (runtime.store.validate)
+            pause("verified")
             plan = self._plan(layout, manifest, signers, self._pick_target(target), allow_downgrade=allow_downgrade,
                               ignore_expiry=ignore_expiry, jobs=jobs)
+            pause("planned")
             if plan.noop:
                 return self._keep(plan)
-            final, reused = self._stage(plan, layout, Path(bundle_dir), jobs=jobs, progress=progress)
-            result = self._commit(plan, final)
-            if plan.same_version:
+            work = _Work(self.bundles_dir / manifest.name)
+            try:
+                reused = self._stage(plan, layout, Path(bundle_dir), work, jobs=jobs, progress=progress)
                 n = len(plan.decision.files)
-                return replace(result, repaired=f"{n - reused} of {n} files unpacked again, {reused} verified "
-                                                f"and kept")
-            return result
+                repaired = f"{n - reused} of {n} files unpacked again, {reused} verified and kept" \
+                    if plan.same_version else ""
+                return self._commit(plan, work, repaired)
+            except BaseException:  # an error, Ctrl-C or SIGTERM before the commit: nothing stays changed
+                self._undo(work)
+                raise
 
     def _plan(self, layout, manifest: Manifest, signers: list[str], target_id: str, *, allow_downgrade: bool,
               ignore_expiry: bool, jobs: int | None) -> "_Plan":
@@ -525,24 +564,25 @@ class Store:
     def _keep(self, plan: "_Plan") -> Installed:
         """Nothing to unpack: record the state, restore a missing `current` link, report a no-op."""
         name_dir = self.bundles_dir / plan.manifest.name
-        self._commit_state(plan.new_state, plan.on_disk)
-        if not plan.cur.linked:
-            _switch_link(name_dir / "current", plan.cur.dirname)
-            fsync_dir(name_dir)
-        self.clean_leftovers()
-        result = self.current(plan.manifest.name)
-        return replace(result, noop=plan.cur.linked, repaired="" if plan.cur.linked else "current link restored")
+        with held_signals() as hold:
+            self._commit_state(plan.new_state, plan.on_disk)
+            if not plan.cur.linked:
+                _switch_link(name_dir / "current", plan.cur.dirname)
+                fsync_dir(name_dir)
+            self.clean_leftovers()
+            hold.result = replace(self.current(plan.manifest.name), noop=plan.cur.linked,
+                                  repaired="" if plan.cur.linked else "current link restored")
+        return hold.result
 
-    def _stage(self, plan: "_Plan", layout, bundle_dir: Path, *, jobs: int | None,
-               progress: bool) -> tuple[str, int]:
-        """Build the version in STORE/.staging-*, fsync it, rename it into bundles/<name>/; (dirname, kept)."""
+    def _stage(self, plan: "_Plan", layout, bundle_dir: Path, work: _Work, *, jobs: int | None,
+               progress: bool) -> int:
+        """Build the version in STORE/.staging-*, fsynced; returns how many files were kept (hard links)."""
         manifest = plan.manifest
-        name_dir = self.bundles_dir / manifest.name
-        for d in (self.bundles_dir, name_dir):
+        for d in (self.bundles_dir, work.name_dir):
             if d.is_symlink():
                 raise EnvironmentProblem(f"{d} is a symbolic link: expected a directory of the store "
                                          f"(nothing is written through it; remove the link)")
-        staging = self.root / f".staging-{secrets.token_hex(8)}"
+        staging = work.staging = self.root / f".staging-{secrets.token_hex(8)}"
         try:
             staging.mkdir()
             write_new(staging / MANIFEST_FILE, layout.manifest_bytes)
@@ -565,37 +605,50 @@ class Store:
                          progress=progress, on_file_done=done)
             for d, _, _ in os.walk(staging, topdown=False):
                 fsync_dir(Path(d))
-            pause("staged")
+        except OSError as e:
+            raise os_error(e, staging) from None
+        pause("staged")
+        return len(reused)
+
+    def _commit(self, plan: "_Plan", work: _Work, repaired: str) -> Installed:
+        """Rename staging into bundles/<name>/ (marked pending), then, with signals held, record the state,
+        switch `previous` and `current` (each one atomic rename), drop the marker and clean up."""
+        name_dir, cur = work.name_dir, plan.cur
+        try:
             name_dir.mkdir(parents=True, exist_ok=True)
-            final = self._free_dirname(name_dir, manifest.version)
-            os.rename(staging, name_dir / final)
+            work.final = final = self._free_dirname(name_dir, plan.manifest.version)
+            write_new(name_dir / f"{PENDING_PREFIX}{final}", b"")
+            os.rename(work.staging, name_dir / final)
             fsync_dir(name_dir)
             fsync_dir(self.root)
-        except OSError as e:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise os_error(e, staging) from None
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        pause("renamed")
-        return final, len(reused)
-
-    def _commit(self, plan: "_Plan", final: str) -> Installed:
-        """Record the state, then switch `previous` and `current` (each one atomic rename), then clean up."""
-        name_dir = self.bundles_dir / plan.manifest.name
-        cur = plan.cur
-        try:
-            # Before the switch: "a bundle this new was accepted" stays true whatever happens next.
-            self._commit_state(plan.new_state, plan.on_disk)
-            if cur is not None and not plan.same_version and cur.installed is not None:
-                _switch_link(name_dir / "previous", cur.dirname)
-            _switch_link(name_dir / "current", final)
-            fsync_dir(name_dir)
-            pause("switched")
-            self.clean_leftovers()
+            pause("renamed")
+            with held_signals() as hold:
+                # Before the switch: "a bundle this new was accepted" stays true whatever happens next.
+                self._commit_state(plan.new_state, plan.on_disk)
+                pause("state")
+                if cur is not None and not plan.same_version and cur.installed is not None:
+                    _switch_link(name_dir / "previous", cur.dirname)
+                _switch_link(name_dir / "current", final)
+                fsync_dir(name_dir)
+                (name_dir / f"{PENDING_PREFIX}{final}").unlink()
+                pause("switched")
+                self.clean_leftovers()
+                pause("cleaned")
+                hold.result = replace(self.current(plan.manifest.name), repaired=repaired)
         except OSError as e:  # the old version is still current unless the final rename happened
             raise os_error(e, name_dir) from None
-        return self.current(plan.manifest.name)
+        return hold.result
+
+    def _undo(self, work: _Work) -> None:
+        """After an error or a signal before the commit: remove staging, and the version directory unless
+        `current` names it (then the install did complete), and the name's folder if it is left empty."""
+        if work.staging is not None:
+            shutil.rmtree(work.staging, ignore_errors=True)
+        if work.final is not None and self._link(work.name_dir.name, "current") != work.final:
+            shutil.rmtree(work.name_dir / work.final, ignore_errors=True)
+            (work.name_dir / f"{PENDING_PREFIX}{work.final}").unlink(missing_ok=True)
+        _remove_if_empty(work.name_dir)
+        _remove_if_empty(self.bundles_dir)
 
     def _metadata_matches(self, path: Path, layout) -> bool:
         try:
@@ -640,10 +693,12 @@ class Store:
                 raise BadBundleError(f"cannot roll back {name}: previous v{older.version} at {older.path} is "
                                      f"damaged (files missing or of the wrong size)")
             name_dir = self.bundles_dir / name
-            _switch_link(name_dir / "previous", cur)
-            _switch_link(name_dir / "current", prev)
-            fsync_dir(name_dir)
-            return self.current(name)
+            with held_signals() as hold:  # both links or neither
+                _switch_link(name_dir / "previous", cur)
+                _switch_link(name_dir / "current", prev)
+                fsync_dir(name_dir)
+                hold.result = self.current(name)
+            return hold.result
 
     # --- checks without writing ------------------------------------------------------------
     def servable(self, name: "str | None | Installed", *, target: str = "auto",
@@ -724,6 +779,13 @@ class Store:
         while (name_dir / f"{version}.{n}").exists():
             n += 1
         return f"{version}.{n}"
+
+
+def _remove_if_empty(d: Path) -> None:
+    try:
+        d.rmdir()
+    except OSError:
+        pass  # not empty (or gone): kept
 
 
 class InstalledCorruptError(BadBundleError):

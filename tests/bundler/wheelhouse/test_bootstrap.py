@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -332,3 +334,263 @@ def test_environment_cannot_inject_code_or_wheels(runtime_bundle, tmp_path):
     assert not marker.exists(), "a sitecustomize from PYTHONPATH ran inside the bootstrap"
     site = next(prefix.glob("runtime-*/lib/python3*/site-packages"))
     assert (site / "runtime" / "cli" / "main.py").is_file() and not list(site.glob("evil_extra*"))
+
+
+# --- one rule for wheel paths: the bootstrap and the runtime's verify, the same cases --------------------------
+WHEEL_PATH_CASES = [
+    ("wheelhouse/bundle_runtime-0.1.0-py3-none-any.whl", True),
+    ("wheelhouse/Odd.Name_1+local!x-0.1-py3-none-any.whl", True),
+    ("wheelhouse/..whl", True),  # a file name of dots, not a way out: both accept it
+    ("wheelhouse/../x.whl", False),
+    ("wheelhouse/a/../../x.whl", False),
+    ("wheelhouse/a/../../..", False),
+    ("wheelhouse/sub/x.whl", False),
+    ("wheelhouse/./x.whl", False),
+    ("wheelhouse//x.whl", False),
+    ("wheelhouse/x.whl\n", False),
+    ("wheelhouse/x y.whl", False),
+    ("wheelhouse/x.whl/", False),
+    ("models/x.whl", False),
+    ("wheelhouse/" + "a" * 252 + ".whl", False),  # a name longer than 255 bytes
+]
+
+
+def _rename_floor_wheel(bundle: Path, key: Path, new_path: str) -> None:
+    """Validly signed: the floor wheel's file entry and the runtime section name it `new_path`."""
+    data, d = _manifest(bundle)
+    entry = next(f for f in d["files"] if f["path"].startswith("wheelhouse/bundle_runtime"))
+    old = entry["path"]
+    entry["path"] = new_path
+    d["runtime"]["platforms"] = {p: [new_path if w == old else w for w in ws]
+                                 for p, ws in d["runtime"]["platforms"].items()}
+    resign(bundle, _canonical(d), [load_private_key(key)])
+
+
+@pytest.mark.parametrize("path, accepted", WHEEL_PATH_CASES, ids=[repr(p)[:40] for p, _ in WHEEL_PATH_CASES])
+def test_one_wheel_path_rule_for_the_bootstrap_and_verify(path, accepted, runtime_bundle, bundle_copy, tmp_path):
+    from manifests.errors import BadBundleError
+    _rename_floor_wheel(bundle_copy, runtime_bundle.key, path)
+    r = run_bootstrap(bundle_copy, runtime_bundle.pub, tmp_path / "opt", "--verify-only")
+    if accepted:
+        assert r.returncode == 0, r.stderr
+        verify_bundle(bundle_copy, trusted_keys([runtime_bundle.pub], trust_dir=None))
+    else:
+        assert r.returncode == 3 and len(r.stderr.strip().splitlines()) == 1, (r.returncode, r.stderr)
+        assert "expected wheel paths like wheelhouse/NAME.whl" in r.stderr or "expected a path" in r.stderr
+        with pytest.raises(BadBundleError):
+            verify_bundle(bundle_copy, trusted_keys([runtime_bundle.pub], trust_dir=None))
+    assert _nothing_installed(tmp_path / "opt")
+
+
+def test_the_bootstrap_applies_the_schema_wheel_path_rule():
+    """The bootstrap cannot import manifests/: it carries the same pattern, character for character."""
+    from manifests.schema import WHEEL_PATH
+    source = (REPO / "bundler" / "pack" / "bootstrap.sh").read_text()
+    assert f'WHEEL_PATH = re.compile(r"{WHEEL_PATH.pattern}")' in source
+
+
+# --- --trust files: what the bootstrap and the runtime accept and refuse, with the same exit code --------------
+def _key_case(case: str, tmp_path: Path, runtime_bundle) -> Path:
+    key = tmp_path / "keys" / "release.pub"
+    key.parent.mkdir()
+    if case == "symlink-to-key":
+        key.symlink_to(runtime_bundle.pub)
+    elif case == "symlink-to-bad-key":
+        (tmp_path / "bad.pub").write_text("-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n")
+        key.symlink_to(tmp_path / "bad.pub")
+    elif case == "dangling-symlink":
+        key.symlink_to(tmp_path / "nowhere.pub")
+    elif case == "fifo":
+        os.mkfifo(key)
+    elif case == "empty":
+        key.write_bytes(b"")
+    elif case == "private-key":
+        key.write_bytes(runtime_bundle.key.read_bytes())
+    elif case == "too-large":
+        key.write_bytes(b"ssh-ed25519 " + b"A" * (64 * 1024))
+    return key
+
+
+KEY_CASES = {"symlink-to-key": 0, "symlink-to-bad-key": 2, "dangling-symlink": 2, "fifo": 2, "empty": 2,
+             "private-key": 2, "too-large": 2}
+
+
+@pytest.mark.parametrize("case", sorted(KEY_CASES))
+def test_trust_key_files_are_judged_alike_by_the_bootstrap_and_the_runtime(case, runtime_bundle, tmp_path, capsys):
+    from runtime.cli.main import main
+    key = _key_case(case, tmp_path, runtime_bundle)
+    r = run_bootstrap(runtime_bundle.dir, key, tmp_path / "opt", "--verify-only")
+    code = main(["verify", str(runtime_bundle.dir), "--trust", str(key), "--store", str(tmp_path / "store"),
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    assert (r.returncode, code) == (KEY_CASES[case], KEY_CASES[case]), (r.stderr, err)
+    if KEY_CASES[case]:
+        assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("bootstrap: error: "), r.stderr
+
+
+# --- signals, SIGKILL and every exit path: nothing half-installed, no work folder left in TMPDIR ---------------
+def _start(bundle: Path, pub: Path, prefix: Path, tmpdir: Path, stage: str, *extra: str) -> subprocess.Popen:
+    tmpdir.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHON": system_python(), "TMPDIR": str(tmpdir), "BUNDLE_PAUSE_AT": f"{stage}:600"}
+    return subprocess.Popen(["sh", str(bundle / "bootstrap"), "--trust", str(pub), "--prefix", str(prefix), *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _wait_paused(proc: subprocess.Popen, stage: str) -> None:
+    seen = []
+    for line in proc.stderr:
+        if line.strip() == f"bootstrap: paused at {stage}":
+            return
+        seen.append(line)
+    raise AssertionError(f"the bootstrap exited ({proc.wait()}) before pausing at {stage}: {''.join(seen)}")
+
+
+def _in_group(pgid: int, command: str) -> int:
+    """The pid of the process `command` in process group `pgid` (read from /proc), waiting for its exec: the
+    bootstrap announces a pause once the child is forked, which may still be a shell for a moment."""
+    deadline = time.monotonic() + 120  # a bound for a broken bootstrap, not a timing assumption
+    while time.monotonic() < deadline:
+        for stat_file in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                text = stat_file.read_text()
+            except OSError:
+                continue
+            comm, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+            if comm == command and int(rest[2]) == pgid:
+                return int(stat_file.parent.name)
+        time.sleep(0.05)
+    raise AssertionError(f"no {command} in process group {pgid}")
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _signalled(proc: subprocess.Popen, sig: int, *, group: bool) -> tuple[str, str]:
+    try:
+        (os.killpg if group else os.kill)(proc.pid, sig)
+        out, err = proc.communicate(timeout=300)
+        if sig != signal.SIGKILL:  # a trapped signal: the bootstrap stopped and reaped its child itself
+            assert _group_gone(proc.pid), "the bootstrap left a child process running"
+        return out, err
+    finally:
+        if not _group_gone(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _runtime_dirs(prefix: Path) -> list[str]:
+    return sorted(p.name for p in prefix.iterdir() if p.name.startswith("runtime-")) if prefix.exists() else []
+
+
+@pytest.mark.parametrize("stage, sig, group", [
+    ("venv", signal.SIGINT, True),    # Ctrl-C: the whole foreground process group
+    ("pip", signal.SIGTERM, False),   # `kill PID`: the shell alone, while pip's work lies in the new venv
+])
+def test_a_signal_stops_the_bootstrap_with_nothing_installed(stage, sig, group, runtime_bundle, tmp_path):
+    prefix, tmpdir = tmp_path / "opt", tmp_path / "tmp"
+    proc = _start(runtime_bundle.dir, runtime_bundle.pub, prefix, tmpdir, stage)
+    _wait_paused(proc, stage)
+    assert _runtime_dirs(prefix), "the new runtime should be on disk at this point"
+    # every child (pip, venv, this pause) keeps its temporary files inside the work folder
+    (work,) = tmpdir.iterdir()
+    environ = Path(f"/proc/{_in_group(proc.pid, 'sleep')}/environ").read_bytes().split(b"\0")
+    assert f"TMPDIR={work}/tmp".encode() in environ
+    out, err = _signalled(proc, sig, group=group)
+    assert proc.returncode == 128 + sig, (out, err)
+    assert f"stopped by {signal.Signals(sig).name}" in err and "installed" not in out
+    assert _runtime_dirs(prefix) == [] and not os.path.lexists(prefix / "current")
+    assert list(tmpdir.iterdir()) == []
+
+
+def test_a_signal_during_an_upgrade_keeps_the_installed_runtime_current(runtime_bundle, bundle_copy, tmp_path):
+    prefix, tmpdir = tmp_path / "opt", tmp_path / "tmp"
+    assert run_bootstrap(runtime_bundle.dir, runtime_bundle.pub, prefix,
+                         env={**os.environ, "PYTHON": system_python()}).returncode == 0
+    before = (_runtime_dirs(prefix), os.readlink(prefix / "current"))
+    _with_runtime_version(bundle_copy, runtime_bundle.key, "99.0")
+    proc = _start(bundle_copy, runtime_bundle.pub, prefix, tmpdir, "pip")
+    _wait_paused(proc, "pip")
+    out, err = _signalled(proc, signal.SIGTERM, group=False)
+    assert proc.returncode == 143, err
+    assert (_runtime_dirs(prefix), os.readlink(prefix / "current")) == before
+    assert subprocess.run([str(prefix / "bin" / "bundle"), "--version"], capture_output=True).returncode == 0
+    assert list(tmpdir.iterdir()) == []
+
+
+def test_work_folder_is_removed_on_every_exit_path_and_after_sigkill_by_the_next_run(runtime_bundle, tmp_path):
+    prefix, tmpdir = tmp_path / "opt", tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {**os.environ, "PYTHON": system_python(), "TMPDIR": str(tmpdir)}
+    generate_key(tmp_path / "stranger.key")
+    assert run_bootstrap(runtime_bundle.dir, tmp_path / "stranger.key.pub", prefix, env=env).returncode == 4
+    assert list(tmpdir.iterdir()) == []  # a refusal
+    assert run_bootstrap(runtime_bundle.dir, runtime_bundle.pub, prefix, "--verify-only", env=env).returncode == 0
+    assert list(tmpdir.iterdir()) == []  # success
+    # SIGKILL cannot be trapped: the work folder stays, and the next run removes it (its process is gone) ...
+    proc = _start(runtime_bundle.dir, runtime_bundle.pub, prefix, tmpdir, "verified", "--verify-only")
+    _wait_paused(proc, "verified")
+    _signalled(proc, signal.SIGKILL, group=True)
+    (left,) = tmpdir.iterdir()
+    assert left.name.startswith("bundle-bootstrap-") and (left / "wheels").is_dir()
+    # ... but never the folder of a run that is still alive
+    alive = tmpdir / "bundle-bootstrap-alive"
+    alive.mkdir()
+    (alive / ".owner-pid").write_text(f"{os.getpid()}\n")
+    assert run_bootstrap(runtime_bundle.dir, runtime_bundle.pub, prefix, "--verify-only", env=env).returncode == 0
+    assert [p.name for p in tmpdir.iterdir()] == ["bundle-bootstrap-alive"]
+
+
+# --- anti-rollback for the runtime, as the store does for models ------------------------------------------------
+def _with_runtime_version(bundle: Path, key: Path, version: str) -> None:
+    """Validly signed, the same wheels, but the runtime section names another version."""
+    data, d = _manifest(bundle)
+    d["runtime"]["version"] = version
+    resign(bundle, _canonical(d), [load_private_key(key)])
+
+
+def test_an_older_runtime_is_refused_unless_allow_downgrade(runtime_bundle, bundle_copy, tmp_path):
+    from bundler.pack.wheelhouse import floor_version
+    prefix = tmp_path / "opt"
+    env = {**os.environ, "PYTHON": system_python()}
+    assert run_bootstrap(runtime_bundle.dir, runtime_bundle.pub, prefix, env=env).returncode == 0
+    current = os.readlink(prefix / "current")
+    _with_runtime_version(bundle_copy, runtime_bundle.key, "0.0.9")
+    r = run_bootstrap(bundle_copy, runtime_bundle.pub, prefix, env=env)
+    assert r.returncode == 5, r.stderr
+    assert r.stderr.strip() == (f"bootstrap: error: runtime bundle-runtime 0.0.9 is older than {floor_version()} "
+                                f"installed in {prefix}: expected {floor_version()} or newer (pass "
+                                f"--allow-downgrade to install it anyway)")
+    assert os.readlink(prefix / "current") == current and not list(prefix.glob("runtime-0.0.9-*"))
+    assert run_bootstrap(bundle_copy, runtime_bundle.pub, prefix, "--verify-only", env=env).returncode == 0
+    r = run_bootstrap(bundle_copy, runtime_bundle.pub, prefix, "--allow-downgrade", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "installing it (--allow-downgrade)" in r.stderr
+    assert os.readlink(prefix / "current").startswith("runtime-0.0.9-")
+    # the newest ever installed still counts: the same older version again needs the flag again
+    assert run_bootstrap(bundle_copy, runtime_bundle.pub, prefix, env=env).returncode == 5
+    assert run_bootstrap(runtime_bundle.dir, runtime_bundle.pub, prefix, env=env).returncode == 0
+    assert os.readlink(prefix / "current") == current
+
+
+@pytest.mark.parametrize("older, newer", [("0.1.0", "0.1.1"), ("0.9", "0.10"), ("1.0rc1", "1.0"), ("1.0.dev1", "1.0a1"),
+                                          ("1.0", "1.0.post1"), ("1.0a2", "1.0b1"), ("2", "2.0.1")])
+def test_the_bootstrap_orders_versions_as_pep_440_does(older, newer, tmp_path):
+    """The bootstrap's version order (it cannot import packaging) against packaging's, on the cases that matter."""
+    from packaging.version import Version
+    assert Version(older) < Version(newer)
+    source = (REPO / "bundler" / "pack" / "bootstrap.sh").read_text()
+    helper = source.split("cat > \"$HELPER\" <<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
+    (tmp_path / "helper.py").write_text(helper)
+    for installed, candidate, refused in ((newer, older, True), (older, newer, False), (older, older, False)):
+        runtime = tmp_path / f"opt-{installed}" / "runtime-x"
+        runtime.mkdir(parents=True, exist_ok=True)
+        (runtime / ".bootstrap-complete").write_text(f"bundle-runtime {installed} linux_x86_64-cp311 abc\n")
+        r = subprocess.run([sys.executable, "-I", str(tmp_path / "helper.py"), "downgrade", str(runtime.parent),
+                            "bundle-runtime", candidate], capture_output=True, text=True)
+        assert r.returncode == 0 and r.stdout.strip() == (f"older {installed}" if refused else ""), (r, installed)

@@ -92,3 +92,34 @@ def test_targets_json_includes_user_profiles(tmp_path):
     assert result.exit_code == 0, result.output
     by_id = {p["id"]: p for p in json.loads(result.output)}
     assert by_id["cpu-big"]["memory_bytes"] == 256 * 1024**3 and "jetson-thor" in by_id
+
+
+# --- an explicit --target against what this machine is (`bundle install --target ID`) ----------------------
+def test_an_explicit_target_this_machine_is_not_is_refused_unless_forced(tmp_path):
+    from runtime.detect import check_target
+
+    probes = dict(device_tree=tmp_path / "absent", compute_capability=None)
+    with pytest.raises(EnvironmentProblem, match=r"--target jetson-thor does not match this machine: expected a "
+                                                 r"jetson-thor, found cpu \(no device tree model and no NVIDIA "
+                                                 r"GPU found; using cpu\); pass --force-target"):
+        check_target("jetson-thor", **probes)
+    warning = check_target("jetson-thor", force=True, **probes)
+    assert "installing for jetson-thor although this machine is cpu" in warning and "--force-target" in warning
+    thor = dict(device_tree=device_tree(tmp_path, "NVIDIA IGX Thor Developer Kit"), compute_capability="11.0")
+    with pytest.raises(EnvironmentProblem, match="found igx-thor"):
+        check_target("jetson-thor", **thor)
+
+
+def test_an_explicit_target_that_fits_passes_without_a_word(tmp_path):
+    from runtime.detect import check_target
+
+    thor = dict(device_tree=device_tree(tmp_path, "NVIDIA Jetson AGX Thor Developer Kit"), compute_capability="11.0")
+    assert check_target("jetson-thor", **thor) is None
+    # cpu runs on every machine; an id no profile knows is left to the bundle's own check (it names its targets)
+    assert check_target("cpu", **thor) is None
+    assert check_target("orin-agx", **thor) is None
+    # a GPU that fits several profiles: naming one of them is exactly what the detection asks for
+    ambiguous = dict(device_tree=tmp_path / "absent", compute_capability="11.0")
+    assert check_target("igx-thor", **ambiguous) is None
+    with pytest.raises(EnvironmentProblem, match="found drive-agx-thor or igx-thor or jetson-thor"):
+        check_target("dgx-spark", **ambiguous)

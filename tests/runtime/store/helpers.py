@@ -46,3 +46,36 @@ def run_cli(args: list, timeout: float = 60):
     env = {**os.environ, "PYTHONPATH": str(root), "BUNDLE_DEBUG": ""}
     return subprocess.run([sys.executable, "-m", "bundler.cli", *map(str, args)], env=env, cwd=root,
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def store_snapshot(root: Path) -> dict[str, str]:
+    """Everything under a store but its `.lock` (created by any install, also a refused one): each
+    directory, each file's sha256, each link's target. A missing store is an empty one."""
+    import os
+    out: dict[str, str] = {}
+    if not root.exists():
+        return out
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = Path(dirpath) / n
+            rel = str(p.relative_to(root))
+            if rel == ".lock":
+                continue
+            if p.is_symlink():
+                out[rel] = "-> " + os.readlink(p)
+            elif p.is_dir():
+                out[rel] = "dir"
+            else:
+                out[rel] = sha256_file(p)
+    return out
+
+
+def paused_at(proc, stage: str) -> list[str]:
+    """Read the child's stderr up to the hook's `bundle: paused at STAGE` line (the child then waits there);
+    the lines before it are returned. The child exiting first fails the test with what it printed."""
+    seen = []
+    for line in proc.stderr:
+        if line.strip() == f"bundle: paused at {stage}":
+            return seen
+        seen.append(line)
+    raise AssertionError(f"exited (code {proc.wait()}) without pausing at {stage}: {''.join(seen)[-2000:]}")

@@ -21,7 +21,7 @@ from tests.runtime.store.helpers import assert_no_leftovers, assert_serving_read
 
 
 def install_cli(bundle, store, keys, *extra) -> int:
-    return main(["install", str(bundle), "--store", str(store), "--target", "jetson-thor",
+    return main(["install", str(bundle), "--store", str(store), "--target", "jetson-thor", "--force-target",
                  "--trust", str(keys.release_pub), "--no-progress", *extra])
 
 
@@ -95,7 +95,7 @@ def test_validly_signed_manifest_with_bad_path_refused(bundle_copy, keys, tmp_pa
 def test_wrong_key_and_unsigned_refused(bundles, keys, tmp_path, capsys):
     store = tmp_path / "store"
     code = main(["install", str(bundles["v1"]), "--store", str(store), "--target", "jetson-thor",
-                 "--trust", str(keys.other_pub)])
+                 "--force-target", "--trust", str(keys.other_pub)])
     assert code == TrustError.exit_code and keys.release_id[:16] in capsys.readouterr().err
     assert install_cli(bundles["unsigned"], store, keys) == TrustError.exit_code
     assert Store(store).names() == []
@@ -186,6 +186,24 @@ def test_target_the_bundle_lacks(bundles, keys, tmp_path, capsys):
     assert code == EnvironmentProblem.exit_code
     err = capsys.readouterr().err
     assert "'orin-agx'" in err and "jetson-thor, igx-thor" in err
+
+
+def test_an_explicit_target_this_machine_is_not_is_refused_unless_forced(bundles, keys, tmp_path, capsys):
+    from runtime.detect import detect_target
+    if detect_target()[0] == "jetson-thor":
+        pytest.skip("this machine is a Jetson Thor: --target jetson-thor fits it")
+    store = tmp_path / "store"
+    code = main(["install", str(bundles["v1"]), "--store", str(store), "--target", "jetson-thor",
+                 "--trust", str(keys.release_pub), "--no-progress"])
+    assert code == EnvironmentProblem.exit_code
+    err = capsys.readouterr().err
+    assert "--target jetson-thor does not match this machine: expected a jetson-thor, found" in err
+    assert "pass --force-target" in err and len(err.strip().splitlines()) == 1
+    assert not (store / "bundles").exists()
+    assert install_cli(bundles["v1"], store, keys) == 0  # --force-target: installed, with a warning
+    out, err = capsys.readouterr()
+    assert "installed demo v1 for jetson-thor" in out
+    assert "bundle: warning: installing for jetson-thor although this machine is" in err
 
 
 def test_other_target_gets_its_own_files(bundles, trusted, tmp_path, clock):

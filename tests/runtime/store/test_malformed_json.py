@@ -54,8 +54,8 @@ def test_malformed_signed_manifest_is_exit_3(bundle_copy, keys, tmp_path, capsys
                   raw=(b'"serve":"PLACEHOLDER"', raw))
     expect_exit(["verify", b, "--trust", keys.release_pub, "--no-progress"], BadBundleError.exit_code, capsys,
                 "bundle manifest", words)
-    expect_exit(["install", b, "--store", tmp_path / "store", "--target", "jetson-thor", "--trust",
-                 keys.release_pub, "--no-progress"], BadBundleError.exit_code, capsys, words)
+    expect_exit(["install", b, "--store", tmp_path / "store", "--target", "jetson-thor", "--force-target",
+                 "--trust", keys.release_pub, "--no-progress"], BadBundleError.exit_code, capsys, words)
     expect_exit(["inspect", b], BadBundleError.exit_code, capsys, words)
 
 
@@ -69,7 +69,7 @@ def test_lone_surrogate_in_a_signed_path_is_exit_3(bundle_copy, keys, tmp_path, 
     expect_exit(["verify", b, "--trust", keys.release_pub, "--no-progress"], BadBundleError.exit_code, capsys,
                 "lone surrogate")
     store = tmp_path / "store"
-    expect_exit(["install", b, "--store", store, "--target", "jetson-thor", "--trust", keys.release_pub,
+    expect_exit(["install", b, "--store", store, "--target", "jetson-thor", "--force-target", "--trust", keys.release_pub,
                  "--no-progress"], BadBundleError.exit_code, capsys, "lone surrogate")
     assert not (store / "bundles").exists()
 
@@ -117,8 +117,8 @@ def test_damaged_install_json_is_reported_not_traceback(installed, keys, capsys)
 
 def test_damaged_state_json_is_rebuilt_not_traceback(installed, bundles, keys, capsys):
     installed.state_file.write_bytes(b'{"clock_floor": ' + DEEP + b"}")
-    expect_exit(["install", bundles["v2"], "--store", installed.root, "--target", "jetson-thor", "--trust",
-                 keys.release_pub, "--no-progress"], 0, capsys, "state.json", "nested at most 64 deep",
+    expect_exit(["install", bundles["v2"], "--store", installed.root, "--target", "jetson-thor", "--force-target",
+                 "--trust", keys.release_pub, "--no-progress"], 0, capsys, "state.json", "nested at most 64 deep",
                 "rebuilt from the installed versions")
 
 

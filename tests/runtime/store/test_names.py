@@ -49,9 +49,10 @@ def test_serve_name_is_not_shadowed_by_a_folder(cwd_with_demo_folder, bundles, k
     with open_installed("./demo", store=store, target="jetson-thor", trust=(keys.release_pub,),
                         echo=said.append) as (inst, st):
         assert inst.version == 2 and not inst.path.is_relative_to(store)
-        tmp_root = st.root
+        unpacked = inst.path
+        assert st.root == store  # whose engine cache it uses
     assert any("directory demo (a path)" in line for line in said), said
-    assert not tmp_root.exists()
+    assert not unpacked.exists()
 
 
 def test_cli_serve_and_verify_name_with_folder_present(cwd_with_demo_folder, bundles, keys, tmp_path, capsys):
@@ -137,3 +138,38 @@ def test_verify_dir_reports_expiry_as_install_would(bundles, inputs, keys, tmp_p
     capsys.readouterr()
     assert main(["verify", str(soon), "--trust", pub, "--store", str(store)]) == PolicyError.exit_code
     assert "already accepted a bundle created 2099-01-05" in capsys.readouterr().err
+
+
+def test_serve_dir_keeps_its_engine_cache_in_the_device_store(bundles, keys, tmp_path):
+    """A TensorRT device serving from a stick builds its engine once: the second `serve DIR` finds it."""
+    from runtime.engines.cache import EngineCache, engine_key
+    store = tmp_path / "device-store"
+    key = engine_key("ab" * 32, {"max_context": 256}, "11.0", "10.13.3.9")
+    built = []
+
+    def build(out):
+        built.append(out)
+        out.write_bytes(b"plan")
+
+    for start in (1, 2):
+        said = []
+        with open_installed(Path(bundles["v1"]), store=store, target="jetson-thor", trust=(keys.release_pub,),
+                            echo=said.append) as (inst, st):
+            assert not inst.path.is_relative_to(store)  # the unpacked files stay private
+            cache = EngineCache(st.engine_cache_dir)
+            assert cache.root.is_relative_to(store)
+            plan = cache.lookup(key) or cache.store(key, build, {"reason": "first start"})
+        assert plan.read_bytes() == b"plan" and not any("engine cache" in line for line in said)
+    assert len(built) == 1, "the second serve DIR rebuilt the engine"
+
+
+def test_serve_dir_with_a_store_it_cannot_write_keeps_engines_for_the_run_only(bundles, keys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the store's parent directory should be")
+    said = []
+    with open_installed(Path(bundles["v1"]), store=blocker / "store", target="jetson-thor",
+                        trust=(keys.release_pub,), echo=said.append) as (inst, st):
+        assert st.root != blocker / "store" and inst.path.is_relative_to(st.root)
+        scratch = st.root
+    assert any(f"engine cache: {scratch / 'engine-cache'}, removed at exit" in line for line in said), said
+    assert not scratch.exists()

@@ -50,12 +50,12 @@ def test_fifo_does_not_hang_verify_or_install(bundle_copy, bundles, keys, tmp_pa
     assert r.returncode == BadBundleError.exit_code, r.stderr
     assert "FIFO" in r.stderr and fifo.name in r.stderr and "Traceback" not in r.stderr, r.stderr
     store = tmp_path / "store"
-    r = run_cli(["install", b, "--store", store, "--target", "jetson-thor", "--trust", keys.release_pub,
-                 "--no-progress"])
+    r = run_cli(["install", b, "--store", store, "--target", "jetson-thor", "--force-target", "--trust",
+                 keys.release_pub, "--no-progress"])
     assert r.returncode == BadBundleError.exit_code, r.stderr
     assert "FIFO" in r.stderr and "Traceback" not in r.stderr, r.stderr
     # The store lock was released and nothing half-installed: a good bundle installs next.
-    r = run_cli(["install", bundles["v1"], "--store", store, "--target", "jetson-thor", "--trust",
+    r = run_cli(["install", bundles["v1"], "--store", store, "--target", "jetson-thor", "--force-target", "--trust",
                  keys.release_pub, "--no-progress"])
     assert r.returncode == 0, r.stderr
     assert_serving_ready(Store(store), version=1)

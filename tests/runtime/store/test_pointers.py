@@ -22,7 +22,7 @@ def refused_everywhere(b, keys, tmp_path, capsys, words: str) -> None:
     """verify, install and copy all refuse the bundle with exit 3 and a message containing `words`."""
     store = tmp_path / "store"
     for argv in (["verify", str(b), "--trust", str(keys.release_pub), "--no-progress"],
-                 ["install", str(b), "--store", str(store), "--target", "jetson-thor", "--trust",
+                 ["install", str(b), "--store", str(store), "--target", "jetson-thor", "--force-target", "--trust",
                   str(keys.release_pub), "--no-progress"],
                  ["copy", str(b), str(tmp_path / "dst"), "--no-progress"]):
         assert main(argv) == BadBundleError.exit_code, argv[0]
@@ -199,7 +199,7 @@ def test_a_folder_that_is_not_a_bundle_is_named_so(tmp_path, keys, capsys, conte
         (d / "notes.txt").write_text("hello")
     store = tmp_path / "store"
     for argv in (["verify", str(d), "--trust", str(keys.release_pub)],
-                 ["install", str(d), "--store", str(store), "--target", "jetson-thor", "--trust",
+                 ["install", str(d), "--store", str(store), "--target", "jetson-thor", "--force-target", "--trust",
                   str(keys.release_pub)],
                  ["copy", str(d), str(tmp_path / "dst")],
                  ["inspect", str(d)]):
@@ -235,7 +235,7 @@ def test_unsigned_bundle_allowed_still_gets_every_structural_check(bundle_copy, 
     b = bundle_copy("unsigned")
     edit_index(b, lambda i: i["manifests"][0]["annotations"].update({L.REF_NAME_ANNOTATION: "demo:9"}))
     for argv in (["verify", str(b), "--allow-unsigned", "--no-progress"],
-                 ["install", str(b), "--store", str(tmp_path / "s"), "--target", "jetson-thor", "--allow-unsigned",
+                 ["install", str(b), "--store", str(tmp_path / "s"), "--target", "jetson-thor", "--force-target", "--allow-unsigned",
                   "--no-progress"]):
         assert main(argv) == BadBundleError.exit_code
         assert "index.json names the bundle 'demo:9'" in capsys.readouterr().err

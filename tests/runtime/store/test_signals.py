@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.store.hooks import INSTALL_STAGES
 from runtime.signals import Terminated, exit_on_signals
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -98,8 +99,8 @@ def test_install_sigterm_removes_staging_and_keeps_the_previous_version(bundles,
     store = Store(tmp_path / "store")
     store.install(bundles["v1"], target="jetson-thor", trusted=trusted)
     proc = subprocess.Popen([sys.executable, "-m", "bundler.cli", "install", str(bundles["v2"]), "--store",
-                             str(store.root), "--target", "jetson-thor", "--trust", str(keys.release_pub),
-                             "--no-progress"], env=_env(tmp_path / "tmp", BUNDLE_PAUSE_AT="staging:120"),
+                             str(store.root), "--target", "jetson-thor", "--force-target", "--trust",
+                             str(keys.release_pub), "--no-progress"], env=_env(tmp_path / "tmp", BUNDLE_PAUSE_AT="staging:120"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         _wait_for_line(proc.stderr, "paused at staging")
@@ -181,6 +182,37 @@ def test_a_signal_the_parent_ignores_stays_ignored():
         signal.signal(signal.SIGTERM, old)
 
 
+def test_a_signal_inside_a_held_block_is_acted_on_when_it_ends_with_the_result_attached():
+    from runtime.signals import completed_before, finish, held_signals
+    steps = []
+    with pytest.raises(Terminated) as e:
+        with exit_on_signals():
+            with held_signals() as hold:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)
+                steps.append("the step went on")  # not cut in half
+                hold.result = "done"
+            steps.append("never reached")
+    assert steps == ["the step went on"] and e.value.code == 143 and completed_before(e.value) == "done"
+    # finish(): the work completed, so the signal does not turn it into a failure
+    warned = []
+
+    def work():
+        with held_signals() as hold:
+            os.kill(os.getpid(), signal.SIGINT)
+            hold.result = 42
+        return "not reached"
+    with exit_on_signals():
+        assert finish(work, "install", warned.append) == 42
+    assert warned == ["SIGINT arrived after the install was committed: it is complete"]
+    # nothing held: the exception is the signal's own, and finish() lets it through
+    with pytest.raises(KeyboardInterrupt) as e:
+        with exit_on_signals():
+            finish(lambda: os.kill(os.getpid(), signal.SIGINT) or time.sleep(5), "install", warned.append)
+    assert completed_before(e.value) is None and len(warned) == 1
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 def test_off_the_main_thread_it_changes_nothing():
     seen = []
 
@@ -192,3 +224,61 @@ def test_off_the_main_thread_it_changes_nothing():
     t.start()
     t.join()
     assert seen == [signal.SIG_DFL]
+
+
+# --- Ctrl-C and SIGTERM at every point of an install: it completed (exit 0, says so) or nothing changed ------
+def _install_until(bundle: Path, store: Path, pub: Path, stage: str, tmp_path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "bundler.cli", "install", str(bundle), "--store", str(store),
+                             "--target", "jetson-thor", "--force-target", "--trust", str(pub), "--no-progress",
+                             "--jobs", "2"], env=_env(tmp_path / "tmp", BUNDLE_PAUSE_AT=f"{stage}:600"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def _signalled_at(stage, sig, first, bundles, keys, trusted, tmp_path):
+    from runtime.store.hooks import INSTALL_COMMITTED_FROM
+    from runtime.store.store import Damaged, Store
+    from tests.runtime.store.helpers import assert_no_leftovers, assert_serving_ready, paused_at, store_snapshot
+    store = Store(tmp_path / "store")
+    if not first:
+        store.install(bundles["v1"], target="jetson-thor", trusted=trusted)
+    before = store_snapshot(store.root)
+    proc = _install_until(bundles["v2"], store.root, keys.release_pub, stage, tmp_path)
+    try:
+        paused_at(proc, stage)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not [e for e in store.entries() if isinstance(e, Damaged)], store.entries()
+    name = signal.Signals(sig).name
+    if INSTALL_STAGES.index(stage) >= INSTALL_STAGES.index(INSTALL_COMMITTED_FROM):
+        # Committed: the install finishes, says so, exit 0.
+        assert proc.returncode == 0, err
+        assert "installed demo v2" in out, out
+        assert f"{name} arrived after the install was committed: it is complete" in err, err
+        assert_serving_ready(store, version=2)
+        assert_no_leftovers(store)
+        assert store.current("demo").previous_version == (None if first else 1)
+    else:
+        # Not committed: the signal's exit code and the store exactly as it was.
+        assert proc.returncode == 128 + sig, (out, err)
+        assert "installed" not in out, out
+        assert store_snapshot(store.root) == before
+        if not first:
+            assert_serving_ready(store, version=1)
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-install", "upgrade"])
+@pytest.mark.parametrize("stage", INSTALL_STAGES)
+def test_ctrl_c_at_every_stage_completes_the_install_or_changes_nothing(stage, first, bundles, keys, trusted,
+                                                                         tmp_path):
+    _signalled_at(stage, signal.SIGINT, first, bundles, keys, trusted, tmp_path)
+
+
+@pytest.mark.parametrize("stage", ["staged", "renamed", "state", "switched"])
+def test_sigterm_around_the_commit_completes_the_install_or_changes_nothing(stage, bundles, keys, trusted,
+                                                                            tmp_path):
+    _signalled_at(stage, signal.SIGTERM, True, bundles, keys, trusted, tmp_path)
+

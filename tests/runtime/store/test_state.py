@@ -188,7 +188,7 @@ def test_corrupt_state_is_rebuilt_and_protection_holds(bundles, keys, tmp_path, 
 # --- concurrent installs --------------------------------------------------------------------------------
 def _install_proc(bundle, store, pub):
     return subprocess.Popen([sys.executable, "-m", "bundler.cli", "install", str(bundle), "--store", str(store),
-                             "--target", "jetson-thor", "--trust", str(pub), "--no-progress", "--jobs", "1"],
+                             "--target", "jetson-thor", "--force-target", "--trust", str(pub), "--no-progress", "--jobs", "1"],
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
 

@@ -202,7 +202,7 @@ def test_killed_pull_is_not_complete_and_a_rerun_fetches_nothing_again(registry,
 
 # --- install from the registry -----------------------------------------------------------------------
 def install_args(registry, store, keys, *extra) -> list[str]:
-    return ["--store", str(store), "--target", "jetson-thor", "--trust", str(keys.release_pub),
+    return ["--store", str(store), "--target", "jetson-thor", "--force-target", "--trust", str(keys.release_pub),
             *reg_args(registry), *extra]
 
 
@@ -451,7 +451,7 @@ def test_bearer_token_auth_as_harbor_does_it(bundles, keys, tmp_path):
 def test_a_directory_install_loads_no_registry_code(bundles, keys, tmp_path):
     code = ("import json, sys\nfrom bundler.cli import main\n"
             f"rc = main(['install', {str(bundles['v1'])!r}, '--store', {str(tmp_path / 's')!r}, '--target', "
-            f"'jetson-thor', '--trust', {str(keys.release_pub)!r}, '--no-progress'])\n"
+            f"'jetson-thor', '--force-target', '--trust', {str(keys.release_pub)!r}, '--no-progress'])\n"
             "print(json.dumps([rc, sorted(sys.modules)]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), timeout=120)
