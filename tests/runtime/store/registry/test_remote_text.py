@@ -20,7 +20,7 @@ def test_a_registry_error_with_control_codes_is_printed_escaped(kind, bundles, k
         ref = f"{reg.host}/fleet/demo:1"
         tail = ["--ca-file", str(reg.ca), "--no-progress"]
         argv = (["pull", ref, str(tmp_path / "d"), *tail] if kind == "pull" else
-                ["install", ref, "--store", str(tmp_path / "s"), "--target", "jetson-thor", "--trust",
+                ["install", ref, "--store", str(tmp_path / "s"), "--target", "jetson-thor", "--force-target", "--trust",
                  str(keys.release_pub), *tail])
         assert main(argv) == RegistryAuthError.exit_code  # the registry said DENIED
     finally:

@@ -43,7 +43,7 @@ def command(kind: str, reg: FakeRegistry, tmp_path: Path, keys, *timeouts: str) 
     common = ["--ca-file", str(reg.ca), "--no-progress", *timeouts]
     if kind == "pull":
         return ["pull", ref, str(tmp_path / "dest"), *common]
-    return ["install", ref, "--store", str(tmp_path / "store"), "--target", "jetson-thor", "--trust",
+    return ["install", ref, "--store", str(tmp_path / "store"), "--target", "jetson-thor", "--force-target", "--trust",
             str(keys.release_pub), *common]
 
 
