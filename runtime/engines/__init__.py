@@ -84,7 +84,7 @@ def cuda_engine(graph: Path, record: EngineRecord, max_context: int | None):
 def decode_graph_of(graph: Path, record: EngineRecord) -> Path | None:
     """The record's GroupQueryAttention decode graph (build["decode_graph"], one of its files), or None
     (bundles made before it: the Attention graph runs every row)."""
-    from runtime.engines.cuda import SHARED_WEIGHTS_INDEX
+    from runtime.engines.shared_weights import SHARED_WEIGHTS_INDEX
 
     rel = record.build.get("decode_graph")
     if not rel:

@@ -1,6 +1,8 @@
 """ONNX Runtime's CUDA provider over the shipped graph: the `cuda` target, and TensorRT targets without TensorRT.
 
-Slots (runtime.engines.base) as in runtime.engines.onnxruntime, with nothing on the host that need not be:
+Slots (runtime.engines.base) as in runtime.engines.onnxruntime, their lengths and live buffers in the one
+SlotTable (runtime.engines.slots; the engine supplies only the device-to-device row copies), with nothing on
+the host that need not be:
 
 - the KV cache lives in device memory (cudaMalloc, then zeroed: attention reads rows nobody wrote yet
   under its mask, and recycled memory may hold NaN), bound to the graph's past and present with
@@ -44,13 +46,12 @@ row writes its spare rows past max_context), so the order of the calls does not 
 the same cache contents (rotary applied to K before the write, same dtype). The weights are read once
 into device memory and given to both ONNX Runtime sessions as shared initializers
 (SessionOptions.add_initializer, DLPack OrtValues over the engine's own allocations: ONNX Runtime refuses
-initializers in memory it allocated): neither session holds a copy of its own. Where onnxruntime cannot
+initializers in memory it allocated; runtime.engines.shared_weights, runtime.engines.dlpack): neither session holds a copy of its own. Where onnxruntime cannot
 import DLPack memory the engine runs the Attention graph alone (decode_graph_error says why).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from pathlib import Path
 from typing import Collection, Sequence
@@ -58,9 +59,11 @@ from typing import Collection, Sequence
 import numpy as np
 
 from manifests.errors import EnvironmentProblem, ModelError
-from runtime.engines.cudalib import D2D, D2H, H2D, Cudart, onnxruntime_cuda
-from runtime.engines.base import Engine, Row, check_rollback
+from runtime.engines.base import Engine, Row
+from runtime.engines.cudalib import D2D, D2H, H2D, Cudart, DeviceBuffer, onnxruntime_cuda
 from runtime.engines.onnxruntime import OnnxRuntimeEngine, bind_row_inputs
+from runtime.engines.shared_weights import SHARED_WEIGHTS_INDEX, read_shared_weights
+from runtime.engines.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -83,18 +86,6 @@ def batch_buckets(num_slots: int) -> list[int]:
     return out + [num_slots]
 
 
-class _Device:
-    """One device allocation, freed with the engine."""
-
-    def __init__(self, cudart: Cudart, nbytes: int):
-        self.cudart, self.nbytes, self.ptr = cudart, int(nbytes), cudart.malloc(nbytes)
-
-    def free(self) -> None:
-        if self.ptr:
-            self.cudart.free(self.ptr)
-            self.ptr = 0
-
-
 class _Lane:
     """One ONNX Runtime session over the engine's cache, with its own I/O binding and CUDA graphs."""
 
@@ -114,143 +105,6 @@ class _Lane:
             self.io = self.session.io_binding()
             self.bound_inputs = self.bound_outputs = self.bound = None
         return self.io
-
-
-#: ONNX element type -> DLPack (type code, bits): float, bfloat, int.
-_DLPACK_TYPES = {1: (2, 32), 10: (2, 16), 16: (4, 16), 7: (0, 64), 6: (0, 32), 2: (1, 8)}  # 2: uint8 (4-bit blocks)
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    pass
-
-
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
-_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
-#: address -> (DLManagedTensor, shape): alive until ONNX Runtime releases the OrtValue made from it
-#: (it calls the deleter then, whatever order the garbage collector frees the engine's objects in).
-_DLPACK_ALIVE: dict[int, tuple] = {}
-
-
-@_DELETER
-def _release_dlpack(managed) -> None:
-    _DLPACK_ALIVE.pop(ctypes.addressof(managed.contents), None)
-
-
-def wrap_device_memory(ort, ptr: int, dims: Sequence[int], onnx_type: int, on_gpu: bool, device_id: int):
-    """An OrtValue over memory the engine owns (DLPack, no copy): what SessionOptions.add_initializer
-    accepts ("Buffer containing the initializer must be owned by the user"; an OrtValue ONNX Runtime
-    allocated is refused). The memory must outlive every session given the OrtValue."""
-    if onnx_type not in _DLPACK_TYPES:
-        raise ModelError(f"expected a float/bfloat16/int initializer to share, found ONNX type {onnx_type}")
-    shape = (ctypes.c_int64 * max(len(dims), 1))(*dims)
-    managed = _DLManagedTensor()
-    code, bits = _DLPACK_TYPES[onnx_type]
-    managed.dl_tensor = _DLTensor(ptr, _DLDevice(2 if on_gpu else 1, device_id if on_gpu else 0), len(dims),
-                                  _DLDataType(code, bits, 1), shape, None, 0)
-    managed.deleter = _release_dlpack
-    _DLPACK_ALIVE[ctypes.addressof(managed)] = (managed, shape)
-    new_capsule = ctypes.pythonapi.PyCapsule_New
-    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    capsule = new_capsule(ctypes.addressof(managed), b"dltensor", None)
-    return from_dlpack(ort, capsule)
-
-
-def from_dlpack(ort, capsule):
-    """ort.OrtValue from a DLPack capsule: the public wrapper where onnxruntime has it, else the binding's
-    (older releases: from_dlpack(data, is_bool_tensor)) wrapped in ort.OrtValue."""
-    public = getattr(ort.OrtValue, "from_dlpack", None)
-    if public is not None:
-        try:
-            return public(capsule)
-        except TypeError:
-            pass
-    from onnxruntime.capi import _pybind_state
-
-    try:
-        value = _pybind_state.OrtValue.from_dlpack(capsule)
-    except TypeError:
-        value = _pybind_state.OrtValue.from_dlpack(capsule, False)
-    return ort.OrtValue(value)
-
-
-#: Beside the decode graph (bundler.onnx.dual writes it): the external tensors both graphs read, so
-#: the runtime (which does not import onnx) knows what to load before either session exists.
-SHARED_WEIGHTS_INDEX = "shared_weights.json"
-MAX_INDEX_BYTES = 16 << 20
-#: ONNX element type -> bytes per element, for the types an index may name.
-_ITEMSIZE = {1: 4, 10: 2, 16: 2, 7: 8, 6: 4, 2: 1}  # 2: uint8, MatMulNBits' blocks and zero points
-
-
-def read_weight_index(index: Path) -> tuple[Path, list[dict]]:
-    """(external-data file, [{name, type, dims, offset, length}]) from a shared_weights.json, checked:
-    each tensor inside the data file, its length its dims times its element size."""
-    import json
-
-    if not index.is_file():
-        raise ModelError(f"expected the shared weights index {index} beside the decode graph, found nothing")
-    if index.stat().st_size > MAX_INDEX_BYTES:
-        raise ModelError(f"{index}: expected at most {MAX_INDEX_BYTES} bytes, found {index.stat().st_size}")
-    try:
-        doc = json.loads(index.read_text(encoding="utf-8"))
-        data = index.parent / doc["data"]
-        if Path(doc["data"]).name != doc["data"] or doc.get("format") != 1:
-            raise ValueError(f"data {doc['data']!r}, format {doc.get('format')!r}")
-        size = data.stat().st_size
-        tensors = []
-        for t in doc["tensors"]:
-            entry = {"name": str(t["name"]), "type": int(t["type"]), "dims": [int(d) for d in t["dims"]],
-                     "offset": int(t["offset"]), "length": int(t["length"])}
-            count = int(np.prod(entry["dims"], dtype=np.int64)) if entry["dims"] else 1
-            if entry["type"] not in _ITEMSIZE or min(entry["dims"], default=0) < 0 \
-                    or entry["length"] != count * _ITEMSIZE[entry["type"]] \
-                    or not 0 <= entry["offset"] <= size - entry["length"]:
-                raise ValueError(f"tensor {entry['name']!r} {entry['dims']} type {entry['type']} at "
-                                 f"{entry['offset']}+{entry['length']} of {size} bytes")
-            tensors.append(entry)
-    except (OSError, KeyError, TypeError, ValueError) as e:
-        raise ModelError(f"{index}: expected format 1 with tensors inside the data file, found {e}") from None
-    return data, tensors
-
-
-def read_shared_weights(index: Path, graph: Path, ort, cudart, on_gpu: bool, device_id: int) -> tuple[dict, list]:
-    """({name: OrtValue}, [device allocations]) of every tensor the index names, read one tensor at a
-    time into memory from `cudart` (device memory on the GPU: host memory holds one tensor). The index
-    must name `graph`'s own weights file: both sessions get these tensors."""
-    data, tensors = read_weight_index(index)
-    if data.resolve() != graph.with_name(graph.name + ".data").resolve():
-        raise ModelError(f"{index}: expected the weights of {graph} ({graph.name}.data beside it), found {data}")
-    out, buffers = {}, []
-    try:
-        with open(data, "rb") as f:
-            for t in tensors:
-                f.seek(t["offset"])
-                host = np.frombuffer(f.read(t["length"]), np.uint8)
-                if host.size != t["length"]:
-                    raise ModelError(f"{data}: {t['name']} is truncated ({host.size} of {t['length']} bytes)")
-                buf = _Device(cudart, t["length"])
-                buffers.append(buf)
-                cudart.memcpy(buf.ptr, host.ctypes.data, t["length"], H2D)
-                cudart.synchronize()
-                out[t["name"]] = wrap_device_memory(ort, buf.ptr, t["dims"], t["type"], on_gpu, device_id)
-    except BaseException:
-        for b in buffers:
-            b.free()
-        raise
-    return out, buffers
 
 
 class CudaEngine(Engine):
@@ -320,7 +174,7 @@ class CudaEngine(Engine):
         self._headroom = int(meta.get("bundle.kv_headroom", 0)) if self.batched else 0
         self._generation = 0
         self._buffers: list = []
-        self._scratch: dict[str, _Device] = {}
+        self._scratch: dict[str, DeviceBuffer] = {}
         self.description = (f"onnxruntime {ort.__version__} {self._provider} {self.precision} "
                             f"kv-cache {self.kv_cache}{' gqa' if self._lane.gqa else ''}"
                             f"{' + gqa decode' if self.dual else ''}"
@@ -442,8 +296,7 @@ class CudaEngine(Engine):
 
     def allocate_slots(self, num_slots: int, max_context: int | None = None) -> None:
         """(Re)allocate the device caches for `num_slots` empty slots (and a new max_context, if given)."""
-        if num_slots < 1:
-            raise ValueError(f"expected at least one slot, found {num_slots}")
+        slots = SlotTable(num_slots, ping_pong=not self.batched)  # concat: two buffers per slot take turns
         for buf in self._flat_buffers():
             buf.free()
         self.max_context = int(max_context or self.max_context)
@@ -451,9 +304,9 @@ class CudaEngine(Engine):
         self.num_slots = int(num_slots)
         per_head = self.num_kv_heads * self.head_dim * self._itemsize
         if self.batched:  # [layer*2 + kv] -> [slots, kv_heads, capacity, head_dim]
-            self._buffers = [_Device(self.cudart, num_slots * per_head * self.capacity) for _ in self._past]
+            self._buffers = [DeviceBuffer(self.cudart, num_slots * per_head * self.capacity) for _ in self._past]
         else:  # [slot][copy][layer*2 + kv] -> [kv_heads, length, head_dim], packed
-            self._buffers = [[[_Device(self.cudart, per_head * self.max_context) for _ in self._past]
+            self._buffers = [[[DeviceBuffer(self.cudart, per_head * self.max_context) for _ in self._past]
                               for _ in range(2)] for _ in range(num_slots)]
         # cudaMalloc does not clear: memory this process freed earlier (an earlier engine's, ONNX Runtime's
         # arenas) comes back with its old bytes, NaN and inf among them. Attention reads cache rows no row
@@ -464,23 +317,22 @@ class CudaEngine(Engine):
         for buf in self._flat_buffers():
             self.cudart.memset(buf.ptr, 0, buf.nbytes)
         self.cudart.synchronize()
-        self._current = [0] * num_slots
-        self._lengths = [0] * num_slots
+        self.slots = slots
         self._generation += 1
         self.buckets = batch_buckets(num_slots)
 
-    def _flat_buffers(self) -> list[_Device]:
+    def _flat_buffers(self) -> list[DeviceBuffer]:
         if self.batched:
             return list(self._buffers)
         return [b for slot in self._buffers for copy in slot for b in copy]
 
-    def _scratch_buffer(self, name: str, nbytes: int) -> _Device:
+    def _scratch_buffer(self, name: str, nbytes: int) -> DeviceBuffer:
         """A device buffer that only grows (its address changes only when it grows)."""
         buf = self._scratch.get(name)
         if buf is None or buf.nbytes < nbytes:
             if buf is not None:
                 buf.free()
-            buf = self._scratch[name] = _Device(self.cudart, max(nbytes, 256))
+            buf = self._scratch[name] = DeviceBuffer(self.cudart, max(nbytes, 256))
         return buf
 
     def memory(self) -> dict:
@@ -502,7 +354,7 @@ class CudaEngine(Engine):
 
     # --- slots ---------------------------------------------------------------------------------
     def length(self, slot: int) -> int:
-        return self._lengths[slot]
+        return self.slots.lengths[slot]
 
     def forward(self, rows: Sequence[Row], *, last_only: bool = False) -> list[np.ndarray]:
         """float32 logits per row: [len(tokens), vocab], or [1, vocab] of its last token with last_only."""
@@ -563,13 +415,13 @@ class CudaEngine(Engine):
         write = np.full(batch, cap - width, np.int64)  # slots without a row: the spare rows at the end
         for r in group:
             ids[r.slot - lo, :len(r.tokens)] = r.tokens
-            write[r.slot - lo] = self._lengths[r.slot]
+            write[r.slot - lo] = self.slots.lengths[r.slot]
         positions = write[:, None] + np.arange(width, dtype=np.int64)[None, :]
         # Attention runs over the first `window` cache rows (windowed graphs): every real row's past and
         # new tokens. A graph's shapes are fixed, so graph steps round it up to a power of two (>= 256).
         window = cap
         if lane.windowed:
-            window = max(self._lengths[r.slot] for r in group) + width
+            window = max(self.slots.lengths[r.slot] for r in group) + width
             if use_graph:
                 window = min(cap, max(256, 1 << (window - 1).bit_length()))
         graph_id = lane.graphs.setdefault((hi, width, window, self._generation), len(lane.graphs) + 1) \
@@ -588,7 +440,7 @@ class CudaEngine(Engine):
             out[r.slot] = self._fetch(logits, argmax, batch, width, row, n, wants[r.slot])
             if aux is not None:
                 self.last_aux_hidden[r.slot] = self._fetch_aux(aux, width, row, n)
-            self._lengths[r.slot] += n
+            self.slots.advance(r.slot, n)
         return out
 
     def _bind_inputs(self, lane, batch, width, window, ids, positions, write, mask) -> None:
@@ -651,13 +503,13 @@ class CudaEngine(Engine):
             lane.bound_outputs = key
         return logits, argmax, aux
 
-    def _fetch_aux(self, aux: _Device, width: int, row: int, n: int) -> np.ndarray:
+    def _fetch_aux(self, aux: DeviceBuffer, width: int, row: int, n: int) -> np.ndarray:
         """Row `row`'s first n aux rows (its real tokens, not the padding) as float32 [n, aux_width]."""
         host = np.empty((n, self.aux_width), np.float32)
         self.cudart.memcpy(host.ctypes.data, aux.ptr + row * width * self.aux_width * 4, host.nbytes, D2H)
         return host
 
-    def _fetch(self, logits: _Device, argmax: _Device, batch: int, width: int, row: int, n: int,
+    def _fetch(self, logits: DeviceBuffer, argmax: DeviceBuffer, batch: int, width: int, row: int, n: int,
                want: str) -> np.ndarray:
         """Copy back only what was asked for: row `row`'s first n positions (or its last, or its argmax)."""
         if want == "argmax":
@@ -674,11 +526,12 @@ class CudaEngine(Engine):
     # --- concat (batch 1, two buffers per slot) ------------------------------------------------
     def _run_one(self, slot: int, token_ids: Sequence[int], want: str) -> np.ndarray:
         n = len(token_ids)
-        past, total = self._lengths[slot], self._lengths[slot] + n
+        past, total = self.slots.lengths[slot], self.slots.lengths[slot] + n
         b = self._binding
         bind_row_inputs(b, token_ids, past, positions=self._has_positions, mask=self._has_mask)
         kv, hd = self.num_kv_heads, self.head_dim
-        src, dst = self._buffers[slot][self._current[slot]], self._buffers[slot][1 - self._current[slot]]
+        live, other = self.slots.buffers(slot)
+        src, dst = self._buffers[slot][live], self._buffers[slot][other]
         for name, buf in zip(self._past, src):
             b.bind_input(name, self._device, self.device_id, self._kv_element, [1, kv, past, hd], buf.ptr)
         for name, buf in zip(self._present, dst):
@@ -688,8 +541,7 @@ class CudaEngine(Engine):
         self.session.run_with_iobinding(b, self._plain_run())
         if aux is not None:
             self.last_aux_hidden[slot] = self._fetch_aux(aux, n, 0, n)
-        self._current[slot] = 1 - self._current[slot]
-        self._lengths[slot] = total
+        self.slots.advance(slot, n)
         return self._fetch(logits, argmax, 1, n, 0, n, want)
 
     def _plain_run(self):
@@ -707,32 +559,26 @@ class CudaEngine(Engine):
         self.cudart.synchronize()  # device-to-device copies are asynchronous: done before the next run
 
     def rollback(self, slot: int, length: int) -> None:
-        have = self._lengths[slot]
-        check_rollback(slot, length, have)
-        if length == have:
-            return
-        if length > 0 and not self.batched:  # concat: compact the kept prefix into the other buffer
-            other = 1 - self._current[slot]
-            for s, d in zip(self._buffers[slot][self._current[slot]], self._buffers[slot][other]):
-                self._copy_rows(d.ptr, length, s.ptr, have, length)
-            self._current[slot] = other
-        self._lengths[slot] = length
+        self.slots.rollback(slot, length, self._compact)
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        if not 0 <= length <= self._lengths[src]:
-            raise ValueError(f"copy of {length} tokens from slot {src}: it holds {self._lengths[src]}")
-        if src == dst:
-            self.rollback(dst, length)
-            return
-        if length and self.batched:
+        self.slots.copy_prefix(src, dst, length, self._copy_prefix, self._compact)
+
+    def _compact(self, slot: int, live: int, other: int, have: int, length: int) -> None:
+        """concat: the kept prefix of every head into the slot's other buffer, packed."""
+        for s, d in zip(self._buffers[slot][live], self._buffers[slot][other]):
+            self._copy_rows(d.ptr, length, s.ptr, have, length)
+
+    def _copy_prefix(self, src: int, dst: int, have: int, length: int) -> None:
+        """src's first `length` rows into dst's live cache: same pitch (batched), or packed (concat)."""
+        if self.batched:
             per = self.num_kv_heads * self.capacity * self.head_dim * self._itemsize
             for buf in self._buffers:
                 self._copy_rows(buf.ptr + dst * per, self.capacity, buf.ptr + src * per, self.capacity, length)
-        elif length:
-            have = self._lengths[src]
-            for s, d in zip(self._buffers[src][self._current[src]], self._buffers[dst][self._current[dst]]):
-                self._copy_rows(d.ptr, length, s.ptr, have, length)
-        self._lengths[dst] = length
+            return
+        pairs = zip(self._buffers[src][self.slots.current[src]], self._buffers[dst][self.slots.current[dst]])
+        for s, d in pairs:
+            self._copy_rows(d.ptr, length, s.ptr, have, length)
 
     def node_providers(self) -> dict[str, dict[str, dict]]:
         """{provider: {op type: {"nodes": distinct nodes, "us": kernel time}}} over the runs so far (needs

@@ -13,7 +13,8 @@ libraries):
   late for this process (the loader reads it at start), so each library those folders hold is
   loaded once, by path, before onnxruntime loads its CUDA provider: the loader then finds them by
   soname, as it would on LD_LIBRARY_PATH.
-- `Cudart`: cudaMalloc / cudaMemcpy / cudaMemcpy2D for the engine's KV cache and I/O buffers.
+- `Cudart`: cudaMalloc / cudaMemcpy / cudaMemcpy2D for the engine's KV cache and I/O buffers, and
+  `DeviceBuffer`, one allocation from it (or from any object with its malloc and free).
 """
 
 from __future__ import annotations
@@ -185,6 +186,18 @@ class Cudart:
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         self._check(self._lib.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)), "cudaMemGetInfo")
         return int(free.value), int(total.value)
+
+
+class DeviceBuffer:
+    """One allocation from `cudart` (a Cudart, or host memory with its methods), freed by its owner."""
+
+    def __init__(self, cudart, nbytes: int):
+        self.cudart, self.nbytes, self.ptr = cudart, int(nbytes), cudart.malloc(nbytes)
+
+    def free(self) -> None:
+        if self.ptr:
+            self.cudart.free(self.ptr)
+            self.ptr = 0
 
 
 def library_path_hint() -> str:

@@ -384,7 +384,7 @@ def test_weights_wrap_through_the_binding_where_onnxruntime_has_no_public_from_d
     memory of ours (no copy) and add_initializer takes it."""
     import onnxruntime as ort
 
-    from runtime.engines.cuda import wrap_device_memory
+    from runtime.engines.dlpack import wrap_device_memory
 
     class Older:
         class OrtValue(ort.OrtValue):

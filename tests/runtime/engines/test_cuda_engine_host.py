@@ -100,6 +100,24 @@ def test_rollback_and_prefix_copy_give_what_a_fresh_slot_gives(graphs):
         np.testing.assert_allclose(after_copy, expected, atol=2e-3, err_msg=name)
 
 
+def test_slots_live_in_the_one_slot_table_ping_pong_only_for_the_concat_graph(graphs):
+    """The engine's lengths and live buffers are runtime.engines.slots' table: the concat graph's forward
+    and kept-prefix rollback swap the live buffer, the batched graph's never do."""
+    from runtime.engines.slots import SlotTable
+
+    concat = host_engine(graphs["concat-fp16"], max_context=32, num_slots=2)
+    assert isinstance(concat.slots, SlotTable) and concat.slots.ping_pong
+    concat.forward([Row(1, [5, 6, 7, 8])])
+    assert (concat.slots.lengths, concat.slots.current) == ([0, 4], [0, 1])
+    concat.rollback(1, 2)  # compacted into the other buffer
+    assert (concat.slots.lengths, concat.slots.current) == ([0, 2], [0, 0])
+    batched = host_engine(graphs["batched-fp16"], max_context=32, num_slots=2)
+    assert not batched.slots.ping_pong
+    batched.forward([Row(0, [5, 6, 7]), Row(1, [9])])
+    batched.rollback(0, 1)
+    assert (batched.slots.lengths, batched.slots.current) == ([1, 1], [0, 0])
+
+
 def test_context_full_and_bad_rows_are_refused(graphs):
     engine = host_engine(graphs["batched"], max_context=8, num_slots=2)
     with pytest.raises(ContextFull, match="expected at most 8 tokens, found 0 cached \\+ 9 new in slot 1"):
