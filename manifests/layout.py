@@ -30,6 +30,9 @@ OCI_LAYOUT_CONTENT = b'{"imageLayoutVersion":"1.0.0"}'
 INDEX_FILE = "index.json"
 BLOBS_DIR = "blobs/sha256"
 COMPLETE_MARKER = "COMPLETE"
+#: Beside the CUDA target's decode graph: the external tensors it shares with the Attention graph
+#: (bundler.onnx.dual writes it, runtime.engines.shared_weights reads it).
+SHARED_WEIGHTS_INDEX = "shared_weights.json"
 
 OCI_INDEX_MEDIA_TYPE = "application/vnd.oci.image.index.v1+json"
 OCI_MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"

@@ -20,11 +20,11 @@ import shutil
 from pathlib import Path
 
 from manifests.errors import ModelError
+from manifests.layout import SHARED_WEIGHTS_INDEX
 
 #: The decode graph's file name, next to the Attention graph (model.onnx) and its model.onnx.data.
 DECODE_GRAPH = "decode.onnx"
 #: What the runtime (no onnx there) reads to load the shared tensors once: runtime.engines.cuda's name too.
-SHARED_WEIGHTS_INDEX = "shared_weights.json"
 _CHUNK = 1 << 20
 
 

@@ -13,12 +13,14 @@ downloaded from the configured index.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import importlib.util
 import platform as host
 import re
 import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -235,8 +237,9 @@ def download_platform(plat: str, requirements: list[str], find_links: list[Path]
     wheels = sorted(dest.glob("*.whl"))
     for w in wheels:  # keep what came from the index; site and floor wheels are never cached
         if w.name not in local and not (cached / w.name).exists():
-            shutil.copy2(w, cached / f".{w.name}.tmp")
-            (cached / f".{w.name}.tmp").replace(cached / w.name)
+            tmp = cached / f".{w.name}.{os.getpid()}.{threading.get_ident()}.tmp"  # two creates may share the cache
+            shutil.copy2(w, tmp)
+            tmp.replace(cached / w.name)
     if not wheels:
         raise EnvironmentProblem(f"pip found no wheels for {plat}")
     return wheels

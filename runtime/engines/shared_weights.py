@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from manifests.errors import ModelError
+from manifests.layout import SHARED_WEIGHTS_INDEX
 from runtime.engines.cudalib import H2D, DeviceBuffer
 from runtime.engines.dlpack import wrap_device_memory
 
@@ -21,7 +22,6 @@ __all__ = ["SHARED_WEIGHTS_INDEX", "read_weight_index", "read_shared_weights"]
 
 #: Beside the decode graph (bundler.onnx.dual writes it): the external tensors both graphs read, so
 #: the runtime (which does not import onnx) knows what to load before either session exists.
-SHARED_WEIGHTS_INDEX = "shared_weights.json"
 MAX_INDEX_BYTES = 16 << 20
 #: ONNX element type -> bytes per element, for the types an index may name.
 _ITEMSIZE = {1: 4, 10: 2, 16: 2, 7: 8, 6: 4, 2: 1}  # 2: uint8, MatMulNBits' blocks and zero points
