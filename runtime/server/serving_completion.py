@@ -23,8 +23,8 @@ class Prepared:
 
 
 class ServingCompletion(OpenAIServing):
-    async def create(self, request):
-        req, p = await self.prepare(request, P.CompletionRequest, self.build)
+    async def create(self, request, raw: bytes | None = None):
+        req, p = await self.prepare(request, P.CompletionRequest, self.build, raw)
         rid = self.request_id(chat=False)
         n = p.plan.n
         jobs = self.submit(req, p.plan, [(prompt, limit) for prompt, limit in zip(p.prompts, p.limits)
