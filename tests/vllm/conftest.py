@@ -9,7 +9,7 @@ import openai
 import pytest
 
 # the session fixtures that build and install the tiny bundle (shared with tests/runtime/serve/)
-from tests.runtime.serve.conftest import RunningServer, installed_bundle, tiny_models  # noqa: F401
+from tests.runtime.serve.conftest import RunningServer, demo_installed, installed_bundle, tiny_models  # noqa: F401
 
 #: the name the tiny bundle is served under; stands in for vLLM's MODEL_NAME
 MODEL_NAME = "tiny"
@@ -26,6 +26,18 @@ def vllm_server(installed_bundle):  # noqa: F811
 
     s = RunningServer(OpenAIServer(serving_model, ServeOptions(max_queued_requests=8, max_num_seqs=4,
                                                                log_interval_s=60.0)))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_server(demo_installed):  # noqa: F811
+    """The trained demo pair (4.4 M target + draft, 512 tokens that all decode to text), served with the serve
+    defaults its bundle carries: for tests whose assertions need a model whose tokens are words."""
+    from runtime.server.options import apply_serve_config
+
+    installed, _ = demo_installed
+    s = RunningServer(apply_serve_config(installed, {}).serving)
     yield s
     s.stop()
 
