@@ -380,7 +380,8 @@ def test_tokenize_detokenize_version_and_models(surface, sdk):
     server, _ = surface
     t = httpx.post(server.url + "/tokenize", json={"model": "demo", "prompt": "import os",
                                                    "return_token_strs": True}).json()
-    assert "".join(t["token_strs"]) == "import os" and t["count"] == len(t["tokens"])
+    # vocabulary strings, as vLLM's convert_ids_to_tokens gives them (byte-level BPE: "Ġ" for a space)
+    assert "".join(t["token_strs"]).replace("\u0120", " ") == "import os" and t["count"] == len(t["tokens"])
     assert httpx.post(server.url + "/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": "import os"}
     assert re.match(r"\d+\.\d+", httpx.get(server.url + "/version").json()["version"])
     assert [m.id for m in sdk.models.list().data] == ["demo", "plant-assistant"]
