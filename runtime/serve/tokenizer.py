@@ -96,6 +96,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's own string for an id ("Ġis" in a byte-level BPE), as convert_ids_to_tokens gives it."""
+        return self._tok.id_to_token(int(token_id))
+
     def decoder(self, skip_special_tokens: bool = True) -> "IncrementalDecoder":
         return IncrementalDecoder(self, skip_special_tokens)
 

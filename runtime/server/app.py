@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.serve.engine_client import EngineClient, SlotPlan, plan_slots
 from runtime.serve.scheduler import SchedulerConfig
 from runtime.server.errors import APIError
+from runtime.server.invocations import ServingInvocations
 from runtime.server.metrics import Metrics
 from runtime.server.preprocess import Preprocess
 from runtime.server.serving_chat import ServingChat
@@ -69,6 +70,7 @@ class OpenAIServer:
         self.responses = ServingResponses(*shared, compiler=compiler)
         self.tokenize = ServingTokenize(*shared, compiler=compiler)
         self.models = ServingModels(model, self.engine, self.slot_plan)
+        self.invocations = ServingInvocations(self.chat, self.completion)
 
     def _gauges(self, scheduler) -> None:
         self.metrics.running.set(scheduler.num_running)
@@ -180,6 +182,14 @@ def build_app(serving: OpenAIServer) -> FastAPI:
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return serving.models.health()
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        return await serving.invocations.invoke(request)
 
     @app.get("/v1/models")
     async def models():

@@ -23,18 +23,26 @@ from runtime.server.errors import APIError
 from runtime.server.limits import MAX_BODY_BYTES
 
 
-def decode(raw: bytes, cls: type[BaseModel]) -> BaseModel:
-    """Bytes -> a validated request model, or APIError(400). Runs in a worker thread."""
+def parse(raw: bytes) -> dict:
+    """Bytes -> the body's JSON object, or APIError(400)."""
     data = parse_json(raw, what="request body is not valid JSON", max_bytes=MAX_BODY_BYTES,
                       error=lambda message: APIError(400, message, code="invalid_json"))
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, found {type(data).__name__}")
+    return data
+
+
+def decode(raw: bytes, cls: type[BaseModel]) -> BaseModel:
+    """Bytes -> a validated request model, or APIError(400). Runs in a worker thread."""
+    data = parse(raw)
     try:
         return cls.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
-        raise APIError(400, f"invalid value for '{loc}': {err['msg']}", param=loc or None) from None
+        # the error type in pydantic's notation, as vLLM's message carries it ("less_than_equal", ...)
+        raise APIError(400, f"invalid value for '{loc}': {err['msg']} [type={err['type']}]",
+                       param=loc or None) from None
 
 
 def check_content_type(request) -> None:

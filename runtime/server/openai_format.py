@@ -2,8 +2,9 @@
 
 Streaming shape rules (as OpenAI and vLLM send them): the first chunk of a choice carries
 `role: "assistant"`; later chunks omit `role` rather than sending null; a delta holds only the fields it
-changes (`content`, `reasoning`, `tool_calls`); the finish chunk has an empty delta and the
-`finish_reason`; `finish_reason` is present (null) on every other chunk.
+changes (`content`, `reasoning`, `tool_calls`); the last content chunk carries the `finish_reason` (as
+vLLM sends it; an empty delta only where nothing was left to send); `finish_reason` is present (null)
+on every other chunk.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ def completion_logprobs(entries: list[TokenLogprob], tokenizer, offset: int = 0)
         text = token_text(tokenizer, e.token)
         tokens.append(text)
         lps.append(max(e.logprob, -9999.0))
-        tops.append({token_text(tokenizer, t): lp for t, lp in e.top} if e.top else None)
+        top = {token_text(tokenizer, t): lp for t, lp in e.top}
+        top.setdefault(text, lps[-1])  # vLLM's: the sampled token is always among them (logprobs=0 too)
+        tops.append(top)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

@@ -31,8 +31,13 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    model_config = ConfigDict(extra="allow")  # any key makes the options "defined" (stream must be true)
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk
+
+    def defined(self) -> bool:
+        """vLLM's test: a non-empty stream_options object, whatever its values."""
+        return bool(self.model_fields_set or self.model_extra)
 
 
 class TextPart(BaseModel):
@@ -42,8 +47,10 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """Any role string is accepted and rendered by the chat template, as vLLM does (its custom message role)."""
+
     model_config = ConfigDict(extra="allow")  # tool_calls, name... go to the template as the model expects
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str
     content: str | list[TextPart] | None = None
 
 
@@ -57,7 +64,7 @@ class _Common(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     n: int | None = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # vLLM's: a torch.long
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)

@@ -32,8 +32,8 @@ class Prepared:
 
 
 class ServingChat(OpenAIServing):
-    async def create(self, request):
-        req, prepared = await self.prepare(request, P.ChatCompletionRequest, self.build)
+    async def create(self, request, raw: bytes | None = None):
+        req, prepared = await self.prepare(request, P.ChatCompletionRequest, self.build, raw)
         return await self.respond_chat(request, req, prepared)
 
     def build(self, req: P.ChatCompletionRequest) -> Prepared:
@@ -82,7 +82,8 @@ class ServingChat(OpenAIServing):
         jobs = self.submit(req, plan, [(prepared.prompt, prepared.max_tokens)] * plan.n)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = self._chunks(jobs, rid, plan, prepared.text, include_usage)
+            continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
+            chunks = self._chunks(jobs, rid, plan, prepared.text, include_usage, continuous)
             return self.sse_response(self.sse_stream(jobs, rid, chunks))
         choices = []
         for index, (pieces, finish, lps) in enumerate(await self.collect_all(jobs, request)):
@@ -98,24 +99,38 @@ class ServingChat(OpenAIServing):
                                    "usage": self.usage(len(prepared.prompt), jobs)})
 
     async def _chunks(self, jobs: list[Job], rid: str, plan: Plan, prompt_text: str,
-                      include_usage: bool) -> AsyncIterator[str]:
-        """A streamed chat completion's chunks, one choice after another (sse_stream frames them)."""
+                      include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:
+        """A streamed chat completion's chunks, one choice after another (sse_stream frames them). The last
+        content chunk is held back so the finish reason rides on it, as vLLM sends it; with continuous usage
+        (vLLM's stream_options.continuous_usage_stats) every chunk carries the usage so far."""
         created, name, tok = int(time.time()), self.model.name, self.model.tokenizer
+
+        def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
+            body = F.chat_chunk(rid, created, name, index, delta, finish, logprobs=logprobs)
+            if continuous:
+                body["usage"] = F.usage(len(jobs[0].prompt), sum(j.streamed for j in jobs))
+            return body
+
         for index, job in enumerate(jobs):
             out = plan.make_output(prompt_text)
-            yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(None, first=True)))
+            yield F.sse(chunk(index, F.message_delta(None, first=True)))
+            pending = None
             async for kind, text, lps in self.stream_events(job):
                 if kind == "delta":
                     delta = out.feed(text)
                     logprobs = F.chat_logprobs(lps, tok) if lps else None
                     if delta or logprobs:
-                        yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(delta),
-                                                 logprobs=logprobs))
+                        if pending is not None:
+                            yield F.sse(pending)
+                        pending = chunk(index, F.message_delta(delta), logprobs=logprobs)
                     continue
                 tail = out.finish()
-                if tail:
-                    yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(tail)))
-                yield F.sse(F.chat_chunk(rid, created, name, index, {}, finish_reason(plan, out, text)))
+                if tail or pending is None:
+                    if pending is not None:
+                        yield F.sse(pending)
+                    pending = chunk(index, F.message_delta(tail) if tail else {})
+                pending["choices"][0]["finish_reason"] = finish_reason(plan, out, text)
+                yield F.sse(pending)
         if include_usage:  # the prompt counts once, whatever n is
             yield F.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
                          "choices": [], "usage": self.usage(len(jobs[0].prompt), jobs)})

@@ -23,8 +23,8 @@ class Prepared:
 
 
 class ServingCompletion(OpenAIServing):
-    async def create(self, request):
-        req, p = await self.prepare(request, P.CompletionRequest, self.build)
+    async def create(self, request, raw: bytes | None = None):
+        req, p = await self.prepare(request, P.CompletionRequest, self.build, raw)
         rid = self.request_id(chat=False)
         n = p.plan.n
         jobs = self.submit(req, p.plan, [(prompt, limit) for prompt, limit in zip(p.prompts, p.limits)
@@ -32,7 +32,8 @@ class ServingCompletion(OpenAIServing):
         prompt_tokens = sum(len(x) for x in p.prompts)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = self._chunks(jobs, rid, p.echo, include_usage, prompt_tokens)
+            continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
+            chunks = self._chunks(jobs, rid, p.echo, include_usage, prompt_tokens, continuous)
             return self.sse_response(self.sse_stream(jobs, rid, chunks))
         choices = []
         for index, (pieces, finish, lps) in enumerate(await self.collect_all(jobs, request)):
@@ -77,20 +78,32 @@ class ServingCompletion(OpenAIServing):
         return out
 
     async def _chunks(self, jobs: list[Job], rid: str, echo: list[str], include_usage: bool,
-                      prompt_tokens: int) -> AsyncIterator[str]:
-        """A streamed text completion's chunks, one choice after another (sse_stream frames them)."""
+                      prompt_tokens: int, continuous: bool = False) -> AsyncIterator[str]:
+        """A streamed text completion's chunks, one choice after another (sse_stream frames them). The last
+        text chunk carries the finish reason, as vLLM sends it; with continuous usage every chunk carries the
+        usage so far."""
         created, name, tok = int(time.time()), self.model.name, self.model.tokenizer
+
+        def chunk(index: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> dict:
+            body = F.completion_chunk(rid, created, name, index, text, finish_reason=finish, logprobs=logprobs)
+            if continuous:
+                body["usage"] = F.usage(prompt_tokens, sum(j.streamed for j in jobs))
+            return body
+
         for index, job in enumerate(jobs):
             offset = len(echo[index])
-            if echo[index]:
-                yield F.sse(F.completion_chunk(rid, created, name, index, echo[index]))
+            pending = chunk(index, echo[index]) if echo[index] else None
             async for kind, text, lps in self.stream_events(job):
                 if kind == "delta":
                     logprobs = F.completion_logprobs(lps, tok, offset) if lps else None
                     offset += len(text)
-                    yield F.sse(F.completion_chunk(rid, created, name, index, text, logprobs=logprobs))
+                    if pending is not None:
+                        yield F.sse(pending)
+                    pending = chunk(index, text, logprobs=logprobs)
                 else:
-                    yield F.sse(F.completion_chunk(rid, created, name, index, "", finish_reason=text))
+                    pending = pending or chunk(index, "")
+                    pending["choices"][0]["finish_reason"] = text
+                    yield F.sse(pending)
         if include_usage:
             yield F.sse({"id": rid, "object": "text_completion", "created": created, "model": name,
                          "choices": [], "usage": self.usage(prompt_tokens, jobs)})

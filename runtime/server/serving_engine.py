@@ -39,6 +39,10 @@ from runtime.serve.tokenizer import TextStream, Tokenizer
 log = logging.getLogger("bundle.serve")
 
 
+#: vLLM's message, word for word
+STREAM_OPTIONS_NEED_STREAM = "Stream options can only be defined when `stream=True`."
+
+
 class _JobFailed(Exception):
     """A job's 'error' event inside a streamed completion: sse_stream ends the stream with it."""
 
@@ -100,6 +104,7 @@ class Job:
     drafted: int = 0
     accepted: int = 0
     finish: str | None = None
+    streamed: int = 0  # tokens of the deltas read so far (a stream's continuous usage)
 
     def post(self, *event) -> None:
         cancel = self.engine_request.cancel if self.engine_request is not None else None
@@ -132,9 +137,10 @@ class OpenAIServing:
         self._compiler = compiler if compiler is not None else [None]  # shared by every endpoint
 
     # --- input, off the loop ----------------------------------------------------------------------
-    async def prepare(self, request, cls, build):
-        """Read the body here; decode, validate and `build(req)` (render, tokenize) in a worker thread."""
-        raw = await read_body(request)
+    async def prepare(self, request, cls, build, raw: bytes | None = None):
+        """Read the body here (unless the caller already read it: /invocations); decode, validate and
+        `build(req)` (render, tokenize) in a worker thread."""
+        raw = await read_body(request) if raw is None else raw
 
         def work():
             req = decode(raw, cls)
@@ -160,6 +166,8 @@ class OpenAIServing:
         if not self.model.accepts(req.model):
             raise APIError(404, f"model '{req.model}' does not exist; this server serves '{self.model.name}'",
                            param="model", code="model_not_found")
+        if req.stream_options is not None and req.stream_options.defined() and not req.stream:
+            raise APIError(400, STREAM_OPTIONS_NEED_STREAM, param="stream_options")
         stops = req.stop_list()
         if len(stops) > P.MAX_STOP_STRINGS or any(len(s) > P.MAX_STOP_LENGTH for s in stops):
             raise APIError(400, f"expected at most {P.MAX_STOP_STRINGS} stop strings of at most "
@@ -280,13 +288,13 @@ class OpenAIServing:
             piece = job.text.push(step.tokens)
             lps = step.logprobs[:job.text.tokens - before] if step.logprobs else None
             if piece or lps:
-                job.post("delta", piece, lps)
+                job.post("delta", piece, lps, job.text.tokens)
             reason = "stop" if job.text.stopped else step.finish_reason
             if reason is None:
                 return None
             tail = job.text.flush()
             if tail:
-                job.post("delta", tail, None)
+                job.post("delta", tail, None, job.text.tokens)
             job.finished_at, job.tokens, job.finish = now, job.text.tokens, reason
             job.cached = job.engine_request.cached_tokens
             m.e2e.observe(now - job.arrived)
@@ -368,6 +376,7 @@ class OpenAIServing:
         while True:
             event = await job.events.get()
             if event[0] == "delta":
+                job.streamed = event[3] if len(event) > 3 else job.streamed
                 yield "delta", event[1], event[2]
             elif event[0] == "done":
                 yield "done", event[1], None

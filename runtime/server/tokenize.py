@@ -61,9 +61,9 @@ class ServingTokenize(OpenAIServing):
             ids = self.encode(ServingChat.render(self, chat), add_special_tokens=bool(req.add_special_tokens))
         else:
             ids = self.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False, param="prompt")
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.model.max_model_len, "tokens": ids}
-        if req.return_token_strs:
-            out["token_strs"] = [tok.decode([t], skip_special_tokens=False) for t in ids]
+        # token_strs: vLLM's, the vocabulary strings (convert_ids_to_tokens), null unless asked for
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.model.max_model_len, "tokens": ids,
+                               "token_strs": [tok.id_to_token(t) for t in ids] if req.return_token_strs else None}
         return rendered(out)
 
     async def detokenize(self, request) -> Response:

@@ -380,7 +380,8 @@ def test_tokenize_detokenize_version_and_models(surface, sdk):
     server, _ = surface
     t = httpx.post(server.url + "/tokenize", json={"model": "demo", "prompt": "import os",
                                                    "return_token_strs": True}).json()
-    assert "".join(t["token_strs"]) == "import os" and t["count"] == len(t["tokens"])
+    # vocabulary strings, as vLLM's convert_ids_to_tokens gives them (byte-level BPE: "Ġ" for a space)
+    assert "".join(t["token_strs"]).replace("\u0120", " ") == "import os" and t["count"] == len(t["tokens"])
     assert httpx.post(server.url + "/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": "import os"}
     assert re.match(r"\d+\.\d+", httpx.get(server.url + "/version").json()["version"])
     assert [m.id for m in sdk.models.list().data] == ["demo", "plant-assistant"]
@@ -396,7 +397,7 @@ def test_streaming_shape_on_the_wire(surface):
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[0] == {"role": "assistant", "content": ""}
     assert all("role" not in d for d in deltas[1:]), "role is omitted after the first chunk, not null"
-    assert deltas[-1] == {} and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert deltas[-1]["content"] and chunks[-1]["choices"][0]["finish_reason"] == "length"  # vLLM's shape
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
     assert all(None not in d.values() for d in deltas)
 
