@@ -18,7 +18,7 @@ import numpy as np
 
 from manifests.errors import UsageError
 from runtime.serve.eagle3 import ChainProposer
-from runtime.engines.base import Engine, Row
+from runtime.engines.base import Engine, Row, SequenceEngine, SequenceSlots
 from runtime.serve.logits_process import token_logprobs
 from runtime.serve.spec_length import SpeculationLength
 from runtime.serve.speculative import METHODS, SpecStats, Step, accept, accept_greedy, ngram_lookup, propose_token
@@ -32,6 +32,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def as_slots(engine):
+    """A slot engine; a single-sequence engine (the interface before slots) becomes one slot."""
+    if engine is None or isinstance(engine, Engine):
+        return engine
+    if isinstance(engine, SequenceEngine) or hasattr(engine, "forward"):
+        return SequenceSlots([engine])
+    raise TypeError(f"expected an Engine, found {type(engine).__name__}")
 
 
 class ModelRunner:

@@ -85,13 +85,14 @@ class ServingChat(OpenAIServing):
             chunks = self._chunks(jobs, rid, plan, prepared.text, include_usage)
             return self.sse_response(self.sse_stream(jobs, rid, chunks))
         choices = []
-        for index, (pieces, finish, lps) in enumerate(await self.collect_all(jobs, request)):
+        for index, result in enumerate(await self.collect_all(jobs, request)):
             out = plan.make_output(prepared.text)
-            out.feed("".join(pieces))
+            out.feed(result.text)
             out.finish()
+            lps = result.logprobs
             choices.append({"index": index, "message": out.message(),
                             "logprobs": F.chat_logprobs(lps, self.model.tokenizer) if lps is not None else None,
-                            "finish_reason": finish_reason(plan, out, finish)})
+                            "finish_reason": finish_reason(plan, out, result.finish_reason)})
         self.log_request(rid, jobs)
         return self.json_response({"id": rid, "object": "chat.completion", "created": int(time.time()),
                                    "model": self.model.name, "choices": choices,
@@ -104,18 +105,20 @@ class ServingChat(OpenAIServing):
         for index, job in enumerate(jobs):
             out = plan.make_output(prompt_text)
             yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(None, first=True)))
-            async for kind, text, lps in self.stream_events(job):
-                if kind == "delta":
-                    delta = out.feed(text)
-                    logprobs = F.chat_logprobs(lps, tok) if lps else None
+            async for result in self.stream_events(job):
+                if result.text or result.logprobs:
+                    delta = out.feed(result.text)
+                    logprobs = F.chat_logprobs(result.logprobs, tok) if result.logprobs else None
                     if delta or logprobs:
                         yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(delta),
                                                  logprobs=logprobs))
+                if not result.finished:
                     continue
                 tail = out.finish()
                 if tail:
                     yield F.sse(F.chat_chunk(rid, created, name, index, F.message_delta(tail)))
-                yield F.sse(F.chat_chunk(rid, created, name, index, {}, finish_reason(plan, out, text)))
+                yield F.sse(F.chat_chunk(rid, created, name, index, {},
+                                         finish_reason(plan, out, result.finish_reason)))
         if include_usage:  # the prompt counts once, whatever n is
             yield F.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
                          "choices": [], "usage": self.usage(len(jobs[0].prompt), jobs)})

@@ -35,10 +35,10 @@ class ServingCompletion(OpenAIServing):
             chunks = self._chunks(jobs, rid, p.echo, include_usage, prompt_tokens)
             return self.sse_response(self.sse_stream(jobs, rid, chunks))
         choices = []
-        for index, (pieces, finish, lps) in enumerate(await self.collect_all(jobs, request)):
-            choices.append({"index": index, "text": p.echo[index] + "".join(pieces), "finish_reason": finish,
-                            "logprobs": F.completion_logprobs(lps, self.model.tokenizer, len(p.echo[index]))
-                            if lps is not None else None})
+        for index, out in enumerate(await self.collect_all(jobs, request)):
+            choices.append({"index": index, "text": p.echo[index] + out.text, "finish_reason": out.finish_reason,
+                            "logprobs": F.completion_logprobs(out.logprobs, self.model.tokenizer, len(p.echo[index]))
+                            if out.logprobs is not None else None})
         self.log_request(rid, jobs)
         return self.json_response({"id": rid, "object": "text_completion", "created": int(time.time()),
                                    "model": self.model.name, "choices": choices,
@@ -63,7 +63,7 @@ class ServingCompletion(OpenAIServing):
 
     def tokenize(self, items: list) -> list[list[int]]:
         """The prompts of prompt_items: texts or token ids."""
-        vocab = self.model.generator.target.vocab_size
+        vocab = self.model.runner.target.vocab_size
         out = []
         for item in items:
             ids = self.encode(item, add_special_tokens=True, param="prompt") if isinstance(item, str) else list(item)
@@ -84,13 +84,13 @@ class ServingCompletion(OpenAIServing):
             offset = len(echo[index])
             if echo[index]:
                 yield F.sse(F.completion_chunk(rid, created, name, index, echo[index]))
-            async for kind, text, lps in self.stream_events(job):
-                if kind == "delta":
-                    logprobs = F.completion_logprobs(lps, tok, offset) if lps else None
-                    offset += len(text)
-                    yield F.sse(F.completion_chunk(rid, created, name, index, text, logprobs=logprobs))
-                else:
-                    yield F.sse(F.completion_chunk(rid, created, name, index, "", finish_reason=text))
+            async for out in self.stream_events(job):
+                if out.text or out.logprobs:
+                    logprobs = F.completion_logprobs(out.logprobs, tok, offset) if out.logprobs else None
+                    offset += len(out.text)
+                    yield F.sse(F.completion_chunk(rid, created, name, index, out.text, logprobs=logprobs))
+                if out.finished:
+                    yield F.sse(F.completion_chunk(rid, created, name, index, "", finish_reason=out.finish_reason))
         if include_usage:
             yield F.sse({"id": rid, "object": "text_completion", "created": created, "model": name,
                          "choices": [], "usage": self.usage(prompt_tokens, jobs)})

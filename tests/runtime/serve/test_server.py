@@ -336,7 +336,7 @@ def test_engine_failure_is_reported_and_server_keeps_serving(serving_model, engi
     from tests.runtime.serve.conftest import RunningServer
 
     engine = FailingEngine(engine_factory("target"), fail_at=3)
-    model = replace(serving_model, generator=Generator(engine))
+    model = replace(serving_model, runner=Generator(engine).runner)
     serving = OpenAIServer(model, ServeOptions())
     s = RunningServer(serving)
     try:
