@@ -49,7 +49,11 @@ class RequestState:
     accepted: int = 0
     finish_reason: str | None = None
     cached_tokens: int = 0
-    _token_ids: list[int] = field(default_factory=list)
+    _pending: list[int] = field(default_factory=list)
+
+    def _take(self) -> tuple[int, ...]:
+        ids, self._pending = tuple(self._pending), []
+        return ids
 
     @property
     def completion_tokens(self) -> int:
@@ -73,18 +77,17 @@ class RequestState:
         before = self.text.tokens
         piece = self.text.push(step.tokens)
         kept = self.text.tokens - before  # tokens up to the one that completed a stop string
-        ids = tuple(step.tokens[:kept])
-        self._token_ids.extend(ids)
+        self._pending.extend(step.tokens[:kept])  # ids go out with the next output that carries anything
         lps = tuple(step.logprobs[:kept]) if step.logprobs else None
         outs = []
         if piece or lps:
-            outs.append(RequestOutput(piece, ids, lps, completion_tokens=self.text.tokens))
+            outs.append(RequestOutput(piece, self._take(), lps, completion_tokens=self.text.tokens))
         reason = "stop" if self.text.stopped else step.finish_reason
         if reason is None:
             return outs
         tail = self.text.flush()
         self.finish_reason, self.finished_at, self.cached_tokens = reason, now, cached_tokens
-        outs.append(RequestOutput(tail, finished=True, finish_reason=reason, stop_reason=self.text.stop_hit,
+        outs.append(RequestOutput(tail, self._take(), finished=True, finish_reason=reason, stop_reason=self.text.stop_hit,
                                   completion_tokens=self.text.tokens, cached_tokens=cached_tokens))
         return outs
 
