@@ -31,6 +31,7 @@ class RequestOutput:
     stop_reason: str | None = None  # the stop string hit, when one ended the text
     completion_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # prompt tokens 1.. (first output only)
     error: str | None = None
     status: int = 500
 
@@ -80,8 +81,10 @@ class RequestState:
         self._pending.extend(step.tokens[:kept])  # ids go out with the next output that carries anything
         lps = tuple(step.logprobs[:kept]) if step.logprobs else None
         outs = []
-        if piece or lps:
-            outs.append(RequestOutput(piece, self._take(), lps, completion_tokens=self.text.tokens))
+        prompt = tuple(step.prompt_logprobs) if step.prompt_logprobs is not None else None
+        if piece or lps or prompt is not None:
+            outs.append(RequestOutput(piece, self._take(), lps, completion_tokens=self.text.tokens,
+                                      prompt_logprobs=prompt))
         reason = "stop" if self.text.stopped else step.finish_reason
         if reason is None:
             return outs
@@ -106,6 +109,7 @@ def collect(outputs: list[RequestOutput], logprobs: bool = False) -> RequestOutp
     lps = None
     if logprobs or any(o.logprobs is not None for o in outputs):
         lps = tuple(lp for o in outputs for lp in (o.logprobs or ()))
+    prompt = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
     return RequestOutput("".join(o.text for o in outputs), tuple(t for o in outputs for t in o.token_ids), lps,
                          True, last.finish_reason, last.stop_reason, last.completion_tokens, last.cached_tokens,
-                         last.error, last.status)
+                         prompt, last.error, last.status)

@@ -84,8 +84,8 @@ class ServingChat(OpenAIServing):
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             chunks = self._chunks(jobs, rid, plan, prepared.text, include_usage)
             return self.sse_response(self.sse_stream(jobs, rid, chunks))
-        choices = []
-        for index, result in enumerate(await self.collect_all(jobs, request)):
+        choices, results = [], await self.collect_all(jobs, request)
+        for index, result in enumerate(results):
             out = plan.make_output(prepared.text)
             out.feed(result.text)
             out.finish()
@@ -94,9 +94,12 @@ class ServingChat(OpenAIServing):
                             "logprobs": F.chat_logprobs(lps, self.model.tokenizer) if lps is not None else None,
                             "finish_reason": finish_reason(plan, out, result.finish_reason)})
         self.log_request(rid, jobs)
-        return self.json_response({"id": rid, "object": "chat.completion", "created": int(time.time()),
-                                   "model": self.model.name, "choices": choices,
-                                   "usage": self.usage(len(prepared.prompt), jobs)})
+        body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model.name,
+                "choices": choices, "usage": self.usage(len(prepared.prompt), jobs)}
+        if req.prompt_logprobs is not None:  # vLLM's: on the response, for the one prompt
+            body["prompt_logprobs"] = F.prompt_logprobs(prepared.prompt, results[0].prompt_logprobs or (),
+                                                        self.model.tokenizer)
+        return self.json_response(body)
 
     async def _chunks(self, jobs: list[Job], rid: str, plan: Plan, prompt_text: str,
                       include_usage: bool) -> AsyncIterator[str]:

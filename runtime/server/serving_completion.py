@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from runtime.limits import MAX_PROMPTS
@@ -27,22 +27,41 @@ class ServingCompletion(OpenAIServing):
         req, p = await self.prepare(request, P.CompletionRequest, self.build)
         rid = self.request_id(chat=False)
         n = p.plan.n
+        echo_lps = req.logprobs if req.echo and req.logprobs is not None else None
+        wanted = max((k for k in (echo_lps, req.prompt_logprobs) if k is not None), default=None)
         jobs = self.submit(req, p.plan, [(prompt, limit) for prompt, limit in zip(p.prompts, p.limits)
-                                         for _ in range(n)])
+                                         for _ in range(n)], prompt_logprobs=wanted)
         prompt_tokens = sum(len(x) for x in p.prompts)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             chunks = self._chunks(jobs, rid, p.echo, include_usage, prompt_tokens)
             return self.sse_response(self.sse_stream(jobs, rid, chunks))
         choices = []
+        tok, outs = self.model.tokenizer, []
         for index, out in enumerate(await self.collect_all(jobs, request)):
-            choices.append({"index": index, "text": p.echo[index] + out.text, "finish_reason": out.finish_reason,
-                            "logprobs": F.completion_logprobs(out.logprobs, self.model.tokenizer, len(p.echo[index]))
-                            if out.logprobs is not None else None})
+            prompt = p.prompts[index // n]
+            if req.max_tokens == 0:  # echo only: the prompt scored, no token generated
+                out = replace(out, text="", token_ids=(), logprobs=() if out.logprobs is not None else None,
+                              finish_reason="length", completion_tokens=0)
+            head, offset = None, len(p.echo[index])
+            if echo_lps is not None:  # the prompt's tokens first; the completion's offsets follow theirs
+                head = F.echo_logprobs(prompt, out.prompt_logprobs or (), tok)
+                offset = head["text_offset"][-1] + len(head["tokens"][-1])
+            logprobs = F.completion_logprobs(out.logprobs, tok, offset) if out.logprobs is not None else None
+            if head is not None:
+                logprobs = F.join_logprobs(head, logprobs)
+            choice = {"index": index, "text": p.echo[index] + out.text, "finish_reason": out.finish_reason,
+                      "logprobs": logprobs}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = F.prompt_logprobs(prompt, out.prompt_logprobs or (), tok)
+            choices.append(choice)
+            outs.append(out)
         self.log_request(rid, jobs)
+        usage = self.usage(prompt_tokens, jobs)
+        if req.max_tokens == 0:
+            usage.update(completion_tokens=0, total_tokens=prompt_tokens)
         return self.json_response({"id": rid, "object": "text_completion", "created": int(time.time()),
-                                   "model": self.model.name, "choices": choices,
-                                   "usage": self.usage(prompt_tokens, jobs)})
+                                   "model": self.model.name, "choices": choices, "usage": usage})
 
     def build(self, req: P.CompletionRequest) -> Prepared:
         """Checks, plan and tokenizer: CPU work, called in a worker thread."""
@@ -51,13 +70,15 @@ class ServingCompletion(OpenAIServing):
             raise unsupported("suffix", "suffix")
         if req.best_of not in (None, 1) and req.best_of != req.n:
             raise unsupported("best_of", "best_of other than n")
-        if req.echo and req.logprobs is not None:
-            raise unsupported("echo", "echo together with logprobs (prompt logprobs)")
         items = prompt_items(req.prompt)
         self.check_choices(len(items) * int(req.n or 1))  # before any grammar is compiled or prompt tokenized
         plan = self.plan(req, chat=False)
         prompts = self.tokenize(items)
-        limits = [self.max_tokens(req.max_tokens, len(x)) for x in prompts]
+        score_only = req.max_tokens == 0 and bool(req.echo)  # one token runs, none is returned
+        if score_only and req.stream:
+            raise APIError(400, "expected stream false with max_tokens 0 (echo only), found stream true",
+                           param="stream")
+        limits = [self.max_tokens(1 if score_only else req.max_tokens, len(x)) for x in prompts]
         echo = [self.model.tokenizer.decode(x) if req.echo else "" for x in prompts for _ in range(plan.n)]
         return Prepared(plan, prompts, limits, echo)
 

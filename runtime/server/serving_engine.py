@@ -200,6 +200,9 @@ class OpenAIServing:
             raise APIError(400, f"prompt has {prompt_len} tokens, but the context holds {limit} "
                                 f"(max_model_len); shorten the prompt", param="messages",
                            code="context_length_exceeded")
+        if requested == 0:
+            raise APIError(400, "expected max_tokens >= 1 (0 only with echo on /v1/completions), found 0",
+                           param="max_tokens")
         if requested is None:
             return min(limit - prompt_len, int(self.model.defaults.get("max_tokens", limit)))
         if prompt_len + requested > limit:
@@ -234,7 +237,8 @@ class OpenAIServing:
     def _release(self) -> None:
         self._admission.count -= 1
 
-    def submit(self, req: P._Common, plan: Plan, choices: list[tuple[list[int], int]]) -> list[Job]:
+    def submit(self, req: P._Common, plan: Plan, choices: list[tuple[list[int], int]],
+               prompt_logprobs: int | None = None) -> list[Job]:
         """Admit one request's choices (or 400 / 429), then hand each to the engine client: (prompt, max_tokens),
         `plan.n` consecutive choices per prompt. The choices of one request run side by side in the batch,
         taking turns for slots with other requests (runtime.serve.scheduler)."""
@@ -252,10 +256,12 @@ class OpenAIServing:
             job = Job(prompt, loop, RequestState(text, logprobs=plan.logprobs is not None, arrived=self._clock()),
                       engine=self.engine)
             jobs.append(job)
-            self._start(job, req, plan, replace(plan.params, seed=seeds[i % plan.n]), max_tokens, group)
+            self._start(job, req, plan, replace(plan.params, seed=seeds[i % plan.n]), max_tokens, group,
+                        req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
         return jobs
 
-    def _start(self, job: Job, req, plan: Plan, params, max_tokens: int, group: str) -> None:
+    def _start(self, job: Job, req, plan: Plan, params, max_tokens: int, group: str,
+               prompt_logprobs: int | None = None) -> None:
         loop, m, state = job.loop, self.metrics, job.state
         released = False
 
@@ -295,7 +301,7 @@ class OpenAIServing:
         processor = plan.make_processor(job.prompt)
         er = EngineRequest(job.prompt, params, max_tokens, eos_ids=plan.end_ids, speculative=req.speculative is not False,
                            logits_processors=(processor,) if processor.active else (), logprobs=plan.logprobs,
-                           on_step=on_step, on_error=on_error, arrival=job.arrived, group=group)
+                           prompt_logprobs=prompt_logprobs, on_step=on_step, on_error=on_error, arrival=job.arrived, group=group)
         job.engine_request = er
         m.prompt_tokens.inc(len(job.prompt))
         m.request_prompt_tokens.observe(len(job.prompt))
