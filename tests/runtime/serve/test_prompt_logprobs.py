@@ -59,3 +59,30 @@ def test_vllm_prompt_logprobs_on_completions_and_chat_twice_over_the_prefix_cach
                                           extra_body={"prompt_logprobs": 0})
     pl = chat.model_extra["prompt_logprobs"]
     assert pl[0] is None and len(pl) > 1 and all(len(p) == 1 for p in pl[1:])
+
+
+def test_prompt_logprobs_across_prefill_chunks_and_a_cached_prefix(engine_factory, reference):
+    from runtime.serve.model_runner import ModelRunner
+    from runtime.serve.sampling import SamplingParams
+    from runtime.serve.scheduler import EngineRequest, Scheduler
+
+    runner = ModelRunner(engine_factory("target"))
+    scheduler = Scheduler(runner, max_num_seqs=1, max_num_batched_tokens=4)  # 14 prompt tokens: 4 chunks
+    seen = []
+    for _ in range(2):  # the second run finds the prompt in the slot's cache and must recompute it
+        steps = []
+        r = EngineRequest(list(PROMPT), SamplingParams(temperature=0.0), 2, prompt_logprobs=1,
+                          on_step=steps.append)
+        scheduler.add(r)
+        while r.finish_reason is None:
+            scheduler.step()
+        assert r.cached_tokens == 0
+        first = steps[0].prompt_logprobs
+        assert [e.token for e in first] == PROMPT[1:] and all(s.prompt_logprobs is None for s in steps[1:])
+        assert np.allclose([e.logprob for e in first], reference, atol=1e-3) and all(len(e.top) == 1 for e in first)
+        seen.append(first)
+    plain = EngineRequest(list(PROMPT), SamplingParams(temperature=0.0), 2)
+    scheduler.add(plain)
+    while plain.finish_reason is None:
+        scheduler.step()
+    assert plain.cached_tokens > 0  # a request without prompt logprobs still uses the cache
