@@ -201,8 +201,8 @@ class OpenAIServing:
                                 f"(max_model_len); shorten the prompt", param="messages",
                            code="context_length_exceeded")
         if requested == 0:
-            raise APIError(400, "expected max_tokens >= 1 (0 only with echo on /v1/completions), found 0",
-                           param="max_tokens")
+            raise APIError(400, "expected max_tokens greater than or equal to 1 (0 only with echo on "
+                                "/v1/completions), found 0", param="max_tokens")
         if requested is None:
             return min(limit - prompt_len, int(self.model.defaults.get("max_tokens", limit)))
         if prompt_len + requested > limit:
