@@ -34,7 +34,8 @@ class ServingCompletion(OpenAIServing):
         prompt_tokens = sum(len(x) for x in p.prompts)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = self._chunks(jobs, rid, p.echo, include_usage, prompt_tokens)
+            chunks = self._chunks(jobs, rid, p.echo, include_usage, prompt_tokens,
+                                  [x for x in p.prompts for _ in range(n)] if echo_lps is not None else None)
             return self.sse_response(self.sse_stream(jobs, rid, chunks))
         choices = []
         tok, outs = self.model.tokenizer, []
@@ -98,14 +99,19 @@ class ServingCompletion(OpenAIServing):
         return out
 
     async def _chunks(self, jobs: list[Job], rid: str, echo: list[str], include_usage: bool,
-                      prompt_tokens: int) -> AsyncIterator[str]:
-        """A streamed text completion's chunks, one choice after another (sse_stream frames them)."""
+                      prompt_tokens: int, scored: list[list[int]] | None = None) -> AsyncIterator[str]:
+        """A streamed text completion's chunks, one choice after another (sse_stream frames them).
+        `scored`: each choice's prompt, when echo comes with its logprobs (sent with the first output)."""
         created, name, tok = int(time.time()), self.model.name, self.model.tokenizer
         for index, job in enumerate(jobs):
             offset = len(echo[index])
-            if echo[index]:
+            if echo[index] and scored is None:
                 yield F.sse(F.completion_chunk(rid, created, name, index, echo[index]))
             async for out in self.stream_events(job):
+                if scored is not None and out.prompt_logprobs is not None:
+                    head = F.echo_logprobs(scored[index], out.prompt_logprobs, tok)
+                    offset = head["text_offset"][-1] + len(head["tokens"][-1])
+                    yield F.sse(F.completion_chunk(rid, created, name, index, echo[index], logprobs=head))
                 if out.text or out.logprobs:
                     logprobs = F.completion_logprobs(out.logprobs, tok, offset) if out.logprobs else None
                     offset += len(out.text)

@@ -86,3 +86,12 @@ def test_prompt_logprobs_across_prefill_chunks_and_a_cached_prefix(engine_factor
     while plain.finish_reason is None:
         scheduler.step()
     assert plain.cached_tokens > 0  # a request without prompt logprobs still uses the cache
+
+
+def test_streamed_echo_carries_the_prompt_logprobs_first(client, reference):
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, echo=True, logprobs=0,
+                                            temperature=0, stream=True))
+    head = chunks[0].choices[0].logprobs
+    assert head.token_logprobs[0] is None and np.allclose(head.token_logprobs[1:], reference, atol=1e-3)
+    later = [c.choices[0].logprobs for c in chunks[1:] if c.choices and c.choices[0].logprobs]
+    assert later and later[0].text_offset[0] == head.text_offset[-1] + len(head.tokens[-1])
