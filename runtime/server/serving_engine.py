@@ -166,6 +166,10 @@ class OpenAIServing:
         if len(stops) > P.MAX_STOP_STRINGS or any(len(s) > P.MAX_STOP_LENGTH for s in stops):
             raise APIError(400, f"expected at most {P.MAX_STOP_STRINGS} stop strings of at most "
                                 f"{P.MAX_STOP_LENGTH} characters", param="stop")
+        top = self.options.features.max_logprobs
+        if req.prompt_logprobs is not None and req.prompt_logprobs > top:
+            raise APIError(400, f"expected at most {top} prompt_logprobs (--max-logprobs), found "
+                                f"{req.prompt_logprobs}", param="prompt_logprobs")
         extra = sorted((req.model_extra or {}).keys())
         if extra:  # accepted, as vLLM does, but never silently
             log.warning("%s: ignoring unknown request fields: %s", type(req).__name__, ", ".join(extra))

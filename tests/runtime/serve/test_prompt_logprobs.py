@@ -95,3 +95,10 @@ def test_streamed_echo_carries_the_prompt_logprobs_first(client, reference):
     assert head.token_logprobs[0] is None and np.allclose(head.token_logprobs[1:], reference, atol=1e-3)
     later = [c.choices[0].logprobs for c in chunks[1:] if c.choices and c.choices[0].logprobs]
     assert later and later[0].text_offset[0] == head.text_offset[-1] + len(head.tokens[-1])
+
+
+def test_prompt_logprobs_are_bounded_by_max_logprobs(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="max-logprobs"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 10 ** 6})
