@@ -72,18 +72,18 @@ ENGINE_BACKENDS = {"runtime.engines.onnxruntime", "runtime.engines.cuda", "runti
 
 @pytest.mark.parametrize("wing,forbidden", [
     # the chain of trust needs none of the serving wings (a device can verify and install with them broken)
-    ("runtime/store", {"runtime.serve", "runtime.server", "runtime.engines", "runtime.cli"}),
+    ("runtime/store", {"runtime.serve", "runtime.server", "runtime.engines", "runtime.cli.floor"}),
     # the serving core knows engines, not HTTP, the store or the command line
-    ("runtime/serve", {"runtime.server", "runtime.store", "runtime.cli"}),
+    ("runtime/serve", {"runtime.server", "runtime.store.store", "runtime.cli.floor"}),
     # backends know nothing above them
-    ("runtime/engines", {"runtime.serve", "runtime.server", "runtime.store", "runtime.cli"}),
+    ("runtime/engines", {"runtime.serve", "runtime.server", "runtime.store.store", "runtime.cli.floor"}),
     # HTTP only: engines come through runtime.engines' loader, never a backend; no registry client
-    ("runtime/server", ENGINE_BACKENDS | {"runtime.cli", "runtime.store.registry", "runtime.store.skopeo"}),
+    ("runtime/server", ENGINE_BACKENDS | {"runtime.cli.floor", "runtime.store.registry", "runtime.store.skopeo"}),
     # the contract: stdlib only (and its own modules)
     ("manifests", {"runtime", "bundler"}),
     # build-host wings: resolution does not pack, export does not resolve or pack
-    ("bundler/resolve", {"bundler.pack", "bundler.cli"}),  # pre-flight checks size the graphs bundler.onnx writes
-    ("bundler/onnx", {"bundler.pack", "bundler.cli", "bundler.resolve"}),
+    ("bundler/resolve", {"bundler.pack.pack", "bundler.cli"}),  # pre-flight checks size the graphs bundler.onnx writes
+    ("bundler/onnx", {"bundler.pack.pack", "bundler.cli", "bundler.resolve.checkpoint"}),
 ])
 def test_wings_import_only_downwards(wing, forbidden):
     bad = {f: reaching(names, forbidden) for f, names in wing_imports(wing).items() if reaching(names, forbidden)}

@@ -11,20 +11,10 @@ import threading
 import time
 from typing import Iterator, Sequence
 
-from runtime.engines.base import Engine, SequenceEngine, SequenceSlots
-from runtime.serve.model_runner import ModelRunner
+from runtime.serve.model_runner import ModelRunner, as_slots
 from runtime.serve.sampling import LogitsProcessor, SamplingParams
 from runtime.serve.scheduler import EngineRequest, Scheduler
 from runtime.serve.speculative import Step, ngram_lookup
-
-
-def as_slots(engine):
-    """A slot engine; a single-sequence engine (the interface before slots) becomes one slot."""
-    if engine is None or isinstance(engine, Engine):
-        return engine
-    if isinstance(engine, SequenceEngine) or hasattr(engine, "forward"):
-        return SequenceSlots([engine])
-    raise TypeError(f"expected an Engine, found {type(engine).__name__}")
 
 
 class Generator:
@@ -45,6 +35,13 @@ class Generator:
                                   prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
                                   clock=clock, adaptive=adaptive, disable_by_batch_size=disable_by_batch_size)
         self._busy = threading.Lock()
+
+    @classmethod
+    def over(cls, runner: ModelRunner) -> "Generator":
+        """A Generator driving an existing runner (the one a ServingModel holds)."""
+        self = cls.__new__(cls)
+        self.runner, self._busy = runner, threading.Lock()
+        return self
 
     target = property(lambda self: self.runner.target)
     draft = property(lambda self: self.runner.draft)

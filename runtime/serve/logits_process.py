@@ -122,6 +122,7 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
+    rank: int = 1  # 1 + how many tokens are more likely
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -139,7 +140,7 @@ def token_logprobs(logits: np.ndarray, token: int, top_n: int = 0) -> TokenLogpr
         idx = np.argpartition(-lp, n - 1)[:n]
         idx = sorted(idx.tolist(), key=lambda i: (-lp[i], i))
         top = tuple((int(i), float(lp[i])) for i in idx)
-    return TokenLogprob(int(token), float(lp[int(token)]), top)
+    return TokenLogprob(int(token), float(lp[int(token)]), top, 1 + int((lp > lp[int(token)]).sum()))
 
 
 class ReasoningGate:

@@ -18,7 +18,7 @@ import numpy as np
 
 from manifests.errors import UsageError
 from runtime.serve.eagle3 import ChainProposer
-from runtime.engines.base import Engine, Row
+from runtime.engines.base import Engine, Row, SequenceEngine, SequenceSlots
 from runtime.serve.logits_process import token_logprobs
 from runtime.serve.spec_length import SpeculationLength
 from runtime.serve.speculative import METHODS, SpecStats, Step, accept, accept_greedy, ngram_lookup, propose_token
@@ -32,6 +32,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def as_slots(engine):
+    """A slot engine; a single-sequence engine (the interface before slots) becomes one slot."""
+    if engine is None or isinstance(engine, Engine):
+        return engine
+    if isinstance(engine, SequenceEngine) or hasattr(engine, "forward"):
+        return SequenceSlots([engine])
+    raise TypeError(f"expected an Engine, found {type(engine).__name__}")
 
 
 class ModelRunner:
@@ -195,7 +204,8 @@ class ModelRunner:
         rows, firsts = [], []  # firsts: the prefills whose last chunk this is
         for r, n in prefills:
             last = r.computed + n == len(r.prompt)
-            rows.append(Row(r.slot, r.tokens[r.computed:r.computed + n], fetch="last" if last else "none"))
+            fetch = "all" if r.prompt_logprobs is not None else "last" if last else "none"
+            rows.append(Row(r.slot, r.tokens[r.computed:r.computed + n], fetch=fetch))
             if last:
                 firsts.append(r)
         for r, _ in decodes:
@@ -207,11 +217,18 @@ class ModelRunner:
         sampling = [r for r, _ in decodes] + firsts
         sampled = {r.slot for r in sampling if not argmax_suffices(r)}
         greedy = self.greedy_argmax and len(sampled) < len(sampling) and offers_greedy(self.target)
-        logits = self._forward(self.target, self.target_cache, rows, "target", greedy=greedy, logits_for=sampled)
+        wanted = sampled | {r.slot for r, _ in prefills if r.prompt_logprobs is not None}
+        logits = self._forward(self.target, self.target_cache, rows, "target", greedy=greedy, logits_for=wanted)
         for (r, n), row_logits in zip(prefills, logits):
+            if r.prompt_logprobs is not None:  # row i is the distribution of prompt token computed + i + 1
+                rows_np = np.asarray(row_logits)
+                for i in range(n):
+                    if r.computed + i + 1 < len(r.prompt):
+                        r.prompt_logprob_rows.append(token_logprobs(rows_np[i], r.prompt[r.computed + i + 1],
+                                                                    r.prompt_logprobs))
             r.computed += n
             if r.computed == len(r.prompt):  # the first token, from the prompt's last row
-                self._finish_row(r, np.asarray(row_logits)[-1:], [], [], greedy and r.slot not in sampled)
+                self._finish_row(r, np.asarray(row_logits)[-1:], [], [], greedy and r.slot not in wanted)
         for (r, _), row_logits in zip(decodes, logits[len(prefills):]):
             drafts, qs = proposals.get(r.slot, ([], []))
             self._finish_row(r, row_logits, drafts, qs, greedy and r.slot not in sampled)

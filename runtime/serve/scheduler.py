@@ -54,6 +54,9 @@ class EngineRequest:
     speculative: bool = True
     logits_processors: tuple = ()
     logprobs: int | None = None  # report raw logprobs of each token, with this many alternatives
+    #: report each prompt token's logprob (and this many alternatives); such a prompt is computed in
+    #: full, never taken from the prefix cache (a cached prefix has no logits), as vLLM does
+    prompt_logprobs: int | None = None
     on_step: Callable[[Step], str | None] | None = None
     #: the request is over with an error: on_error(message, request_fault=False) when the engine failed,
     #: request_fault=True when the request's own logits processor did (its grammar cannot be followed)
@@ -71,6 +74,7 @@ class EngineRequest:
     finish_reason: str | None = None
     spec_hits: float = 0.0  # decayed accepted proposals, and proposals scored (runtime.serve.spec_length)
     spec_trials: float = 0.0
+    prompt_logprob_rows: list = field(default_factory=list)  # filled by the runner while prefilling
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -98,6 +102,8 @@ class EngineRequest:
         step, n = step_of(new, drafted, accepted, self.eos_ids, self.produced, self.max_tokens)
         if logprobs is not None:
             step = replace(step, logprobs=logprobs[:n])
+        if self.prompt_logprobs is not None and self.produced == 0:
+            step = replace(step, prompt_logprobs=list(self.prompt_logprob_rows))
         self.produced += n
         self._deliver(step)
 
@@ -179,7 +185,7 @@ class Scheduler:
                 finished.append(r)
             admitted = self._take_waiting(len(self._free))
         for r in admitted:
-            self.runner.place(r, self._pick_slot(r), reuse=self.enable_prefix_caching)
+            self.runner.place(r, self._pick_slot(r), reuse=self.enable_prefix_caching and r.prompt_logprobs is None)
             self.running[r.slot] = r
         decodes, prefills = [], []
         budget = self.max_num_batched_tokens

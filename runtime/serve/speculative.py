@@ -43,6 +43,8 @@ class Step:
     accepted: int = 0  # proposals accepted, 0..drafted
     finish_reason: str | None = None  # "stop" (eos) | "length" | "cancelled"
     logprobs: list | None = None  # runtime.serve.logits_process.TokenLogprob per token, when the request asks
+    #: on a request's first Step, when it asked: TokenLogprob of prompt tokens 1.. (token 0 has none)
+    prompt_logprobs: list | None = None
 
 
 @dataclass

@@ -129,6 +129,7 @@ class TextStream:
     tokenizer: Tokenizer
     stop: tuple[str, ...] = ()
     stopped: bool = False
+    stop_hit: str | None = None  # the stop string that ended the text, once stopped
     text: str = ""  # everything returned so far
     tokens: int = 0  # tokens pushed before the stop (usage counts these)
     skip_special_tokens: bool = True  # False where a parser reads special tokens ([TOOL_CALLS])
@@ -155,11 +156,12 @@ class TextStream:
         if not self.stop:
             self._held = ""
             return buf
-        hits = [i for i in (buf.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, s) for s, i in ((s, buf.find(s)) for s in self.stop) if i >= 0]
         if hits:
+            at, self.stop_hit = min(hits)
             self.stopped = True
             self._held = ""
-            return buf[:min(hits)]
+            return buf[:at]
         keep = 0  # longest suffix of buf that is a proper prefix of some stop string
         for s in self.stop:
             for n in range(min(len(s) - 1, len(buf)), keep, -1):

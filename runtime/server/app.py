@@ -47,7 +47,7 @@ class OpenAIServer:
 
     def __init__(self, model: ServingModel, options: ServeOptions = ServeOptions(), metrics: Metrics | None = None):
         self.model, self.options = model, options
-        runner = model.generator.runner
+        runner = model.runner
         self.metrics = metrics or Metrics(runner.num_speculative_tokens, model_name=model.name)
         self.slot_plan: SlotPlan = plan_slots(runner, options.max_num_seqs, options.kv_cache_memory_bytes)
         if runner.num_slots != self.slot_plan.num_slots:

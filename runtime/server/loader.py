@@ -15,7 +15,7 @@ from manifests.families import EAGLE3_ARCHITECTURES
 from manifests.schema import Manifest, Speculative
 from runtime.serve.chat_template import ChatTemplate
 from runtime.server.serving_engine import ServingModel
-from runtime.serve.generator import Generator
+from runtime.serve.model_runner import ModelRunner, as_slots
 from runtime.serve.tokenizer import Tokenizer
 
 
@@ -53,15 +53,16 @@ def resolve_speculative(manifest: Manifest, override: Speculative | None, disabl
     return spec
 
 
-def build_generator(target, draft, spec: Speculative, *, adaptive: bool = True) -> Generator:
-    """The server's generator: num_speculative_tokens is the most a step verifies; how many it does is
-    picked per step from measured costs (runtime.serve.spec_length) unless `adaptive` is False.
+def build_runner(target, draft, spec: Speculative, *, adaptive: bool = True) -> ModelRunner:
+    """The server's model runner, which the engine client drives: num_speculative_tokens is the most a
+    step verifies; how many it does is picked per step from measured costs (runtime.serve.spec_length) unless `adaptive` is False.
     vLLM's `disable_by_batch_size` turns speculation off above that many running requests."""
     lo = spec.prompt_lookup_min or 2
     hi = spec.prompt_lookup_max or max(4, lo)
-    return Generator(target, draft if spec.method in ("draft_model", "eagle3") else None, spec.method,
-                     spec.num_speculative_tokens, prompt_lookup_min=lo, prompt_lookup_max=hi, adaptive=adaptive,
-                     disable_by_batch_size=disable_by_batch_size(spec))
+    draft = draft if spec.method in ("draft_model", "eagle3") else None
+    return ModelRunner(as_slots(target), draft if spec.method == "eagle3" else as_slots(draft), spec.method,
+                       spec.num_speculative_tokens, prompt_lookup_min=lo, prompt_lookup_max=hi, adaptive=adaptive,
+                       disable_by_batch_size=disable_by_batch_size(spec))
 
 
 def disable_by_batch_size(spec: Speculative) -> int | None:
@@ -112,12 +113,12 @@ def load_serving_model(installed, *, target_id: str | None = None, speculative: 
     limit = min(target.max_context, draft.max_context) if draft is not None else target.max_context
     if max_model_len is not None and max_model_len > limit:
         raise UsageError(f"--max-model-len {max_model_len} is more than the engine supports ({limit})")
-    generator = build_generator(target, draft, spec)
+    runner = build_runner(target, draft, spec)
     defaults = {k: v for k, v in manifest.serve.items() if k in ("temperature", "top_p", "top_k", "max_tokens")}
     info = {"bundle": f"{manifest.name} v{manifest.version}", "target": target_id,
             "engine": target.description or type(target).__name__,
             "speculative": spec.method if spec.method == "none" else
             f"{spec.method} (num_speculative_tokens={spec.num_speculative_tokens})"}
     return ServingModel(name=manifest.name, tokenizer=tokenizer, template=ChatTemplate.for_tokenizer(tokenizer),
-                        generator=generator, max_model_len=min(wanted or limit, limit), info=info,
+                        runner=runner, max_model_len=min(wanted or limit, limit), info=info,
                         defaults=defaults)

@@ -48,6 +48,40 @@ def completion_logprobs(entries: list[TokenLogprob], tokenizer, offset: int = 0)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def echo_logprobs(prompt: list[int], entries, tokenizer) -> dict:
+    """The prompt's part of an echoed completion's logprobs (OpenAI's and vLLM's shape): its first token
+    has no logprob (null), the others theirs and their top alternatives."""
+    tokens, lps, tops, offsets, offset = [], [], [], [], 0
+    for i, token in enumerate(prompt):
+        text = token_text(tokenizer, token)
+        e = entries[i - 1] if i else None
+        tokens.append(text)
+        lps.append(None if e is None else max(e.logprob, -9999.0))
+        tops.append(None if e is None else {token_text(tokenizer, t): lp for t, lp in
+                                            ((e.token, e.logprob), *e.top)})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def join_logprobs(a: dict, b: dict | None) -> dict:
+    return a if b is None else {k: a[k] + b[k] for k in a}
+
+
+def prompt_logprobs(prompt: list[int], entries, tokenizer) -> list:
+    """vLLM's `prompt_logprobs`: None for the first token, then {id: {logprob, rank, decoded_token}}
+    holding the prompt token and its top alternatives."""
+    out: list = [None]
+    for token, e in zip(prompt[1:], entries):
+        pos = {str(token): {"logprob": max(e.logprob, -9999.0), "rank": e.rank,
+                            "decoded_token": token_text(tokenizer, token)}}
+        for rank, (t, lp) in enumerate(e.top, 1):
+            pos.setdefault(str(t), {"logprob": max(lp, -9999.0), "rank": rank,
+                                    "decoded_token": token_text(tokenizer, t)})
+        out.append(pos)
+    return out
+
+
 def tool_call_delta(d) -> dict:
     """One streamed tool-call delta (runtime.server.tool_parsers.ToolCallDelta)."""
     out: dict = {"index": d.index}

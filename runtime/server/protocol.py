@@ -58,7 +58,7 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: completions with echo only (the prompt scored)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
@@ -80,6 +80,7 @@ class _Common(BaseModel):
     structured_outputs: dict | None = None
     skip_special_tokens: bool | None = True
     speculative: bool | None = True
+    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's: each prompt token's logprob, this many top
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

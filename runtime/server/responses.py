@@ -142,9 +142,10 @@ class ServingResponses(ServingChat):
         base = _base(rid, req, self.model.name)
         if req.stream:
             return self.sse_response(_stream(self, job, rid, base, prepared.plan, prepared.text))
-        (pieces, finish, _), = await self.collect_all([job], request)
+        result, = await self.collect_all([job], request)
+        finish = result.finish_reason
         out = prepared.plan.make_output(prepared.text)
-        out.feed("".join(pieces))
+        out.feed(result.text)
         out.finish()
         self.log_request(rid, [job])
         return self.json_response(_final(base, _items(out), job, finish))
@@ -279,16 +280,16 @@ async def _stream(serving, job, rid: str, base: dict, plan, prompt_text: str) ->
         yield event("response.created", response=base)
         yield event("response.in_progress", response=base)
         finish = "stop"
-        async for kind, text, _ in serving.events(job):
-            if kind == "error":
-                failed = dict(base, status="failed", error={"code": "server_error", "message": text})
+        async for result in serving.events(job):
+            if result.error is not None:
+                failed = dict(base, status="failed", error={"code": "server_error", "message": result.error})
                 yield event("response.failed", response=failed)
                 return
-            if kind == "delta":
-                for e in emit(out.feed(text)):
+            if result.text:
+                for e in emit(out.feed(result.text)):
                     yield e
-            else:
-                finish = text
+            if result.finished:
+                finish = result.finish_reason
         for e in emit(out.finish()):
             yield e
         for e in close_open():

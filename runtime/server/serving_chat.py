@@ -85,18 +85,22 @@ class ServingChat(OpenAIServing):
             continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
             chunks = self._chunks(jobs, rid, plan, prepared.text, include_usage, continuous)
             return self.sse_response(self.sse_stream(jobs, rid, chunks))
-        choices = []
-        for index, (pieces, finish, lps) in enumerate(await self.collect_all(jobs, request)):
+        choices, results = [], await self.collect_all(jobs, request)
+        for index, result in enumerate(results):
             out = plan.make_output(prepared.text)
-            out.feed("".join(pieces))
+            out.feed(result.text)
             out.finish()
+            lps = result.logprobs
             choices.append({"index": index, "message": out.message(),
                             "logprobs": F.chat_logprobs(lps, self.model.tokenizer) if lps is not None else None,
-                            "finish_reason": finish_reason(plan, out, finish)})
+                            "finish_reason": finish_reason(plan, out, result.finish_reason)})
         self.log_request(rid, jobs)
-        return self.json_response({"id": rid, "object": "chat.completion", "created": int(time.time()),
-                                   "model": self.model.name, "choices": choices,
-                                   "usage": self.usage(len(prepared.prompt), jobs)})
+        body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model.name,
+                "choices": choices, "usage": self.usage(len(prepared.prompt), jobs)}
+        if req.prompt_logprobs is not None:  # vLLM's: on the response, for the one prompt
+            body["prompt_logprobs"] = F.prompt_logprobs(prepared.prompt, results[0].prompt_logprobs or (),
+                                                        self.model.tokenizer)
+        return self.json_response(body)
 
     async def _chunks(self, jobs: list[Job], rid: str, plan: Plan, prompt_text: str,
                       include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:
@@ -115,21 +119,23 @@ class ServingChat(OpenAIServing):
             out = plan.make_output(prompt_text)
             yield F.sse(chunk(index, F.message_delta(None, first=True)))
             pending = None
-            async for kind, text, lps in self.stream_events(job):
-                if kind == "delta":
-                    delta = out.feed(text)
-                    logprobs = F.chat_logprobs(lps, tok) if lps else None
+            async for result in self.stream_events(job):
+                job.streamed = result.completion_tokens
+                if result.text or result.logprobs:
+                    delta = out.feed(result.text)
+                    logprobs = F.chat_logprobs(result.logprobs, tok) if result.logprobs else None
                     if delta or logprobs:
                         if pending is not None:
                             yield F.sse(pending)
                         pending = chunk(index, F.message_delta(delta), logprobs=logprobs)
+                if not result.finished:
                     continue
                 tail = out.finish()
                 if tail or pending is None:
                     if pending is not None:
                         yield F.sse(pending)
                     pending = chunk(index, F.message_delta(tail) if tail else {})
-                pending["choices"][0]["finish_reason"] = finish_reason(plan, out, text)
+                pending["choices"][0]["finish_reason"] = finish_reason(plan, out, result.finish_reason)
                 yield F.sse(pending)
         if include_usage:  # the prompt counts once, whatever n is
             yield F.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from runtime.limits import MAX_PROMPTS
@@ -27,23 +27,44 @@ class ServingCompletion(OpenAIServing):
         req, p = await self.prepare(request, P.CompletionRequest, self.build, raw)
         rid = self.request_id(chat=False)
         n = p.plan.n
+        echo_lps = req.logprobs if req.echo and req.logprobs is not None else None
+        wanted = max((k for k in (echo_lps, req.prompt_logprobs) if k is not None), default=None)
         jobs = self.submit(req, p.plan, [(prompt, limit) for prompt, limit in zip(p.prompts, p.limits)
-                                         for _ in range(n)])
+                                         for _ in range(n)], prompt_logprobs=wanted)
         prompt_tokens = sum(len(x) for x in p.prompts)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
-            chunks = self._chunks(jobs, rid, p.echo, include_usage, prompt_tokens, continuous)
+            chunks = self._chunks(jobs, rid, p.echo, include_usage, prompt_tokens,
+                                  [x for x in p.prompts for _ in range(n)] if echo_lps is not None else None,
+                                  continuous)
             return self.sse_response(self.sse_stream(jobs, rid, chunks))
         choices = []
-        for index, (pieces, finish, lps) in enumerate(await self.collect_all(jobs, request)):
-            choices.append({"index": index, "text": p.echo[index] + "".join(pieces), "finish_reason": finish,
-                            "logprobs": F.completion_logprobs(lps, self.model.tokenizer, len(p.echo[index]))
-                            if lps is not None else None})
+        tok, outs = self.model.tokenizer, []
+        for index, out in enumerate(await self.collect_all(jobs, request)):
+            prompt = p.prompts[index // n]
+            if req.max_tokens == 0:  # echo only: the prompt scored, no token generated
+                out = replace(out, text="", token_ids=(), logprobs=() if out.logprobs is not None else None,
+                              finish_reason="length", completion_tokens=0)
+            head, offset = None, len(p.echo[index])
+            if echo_lps is not None:  # the prompt's tokens first; the completion's offsets follow theirs
+                head = F.echo_logprobs(prompt, out.prompt_logprobs or (), tok)
+                offset = head["text_offset"][-1] + len(head["tokens"][-1])
+            logprobs = F.completion_logprobs(out.logprobs, tok, offset) if out.logprobs is not None else None
+            if head is not None:
+                logprobs = F.join_logprobs(head, logprobs)
+            choice = {"index": index, "text": p.echo[index] + out.text, "finish_reason": out.finish_reason,
+                      "logprobs": logprobs}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = F.prompt_logprobs(prompt, out.prompt_logprobs or (), tok)
+            choices.append(choice)
+            outs.append(out)
         self.log_request(rid, jobs)
+        usage = self.usage(prompt_tokens, jobs)
+        if req.max_tokens == 0:
+            usage.update(completion_tokens=0, total_tokens=prompt_tokens)
         return self.json_response({"id": rid, "object": "text_completion", "created": int(time.time()),
-                                   "model": self.model.name, "choices": choices,
-                                   "usage": self.usage(prompt_tokens, jobs)})
+                                   "model": self.model.name, "choices": choices, "usage": usage})
 
     def build(self, req: P.CompletionRequest) -> Prepared:
         """Checks, plan and tokenizer: CPU work, called in a worker thread."""
@@ -52,19 +73,21 @@ class ServingCompletion(OpenAIServing):
             raise unsupported("suffix", "suffix")
         if req.best_of not in (None, 1) and req.best_of != req.n:
             raise unsupported("best_of", "best_of other than n")
-        if req.echo and req.logprobs is not None:
-            raise unsupported("echo", "echo together with logprobs (prompt logprobs)")
         items = prompt_items(req.prompt)
         self.check_choices(len(items) * int(req.n or 1))  # before any grammar is compiled or prompt tokenized
         plan = self.plan(req, chat=False)
         prompts = self.tokenize(items)
-        limits = [self.max_tokens(req.max_tokens, len(x)) for x in prompts]
+        score_only = req.max_tokens == 0 and bool(req.echo)  # one token runs, none is returned
+        if score_only and req.stream:
+            raise APIError(400, "expected stream false with max_tokens 0 (echo only), found stream true",
+                           param="stream")
+        limits = [self.max_tokens(1 if score_only else req.max_tokens, len(x)) for x in prompts]
         echo = [self.model.tokenizer.decode(x) if req.echo else "" for x in prompts for _ in range(plan.n)]
         return Prepared(plan, prompts, limits, echo)
 
     def tokenize(self, items: list) -> list[list[int]]:
         """The prompts of prompt_items: texts or token ids."""
-        vocab = self.model.generator.target.vocab_size
+        vocab = self.model.runner.target.vocab_size
         out = []
         for item in items:
             ids = self.encode(item, add_special_tokens=True, param="prompt") if isinstance(item, str) else list(item)
@@ -78,10 +101,11 @@ class ServingCompletion(OpenAIServing):
         return out
 
     async def _chunks(self, jobs: list[Job], rid: str, echo: list[str], include_usage: bool,
-                      prompt_tokens: int, continuous: bool = False) -> AsyncIterator[str]:
+                      prompt_tokens: int, scored: list[list[int]] | None = None,
+                      continuous: bool = False) -> AsyncIterator[str]:
         """A streamed text completion's chunks, one choice after another (sse_stream frames them). The last
         text chunk carries the finish reason, as vLLM sends it; with continuous usage every chunk carries the
-        usage so far."""
+        usage so far. `scored`: each choice's prompt, when echo comes with its logprobs (sent first)."""
         created, name, tok = int(time.time()), self.model.name, self.model.tokenizer
 
         def chunk(index: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> dict:
@@ -92,17 +116,24 @@ class ServingCompletion(OpenAIServing):
 
         for index, job in enumerate(jobs):
             offset = len(echo[index])
-            pending = chunk(index, echo[index]) if echo[index] else None
-            async for kind, text, lps in self.stream_events(job):
-                if kind == "delta":
-                    logprobs = F.completion_logprobs(lps, tok, offset) if lps else None
-                    offset += len(text)
+            pending = chunk(index, echo[index]) if echo[index] and scored is None else None
+            async for out in self.stream_events(job):
+                job.streamed = out.completion_tokens
+                if scored is not None and out.prompt_logprobs is not None:
+                    head = F.echo_logprobs(scored[index], out.prompt_logprobs, tok)
+                    offset = head["text_offset"][-1] + len(head["tokens"][-1])
                     if pending is not None:
                         yield F.sse(pending)
-                    pending = chunk(index, text, logprobs=logprobs)
-                else:
+                    pending = chunk(index, echo[index], logprobs=head)
+                if out.text or out.logprobs:
+                    logprobs = F.completion_logprobs(out.logprobs, tok, offset) if out.logprobs else None
+                    offset += len(out.text)
+                    if pending is not None:
+                        yield F.sse(pending)
+                    pending = chunk(index, out.text, logprobs=logprobs)
+                if out.finished:
                     pending = pending or chunk(index, "")
-                    pending["choices"][0]["finish_reason"] = text
+                    pending["choices"][0]["finish_reason"] = out.finish_reason
                     yield F.sse(pending)
         if include_usage:
             yield F.sse({"id": rid, "object": "text_completion", "created": created, "model": name,

@@ -32,7 +32,8 @@ from runtime.server.limits import MAX_BYTES_PER_TOKEN, HTTPLimits, prompt_byte_l
 from runtime.server.metrics import Metrics
 from runtime.server.preprocess import Preprocess
 from runtime.server.request_plan import Features, Plan, RequestError, plan_for
-from runtime.serve.generator import Generator
+from runtime.serve.model_runner import ModelRunner
+from runtime.serve.output_processor import RequestOutput, RequestState, collect
 from runtime.serve.speculative import Step
 from runtime.serve.tokenizer import TextStream, Tokenizer
 
@@ -53,12 +54,13 @@ class _JobFailed(Exception):
 
 @dataclass
 class ServingModel:
-    """Everything loaded for one bundle: tokenizer, template, generator, and how it was loaded."""
+    """Everything loaded for one bundle: tokenizer, template, the model runner the engine client drives,
+    and how it was loaded."""
 
     name: str
     tokenizer: Tokenizer
     template: ChatTemplate | None
-    generator: Generator
+    runner: ModelRunner
     max_model_len: int
     info: dict = field(default_factory=dict)  # target, engine, speculative method, bundle version
     defaults: dict = field(default_factory=dict)  # default sampling: generation config, manifest, overrides
@@ -86,33 +88,33 @@ class ServeOptions:
 
 @dataclass
 class Job:
-    """The server's side of one EngineRequest (one choice): its event queue on the loop, its text stream."""
+    """The server's side of one EngineRequest (one choice): its RequestOutputs' queue on the loop, and the
+    RequestState (runtime.serve.output_processor) that makes them on the engine thread."""
 
     prompt: list[int]
     loop: asyncio.AbstractEventLoop
-    text: TextStream
-    engine: EngineClient | None = None  # hands events to the loop (once per engine step)
+    state: RequestState
+    engine: EngineClient | None = None  # hands outputs to the loop (once per engine step)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     engine_request: EngineRequest | None = None
-    last_token_at: float | None = None
-    # read by the request log line
-    arrived: float = 0.0
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    tokens: int = 0
-    cached: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    finish: str | None = None
-    streamed: int = 0  # tokens of the deltas read so far (a stream's continuous usage)
+    streamed: int = 0  # tokens of the outputs read so far (a stream's continuous usage)
 
-    def post(self, *event) -> None:
+    arrived = property(lambda self: self.state.arrived)
+    first_token_at = property(lambda self: self.state.first_token_at)
+    finished_at = property(lambda self: self.state.finished_at)
+    tokens = property(lambda self: self.state.completion_tokens)
+    cached = property(lambda self: self.state.cached_tokens)
+    drafted = property(lambda self: self.state.drafted)
+    accepted = property(lambda self: self.state.accepted)
+    finish = property(lambda self: self.state.finish_reason)
+
+    def post(self, output: RequestOutput) -> None:
         cancel = self.engine_request.cancel if self.engine_request is not None else None
         if self.engine is not None:
-            self.engine.post(self.loop, self.events.put_nowait, event, cancel=cancel)
+            self.engine.post(self.loop, self.events.put_nowait, output, cancel=cancel)
             return
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            self.loop.call_soon_threadsafe(self.events.put_nowait, output)
         except RuntimeError:  # loop closed: the server is shutting down
             if cancel is not None:
                 cancel.set()
@@ -172,6 +174,10 @@ class OpenAIServing:
         if len(stops) > P.MAX_STOP_STRINGS or any(len(s) > P.MAX_STOP_LENGTH for s in stops):
             raise APIError(400, f"expected at most {P.MAX_STOP_STRINGS} stop strings of at most "
                                 f"{P.MAX_STOP_LENGTH} characters", param="stop")
+        top = self.options.features.max_logprobs
+        if req.prompt_logprobs is not None and req.prompt_logprobs > top:
+            raise APIError(400, f"expected at most {top} prompt_logprobs (--max-logprobs), found "
+                                f"{req.prompt_logprobs}", param="prompt_logprobs")
         extra = sorted((req.model_extra or {}).keys())
         if extra:  # accepted, as vLLM does, but never silently
             log.warning("%s: ignoring unknown request fields: %s", type(req).__name__, ", ".join(extra))
@@ -182,7 +188,7 @@ class OpenAIServing:
             from runtime.serve.grammar import GrammarCompiler
 
             self._compiler[0] = GrammarCompiler.for_tokenizer(self.model.tokenizer,
-                                                              self.model.generator.target.vocab_size)
+                                                              self.model.runner.target.vocab_size)
         return self._compiler[0]
 
     def plan(self, req, *, chat: bool) -> Plan:
@@ -192,7 +198,7 @@ class OpenAIServing:
             getattr(req, "tool_choice", None) not in (None, "none", "auto")
         try:
             return plan_for(req, chat=chat, features=self.options.features, defaults=self.model.defaults,
-                            vocab_size=self.model.generator.target.vocab_size,
+                            vocab_size=self.model.runner.target.vocab_size,
                             eos_ids=self.model.tokenizer.eos_token_ids,
                             compiler=self.compiler() if needs_grammar else None, tokenizer=self.model.tokenizer)
         except RequestError as e:
@@ -206,6 +212,9 @@ class OpenAIServing:
             raise APIError(400, f"prompt has {prompt_len} tokens, but the context holds {limit} "
                                 f"(max_model_len); shorten the prompt", param="messages",
                            code="context_length_exceeded")
+        if requested == 0:
+            raise APIError(400, "expected max_tokens greater than or equal to 1 (0 only with echo on "
+                                "/v1/completions), found 0", param="max_tokens")
         if requested is None:
             return min(limit - prompt_len, int(self.model.defaults.get("max_tokens", limit)))
         if prompt_len + requested > limit:
@@ -240,7 +249,8 @@ class OpenAIServing:
     def _release(self) -> None:
         self._admission.count -= 1
 
-    def submit(self, req: P._Common, plan: Plan, choices: list[tuple[list[int], int]]) -> list[Job]:
+    def submit(self, req: P._Common, plan: Plan, choices: list[tuple[list[int], int]],
+               prompt_logprobs: int | None = None) -> list[Job]:
         """Admit one request's choices (or 400 / 429), then hand each to the engine client: (prompt, max_tokens),
         `plan.n` consecutive choices per prompt. The choices of one request run side by side in the batch,
         taking turns for slots with other requests (runtime.serve.scheduler)."""
@@ -254,73 +264,63 @@ class OpenAIServing:
         seeds = plan.seeds()
         jobs = []
         for i, (prompt, max_tokens) in enumerate(choices):
-            job = Job(prompt, loop, TextStream(tok, tuple(req.stop_list()), skip_special_tokens=plan.skip_special_tokens),
-                      engine=self.engine, arrived=self._clock())
+            text = TextStream(tok, tuple(req.stop_list()), skip_special_tokens=plan.skip_special_tokens)
+            job = Job(prompt, loop, RequestState(text, logprobs=plan.logprobs is not None, arrived=self._clock()),
+                      engine=self.engine)
             jobs.append(job)
-            self._start(job, req, plan, replace(plan.params, seed=seeds[i % plan.n]), max_tokens, group)
+            self._start(job, req, plan, replace(plan.params, seed=seeds[i % plan.n]), max_tokens, group,
+                        req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
         return jobs
 
-    def _start(self, job: Job, req, plan: Plan, params, max_tokens: int, group: str) -> None:
-        loop, m = job.loop, self.metrics
+    def _start(self, job: Job, req, plan: Plan, params, max_tokens: int, group: str,
+               prompt_logprobs: int | None = None) -> None:
+        loop, m, state = job.loop, self.metrics, job.state
         released = False
 
-        def finish(event) -> None:
+        def finish(output: RequestOutput) -> None:
             nonlocal released
-            job.post(*event)
+            job.post(output)
             if not released:
                 released = True
                 self.engine.post(loop, self._release)
 
         def on_step(step: Step) -> str | None:
-            now = self._clock()
+            now, last = self._clock(), state.last_token_at
             if step.tokens:
-                if job.last_token_at is None:
-                    m.ttft.observe(now - job.arrived)
-                    job.first_token_at = now
+                if last is None:
+                    m.ttft.observe(now - state.arrived)
                 else:
                     for _ in step.tokens:
-                        m.itl.observe((now - job.last_token_at) / len(step.tokens))
-                job.last_token_at = now
+                        m.itl.observe((now - last) / len(step.tokens))
             m.step(len(step.tokens), step.drafted, step.accepted)
-            job.drafted += step.drafted
-            job.accepted += step.accepted
-            before = job.text.tokens
-            piece = job.text.push(step.tokens)
-            lps = step.logprobs[:job.text.tokens - before] if step.logprobs else None
-            if piece or lps:
-                job.post("delta", piece, lps, job.text.tokens)
-            reason = "stop" if job.text.stopped else step.finish_reason
-            if reason is None:
-                return None
-            tail = job.text.flush()
-            if tail:
-                job.post("delta", tail, None, job.text.tokens)
-            job.finished_at, job.tokens, job.finish = now, job.text.tokens, reason
-            job.cached = job.engine_request.cached_tokens
-            m.e2e.observe(now - job.arrived)
-            m.request_generation_tokens.observe(job.tokens)
-            if job.first_token_at is not None and job.tokens > 1:
-                m.tpot.observe((now - job.first_token_at) / (job.tokens - 1))
-            m.outcome(reason)
-            finish(("done", reason, job.text.tokens, job.engine_request.cached_tokens))
-            return reason
+            for output in state.process(step, now, job.engine_request.cached_tokens):
+                if not output.finished:
+                    job.post(output)
+                    continue
+                m.e2e.observe(now - state.arrived)
+                m.request_generation_tokens.observe(output.completion_tokens)
+                if state.first_token_at is not None and output.completion_tokens > 1:
+                    m.tpot.observe((now - state.first_token_at) / (output.completion_tokens - 1))
+                m.outcome(output.finish_reason)
+                finish(output)
+            return state.finish_reason
 
         def on_error(message: str, request_fault: bool = False) -> None:
-            job.finish = "error" if message != "server shutting down" else "cancelled"
-            m.outcome(job.finish)
-            finish(("error", message, 400 if request_fault else 500))  # 400: its grammar failed mid-way
+            output = state.fail(message, request_fault=request_fault, now=self._clock())
+            m.outcome(output.finish_reason)
+            finish(output)  # 400: its grammar failed mid-way
 
         processor = plan.make_processor(job.prompt)
         er = EngineRequest(job.prompt, params, max_tokens, eos_ids=plan.end_ids, speculative=req.speculative is not False,
                            logits_processors=(processor,) if processor.active else (), logprobs=plan.logprobs,
-                           on_step=on_step, on_error=on_error, arrival=job.arrived, group=group)
+                           prompt_logprobs=prompt_logprobs, on_step=on_step, on_error=on_error, arrival=job.arrived, group=group)
         job.engine_request = er
         m.prompt_tokens.inc(len(job.prompt))
         m.request_prompt_tokens.observe(len(job.prompt))
         try:
             self.engine.submit(er)
         except UsageError as e:
-            finish(("error", str(e), 400))
+            finish(RequestOutput(finished=True, finish_reason="error", error=str(e), status=400))
             raise APIError(400, str(e)) from None
 
     @staticmethod
@@ -341,56 +341,46 @@ class OpenAIServing:
             if job.engine_request is not None:
                 self.engine.abort(job.engine_request)  # no-op when finished; frees the slot otherwise
 
-    async def collect_all(self, jobs: list[Job], request) -> list[tuple[list[str], str, list | None]]:
-        """Every choice's (text pieces, finish reason, logprobs); an error or a disconnect cancels them all."""
+    async def collect_all(self, jobs: list[Job], request) -> list[RequestOutput]:
+        """Every choice's whole output; an error or a disconnect cancels them all."""
         try:
             return [await self.collect(job, request) for job in jobs]
         finally:
             self.abort_all(jobs)
 
-    async def collect(self, job: Job, request) -> tuple[list[str], str, list | None]:
-        parts: list[str] = []
-        lps: list | None = [] if job.engine_request.logprobs is not None else None
+    async def collect(self, job: Job, request) -> RequestOutput:
+        """One choice's deltas joined (output_processor.collect); a failed job raises its APIError."""
+        outputs: list[RequestOutput] = []
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                    output = await asyncio.wait_for(job.events.get(), timeout=0.5)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         raise APIError(499, "client disconnected") from None
                     continue
-                if event[0] == "delta":
-                    parts.append(event[1])
-                    if lps is not None and event[2]:
-                        lps.extend(event[2])
-                elif event[0] == "done":
-                    return parts, event[1], lps
-                else:
-                    raise self.job_error(event[1], event[2])
+                if output.error is not None:
+                    raise self.job_error(output.error, output.status)
+                outputs.append(output)
+                if output.finished:
+                    return collect(outputs, job.state.logprobs)
         finally:
             self.abort_all([job])
 
-    async def events(self, job: Job):
-        """(kind, text, logprobs) until done: kind 'delta', then 'done' (text = finish reason) or 'error'
-        (text = the message, then the HTTP status instead of logprobs)."""
+    async def events(self, job: Job) -> AsyncIterator[RequestOutput]:
+        """A job's RequestOutputs until the finished one (an error's included)."""
         while True:
-            event = await job.events.get()
-            if event[0] == "delta":
-                job.streamed = event[3] if len(event) > 3 else job.streamed
-                yield "delta", event[1], event[2]
-            elif event[0] == "done":
-                yield "done", event[1], None
-                return
-            else:
-                yield "error", event[1], event[2]
+            output = await job.events.get()
+            yield output
+            if output.finished:
                 return
 
-    async def stream_events(self, job: Job):
-        """events(job) for a chunk stream under sse_stream: an 'error' ends the whole stream, there."""
-        async for kind, text, lps in self.events(job):
-            if kind == "error":
-                raise _JobFailed(text, lps)
-            yield kind, text, lps
+    async def stream_events(self, job: Job) -> AsyncIterator[RequestOutput]:
+        """events(job) for a chunk stream under sse_stream: an error ends the whole stream, there."""
+        async for output in self.events(job):
+            if output.error is not None:
+                raise _JobFailed(output.error, output.status)
+            yield output
 
     async def sse_stream(self, jobs: list[Job], rid: str, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         """The frame of a streamed chat or text completion around its `chunks` (read through stream_events):

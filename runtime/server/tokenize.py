@@ -72,7 +72,7 @@ class ServingTokenize(OpenAIServing):
 
     def _detokenize(self, req: DetokenizeRequest) -> Response:
         self._check_model(req.model)
-        vocab = self.model.generator.target.vocab_size
+        vocab = self.model.runner.target.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids must be in [0, {vocab}), found {bad[0]}", param="tokens")

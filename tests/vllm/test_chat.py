@@ -90,8 +90,8 @@ PROMPT_LOGPROBS_MESSAGES = [
 
 
 @pytest.mark.parametrize("model_name, prompt_logprobs", [
-    pytest.param(MODEL_NAME, 1, marks=PROMPT_LOGPROBS), pytest.param(MODEL_NAME, 0, marks=PROMPT_LOGPROBS),
-    pytest.param(MODEL_NAME, -1, marks=PROMPT_LOGPROBS), (MODEL_NAME, None)])
+    (MODEL_NAME, 1), (MODEL_NAME, 0),
+    (MODEL_NAME, -1), (MODEL_NAME, None)])
 def test_prompt_logprobs_chat(client: openai.OpenAI, model_name: str, prompt_logprobs: int | None):
     params: dict = {"messages": PROMPT_LOGPROBS_MESSAGES, "model": model_name, "max_completion_tokens": 5}
     if prompt_logprobs is not None:

@@ -28,7 +28,6 @@ def server(demo_server):
 def client(demo_server) -> openai.OpenAI:
     return openai.OpenAI(base_url=demo_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
-PROMPT_LOGPROBS = pytest.mark.xfail(strict=True, reason="prompt_logprobs: not yet served")
 NO_EOS = {"ignore_eos": True}
 
 
@@ -120,8 +119,8 @@ def test_too_many_completion_logprobs(client: openai.OpenAI, model_name: str) ->
 
 
 @pytest.mark.parametrize("model_name, prompt_logprobs", [
-    pytest.param(MODEL_NAME, -1, marks=PROMPT_LOGPROBS), pytest.param(MODEL_NAME, 0, marks=PROMPT_LOGPROBS),
-    pytest.param(MODEL_NAME, 1, marks=PROMPT_LOGPROBS), (MODEL_NAME, None)])
+    (MODEL_NAME, -1), (MODEL_NAME, 0),
+    (MODEL_NAME, 1), (MODEL_NAME, None)])
 def test_prompt_logprobs_completion(client: openai.OpenAI, model_name: str, prompt_logprobs: int | None):
     params: dict = {"prompt": ["A robot may not injure another robot", "My name is"], "model": model_name,
                     "max_tokens": 5}
@@ -301,7 +300,6 @@ def test_batch_completions_beam_search(client: openai.OpenAI, model_name: str):
         assert batch.choices[1].text == batch.choices[3].text, "two copies of the same prompt should be the same"
 
 
-@PROMPT_LOGPROBS  # echo with logprobs: the prompt's logprobs
 @pytest.mark.parametrize("model_name", [MODEL_NAME])
 @pytest.mark.parametrize("logprobs_arg", [1, 0])
 def test_echo_logprob_completion(server, client: openai.OpenAI, model_name: str, logprobs_arg: int):

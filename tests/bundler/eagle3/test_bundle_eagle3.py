@@ -13,6 +13,7 @@ from manifests.errors import ModelError, UsageError
 from tests.bundler.pack.helpers import read_layout
 from tests.eagle3_models import make_tiny_head
 from tests.models import make_tiny_checkpoint
+from runtime.serve.generator import Generator
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def _install_and_load(bundle, keys, store, target="cpu", **kw):
 def _greedy(model, prompt, n=24):
     from runtime.serve.sampling import SamplingParams
 
-    return [t for s in model.generator.generate(prompt, SamplingParams(temperature=0.0), max_tokens=n)
+    return [t for s in Generator.over(model.runner).generate(prompt, SamplingParams(temperature=0.0), max_tokens=n)
             for t in s.tokens]
 
 
@@ -61,13 +62,13 @@ def test_tiny_random_head_resolve_pack_install_serve(tmp_path, keys, capsys):
     records = {e.model: e for e in manifest.target("cpu").engines}
     assert records["target"].build["kv_cache"] == "batched" and records["draft"].build["kv_cache"] == "batched"
     served = _install_and_load(tmp_path / "b", keys, tmp_path / "store")
-    assert served.generator.method == "eagle3" and served.info["speculative"].startswith("eagle3")
-    assert served.generator.target.kv_cache == "batched" and served.generator.target.aux_width == 3 * 64
-    assert served.generator.runner.head.kv_cache == "batched"
+    assert served.runner.method == "eagle3" and served.info["speculative"].startswith("eagle3")
+    assert served.runner.target.kv_cache == "batched" and served.runner.target.aux_width == 3 * 64
+    assert served.runner.head.kv_cache == "batched"
     plain = _install_and_load(tmp_path / "b", keys, tmp_path / "store", no_speculation=True)
     prompt = list(range(5, 40, 3))
     assert _greedy(served, prompt) == _greedy(plain, prompt)
-    assert served.generator.stats.num_drafts > 0
+    assert served.runner.stats.num_drafts > 0
 
 
 def test_demo_target_with_demo_head(tmp_path, keys, capsys):
@@ -75,10 +76,10 @@ def test_demo_target_with_demo_head(tmp_path, keys, capsys):
     assert _create(tmp_path / "b", keys, '{"method": "eagle3", "num_speculative_tokens": 3}') == 0, \
         capsys.readouterr().err
     served = _install_and_load(tmp_path / "b", keys, tmp_path / "store")
-    assert served.generator.method == "eagle3" and served.generator.num_speculative_tokens == 3
+    assert served.runner.method == "eagle3" and served.runner.num_speculative_tokens == 3
     prompt = served.tokenizer.encode("<|user|>\nWhat does `os.path.join(a, *p)` do?<|end|>\n<|assistant|>\n")
     _greedy(served, prompt, 40)
-    assert served.generator.stats.acceptance_rate > 0.3
+    assert served.runner.stats.acceptance_rate > 0.3
 
 
 def test_head_for_another_target_refused_at_create_leaving_nothing(tmp_path, keys, capsys):
@@ -124,9 +125,9 @@ def test_cuda_target_create_install_serve_through_the_cuda_engine(tmp_path, keys
     assert records["draft"].path.endswith("/draft/eagle3.onnx")
     load = functools.partial(load_engine, cuda=_host_cuda)
     served = _install_and_load(tmp_path / "b", keys, tmp_path / "store", target="cuda", load_engine=load)
-    engine = served.generator.target
+    engine = served.runner.target
     assert type(engine).__name__ == "CudaEngine" and engine.dual and engine.aux_width == 3 * 64
-    assert engine.precision == "fp16" and served.generator.method == "eagle3"
+    assert engine.precision == "fp16" and served.runner.method == "eagle3"
     for graph in (engine._graph, engine._decode_graph):
         outputs = [o.name for o in onnx.load(str(graph), load_external_data=False).graph.output]
         assert "aux_hidden_states" in outputs, graph
@@ -134,7 +135,7 @@ def test_cuda_target_create_install_serve_through_the_cuda_engine(tmp_path, keys
                               no_speculation=True)
     prompt = list(range(5, 40, 3))
     assert _greedy(served, prompt) == _greedy(plain, prompt)
-    assert served.generator.stats.num_drafts > 0
+    assert served.runner.stats.num_drafts > 0
 
 
 def test_tensorrt_target_still_refused(tmp_path, keys, capsys):

@@ -43,10 +43,10 @@ def test_resolution_order(installed):
 
 def test_load_variants(installed):
     ngram = load_serving_model(installed, speculative=Speculative(method="ngram", num_speculative_tokens=4))
-    assert ngram.generator.method == "ngram" and ngram.generator.draft is None
-    assert ngram.generator.num_speculative_tokens == 4 and "ngram" in ngram.info["speculative"]
+    assert ngram.runner.method == "ngram" and ngram.runner.draft is None
+    assert ngram.runner.num_speculative_tokens == 4 and "ngram" in ngram.info["speculative"]
     plain = load_serving_model(installed, no_speculation=True, max_model_len=128)
-    assert plain.generator.method == "none" and plain.max_model_len == 128
+    assert plain.runner.method == "none" and plain.max_model_len == 128
     with pytest.raises((UsageError, ModelError), match="more than the engine supports|exceeds"):
         load_serving_model(installed, max_model_len=100000)
 

@@ -104,7 +104,7 @@ def test_speculative_config_must_name_the_bundles_draft(demo_installed):
         apply_serve_config(installed, {"speculative_config": {"method": "draft_model", "model": "org/other"}})
     setup = apply_serve_config(installed, {"speculative_config": {"method": "draft_model", "model": "draft",
                                                                   "num_speculative_tokens": 2}})
-    assert setup.serving.model.generator.num_speculative_tokens == 2
+    assert setup.serving.model.runner.num_speculative_tokens == 2
 
 
 def test_generation_config_and_overrides_set_default_sampling(demo_installed, tmp_path):

@@ -47,7 +47,7 @@ def test_serve_accepts_the_bundles_own_draft(installed, model):
     revision = installed.manifest.model("draft").source.revision
     text = '{"model": "%s", "num_speculative_tokens": 2}' % model.format(revision=revision)
     loaded = load_serving_model(installed, speculative=serve_parse(text))
-    assert loaded.generator.method == "draft_model" and loaded.generator.num_speculative_tokens == 2
+    assert loaded.runner.method == "draft_model" and loaded.runner.num_speculative_tokens == 2
 
 
 def test_serve_command_exits_2_with_both_names(installed_bundle, capsys):
@@ -79,11 +79,11 @@ def test_eagle3_config_at_create_and_serve():
 
 
 def test_disable_by_batch_size_reaches_the_scheduler_and_a_bad_value_is_refused(engine_factory):
-    from runtime.server.loader import build_generator
+    from runtime.server.loader import build_runner
 
     spec = serve_parse('{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 4}')
-    gen = build_generator(engine_factory("target"), None, spec)
-    assert gen.runner.speculation.disable_by_batch_size == 4 and gen.runner.speculation.adaptive
-    assert gen.runner.speculation.choose([object()] * 5, 0, free_draft=True) == 0
+    gen = build_runner(engine_factory("target"), None, spec)
+    assert gen.speculation.disable_by_batch_size == 4 and gen.speculation.adaptive
+    assert gen.speculation.choose([object()] * 5, 0, free_draft=True) == 0
     with pytest.raises(UsageError, match="expected disable_by_batch_size an integer >= 1, found '0'"):
-        build_generator(engine_factory("target"), None, serve_parse('{"method": "ngram", "disable_by_batch_size": 0}'))
+        build_runner(engine_factory("target"), None, serve_parse('{"method": "ngram", "disable_by_batch_size": 0}'))
