@@ -10,6 +10,7 @@ from bundler.cli.quant import create_quantization, quality_lines, quantization_o
 from manifests.errors import UsageError
 from manifests.sizes import format_size, parse_size
 from runtime import settings
+from manifests.limits import LIMITS
 def _passphrase_from_env() -> bytes | None:
     return settings.key_passphrase()
 
@@ -52,10 +53,10 @@ def read_serve_defaults(path: Path | None, args: tuple[str, ...], max_model_len:
 
     config: dict = {}
     if path is not None:
-        if path.stat().st_size > serve_config.MAX_ARG_CHARS:
-            raise UsageError(f"--serve-config {path}: expected at most {serve_config.MAX_ARG_CHARS} bytes")
+        if path.stat().st_size > LIMITS.serve_arg_chars:
+            raise UsageError(f"--serve-config {path}: expected at most {LIMITS.serve_arg_chars} bytes")
         data = strict_json.parse(path.read_bytes(), what=f"--serve-config {path}",
-                                 max_bytes=serve_config.MAX_ARG_CHARS, error=UsageError)
+                                 max_bytes=LIMITS.serve_arg_chars, error=UsageError)
         config, unknown = serve_config.parse_config(data, source=f"--serve-config {path}")
         if unknown:
             raise UsageError(f"--serve-config {path}: unknown keys {sorted(unknown)}; expected vLLM argument "

@@ -8,12 +8,14 @@ line lie over the bundle's own serve defaults (its manifest's `serve` section).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pathlib import Path
 
 import click
 
 from manifests import serve_config
-from runtime.server.limits import HTTPLimits
+from manifests.limits import LIMITS
 
 
 def _help(flag: serve_config.Flag) -> str:
@@ -88,14 +90,14 @@ class VllmServeCommand(click.Command):
 @click.option("--allow-unsigned", is_flag=True, help="Serve an unsigned bundle directory (digests still checked).")
 @click.option("--log-interval", type=click.FloatRange(1, None), default=10.0, show_default=True,
               help="Seconds between log lines with tokens/s and acceptance rate.")
-@click.option("--header-timeout", type=click.FloatRange(0.1, 3600), default=HTTPLimits.header_timeout_s,
+@click.option("--header-timeout", type=click.FloatRange(0.1, 3600), default=LIMITS.header_timeout_s,
               show_default=True, help="Seconds a connection has to send a request's line and headers (from "
               "connecting, or from the previous response); then it is closed.")
-@click.option("--body-timeout", type=click.FloatRange(0.1, 3600), default=HTTPLimits.body_timeout_s,
+@click.option("--body-timeout", type=click.FloatRange(0.1, 3600), default=LIMITS.body_timeout_s,
               show_default=True, help="Seconds a request has to send its body once its headers are in; then "
               "the connection is closed.")
 @click.option("--max-connections-per-client", type=click.IntRange(1, None),
-              default=HTTPLimits.max_connections_per_client, show_default=True,
+              default=LIMITS.max_connections_per_client, show_default=True,
               help="Connections one client address may hold open; more are closed at once.")
 @click.pass_context
 def serve(ctx, bundle, store, as_dir, ignore_expiry, target, no_speculation, max_queued_requests, trust,
@@ -131,8 +133,8 @@ def serve(ctx, bundle, store, as_dir, ignore_expiry, target, no_speculation, max
     from runtime.server import serve as run_server
     from runtime.store.store import bundle_ref
 
-    http = HTTPLimits(header_timeout_s=header_timeout, body_timeout_s=body_timeout,
-                      max_connections_per_client=max_connections_per_client)
+    http = replace(LIMITS, header_timeout_s=header_timeout, body_timeout_s=body_timeout,
+                   max_connections_per_client=max_connections_per_client)
 
     args = given_serve_args(ctx, vllm)
     if no_speculation and "speculative_config" in args:

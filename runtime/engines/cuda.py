@@ -58,6 +58,7 @@ from typing import Collection, Sequence
 import numpy as np
 
 from manifests.errors import EnvironmentProblem, ModelError
+from manifests.limits import LIMITS
 from runtime.engines.cudalib import D2D, D2H, H2D, Cudart, onnxruntime_cuda
 from runtime.engines.base import Engine, Row, check_rollback
 from runtime.engines.onnxruntime import OnnxRuntimeEngine, bind_row_inputs
@@ -190,7 +191,7 @@ def from_dlpack(ort, capsule):
 #: Beside the decode graph (bundler.onnx.dual writes it): the external tensors both graphs read, so
 #: the runtime (which does not import onnx) knows what to load before either session exists.
 SHARED_WEIGHTS_INDEX = "shared_weights.json"
-MAX_INDEX_BYTES = 16 << 20
+MAX_INDEX_BYTES = LIMITS.shared_weights_index_bytes
 #: ONNX element type -> bytes per element, for the types an index may name.
 _ITEMSIZE = {1: 4, 10: 2, 16: 2, 7: 8, 6: 4, 2: 1}  # 2: uint8, MatMulNBits' blocks and zero points
 

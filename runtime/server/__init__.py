@@ -87,7 +87,7 @@ def serve(name_or_dir, *, store: Path | None = None, host: str | None = None, po
     `serve_args`: vLLM flags by their argument names (manifests.serve_config), laid over the bundle's
     serve defaults; the keyword arguments of the same meaning are kept for library callers.
     `speculative_config`: a Speculative, or vLLM-style JSON text / dict.
-    `http`: runtime.server.limits.HTTPLimits (connection deadlines and caps); the defaults when None.
+    `http`: a manifests.limits.Limits (connection deadlines and caps); LIMITS when None.
     """
     import uvicorn
 

@@ -16,8 +16,8 @@ from typing import Callable
 from manifests import serve_config, strict_json
 from manifests.errors import UsageError
 from manifests.schema import Manifest, Speculative
+from manifests.limits import LIMITS
 
-MAX_TEMPLATE_BYTES = 1024 * 1024
 #: generation_config.json keys that vLLM's `--generation-config auto` turns into default sampling parameters.
 GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
@@ -41,8 +41,8 @@ def read_chat_template(value: str) -> str:
     except OSError:  # a template text too long to be a path
         is_file = False
     if is_file:
-        if path.stat().st_size > MAX_TEMPLATE_BYTES:
-            raise UsageError(f"--chat-template {value}: expected at most {MAX_TEMPLATE_BYTES} bytes")
+        if path.stat().st_size > LIMITS.template_bytes:
+            raise UsageError(f"--chat-template {value}: expected at most {LIMITS.template_bytes} bytes")
         return path.read_text(encoding="utf-8")
     if "{{" in value or "{%" in value:
         return value
@@ -62,9 +62,9 @@ def generation_defaults(model_dir: Path, choice: str | None) -> dict:
             raise UsageError(f"--generation-config {choice}: expected a folder with generation_config.json, "
                              f"found none")
         return {}
-    if path.stat().st_size > MAX_TEMPLATE_BYTES:
-        raise UsageError(f"{path}: expected at most {MAX_TEMPLATE_BYTES} bytes")
-    data = strict_json.parse(path.read_bytes(), what=str(path), max_bytes=MAX_TEMPLATE_BYTES, error=UsageError)
+    if path.stat().st_size > LIMITS.template_bytes:
+        raise UsageError(f"{path}: expected at most {LIMITS.template_bytes} bytes")
+    data = strict_json.parse(path.read_bytes(), what=str(path), max_bytes=LIMITS.template_bytes, error=UsageError)
     return {ours: data[theirs] for theirs, ours in GENERATION_KEYS.items()
             if isinstance(data, dict) and isinstance(data.get(theirs), (int, float))
             and not isinstance(data.get(theirs), bool)}
@@ -86,7 +86,6 @@ def apply_serve_config(installed, given: dict, *, spec_override: Speculative | N
     from runtime.serve.chat_template import ChatTemplate
     from runtime.server.loader import load_serving_model, parse_speculative_config
     from runtime.server.app import OpenAIServer
-    from runtime.server.limits import HTTPLimits
     from runtime.server.request_plan import Features
     from runtime.server.serving_engine import ServeOptions
 
@@ -128,7 +127,7 @@ def apply_serve_config(installed, given: dict, *, spec_override: Speculative | N
                            max_num_batched_tokens=int(config.get("max_num_batched_tokens", 256)),
                            enable_prefix_caching=bool(config.get("enable_prefix_caching", True)),
                            kv_cache_memory_bytes=config.get("kv_cache_memory_bytes"),
-                           http=http_limits(http or HTTPLimits(), config))
+                           http=http_limits(http or LIMITS, config))
     lines = []
     if features.enable_auto_tool_choice:
         lines.append(f"tools:       auto tool choice, {features.tool_call_parser} parser")
