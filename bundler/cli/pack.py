@@ -165,7 +165,7 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     Every file is recorded in a signed manifest with its sha256; files larger than --max-part-size are
     split so the bundle fits on FAT32 USB sticks. An interrupted create resumes when run again.
     """
-    from bundler.pack.create import checked_resolution, create_bundle, resolve_inputs
+    from bundler.pack.create import CreateOptions, checked_resolution, create_bundle, resolve_inputs
     from bundler.pack.engines import target_files_hook
     from bundler.pack.keys import load_private_key
     from bundler.resolve.lockfile import write_lock
@@ -209,15 +209,15 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
         from bundler.pack.create import eagle3_head_input
         draft, layers = eagle3_head_input(draft, model)
     serve = serve or None
-    manifest = create_bundle(out, name=name, version=version, model=model, draft=draft, targets=targets,
-                             sign_keys=keys, unsigned=unsigned, max_part_size=part_size, expires=expires,
-                             num_speculative_tokens=num_speculative_tokens, force=force, jobs=jobs,
-                             progress=not no_progress, serve=serve, checkpoint_weights=with_checkpoint_weights,
-                             speculative_method=method,
-                             target_files=target_files_hook(num_speculative_tokens=num_speculative_tokens,
-                                                            serve=serve, eagle3_layers=layers,
-                                                            quantization=quantization),
-                             runtime_platforms=platforms, extra_wheels=extra_wheels, wheel_cache=wheel_cache)
+    options = CreateOptions(
+        name=name, version=version, model=model, draft=draft, targets=targets, sign_keys=keys, unsigned=unsigned,
+        max_part_size=part_size, expires=expires, num_speculative_tokens=num_speculative_tokens, force=force,
+        jobs=jobs, progress=not no_progress, serve=serve, checkpoint_weights=with_checkpoint_weights,
+        speculative_method=method,
+        target_files=target_files_hook(num_speculative_tokens=num_speculative_tokens, serve=serve,
+                                       eagle3_layers=layers, quantization=quantization),
+        runtime_platforms=platforms, extra_wheels=extra_wheels, wheel_cache=wheel_cache)
+    manifest = create_bundle(out, options)
     lock_out = lock_path or write_lock(out.parent / f"{out.name}.lock.json", checked_resolution(resolved, manifest),
                                        speculative_method=method if draft is not None else None,
                                        quantization=quant_record)

@@ -9,7 +9,6 @@ line lie over the bundle's own serve defaults (its manifest's `serve` section).
 from __future__ import annotations
 
 from dataclasses import replace
-
 from pathlib import Path
 
 import click
@@ -131,16 +130,16 @@ def serve(ctx, bundle, store, as_dir, ignore_expiry, target, no_speculation, max
     """
     from manifests.errors import UsageError
     from runtime.server import serve as run_server
+    from runtime.server.options import ServeConfig
     from runtime.store.store import bundle_ref
-
-    http = replace(LIMITS, header_timeout_s=header_timeout, body_timeout_s=body_timeout,
-                   max_connections_per_client=max_connections_per_client)
 
     args = given_serve_args(ctx, vllm)
     if no_speculation and "speculative_config" in args:
         raise UsageError("--no-speculation and --speculative-config contradict each other; pass one")
     serve_config.check(args, complete=False)  # refusals before anything is opened
-    run_server(bundle_ref(bundle, is_dir=as_dir), store=store, ignore_expiry=ignore_expiry, target=target,
-               no_speculation=no_speculation, max_queued_requests=max_queued_requests, trust=tuple(trust),
-               allow_unsigned=allow_unsigned, log_interval_s=log_interval, serve_args=args, http=http,
-               echo=click.echo)
+    config = ServeConfig(args=args, store=store, target=target, trust=tuple(trust), allow_unsigned=allow_unsigned,
+                         ignore_expiry=ignore_expiry, no_speculation=no_speculation,
+                         max_queued_requests=max_queued_requests, log_interval_s=log_interval,
+                         http=replace(LIMITS, header_timeout_s=header_timeout, body_timeout_s=body_timeout,
+                                      max_connections_per_client=max_connections_per_client))
+    run_server(bundle_ref(bundle, is_dir=as_dir), config, echo=click.echo)

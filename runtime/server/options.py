@@ -11,16 +11,36 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from manifests import serve_config, strict_json
 from manifests.errors import UsageError
+from manifests.limits import LIMITS, Limits
 from manifests.schema import Manifest, Speculative
-from manifests.limits import LIMITS
 
 #: generation_config.json keys that vLLM's `--generation-config auto` turns into default sampling parameters.
 GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How `bundle serve` serves one bundle, as one value (runtime.cli.serve builds it from its flags).
+
+    `args` is what manifests.serve_config parses: vLLM flags by their argument names ("max_model_len",
+    "speculative_config", "host", ...), laid over the bundle's own serve defaults."""
+
+    args: Mapping = field(default_factory=dict)
+    store: Path | None = None  # --store; None: the default store (BUNDLE_STORE)
+    target: str = "auto"  # --target
+    trust: tuple[Path, ...] = ()  # --trust: keys for a bundle directory
+    allow_unsigned: bool = False  # --allow-unsigned
+    ignore_expiry: bool = False  # --ignore-expiry
+    no_speculation: bool = False  # --no-speculation
+    speculative: Speculative | None = None  # a parsed speculative config, over args["speculative_config"]
+    max_queued_requests: int = 16  # --max-queued-requests
+    log_interval_s: float = 10.0  # --log-interval
+    http: Limits = LIMITS  # connection deadlines and caps (--header-timeout, --body-timeout, ...)
 
 
 @dataclass
@@ -79,16 +99,16 @@ def http_limits(base, config: dict):
     return replace(base, **{k: int(v) for k, v in given.items() if v is not None})
 
 
-def apply_serve_config(installed, given: dict, *, spec_override: Speculative | None = None,
-                       no_speculation: bool = False, max_queued_requests: int = 16, log_interval_s: float = 10.0,
-                       http=None, cache_dir: Path | None = None, echo: Callable[[str], None] = print,
-                       load_engine=None) -> Setup:
+def apply_serve_config(installed, serve: ServeConfig, *, cache_dir: Path | None = None,
+                       echo: Callable[[str], None] = print, load_engine=None) -> Setup:
     from runtime.serve.chat_template import ChatTemplate
     from runtime.server.loader import load_serving_model, parse_speculative_config
     from runtime.server.app import OpenAIServer
     from runtime.server.request_plan import Features
     from runtime.server.serving_engine import ServeOptions
 
+    given, spec_override, no_speculation = dict(serve.args), serve.speculative, serve.no_speculation
+    max_queued_requests, log_interval_s, http = serve.max_queued_requests, serve.log_interval_s, serve.http
     manifest: Manifest = installed.manifest
     known, unknown = serve_config.parse_config(manifest.serve, source=f"bundle {manifest.name} serve config")
     config = serve_config.merge(known, given)
@@ -127,7 +147,7 @@ def apply_serve_config(installed, given: dict, *, spec_override: Speculative | N
                            max_num_batched_tokens=int(config.get("max_num_batched_tokens", 256)),
                            enable_prefix_caching=bool(config.get("enable_prefix_caching", True)),
                            kv_cache_memory_bytes=config.get("kv_cache_memory_bytes"),
-                           http=http_limits(http or LIMITS, config))
+                           http=http_limits(http, config))
     lines = []
     if features.enable_auto_tool_choice:
         lines.append(f"tools:       auto tool choice, {features.tool_call_parser} parser")

@@ -268,14 +268,14 @@ def test_serve_flags_set_the_limits(monkeypatch):
     from runtime.server.options import http_limits
 
     calls = []
-    monkeypatch.setattr(runtime.server, "serve", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(runtime.server, "serve", lambda bundle, config, **kw: calls.append(config))
     r = CliRunner().invoke(serve_cmd, ["demo", "--header-timeout", "3", "--body-timeout", "7",
                                        "--max-connections-per-client", "5", "--h11-max-incomplete-event-size",
                                        "32768", "--h11-max-header-count", "100"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    kw, = calls
-    assert kw["http"] == Limits(header_timeout_s=3, body_timeout_s=7, max_connections_per_client=5)
-    assert http_limits(kw["http"], kw["serve_args"]) == Limits(
+    config, = calls
+    assert config.http == Limits(header_timeout_s=3, body_timeout_s=7, max_connections_per_client=5)
+    assert http_limits(config.http, config.args) == Limits(
         header_timeout_s=3, body_timeout_s=7, max_connections_per_client=5, max_header_bytes=32768,
         max_header_count=100)
     bad = CliRunner().invoke(serve_cmd, ["demo", "--h11-max-header-count", "0"])
