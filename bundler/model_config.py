@@ -22,7 +22,8 @@ def read_config(model_dir: Path, name: str | None = None, *, merge_text_config: 
         size = path.stat().st_size
         if size > LIMITS.model_config_bytes:
             raise ModelError(f"{who}: expected config.json under {LIMITS.model_config_bytes} bytes, found {size}")
-        cfg = parse_json(path.read_bytes(), what=f"{who}: config.json", max_bytes=LIMITS.model_config_bytes, error=ModelError)
+        cfg = parse_json(path.read_bytes(), what=f"{who}: config.json", max_bytes=LIMITS.model_config_bytes,
+                         error=ModelError)
     except FileNotFoundError as e:
         raise ModelError(f"{who}: expected config.json in {model_dir}, found none") from e
     if not isinstance(cfg, dict):

@@ -385,11 +385,13 @@ def create_bundle(out: Path, options: CreateOptions) -> Manifest:
     `wheelhouse` (a bundler.pack.wheelhouse.Wheelhouse) is used as given instead.
     """
     o = options
-    name, version, model, draft, targets, sign_keys = o.name, o.version, o.model, o.draft, o.targets, list(o.sign_keys)
-    unsigned, max_part_size, expires, num_speculative_tokens = o.unsigned, o.max_part_size, o.expires, o.num_speculative_tokens
-    target_files, serve, force, jobs, now, progress = o.target_files, o.serve, o.force, o.jobs, o.now, o.progress
-    builder, checkpoint_weights, speculative_method = o.builder, o.checkpoint_weights, o.speculative_method
-    runtime_platforms, extra_wheels, wheel_cache, wheelhouse = o.runtime_platforms, o.extra_wheels, o.wheel_cache, o.wheelhouse
+    name, version, model, draft, targets = o.name, o.version, o.model, o.draft, o.targets
+    sign_keys, unsigned, max_part_size, expires = list(o.sign_keys), o.unsigned, o.max_part_size, o.expires
+    num_speculative_tokens, target_files, serve = o.num_speculative_tokens, o.target_files, o.serve
+    force, jobs, now, progress, builder = o.force, o.jobs, o.now, o.progress, o.builder
+    checkpoint_weights, speculative_method = o.checkpoint_weights, o.speculative_method
+    runtime_platforms, extra_wheels, wheel_cache = o.runtime_platforms, o.extra_wheels, o.wheel_cache
+    wheelhouse = o.wheelhouse
     now = now or datetime.now(timezone.utc)
     if now.tzinfo is None:
         now = now.replace(tzinfo=timezone.utc)
@@ -451,8 +453,8 @@ def create_bundle(out: Path, options: CreateOptions) -> Manifest:
             files, models = _omit_checkpoint_weights(files, inputs, models, jobs)
         if house is not None:
             files += list(house.files)
-        return pack_bundle(out, PackOptions(name=name, version=version, models=models, files=files, targets=target_list,
-                           speculative=speculative, serve=serve, expires=expires, sign_keys=sign_keys,
-                           unsigned=unsigned, max_part_size=max_part_size, jobs=jobs, now=now,
-                           progress=progress, force=force, builder=builder, amend=amend,
-                           runtime=house.runtime if house is not None else None))
+        return pack_bundle(out, PackOptions(
+            name=name, version=version, models=models, files=files, targets=target_list, speculative=speculative,
+            serve=serve, expires=expires, sign_keys=sign_keys, unsigned=unsigned, max_part_size=max_part_size,
+            jobs=jobs, now=now, progress=progress, force=force, builder=builder, amend=amend,
+            runtime=house.runtime if house is not None else None))

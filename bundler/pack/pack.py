@@ -71,7 +71,8 @@ from runtime import settings
 from runtime.fsutil import fsync_dir, write_atomic
 from runtime.store.parallel import MAX_WORKERS, ShortRead, Stopped, read_span, run_parallel
 
-__all__ = ["PackFile", "PackOptions", "pack_bundle", "part_length", "check_stored_sizes", "DEFAULT_MAX_PART_SIZE", "DEFAULT_LEVEL",
+__all__ = ["PackFile", "PackOptions", "pack_bundle",
+           "part_length", "check_stored_sizes", "DEFAULT_MAX_PART_SIZE", "DEFAULT_LEVEL",
            "JOURNAL_FILE", "PART_CHUNK"]
 
 log = logging.getLogger(__name__)  # progress lines (bundler.pack.progress)

@@ -103,7 +103,8 @@ class EngineCache:
             return None
         try:
             with open_regular_path(key_file) as f:
-                stored = parse_json(f.read(LIMITS.engine_cache_key_bytes + 1), what=str(key_file), max_bytes=LIMITS.engine_cache_key_bytes,
+                stored = parse_json(f.read(LIMITS.engine_cache_key_bytes + 1), what=str(key_file),
+                                    max_bytes=LIMITS.engine_cache_key_bytes,
                                     error=_Damaged)
         except (OSError, BundleError) as e:
             log.warning("ignoring engine cache entry %s: %s", folder, e)

@@ -54,7 +54,8 @@ async def read_body(request) -> bytes:
         async for chunk in request.stream():
             total += len(chunk)
             if total > LIMITS.body_bytes:
-                raise APIError(413, f"request body exceeds {LIMITS.body_bytes} bytes, expected at most {LIMITS.body_bytes}")
+                raise APIError(413, f"request body exceeds {LIMITS.body_bytes} bytes, "
+                                     f"expected at most {LIMITS.body_bytes}")
             chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(499, f"client disconnected after {total} bytes of the request body") from None
