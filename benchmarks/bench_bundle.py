@@ -160,10 +160,10 @@ def step_pack(ctx: Context) -> list[str]:
 def child_pack(args) -> None:
     """The measured work of `bundle create`: hash, compress, sign, write the layout."""
     sys.path.insert(0, str(REPO))
-    from bundler.pack.create import create_bundle, local_model
+    from bundler.pack.create import CreateOptions, create_bundle, local_model
 
-    create_bundle(Path(args.bundle), name="bench", version=1, model=local_model(Path(args.model), "target"),
-                  draft=None, targets=["cpu"], sign_keys=[], unsigned=True, jobs=args.jobs, progress=False)
+    create_bundle(Path(args.bundle), CreateOptions(name="bench", version=1, model=local_model(Path(args.model), "target"),
+                  draft=None, targets=["cpu"], sign_keys=[], unsigned=True, jobs=args.jobs, progress=False))
 
 
 def step_create(ctx: Context) -> list[str]:
@@ -175,12 +175,12 @@ def child_create(args) -> None:
     """`bundle create --model DIR` without export: resolve (sizes only, nothing hashed), then one pass per
     file in pack (sha256 beside the compression of its parts) and the resolver's check of the digests."""
     sys.path.insert(0, str(REPO))
-    from bundler.pack.create import create_bundle, input_from_resolved
+    from bundler.pack.create import CreateOptions, create_bundle, input_from_resolved
     from bundler.resolve.checkpoint import fetch_model, plan_model
 
     r = fetch_model(plan_model(str(Path(args.model).resolve()), role="target"), hash_files=False)
-    create_bundle(Path(args.bundle), name="bench", version=1, model=input_from_resolved(r), draft=None,
-                  targets=["cpu"], sign_keys=[], unsigned=True, jobs=args.jobs, progress=False)
+    create_bundle(Path(args.bundle), CreateOptions(name="bench", version=1, model=input_from_resolved(r), draft=None,
+                  targets=["cpu"], sign_keys=[], unsigned=True, jobs=args.jobs, progress=False))
 
 
 def step_create_hash_first(ctx: Context) -> list[str]:
@@ -192,12 +192,12 @@ def child_create_hash_first(args) -> None:
     """The design before: the resolver hashes every file first (in parallel across files), pack reuses
     the digests; the two phases do not overlap."""
     sys.path.insert(0, str(REPO))
-    from bundler.pack.create import create_bundle, input_from_resolved
+    from bundler.pack.create import CreateOptions, create_bundle, input_from_resolved
     from bundler.resolve.checkpoint import resolve_model
 
     r = resolve_model(str(Path(args.model).resolve()), role="target")
-    create_bundle(Path(args.bundle), name="bench", version=1, model=input_from_resolved(r), draft=None,
-                  targets=["cpu"], sign_keys=[], unsigned=True, jobs=args.jobs, progress=False)
+    create_bundle(Path(args.bundle), CreateOptions(name="bench", version=1, model=input_from_resolved(r), draft=None,
+                  targets=["cpu"], sign_keys=[], unsigned=True, jobs=args.jobs, progress=False))
 
 
 def step_pack_1stream(ctx: Context) -> list[str]:

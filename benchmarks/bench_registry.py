@@ -29,7 +29,7 @@ SHARDS = 8
 
 def make_bundles(work: Path, size: int) -> tuple[Path, Path, Path]:
     from bundler.pack.keys import generate_key, load_private_key
-    from bundler.pack.pack import PackFile, pack_bundle
+    from bundler.pack.pack import PackFile, PackOptions, pack_bundle
     from manifests.schema import Model, ModelSource, Target
 
     key = work / "release.key"
@@ -54,11 +54,11 @@ def make_bundles(work: Path, size: int) -> tuple[Path, Path, Path]:
             src = changed if (version == 2 and i == 0) else model / f"model-{i}.bin"
             files.append(PackFile(src, f"models/target/model-{i}.bin"))
         dest = work / f"v{version}"
-        pack_bundle(dest, name="bench", version=version,
+        pack_bundle(dest, PackOptions(name="bench", version=version,
                     models=[Model("target", "bench", "models/target", ModelSource("local", path=str(model)),
                                   "LlamaForCausalLM")],
                     files=files, targets=[Target("cpu", "onnxruntime")], speculative=None, serve={},
-                    expires=None, sign_keys=[load_private_key(key)], max_part_size=64 * MiB, progress=False)
+                    expires=None, sign_keys=[load_private_key(key)], max_part_size=64 * MiB, progress=False))
         out.append(dest)
     return out[0], out[1], key.with_name("release.key.pub")
 

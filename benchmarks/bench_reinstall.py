@@ -39,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from bench_bundle import make_checkpoint
-    from bundler.pack.create import create_bundle, local_model
+    from bundler.pack.create import CreateOptions, create_bundle, local_model
     from runtime.store.store import Store
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-reinstall-", dir="/var/tmp"))
@@ -47,8 +47,8 @@ def main() -> None:
         model, bundle = work / "model", work / "bundle"
         size = int(args.size_gb * GiB)
         make_checkpoint(model, size)
-        create_bundle(bundle, name="bench", version=1, model=local_model(model, "target"), draft=None,
-                      targets=["cpu"], sign_keys=[], unsigned=True, jobs=args.jobs, progress=False)
+        create_bundle(bundle, CreateOptions(name="bench", version=1, model=local_model(model, "target"), draft=None,
+                      targets=["cpu"], sign_keys=[], unsigned=True, jobs=args.jobs, progress=False))
         store = Store(work / "store")
         rows = []
         t, inst = timed(lambda: store.install(bundle, target="cpu", trusted={}, allow_unsigned=True, jobs=args.jobs))

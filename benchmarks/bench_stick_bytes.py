@@ -53,7 +53,7 @@ def print_rows(rows: list[dict]) -> None:
 
 
 def demo_rows(work: Path) -> list[dict]:
-    from bundler.pack.create import create_bundle, demo_models
+    from bundler.pack.create import CreateOptions, create_bundle, demo_models
     from bundler.pack.engines import target_files_hook
 
     rows = []
@@ -61,9 +61,9 @@ def demo_rows(work: Path) -> list[dict]:
         for with_weights in (False, True):
             out = work / f"demo-{'-'.join(targets)}-{with_weights}"
             target, draft = demo_models()
-            m = create_bundle(out, name="demo", version=1, model=target, draft=draft, targets=targets,
+            m = create_bundle(out, CreateOptions(name="demo", version=1, model=target, draft=draft, targets=targets,
                               sign_keys=[], unsigned=True, progress=False, target_files=target_files_hook(),
-                              checkpoint_weights=with_weights)
+                              checkpoint_weights=with_weights))
             label = f"demo {'+'.join(targets)}" + (" --with-checkpoint-weights" if with_weights else "")
             rows.append(row(label, out, m))
             print_rows(rows[-1:])
@@ -74,7 +74,7 @@ def demo_rows(work: Path) -> list[dict]:
 def checkpoint_rows(work: Path, size: int) -> list[dict]:
     from bench_bundle import make_checkpoint
 
-    from bundler.pack.create import create_bundle, local_model
+    from bundler.pack.create import CreateOptions, create_bundle, local_model
     from bundler.pack.pack import PackFile
     from manifests.schema import Engine, Target
 
@@ -93,9 +93,9 @@ def checkpoint_rows(work: Path, size: int) -> list[dict]:
     rows = []
     for with_weights in (False, True):
         out = work / f"ckpt-{with_weights}"
-        m = create_bundle(out, name="bench", version=1, model=local_model(model, "target"), draft=None,
+        m = create_bundle(out, CreateOptions(name="bench", version=1, model=local_model(model, "target"), draft=None,
                           targets=["jetson-thor"], sign_keys=[], unsigned=True, progress=False, target_files=hook,
-                          checkpoint_weights=with_weights)
+                          checkpoint_weights=with_weights))
         label = f"bench {size / GiB:g} GiB jetson-thor" + (" --with-checkpoint-weights" if with_weights else "")
         rows.append(row(label, out, m))
         print_rows(rows[-1:])

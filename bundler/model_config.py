@@ -11,8 +11,8 @@ from pathlib import Path
 
 from manifests.errors import ModelError
 from manifests.strict_json import parse as parse_json
+from manifests.limits import LIMITS
 
-MAX_CONFIG_BYTES = 4 * 1024 * 1024
 
 
 def read_config(model_dir: Path, name: str | None = None, *, merge_text_config: bool = True) -> dict:
@@ -20,9 +20,10 @@ def read_config(model_dir: Path, name: str | None = None, *, merge_text_config: 
     who = name or str(model_dir)
     try:
         size = path.stat().st_size
-        if size > MAX_CONFIG_BYTES:
-            raise ModelError(f"{who}: expected config.json under {MAX_CONFIG_BYTES} bytes, found {size}")
-        cfg = parse_json(path.read_bytes(), what=f"{who}: config.json", max_bytes=MAX_CONFIG_BYTES, error=ModelError)
+        if size > LIMITS.model_config_bytes:
+            raise ModelError(f"{who}: expected config.json under {LIMITS.model_config_bytes} bytes, found {size}")
+        cfg = parse_json(path.read_bytes(), what=f"{who}: config.json", max_bytes=LIMITS.model_config_bytes,
+                         error=ModelError)
     except FileNotFoundError as e:
         raise ModelError(f"{who}: expected config.json in {model_dir}, found none") from e
     if not isinstance(cfg, dict):

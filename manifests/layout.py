@@ -51,11 +51,6 @@ BOOTSTRAP_FILE = "bootstrap"
 DSSE_PAYLOAD_TYPE = MANIFEST_MEDIA_TYPE
 REF_NAME_ANNOTATION = "org.opencontainers.image.ref.name"
 
-# Bounds for reading untrusted pointer files before parsing.
-MAX_OCI_LAYOUT_BYTES = 4096
-MAX_INDEX_BYTES = 1024 * 1024
-MAX_OCI_MANIFEST_BYTES = 16 * 1024 * 1024
-MAX_ENVELOPE_BYTES = 16 * 1024 * 1024 + 64 * 1024
 
 # FAT32 holds files up to 4 GiB - 1; leave room for a zstd frame that grew a little.
 DEFAULT_MAX_PART_SIZE = 4 * 1024**3 - 64 * 1024**2

@@ -17,23 +17,18 @@ from typing import Any, Mapping
 
 from manifests.errors import BadBundleError, PolicyError
 from manifests.strict_json import parse
+from manifests.limits import LIMITS
 
 #: The newest format this tool reads and writes. A bundle is written with the lowest version that can
 #: express it (`Manifest.required_format_version`), so a bundle without a wheelhouse stays readable by
 #: format-1 runtimes. v2 adds stored (uncompressed) parts and the `runtime` section (the wheelhouse).
 FORMAT_VERSION = 2
-# Refuse to parse anything bigger: a manifest for a 100 GB model with 4 GB parts is a few hundred KB.
-MAX_MANIFEST_BYTES = 8 * 1024 * 1024
 MEDIA_TYPE = "application/vnd.bundle.manifest.v1+json"
 
 # Always fullmatch: with `match`, "$" also matches before a trailing newline.
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
-# Paths land under STORE/bundles/NAME/VERSION/ on ext4 (255-byte names, 4096-byte paths) and on FAT
-# sticks during copy; a manifest path longer than this cannot be installed, so it is not valid.
-MAX_PATH_BYTES = 1024
-MAX_NAME_BYTES = 255
 # The store keeps these beside the files of an installed version (runtime.store.store): a bundle file of
 # the same name, in any case (FAT32 and macOS fold case), would overwrite the signed manifest.
 RESERVED_TOP_LEVEL = frozenset({"manifest.json", "envelope.json", "install.json"})
@@ -91,11 +86,11 @@ def safe_relative_path(raw: str) -> str:
     _check(".." not in p.parts, f"expected a path inside the bundle, found {raw!r} (contains '..')")
     _check(all(part not in ("", ".") for part in raw.split("/")),
            f"expected a normalised path, found {raw!r}")
-    _check(len(raw.encode("utf-8", "surrogatepass")) <= MAX_PATH_BYTES,
-           f"expected a path of at most {MAX_PATH_BYTES} bytes, found {raw[:60]!r}... "
+    _check(len(raw.encode("utf-8", "surrogatepass")) <= LIMITS.path_bytes,
+           f"expected a path of at most {LIMITS.path_bytes} bytes, found {raw[:60]!r}... "
            f"({len(raw.encode('utf-8', 'surrogatepass'))} bytes)")
-    _check(all(len(part.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES for part in p.parts),
-           f"expected path components of at most {MAX_NAME_BYTES} bytes, found {raw[:60]!r}...")
+    _check(all(len(part.encode("utf-8", "surrogatepass")) <= LIMITS.name_bytes for part in p.parts),
+           f"expected path components of at most {LIMITS.name_bytes} bytes, found {raw[:60]!r}...")
     return str(p)
 
 
@@ -519,7 +514,7 @@ class Manifest(_Record):
 
     @classmethod
     def from_json_bytes(cls, data: bytes, what: str = "bundle manifest") -> "Manifest":
-        return cls.from_dict(parse(data, what=what, max_bytes=MAX_MANIFEST_BYTES))
+        return cls.from_dict(parse(data, what=what, max_bytes=LIMITS.manifest_bytes))
 
     # --- queries -------------------------------------------------------------------------
     def target(self, target_id: str) -> Target:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from manifests import strict_json
 from manifests.errors import UsageError
+from manifests.limits import LIMITS
 
 #: vLLM's tool-call parser names this runtime implements (runtime.server.tool_parsers).
 TOOL_CALL_PARSERS = ("hermes", "qwen3_xml", "qwen3_coder", "llama3_json", "llama4_json", "mistral")
@@ -29,7 +30,6 @@ TOOL_CALL_PARSERS = ("hermes", "qwen3_xml", "qwen3_coder", "llama3_json", "llama
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "nemotron_v3")
 #: Structured-output backends. llguidance is the one the floor carries (no torch); see runtime.serve.grammar.
 STRUCTURED_BACKENDS = ("auto", "guidance", "llguidance")
-MAX_ARG_CHARS = 64 * 1024
 #: Prompt tokens one engine call prefills per sequence unless the serve config says `prefill_chunk`: the
 #: engine plan builds its profiles for it and the pre-flight sizes activations by it.
 DEFAULT_PREFILL_CHUNK = 512
@@ -283,7 +283,7 @@ def convert(flag: Flag, value: Any) -> Any:
             raise UsageError(f"{name}: expected a number, found {value!r}") from None
     if flag.kind == "json":
         if isinstance(value, str):
-            value = strict_json.parse(value, what=name, max_bytes=MAX_ARG_CHARS, error=UsageError)
+            value = strict_json.parse(value, what=name, max_bytes=LIMITS.serve_arg_chars, error=UsageError)
         if not isinstance(value, dict):
             raise UsageError(f"{name}: expected a JSON object, found {type(value).__name__}")
         return value
@@ -336,8 +336,8 @@ def parse_args(args: Iterable[str]) -> dict[str, Any]:
     """
     tokens: list[str] = []
     for item in args:
-        if len(item) > MAX_ARG_CHARS:
-            raise UsageError(f"serve argument: expected at most {MAX_ARG_CHARS} characters, found {len(item)}")
+        if len(item) > LIMITS.serve_arg_chars:
+            raise UsageError(f"serve argument: expected at most {LIMITS.serve_arg_chars} characters, found {len(item)}")
         head = item.split("=", 1)[0]
         if not (item.startswith("--") and any(c.isspace() for c in head)):
             tokens.append(item)

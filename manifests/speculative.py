@@ -20,6 +20,7 @@ from typing import Any
 from manifests.errors import UsageError
 from manifests.schema import Manifest, Speculative
 from manifests.strict_json import parse as parse_json
+from manifests.limits import LIMITS
 
 FLAG = "--speculative-config"
 #: What serve runs ("none" is ours: plain decoding); create bundles draft_model and eagle3 (a model to pack).
@@ -49,8 +50,6 @@ VLLM_KEYS = ("method", "model", "num_speculative_tokens", "revision", "code_revi
              "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 #: Keys this tool acts on; the other VLLM_KEYS land in `extra`.
 USED_KEYS = ("method", "model", "num_speculative_tokens", "revision", "prompt_lookup_max", "prompt_lookup_min")
-MAX_SPECULATIVE_TOKENS = 16
-MAX_CONFIG_CHARS = 16 * 1024
 #: vLLM's older spelling of prompt lookup: the model name "[ngram]".
 NGRAM_MODELS = ("ngram", "[ngram]")
 DEFAULT_TOKENS = 3
@@ -101,7 +100,7 @@ def _bad(message: str) -> UsageError:
     return UsageError(f"{FLAG}: {message}")
 
 
-def _int(d: dict, key: str, low: int = 1, high: int = MAX_SPECULATIVE_TOKENS) -> int | None:
+def _int(d: dict, key: str, low: int = 1, high: int = LIMITS.speculative_tokens) -> int | None:
     v = d.get(key)
     if v is None:
         return None
@@ -124,9 +123,9 @@ def parse_speculative_config(text: str | dict) -> SpeculativeConfig:
     """Parse and validate (JSON text or an already-decoded object); UsageError names the key, what was
     expected and what was found."""
     if isinstance(text, str):
-        if len(text) > MAX_CONFIG_CHARS:
-            raise _bad(f"expected at most {MAX_CONFIG_CHARS} characters, found {len(text)}")
-        d: Any = parse_json(text, what=FLAG, max_bytes=4 * MAX_CONFIG_CHARS,
+        if len(text) > LIMITS.speculative_config_chars:
+            raise _bad(f"expected at most {LIMITS.speculative_config_chars} characters, found {len(text)}")
+        d: Any = parse_json(text, what=FLAG, max_bytes=4 * LIMITS.speculative_config_chars,
                             error=lambda msg: UsageError(f"{msg}; expected JSON like {EXAMPLE}"))
     else:
         d = text

@@ -18,11 +18,10 @@ from typing import Any, Iterable, Mapping
 from manifests.errors import UsageError
 from manifests.strict_json import parse as parse_json
 from manifests.sizes import parse_size
+from manifests.limits import LIMITS
 
 #: "onnxruntime-cuda": ONNX Runtime's CUDA provider (the `cuda` target; GPU detected on the device).
 BACKENDS = ("tensorrt", "onnxruntime", "onnxruntime-cuda")
-#: A profile file is a few hundred bytes; refuse anything absurd before parsing.
-MAX_PROFILE_BYTES = 64 * 1024
 
 _ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _CC = re.compile(r"^\d{1,2}\.\d{1,2}$")
@@ -114,7 +113,7 @@ def profile_from_dict(d: Mapping[str, Any], source: str = "built-in") -> TargetP
 
 
 def _read_json(text: str, source: str) -> TargetProfile:
-    data = parse_json(text, what=f"target profile {source}", max_bytes=MAX_PROFILE_BYTES, error=UsageError)
+    data = parse_json(text, what=f"target profile {source}", max_bytes=LIMITS.profile_bytes, error=UsageError)
     return profile_from_dict(data, source)
 
 
@@ -135,8 +134,8 @@ def _user(extra_dirs: Iterable[Path | str]) -> list[TargetProfile]:
             continue  # an unset or absent profile directory is normal
         for path in sorted(d.glob("*.json")):
             size = path.stat().st_size
-            if size > MAX_PROFILE_BYTES:
-                raise UsageError(f"target profile {path}: expected at most {MAX_PROFILE_BYTES} bytes, "
+            if size > LIMITS.profile_bytes:
+                raise UsageError(f"target profile {path}: expected at most {LIMITS.profile_bytes} bytes, "
                                  f"found {size}")
             out.append(_read_json(path.read_text(encoding="utf-8"), str(path)))
     return out

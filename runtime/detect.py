@@ -18,15 +18,15 @@ from typing import Callable, Sequence
 from manifests.errors import EnvironmentProblem
 from manifests.targets import TargetProfile
 from runtime.profiles import all_profiles
+from manifests.limits import LIMITS
 
 DEVICE_TREE_MODEL = Path("/proc/device-tree/model")
-MAX_MODEL_BYTES = 4096
 
 
 def read_device_tree_model(path: Path = DEVICE_TREE_MODEL) -> str | None:
     try:
         with open(path, "rb") as f:
-            raw = f.read(MAX_MODEL_BYTES)
+            raw = f.read(LIMITS.device_model_bytes)
     except OSError:
         return None
     text = raw.split(b"\x00", 1)[0].decode("utf-8", errors="replace").strip()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,36 @@ def test_the_serving_core_has_no_circle_through_the_one_sequence_driver():
     """Generator (one sequence over the scheduler) is its own module; speculative holds only the rules."""
     spec = imported_dotted(ROOT / "runtime/serve/speculative.py")
     assert not reaching(spec, {"runtime.serve.scheduler", "runtime.serve.model_runner", "runtime.serve.generator"})
+
+
+def test_byte_caps_live_in_manifests_limits():
+    """Every MAX_*_BYTES cap is a field of manifests.limits.Limits: a module may name one (an alias of a LIMITS
+    field) but never define its value, so no two modules bound one thing differently."""
+    pattern = re.compile(r"_?MAX_\w*_BYTES")
+    offenders = []
+    for package in ("manifests", "runtime", "bundler"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.relative_to(ROOT).as_posix() == "manifests/limits.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                targets = node.targets if isinstance(node, ast.Assign) else \
+                    [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
+                names = [t.id for t in targets if isinstance(t, ast.Name) and pattern.fullmatch(t.id)]
+                literal = not any(isinstance(n, (ast.Name, ast.Attribute, ast.Call)) for n in ast.walk(node.value)) \
+                    if names else False
+                if literal:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {names[0]}")
+    assert not offenders, f"byte caps defined outside manifests/limits.py (make them Limits fields): {offenders}"
+
+
+def test_limits_are_one_frozen_value_with_a_reason_each():
+    import dataclasses
+
+    from manifests import limits
+
+    fields = dataclasses.fields(limits.Limits)
+    assert dataclasses.is_dataclass(limits.LIMITS) and limits.Limits.__dataclass_params__.frozen
+    source = Path(limits.__file__).read_text()
+    undocumented = [f.name for f in fields
+                    if not re.search(rf"\n    {f.name}: [^\n]+\n    \"\"\"", source)]
+    assert not undocumented, f"Limits fields without a docstring saying why: {undocumented}"

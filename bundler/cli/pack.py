@@ -10,6 +10,7 @@ from bundler.cli.quant import create_quantization, quality_lines, quantization_o
 from manifests.errors import UsageError
 from manifests.sizes import format_size, parse_size
 from runtime import settings
+from manifests.limits import LIMITS
 def _passphrase_from_env() -> bytes | None:
     return settings.key_passphrase()
 
@@ -52,10 +53,10 @@ def read_serve_defaults(path: Path | None, args: tuple[str, ...], max_model_len:
 
     config: dict = {}
     if path is not None:
-        if path.stat().st_size > serve_config.MAX_ARG_CHARS:
-            raise UsageError(f"--serve-config {path}: expected at most {serve_config.MAX_ARG_CHARS} bytes")
+        if path.stat().st_size > LIMITS.serve_arg_chars:
+            raise UsageError(f"--serve-config {path}: expected at most {LIMITS.serve_arg_chars} bytes")
         data = strict_json.parse(path.read_bytes(), what=f"--serve-config {path}",
-                                 max_bytes=serve_config.MAX_ARG_CHARS, error=UsageError)
+                                 max_bytes=LIMITS.serve_arg_chars, error=UsageError)
         config, unknown = serve_config.parse_config(data, source=f"--serve-config {path}")
         if unknown:
             raise UsageError(f"--serve-config {path}: unknown keys {sorted(unknown)}; expected vLLM argument "
@@ -164,7 +165,7 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     Every file is recorded in a signed manifest with its sha256; files larger than --max-part-size are
     split so the bundle fits on FAT32 USB sticks. An interrupted create resumes when run again.
     """
-    from bundler.pack.create import checked_resolution, create_bundle, resolve_inputs
+    from bundler.pack.create import CreateOptions, checked_resolution, create_bundle, resolve_inputs
     from bundler.pack.engines import target_files_hook
     from bundler.pack.keys import load_private_key
     from bundler.resolve.lockfile import write_lock
@@ -208,15 +209,15 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
         from bundler.pack.create import eagle3_head_input
         draft, layers = eagle3_head_input(draft, model)
     serve = serve or None
-    manifest = create_bundle(out, name=name, version=version, model=model, draft=draft, targets=targets,
-                             sign_keys=keys, unsigned=unsigned, max_part_size=part_size, expires=expires,
-                             num_speculative_tokens=num_speculative_tokens, force=force, jobs=jobs,
-                             progress=not no_progress, serve=serve, checkpoint_weights=with_checkpoint_weights,
-                             speculative_method=method,
-                             target_files=target_files_hook(num_speculative_tokens=num_speculative_tokens,
-                                                            serve=serve, eagle3_layers=layers,
-                                                            quantization=quantization),
-                             runtime_platforms=platforms, extra_wheels=extra_wheels, wheel_cache=wheel_cache)
+    options = CreateOptions(
+        name=name, version=version, model=model, draft=draft, targets=targets, sign_keys=keys, unsigned=unsigned,
+        max_part_size=part_size, expires=expires, num_speculative_tokens=num_speculative_tokens, force=force,
+        jobs=jobs, progress=not no_progress, serve=serve, checkpoint_weights=with_checkpoint_weights,
+        speculative_method=method,
+        target_files=target_files_hook(num_speculative_tokens=num_speculative_tokens, serve=serve,
+                                       eagle3_layers=layers, quantization=quantization),
+        runtime_platforms=platforms, extra_wheels=extra_wheels, wheel_cache=wheel_cache)
+    manifest = create_bundle(out, options)
     lock_out = lock_path or write_lock(out.parent / f"{out.name}.lock.json", checked_resolution(resolved, manifest),
                                        speculative_method=method if draft is not None else None,
                                        quantization=quant_record)

@@ -21,6 +21,7 @@ import tokenize
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
+from manifests.limits import LIMITS
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
@@ -29,7 +30,6 @@ CHAT_TEMPLATE = (
 ENDOFTEXT, END = "<|endoftext|>", "<|end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, END, "<|system|>", "<|user|>", "<|assistant|>"]
 HELDOUT_PER_MILLE = 40          # 4 % of files (and of built-in names), chosen by a hash of the name
-MAX_FILE_BYTES = 1_000_000
 MAX_SIGNATURE_CHARS = 120
 MAX_ANSWER_CHARS = 400
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -61,7 +61,7 @@ def stdlib_root() -> Path:
 def stdlib_files(root: Path, max_files: int | None = None) -> list[Path]:
     """Every `.py` file of the standard library (tests included where the install has them), sorted."""
     files = [p for p in sorted(root.rglob("*.py"))
-             if not SKIP_DIRS & set(p.relative_to(root).parts) and p.stat().st_size <= MAX_FILE_BYTES]
+             if not SKIP_DIRS & set(p.relative_to(root).parts) and p.stat().st_size <= LIMITS.corpus_file_bytes]
     return files[:max_files] if max_files else files
 
 

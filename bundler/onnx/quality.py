@@ -24,9 +24,8 @@ from typing import Sequence
 import numpy as np
 
 from manifests.errors import ModelError, UsageError
+from manifests.limits import LIMITS
 
-#: A --calibration-text file is read up to this many bytes (the measurement uses far fewer tokens).
-MAX_TEXT_BYTES = 4 << 20
 #: Tokens scored for perplexity, at most: enough for a figure stable to about a percent, small enough
 #: that create measures an 8B model on a build host's CPU in minutes.
 MAX_TOKENS = 2048
@@ -85,7 +84,7 @@ def held_out(calibration_text: str | None, demo: bool) -> HeldOut:
         if not path.is_file():
             raise UsageError(f"expected --calibration-text {path} to be a text file, found "
                              f"{'nothing' if not path.exists() else 'something else'}")
-        raw = path.open("rb").read(MAX_TEXT_BYTES)
+        raw = path.open("rb").read(LIMITS.calibration_text_bytes)
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:

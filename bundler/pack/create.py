@@ -19,7 +19,7 @@ from typing import Callable, Mapping, Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from bundler.pack.pack import DEFAULT_MAX_PART_SIZE, PackFile, pack_bundle
+from bundler.pack.pack import DEFAULT_MAX_PART_SIZE, PackFile, PackOptions, pack_bundle
 from bundler.resolve.provenance import local_source
 from manifests.errors import ResolveError, UsageError
 from manifests.layout import BLOBS_DIR
@@ -343,16 +343,36 @@ def _check_or_discard(model: ModelInput, entry: Model, manifest: Manifest, out: 
 
 # --- the call --------------------------------------------------------------------------------
 
-def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draft: ModelInput | None,
-                  targets: Sequence[str], sign_keys: list[Ed25519PrivateKey], unsigned: bool = False,
-                  max_part_size: int = DEFAULT_MAX_PART_SIZE, expires: str | None = None,
-                  num_speculative_tokens: int = 3, target_files: TargetFilesHook | None = None,
-                  serve: dict | None = None, force: bool = False, jobs: int | None = None,
-                  now: datetime | None = None, progress: bool = True,
-                  builder: Builder | None = None, checkpoint_weights: bool = False,
-                  speculative_method: str = "draft_model",
-                  runtime_platforms: Sequence[str] = (), extra_wheels: Path | None = None,
-                  wheel_cache: Path | None = None, wheelhouse=None) -> Manifest:
+@dataclass(frozen=True)
+class CreateOptions:
+    """What `bundle create` packs and how, as one value (bundler.cli.pack builds it from the flags)."""
+
+    name: str
+    version: int
+    model: ModelInput
+    targets: Sequence[str]  # validated ids (runtime.profiles.parse_targets)
+    draft: ModelInput | None = None
+    sign_keys: Sequence[Ed25519PrivateKey] = ()
+    unsigned: bool = False  # --unsigned
+    max_part_size: int = DEFAULT_MAX_PART_SIZE  # --max-part-size
+    expires: str | None = None  # --expires: RFC 3339 or "90d", counted from `now`
+    num_speculative_tokens: int = 3  # --num-speculative-tokens
+    target_files: TargetFilesHook | None = None  # each target's engine files (bundler.pack.engines)
+    serve: Mapping | None = None  # the bundle's serve defaults (--serve-config, -- flags)
+    force: bool = False  # --force
+    jobs: int | None = None  # --jobs
+    now: datetime | None = None
+    progress: bool = True  # not --no-progress
+    builder: Builder | None = None
+    checkpoint_weights: bool = False  # --with-checkpoint-weights
+    speculative_method: str = "draft_model"  # or "eagle3"
+    runtime_platforms: Sequence[str] = ()  # --with-runtime
+    extra_wheels: Path | None = None  # --extra-wheels
+    wheel_cache: Path | None = None  # --wheel-cache
+    wheelhouse: object = None  # a bundler.pack.wheelhouse.Wheelhouse used as given
+
+
+def create_bundle(out: Path, options: CreateOptions) -> Manifest:
     """Pack a target model (and optional draft) for `targets` into a signed bundle at `out`.
 
     `targets` are validated ids (manifests.targets.parse_targets); `expires` is RFC 3339 or
@@ -364,6 +384,14 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
     bootstrap (bundler.pack.wheelhouse); `extra_wheels` is a folder of site wheels to add; `wheel_cache` keeps downloads;
     `wheelhouse` (a bundler.pack.wheelhouse.Wheelhouse) is used as given instead.
     """
+    o = options
+    name, version, model, draft, targets = o.name, o.version, o.model, o.draft, o.targets
+    sign_keys, unsigned, max_part_size, expires = list(o.sign_keys), o.unsigned, o.max_part_size, o.expires
+    num_speculative_tokens, target_files, serve = o.num_speculative_tokens, o.target_files, o.serve
+    force, jobs, now, progress, builder = o.force, o.jobs, o.now, o.progress, o.builder
+    checkpoint_weights, speculative_method = o.checkpoint_weights, o.speculative_method
+    runtime_platforms, extra_wheels, wheel_cache = o.runtime_platforms, o.extra_wheels, o.wheel_cache
+    wheelhouse = o.wheelhouse
     now = now or datetime.now(timezone.utc)
     if now.tzinfo is None:
         now = now.replace(tzinfo=timezone.utc)
@@ -425,8 +453,8 @@ def create_bundle(out: Path, *, name: str, version: int, model: ModelInput, draf
             files, models = _omit_checkpoint_weights(files, inputs, models, jobs)
         if house is not None:
             files += list(house.files)
-        return pack_bundle(out, name=name, version=version, models=models, files=files, targets=target_list,
-                           speculative=speculative, serve=serve, expires=expires, sign_keys=sign_keys,
-                           unsigned=unsigned, max_part_size=max_part_size, jobs=jobs, now=now,
-                           progress=progress, force=force, builder=builder, amend=amend,
-                           runtime=house.runtime if house is not None else None)
+        return pack_bundle(out, PackOptions(
+            name=name, version=version, models=models, files=files, targets=target_list, speculative=speculative,
+            serve=serve, expires=expires, sign_keys=sign_keys, unsigned=unsigned, max_part_size=max_part_size,
+            jobs=jobs, now=now, progress=progress, force=force, builder=builder, amend=amend,
+            runtime=house.runtime if house is not None else None))

@@ -468,7 +468,7 @@ def build_engines_bundle(bundle_dir: Path, target_id: str, out: Path, *, sign_ke
     import dataclasses
     import tempfile
 
-    from bundler.pack.pack import pack_bundle
+    from bundler.pack.pack import PackOptions, pack_bundle
     from manifests.errors import EnvironmentProblem
     from runtime.engines import onnx_sha256_of
     from runtime.store.unpack import unpack_files
@@ -514,7 +514,7 @@ def build_engines_bundle(bundle_dir: Path, target_id: str, out: Path, *, sign_ke
                                   files=(path,), key=key, build=src.build))
         targets = [dataclasses.replace(t, engines=tuple(engines)) if t.id == target_id else t
                    for t in manifest.targets]
-        return pack_bundle(Path(out), name=manifest.name, version=manifest.version + 1, models=list(manifest.models),
-                           files=files, targets=targets, speculative=manifest.speculative, serve=dict(manifest.serve),
-                           expires=manifest.expires, sign_keys=sign_keys, unsigned=not sign_keys and allow_unsigned,
-                           progress=progress)
+        return pack_bundle(Path(out), PackOptions(
+            name=manifest.name, version=manifest.version + 1, models=list(manifest.models), files=files,
+            targets=targets, speculative=manifest.speculative, serve=dict(manifest.serve), expires=manifest.expires,
+            sign_keys=sign_keys, unsigned=not sign_keys and allow_unsigned, progress=progress))

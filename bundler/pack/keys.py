@@ -17,9 +17,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from manifests.errors import EnvironmentProblem, UsageError
 from manifests.layout import key_id
 from runtime.fsutil import write_atomic
+from manifests.limits import LIMITS
 
-# A PEM private key is a few hundred bytes; refuse to parse anything much larger.
-MAX_KEY_FILE_BYTES = 64 * 1024
 
 
 def public_key_path(path: Path) -> Path:
@@ -85,7 +84,7 @@ def load_private_key(path: Path, passphrase: bytes | None = None) -> Ed25519Priv
     path = Path(path)
     try:
         with open(path, "rb") as f:
-            data = f.read(MAX_KEY_FILE_BYTES + 1)
+            data = f.read(LIMITS.key_file_bytes + 1)
     except FileNotFoundError:
         raise UsageError(f"expected a private key file at {path}, found none "
                          f"(create one with: bundle keygen {path})") from None
@@ -93,8 +92,8 @@ def load_private_key(path: Path, passphrase: bytes | None = None) -> Ed25519Priv
         raise UsageError(f"expected a private key file at {path}, found a directory") from None
     except PermissionError as e:
         raise EnvironmentProblem(f"cannot read private key {path}: {e.strerror}") from None
-    if len(data) > MAX_KEY_FILE_BYTES:
-        raise UsageError(f"expected a PEM private key at {path}, found a file over {MAX_KEY_FILE_BYTES} bytes")
+    if len(data) > LIMITS.key_file_bytes:
+        raise UsageError(f"expected a PEM private key at {path}, found a file over {LIMITS.key_file_bytes} bytes")
     if b"-----BEGIN ENCRYPTED PRIVATE KEY-----" not in data:
         passphrase = None  # a passphrase set for other keys (BUNDLE_KEY_PASSPHRASE) does not apply here
     try:

@@ -48,10 +48,10 @@ import re
 import sys
 import threading
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import zstandard
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -71,7 +71,8 @@ from runtime import settings
 from runtime.fsutil import fsync_dir, write_atomic
 from runtime.store.parallel import MAX_WORKERS, ShortRead, Stopped, read_span, run_parallel
 
-__all__ = ["PackFile", "pack_bundle", "part_length", "check_stored_sizes", "DEFAULT_MAX_PART_SIZE", "DEFAULT_LEVEL",
+__all__ = ["PackFile", "PackOptions", "pack_bundle",
+           "part_length", "check_stored_sizes", "DEFAULT_MAX_PART_SIZE", "DEFAULT_LEVEL",
            "JOURNAL_FILE", "PART_CHUNK"]
 
 log = logging.getLogger(__name__)  # progress lines (bundler.pack.progress)
@@ -512,14 +513,33 @@ def _cleanup_blobs(blobs: Path, keep: set[str]) -> None:
             p.unlink(missing_ok=True)
 
 
-def pack_bundle(out: Path, *, name: str, version: int, models: list[Model], files: list[PackFile],
-                targets: list[Target], speculative: Speculative | None, serve: dict, expires: str | None,
-                sign_keys: list[Ed25519PrivateKey], unsigned: bool = False,
-                max_part_size: int = DEFAULT_MAX_PART_SIZE, jobs: int | None = None,
-                now: datetime | None = None, progress: bool = True, force: bool = False,
-                level: int = DEFAULT_LEVEL, builder: Builder | None = None,
-                amend: Callable[[Manifest], Manifest] | None = None, part_chunk: int = PART_CHUNK,
-                runtime: Runtime | None = None) -> Manifest:
+@dataclass(frozen=True)
+class PackOptions:
+    """What one pack_bundle call packs and how: the manifest's content, then the packing knobs."""
+
+    name: str
+    version: int
+    models: tuple[Model, ...] | list[Model]
+    files: tuple[PackFile, ...] | list[PackFile]
+    targets: tuple[Target, ...] | list[Target]
+    speculative: Speculative | None = None
+    serve: Mapping = field(default_factory=dict)  # the bundle's serve defaults (manifests.serve_config)
+    expires: str | None = None  # RFC 3339, already resolved
+    sign_keys: tuple[Ed25519PrivateKey, ...] | list[Ed25519PrivateKey] = ()
+    unsigned: bool = False  # an unsigned test bundle (--unsigned); refused with sign_keys
+    max_part_size: int = DEFAULT_MAX_PART_SIZE  # compressed bytes per part: FAT32's 4 GiB less headroom
+    jobs: int | None = None  # threads; None: BUNDLE_JOBS, every core
+    now: datetime | None = None  # the manifest's `created`; None: now
+    progress: bool = True  # a bar on a terminal
+    force: bool = False  # replace a finished bundle at `out`
+    level: int = DEFAULT_LEVEL  # zstd level
+    builder: Builder | None = None  # None: this host's bundler
+    amend: Callable[[Manifest], Manifest] | None = None
+    part_chunk: int = PART_CHUNK  # uncompressed bytes per part at most
+    runtime: Runtime | None = None  # the wheelhouse among `files`
+
+
+def pack_bundle(out: Path, options: PackOptions) -> Manifest:
     """Pack `files` into the bundle directory `out`, sign the manifest, and return it.
 
     Files are cut into parts of at most `part_chunk` uncompressed bytes (and at most `max_part_size`
@@ -529,6 +549,11 @@ def pack_bundle(out: Path, *, name: str, version: int, models: list[Model], file
     digest from the file entries) but must keep its files. `runtime` describes the wheelhouse among
     `files` (stored wheels and bootstrap). Rerunning after a crash resumes.
     """
+    o = options
+    name, version, models, files, targets = o.name, o.version, o.models, list(o.files), o.targets
+    speculative, serve, expires, sign_keys, unsigned = o.speculative, o.serve, o.expires, list(o.sign_keys), o.unsigned
+    max_part_size, jobs, now, progress, force, level = o.max_part_size, o.jobs, o.now, o.progress, o.force, o.level
+    builder, amend, part_chunk, runtime = o.builder, o.amend, o.part_chunk, o.runtime
     out = Path(out)
     if unsigned and sign_keys:
         raise UsageError("expected either --sign-key or --unsigned, found both")

@@ -29,12 +29,11 @@ from bundler.resolve.select_files import is_weight_file, select_files
 from manifests.errors import ResolveError, UsageError
 from manifests.schema import ModelSource
 from runtime import settings
+from manifests.limits import LIMITS
 _REPO = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})"
                    r"(?:@(?P<rev>[A-Za-z0-9][A-Za-z0-9_./-]{0,199}))?$")
 _SHA1 = re.compile(r"^[0-9a-f]{40}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-#: A checkpoint folder with more files than this is not a checkpoint (a home directory passed by mistake?).
-MAX_LOCAL_FILES = 10_000
 _CHUNK = 1 << 20
 
 
@@ -345,8 +344,8 @@ def _list_local(root: Path) -> list[str]:
             continue  # .git, .cache (huggingface_hub's local_dir metadata)
         if p.is_file():
             out.append(rel.as_posix())
-            if len(out) > MAX_LOCAL_FILES:
-                raise UsageError(f"expected a checkpoint folder, found more than {MAX_LOCAL_FILES} files in {root}")
+            if len(out) > LIMITS.local_files:
+                raise UsageError(f"expected a checkpoint folder, found more than {LIMITS.local_files} files in {root}")
     return out
 
 

@@ -18,11 +18,8 @@ from manifests.errors import ModelError
 from manifests.families import check_family
 from manifests.strict_json import parse as parse_json
 from manifests.sizes import format_size
+from manifests.limits import LIMITS
 
-#: tokenizer.json of large-vocabulary models is ~10-30 MB.
-MAX_TOKENIZER_BYTES = 256 * 1024 * 1024
-#: The safetensors format itself caps its JSON header at 100 MB.
-MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 0.5, "U16": 2, "U32": 4, "U64": 8}
 TORCH_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8}
@@ -57,8 +54,8 @@ def load_vocab(model_dir: Path, name: str | None = None) -> dict[str, int]:
     who = name or str(model_dir)
     if not path.is_file():
         raise ModelError(f"{who}: expected tokenizer.json in {model_dir}, found none")
-    if path.stat().st_size > MAX_TOKENIZER_BYTES:
-        raise ModelError(f"{who}: expected tokenizer.json under {format_size(MAX_TOKENIZER_BYTES)}, "
+    if path.stat().st_size > LIMITS.tokenizer_bytes:
+        raise ModelError(f"{who}: expected tokenizer.json under {format_size(LIMITS.tokenizer_bytes)}, "
                          f"found {format_size(path.stat().st_size)}")
     from tokenizers import Tokenizer
 
@@ -97,10 +94,10 @@ def _safetensors_headers(files: Iterable[Path]) -> Iterable[tuple[Path, str, dic
             if len(raw) < 8:
                 raise ModelError(f"{f}: expected a safetensors header, found {len(raw)} bytes")
             (n,) = struct.unpack("<Q", raw)
-            if n > MAX_SAFETENSORS_HEADER or n > Path(f).stat().st_size:
-                raise ModelError(f"{f}: expected a safetensors header under {MAX_SAFETENSORS_HEADER} bytes, "
+            if n > LIMITS.safetensors_header_bytes or n > Path(f).stat().st_size:
+                raise ModelError(f"{f}: expected a safetensors header under {LIMITS.safetensors_header_bytes} bytes, "
                                  f"found a length of {n}")
-            header = parse_json(fh.read(n), what=f"{f}: safetensors header", max_bytes=MAX_SAFETENSORS_HEADER,
+            header = parse_json(fh.read(n), what=f"{f}: safetensors header", max_bytes=LIMITS.safetensors_header_bytes,
                                 error=ModelError)
         if not isinstance(header, dict):
             raise ModelError(f"{f}: expected a JSON object as safetensors header, found {type(header).__name__}")

@@ -16,14 +16,13 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 from bundler.resolve.errors import LockMismatch
 from manifests.errors import UsageError
 from runtime.fsutil import write_atomic
+from manifests.limits import LIMITS
 
 if TYPE_CHECKING:
     from bundler.resolve.checkpoint import ResolvedModel
 
 LOCK_VERSION = 1
 LOCK_NAME = "bundle.lock.json"
-#: A lock for a 100-shard model is tens of KB; refuse to parse anything absurd.
-MAX_LOCK_BYTES = 4 * 1024 * 1024
 ROLES = ("target", "draft")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 #: How many differences a refusal names before "and N more".
@@ -107,8 +106,8 @@ def read_lock(path: Path) -> dict[str, LockEntry]:
         size = path.stat().st_size
     except OSError as e:
         raise bad(f"cannot read it ({e.strerror})") from e
-    if size > MAX_LOCK_BYTES:
-        raise bad(f"expected at most {MAX_LOCK_BYTES} bytes, found {size}")
+    if size > LIMITS.lock_bytes:
+        raise bad(f"expected at most {LIMITS.lock_bytes} bytes, found {size}")
     try:
         doc = json.loads(path.read_bytes())
     except (ValueError, OSError) as e:

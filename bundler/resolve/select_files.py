@@ -11,6 +11,7 @@ from pathlib import PurePosixPath
 from typing import Iterable
 
 from manifests.errors import ResolveError, UsageError
+from manifests.limits import LIMITS
 
 #: Small files the runtime reads: model config, generation defaults, tokenizer and chat template.
 SERVING_FILES = (
@@ -22,8 +23,6 @@ SERVING_FILES = (
 LICENSE_PATTERNS = ("LICENSE*", "LICENCE*", "NOTICE*", "USE_POLICY*")
 SAFETENSORS = ("*.safetensors", "model.safetensors.index.json")
 PYTORCH_BIN = ("pytorch_model*.bin", "pytorch_model.bin.index.json")
-#: Total a user can pass with --include/--exclude; more is surely a mistake.
-MAX_PATTERNS = 64
 
 
 def is_weight_file(path: str) -> bool:
@@ -39,8 +38,8 @@ def select_files(paths: Iterable[str], *, include: Iterable[str] = (), exclude: 
     repo has no config.json or no weights after filtering.
     """
     include, exclude = tuple(include), tuple(exclude)
-    if len(include) + len(exclude) > MAX_PATTERNS:
-        raise UsageError(f"expected at most {MAX_PATTERNS} --include/--exclude patterns, "
+    if len(include) + len(exclude) > LIMITS.file_patterns:
+        raise UsageError(f"expected at most {LIMITS.file_patterns} --include/--exclude patterns, "
                          f"found {len(include) + len(exclude)}")
     all_paths = sorted(set(paths))
     # Folders (original/, images/, gguf/, onnx/...) hold other copies or docs: only --include brings them in.

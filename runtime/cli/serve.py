@@ -8,12 +8,13 @@ line lie over the bundle's own serve defaults (its manifest's `serve` section).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from manifests import serve_config
-from runtime.server.limits import HTTPLimits
+from manifests.limits import LIMITS
 
 
 def _help(flag: serve_config.Flag) -> str:
@@ -88,14 +89,14 @@ class VllmServeCommand(click.Command):
 @click.option("--allow-unsigned", is_flag=True, help="Serve an unsigned bundle directory (digests still checked).")
 @click.option("--log-interval", type=click.FloatRange(1, None), default=10.0, show_default=True,
               help="Seconds between log lines with tokens/s and acceptance rate.")
-@click.option("--header-timeout", type=click.FloatRange(0.1, 3600), default=HTTPLimits.header_timeout_s,
+@click.option("--header-timeout", type=click.FloatRange(0.1, 3600), default=LIMITS.header_timeout_s,
               show_default=True, help="Seconds a connection has to send a request's line and headers (from "
               "connecting, or from the previous response); then it is closed.")
-@click.option("--body-timeout", type=click.FloatRange(0.1, 3600), default=HTTPLimits.body_timeout_s,
+@click.option("--body-timeout", type=click.FloatRange(0.1, 3600), default=LIMITS.body_timeout_s,
               show_default=True, help="Seconds a request has to send its body once its headers are in; then "
               "the connection is closed.")
 @click.option("--max-connections-per-client", type=click.IntRange(1, None),
-              default=HTTPLimits.max_connections_per_client, show_default=True,
+              default=LIMITS.max_connections_per_client, show_default=True,
               help="Connections one client address may hold open; more are closed at once.")
 @click.pass_context
 def serve(ctx, bundle, store, as_dir, ignore_expiry, target, no_speculation, max_queued_requests, trust,
@@ -129,16 +130,16 @@ def serve(ctx, bundle, store, as_dir, ignore_expiry, target, no_speculation, max
     """
     from manifests.errors import UsageError
     from runtime.server import serve as run_server
+    from runtime.server.options import ServeConfig
     from runtime.store.store import bundle_ref
-
-    http = HTTPLimits(header_timeout_s=header_timeout, body_timeout_s=body_timeout,
-                      max_connections_per_client=max_connections_per_client)
 
     args = given_serve_args(ctx, vllm)
     if no_speculation and "speculative_config" in args:
         raise UsageError("--no-speculation and --speculative-config contradict each other; pass one")
     serve_config.check(args, complete=False)  # refusals before anything is opened
-    run_server(bundle_ref(bundle, is_dir=as_dir), store=store, ignore_expiry=ignore_expiry, target=target,
-               no_speculation=no_speculation, max_queued_requests=max_queued_requests, trust=tuple(trust),
-               allow_unsigned=allow_unsigned, log_interval_s=log_interval, serve_args=args, http=http,
-               echo=click.echo)
+    config = ServeConfig(args=args, store=store, target=target, trust=tuple(trust), allow_unsigned=allow_unsigned,
+                         ignore_expiry=ignore_expiry, no_speculation=no_speculation,
+                         max_queued_requests=max_queued_requests, log_interval_s=log_interval,
+                         http=replace(LIMITS, header_timeout_s=header_timeout, body_timeout_s=body_timeout,
+                                      max_connections_per_client=max_connections_per_client))
+    run_server(bundle_ref(bundle, is_dir=as_dir), config, echo=click.echo)

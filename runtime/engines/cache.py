@@ -26,6 +26,7 @@ from manifests.errors import BundleError, EnvironmentProblem
 from manifests.strict_json import parse as parse_json
 from runtime.bundle_files import open_regular_path
 from runtime.fsutil import fsync_dir, fsync_tree, write_atomic
+from manifests.limits import LIMITS
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,6 @@ PLAN_NAME = "engine.plan"
 KEY_NAME = "key.json"
 BUILD_NAME = "build.json"
 FALLBACK_NAME = "fallback.json"
-MAX_KEY_BYTES = 64 * 1024
 
 
 class _Damaged(BundleError):
@@ -99,11 +99,12 @@ class EngineCache:
         """The cached plan for exactly this key, or None (a folder whose key.json differs is ignored)."""
         folder = self.entry(key)
         plan, key_file = folder / PLAN_NAME, folder / KEY_NAME
-        if not (plan.is_file() and key_file.is_file()) or key_file.stat().st_size > MAX_KEY_BYTES:
+        if not (plan.is_file() and key_file.is_file()) or key_file.stat().st_size > LIMITS.engine_cache_key_bytes:
             return None
         try:
             with open_regular_path(key_file) as f:
-                stored = parse_json(f.read(MAX_KEY_BYTES + 1), what=str(key_file), max_bytes=MAX_KEY_BYTES,
+                stored = parse_json(f.read(LIMITS.engine_cache_key_bytes + 1), what=str(key_file),
+                                    max_bytes=LIMITS.engine_cache_key_bytes,
                                     error=_Damaged)
         except (OSError, BundleError) as e:
             log.warning("ignoring engine cache entry %s: %s", folder, e)

@@ -59,6 +59,7 @@ from typing import Collection, Sequence
 import numpy as np
 
 from manifests.errors import EnvironmentProblem, ModelError
+from manifests.limits import LIMITS
 from runtime.engines.base import Engine, Row
 from runtime.engines.cudalib import D2D, D2H, H2D, Cudart, DeviceBuffer, onnxruntime_cuda
 from runtime.engines.onnxruntime import OnnxRuntimeEngine, bind_row_inputs

@@ -15,6 +15,7 @@ import numpy as np
 
 from manifests.errors import ModelError
 from manifests.layout import SHARED_WEIGHTS_INDEX
+from manifests.limits import LIMITS
 from runtime.engines.cudalib import H2D, DeviceBuffer
 from runtime.engines.dlpack import wrap_device_memory
 
@@ -22,7 +23,7 @@ __all__ = ["SHARED_WEIGHTS_INDEX", "read_weight_index", "read_shared_weights"]
 
 #: Beside the decode graph (bundler.onnx.dual writes it): the external tensors both graphs read, so
 #: the runtime (which does not import onnx) knows what to load before either session exists.
-MAX_INDEX_BYTES = 16 << 20
+MAX_INDEX_BYTES = LIMITS.shared_weights_index_bytes
 #: ONNX element type -> bytes per element, for the types an index may name.
 _ITEMSIZE = {1: 4, 10: 2, 16: 2, 7: 8, 6: 4, 2: 1}  # 2: uint8, MatMulNBits' blocks and zero points
 

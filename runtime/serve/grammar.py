@@ -16,7 +16,7 @@ output is identical with and without speculation.
 
 A constraint is followed, or the request fails; it is never dropped. `GrammarCompiler.compile` builds the
 grammar once per request (in a preprocessing thread: llguidance releases the GIL while it builds) under the
-resource limits of runtime.limits, then computes its first mask and walks its forced prefix (what every
+resource limits of manifests.limits, then computes its first mask and walks its forced prefix (what every
 answer must begin with): a grammar llguidance cannot follow there (`a{1000}{1000}`, a Lark rule with no base
 case) is this request's 400. Each choice's `Constraint` is a copy of that matcher, made in microseconds on
 the event loop. Should the matcher still fail later (a limit reached deeper in the grammar), the constraint
@@ -35,7 +35,7 @@ import numpy as np
 
 from manifests import strict_json
 from manifests.errors import EnvironmentProblem, UsageError
-from runtime.limits import GRAMMAR_PARSER_LIMITS, MAX_CHOICE_OPTIONS, MAX_GRAMMAR_CHARS
+from manifests.limits import LIMITS
 
 log = logging.getLogger("bundle.serve")
 
@@ -79,7 +79,7 @@ class GrammarCompiler:
         self._llg = llg
         self._tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos or None)
         # verbose_errors off: an error names the limit, not the request's grammar and parser state
-        self._limits = llg.LLParserLimits(verbose_errors=False, **GRAMMAR_PARSER_LIMITS)
+        self._limits = llg.LLParserLimits(verbose_errors=False, **LIMITS.grammar_parser_limits)
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int | None = None) -> "GrammarCompiler":
@@ -97,25 +97,25 @@ class GrammarCompiler:
             return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=compact)
         if spec.kind == "json_schema":
             if isinstance(v, str):
-                v = strict_json.parse(v, what="JSON schema", max_bytes=MAX_GRAMMAR_CHARS, error=GrammarError)
+                v = strict_json.parse(v, what="JSON schema", max_bytes=LIMITS.grammar_chars, error=GrammarError)
             if not isinstance(v, (dict, bool)):
                 raise GrammarError(f"expected a JSON schema object, found {type(v).__name__}")
             size = len(json.dumps(v, separators=(",", ":")))
-            if size > MAX_GRAMMAR_CHARS:
-                raise GrammarError(f"JSON schema has {size} characters, expected at most {MAX_GRAMMAR_CHARS}")
+            if size > LIMITS.grammar_chars:
+                raise GrammarError(f"JSON schema has {size} characters, expected at most {LIMITS.grammar_chars}")
             return llg.LLMatcher.grammar_from_json_schema(v, defaults=compact)
         if spec.kind == "choice":
             if not isinstance(v, list) or not v or not all(isinstance(c, str) for c in v):
                 raise GrammarError(f"expected 'choice' to be a non-empty list of strings, found {v!r}")
-            if len(v) > MAX_CHOICE_OPTIONS:
-                raise GrammarError(f"expected at most {MAX_CHOICE_OPTIONS} entries in 'choice', found {len(v)}")
+            if len(v) > LIMITS.choice_options:
+                raise GrammarError(f"expected at most {LIMITS.choice_options} entries in 'choice', found {len(v)}")
             text = json.dumps(v)
         else:
             if not isinstance(v, str) or not v:
                 raise GrammarError(f"expected '{spec.kind}' to be non-empty text, found {v!r}")
             text = v
-        if len(text) > MAX_GRAMMAR_CHARS:
-            raise GrammarError(f"{spec.kind} has {len(text)} characters, expected at most {MAX_GRAMMAR_CHARS}")
+        if len(text) > LIMITS.grammar_chars:
+            raise GrammarError(f"{spec.kind} has {len(text)} characters, expected at most {LIMITS.grammar_chars}")
         try:
             return llg.grammar_from(spec.kind, text)
         except ValueError as e:

@@ -15,10 +15,8 @@ from typing import Sequence
 
 from manifests.errors import ModelError
 from manifests.strict_json import parse as parse_json
+from manifests.limits import LIMITS
 
-# A tokenizer config is a few KB; tokenizer.json for a 250k vocabulary is ~30 MB.
-MAX_CONFIG_BYTES = 16 * 1024 * 1024
-MAX_TOKENIZER_BYTES = 256 * 1024 * 1024
 GIL_FREE_ABOVE = 4096  # characters
 
 
@@ -49,14 +47,14 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise ModelError(f"expected a tokenizer.json in {model_dir}, found none")
-        if path.stat().st_size > MAX_TOKENIZER_BYTES:
-            raise ModelError(f"{path} is larger than {MAX_TOKENIZER_BYTES} bytes")
+        if path.stat().st_size > LIMITS.tokenizer_bytes:
+            raise ModelError(f"{path} is larger than {LIMITS.tokenizer_bytes} bytes")
         try:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # the Rust parser raises a bare Exception
             raise ModelError(f"cannot load {path}: {e}") from None
-        self.config = _read_json(model_dir / "tokenizer_config.json", MAX_CONFIG_BYTES)
-        gen = _read_json(model_dir / "generation_config.json", MAX_CONFIG_BYTES)
+        self.config = _read_json(model_dir / "tokenizer_config.json", LIMITS.tokenizer_config_bytes)
+        gen = _read_json(model_dir / "generation_config.json", LIMITS.tokenizer_config_bytes)
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.pad_token = _token_text(self.config.get("pad_token"))
@@ -68,7 +66,7 @@ class Tokenizer:
         if template is None and (model_dir / "chat_template.jinja").is_file():
             template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
         if template is None:  # transformers' other file for it: {"chat_template": "..."}
-            template = _read_json(model_dir / "chat_template.json", MAX_CONFIG_BYTES).get("chat_template")
+            template = _read_json(model_dir / "chat_template.json", LIMITS.tokenizer_config_bytes).get("chat_template")
         self.chat_template: str | None = template if isinstance(template, str) else None
         eos: set[int] = set()
         raw = gen.get("eos_token_id")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from manifests.errors import ServeError, UsageError
-from manifests.schema import Speculative
+from runtime.server.options import ServeConfig
 
 log = logging.getLogger("bundle.serve")
 
@@ -89,22 +89,13 @@ def _engine_cache_store(home, scratch, echo: Callable[[str], None]):
     return home
 
 
-def serve(name_or_dir, *, store: Path | None = None, host: str | None = None, port: int | None = None,
-          target: str = "auto", speculative_config: Speculative | str | dict | None = None,
-          no_speculation: bool = False,
-          max_model_len: int | None = None, max_queued_requests: int = 16, api_key: str | None = None,
-          trust: tuple[Path, ...] = (), allow_unsigned: bool = False, ignore_expiry: bool = False,
-          log_interval_s: float = 10.0,
-          served_model_name: str | None = None, serve_args: dict | None = None, http=None,
-          echo: Callable[[str], None] = print) -> None:
+def serve(name_or_dir, config: ServeConfig | None = None, *, echo: Callable[[str], None] = print) -> None:
     """Load the bundle, print what is served, run uvicorn until interrupted.
 
-    `name_or_dir`: an installed bundle's name (looked up in `store`), a bundle directory (verified
+    `name_or_dir`: an installed bundle's name (looked up in `config.store`), a bundle directory (verified
     and installed into a temporary store first), or a runtime.store.store.Installed.
-    `serve_args`: vLLM flags by their argument names (manifests.serve_config), laid over the bundle's
-    serve defaults; the keyword arguments of the same meaning are kept for library callers.
-    `speculative_config`: a Speculative, or vLLM-style JSON text / dict.
-    `http`: runtime.server.limits.HTTPLimits (connection deadlines and caps); the defaults when None.
+    `config`: a runtime.server.options.ServeConfig (its defaults when None): the vLLM flags
+    (manifests.serve_config) laid over the bundle's serve defaults, and where the bundle comes from.
     """
     import uvicorn
 
@@ -113,31 +104,20 @@ def serve(name_or_dir, *, store: Path | None = None, host: str | None = None, po
     from runtime.server.connections import uvicorn_config
     from runtime.server.options import apply_serve_config
 
-    given = dict(serve_args or {})
-    for key, value in (("host", host), ("port", port), ("max_model_len", max_model_len), ("api_key", api_key),
-                       ("served_model_name", [served_model_name] if served_model_name else None)):
-        if value is not None:
-            given.setdefault(key, value)
-    if isinstance(speculative_config, Speculative):
-        spec_override = speculative_config
-    else:
-        spec_override = None
-        if speculative_config is not None:
-            given.setdefault("speculative_config", speculative_config)
-    if max_queued_requests < 0:
-        raise UsageError(f"--max-queued-requests must be >= 0, found {max_queued_requests}")
+    config = config or ServeConfig()
+    given = dict(config.args)
+    if config.max_queued_requests < 0:
+        raise UsageError(f"--max-queued-requests must be >= 0, found {config.max_queued_requests}")
     serve_config.check(given, complete=False)
     _setup_logging()
     sock = bind_socket(given.get("host", "127.0.0.1"), given.get("port", 8000)) \
         if "host" in given or "port" in given else None
     try:
-        with open_installed(name_or_dir, store=store, target=target, trust=trust,
-                            allow_unsigned=allow_unsigned, ignore_expiry=ignore_expiry,
+        with open_installed(name_or_dir, store=config.store, target=config.target, trust=config.trust,
+                            allow_unsigned=config.allow_unsigned, ignore_expiry=config.ignore_expiry,
                             echo=echo) as (installed, st):
-            setup = apply_serve_config(installed, given, spec_override=spec_override,
-                                       no_speculation=no_speculation, max_queued_requests=max_queued_requests,
-                                       log_interval_s=log_interval_s, http=http,
-                                       cache_dir=getattr(st, "engine_cache_dir", None), echo=echo)
+            setup = apply_serve_config(installed, config, cache_dir=getattr(st, "engine_cache_dir", None),
+                                       echo=echo)
             if sock is None:
                 sock = bind_socket(setup.host, setup.port)
             app = build_app(setup.serving)

@@ -1,6 +1,6 @@
 """Reading a request body: bounded, JSON only, strictly parsed, off the event loop.
 
-- Bodies over MAX_BODY_BYTES (8 MiB) are refused with 413 before or while reading them.
+- Bodies over LIMITS.body_bytes (8 MiB) are refused with 413 before or while reading them.
 - POST bodies must say `Content-Type: application/json` (415 otherwise): a web page can send a
   cross-origin "simple" request (text/plain, form data) to a keyless server on localhost without
   a CORS preflight, but not an application/json one.
@@ -20,12 +20,12 @@ from starlette.requests import ClientDisconnect
 
 from manifests.strict_json import parse as parse_json
 from runtime.server.errors import APIError
-from runtime.server.limits import MAX_BODY_BYTES
+from manifests.limits import LIMITS
 
 
 def parse(raw: bytes) -> dict:
     """Bytes -> the body's JSON object, or APIError(400)."""
-    data = parse_json(raw, what="request body is not valid JSON", max_bytes=MAX_BODY_BYTES,
+    data = parse_json(raw, what="request body is not valid JSON", max_bytes=LIMITS.body_bytes,
                       error=lambda message: APIError(400, message, code="invalid_json"))
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, found {type(data).__name__}")
@@ -54,15 +54,16 @@ def check_content_type(request) -> None:
 
 async def read_body(request) -> bytes:
     size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body is {size} bytes, expected at most {MAX_BODY_BYTES}")
+    if size is not None and size.isdigit() and int(size) > LIMITS.body_bytes:
+        raise APIError(413, f"request body is {size} bytes, expected at most {LIMITS.body_bytes}")
     check_content_type(request)
     chunks, total = [], 0
     try:
         async for chunk in request.stream():
             total += len(chunk)
-            if total > MAX_BODY_BYTES:
-                raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes, expected at most {MAX_BODY_BYTES}")
+            if total > LIMITS.body_bytes:
+                raise APIError(413, f"request body exceeds {LIMITS.body_bytes} bytes, "
+                                     f"expected at most {LIMITS.body_bytes}")
             chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(499, f"client disconnected after {total} bytes of the request body") from None

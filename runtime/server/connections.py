@@ -7,7 +7,7 @@ per connection, a deadline for the request's headers (from connecting, or from t
 and then for its body, and closes the connection when one passes. `ConnectionBook` caps connections per
 client address and in all; when the server is full, a new connection closes the oldest one that is
 still sending its request, so slow connections cannot crowd out /health or a client that sends its
-request at once. Limits: runtime.server.limits. Counted on /metrics: `bundle:http_connections` and
+request at once. Limits: manifests.limits. Counted on /metrics: `bundle:http_connections` and
 `bundle:http_connections_closed_total{reason}`.
 
 uvicorn's own knobs are used where they fit (h11_max_incomplete_event_size, timeout_keep_alive, backlog);
@@ -18,23 +18,34 @@ installed, would bypass the deadlines).
 
 from __future__ import annotations
 
+import resource
+
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from runtime.server.limits import BACKLOG, HTTPLimits
+from manifests.limits import Limits
 
 #: bundle:http_connections_closed_total reasons
 CLOSE_REASONS = ("header_timeout", "body_timeout", "per_client_limit", "server_full")
 _TIMEOUT_REASON = {"headers": "header_timeout", "body": "body_timeout"}
 
 
+def connection_cap(limits: Limits) -> int:
+    """Connections the open-file limit leaves room for (704 of 1024), at most limits.connection_ceiling."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return limits.connection_ceiling
+    return max(16, min(limits.connection_ceiling,
+                       soft - limits.fd_reserve - limits.accept_batches * limits.listen_backlog))
+
+
 class ConnectionBook:
     """Open connections (touched only on the event loop): how many per client address, and those still
     sending a request, oldest first."""
 
-    def __init__(self, limits: HTTPLimits, metrics=None):
+    def __init__(self, limits: Limits, metrics=None):
         self.limits, self.metrics = limits, metrics
-        self.cap = limits.connections()
+        self.cap = limits.max_connections if limits.max_connections is not None else connection_cap(limits)
         self.open = 0
         self.per_client: dict[str, int] = {}
         self.sending: dict[GuardedH11Protocol, None] = {}  # insertion order: oldest first
@@ -157,7 +168,7 @@ def uvicorn_config(app, serving, **kwargs):
     """The uvicorn.Config every `bundle serve` runs with: the guarded protocol and the server's limits."""
     import uvicorn
 
-    limits: HTTPLimits = serving.options.http
+    limits: Limits = serving.options.http
     book = ConnectionBook(limits, serving.metrics)
     return uvicorn.Config(app, http=protocol_class(book), h11_max_incomplete_event_size=limits.max_header_bytes,
-                          timeout_keep_alive=limits.keep_alive_s, backlog=BACKLOG, **kwargs)
+                          timeout_keep_alive=limits.keep_alive_s, backlog=limits.listen_backlog, **kwargs)

@@ -11,16 +11,36 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from manifests import serve_config, strict_json
 from manifests.errors import UsageError
+from manifests.limits import LIMITS, Limits
 from manifests.schema import Manifest, Speculative
 
-MAX_TEMPLATE_BYTES = 1024 * 1024
 #: generation_config.json keys that vLLM's `--generation-config auto` turns into default sampling parameters.
 GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How `bundle serve` serves one bundle, as one value (runtime.cli.serve builds it from its flags).
+
+    `args` is what manifests.serve_config parses: vLLM flags by their argument names ("max_model_len",
+    "speculative_config", "host", ...), laid over the bundle's own serve defaults."""
+
+    args: Mapping = field(default_factory=dict)
+    store: Path | None = None  # --store; None: the default store (BUNDLE_STORE)
+    target: str = "auto"  # --target
+    trust: tuple[Path, ...] = ()  # --trust: keys for a bundle directory
+    allow_unsigned: bool = False  # --allow-unsigned
+    ignore_expiry: bool = False  # --ignore-expiry
+    no_speculation: bool = False  # --no-speculation
+    speculative: Speculative | None = None  # a parsed speculative config, over args["speculative_config"]
+    max_queued_requests: int = 16  # --max-queued-requests
+    log_interval_s: float = 10.0  # --log-interval
+    http: Limits = LIMITS  # connection deadlines and caps (--header-timeout, --body-timeout, ...)
 
 
 @dataclass
@@ -41,8 +61,8 @@ def read_chat_template(value: str) -> str:
     except OSError:  # a template text too long to be a path
         is_file = False
     if is_file:
-        if path.stat().st_size > MAX_TEMPLATE_BYTES:
-            raise UsageError(f"--chat-template {value}: expected at most {MAX_TEMPLATE_BYTES} bytes")
+        if path.stat().st_size > LIMITS.template_bytes:
+            raise UsageError(f"--chat-template {value}: expected at most {LIMITS.template_bytes} bytes")
         return path.read_text(encoding="utf-8")
     if "{{" in value or "{%" in value:
         return value
@@ -62,9 +82,9 @@ def generation_defaults(model_dir: Path, choice: str | None) -> dict:
             raise UsageError(f"--generation-config {choice}: expected a folder with generation_config.json, "
                              f"found none")
         return {}
-    if path.stat().st_size > MAX_TEMPLATE_BYTES:
-        raise UsageError(f"{path}: expected at most {MAX_TEMPLATE_BYTES} bytes")
-    data = strict_json.parse(path.read_bytes(), what=str(path), max_bytes=MAX_TEMPLATE_BYTES, error=UsageError)
+    if path.stat().st_size > LIMITS.template_bytes:
+        raise UsageError(f"{path}: expected at most {LIMITS.template_bytes} bytes")
+    data = strict_json.parse(path.read_bytes(), what=str(path), max_bytes=LIMITS.template_bytes, error=UsageError)
     return {ours: data[theirs] for theirs, ours in GENERATION_KEYS.items()
             if isinstance(data, dict) and isinstance(data.get(theirs), (int, float))
             and not isinstance(data.get(theirs), bool)}
@@ -79,17 +99,16 @@ def http_limits(base, config: dict):
     return replace(base, **{k: int(v) for k, v in given.items() if v is not None})
 
 
-def apply_serve_config(installed, given: dict, *, spec_override: Speculative | None = None,
-                       no_speculation: bool = False, max_queued_requests: int = 16, log_interval_s: float = 10.0,
-                       http=None, cache_dir: Path | None = None, echo: Callable[[str], None] = print,
-                       load_engine=None) -> Setup:
+def apply_serve_config(installed, serve: ServeConfig, *, cache_dir: Path | None = None,
+                       echo: Callable[[str], None] = print, load_engine=None) -> Setup:
     from runtime.serve.chat_template import ChatTemplate
     from runtime.server.loader import load_serving_model, parse_speculative_config
     from runtime.server.app import OpenAIServer
-    from runtime.server.limits import HTTPLimits
     from runtime.server.request_plan import Features
     from runtime.server.serving_engine import ServeOptions
 
+    given, spec_override, no_speculation = dict(serve.args), serve.speculative, serve.no_speculation
+    max_queued_requests, log_interval_s, http = serve.max_queued_requests, serve.log_interval_s, serve.http
     manifest: Manifest = installed.manifest
     known, unknown = serve_config.parse_config(manifest.serve, source=f"bundle {manifest.name} serve config")
     config = serve_config.merge(known, given)
@@ -128,7 +147,7 @@ def apply_serve_config(installed, given: dict, *, spec_override: Speculative | N
                            max_num_batched_tokens=int(config.get("max_num_batched_tokens", 256)),
                            enable_prefix_caching=bool(config.get("enable_prefix_caching", True)),
                            kv_cache_memory_bytes=config.get("kv_cache_memory_bytes"),
-                           http=http_limits(http or HTTPLimits(), config))
+                           http=http_limits(http, config))
     lines = []
     if features.enable_auto_tool_choice:
         lines.append(f"tools:       auto tool choice, {features.tool_call_parser} parser")

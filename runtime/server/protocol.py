@@ -15,8 +15,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 256
+from manifests.limits import LIMITS
+
+MAX_STOP_STRINGS = LIMITS.stop_strings
+MAX_STOP_LENGTH = LIMITS.stop_length
 
 
 class ErrorInfo(BaseModel):

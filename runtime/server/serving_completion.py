@@ -6,12 +6,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
-from runtime.limits import MAX_PROMPTS
 from runtime.server import openai_format as F
 from runtime.server import protocol as P
 from runtime.server.errors import APIError, unsupported
 from runtime.server.request_plan import Plan
 from runtime.server.serving_engine import Job, OpenAIServing
+from manifests.limits import LIMITS
 
 
 @dataclass
@@ -141,13 +141,13 @@ class ServingCompletion(OpenAIServing):
 
 
 def prompt_items(prompt) -> list:
-    """A string, token ids, or a list of either (prompt lists) -> the prompts, 1 to MAX_PROMPTS of them."""
+    """A string, token ids, or a list of either (prompt lists) -> the prompts, 1 to LIMITS.prompts of them."""
     if isinstance(prompt, str):
         items = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
         items = [list(prompt)]
     else:
         items = list(prompt)
-    if not items or len(items) > MAX_PROMPTS:
-        raise APIError(400, f"expected 1 to {MAX_PROMPTS} prompts, found {len(items)}", param="prompt")
+    if not items or len(items) > LIMITS.prompts:
+        raise APIError(400, f"expected 1 to {LIMITS.prompts} prompts, found {len(items)}", param="prompt")
     return items

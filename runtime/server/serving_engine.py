@@ -20,15 +20,14 @@ from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from manifests.errors import UsageError
+from manifests.limits import LIMITS, Limits, prompt_byte_limit
 from runtime.serve.chat_template import ChatTemplate
 from runtime.serve.engine_client import EngineClient
-from runtime.limits import MAX_CHOICES
 from runtime.serve.scheduler import EngineRequest
 from runtime.server import openai_format as F
 from runtime.server import protocol as P
 from runtime.server.body import decode, read_body
 from runtime.server.errors import APIError
-from runtime.server.limits import MAX_BYTES_PER_TOKEN, HTTPLimits, prompt_byte_limit
 from runtime.server.metrics import Metrics
 from runtime.server.preprocess import Preprocess
 from runtime.server.request_plan import Features, Plan, RequestError, plan_for
@@ -38,6 +37,7 @@ from runtime.serve.speculative import Step
 from runtime.serve.tokenizer import TextStream, Tokenizer
 
 log = logging.getLogger("bundle.serve")
+MAX_CHOICES, MAX_BYTES_PER_TOKEN = LIMITS.choices, LIMITS.bytes_per_token
 
 
 #: vLLM's message, word for word
@@ -83,7 +83,7 @@ class ServeOptions:
     log_requests: bool = True  # one line per request (--disable-log-requests turns it off)
     log_stats: bool = True  # the periodic throughput line (--disable-log-stats)
     features: Features = Features()  # tool and reasoning parsers, --max-logprobs
-    http: HTTPLimits = HTTPLimits()  # connection deadlines and caps (runtime.server.limits)
+    http: Limits = LIMITS  # connection deadlines and caps (manifests.limits)
 
 
 @dataclass

@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.server import protocol as P
 from runtime.server.errors import APIError
-from runtime.server.limits import MAX_DETOKENIZE_IDS
 from runtime.server.serving_engine import OpenAIServing
+from manifests.limits import LIMITS
 
 
 class TokenizeRequest(BaseModel):
@@ -34,7 +34,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_IDS)
+    tokens: list[int] = Field(max_length=LIMITS.detokenize_ids)
 
 
 class ServingTokenize(OpenAIServing):

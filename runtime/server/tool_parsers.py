@@ -24,7 +24,9 @@ import secrets
 import string
 from dataclasses import dataclass, field
 
-MAX_TOOL_CALLS = 64
+from manifests.limits import LIMITS
+
+MAX_TOOL_CALLS = LIMITS.tool_calls
 
 
 @dataclass

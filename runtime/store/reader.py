@@ -16,9 +16,10 @@ from typing import Any
 
 from manifests import layout as L
 from manifests.errors import BadBundleError, UsageError
-from manifests.schema import MAX_MANIFEST_BYTES, Manifest, is_sha256_digest
+from manifests.schema import Manifest, is_sha256_digest
 from manifests.strict_json import parse as parse_json
 from runtime.bundle_files import NotRegularFile, is_regular, open_regular
+from manifests.limits import LIMITS
 
 CHUNK = 1024 * 1024
 # Names that make a folder look like a bundle (or the start of one): without any of them it is not one.
@@ -152,13 +153,13 @@ def open_bundle(path: Path, *, require_complete: bool = True) -> BundleLayout:
                              f"is missing; run the create or copy again")
     if not os.path.lexists(path / L.INDEX_FILE):
         raise BadBundleError(f"not a bundle: expected an OCI image layout with {path / L.INDEX_FILE}")
-    layout_doc = _object(parse_json(read_bounded(path, L.OCI_LAYOUT_FILE, L.MAX_OCI_LAYOUT_BYTES, "oci-layout"),
-                                    what=str(path / L.OCI_LAYOUT_FILE), max_bytes=L.MAX_OCI_LAYOUT_BYTES),
+    layout_doc = _object(parse_json(read_bounded(path, L.OCI_LAYOUT_FILE, LIMITS.oci_layout_bytes, "oci-layout"),
+                                    what=str(path / L.OCI_LAYOUT_FILE), max_bytes=LIMITS.oci_layout_bytes),
                          str(path / L.OCI_LAYOUT_FILE))
     _expect(layout_doc, "imageLayoutVersion", L.OCI_IMAGE_LAYOUT_VERSION, str(path / L.OCI_LAYOUT_FILE))
 
-    index_bytes = read_bounded(path, L.INDEX_FILE, L.MAX_INDEX_BYTES, "index.json")
-    index = _object(parse_json(index_bytes, what=str(path / L.INDEX_FILE), max_bytes=L.MAX_INDEX_BYTES),
+    index_bytes = read_bounded(path, L.INDEX_FILE, LIMITS.oci_index_bytes, "index.json")
+    index = _object(parse_json(index_bytes, what=str(path / L.INDEX_FILE), max_bytes=LIMITS.oci_index_bytes),
                     "index.json")
     _expect(index, "schemaVersion", 2, "index.json")
     _expect(index, "mediaType", L.OCI_INDEX_MEDIA_TYPE, "index.json")
@@ -170,7 +171,7 @@ def open_bundle(path: Path, *, require_complete: bool = True) -> BundleLayout:
         raise BadBundleError(f"index.json: expected exactly one OCI image manifest, found {len(manifests)} "
                              f"entries of which {len(chosen)} with mediaType {L.OCI_MANIFEST_MEDIA_TYPE}")
     entry = chosen[0]
-    mdesc = Descriptor.parse(entry, "index.json manifest", L.MAX_OCI_MANIFEST_BYTES)
+    mdesc = Descriptor.parse(entry, "index.json manifest", LIMITS.oci_manifest_bytes)
     _expect(entry, "artifactType", L.ARTIFACT_TYPE, "index.json manifest")
     annotations = _object(entry.get("annotations"), "index.json manifest annotations")
     ref = annotations.get(L.REF_NAME_ANNOTATION)
@@ -179,13 +180,13 @@ def open_bundle(path: Path, *, require_complete: bool = True) -> BundleLayout:
                              f"'NAME:VERSION', found {_text(ref)}")
 
     mbytes = read_blob(path, mdesc, "OCI manifest")
-    oci = _object(parse_json(mbytes, what=f"OCI manifest (blob {mdesc.digest})", max_bytes=L.MAX_OCI_MANIFEST_BYTES),
+    oci = _object(parse_json(mbytes, what=f"OCI manifest (blob {mdesc.digest})", max_bytes=LIMITS.oci_manifest_bytes),
                   "OCI manifest")
     _expect(oci, "schemaVersion", 2, "OCI manifest")
     _expect(oci, "mediaType", L.OCI_MANIFEST_MEDIA_TYPE, "OCI manifest")
     _expect(oci, "artifactType", L.ARTIFACT_TYPE, "OCI manifest")
     oci_annotations = _object(oci.get("annotations", {}), "OCI manifest annotations")
-    config = Descriptor.parse(oci.get("config"), "OCI manifest config", MAX_MANIFEST_BYTES)
+    config = Descriptor.parse(oci.get("config"), "OCI manifest config", LIMITS.manifest_bytes)
     if config.media_type != L.MANIFEST_MEDIA_TYPE:
         raise BadBundleError(f"OCI manifest config: expected mediaType {L.MANIFEST_MEDIA_TYPE}, "
                              f"found {_text(config.media_type)}")
@@ -205,9 +206,9 @@ def open_bundle(path: Path, *, require_complete: bool = True) -> BundleLayout:
     if len(envelopes) > 1:
         raise BadBundleError(f"OCI manifest: expected at most one signature envelope, found {len(envelopes)}")
     envelope = envelopes[0] if envelopes else None
-    if envelope is not None and envelope.size > L.MAX_ENVELOPE_BYTES:
+    if envelope is not None and envelope.size > LIMITS.envelope_bytes:
         raise BadBundleError(f"signature envelope: declared size {envelope.size} bytes, "
-                             f"expected at most {L.MAX_ENVELOPE_BYTES}")
+                             f"expected at most {LIMITS.envelope_bytes}")
     manifest_bytes = read_blob(path, config, "bundle manifest")
     envelope_bytes = read_blob(path, envelope, "signature envelope") if envelope else None
     return BundleLayout(path, complete, index_bytes, ref, mdesc, mbytes, config, manifest_bytes, layers, envelope,

@@ -21,11 +21,10 @@ from manifests.strict_json import parse as parse_json
 from runtime.store.reader import BundleLayout, Descriptor
 from runtime.store.registry_ping import RegistryTimeout
 from runtime.store.skopeo import Reference, RegistryNotFound, Skopeo
+from manifests.limits import LIMITS
 
 EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
 EMPTY_CONFIG = b"{}"
-MAX_REFERRERS = 64
-MAX_REFERRER_MANIFEST_BYTES = 64 * 1024
 
 
 def referrers_tag(digest: str) -> str:
@@ -50,15 +49,15 @@ def signature_manifest(layout: BundleLayout) -> bytes:
 def _entries(sk: Skopeo, ref: Reference) -> list[dict]:
     """The referrers index's manifest entries at the tag, or [] when the registry has none."""
     try:
-        raw = sk.inspect_raw(ref, limit=MAX_REFERRER_MANIFEST_BYTES)
+        raw = sk.inspect_raw(ref, limit=LIMITS.referrer_manifest_bytes)
     except RegistryNotFound:
         return []
     try:
-        index = parse_json(raw, what=f"referrers index {ref}", max_bytes=MAX_REFERRER_MANIFEST_BYTES)
+        index = parse_json(raw, what=f"referrers index {ref}", max_bytes=LIMITS.referrer_manifest_bytes)
     except BadBundleError:
         return []
     items = index.get("manifests") if isinstance(index, dict) else None
-    return [m for m in items if isinstance(m, dict)][:MAX_REFERRERS] if isinstance(items, list) else []
+    return [m for m in items if isinstance(m, dict)][:LIMITS.referrers] if isinstance(items, list) else []
 
 
 def push_signature(sk: Skopeo, ref: Reference, layout: BundleLayout, *, quiet: bool) -> str | None:
@@ -100,8 +99,8 @@ def fetch_signature(sk: Skopeo, ref: Reference, digest: str, envelope: Descripto
             continue
         try:
             L.blob_path(entry_digest)
-            raw = sk.inspect_raw(ref.pinned(entry_digest), limit=MAX_REFERRER_MANIFEST_BYTES)
-            art = parse_json(raw, what=f"referrer {entry_digest}", max_bytes=MAX_REFERRER_MANIFEST_BYTES)
+            raw = sk.inspect_raw(ref.pinned(entry_digest), limit=LIMITS.referrer_manifest_bytes)
+            art = parse_json(raw, what=f"referrer {entry_digest}", max_bytes=LIMITS.referrer_manifest_bytes)
         except RegistryTimeout:
             raise  # a registry that stopped answering: not a referrer to skip
         except (ValueError, BadBundleError, RegistryError):

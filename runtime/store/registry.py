@@ -35,9 +35,10 @@ from runtime.fsutil import fsync_dir, write_atomic
 from runtime.store.hooks import pause
 from runtime.store.reader import BundleLayout, Descriptor, open_bundle, read_blob
 from runtime.store.referrer import fetch_signature, push_signature
-from runtime.store.skopeo import MAX_REMOTE_CONFIG_BYTES, Reference, RegistryOptions, parse_reference, skopeo
+from runtime.store.skopeo import Reference, RegistryOptions, parse_reference, skopeo
 from runtime.store.validate import check_bundle
 from runtime.store.verify import CorruptBundleError, check_blob, check_signature, scan_blobs
+from manifests.limits import LIMITS
 
 _OWN = {L.OCI_LAYOUT_FILE, L.INDEX_FILE, L.COMPLETE_MARKER, L.BOOTSTRAP_FILE, "blobs"}
 #: the lock file in a pull's destination; it says which process holds it
@@ -80,9 +81,9 @@ def push(bundle_dir: Path, target: str, *, options: RegistryOptions = RegistryOp
         raise UsageError(f"expected a bundle path without ':' (skopeo's oci: syntax), found {bundle_dir}")
     layout = open_bundle(bundle_dir)
     manifest = layout.unverified_manifest()  # sizes and names; trust is the device's job, as for copy
-    if layout.config.size > MAX_REMOTE_CONFIG_BYTES:
+    if layout.config.size > LIMITS.remote_config_bytes:
         raise UsageError(f"bundle manifest is {layout.config.size} bytes: registries are used through skopeo, "
-                         f"which carries config blobs up to {MAX_REMOTE_CONFIG_BYTES} bytes")
+                         f"which carries config blobs up to {LIMITS.remote_config_bytes} bytes")
     check_bundle(layout, manifest)  # the rules verify, install and copy apply
     problems = scan_blobs(layout, manifest)
     if problems:  # never publish a damaged bundle to a whole fleet
@@ -92,7 +93,7 @@ def push(bundle_dir: Path, target: str, *, options: RegistryOptions = RegistryOp
     source = f"oci:{bundle_dir.resolve()}" + (f":{layout.ref_name}" if layout.ref_name else "")
     with skopeo(options, ref) as sk:
         sk.copy(source, ref.transport, ref, src_remote=False, quiet=quiet)
-        pushed = sk.inspect_raw(ref, limit=L.MAX_OCI_MANIFEST_BYTES)
+        pushed = sk.inspect_raw(ref, limit=LIMITS.oci_manifest_bytes)
         if L.digest_of(pushed) != layout.oci_manifest.digest:
             raise RegistryError(f"registry {ref.host} now serves {L.digest_of(pushed)} for {ref}, expected the "
                                 f"pushed manifest {layout.oci_manifest.digest} (another push at the same time?)")
@@ -106,16 +107,16 @@ def push(bundle_dir: Path, target: str, *, options: RegistryOptions = RegistryOp
 def parse_remote_manifest(data: bytes, ref: Reference) -> tuple[Descriptor, list[Descriptor]]:
     """The OCI manifest a registry served: bounded and shaped like a bundle's, else refused (untrusted)."""
     what = f"registry manifest for {ref}"
-    if len(data) > L.MAX_OCI_MANIFEST_BYTES:
-        raise BadBundleError(f"{what} is {len(data)} bytes, expected at most {L.MAX_OCI_MANIFEST_BYTES}")
-    oci = parse_json(data, what=what, max_bytes=L.MAX_OCI_MANIFEST_BYTES)
+    if len(data) > LIMITS.oci_manifest_bytes:
+        raise BadBundleError(f"{what} is {len(data)} bytes, expected at most {LIMITS.oci_manifest_bytes}")
+    oci = parse_json(data, what=what, max_bytes=LIMITS.oci_manifest_bytes)
     if not isinstance(oci, dict):
         raise BadBundleError(f"{what}: expected a JSON object")
     mt = oci.get("mediaType")
     if mt != L.OCI_MANIFEST_MEDIA_TYPE:
         raise BadBundleError(f"{what}: expected an OCI image manifest ({L.OCI_MANIFEST_MEDIA_TYPE}), found "
                              f"{mt!r}: not a bundle")
-    config = Descriptor.parse(oci.get("config"), f"{what} config", MAX_REMOTE_CONFIG_BYTES)
+    config = Descriptor.parse(oci.get("config"), f"{what} config", LIMITS.remote_config_bytes)
     if config.media_type != L.MANIFEST_MEDIA_TYPE:
         raise BadBundleError(f"{what}: expected config mediaType {L.MANIFEST_MEDIA_TYPE}, found "
                              f"{config.media_type!r}: not a bundle")
@@ -124,9 +125,9 @@ def parse_remote_manifest(data: bytes, ref: Reference) -> tuple[Descriptor, list
         raise BadBundleError(f"{what}: expected a 'layers' list")
     layers = [Descriptor.parse(d, f"{what} layer {i}") for i, d in enumerate(raw_layers)]
     envelopes = [d for d in layers if d.media_type == L.SIGNATURE_MEDIA_TYPE]
-    if len(envelopes) > 1 or any(d.size > L.MAX_ENVELOPE_BYTES for d in envelopes):
+    if len(envelopes) > 1 or any(d.size > LIMITS.envelope_bytes for d in envelopes):
         raise BadBundleError(f"{what}: expected at most one signature envelope of at most "
-                             f"{L.MAX_ENVELOPE_BYTES} bytes")
+                             f"{LIMITS.envelope_bytes} bytes")
     return config, layers
 
 
@@ -191,7 +192,7 @@ def _finish(dest: Path, oci_bytes: bytes, keep: set[str]) -> Manifest:
     blobs = dest / L.BLOBS_DIR
     read_blob(dest, Descriptor(digest, len(oci_bytes), L.OCI_MANIFEST_MEDIA_TYPE), "pulled OCI manifest")
     config = Descriptor.parse(parse_json(oci_bytes, what="pulled OCI manifest", max_bytes=len(oci_bytes))["config"],
-                              "pulled config", MAX_REMOTE_CONFIG_BYTES)
+                              "pulled config", LIMITS.remote_config_bytes)
     manifest = Manifest.from_json_bytes(read_blob(dest, config, "pulled bundle manifest"))
     for p in blobs.iterdir():  # what an earlier version (or skopeo's temp files) left
         if p.name not in keep:
@@ -253,7 +254,7 @@ def pull(source: str | Reference, dest: Path, *, options: RegistryOptions = Regi
         raise UsageError(f"expected a destination path without ':' (skopeo's oci: syntax), found {dest}")
     ref = ref if ref.tag or ref.digest else ref.with_tag("latest")
     with skopeo(options, ref) as sk:
-        oci_bytes = sk.inspect_raw(ref, limit=L.MAX_OCI_MANIFEST_BYTES)
+        oci_bytes = sk.inspect_raw(ref, limit=LIMITS.oci_manifest_bytes)
         digest = L.digest_of(oci_bytes)
         if ref.digest and digest != ref.digest:
             raise BadBundleError(f"registry {ref.host} served manifest {digest} for {ref}: expected {ref.digest}")

@@ -27,8 +27,6 @@ from manifests.errors import (BadBundleError, EnvironmentProblem, RegistryAuthEr
 from runtime.store.registry_options import IDLE_BYTES, RegistryOptions, Timeouts  # noqa: F401  (imported from here too)
 from runtime.store.registry_ping import ping, timeout_error
 
-#: containers/image reads a config blob into memory up to this size (iolimits.MaxConfigBodySize).
-MAX_REMOTE_CONFIG_BYTES = 4 * 1024 * 1024
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _REFERENCE = re.compile(
     rf"^(?P<host>[A-Za-z0-9.-]+(?::[0-9]+)?|\[[0-9a-fA-F:]+\](?::[0-9]+)?)/(?P<repo>{_COMPONENT}(?:/{_COMPONENT})*)"

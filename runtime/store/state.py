@@ -17,9 +17,9 @@ from manifests.errors import BadBundleError
 from manifests.schema import _NAME as NAME_PATTERN
 from manifests.schema import Manifest, format_time, parse_time
 from manifests.strict_json import parse as parse_json
+from manifests.limits import LIMITS
 
 STATE_FORMAT = 1
-MAX_STATE_BYTES = 1024 * 1024  # about 10 000 bundle names
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class StoreState:
     @classmethod
     def from_json_bytes(cls, data: bytes) -> "StoreState":
         """ValueError (with what was expected) for anything but a well-formed state."""
-        d = parse_json(data, what="state", max_bytes=MAX_STATE_BYTES, error=ValueError)
+        d = parse_json(data, what="state", max_bytes=LIMITS.state_bytes, error=ValueError)
         if not isinstance(d, dict):
             raise ValueError(f"expected a JSON object, found {type(d).__name__}")
         fmt = d.get("format", STATE_FORMAT)

@@ -51,7 +51,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from manifests.errors import BadBundleError, EnvironmentProblem, TrustError, UsageError
 from manifests.schema import _NAME as NAME_PATTERN
-from manifests.schema import MAX_MANIFEST_BYTES, FileEntry, Manifest, format_time, parse_time
+from manifests.schema import FileEntry, Manifest, format_time, parse_time
 from manifests.strict_json import parse as parse_json
 from runtime import settings
 from runtime.bundle_files import NotRegularFile, open_regular_path
@@ -60,10 +60,11 @@ from runtime.store.hooks import pause
 from runtime.store.policy import Decision, Facts, decide
 from runtime.store.reader import CHUNK, open_bundle
 from runtime.signals import held_signals
-from runtime.store.state import MAX_STATE_BYTES, Record, StoreState
+from runtime.store.state import Record, StoreState
 from runtime.store.unpack import os_error, unpack_files
 from runtime.store.validate import check_bundle
 from runtime.store.verify import check_signature
+from manifests.limits import LIMITS
 
 # Written beside a version's files; manifests.schema.RESERVED_TOP_LEVEL keeps bundle paths off them.
 MANIFEST_FILE = "manifest.json"
@@ -73,7 +74,6 @@ INSTALL_FILE = "install.json"
 _VERSION_DIR = re.compile(r"^([0-9]+)(\.[0-9]+)?$")
 #: bundles/NAME/.pending-DIR: DIR was renamed in by an install that has not switched a link to it yet
 PENDING_PREFIX = ".pending-"
-_MAX_INFO_BYTES = 64 * 1024
 
 
 def utc_now() -> datetime:
@@ -244,7 +244,7 @@ class Store:
 
     def _read_state(self) -> tuple[StoreState, str | None]:
         try:
-            data = _read_small(self.state_file, MAX_STATE_BYTES)
+            data = _read_small(self.state_file, LIMITS.state_bytes)
         except FileNotFoundError:
             return StoreState(), None
         except OSError as e:
@@ -263,10 +263,10 @@ class Store:
                 if p.is_symlink() or _version_of_dirname(p.name) is None:
                     continue
                 try:
-                    mbytes = _read_small(p / MANIFEST_FILE, MAX_MANIFEST_BYTES)
+                    mbytes = _read_small(p / MANIFEST_FILE, LIMITS.manifest_bytes)
                     manifest = Manifest.from_json_bytes(mbytes, str(p / MANIFEST_FILE))
-                    info = parse_json(_read_small(p / INSTALL_FILE, _MAX_INFO_BYTES), what=str(p / INSTALL_FILE),
-                                      max_bytes=_MAX_INFO_BYTES, error=ValueError)
+                    info = parse_json(_read_small(p / INSTALL_FILE, LIMITS.info_bytes), what=str(p / INSTALL_FILE),
+                                      max_bytes=LIMITS.info_bytes, error=ValueError)
                     signed = bool(info.get("signers"))
                 except (OSError, ValueError, AttributeError, RecursionError, BadBundleError):
                     continue
@@ -331,10 +331,10 @@ class Store:
     def _load(self, name: str, dirname: str) -> Installed:
         path = self.bundles_dir / name / dirname
         try:
-            manifest = Manifest.from_json_bytes(_read_small(path / MANIFEST_FILE, MAX_MANIFEST_BYTES),
+            manifest = Manifest.from_json_bytes(_read_small(path / MANIFEST_FILE, LIMITS.manifest_bytes),
                                                 str(path / MANIFEST_FILE))
-            info = parse_json(_read_small(path / INSTALL_FILE, _MAX_INFO_BYTES), what=str(path / INSTALL_FILE),
-                              max_bytes=_MAX_INFO_BYTES, error=ValueError)
+            info = parse_json(_read_small(path / INSTALL_FILE, LIMITS.info_bytes), what=str(path / INSTALL_FILE),
+                              max_bytes=LIMITS.info_bytes, error=ValueError)
             if not isinstance(info, dict) or not isinstance(info.get("target"), str):
                 raise ValueError("install.json: expected an object with a target")
             if manifest.name != name:
@@ -549,7 +549,7 @@ class Store:
         rec = state.bundles.get(manifest.name)
         cur_same = None
         if cur is not None and cur.installed is not None:
-            cur_same = _read_small(cur.path / MANIFEST_FILE, MAX_MANIFEST_BYTES) == layout.manifest_bytes
+            cur_same = _read_small(cur.path / MANIFEST_FILE, LIMITS.manifest_bytes) == layout.manifest_bytes
         facts = self._facts(state, current_version=cur.version if cur else None, current_same=cur_same,
                             highest_version=rec.highest_version if rec else None,
                             highest_digest=(rec.manifest_sha256 or None) if rec else None,
@@ -734,7 +734,7 @@ class Store:
             name = names[0]
         inst = self.current(name)
         path = inst.path
-        manifest_bytes = _read_small(path / MANIFEST_FILE, MAX_MANIFEST_BYTES)
+        manifest_bytes = _read_small(path / MANIFEST_FILE, LIMITS.manifest_bytes)
         try:
             env_bytes = _read_small(path / ENVELOPE_FILE, 1 << 20)
         except FileNotFoundError:

@@ -17,14 +17,12 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from manifests.errors import BadBundleError, TrustError, UsageError
-from manifests.layout import DSSE_PAYLOAD_TYPE, MAX_ENVELOPE_BYTES, key_id, pae, unb64
+from manifests.layout import DSSE_PAYLOAD_TYPE, key_id, pae, unb64
 from manifests.strict_json import parse as parse_json
 from runtime import settings
 from runtime.bundle_files import NotRegularFile, open_regular_path
+from manifests.limits import LIMITS
 
-# A PEM or OpenSSH Ed25519 public key is under 200 bytes; anything much larger is not a key.
-MAX_PUBLIC_KEY_BYTES = 64 * 1024
-MAX_SIGNATURES = 64
 _EXPECTED_KEY = "an Ed25519 public key (PEM 'BEGIN PUBLIC KEY' or OpenSSH 'ssh-ed25519 ...', as KEY.pub)"
 
 
@@ -52,12 +50,12 @@ def load_public_key(path: Path) -> tuple[str, Ed25519PublicKey]:
     path = Path(path)
     try:
         with open_regular_path(path, follow_links=True) as f:
-            data = f.read(MAX_PUBLIC_KEY_BYTES + 1)
+            data = f.read(LIMITS.key_file_bytes + 1)
     except NotRegularFile as e:
         raise UsageError(f"public key {e}: expected {_EXPECTED_KEY}") from None
     except OSError as e:
         raise UsageError(f"cannot read public key {path}: {e.strerror or e}") from None
-    if len(data) > MAX_PUBLIC_KEY_BYTES:
+    if len(data) > LIMITS.key_file_bytes:
         raise UsageError(f"{path}: expected {_EXPECTED_KEY} of a few hundred bytes, found a larger file")
     try:
         if data.lstrip().startswith(b"ssh-"):
@@ -125,13 +123,13 @@ class Envelope:
 
 def parse_envelope(data: bytes, what: str = "signature envelope") -> Envelope:
     """Parse DSSE JSON ({payloadType, payload, signatures:[{keyid, sig}]}); BadBundleError if malformed."""
-    obj = parse_json(data, what=what, max_bytes=MAX_ENVELOPE_BYTES)
+    obj = parse_json(data, what=what, max_bytes=LIMITS.envelope_bytes)
     if not isinstance(obj, dict) or not isinstance(obj.get("payload"), str) \
             or not isinstance(obj.get("payloadType"), str) or not isinstance(obj.get("signatures", []), list):
         raise BadBundleError("signature envelope: expected DSSE fields payloadType, payload, signatures")
     sigs_raw = obj.get("signatures", [])
-    if len(sigs_raw) > MAX_SIGNATURES:
-        raise BadBundleError(f"signature envelope: expected at most {MAX_SIGNATURES} signatures, "
+    if len(sigs_raw) > LIMITS.signatures:
+        raise BadBundleError(f"signature envelope: expected at most {LIMITS.signatures} signatures, "
                              f"found {len(sigs_raw)}")
     try:
         payload = unb64(obj["payload"])

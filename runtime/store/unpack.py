@@ -33,10 +33,8 @@ from manifests.sizes import format_size
 from runtime import settings
 from runtime.store.parallel import InOrderHash, Stopped, run_parallel
 from runtime.store.reader import CHUNK, BlobReader, BundleLayout
+from manifests.limits import LIMITS
 
-# zstd's own default decoder limit (ZSTD_WINDOWLOG_LIMIT_DEFAULT = 27): whatever `zstd -d` reads
-# without --long we read; a frame asking for more memory is refused instead of allocated.
-MAX_WINDOW_SIZE = 1 << 27
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _WRITE_FLAGS = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -141,7 +139,7 @@ class _FileWrite:
                 self._copy_stored(src, part, fd, file_hash)
                 src.finish()
                 return
-            dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_SIZE)
+            dctx = zstandard.ZstdDecompressor(max_window_size=LIMITS.zstd_window_bytes)
             try:
                 with dctx.stream_reader(src, read_size=CHUNK, read_across_frames=True, closefd=False) as z:
                     pos, left = part.offset, part.length
@@ -166,7 +164,7 @@ class _FileWrite:
                 src.finish()
                 if "memory" in str(e):
                     raise BadBundleError(f"{name}: zstd frame needs a window above the "
-                                         f"{MAX_WINDOW_SIZE >> 20} MiB limit ({e})") from None
+                                         f"{LIMITS.zstd_window_bytes >> 20} MiB limit ({e})") from None
                 raise BadBundleError(f"{name}: not a valid zstd stream ({e})") from None
             src.finish()
 

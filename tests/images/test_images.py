@@ -56,17 +56,17 @@ def runtime_bundle_for(runtime_bundle, tmp_path_factory):
 
     if host_platform() == BASE_PLATFORM:
         return runtime_bundle
-    from bundler.pack.create import create_bundle, local_model
+    from bundler.pack.create import CreateOptions, create_bundle, local_model
     from bundler.pack.engines import target_files_hook
     from bundler.pack.keys import load_private_key
     from tests.bundler.wheelhouse.conftest import RuntimeBundle
 
     root = tmp_path_factory.mktemp("bundle-cp311")
     models = runtime_bundle.dir.parent
-    create_bundle(root / "bundle", name="tiny", version=1, model=local_model(models / "target", "target"),
+    create_bundle(root / "bundle", CreateOptions(name="tiny", version=1, model=local_model(models / "target", "target"),
                   draft=local_model(models / "draft", "draft"), targets=["cpu"],
                   sign_keys=[load_private_key(runtime_bundle.key)], target_files=target_files_hook(),
-                  progress=False, runtime_platforms=[BASE_PLATFORM])
+                  progress=False, runtime_platforms=[BASE_PLATFORM]))
     return RuntimeBundle(root / "bundle", runtime_bundle.key, runtime_bundle.pub, "tiny")
 
 

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from manifests.errors import BadBundleError, PolicyError
-from manifests.schema import FORMAT_VERSION, MAX_MANIFEST_BYTES, Manifest, safe_relative_path
+from manifests.limits import LIMITS
+from manifests.schema import FORMAT_VERSION, Manifest, safe_relative_path
 
 HEX = "ab" * 32
 
@@ -119,7 +120,7 @@ def test_bad_scalars_refused(field, value):
 
 def test_oversized_and_non_json_manifests_refused():
     with pytest.raises(BadBundleError, match="at most"):
-        Manifest.from_json_bytes(b" " * (MAX_MANIFEST_BYTES + 1))
+        Manifest.from_json_bytes(b" " * (LIMITS.manifest_bytes + 1))
     with pytest.raises(BadBundleError, match="JSON"):
         Manifest.from_json_bytes(b"\xff\xfe{")
 

@@ -18,7 +18,7 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bundler.pack.create import create_bundle, local_model
+from bundler.pack.create import CreateOptions, create_bundle, local_model
 from bundler.pack.engines import target_files_hook
 from bundler.pack.keys import generate_key, load_private_key
 from manifests.schema import FORMAT_VERSION, Builder
@@ -68,12 +68,12 @@ def main() -> int:
                                module_source=f"VALUE = {SAMPLE_RUNTIME[2]!r}\n")
             wheelhouse = wheelhouse_from_files(SAMPLE_RUNTIME[0], SAMPLE_RUNTIME[1],
                                                {p: [wheel] for p in SAMPLE_PLATFORMS})
-        create_bundle(dest / "bundle", name="sample", version=1, model=local_model(target, "target"),
+        create_bundle(dest / "bundle", CreateOptions(name="sample", version=1, model=local_model(target, "target"),
                       draft=local_model(draft, "draft"), targets=["cpu"],
                       sign_keys=[load_private_key(work / "sample.key")], progress=False,
                       now=datetime(2026, 11, 29, tzinfo=timezone.utc),
                       builder=Builder("bundle", "sample", "sample-host", "linux-x86_64"),
-                      target_files=target_files_hook(), wheelhouse=wheelhouse)
+                      target_files=target_files_hook(), wheelhouse=wheelhouse))
         (dest / "sample.key.pub").write_bytes((work / "sample.key.pub").read_bytes())
         trusted = dict([load_public_key(dest / "sample.key.pub")])
         installed = Store(work / "store").install(dest / "bundle", target="cpu", trusted=trusted, progress=False)

@@ -34,10 +34,10 @@ def vllm_server(installed_bundle):  # noqa: F811
 def demo_server(demo_installed):  # noqa: F811
     """The trained demo pair (4.4 M target + draft, 512 tokens that all decode to text), served with the serve
     defaults its bundle carries: for tests whose assertions need a model whose tokens are words."""
-    from runtime.server.options import apply_serve_config
+    from runtime.server.options import ServeConfig, apply_serve_config
 
     installed, _ = demo_installed
-    s = RunningServer(apply_serve_config(installed, {}).serving)
+    s = RunningServer(apply_serve_config(installed, ServeConfig()).serving)
     yield s
     s.stop()
 

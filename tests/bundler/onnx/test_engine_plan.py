@@ -106,18 +106,18 @@ def test_serve_settings_beyond_the_model_are_refused(family_exports, family_batc
 
 
 def test_bundle_for_two_thor_targets_stores_the_onnx_once(planned, tmp_path):
-    from bundler.pack.pack import PackFile, pack_bundle
+    from bundler.pack.pack import PackFile, PackOptions, pack_bundle
     from manifests.schema import Model, ModelSource
 
     files, targets = planned
     readme = tmp_path / "README.txt"
     readme.write_text("tiny")
-    manifest = pack_bundle(tmp_path / "b", name="tiny", version=1,
+    manifest = pack_bundle(tmp_path / "b", PackOptions(name="tiny", version=1,
                            models=[Model("target", "tiny", "models/target", ModelSource("local", revision="x"))],
                            files=[*[f for f in files if f.targets != ("cpu",)],
                                   PackFile(readme, "models/target/README.txt")], targets=targets[:2],
                            speculative=None, serve={"max_model_len": 256}, expires=None,
-                           sign_keys=[Ed25519PrivateKey.generate()], progress=False)
+                           sign_keys=[Ed25519PrivateKey.generate()], progress=False))
     onnx_entries = [f for f in manifest.files if f.path.startswith("engines/onnx-fp16/")]
     assert len(onnx_entries) == 2 and all(f.targets == ("jetson-thor", "igx-thor") for f in onnx_entries)
     assert {t.id for t in manifest.targets} == {"jetson-thor", "igx-thor"}
@@ -129,17 +129,17 @@ def test_bundle_for_two_thor_targets_stores_the_onnx_once(planned, tmp_path):
 def test_build_engines_makes_a_signed_next_version_with_plans(planned, tmp_path):
     from bundler.pack.engines import build_engines_bundle
     from bundler.pack.keys import public_key_id
-    from bundler.pack.pack import pack_bundle
+    from bundler.pack.pack import PackOptions, pack_bundle
     from manifests.schema import Model, ModelSource
     from runtime.engines import onnx_sha256_of
     from runtime.store.verify import verify_bundle
 
     files, targets = planned
     release, lab = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
-    pack_bundle(tmp_path / "v1", name="tiny", version=1,
+    pack_bundle(tmp_path / "v1", PackOptions(name="tiny", version=1,
                 models=[Model("target", "tiny", "models/target", ModelSource("local", revision="x"))],
                 files=files, targets=targets, speculative=None, serve={"max_model_len": 256}, expires=None,
-                sign_keys=[release], progress=False)
+                sign_keys=[release], progress=False))
     device = StandInBackend("11.0", "10.13.3.9")
     new = build_engines_bundle(tmp_path / "v1", "jetson-thor", tmp_path / "v2", sign_keys=[lab],
                                trusted={public_key_id(release): release.public_key()}, backend=device,
@@ -160,16 +160,16 @@ def test_build_engines_makes_a_signed_next_version_with_plans(planned, tmp_path)
 def test_build_engines_refuses_another_gpu(planned, tmp_path):
     from bundler.pack.engines import build_engines_bundle
     from bundler.pack.keys import public_key_id
-    from bundler.pack.pack import pack_bundle
+    from bundler.pack.pack import PackOptions, pack_bundle
     from manifests.errors import EnvironmentProblem
     from manifests.schema import Model, ModelSource
 
     files, targets = planned
     key = Ed25519PrivateKey.generate()
-    pack_bundle(tmp_path / "v1", name="tiny", version=1,
+    pack_bundle(tmp_path / "v1", PackOptions(name="tiny", version=1,
                 models=[Model("target", "tiny", "models/target", ModelSource("local", revision="x"))],
                 files=files, targets=targets, speculative=None, serve={}, expires=None, sign_keys=[key],
-                progress=False)
+                progress=False))
     with pytest.raises(EnvironmentProblem, match="compute capability 12.1; target 'jetson-thor' expects 11.0"):
         build_engines_bundle(tmp_path / "v1", "jetson-thor", tmp_path / "v2", sign_keys=[key],
                              trusted={public_key_id(key): key.public_key()},

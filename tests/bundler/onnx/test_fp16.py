@@ -65,16 +65,16 @@ def test_bad_dtypes_are_refused_by_name(family_exports, tmp_path):
 def test_thor_and_cpu_bundle_carries_one_fp16_graph_and_one_fp32_batched_graph(family_exports, tmp_path):
     """Real exports through prepare_targets, then a real signed pack: what each target gets, and its size."""
     from bundler.pack.engines import prepare_targets
-    from bundler.pack.pack import pack_bundle
+    from bundler.pack.pack import PackOptions, pack_bundle
     from manifests.schema import Model, ModelSource
 
     checkpoint = family_exports["llama"][0]
     files, targets = prepare_targets(["jetson-thor", "igx-thor", "cpu"], {"target": checkpoint},
                                      tmp_path / "work", {"max_model_len": 256}, backend=StandInBackend(None))
-    manifest = pack_bundle(tmp_path / "b", name="tiny", version=1,
+    manifest = pack_bundle(tmp_path / "b", PackOptions(name="tiny", version=1,
                            models=[Model("target", "tiny", "models/target", ModelSource("local", revision="x"))],
                            files=files, targets=targets, speculative=None, serve={"max_model_len": 256},
-                           expires=None, sign_keys=[Ed25519PrivateKey.generate()], progress=False)
+                           expires=None, sign_keys=[Ed25519PrivateKey.generate()], progress=False))
     entries = {f.path: f for f in manifest.files}
     assert sorted(entries) == ["engines/onnx-batched/target/model.onnx",
                                "engines/onnx-batched/target/model.onnx.data",

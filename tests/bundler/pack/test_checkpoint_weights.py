@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 
 from click.testing import CliRunner
 
-from bundler.pack.create import create_bundle, local_model
+from bundler.pack.create import CreateOptions, create_bundle, local_model
 from bundler.pack.engines import target_files_hook
 from runtime.store.store import Store
 from runtime.store.trust import load_public_key
@@ -18,9 +18,9 @@ NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 
 def _create(tiny_pair, out, signing_key, **kw):
     target, draft = tiny_pair
-    return create_bundle(out, name="lean", version=1, model=local_model(target, "target"),
+    return create_bundle(out, CreateOptions(name="lean", version=1, model=local_model(target, "target"),
                          draft=local_model(draft, "draft"), targets=["cpu"], sign_keys=[signing_key], now=NOW,
-                         progress=False, **kw)
+                         progress=False, **kw))
 
 
 def test_by_default_weights_no_target_installs_are_left_out_listed_and_the_bundle_serves(
@@ -98,8 +98,8 @@ def test_cli_flags_both_spellings(monkeypatch, tmp_path):
     class Stop(Exception):
         pass
 
-    def fake_create_bundle(out, **kw):
-        seen.append(kw["checkpoint_weights"])
+    def fake_create_bundle(out, options):
+        seen.append(options.checkpoint_weights)
         raise Stop
 
     monkeypatch.setattr(bundler.pack.create, "create_bundle", fake_create_bundle)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bundler.pack.create import ModelInput, create_bundle
+from bundler.pack.create import ModelInput, CreateOptions, create_bundle
 from manifests.schema import Builder, Manifest, ModelSource
 from tests.bundler.pack.helpers import read_layout
 
@@ -35,10 +35,10 @@ def _fixed_model(root: Path, role: str, seed: int) -> ModelInput:
 def test_manifest_bytes_match_golden(tmp_path, update_golden, signing_key):
     model = _fixed_model(tmp_path / "t", "target", 0)
     draft = _fixed_model(tmp_path / "d", "draft", 1)
-    manifest = create_bundle(tmp_path / "b", name="golden", version=7, model=model, draft=draft,
+    manifest = create_bundle(tmp_path / "b", CreateOptions(name="golden", version=7, model=model, draft=draft,
                              targets=["jetson-thor", "igx-thor"], sign_keys=[signing_key],
                              max_part_size=128 * 1024, expires="90d", now=NOW, jobs=2, progress=False,
-                             builder=BUILDER)
+                             builder=BUILDER))
     got = manifest.to_json_bytes()
     assert read_layout(tmp_path / "b")[2].to_json_bytes() == got
     if update_golden:
@@ -54,6 +54,6 @@ def test_same_bytes_with_one_worker_or_many(tmp_path, signing_key):
     model = _fixed_model(tmp_path / "t", "target", 0)
     kw = dict(name="golden", version=7, model=model, draft=None, targets=["cpu"], sign_keys=[signing_key],
               max_part_size=128 * 1024, now=NOW, progress=False, builder=BUILDER)
-    one = create_bundle(tmp_path / "one", jobs=1, **kw)
-    many = create_bundle(tmp_path / "many", jobs=6, **kw)
+    one = create_bundle(tmp_path / "one", CreateOptions(jobs=1, **kw))
+    many = create_bundle(tmp_path / "many", CreateOptions(jobs=6, **kw))
     assert one.to_json_bytes() == many.to_json_bytes()

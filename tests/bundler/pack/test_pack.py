@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from cryptography.exceptions import InvalidSignature
 
-from bundler.pack.create import create_bundle, local_model
+from bundler.pack.create import CreateOptions, create_bundle, local_model
 from bundler.pack.keys import public_key_id
-from bundler.pack.pack import PackFile, pack_bundle, part_length
+from bundler.pack.pack import PackFile, PackOptions, pack_bundle, part_length
 from manifests.errors import UsageError
 from manifests.layout import (
     BLOBS_DIR, COMPLETE_MARKER, DSSE_PAYLOAD_TYPE, MANIFEST_MEDIA_TYPE, PART_MEDIA_TYPE, SIGNATURE_MEDIA_TYPE,
@@ -38,10 +38,10 @@ def _skopeo() -> str:
 
 
 def _create(out, model_dir, keys, draft_dir=None, **kw):
-    return create_bundle(out, name="assistant", version=3, model=local_model(model_dir, "target"),
+    return create_bundle(out, CreateOptions(name="assistant", version=3, model=local_model(model_dir, "target"),
                          draft=local_model(draft_dir, "draft") if draft_dir else None,
                          targets=kw.pop("targets", ["jetson-thor", "cpu"]), sign_keys=keys,
-                         now=kw.pop("now", NOW), progress=False, **kw)
+                         now=kw.pop("now", NOW), progress=False, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -175,13 +175,13 @@ def test_symlinks_to_files_are_followed_hidden_files_skipped(tiny_pair, signing_
 
 def test_unsigned_bundle_has_an_envelope_without_signatures(model_copy, tmp_path):
     out = tmp_path / "b"
-    create_bundle(out, name="x", version=1, model=local_model(model_copy, "target"), draft=None, targets=["cpu"],
-                  sign_keys=[], unsigned=True, progress=False)
+    create_bundle(out, CreateOptions(name="x", version=1, model=local_model(model_copy, "target"), draft=None, targets=["cpu"],
+                  sign_keys=[], unsigned=True, progress=False))
     _, _, manifest, envelope = read_layout(out)
     assert envelope["signatures"] == [] and manifest.speculative is None
     with pytest.raises(UsageError, match="--sign-key"):
-        create_bundle(tmp_path / "c", name="x", version=1, model=local_model(model_copy, "target"), draft=None,
-                      targets=["cpu"], sign_keys=[], progress=False)
+        create_bundle(tmp_path / "c", CreateOptions(name="x", version=1, model=local_model(model_copy, "target"), draft=None,
+                      targets=["cpu"], sign_keys=[], progress=False))
 
 
 def test_existing_bundle_is_refused_then_replaced_with_force(model_copy, signing_key, tmp_path):
@@ -212,16 +212,16 @@ def test_bad_input_fails_before_writing(model_copy, signing_key, tmp_path):
     for files, expected in cases:
         out = tmp_path / "out"
         with pytest.raises(UsageError, match=expected):
-            pack_bundle(out, name="x", version=1, files=files, **common)
+            pack_bundle(out, PackOptions(name="x", version=1, files=files, **common))
         assert not out.exists()
     with pytest.raises(UsageError, match="lowercase"):
-        pack_bundle(tmp_path / "out", name="Bad Name", version=1, files=[PackFile(src, "c")], **common)
+        pack_bundle(tmp_path / "out", PackOptions(name="Bad Name", version=1, files=[PackFile(src, "c")], **common))
     with pytest.raises(UsageError, match="at least"):
-        pack_bundle(tmp_path / "out", name="x", version=1, files=[PackFile(src, "c")], max_part_size=1000, **common)
+        pack_bundle(tmp_path / "out", PackOptions(name="x", version=1, files=[PackFile(src, "c")], max_part_size=1000, **common))
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
     with pytest.raises(UsageError, match="notes.txt"):
-        pack_bundle(tmp_path / "busy", name="x", version=1, files=[PackFile(src, "c")], **common)
+        pack_bundle(tmp_path / "busy", PackOptions(name="x", version=1, files=[PackFile(src, "c")], **common))
     assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
 
 

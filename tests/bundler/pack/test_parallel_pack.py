@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from bundler.pack import pack as pack_module
-from bundler.pack.create import create_bundle, local_model
-from bundler.pack.pack import PackFile, pack_bundle
+from bundler.pack.create import CreateOptions, create_bundle, local_model
+from bundler.pack.pack import PackFile, PackOptions, pack_bundle
 from manifests.errors import UsageError
 from runtime.fsutil import file_sha256
 from tests.bundler.pack.helpers import unpack_file
@@ -26,8 +26,8 @@ def _weights(path, nbytes, seed=0):
 
 
 def _pack(out, files, **kw):
-    return pack_bundle(out, name="p", version=1, models=[], files=files, targets=[], speculative=None, serve={},
-                       expires=None, sign_keys=[], unsigned=True, progress=False, part_chunk=CHUNK, **kw)
+    return pack_bundle(out, PackOptions(name="p", version=1, models=[], files=files, targets=[], speculative=None, serve={},
+                       expires=None, sign_keys=[], unsigned=True, progress=False, part_chunk=CHUNK, **kw))
 
 
 def test_parts_of_one_file_are_compressed_concurrently(tmp_path, monkeypatch):
@@ -96,8 +96,8 @@ def test_resolver_digest_of_another_size_is_refused(model_copy, tmp_path):
     weights = model_copy / "model.safetensors"
     model = replace(model, digests={"model.safetensors": (weights.stat().st_size + 1, "0" * 64)})
     with pytest.raises(UsageError, match="changed after it was resolved: expected"):
-        create_bundle(tmp_path / "b", name="x", version=1, model=model, draft=None, targets=["cpu"],
-                      sign_keys=[], unsigned=True, progress=False)
+        create_bundle(tmp_path / "b", CreateOptions(name="x", version=1, model=model, draft=None, targets=["cpu"],
+                      sign_keys=[], unsigned=True, progress=False))
     assert not (tmp_path / "b" / "COMPLETE").exists()
 
 

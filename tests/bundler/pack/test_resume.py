@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from bundler.pack import pack as pack_module
-from bundler.pack.create import ModelInput, create_bundle, local_model
+from bundler.pack.create import ModelInput, CreateOptions, create_bundle, local_model
 from manifests.layout import BLOBS_DIR, COMPLETE_MARKER, INDEX_FILE
 from runtime.fsutil import file_sha256
 from tests.bundler.pack.helpers import read_layout, unpack_file
@@ -38,8 +38,8 @@ def _blob_inodes(out: Path) -> dict[str, int]:
 
 def _create(out, model, **kw):
     model = model if isinstance(model, ModelInput) else local_model(model, "target")
-    return create_bundle(out, name="resume", version=1, model=model, draft=None,
-                         targets=["cpu"], sign_keys=[], unsigned=True, max_part_size=PART, progress=False, **kw)
+    return create_bundle(out, CreateOptions(name="resume", version=1, model=model, draft=None,
+                         targets=["cpu"], sign_keys=[], unsigned=True, max_part_size=PART, progress=False, **kw))
 
 
 def _journaled(out: Path) -> set[str]:

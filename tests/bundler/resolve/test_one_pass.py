@@ -9,7 +9,7 @@ import pytest
 import zstandard
 
 from bundler.resolve import checkpoint as resolve_module
-from bundler.pack.create import create_bundle, input_from_resolved
+from bundler.pack.create import CreateOptions, create_bundle, input_from_resolved
 from bundler.resolve.lockfile import LOCK_NAME, write_lock
 from bundler.resolve.checkpoint import check_packed, fetch_model, plan_model, resolve_model, resolve_models
 from bundler.resolve.errors import DigestMismatch, LockMismatch
@@ -23,8 +23,8 @@ def _spy_hashing(monkeypatch) -> list[str]:
 
 
 def _create(out, model):
-    return create_bundle(out, name="one-pass", version=1, model=model, draft=None, targets=["cpu"],
-                         sign_keys=[], unsigned=True, progress=False, max_part_size=256 * 1024)
+    return create_bundle(out, CreateOptions(name="one-pass", version=1, model=model, draft=None, targets=["cpu"],
+                         sign_keys=[], unsigned=True, progress=False, max_part_size=256 * 1024))
 
 
 def test_weights_are_not_hashed_before_pack(hub, hf_cache, monkeypatch, tmp_path):

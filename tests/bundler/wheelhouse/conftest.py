@@ -39,7 +39,7 @@ def run_bootstrap(bundle: Path, pub: Path, prefix: Path, *extra: str, env: dict 
 
 
 def _build_runtime_bundle(root: Path) -> RuntimeBundle:
-    from bundler.pack.create import create_bundle, local_model
+    from bundler.pack.create import CreateOptions, create_bundle, local_model
     from bundler.pack.engines import target_files_hook
     from bundler.pack.keys import generate_key, load_private_key
     from bundler.pack.wheelhouse import host_platform
@@ -49,10 +49,10 @@ def _build_runtime_bundle(root: Path) -> RuntimeBundle:
     draft = make_tiny_checkpoint(root / "draft", hidden_size=16, num_layers=1, num_heads=1, num_kv_heads=1,
                                  intermediate_size=32, max_positions=128, seed=1, tokenizer_from=target)
     generate_key(root / "release.key")
-    create_bundle(root / "bundle", name="tiny", version=1, model=local_model(target, "target"),
+    create_bundle(root / "bundle", CreateOptions(name="tiny", version=1, model=local_model(target, "target"),
                   draft=local_model(draft, "draft"), targets=["cpu"],
                   sign_keys=[load_private_key(root / "release.key")], target_files=target_files_hook(),
-                  progress=False, runtime_platforms=[host_platform()])
+                  progress=False, runtime_platforms=[host_platform()]))
     return RuntimeBundle(root / "bundle", root / "release.key", root / "release.key.pub", "tiny")
 
 

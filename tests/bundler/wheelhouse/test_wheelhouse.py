@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bundler.pack.pack import PackFile, pack_bundle
+from bundler.pack.pack import PackFile, PackOptions, pack_bundle
 from bundler.pack.wheelhouse import (
     default_platforms, host_platform, parse_platforms, pip_platform_args, wheel_fits, wheelhouse_from_files,
 )
@@ -104,11 +104,11 @@ def _pack_with(tmp_path: Path, per_platform: dict[str, list[Path]], extra_files=
     model = tmp_path / "m.bin"
     model.write_bytes(b"weights" * 1000)
     out = tmp_path / "bundle"
-    pack_bundle(out, name="w", version=1,
+    pack_bundle(out, PackOptions(name="w", version=1,
                 models=[Model("target", "t", "models/target", ModelSource("local", revision="x"))],
                 files=[PackFile(model, "models/target/m.bin"), *house.files, *extra_files],
                 targets=[Target("cpu", "onnxruntime")], speculative=None, serve={}, expires=None, sign_keys=[],
-                unsigned=True, progress=False, runtime=house.runtime)
+                unsigned=True, progress=False, runtime=house.runtime))
     return out
 
 
@@ -149,9 +149,9 @@ def test_no_target_installs_the_wheelhouse(tmp_path):
 def test_a_bundle_without_a_wheelhouse_stays_format_1(tmp_path):
     model = tmp_path / "m.bin"
     model.write_bytes(b"x" * 100)
-    m = pack_bundle(tmp_path / "b", name="w", version=1, models=[], files=[PackFile(model, "m.bin")],
+    m = pack_bundle(tmp_path / "b", PackOptions(name="w", version=1, models=[], files=[PackFile(model, "m.bin")],
                     targets=[Target("cpu", "onnxruntime")], speculative=None, serve={}, expires=None,
-                    sign_keys=[], unsigned=True, progress=False)
+                    sign_keys=[], unsigned=True, progress=False))
     assert m.format_version == 1 and m.runtime is None
     assert not (tmp_path / "b" / "bootstrap").exists()
 
@@ -262,9 +262,9 @@ def test_a_stored_file_a_target_needs_installs_like_a_compressed_one(tmp_path):
     payload = tmp_path / "table.bin"
     payload.write_bytes(bytes(range(256)) * 4096)
     out = tmp_path / "b"
-    pack_bundle(out, name="s", version=1, models=[], files=[PackFile(payload, "data/table.bin", media_type=L.WHEEL_MEDIA_TYPE)],
+    pack_bundle(out, PackOptions(name="s", version=1, models=[], files=[PackFile(payload, "data/table.bin", media_type=L.WHEEL_MEDIA_TYPE)],
                 targets=[Target("cpu", "onnxruntime")], speculative=None, serve={}, expires=None, sign_keys=[],
-                unsigned=True, progress=False)
+                unsigned=True, progress=False))
     inst = Store(tmp_path / "store").install(out, target="cpu", trusted={}, allow_unsigned=True, progress=False)
     assert (inst.path / "data/table.bin").read_bytes() == payload.read_bytes()
     assert inst.manifest.format_version == 2
@@ -292,7 +292,7 @@ def test_layer_media_types_must_match_how_each_part_is_stored(swap, tmp_path):
 def test_a_wheel_over_max_part_size_is_refused_by_name_and_size_before_the_export(tmp_path):
     """Stored wheels are never split (the bootstrap checks each one with sha256sum): a 17 MiB wheel with
     --max-part-size 8M is one line naming it and its size, before the engines are exported."""
-    from bundler.pack.create import create_bundle, local_model
+    from bundler.pack.create import CreateOptions, create_bundle, local_model
     from tests.models import make_tiny_checkpoint
 
     big = tmp_path / "w" / "big_native-1.0-py3-none-any.whl"
@@ -304,17 +304,17 @@ def test_a_wheel_over_max_part_size_is_refused_by_name_and_size_before_the_expor
     exported = []
     model = local_model(make_tiny_checkpoint(tmp_path / "m", hidden_size=64, num_layers=2), "target")
     with pytest.raises(UsageError) as e:
-        create_bundle(tmp_path / "b", name="w", version=1, model=model, draft=None, targets=["cpu"], sign_keys=[],
+        create_bundle(tmp_path / "b", CreateOptions(name="w", version=1, model=model, draft=None, targets=["cpu"], sign_keys=[],
                       unsigned=True, progress=False, max_part_size=8 * 1024 * 1024, wheelhouse=house,
-                      target_files=lambda inputs, targets, work: exported.append(1) or ([], list(targets)))
+                      target_files=lambda inputs, targets, work: exported.append(1) or ([], list(targets))))
     msg = str(e.value)
     assert "wheelhouse/big_native-1.0-py3-none-any.whl is 17.0 MiB" in msg and "--max-part-size 8.0 MiB" in msg
     assert "\n" not in msg and not exported and not (tmp_path / "b").exists()
     # pack_bundle itself refuses it too (build-engines and other callers), before writing anything
     with pytest.raises(UsageError, match="big_native-1.0-py3-none-any.whl is 17.0 MiB"):
-        pack_bundle(tmp_path / "b2", name="w", version=1, models=[], files=list(house.files),
+        pack_bundle(tmp_path / "b2", PackOptions(name="w", version=1, models=[], files=list(house.files),
                     targets=[Target("cpu", "onnxruntime")], speculative=None, serve={}, expires=None, sign_keys=[],
-                    unsigned=True, progress=False, max_part_size=8 * 1024 * 1024, runtime=house.runtime)
+                    unsigned=True, progress=False, max_part_size=8 * 1024 * 1024, runtime=house.runtime))
     assert not (tmp_path / "b2").exists()
     # with room for it, the wheel is one stored blob of its own size (what the bootstrap checks)
     (tmp_path / "fits").mkdir()

@@ -73,16 +73,17 @@ def installed_bundle(tiny_models, tmp_path_factory) -> Bundle:
     """`bundle create` (cpu target, target + draft, signed) then `bundle install`, through the libraries.
     Read-only: tests serve from its store, never install into it."""
     def build(root: Path) -> Bundle:
-        from bundler.pack.create import create_bundle, local_model
+        from bundler.pack.create import CreateOptions, create_bundle, local_model
         from bundler.pack.engines import target_files_hook
         from bundler.pack.keys import generate_key, load_private_key
         from runtime.store.store import Store
         from runtime.store.trust import trusted_keys
 
         generate_key(root / "key")
-        create_bundle(root / "bundle", name="tiny", version=1, model=local_model(tiny_models["target"], "target"),
-                      draft=local_model(tiny_models["draft"], "draft"), targets=["cpu"],
-                      sign_keys=[load_private_key(root / "key")], target_files=target_files_hook(), progress=False)
+        create_bundle(root / "bundle", CreateOptions(
+            name="tiny", version=1, model=local_model(tiny_models["target"], "target"),
+            draft=local_model(tiny_models["draft"], "draft"), targets=["cpu"],
+            sign_keys=[load_private_key(root / "key")], target_files=target_files_hook(), progress=False))
         Store(root / "store").install(root / "bundle", target="cpu",
                                       trusted=trusted_keys([root / "key.pub"], trust_dir=None))
         return Bundle(root / "bundle", root / "store", root / "key.pub", "tiny")

@@ -10,7 +10,7 @@ import threading
 import openai
 import pytest
 
-from runtime.limits import MAX_CHOICES
+from manifests.limits import LIMITS
 from tests.runtime.serve.test_batching import EngineGate, _client, _server, _wait_for
 
 PROMPTS = ["def read(path):", "import os", "class Cell:", "x = 1"]
@@ -82,7 +82,7 @@ def test_choices_of_one_request_are_bounded(roomy, client):
         client.completions.create(model="tiny", prompt=PROMPTS[:2], n=3, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="found 5"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=5, max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match=rf"at most {MAX_CHOICES} choices \(prompts x n\) in one "
+    with pytest.raises(openai.BadRequestError, match=rf"at most {LIMITS.choices} choices \(prompts x n\) in one "
                                                      rf"request \(the most one request may ask for\), found 128"):
         _client(roomy).completions.create(model="tiny", prompt=PROMPTS * 2, n=16, max_tokens=2)
 

@@ -60,10 +60,10 @@ def test_surrogate_in_completion_prompt_is_400(server):
 
 
 def test_body_limit_is_413_and_documented(server):
-    from runtime.server.body import MAX_BODY_BYTES
+    from manifests.limits import LIMITS
 
-    r = _post(server, CHAT, b" " * (MAX_BODY_BYTES + 1))
-    assert r.status_code == 413 and str(MAX_BODY_BYTES) in r.json()["error"]["message"]
+    r = _post(server, CHAT, b" " * (LIMITS.body_bytes + 1))
+    assert r.status_code == 413 and str(LIMITS.body_bytes) in r.json()["error"]["message"]
     from pathlib import Path
 
     serving = (Path(__file__).resolve().parents[3] / "docs" / "serving.md").read_text()

@@ -1,5 +1,5 @@
 """Clients that try to wear the server down: slow or idle connections (slowloris), many connections,
-keyless calls to costly routes, megabyte prompts. Each is bounded (runtime.server.limits) and /health
+keyless calls to costly routes, megabyte prompts. Each is bounded (manifests.limits) and /health
 and keyed clients are answered meanwhile.
 
 Real servers on loopback: `bundle serve` in a subprocess under the open-file limit systemd gives a
@@ -180,11 +180,11 @@ def test_slow_connections_cannot_starve_health_under_1024_open_files(installed_b
 def strict_server(serving_model):
     """An in-process server with short read deadlines and the API key on."""
     from runtime.server.app import OpenAIServer
-    from runtime.server.limits import HTTPLimits
+    from manifests.limits import Limits
     from runtime.server.serving_engine import ServeOptions
     from tests.runtime.serve.conftest import RunningServer
 
-    limits = HTTPLimits(header_timeout_s=2.0, body_timeout_s=2.0, max_header_bytes=4096, max_header_count=64)
+    limits = Limits(header_timeout_s=2.0, body_timeout_s=2.0, max_header_bytes=4096, max_header_count=64)
     s = RunningServer(OpenAIServer(serving_model, ServeOptions(api_key=KEY, http=limits, log_stats=False)))
     yield s
     s.stop()
@@ -264,18 +264,18 @@ def test_serve_flags_set_the_limits(monkeypatch):
 
     import runtime.server
     from runtime.cli.serve import serve as serve_cmd
-    from runtime.server.limits import HTTPLimits
+    from manifests.limits import Limits
     from runtime.server.options import http_limits
 
     calls = []
-    monkeypatch.setattr(runtime.server, "serve", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(runtime.server, "serve", lambda bundle, config, **kw: calls.append(config))
     r = CliRunner().invoke(serve_cmd, ["demo", "--header-timeout", "3", "--body-timeout", "7",
                                        "--max-connections-per-client", "5", "--h11-max-incomplete-event-size",
                                        "32768", "--h11-max-header-count", "100"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    kw, = calls
-    assert kw["http"] == HTTPLimits(header_timeout_s=3, body_timeout_s=7, max_connections_per_client=5)
-    assert http_limits(kw["http"], kw["serve_args"]) == HTTPLimits(
+    config, = calls
+    assert config.http == Limits(header_timeout_s=3, body_timeout_s=7, max_connections_per_client=5)
+    assert http_limits(config.http, config.args) == Limits(
         header_timeout_s=3, body_timeout_s=7, max_connections_per_client=5, max_header_bytes=32768,
         max_header_count=100)
     bad = CliRunner().invoke(serve_cmd, ["demo", "--h11-max-header-count", "0"])
@@ -308,7 +308,7 @@ def _rss_bytes() -> int:
 
 def test_a_megabyte_prompt_is_refused_by_its_bytes_before_tokenizing(server, serving_model, monkeypatch):
     """An 8 MB prompt was tokenized whole before the context check: 60 s, and RSS 1.0 -> 2.3 GB for good."""
-    from runtime.server.limits import MAX_BYTES_PER_TOKEN, prompt_byte_limit
+    from manifests.limits import LIMITS, prompt_byte_limit
 
     spy = EncodeSpy(serving_model.tokenizer)
     monkeypatch.setattr(serving_model.tokenizer, "encode", spy)
@@ -326,7 +326,7 @@ def test_a_megabyte_prompt_is_refused_by_its_bytes_before_tokenizing(server, ser
         assert r.status_code == 400, (path, r.text)
         err = r.json()["error"]
         assert err["code"] == "context_length_exceeded" and err["type"] == "invalid_request_error", err
-        assert f"at most {limit} ({MAX_BYTES_PER_TOKEN} per token)" in err["message"], err
+        assert f"at most {limit} ({LIMITS.bytes_per_token} per token)" in err["message"], err
     assert max(spy.lengths, default=0) <= limit, "the tokenizer was given a prompt that cannot fit"
     assert _rss_bytes() - rss < 400 * 1024 * 1024
 
@@ -334,7 +334,7 @@ def test_a_megabyte_prompt_is_refused_by_its_bytes_before_tokenizing(server, ser
 def test_a_prompt_list_is_refused_at_its_first_prompt_too_long(server, serving_model, monkeypatch):
     """Each prompt of a list may be up to the byte bound; the list stops at the first that cannot fit, so
     a body of many such prompts costs one tokenization, not one per prompt."""
-    from runtime.server.limits import prompt_byte_limit
+    from manifests.limits import prompt_byte_limit
 
     spy = EncodeSpy(serving_model.tokenizer)
     monkeypatch.setattr(serving_model.tokenizer, "encode", spy)
@@ -353,7 +353,7 @@ def test_a_prompt_list_is_refused_at_its_first_prompt_too_long(server, serving_m
 def test_large_but_legal_requests_are_served(server, serving_model):
     """Up to the byte bound /tokenize counts (the count may pass the context: vLLM's answer says so);
     a prompt that fits is served; a large body (64 KiB and more) goes through the large-body lane."""
-    from runtime.server.limits import LARGE_BODY_BYTES, prompt_byte_limit
+    from manifests.limits import LIMITS, prompt_byte_limit
 
     limit = prompt_byte_limit(serving_model.max_model_len)
     text = ("é" * (limit // 2))[: limit // 2]
@@ -362,7 +362,7 @@ def test_large_but_legal_requests_are_served(server, serving_model):
     assert r.status_code == 200, r.text
     assert r.json()["tokens"] == serving_model.tokenizer.encode(text) and r.json()["max_model_len"] == 512
     fits = "def read(path):\n" * 60
-    big = {"model": "tiny", "prompt": fits, "max_tokens": 3, "metadata": {"notes": "x" * (2 * LARGE_BODY_BYTES)}}
+    big = {"model": "tiny", "prompt": fits, "max_tokens": 3, "metadata": {"notes": "x" * (2 * LIMITS.large_body_bytes)}}
     r = httpx.post(server.url + "/v1/completions", json=big, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len(serving_model.tokenizer.encode(fits))
@@ -373,10 +373,10 @@ def test_large_requests_in_preprocessing_do_not_hold_up_a_small_chat(server, ser
     still answered. Before the large-body lane, the two took both preprocessing threads and the chat waited."""
     spy = EncodeSpy(serving_model.tokenizer, hold_above=3000)
     monkeypatch.setattr(serving_model.tokenizer, "encode", spy)
-    from runtime.server.limits import LARGE_BODY_BYTES
+    from manifests.limits import LIMITS
 
     prompt = ["def read(path):\n" * 200] * 4  # as many as admission takes, each one too long for the context
-    body = {"model": "tiny", "prompt": prompt, "user": "u" * LARGE_BODY_BYTES}  # a large body
+    body = {"model": "tiny", "prompt": prompt, "user": "u" * LIMITS.large_body_bytes}  # a large body
     results = []
 
     def large():

@@ -62,12 +62,12 @@ NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 @pytest.fixture(scope="module")
 def surface(demo_installed, tmp_path_factory):
-    from runtime.server.options import apply_serve_config
+    from runtime.server.options import ServeConfig, apply_serve_config
 
     installed, _ = demo_installed
     template = tmp_path_factory.mktemp("template") / "hermes.jinja"
     template.write_text(TEMPLATE)
-    setup = apply_serve_config(installed, {"chat_template": str(template)})
+    setup = apply_serve_config(installed, ServeConfig(args={"chat_template": str(template)}))
     server = RunningServer(setup.serving)
     yield server, setup
     server.stop()
@@ -428,10 +428,10 @@ def test_startup_notes_name_every_flag_without_effect(surface):
 
 
 def test_disable_log_requests_turns_the_line_off(demo_installed, caplog):
-    from runtime.server.options import apply_serve_config
+    from runtime.server.options import ServeConfig, apply_serve_config
 
     installed, _ = demo_installed
-    setup = apply_serve_config(installed, {"disable_log_requests": True, "max_model_len": 256})
+    setup = apply_serve_config(installed, ServeConfig(args={"disable_log_requests": True, "max_model_len": 256}))
     server = RunningServer(setup.serving)
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)

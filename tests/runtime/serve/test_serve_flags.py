@@ -49,9 +49,9 @@ def test_every_listed_vllm_flag_is_taken(captured, flag):
     r = CliRunner().invoke(serve_cmd, args, catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "No such option" not in r.output
-    (_, kw), = captured
+    ((_, config), _), = captured
     dest = flag.lstrip("-").replace("no-", "", 1).replace("-", "_")
-    assert dest in kw["serve_args"], kw["serve_args"]
+    assert dest in config.args, config.args
 
 
 def test_the_issues_command_line_parses_whole(captured):
@@ -61,7 +61,7 @@ def test_the_issues_command_line_parses_whole(captured):
             "--speculative-config '{\"method\":\"draft_model\",\"model\":\"org/draft\",\"num_speculative_tokens\":3}'")
     r = CliRunner().invoke(serve_cmd, ["demo", *shlex.split(line)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    args = captured[0][1]["serve_args"]
+    args = captured[0][0][1].args
     assert args["served_model_name"] == ["qwen38"] and args["max_model_len"] == 50000
     assert args["speculative_config"]["model"] == "org/draft" and args["enable_prefix_caching"] is True
 
@@ -70,8 +70,8 @@ def test_served_model_name_takes_several_values_as_in_vllm(captured):
     r = CliRunner().invoke(serve_cmd, ["demo", "--served-model-name", "qwen38", "qwen3-8b", "--port", "1"],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    assert captured[0][0] == ("demo",)
-    assert captured[0][1]["serve_args"]["served_model_name"] == ["qwen38", "qwen3-8b"]
+    assert captured[0][0][0] == "demo"
+    assert captured[0][0][1].args["served_model_name"] == ["qwen38", "qwen3-8b"]
 
 
 @pytest.mark.parametrize("args, words", [
@@ -97,28 +97,28 @@ def test_help_lists_vllm_flags_with_what_they_do_here():
 
 
 def test_speculative_config_must_name_the_bundles_draft(demo_installed):
-    from runtime.server.options import apply_serve_config
+    from runtime.server.options import ServeConfig, apply_serve_config
 
     installed, _ = demo_installed
     with pytest.raises(UsageError, match="asks for draft model 'org/other'.*carries draft 'draft@"):
-        apply_serve_config(installed, {"speculative_config": {"method": "draft_model", "model": "org/other"}})
-    setup = apply_serve_config(installed, {"speculative_config": {"method": "draft_model", "model": "draft",
-                                                                  "num_speculative_tokens": 2}})
+        apply_serve_config(installed, ServeConfig(args={"speculative_config": {"method": "draft_model", "model": "org/other"}}))
+    setup = apply_serve_config(installed, ServeConfig(args={"speculative_config": {"method": "draft_model", "model": "draft",
+                                                                  "num_speculative_tokens": 2}}))
     assert setup.serving.model.runner.num_speculative_tokens == 2
 
 
 def test_generation_config_and_overrides_set_default_sampling(demo_installed, tmp_path):
-    from runtime.server.options import apply_serve_config
+    from runtime.server.options import ServeConfig, apply_serve_config
 
     installed, _ = demo_installed
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": 20,
                                                                  "max_new_tokens": 64, "do_sample": True}))
-    s = apply_serve_config(installed, {"generation_config": str(tmp_path),
-                                       "override_generation_config": {"temperature": 0.2}})
+    s = apply_serve_config(installed, ServeConfig(args={"generation_config": str(tmp_path),
+                                       "override_generation_config": {"temperature": 0.2}}))
     assert s.serving.model.defaults == {"temperature": 0.2, "top_p": 0.9, "top_k": 20, "max_tokens": 64}
-    assert apply_serve_config(installed, {"generation_config": "vllm"}).serving.model.defaults == {}
+    assert apply_serve_config(installed, ServeConfig(args={"generation_config": "vllm"})).serving.model.defaults == {}
     with pytest.raises(UsageError, match="generation_config.json"):
-        apply_serve_config(installed, {"generation_config": str(tmp_path / "none")})
+        apply_serve_config(installed, ServeConfig(args={"generation_config": str(tmp_path / "none")}))
 
 
 def test_bundle_serve_with_the_pasted_command_line(demo_installed, tmp_path):

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from runtime.limits import MAX_CHOICE_OPTIONS, MAX_GRAMMAR_CHARS
+from manifests.limits import LIMITS
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 #: Lark grammars whose only way on is a rule with no base case: llguidance's parser hits its item limit.
@@ -67,11 +67,11 @@ def test_a_grammar_failing_mid_generation_ends_the_request_with_an_error(server,
 
 
 @pytest.mark.parametrize("structured, words", [
-    ({"choice": [f"option {i}" for i in range(MAX_CHOICE_OPTIONS + 1)]},
-     f"at most {MAX_CHOICE_OPTIONS} entries in 'choice', found {MAX_CHOICE_OPTIONS + 1}"),
-    ({"regex": "x" * (MAX_GRAMMAR_CHARS + 1)}, f"expected at most {MAX_GRAMMAR_CHARS}"),
+    ({"choice": [f"option {i}" for i in range(LIMITS.choice_options + 1)]},
+     f"at most {LIMITS.choice_options} entries in 'choice', found {LIMITS.choice_options + 1}"),
+    ({"regex": "x" * (LIMITS.grammar_chars + 1)}, f"expected at most {LIMITS.grammar_chars}"),
     ({"json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4000)}}},
-     f"expected at most {MAX_GRAMMAR_CHARS}"),
+     f"expected at most {LIMITS.grammar_chars}"),
 ])
 def test_grammar_size_is_bounded(client, structured, words):
     with pytest.raises(openai.BadRequestError, match=words):

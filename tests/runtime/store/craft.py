@@ -90,20 +90,19 @@ def tree_digests(root: Path) -> dict[str, str]:
 def build_bundle(out: Path, inputs: Path, *, version: int, sign_keys, engine: str = "jetson-1.bin",
                  expires: str | None = None, now: datetime = T0, unsigned: bool = False, name: str = "demo"):
     """pack_bundle with the shared inputs; `engine` picks which random file is the jetson engine."""
-    from bundler.pack.pack import PackFile, pack_bundle
+    from bundler.pack.pack import PackFile, PackOptions, pack_bundle
     from manifests.schema import Model, ModelSource, Speculative, Target
     files = [PackFile(p, f"models/target/{p.name}") for p in sorted((inputs / "target").iterdir())]
     files += [PackFile(inputs / engine, "engines/jetson-thor/target.plan", targets=("jetson-thor",)),
               PackFile(inputs / "igx.bin", "engines/igx-thor/target.plan", targets=("igx-thor",)),
               PackFile(inputs / "run.sh", "bin/run.sh", executable=True)]
-    return pack_bundle(
-        out, name=name, version=version,
+    return pack_bundle(out, PackOptions(name=name, version=version,
         models=[Model("target", "tiny-llama", "models/target", ModelSource("local", path=str(inputs / "target")),
                       "LlamaForCausalLM")],
         files=files, targets=[Target(t, "tensorrt") for t in TARGETS],
         speculative=Speculative(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4),
         serve={"max_model_len": 256}, expires=expires, sign_keys=[] if unsigned else list(sign_keys),
-        unsigned=unsigned, max_part_size=PART, now=now, progress=False)
+        unsigned=unsigned, max_part_size=PART, now=now, progress=False))
 
 
 def edit_index(bundle: Path, change) -> None:

@@ -14,7 +14,7 @@ import pytest
 from bundler.cli import main
 from manifests import layout as L
 from manifests.errors import BadBundleError, UsageError
-from manifests.schema import MAX_MANIFEST_BYTES
+from manifests.limits import LIMITS
 from runtime.store.copy import copy_bundle
 from runtime.store.reader import open_bundle
 from runtime.store.store import Store
@@ -124,7 +124,7 @@ def test_hard_link_to_outside_bytes_is_corrupt_without_revealing_them(bundle_cop
     verify_bundle(b, trusted)
 
 
-@pytest.mark.parametrize("what,limit", [("oci-layout", L.MAX_OCI_LAYOUT_BYTES), ("index.json", L.MAX_INDEX_BYTES)])
+@pytest.mark.parametrize("what,limit", [("oci-layout", LIMITS.oci_layout_bytes), ("index.json", LIMITS.oci_index_bytes)])
 def test_pointer_files_are_read_bounded(bundle_copy, trusted, what, limit):
     b = bundle_copy("v1")
     with open(b / what, "wb") as f:
@@ -133,8 +133,8 @@ def test_pointer_files_are_read_bounded(bundle_copy, trusted, what, limit):
         verify_bundle(b, trusted)
 
 
-@pytest.mark.parametrize("where,limit", [("oci-manifest", L.MAX_OCI_MANIFEST_BYTES), ("config", MAX_MANIFEST_BYTES),
-                                         ("envelope", L.MAX_ENVELOPE_BYTES)])
+@pytest.mark.parametrize("where,limit", [("oci-manifest", LIMITS.oci_manifest_bytes), ("config", LIMITS.manifest_bytes),
+                                         ("envelope", LIMITS.envelope_bytes)])
 def test_huge_declared_sizes_are_refused_before_reading(bundle_copy, trusted, where, limit):
     b = bundle_copy("v1")
     if where == "oci-manifest":

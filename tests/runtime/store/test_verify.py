@@ -9,6 +9,7 @@ import pytest
 from bundler.cli import main
 from manifests import layout as L
 from manifests.errors import BadBundleError, TrustError
+from manifests.limits import LIMITS
 from runtime.store.reader import open_bundle
 from runtime.store.trust import trusted_keys
 from runtime.store.verify import CorruptBundleError, verify_bundle
@@ -151,6 +152,6 @@ def test_part_missing_from_oci_layers_is_reported(bundle_copy, trusted):
 
 def test_oversized_pointer_files_refused_before_parsing(bundle_copy, trusted):
     b = bundle_copy("v1")
-    (b / L.INDEX_FILE).write_bytes(b" " * (L.MAX_INDEX_BYTES + 1))
+    (b / L.INDEX_FILE).write_bytes(b" " * (LIMITS.oci_index_bytes + 1))
     with pytest.raises(BadBundleError, match="larger than"):
         verify_bundle(b, trusted)

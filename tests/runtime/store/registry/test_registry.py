@@ -85,7 +85,7 @@ def test_push_pull_round_trip_is_identical_to_a_copy(registry, options, bundles,
 def runtime_bundle(out: Path, inputs: Path, keys) -> Path:
     """A signed bundle that carries the floor runtime (a wheelhouse and the bootstrap), packed as
     `bundle create --runtime-platforms` packs it."""
-    from bundler.pack.pack import PackFile, pack_bundle
+    from bundler.pack.pack import PackFile, PackOptions, pack_bundle
     from bundler.pack.wheelhouse import wheelhouse_from_files
     from manifests.schema import Model, ModelSource, Target
     from tests.wheels import make_wheel
@@ -93,10 +93,10 @@ def runtime_bundle(out: Path, inputs: Path, keys) -> Path:
     house = wheelhouse_from_files("tiny-runtime", "1.0", {"linux_x86_64-cp312": [wheel],
                                                           "linux_aarch64-cp312": [wheel]})
     files = [PackFile(p, f"models/target/{p.name}") for p in sorted((inputs / "target").iterdir())]
-    pack_bundle(out, name="tiny", version=1, models=[Model("target", "t", "models/target",
+    pack_bundle(out, PackOptions(name="tiny", version=1, models=[Model("target", "t", "models/target",
                                                             ModelSource("local", revision="x"))],
                 files=[*files, *house.files], targets=[Target("cpu", "onnxruntime")], speculative=None,
-                serve={}, expires=None, sign_keys=[keys.release], progress=False, runtime=house.runtime)
+                serve={}, expires=None, sign_keys=[keys.release], progress=False, runtime=house.runtime))
     return out
 
 
