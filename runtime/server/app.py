@@ -71,8 +71,7 @@ class OpenAIServer:
         self.models = ServingModels(model, self.engine, self.slot_plan)
 
     def _gauges(self, scheduler) -> None:
-        self.metrics.running.set(scheduler.num_running)
-        self.metrics.waiting.set(scheduler.num_waiting)
+        self.metrics.scheduler_step(scheduler)
 
     def close(self) -> None:
         self.engine.close()

@@ -294,6 +294,7 @@ class OpenAIServing:
             if job.first_token_at is not None and job.tokens > 1:
                 m.tpot.observe((now - job.first_token_at) / (job.tokens - 1))
             m.outcome(reason)
+            m.request_times(job.arrived, job.engine_request.scheduled, job.first_token_at, now, max_tokens)
             finish(("done", reason, job.text.tokens, job.engine_request.cached_tokens))
             return reason
 
