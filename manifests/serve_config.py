@@ -137,6 +137,8 @@ def _generation_config(v):
     return None  # a folder with generation_config.json: read at start, checked there
 
 
+_MAMBA_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_NO_MAMBA = "no Mamba layers in this model (bundles carry dense transformer families); no effect"
 _NO_HUB = "the bundle carries its model files; nothing is downloaded or loaded from a hub"
 
 FLAGS: tuple[Flag, ...] = (
@@ -210,6 +212,17 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--task", "str", "Model task.", effect=_task),
     Flag("--enable-lora", "bool", "Serve LoRA adapters.", refuse="bundles serve merged weights; merge the "
          "adapter into the checkpoint and build a bundle of it"),
+    Flag("--limit-mm-per-prompt", "json", "Most images/videos/audio items per prompt, e.g. '{\"image\": 0}'.",
+         effect="bundles serve text only (images and audio are refused per request); no effect"),
+    # vLLM's Mamba (state-space) cache settings: the families bundles carry are dense transformers
+    *(Flag(name, kind, doc, choices=choices, effect=_NO_MAMBA) for name, kind, doc, choices in (
+        ("--mamba-cache-dtype", "str", "Mamba cache data type (conv and SSM state).", _MAMBA_DTYPES),
+        ("--mamba-ssm-cache-dtype", "str", "Mamba SSM state data type.", _MAMBA_DTYPES),
+        ("--mamba-block-size", "int", "Mamba cache block size in tokens.", ()),
+        ("--mamba-cache-mode", "str", "Mamba prefix-cache strategy.", ("all", "align", "none")),
+        ("--mamba-backend", "str", "Mamba kernel backend.", ()),
+        ("--enable-mamba-fine-grained-prefix-cache", "pair", "Mamba checkpoints at shared-prefix junctions.", ()),
+    )),
     Flag("--speculative-config", "json", "vLLM-style JSON, e.g. '{\"method\": \"ngram\", "
          "\"num_speculative_tokens\": 3}'. Methods: draft_model (the bundle's draft), ngram, none. "
          "Default: the bundle manifest's setting."),

@@ -269,6 +269,42 @@ def spec_from_request(response_format: dict | None = None, structured_outputs: d
     return specs[0] if specs else None
 
 
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_ONE = ("items", "additionalItems", "not", "if", "then", "else", "contains")
+
+
+def closed_schema(schema: Any) -> Any:
+    """A copy of `schema` whose object schemas allow only the properties they declare, unless they set
+    `additionalProperties` (or `patternProperties`, `unevaluatedProperties`) themselves. As vLLM's default
+    backend does: an open object lets a small model keep adding keys until max_tokens cuts the call off.
+    `allOf` branches stay as written (closing each branch would refuse the properties of the others)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed_schema(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(v) for v in out[key]]
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_schema(out[key])
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed_schema(out["additionalProperties"])
+    is_object = out.get("type") == "object" or "properties" in out
+    if is_object and not any(k in out for k in ("additionalProperties", "patternProperties",
+                                                  "unevaluatedProperties", "allOf", "$ref")):
+        out["additionalProperties"] = False
+    return out
+
+
+def tool_parameters_schema(fn: dict) -> dict:
+    """The grammar's schema for one tool's arguments (named tool_choice, and each item of 'required')."""
+    return closed_schema(fn.get("parameters") or {"type": "object", "properties": {}})
+
+
 def tool_call_schema(tools: list[dict], *, parallel: bool = True) -> dict:
     """vLLM's schema for tool_choice 'required': a JSON array of {name, parameters}, one item per call."""
     items = []
@@ -276,7 +312,7 @@ def tool_call_schema(tools: list[dict], *, parallel: bool = True) -> dict:
         fn = t.get("function") or {}
         items.append({"type": "object", "properties": {
             "name": {"type": "string", "enum": [fn.get("name")]},
-            "parameters": fn.get("parameters") or {"type": "object", "properties": {}}},
+            "parameters": tool_parameters_schema(fn)},
             "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": items} if len(items) > 1 else items[0]}
     if not parallel:

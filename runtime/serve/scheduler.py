@@ -70,6 +70,7 @@ class EngineRequest:
     slot: int | None = None
     computed: int = 0  # tokens[:computed] are in the target slot's cache
     cached_tokens: int = 0  # how many of them came from the prefix cache
+    scheduled: float | None = None  # when it got a slot (monotonic): its queue time ends there
     produced: int = 0
     finish_reason: str | None = None
     spec_hits: float = 0.0  # decayed accepted proposals, and proposals scored (runtime.serve.spec_length)
@@ -152,6 +153,10 @@ class Scheduler:
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.running: dict[int, EngineRequest] = {}
         self._free = list(range(self.num_slots))  # least recently released first
+        #: metrics, read by the engine thread's step hook: tokens computed in the last step, and prompt
+        #: tokens looked up in / found in the prefix cache since start. Nothing is ever preempted here.
+        self.last_step_tokens = 0
+        self.prefix_queries = self.prefix_hits = 0
         self._lock = threading.Lock()
 
     # --- called from any thread ----------------------------------------------------------------
@@ -185,8 +190,12 @@ class Scheduler:
                 finished.append(r)
             admitted = self._take_waiting(len(self._free))
         for r in admitted:
+            r.scheduled = time.monotonic()
             self.runner.place(r, self._pick_slot(r), reuse=self.enable_prefix_caching and r.prompt_logprobs is None)
             self.running[r.slot] = r
+            if self.enable_prefix_caching:  # vLLM's prefix_cache_queries / _hits, in tokens
+                self.prefix_queries += len(r.prompt)
+                self.prefix_hits += r.cached_tokens
         decodes, prefills = [], []
         budget = self.max_num_batched_tokens
         k = self.runner.num_speculative_tokens
@@ -214,6 +223,7 @@ class Scheduler:
                 n = min(len(r.prompt) - r.computed, budget)
                 prefills.append((r, n))
                 budget -= n
+        self.last_step_tokens = sum(1 + g for _, g in decodes) + sum(n for _, n in prefills)
         if decodes or prefills:
             self.runner.step(decodes, prefills)
         for r, _ in [*decodes, *prefills]:

@@ -73,8 +73,7 @@ class OpenAIServer:
         self.invocations = ServingInvocations(self.chat, self.completion)
 
     def _gauges(self, scheduler) -> None:
-        self.metrics.running.set(scheduler.num_running)
-        self.metrics.waiting.set(scheduler.num_waiting)
+        self.metrics.scheduler_step(scheduler)
 
     def close(self) -> None:
         self.engine.close()

@@ -17,6 +17,9 @@ log = logging.getLogger("bundle.serve")
 
 #: vLLM's finished_reason values; our "cancelled" (client went away) is vLLM's "abort".
 FINISHED_REASONS = ("stop", "length", "abort", "error")
+#: vLLM's buckets for the request phase histograms (queue, prefill, decode, inference)
+_REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                         120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -88,12 +91,29 @@ class Metrics:
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between generated tokens")
         self.tpot = histogram("vllm:time_per_output_token_seconds", "Mean time per output token of a request")
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request arrival to last token")
-        self.queue_time = histogram("vllm:request_queue_time_seconds", "Time a request waited for the generator")
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Time a request waited for a slot",
+                                    _REQUEST_TIME_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Slot given to first token (the prompt's prefill)", _REQUEST_TIME_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds", "First token to last token",
+                                     _REQUEST_TIME_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds", "Slot given to last token",
+                                        _REQUEST_TIME_BUCKETS)
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache slots in use (1 is full)")
+        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc", "Fraction of KV cache slots in use "
+                                     "(vLLM's older name of vllm:kv_cache_usage_perc)")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.preemptions = counter("vllm:num_preemptions", "Requests preempted (a slot, once given, is kept "
+                                   "here: always 0)")
+        self._prefix_seen = (0, 0)
         token_buckets = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request",
                                                token_buckets)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Generated tokens per request", token_buckets)
+        self.max_generation_tokens = histogram("vllm:request_max_num_generation_tokens",
+                                               "The max_tokens a request allowed", token_buckets)
         self.request_params_n = histogram("vllm:request_params_n", "The n request parameter", (1, 2, 5, 10, 20))
         self.requests = counter("vllm:request_success", "Finished requests by finish reason", ["finished_reason"])
         for o in FINISHED_REASONS:
@@ -106,6 +126,8 @@ class Metrics:
         self.connections = gauge("bundle:http_connections", "HTTP connections open now")
         self.connections_closed = counter("bundle:http_connections_closed", "HTTP connections the server closed "
                                           "(a read deadline passed, or a connection limit)", ["reason"])
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens computed per engine step",
+                                          (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
         self.running = gauge("vllm:num_requests_running", "Requests generating now")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests queued for the generator")
         self._clock = clock
@@ -117,6 +139,34 @@ class Metrics:
         step, is the overhead outside the engines (scheduling, sampling, detokenizing, hand-off, and
         waiting for the GIL while the event loop holds it)."""
         self.registry.register(_EngineCollector(read, self._base))
+
+    def scheduler_step(self, scheduler) -> None:
+        """After each engine step (engine thread): running and waiting requests, slots in use, tokens
+        computed, and the prefix cache's cumulative lookups."""
+        self.running.set(scheduler.num_running)
+        self.waiting.set(scheduler.num_waiting)
+        usage = scheduler.num_running / max(scheduler.num_slots, 1)
+        self.kv_cache_usage.set(usage)
+        self.gpu_cache_usage.set(usage)
+        if scheduler.last_step_tokens:
+            self.iteration_tokens.observe(scheduler.last_step_tokens)
+        queries, hits = scheduler.prefix_queries, scheduler.prefix_hits
+        self.prefix_queries.inc(queries - self._prefix_seen[0])
+        self.prefix_hits.inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queries, hits)
+
+    def request_times(self, arrived: float, scheduled: float | None, first_token: float | None,
+                      finished: float, max_tokens: int) -> None:
+        """A finished request's phases, as vLLM splits them (queue, prefill, decode, inference), in the
+        engine's monotonic clock."""
+        self.max_generation_tokens.observe(max_tokens)
+        if scheduled is None:
+            return
+        self.queue_time.observe(max(scheduled - arrived, 0.0))
+        self.inference_time.observe(max(finished - scheduled, 0.0))
+        if first_token is not None:
+            self.prefill_time.observe(max(first_token - scheduled, 0.0))
+            self.decode_time.observe(max(finished - first_token, 0.0))
 
     def step(self, tokens: int, drafted: int, accepted: int) -> None:
         self.generation_tokens.inc(tokens)

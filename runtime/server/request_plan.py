@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from manifests.errors import UsageError
-from runtime.serve.grammar import GrammarCompiler, GrammarError, GrammarSpec, spec_from_request, tool_call_schema
+from runtime.serve.grammar import GrammarCompiler, GrammarError, GrammarSpec, spec_from_request, tool_call_schema, \
+    tool_parameters_schema
 from runtime.serve.logits_process import LogitsProcessor, Penalties, ReasoningGate, parse_logit_bias
 from runtime.serve.sampling import SamplingParams
 from runtime.server.chat_output import ChatOutput
@@ -138,7 +139,7 @@ def plan_for(req, *, chat: bool, features: Features, defaults: dict, vocab_size:
             raise RequestError(f"tool_choice {mode!r} and response_format both constrain the output; pass one",
                                "tool_choice")
         schema = tool_call_schema(tools, parallel=req.parallel_tool_calls is not False) if mode == "required" \
-            else (named.get("parameters") or {"type": "object", "properties": {}})
+            else tool_parameters_schema(named)
         spec = GrammarSpec("json_schema", schema)
     grammar = None
     if spec is not None:

@@ -143,9 +143,8 @@ class ServingChat(OpenAIServing):
 
 
 def finish_reason(plan: Plan, out, finish: str) -> str:
-    """vLLM's: "tool_calls" when auto mode found calls or tool_choice 'required' stopped; else the engine's."""
-    if plan.tool_mode == "auto" and finish == "stop" and any(c.arguments for c in out.tool_calls):
-        return "tool_calls"
-    if plan.tool_mode == "required" and finish == "stop":
+    """vLLM's: "tool_calls" when tool_choice 'auto' or 'required' stopped with a call read out of the answer;
+    else the engine's (a 'required' answer that ended inside its reasoning has no call: "stop")."""
+    if plan.tool_mode in ("auto", "required") and finish == "stop" and any(c.arguments for c in out.tool_calls):
         return "tool_calls"
     return finish

@@ -302,6 +302,7 @@ class OpenAIServing:
                 if state.first_token_at is not None and output.completion_tokens > 1:
                     m.tpot.observe((now - state.first_token_at) / (output.completion_tokens - 1))
                 m.outcome(output.finish_reason)
+                m.request_times(state.arrived, job.engine_request.scheduled, state.first_token_at, now, max_tokens)
                 finish(output)
             return state.finish_reason
 

@@ -97,3 +97,21 @@ def test_merge_lays_the_command_line_over_the_bundle():
     assert sc.merge({"max_model_len": 4096, "tool_call_parser": "hermes"},
                     {"max_model_len": 2048, "reasoning_parser": None}) == {
         "max_model_len": 2048, "tool_call_parser": "hermes"}
+
+
+@pytest.mark.parametrize("args", [
+    ["--limit-mm-per-prompt", '{"image": 0, "video": 0}'],
+    ["--mamba-ssm-cache-dtype", "float32"], ["--mamba-cache-dtype", "auto"], ["--mamba-block-size", "64"],
+    ["--mamba-cache-mode", "align"], ["--mamba-backend", "triton"],
+    ["--enable-mamba-fine-grained-prefix-cache"], ["--no-enable-mamba-fine-grained-prefix-cache"],
+])
+def test_multimodal_and_mamba_flags_are_noted_never_unknown(args):
+    notes = sc.check(sc.parse_args(args))
+    flag = args[0].replace("--no-", "--")
+    assert len(notes) == 1 and notes[0].startswith(flag + ":")
+    assert ("text only" if "mm" in flag else "no Mamba layers") in notes[0]
+
+
+def test_mamba_dtype_outside_vllms_choices_is_refused():
+    with pytest.raises(UsageError, match="--mamba-ssm-cache-dtype: expected one of auto, float32"):
+        sc.parse_args(["--mamba-ssm-cache-dtype", "fp8"])

@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.serve.grammar import GrammarCompiler, GrammarError, GrammarSpec, spec_from_request, tool_call_schema
+from runtime.serve.grammar import GrammarCompiler, GrammarError, GrammarSpec, spec_from_request, tool_call_schema, \
+    tool_parameters_schema
 from runtime.serve.logits_process import LogitsProcessor, Penalties, parse_logit_bias, token_logprobs
 from runtime.serve.tokenizer import Tokenizer
 
@@ -136,6 +137,38 @@ def test_required_tool_schema_parses_calls(compiler, tok):
     c = compiler.compile(GrammarSpec("json_schema", tool_call_schema(tools, parallel=False))).constraint()
     out = json.loads(tok.decode(_walk(c, tok, np.random.default_rng(2), steps=400)))
     assert len(out) == 1 and out[0]["name"] == "set_speed" and 0 <= out[0]["parameters"]["rpm"] <= 3000
+
+
+def _accepts(compiler, tok, schema, text: str) -> bool:
+    """Whether the grammar lets the whole of `text` through and may end there."""
+    m = compiler.compile(GrammarSpec("json_schema", schema)).matcher()
+    ids = tok.encode(text)
+    return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+
+OPEN = {"type": "object", "properties": {"city": {"type": "string"},
+                                         "stop": {"type": "object", "properties": {"at": {"type": "integer"}}}},
+        "required": ["city"]}
+
+
+def test_tool_arguments_allow_only_declared_properties(compiler, tok):
+    fn = {"name": "weather", "parameters": OPEN}
+    named = tool_parameters_schema(fn)
+    assert _accepts(compiler, tok, named, '{"city":"Oslo"}')
+    assert not _accepts(compiler, tok, named, '{"city":"Oslo","unit":"C"}')
+    assert not _accepts(compiler, tok, named, '{"city":"Oslo","stop":{"at":1,"x":2}}')  # nested objects too
+    required = tool_call_schema([{"type": "function", "function": fn}])
+    assert _accepts(compiler, tok, required, '[{"name":"weather","parameters":{"city":"Oslo"}}]')
+    assert not _accepts(compiler, tok, required, '[{"name":"weather","parameters":{"city":"Oslo","unit":"C"}}]')
+    assert OPEN.get("additionalProperties") is None  # the caller's tool is left as it was
+
+
+def test_a_schema_that_sets_additional_properties_keeps_its_choice(compiler, tok):
+    schema = tool_parameters_schema({"name": "f", "parameters": {**OPEN, "additionalProperties": True}})
+    assert _accepts(compiler, tok, schema, '{"city":"Oslo","unit":"C"}')
+    typed = tool_parameters_schema({"name": "f", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": {"type": "integer"}}})
+    assert _accepts(compiler, tok, typed, '{"n":1}') and not _accepts(compiler, tok, typed, '{"n":"x"}')
 
 
 # --- logits processing ------------------------------------------------------------------------------

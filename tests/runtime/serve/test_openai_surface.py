@@ -131,6 +131,20 @@ def test_tool_history_is_rendered_through_the_template(surface):
     assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 512
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_answer_that_stops_while_thinking_has_no_tool_calls_finish(sdk, stream):
+    """The template opens <think> and a stop string ends the answer inside it: no call was made."""
+    kw = dict(model="demo", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=60,
+              stop=["<body>"])
+    if stream:
+        chunks = [c.choices[0] for c in sdk.chat.completions.create(stream=True, **kw) if c.choices]
+        finish = [c.finish_reason for c in chunks if c.finish_reason]
+        assert finish == ["stop"] and not any(c.delta.tool_calls for c in chunks)
+        return
+    choice = sdk.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls, choice
+
+
 def test_named_tool_choice_returns_that_function(sdk):
     r = sdk.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, temperature=0, max_tokens=60,
                                     tool_choice={"type": "function", "function": {"name": "escalate"}},
