@@ -1,6 +1,6 @@
 """4-bit weights (MatMulNBits) against fp16 on the CUDA engine and fp32 on the CPU engine, each against its floor.
 
-Run by hand. On the GPU machine (onnxruntime-gpu importable: docs/offline-gpu-host.md):
+Run by hand. On an NVIDIA GPU host (onnxruntime-gpu importable: docs/offline-gpu-host.md):
 
     python benchmarks/bench_quant.py prepare --work /tmp/bq [--shapes 1b,8b]   # random-weight checkpoints, graphs
     python benchmarks/bench_quant.py gpu --work /tmp/bq --out OUT [--shapes 1b,8b]
