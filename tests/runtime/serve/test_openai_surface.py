@@ -424,7 +424,8 @@ def test_vllm_metric_names_and_one_log_line_per_request(surface, sdk, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request chatcmpl-")]
     assert len(lines) == 1
     assert re.search(r"prompt \d+ tokens, completion 6 tokens, ttft [0-9.]+s, [0-9.]+ tokens/s, "
-                     r"acceptance \d+%, finish length", lines[0]), lines[0]
+                     r"(acceptance \d+%, )?finish length", lines[0]), lines[0]  # acceptance: when it drafted (the
+    # adaptive speculation length may draft nothing, by measured step costs)
     text = httpx.get(server.url + "/metrics").text
     for name in ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
