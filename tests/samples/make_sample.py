@@ -38,7 +38,9 @@ def greedy_tokens(installed, prompt=PROMPT, max_tokens=MAX_TOKENS) -> dict:
     out = {}
     for method in ("none", "draft_model"):
         model = load_serving_model(installed, no_speculation=method == "none")
-        steps = model.generator.generate(prompt, SamplingParams(temperature=0.0), max_tokens=max_tokens)
+        from runtime.serve.generator import Generator
+
+        steps = Generator.over(model.runner).generate(prompt, SamplingParams(temperature=0.0), max_tokens=max_tokens)
         out[method] = [t for s in steps for t in s.tokens]
     return out
 

@@ -41,7 +41,9 @@ def test_by_default_weights_no_target_installs_are_left_out_listed_and_the_bundl
     from runtime.server.loader import load_serving_model
 
     model = load_serving_model(installed)
-    steps = model.generator.generate([5, 6, 7], SamplingParams(temperature=0.0), max_tokens=4)
+    from runtime.serve.generator import Generator
+
+    steps = Generator.over(model.runner).generate([5, 6, 7], SamplingParams(temperature=0.0), max_tokens=4)
     assert sum(len(s.tokens) for s in steps) >= 1
 
 

@@ -58,13 +58,16 @@ def test_hub_head_pinned_locked_packed_installed_served(hub, tmp_path):
     installed = Store(tmp_path / "store").current("e3")
     served = load_serving_model(installed)
     plain = load_serving_model(installed, no_speculation=True)
-    assert served.generator.method == "eagle3" and served.generator.runner.head.kv_cache == "batched"
+    assert served.runner.method == "eagle3" and served.runner.head.kv_cache == "batched"
 
     def greedy(model):
-        return [t for s in model.generator.generate(list(range(3, 30, 2)), SamplingParams(temperature=0.0),
-                                                    max_tokens=20) for t in s.tokens]
+        from runtime.serve.generator import Generator
+
+        return [t for s in Generator.over(model.runner).generate(list(range(3, 30, 2)),
+                                                                 SamplingParams(temperature=0.0), max_tokens=20)
+                for t in s.tokens]
     assert greedy(served) == greedy(plain)
-    assert served.generator.stats.num_drafts > 0
+    assert served.runner.stats.num_drafts > 0
 
 
 def test_hub_head_for_another_target_refused_before_its_weights(hub, tmp_path):
