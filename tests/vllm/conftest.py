@@ -15,7 +15,7 @@ from tests.runtime.serve.conftest import RunningServer, demo_installed, installe
 MODEL_NAME = "tiny"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # per file, so its log lines never reach another file's captured stderr
 def vllm_server(installed_bundle):  # noqa: F811
     from runtime.server.app import OpenAIServer
     from runtime.server.loader import load_serving_model
@@ -30,7 +30,7 @@ def vllm_server(installed_bundle):  # noqa: F811
     s.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def demo_server(demo_installed):  # noqa: F811
     """The trained demo pair (4.4 M target + draft, 512 tokens that all decode to text), served with the serve
     defaults its bundle carries: for tests whose assertions need a model whose tokens are words."""

@@ -129,8 +129,10 @@ class RunningServer:
         self.serving.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(serving_model):
+    """Per test file: a server shared across files would write its periodic log line into whatever test
+    of the same worker holds stderr a second later (a CLI test counting its error lines)."""
     from runtime.server.app import OpenAIServer
     from runtime.server.serving_engine import ServeOptions
 

@@ -23,6 +23,21 @@ def _client(slots: int = 4) -> EngineClient:
     return EngineClient(runner, SchedulerConfig(max_num_seqs=slots, max_num_batched_tokens=64))
 
 
+def _submit_four(client, loop, queues, done) -> None:
+    for i in range(4):
+        q: asyncio.Queue = asyncio.Queue()
+        finished = asyncio.Event()
+
+        def on_step(step, q=q, finished=finished):
+            client.post(loop, q.put_nowait, list(step.tokens))
+            if step.finish_reason is not None:
+                client.post(loop, finished.set)
+
+        client.submit(EngineRequest([0, 1 + i], GREEDY, 12, on_step=on_step))
+        queues.append(q)
+        done.append(finished)
+
+
 def test_one_wake_up_of_the_loop_per_engine_step_for_every_stream(monkeypatch):
     wakes = []
     deliver = LoopInbox.deliver
@@ -38,18 +53,10 @@ def test_one_wake_up_of_the_loop_per_engine_step_for_every_stream(monkeypatch):
         loop = asyncio.get_running_loop()
         client.attach(loop)
         queues, done = [], []
-        for i in range(4):
-            q: asyncio.Queue = asyncio.Queue()
-            finished = asyncio.Event()
-
-            def on_step(step, q=q, finished=finished):
-                client.post(loop, q.put_nowait, list(step.tokens))
-                if step.finish_reason is not None:
-                    client.post(loop, finished.set)
-
-            client.submit(EngineRequest([0, 1 + i], GREEDY, 12, on_step=on_step))
-            queues.append(q)
-            done.append(finished)
+        # the engine thread checks for work under this (reentrant) lock: holding it while the four
+        # are submitted makes them start in one step by construction, whatever the machine's load
+        with client._wake:
+            _submit_four(client, loop, queues, done)
         await asyncio.wait_for(asyncio.gather(*(d.wait() for d in done)), 30)
         out = []
         for q in queues:
@@ -67,7 +74,7 @@ def test_one_wake_up_of_the_loop_per_engine_step_for_every_stream(monkeypatch):
     # one delivery per step carries every stream's calls of that step: never one per token
     assert len(wakes) <= client.steps
     assert sum(wakes) == 4 * 12 + 4  # token batches + finish calls (12 one-token steps each)
-    assert max(wakes) >= 4
+    assert max(wakes) >= 4  # the four streams of one step in one wake-up
 
 
 def test_a_closed_loop_cancels_its_requests():
