@@ -199,8 +199,9 @@ class ModelRunner:
         Each decoding request gets one Step through `request.emit`, and so does each request whose
         prompt's last chunk runs now (its first token, sampled from that chunk's last row).
         """
-        t0, target0, draft0 = self._clock(), self.stats.target_seconds, self.stats.draft_seconds
+        t0, target0 = self._clock(), self.stats.target_seconds
         proposals = self._propose(decodes, prefills)
+        propose_s = self._clock() - t0  # the proposer's whole time (its forwards and the Python around them)
         rows, firsts = [], []  # firsts: the prefills whose last chunk this is
         for r, n in prefills:
             last = r.computed + n == len(r.prompt)
@@ -232,13 +233,14 @@ class ModelRunner:
         for (r, _), row_logits in zip(decodes, logits[len(prefills):]):
             drafts, qs = proposals.get(r.slot, ([], []))
             self._finish_row(r, row_logits, drafts, qs, greedy and r.slot not in sampled)
-        target_s, draft_s = self.stats.target_seconds - target0, self.stats.draft_seconds - draft0
+        target_s = self.stats.target_seconds - target0
         rounds = max((len(d) for d, _ in proposals.values()), default=0)
-        # the target's cost line is fitted on decode-only steps: a prefill chunk runs as a call of its
-        # own, with another cost per token than verification rows
+        # the cost model sees decode-only steps: a prefill chunk runs as a call of its own, with another
+        # cost per token than verification rows
         self.speculation.observe_step(0 if prefills else sum(len(row.tokens) for row in rows), target_s, rounds,
-                                      sum(1 for d, _ in proposals.values() if d), draft_s,
-                                      self._clock() - t0 - target_s - draft_s)
+                                      sum(1 for d, _ in proposals.values() if d), propose_s,
+                                      self._clock() - t0 - target_s - propose_s, batch=len(decodes),
+                                      drafted=max((g for _, g in decodes), default=0))
 
     def _finish_row(self, r, row_logits, drafts: list[int], qs: list, greedy: bool) -> None:
         """Accept from a row's target output (argmax or logits after [pending, *drafts]); emit the Step."""

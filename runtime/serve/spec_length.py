@@ -1,21 +1,34 @@
-"""How many draft tokens to verify this step: a cost model over measured step costs and per-slot acceptance.
+"""How many draft tokens to verify this step, 0 (no drafting at all) whenever drafting does not pay.
 
-Verifying g proposals per slot costs the target g more rows per slot and the draft g forwards; it
-pays only while the expected accepted tokens per second beat plain decoding. At batch 1 a row more
-is nearly free (the step is fixed overhead); with many slots the verification rows cost compute
-that plain decoding does not spend, and speculation loses (measured on 16 cores: 0.95x of no
-speculation at 8 streams with a fixed 3). So each step picks one G in 0..K (K the configured
+Verifying G proposals per slot costs the target G more rows per slot, the proposer G rounds (a draft
+forward, an EAGLE-3 head step or an n-gram lookup, with their Python around them) and some bookkeeping;
+it pays only while the expected tokens per second beat plain decoding. Where it does depends on the
+machine and the batch: on 2 CPU cores a verification row costs nearly a plain row, on an H200 a draft
+forward costs nearly a target forward (both launch-bound), and either way the answer changes with the
+number of running sequences. So each step picks one G in 0..K (K the configured
 `num_speculative_tokens`) for every adaptive slot, maximising
 
-    sum over slots of E_i(G)  /  (overhead + target(tokens(G)) + G * draft(slots))
+    tokens(G) / cost(G),  tokens(G) = sum over slots of 1 + p_1 + p_1 p_2 + ... + p_1...p_G
 
-where E_i(G) = 1 + a_i + ... + a_i^G is the expected tokens slot i keeps with per-token acceptance
-a_i (each slot's own, counted from its accepted / proposed tokens, starting from the server-wide
-rate), target() and draft() are least-squares lines of seconds against tokens (target forward) and
-rows (one draft round) fitted online to this machine's measured forwards (exponentially weighted,
-so they follow load), and overhead the step's time outside both. Every `EXPLORE_EVERY` steps the
-choice moves one up or down, so the fits see more than one token count and acceptance keeps being
-measured while speculation is off.
+where p_i is the measured acceptance of proposal position i given the ones before it were accepted
+(server-wide, per method since each runner has one method), scaled for each slot by its own measured
+rate against the server-wide one, and
+
+    cost(G) = target(rows(G)) + G * draft(slots) + other(G)
+
+with target() the target forward's seconds against rows, draft() one proposal round's seconds against
+drafting slots and other() the rest of the step against G, each measured online in the running batch
+size's bucket (1, 2, 3-4, 5-8, ...: `batch_bucket`). Costs are kept per bucket and per G (a group
+changes only when a step of that G runs there), so the few drafted steps a bucket sees while it decodes
+plainly are not forgotten under many plain ones. A bucket that has not measured a cost yet borrows the
+fit over all buckets.
+
+G = 0 unless the best G > 0 beats plain decoding by `MIN_GAIN`: speculation is meant never to lose.
+While a bucket decodes plainly, a probe step drafts the best G > 0 after `PROBE_EVERY` plain steps,
+the wait doubling after each probe that confirms 0, up to `PROBE_MAX` (bounded exploration, a
+deterministic schedule), so acceptance and costs keep being measured and the bucket switches back
+when drafting starts to pay (better acceptance, a lighter load). While it speculates, every
+`EXPLORE_EVERY`-th step tries a neighbouring G so the fits see more than one G.
 
 Lossless: G only changes how many proposals are verified, never how they are accepted, so greedy
 output is token-identical to plain decoding and sampled output is distributed as the target's (G
@@ -26,12 +39,23 @@ turns speculation off for a step with more running requests than that, as vLLM d
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 EXPLORE_EVERY = 16
+PROBE_EVERY = 16  # plain steps in a bucket before its first probe
+PROBE_MAX = 256  # the longest wait between probes
+MIN_GAIN = 0.03  # drafting must promise this much more tokens/s than plain decoding
 DECAY = 0.98  # weight of the past per observation in the cost fits
+GROUP_DECAY = 0.9  # weight of a cost group's past per observation of that group
 ACCEPT_DECAY = 0.9  # per slot: weight of the past per verification
 PRIOR_WEIGHT = 2.0  # the server-wide rate counts as this many proposals in a new slot's estimate
+
+
+def batch_bucket(n: int) -> int:
+    """The bucket of a running batch of n sequences: the smallest power of two >= n (its label)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 class LinearCost:
@@ -54,49 +78,124 @@ class LinearCost:
     def line(self) -> tuple[float, float]:
         """(a, b). With a single x seen so far the slope is unknown: the cost is taken as proportional
         (a = 0), which never makes more rows look free."""
-        if not self._w:
-            return 0.0, 0.0
-        mx, my = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mx * mx
-        if var <= 1e-9 * max(mx * mx, 1.0):
-            return 0.0, (my / mx if mx > 0 else 0.0)
-        b = (self._xy / self._w - mx * my) / var
-        if b < 0:
-            return max(my, 0.0), 0.0
-        a = my - b * mx
-        if a < 0:
-            return 0.0, my / mx if mx > 0 else b
-        return a, b
+        return _line(self._w, self._x, self._y, self._xx, self._xy)
 
     def predict(self, x):
         a, b = self.line()
         return a + b * np.asarray(x, dtype=np.float64)
 
 
+def _line(w, sx, sy, sxx, sxy) -> tuple[float, float]:
+    if not w:
+        return 0.0, 0.0
+    mx, my = sx / w, sy / w
+    var = sxx / w - mx * mx
+    if var <= 1e-9 * max(mx * mx, 1.0):
+        return 0.0, (my / mx if mx > 0 else 0.0)
+    b = (sxy / w - mx * my) / var
+    if b < 0:
+        return max(my, 0.0), 0.0
+    a = my - b * mx
+    if a < 0:
+        return 0.0, my / mx if mx > 0 else b
+    return a, b
+
+
+class GroupedCost:
+    """seconds ~ a + b * x fitted through per-group running means (a group: one G, or one batch size).
+
+    A group's mean follows its own observations only, and its weight in the fit is bounded, so a
+    group seen rarely (the probe steps of a bucket that decodes plainly) keeps its say next to one seen
+    every step. One group alone: proportional (LinearCost's rule)."""
+
+    def __init__(self, decay: float = GROUP_DECAY):
+        self.decay = decay
+        self.groups: dict = {}  # key -> [x mean, seconds mean, weight]
+        self.count = 0
+
+    def observe(self, key, x: float, seconds: float) -> None:
+        g = self.groups.get(key)
+        if g is None:
+            self.groups[key] = [float(x), float(seconds), 1.0]
+        else:
+            d = self.decay
+            g[0] = d * g[0] + (1 - d) * x
+            g[1] = d * g[1] + (1 - d) * seconds
+            g[2] = min(g[2] + 1.0, 1.0 / (1.0 - d))
+        self.count += 1
+
+    def line(self) -> tuple[float, float]:
+        w = sx = sy = sxx = sxy = 0.0
+        for x, y, weight in self.groups.values():
+            w += weight
+            sx += weight * x
+            sy += weight * y
+            sxx += weight * x * x
+            sxy += weight * x * y
+        return _line(w, sx, sy, sxx, sxy)
+
+    def predict(self, x):
+        a, b = self.line()
+        return a + b * np.asarray(x, dtype=np.float64)
+
+    @property
+    def spread(self) -> int:
+        """Distinct x values seen (2 or more: the slope is measured, not assumed)."""
+        return len({round(g[0], 6) for g in self.groups.values()})
+
+
+@dataclass
+class Bucket:
+    """One running-batch-size bucket: its measured costs and its decision."""
+
+    target: GroupedCost
+    draft: GroupedCost
+    other: GroupedCost
+    decision: int = -1  # the cost model's G for the latest step here (-1: not decided yet)
+    steps: int = 0  # adaptive steps decided here
+    skipped: int = 0  # steps that did not draft because drafting did not pay
+    probes: int = 0  # drafted steps run to re-measure while the decision was 0
+    plain_run: int = 0  # plain steps since the last probe
+    probe_wait: int = PROBE_EVERY
+
+    @classmethod
+    def empty(cls) -> "Bucket":
+        return cls(GroupedCost(), GroupedCost(), GroupedCost())
+
+
 class SpeculationLength:
-    """The per-step choice of G; fed by the model runner with what each step cost."""
+    """The per-step choice of G; fed by the model runner with what each step cost and accepted."""
 
     def __init__(self, k: int, *, adaptive: bool = True, disable_by_batch_size: int | None = None,
-                 explore_every: int = EXPLORE_EVERY):
+                 explore_every: int = EXPLORE_EVERY, probe_every: int = PROBE_EVERY, probe_max: int = PROBE_MAX,
+                 min_gain: float = MIN_GAIN):
         self.k = k
         self.adaptive = adaptive and k > 0
         self.disable_by_batch_size = disable_by_batch_size
         self.explore_every = explore_every
-        self.target = LinearCost()
-        self.draft = LinearCost()
-        self._overhead = 0.0
-        self._overhead_seen = False
+        self.probe_every, self.probe_max = probe_every, max(probe_max, probe_every)
+        self.min_gain = min_gain
+        self.buckets: dict[int, Bucket] = {}
+        self.all = Bucket.empty()  # every bucket's observations: what a bucket without its own borrows
         self._hits = 0.0  # server-wide, decayed: accepted proposals / proposals scored
         self._trials = 0.0
-        self._steps = 0
+        self._reached = np.zeros(max(k, 1))  # per position: decayed verifications that reached it
+        self._kept = np.zeros(max(k, 1))  # ... and accepted it
         self.last = k  # the G of the latest step
 
     # --- acceptance ----------------------------------------------------------------------------
+    def rate(self) -> float:
+        """The server-wide per-token acceptance (0.5 before any verification)."""
+        return self._hits / self._trials if self._trials else 0.5
+
     def acceptance(self, request) -> float:
         """The slot's per-token acceptance estimate, the server-wide rate weighing as PRIOR_WEIGHT tries."""
-        prior = self._hits / self._trials if self._trials else 0.5
         hits, trials = getattr(request, "spec_hits", 0.0), getattr(request, "spec_trials", 0.0)
-        return (hits + PRIOR_WEIGHT * prior) / (trials + PRIOR_WEIGHT)
+        return (hits + PRIOR_WEIGHT * self.rate()) / (trials + PRIOR_WEIGHT)
+
+    def position_acceptance(self) -> np.ndarray:
+        """p_i for positions 1..K: accepted given reached, the server-wide rate counting as PRIOR_WEIGHT tries."""
+        return (self._kept + PRIOR_WEIGHT * self.rate()) / (self._reached + PRIOR_WEIGHT)
 
     def record(self, request, drafted: int, accepted: int) -> None:
         """One verification: `accepted` of `drafted` proposals kept. Trials count each accepted token
@@ -108,21 +207,64 @@ class SpeculationLength:
         request.spec_trials = ACCEPT_DECAY * getattr(request, "spec_trials", 0.0) + trials
         self._hits = DECAY * self._hits + accepted
         self._trials = DECAY * self._trials + trials
+        reached = min(trials, len(self._reached))
+        self._reached[:reached] = DECAY * self._reached[:reached] + 1.0
+        kept = min(accepted, len(self._kept))
+        self._kept[:kept] = DECAY * self._kept[:kept] + 1.0
+        if reached > kept:
+            self._kept[kept:reached] *= DECAY
+
+    def expected_tokens(self, rates, g_max: int) -> np.ndarray:
+        """[g_max + 1, slots]: tokens each slot keeps from a verification of G = 0..g_max proposals."""
+        wide = max(self.rate(), 1e-6)
+        p = self.position_acceptance()[:g_max]
+        ratio = np.asarray(rates, dtype=np.float64)[None, :] / wide
+        chain = np.cumprod(np.clip(p[:, None] * ratio, 0.0, 0.999), axis=0)  # [g_max, slots]
+        return np.vstack([np.ones((1, chain.shape[1])), 1.0 + np.cumsum(chain, axis=0)])
 
     # --- costs ---------------------------------------------------------------------------------
     def observe_step(self, target_tokens: int, target_seconds: float, draft_rounds: int, draft_rows: int,
-                     draft_seconds: float, other_seconds: float) -> None:
-        if target_tokens > 0:
-            self.target.observe(target_tokens, target_seconds)
+                     draft_seconds: float, other_seconds: float, *, batch: int | None = None,
+                     drafted: int | None = None) -> None:
+        """One decode step's costs: the target forward over `target_tokens` rows, `draft_rounds` proposal
+        rounds over `draft_rows` slots, the rest. `batch`: decoding sequences (default: the drafting
+        slots); `drafted`: the step's G (default: draft_rounds). A step with prefill rows
+        (target_tokens 0) is not a decode step's cost and is left out."""
+        if target_tokens <= 0:
+            return
+        n = batch if batch is not None else max(draft_rows, 1)
+        g = draft_rounds if drafted is None else drafted
+        b = batch_bucket(n)
+        bucket = self.buckets.setdefault(b, Bucket.empty())
+        bucket.target.observe(g, target_tokens, target_seconds)
+        self.all.target.observe((b, g), target_tokens, target_seconds)
         if draft_rounds > 0 and draft_rows > 0:
-            self.draft.observe(draft_rows, draft_seconds / draft_rounds)
-        self._overhead = other_seconds if not self._overhead_seen else 0.9 * self._overhead + 0.1 * other_seconds
-        self._overhead_seen = True
+            bucket.draft.observe(draft_rows, draft_rows, draft_seconds / draft_rounds)
+            self.all.draft.observe(draft_rows, draft_rows, draft_seconds / draft_rounds)
+        bucket.other.observe(g, g, max(other_seconds, 0.0))
+        self.all.other.observe((b, g), g, max(other_seconds, 0.0))
+
+    def _fits(self, bucket: Bucket, need_draft: bool):
+        """(target, draft, other) fits to predict with: the bucket's own where its slope is measured, else
+        all buckets' where theirs is, else whichever has seen enough (a proportional cost); None: measure."""
+        def pick(own: GroupedCost, shared: GroupedCost, need: int):
+            for fit in (own, shared):
+                if fit.spread >= 2:
+                    return fit
+            return own if own.count >= need else shared if shared.count >= need else None
+
+        target = pick(bucket.target, self.all.target, 2)
+        other = pick(bucket.other, self.all.other, 1)
+        draft = bucket.draft if bucket.draft.count else self.all.draft
+        if target is None or other is None or (need_draft and not draft.count):
+            return None
+        return target, draft, other
 
     # --- the choice ----------------------------------------------------------------------------
-    def choose(self, adaptive: list, fixed: int, *, free_draft: bool = False) -> int:
+    def choose(self, adaptive: list, fixed: int, *, free_draft: bool = False, plain: int = 0) -> int:
         """G for the `adaptive` requests of this step; `fixed` more requests speculate with K anyway
-        (seeded sampling). `free_draft`: proposals cost no draft forward (n-gram lookup)."""
+        (seeded sampling), `plain` more decode without speculating. `free_draft`: proposals need no
+        draft forward (n-gram lookup): their measured cost is used once there is one, else 0."""
         n = len(adaptive) + fixed
         if self.k == 0 or not adaptive:
             return self.k
@@ -130,22 +272,47 @@ class SpeculationLength:
             return self._pick(0)
         if not self.adaptive:
             return self._pick(self.k)
-        if self.target.count < 2 or (not free_draft and self.draft.count < 1):
+        bucket = self.buckets.setdefault(batch_bucket(n + plain), Bucket.empty())
+        fits = self._fits(bucket, need_draft=not free_draft)
+        if fits is None:
             return self._pick(self.k)  # measure the configured length first
+        target, draft, other = fits
         gs = np.arange(self.k + 1)
-        a = np.clip(np.array([self.acceptance(r) for r in adaptive]), 0.0, 0.999)
-        kept = ((1.0 - a[None, :] ** (gs[:, None] + 1)) / (1.0 - a[None, :])).sum(axis=1)
-        tokens = len(adaptive) * (1 + gs) + fixed * (1 + self.k)
+        rates = np.clip([self.acceptance(r) for r in adaptive], 0.0, 0.999)
+        kept = self.expected_tokens(rates, self.k).sum(axis=1)
+        if fixed:
+            kept = kept + fixed * self.expected_tokens([self.rate()], self.k)[self.k, 0]
+        kept = kept + plain
+        tokens = len(adaptive) * (1 + gs) + fixed * (1 + self.k) + plain
         rounds = np.maximum(gs, self.k if fixed else 0)
-        draft = 0.0 if free_draft else rounds * self.draft.predict(n)
-        cost = self._overhead + self.target.predict(tokens) + draft
-        best = int(np.argmax(kept / np.maximum(cost, 1e-9)))
-        self._steps += 1
-        if self.explore_every and self._steps % self.explore_every == 0:  # a neighbour, lossless
-            up = (self._steps // self.explore_every) % 2 == 0
-            best = 1 if best == 0 else best - 1 if best == self.k or not up else best + 1
-        return self._pick(best)
+        per_round = draft.predict(n) if draft.count else 0.0
+        cost = target.predict(tokens) + rounds * per_round + other.predict(gs)
+        speed = kept / np.maximum(cost, 1e-12)
+        best = 1 + int(np.argmax(speed[1:]))  # the best G that drafts
+        pays = speed[best] > speed[0] * (1.0 + self.min_gain)
+        bucket.steps += 1
+        bucket.decision = best if pays else 0
+        if not pays:
+            bucket.plain_run += 1
+            if bucket.plain_run >= bucket.probe_wait:  # re-measure now and then, waiting longer each time
+                bucket.plain_run = 0
+                bucket.probe_wait = min(2 * bucket.probe_wait, self.probe_max)
+                bucket.probes += 1
+                return self._pick(best)
+            bucket.skipped += 1
+            return self._pick(0)
+        bucket.plain_run, bucket.probe_wait = 0, self.probe_every
+        g = best
+        if self.explore_every and bucket.steps % self.explore_every == 0:  # a neighbour, so fits see another G
+            up = (bucket.steps // self.explore_every) % 2 == 0
+            g = best - 1 if best == self.k or not up else best + 1
+        return self._pick(g)
 
     def _pick(self, g: int) -> int:
         self.last = g
         return g
+
+    def snapshot(self) -> dict[int, tuple[int, int, int]]:
+        """Per bucket (its label): (decided G, steps skipped because drafting did not pay, probes)."""
+        return {b: (max(s.decision, 0), s.skipped, s.probes) for b, s in sorted(self.buckets.items())
+                if s.decision >= 0}

@@ -1,0 +1,190 @@
+"""Speculation never loses: the adaptive length (runtime.serve.spec_length) drafts nothing where drafting
+does not pay, per batch-size bucket, probes now and then on a bounded schedule, and drafts again once
+acceptance makes it pay; greedy output is the plain greedy output throughout.
+
+The engines are the numpy Markov chains (their greedy output is known in closed form) behind a fake
+clock that charges each forward what a cost model says, so the choices depend on that model only,
+never on this machine's speed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.engines.base import SequenceSlots
+from runtime.serve.model_runner import ModelRunner
+from runtime.serve.sampling import SamplingParams
+from runtime.serve.scheduler import EngineRequest, Scheduler
+from runtime.serve.spec_length import PROBE_EVERY, SpeculationLength, batch_bucket
+from tests.runtime.serve.toy_engines import MarkovEngine
+
+VOCAB = 48
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class Req:
+    def __init__(self, hits=0.0, trials=0.0):
+        self.spec_hits, self.spec_trials = hits, trials
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TimedSlots(SequenceSlots):
+    """Markov chains in slots; each forward advances the fake clock by `cost(rows, tokens)` seconds."""
+
+    def __init__(self, table, slots: int, clock: FakeClock, cost):
+        super().__init__([MarkovEngine(table) for _ in range(slots)])
+        self.clock, self.cost = clock, cost
+
+    def set_table(self, table) -> None:
+        for seq in self.sequences:
+            seq.table = np.asarray(table, dtype=np.float32)
+
+    def forward(self, rows):
+        self.clock.now += self.cost(len(rows), sum(len(r.tokens) for r in rows))
+        return super().forward(rows)
+
+
+def _tables(seed=3):
+    rng = np.random.default_rng(seed)
+    target = rng.normal(0, 2.0, size=(VOCAB, VOCAB)).astype(np.float32)
+    unrelated = rng.normal(0, 2.0, size=(VOCAB, VOCAB)).astype(np.float32)  # its argmax rarely agrees
+    return target, unrelated
+
+
+def _greedy(table, prompt, n):
+    out, last = [], prompt[-1]
+    for _ in range(n):
+        last = int(np.argmax(table[last]))
+        out.append(last)
+    return out
+
+
+def _launch_bound(rows, tokens):
+    """A GPU-like target: a forward costs its launch, a row more nearly nothing."""
+    return 0.010 + 0.00002 * tokens
+
+
+def _serve(runner, prompts, max_tokens=40, slots=4):
+    """Every prompt through the scheduler, `slots` at a time; (outputs, drafted per step of each request)."""
+    scheduler = Scheduler(runner, max_num_seqs=slots, max_num_batched_tokens=256)
+    steps: dict = {}
+    requests = []
+    for p in prompts:
+        r = EngineRequest(list(p), GREEDY, max_tokens)
+        steps[r.id] = []
+        r.on_step = steps[r.id].append
+        requests.append(r)
+        scheduler.add(r)
+    guard = 0
+    while scheduler.has_work():
+        scheduler.step()
+        guard += 1
+        assert guard < 20000
+    outs = [[t for s in steps[r.id] for t in s.tokens] for r in requests]
+    return outs, [s.drafted for r in requests for s in steps[r.id][1:]]
+
+
+def _runner(draft_table, target_table, draft_cost, slots=4, k=3):
+    clock = FakeClock()
+    target = TimedSlots(target_table, slots, clock, _launch_bound)
+    draft = TimedSlots(draft_table, slots, clock, lambda rows, tokens: draft_cost)
+    return ModelRunner(target, draft, "draft_model", k, clock=clock), draft
+
+
+def _prompts(n, seed=5):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, size=int(rng.integers(2, 9))).tolist() for _ in range(n)]
+
+
+def test_a_costly_draft_that_is_rarely_accepted_is_not_run_and_greedy_output_is_plain():
+    target, unrelated = _tables()
+    runner, _ = _runner(unrelated, target, draft_cost=0.008)  # a draft forward nearly a target forward
+    prompts = _prompts(16)
+    outs, drafted = _serve(runner, prompts)
+    assert outs == [_greedy(target, p, 40) for p in prompts]
+    late = drafted[len(drafted) // 2:]
+    assert sum(1 for g in late if g) <= len(late) / PROBE_EVERY + 1  # probes only, bounded
+    snapshot = runner.speculation.snapshot()
+    assert snapshot[4][0] == 0 and snapshot[4][1] > 0  # batch bucket 4 decided 0, skipped steps counted
+
+
+def test_a_cheap_draft_that_is_accepted_drafts_k_and_greedy_output_is_plain():
+    target, _ = _tables()
+    runner, _ = _runner(target, target, draft_cost=0.0005)  # the draft agrees with the target
+    prompts = _prompts(16)
+    outs, drafted = _serve(runner, prompts)
+    assert outs == [_greedy(target, p, 40) for p in prompts]
+    assert np.mean([g > 0 for g in drafted]) > 0.8
+    assert runner.speculation.snapshot()[4][0] > 0
+
+
+def test_speculation_switches_back_on_when_acceptance_improves():
+    target, unrelated = _tables()
+    runner, draft = _runner(unrelated, target, draft_cost=0.004)
+    prompts = _prompts(12)
+    outs, _ = _serve(runner, prompts)
+    assert runner.speculation.snapshot()[4][0] == 0
+    draft.set_table(target)  # the traffic changes: the draft now proposes what the target picks
+    later = _prompts(60, seed=9)
+    outs2, drafted = _serve(runner, later)
+    assert outs + outs2 == [_greedy(target, p, 40) for p in prompts + later]
+    assert runner.speculation.snapshot()[4][0] > 0
+    tail = drafted[-len(drafted) // 4:]
+    assert np.mean([g > 0 for g in tail]) > 0.8
+
+
+def _observe(policy, n, k, target, draft_round, other=0.0, steps=3):
+    """Feed `policy` decode steps of n slots at G = 0 and G = k under these cost functions."""
+    for _ in range(steps):
+        for g in (0, k):
+            rows = n * (1 + g)
+            policy.observe_step(rows, target(rows), g, n if g else 0, g * draft_round(n), other, batch=n, drafted=g)
+
+
+def test_the_decision_is_per_batch_bucket():
+    """At batch 1 a row more is free and the draft cheap: draft K. At 16 the target is compute-bound
+    (seconds proportional to rows): plain decoding wins even at 80% acceptance."""
+    policy = SpeculationLength(3, explore_every=0)
+    for n, target in ((1, lambda rows: 0.002 + 1e-7 * rows), (16, lambda rows: 0.0004 * rows)):
+        _observe(policy, n, 3, target, lambda n: 0.0002 * n)
+    good = [Req(8, 10)]
+    assert policy.choose(good, 0) == 3
+    assert policy.choose(good * 16, 0) == 0
+    assert batch_bucket(16) == 16 and batch_bucket(9) == 16 and batch_bucket(1) == 1 and batch_bucket(3) == 4
+    snap = policy.snapshot()
+    assert snap[1] == (3, 0, 0) and snap[16] == (0, 1, 0)
+
+
+def test_probes_are_bounded_and_back_off():
+    policy = SpeculationLength(3, explore_every=0)
+    _observe(policy, 4, 3, lambda rows: 0.001 * rows, lambda n: 0.004)
+    bad = [Req(0, 10)] * 4
+    picks = [policy.choose(bad, 0) for _ in range(1000)]
+    probes = [i for i, g in enumerate(picks) if g]
+    # waits of 16, 32, 64, 128, then 256 steps: deterministic, and rarer as 0 keeps being confirmed
+    assert np.diff([-1] + probes).tolist() == [16, 32, 64, 128, 256, 256]
+    _, skipped, n_probes = policy.snapshot()[4]
+    assert n_probes == len(probes) and skipped == 1000 - len(probes)
+
+
+def test_per_position_acceptance_shapes_the_expected_tokens():
+    """Acceptance measured per position: a draft good at its first proposal and poor after it is worth
+    about one proposal, not three; the choice follows."""
+    policy = SpeculationLength(3, explore_every=0)
+    for _ in range(200):
+        policy.record(Req(), 3, 1)  # first proposal accepted, second rejected: every time
+    p = policy.position_acceptance()
+    assert p[0] > 0.95 and p[1] < 0.05
+    e = policy.expected_tokens([policy.rate()], 3)[:, 0]
+    assert e[1] == pytest.approx(e[3], abs=0.1) and e[1] > 1.9
+    # cheap rows, a draft round costing 30% of a plain step: one proposal pays, more do not
+    _observe(policy, 1, 3, lambda rows: 0.01 + 1e-6 * rows, lambda n: 0.003)
+    _observe(policy, 1, 1, lambda rows: 0.01 + 1e-6 * rows, lambda n: 0.003)
+    assert policy.choose([Req()], 0) == 1
