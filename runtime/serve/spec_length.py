@@ -314,5 +314,5 @@ class SpeculationLength:
 
     def snapshot(self) -> dict[int, tuple[int, int, int]]:
         """Per bucket (its label): (decided G, steps skipped because drafting did not pay, probes)."""
-        return {b: (max(s.decision, 0), s.skipped, s.probes) for b, s in sorted(self.buckets.items())
+        return {b: (max(s.decision, 0), s.skipped, s.probes) for b, s in sorted(list(self.buckets.items()))
                 if s.decision >= 0}

@@ -62,6 +62,8 @@ class OpenAIServer:
         self.engine = EngineClient(runner, config, on_step_done=self._gauges)
         self.metrics.watch_engine(lambda: (self.engine.steps, self.engine.step_seconds,
                                            runner.stats.target_seconds + runner.stats.draft_seconds))
+        if runner.num_speculative_tokens:
+            self.metrics.watch_speculation(runner.speculation.snapshot)
         self._preprocess = Preprocess()
         shared = (model, options, self.metrics, self.engine, self._preprocess, Admission())
         compiler = [None]  # the grammar compiler, built once on the first structured request

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger("bundle.serve")
 
@@ -132,6 +132,8 @@ class Metrics:
         self.waiting = gauge("vllm:num_requests_waiting", "Requests queued for the generator")
         self._clock = clock
         self._window = _Window(since=clock())
+        self._speculation = None  # read() -> runtime.serve.spec_length.SpeculationLength.snapshot()
+        self._skipped_seen: dict = {}
 
     def watch_engine(self, read) -> None:
         """Export the engine thread's cumulative counters, read at scrape time (nothing per step):
@@ -139,6 +141,13 @@ class Metrics:
         step, is the overhead outside the engines (scheduling, sampling, detokenizing, hand-off, and
         waiting for the GIL while the event loop holds it)."""
         self.registry.register(_EngineCollector(read, self._base))
+
+    def watch_speculation(self, read) -> None:
+        """Export the adaptive speculation length's decision per batch-size bucket, read at scrape time:
+        `read()` -> {bucket: (G decided, steps skipped because drafting did not pay, probe steps)}
+        (SpeculationLength.snapshot). The periodic log line says it too."""
+        self._speculation = read
+        self.registry.register(_SpeculationCollector(read, self._base))
 
     def scheduler_step(self, scheduler) -> None:
         """After each engine step (engine thread): running and waiting requests, slots in use, tokens
@@ -201,8 +210,20 @@ class Metrics:
         if w.draft_tokens:
             line += (f"; speculative acceptance rate {w.accepted / w.draft_tokens:.1%}, "
                      f"mean acceptance length {1 + w.accepted / w.drafts:.2f}")
+        if self._speculation is not None:
+            line += self._speculation_part()
         log.info(line)
         return line
+
+    def _speculation_part(self) -> str:
+        """'; speculative tokens by batch size 1:3 8:0 (skipped 120 steps: drafting did not pay)'."""
+        snap = self._speculation()
+        if not snap:
+            return ""
+        skipped = sum(s - self._skipped_seen.get(b, 0) for b, (_, s, _) in snap.items())
+        self._skipped_seen = {b: s for b, (_, s, _) in snap.items()}
+        part = "; speculative tokens by batch size " + " ".join(f"{b}:{g}" for b, (g, _, _) in snap.items())
+        return part + (f" (skipped {skipped} steps: drafting did not pay)" if skipped else "")
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -224,3 +245,30 @@ class _EngineCollector:
             family = CounterMetricFamily(name, doc, labels=names)
             family.add_metric(values, value)
             yield family
+
+
+class _SpeculationCollector:
+    """bundle:spec_decode_num_speculative_tokens{batch} (gauge), bundle:spec_decode_skipped_steps{batch}
+    and bundle:spec_decode_probe_steps{batch} (counters); `batch` is the bucket's upper bound (1, 2, 4, 8...)."""
+
+    def __init__(self, read, labels: dict):
+        self._read, self._labels = read, labels
+
+    def collect(self):
+        names = list(self._labels) + ["batch"]
+        values = list(self._labels.values())
+        snap = self._read()
+        gauge = GaugeMetricFamily("bundle:spec_decode_num_speculative_tokens",
+                                  "Draft tokens per step the adaptive length chose, by running batch size bucket "
+                                  "(0: drafting does not pay there)", labels=names)
+        skipped = CounterMetricFamily("bundle:spec_decode_skipped_steps",
+                                      "Steps that drafted nothing because drafting did not pay", labels=names)
+        probes = CounterMetricFamily("bundle:spec_decode_probe_steps",
+                                     "Drafted steps run to re-measure where drafting did not pay", labels=names)
+        for bucket, (g, skip, probe) in snap.items():
+            gauge.add_metric(values + [str(bucket)], g)
+            skipped.add_metric(values + [str(bucket)], skip)
+            probes.add_metric(values + [str(bucket)], probe)
+        yield gauge
+        yield skipped
+        yield probes

@@ -125,7 +125,8 @@ def test_stop_string_spanning_token_boundary(client, reference, serving_model):
 
 def test_metrics_count_speculation_and_latency(server, client):
     drafts0 = metric(server, "vllm:spec_decode_num_drafts_total")
-    client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=10,
+    # seeded sampling always verifies K (a greedy request's length follows this machine's measured costs)
+    client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0.7, seed=1, max_tokens=10,
                                    extra_body={"ignore_eos": True})
     assert metric(server, "vllm:spec_decode_num_drafts_total") > drafts0
     assert metric(server, "vllm:spec_decode_num_draft_tokens_total") >= metric(server,
@@ -143,6 +144,14 @@ def test_metrics_count_speculation_and_latency(server, client):
     client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=10,
                                    extra_body={"ignore_eos": True, "speculative": False})
     assert metric(server, "vllm:spec_decode_num_drafts_total") == drafts1
+
+
+def test_metrics_say_the_speculation_length_chosen_per_batch_bucket(server, client):
+    client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=6)
+    g = metric(server, "bundle:spec_decode_num_speculative_tokens", '{batch="1"}')
+    assert g in (0, 1, 2, 3)  # the tiny bundle's num_speculative_tokens is 3
+    assert metric(server, "bundle:spec_decode_skipped_steps_total", '{batch="1"}') >= 0
+    assert metric(server, "bundle:spec_decode_probe_steps_total", '{batch="1"}') >= 0
 
 
 def _post(server, path, body=None, content=None, headers=None):

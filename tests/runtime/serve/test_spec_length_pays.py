@@ -188,3 +188,24 @@ def test_per_position_acceptance_shapes_the_expected_tokens():
     _observe(policy, 1, 3, lambda rows: 0.01 + 1e-6 * rows, lambda n: 0.003)
     _observe(policy, 1, 1, lambda rows: 0.01 + 1e-6 * rows, lambda n: 0.003)
     assert policy.choose([Req()], 0) == 1
+
+
+def test_metrics_and_the_log_line_show_the_decision_per_bucket():
+    from runtime.server.metrics import Metrics
+
+    state = {1: (3, 0, 0), 8: (0, 120, 2)}
+    metrics = Metrics(3, model_name="m")
+    metrics.watch_speculation(lambda: state)
+    text = metrics.render().decode()
+    assert 'bundle:spec_decode_num_speculative_tokens{batch="1",engine="0",model_name="m"} 3.0' in text
+    assert 'bundle:spec_decode_num_speculative_tokens{batch="8",engine="0",model_name="m"} 0.0' in text
+    assert 'bundle:spec_decode_skipped_steps_total{batch="8",engine="0",model_name="m"} 120.0' in text
+    assert 'bundle:spec_decode_probe_steps_total{batch="8",engine="0",model_name="m"} 2.0' in text
+    metrics.step(4, 3, 2)
+    line = metrics.log_window()
+    assert "speculative tokens by batch size 1:3 8:0 (skipped 120 steps: drafting did not pay)" in line
+    state[8] = (0, 130, 2)
+    metrics.step(1, 0, 0)
+    assert "(skipped 10 steps" in metrics.log_window()  # since the last line
+    metrics.step(1, 0, 0)
+    assert "skipped" not in metrics.log_window()
