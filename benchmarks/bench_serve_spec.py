@@ -1,0 +1,294 @@
+"""Speculation against plain decoding through the real server: `bundle serve` of any installed bundle (or
+bundle directory), N concurrent streams, short and long prompts, the `--no-speculation` baseline in the
+same run.
+
+Run by hand (not a test):
+    python benchmarks/bench_serve_spec.py NAME|DIR [--store DIR] [--streams 1,8,32] [--tokens 128]
+        [--requests 2] [--repeats 3] [--spec-config JSON ...] [--serve-arg=--allow-unsigned ...]
+    python benchmarks/bench_serve_spec.py --demo-cpu ...   # makes and installs the demo pair (cpu) first
+
+Each method's server is `bundle serve` started once as a subprocess on 127.0.0.1 (its own process, so client
+and server share no GIL): "plain" with --no-speculation, "speculative" with the bundle's own speculative
+config (the adaptive length, runtime.serve.spec_length), and one per --spec-config. The client is the
+official `openai` package (AsyncOpenAI): each of N streams sends --requests streamed chat completions back
+to back, --tokens tokens each (ignore_eos), greedy. Rows run interleaved over the servers (every stream
+count x prompt x repeat visits each method in turn) so other load on the machine hits them alike; tok/s is
+all completion tokens / wall time, the median of --repeats. From each server's /metrics: mean accepted
+length (1 + accepted / drafts, vLLM's spec_decode counters) and the adaptive length's choice per batch
+bucket (bundle:spec_decode_num_speculative_tokens) with the steps it skipped because drafting did not pay.
+
+Prints a markdown table (streams, prompt, method, tok/s, vs plain, mean accepted length, ...) and writes
+it, with the command that made it and the machine's load, to --out (default benchmarks/results/) as
+bench_serve_spec_<UTC date>.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import re
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SHORT = "Write a Python function that reads a JSON config file and returns a dict."
+LONG_PARAGRAPH = ("The cache keeps the most recently used entries and evicts the least recently used one when "
+                  "it is full. Each get moves the entry to the front; each put inserts at the front and, past "
+                  "the size limit, removes the entry at the back. ")
+
+
+# --- servers ---------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`bundle serve` in a subprocess on a loopback port, its output in a log file."""
+
+    def __init__(self, label: str, bundle: str, flags: list[str], log_dir: Path, timeout_s: float = 600):
+        self.label, self.port = label, _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', label)}.log"
+        self.cmd = [sys.executable, "-m", "runtime.cli.main", "serve", bundle, "--host", "127.0.0.1",
+                    "--port", str(self.port), *flags]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
+        self._wait(timeout_s)
+        import httpx
+
+        self.model = httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+    def _wait(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.label}: `{shlex.join(self.cmd)}` exited {self.proc.returncode}:\n"
+                                 f"{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise SystemExit(f"{self.label}: not ready after {timeout_s:.0f}s; log: {self.log_path}")
+
+    def fit_prompt(self, words: int, tokens: int) -> str:
+        """The long prompt at about `words` words, fewer where the context (max_model_len) needs it, counted
+        by the server's own /tokenize with the chat template."""
+        import httpx
+
+        while True:
+            prompt = _long_prompt(words)
+            r = httpx.post(self.url + "/tokenize", json={"model": self.model, "messages": [
+                {"role": "user", "content": prompt}]}, timeout=30).json()
+            if r["count"] + tokens + 8 <= r["max_model_len"] or words <= 10:
+                return prompt
+            words = int(words * 0.8)
+
+    def metrics(self) -> dict[str, float]:
+        """name{labels} -> value for the series this benchmark reads."""
+        import httpx
+
+        out = {}
+        for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
+            m = re.match(r"^((?:vllm:spec_decode|bundle:spec_decode)\w*)\{([^}]*)\} (\S+)$", line)
+            if m:
+                batch = re.search(r'batch="(\d+)"', m.group(2))
+                out[m.group(1) + (f"[{batch.group(1)}]" if batch else "")] = float(m.group(3))
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+# --- the client ------------------------------------------------------------------------------------
+async def _drive(server: Server, prompt: str, streams: int, requests: int, tokens: int) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+    ttfts: list[float] = []
+
+    async def one_stream() -> int:
+        total = 0
+        for _ in range(requests):
+            t0 = time.perf_counter()
+            first = None
+            stream = await client.chat.completions.create(
+                model=server.model, messages=[{"role": "user", "content": prompt}], max_tokens=tokens,
+                temperature=0, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.perf_counter() - t0
+                if chunk.usage is not None:
+                    total += chunk.usage.completion_tokens
+            ttfts.append(first if first is not None else time.perf_counter() - t0)
+        return total
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one_stream() for _ in range(streams)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    return {"tokens": sum(counts), "seconds": wall, "tok_s": sum(counts) / wall,
+            "ttft_p50": statistics.median(ttfts)}
+
+
+def run_once(server: Server, prompt: str, streams: int, requests: int, tokens: int) -> dict:
+    before = server.metrics()
+    row = asyncio.run(_drive(server, prompt, streams, requests, tokens))
+    after = server.metrics()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    drafts = delta("vllm:spec_decode_num_drafts_total")
+    row["drafts"] = drafts
+    row["mean_accepted_length"] = 1 + delta("vllm:spec_decode_num_accepted_tokens_total") / drafts if drafts else None
+    row["chosen"] = {int(k[k.index("[") + 1:-1]): int(v) for k, v in after.items()
+                     if k.startswith("bundle:spec_decode_num_speculative_tokens[")}
+    row["skipped_steps"] = sum(v - before.get(k, 0.0) for k, v in after.items()
+                               if k.startswith("bundle:spec_decode_skipped_steps_total["))
+    return row
+
+
+# --- the demo bundle ---------------------------------------------------------------------------------
+def install_demo_cpu(root: Path) -> tuple[str, Path]:
+    """`bundle create --targets cpu --name demo --unsigned` then install it into root/store: (name, store)."""
+    from click.testing import CliRunner
+
+    from bundler.cli.pack import create
+    from runtime.store.store import Store
+
+    r = CliRunner().invoke(create, ["--targets", "cpu", "--name", "demo", "--version", "1", "--unsigned",
+                                    "--out", str(root / "bundle"), "--no-progress", "--no-runtime"],
+                           catch_exceptions=False)
+    if r.exit_code != 0:
+        raise SystemExit(f"bundle create failed:\n{r.output[-3000:]}")
+    Store(root / "store").install(root / "bundle", target="cpu", trusted={}, allow_unsigned=True)
+    return "demo", root / "store"
+
+
+# --- report ----------------------------------------------------------------------------------------
+def table(rows: list[dict]) -> str:
+    head = ("| streams | prompt | method | tok/s | vs plain | mean accepted length | draft tokens chosen "
+            "(batch: k) | steps skipped | TTFT p50 ms |")
+    lines = [head, "|---|---|---|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        base = next(b for b in rows if b["streams"] == r["streams"] and b["prompt"] == r["prompt"]
+                    and b["method"] == "plain")
+        mal = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
+        chosen = " ".join(f"{b}:{g}" for b, g in sorted(r["chosen"].items())) or "-"
+        skipped = f"{r['skipped_steps']:.0f}" if r["method"] != "plain" else "-"
+        lines.append(f"| {r['streams']} | {r['prompt']} | {r['method']} | {r['tok_s']:.1f} | "
+                     f"{r['tok_s'] / base['tok_s']:.2f}x | {mal} | {chosen} | {skipped} | {r['ttft_p50'] * 1e3:.0f} |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"{platform.machine()}, {os.cpu_count()} CPUs, load average {load} (1/5/15 min) at the end"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("bundle", nargs="?", help="installed bundle NAME or a bundle DIR, as `bundle serve` takes")
+    ap.add_argument("--store", help="store to serve NAME from (default: $BUNDLE_STORE)")
+    ap.add_argument("--demo-cpu", action="store_true", help="make and install the demo pair (cpu) in a temp store")
+    ap.add_argument("--streams", default="1,8,32", help="comma-separated concurrent stream counts")
+    ap.add_argument("--tokens", type=int, default=128, help="completion tokens per request (ignore_eos)")
+    ap.add_argument("--requests", type=int, default=2, help="requests per stream, back to back")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (median reported), after a warm-up")
+    ap.add_argument("--long-words", type=int, default=300, help="about how many words the long prompt has")
+    ap.add_argument("--prompts", default="short,long", help="which prompts: short,long")
+    ap.add_argument("--spec-config", action="append", default=[],
+                    help="a --speculative-config JSON for one more speculative server (repeatable)")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="one more flag for every server, e.g. --serve-arg=--target=cuda (repeatable)")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the results files")
+    args = ap.parse_args(argv)
+    if args.demo_cpu == bool(args.bundle):
+        ap.error("expected a bundle NAME|DIR or --demo-cpu (one of them)")
+    streams = [int(s) for s in args.streams.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-spec-"))
+    bundle, store = args.bundle, args.store
+    if args.demo_cpu:
+        bundle, store_path = install_demo_cpu(work)
+        store = str(store_path)
+    common = [*(["--store", store] if store else []), "--max-num-seqs", str(max(streams)),
+              "--max-queued-requests", str(max(streams) * 2), "--disable-log-requests", *args.serve_arg]
+    configs = [("plain", ["--no-speculation"]), ("speculative", [])]
+    configs += [(f"spec {json.loads(c).get('method', '?')}", ["--speculative-config", c]) for c in args.spec_config]
+    servers = []
+    try:
+        for label, flags in configs:
+            servers.append(Server(label, bundle, common + flags, work))
+        prompts = {"short": SHORT, "long": servers[0].fit_prompt(args.long_words, args.tokens)}
+        prompts = {k: v for k, v in prompts.items() if k in args.prompts.split(",")}
+        runs: dict = {}
+        for n in streams:
+            for pname, prompt in prompts.items():
+                for rep in range(args.repeats + 1):
+                    for server in servers:  # interleaved, so load from elsewhere hits every method alike
+                        row = run_once(server, prompt, n, args.requests, args.tokens)
+                        if rep:  # the first round warms every server up at this stream count
+                            runs.setdefault((n, pname, server.label), []).append(row)
+                        print(f"  {n} streams, {pname}, {server.label}, run {rep}: {row['tok_s']:.1f} tok/s",
+                              file=sys.stderr)
+    finally:
+        for server in servers:
+            server.stop()
+    rows = []
+    for (n, pname, label), rs in runs.items():
+        med = sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2]
+        rows.append({"streams": n, "prompt": pname, "method": label, **med,
+                     "tok_s_all": [r["tok_s"] for r in rs]})
+    md = table(rows)
+    command = "python benchmarks/bench_serve_spec.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    header = (f"`{command}`\n\n{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}; bundle "
+              f"{bundle}; {args.tokens} tokens per request, {args.requests} requests per stream, greedy, median of "
+              f"{args.repeats} after a warm-up; servers: " + "; ".join(f"{s.label}: `{shlex.join(s.cmd[3:])}`"
+                                                                         for s in servers))
+    print(header + "\n\n" + md)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"bench_serve_spec_{dt.datetime.now(dt.timezone.utc):%Y-%m-%d_%H%M}"
+    stem.with_suffix(".md").write_text(header + "\n\n" + md + "\n")
+    stem.with_suffix(".json").write_text(json.dumps({"command": command, "machine": machine(), "rows": rows},
+                                                    indent=1))
+    print(f"\nwrote {stem}.md and .json", file=sys.stderr)
+    return 0
+
+
+def _long_prompt(words: int) -> str:
+    text = []
+    while len(text) < words:
+        text += LONG_PARAGRAPH.split()
+    return "Summarise this in one sentence:\n" + " ".join(text[:words])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
