@@ -77,6 +77,7 @@ class ModelRunner:
         self.speculation = SpeculationLength(self.num_speculative_tokens, adaptive=adaptive,
                                              disable_by_batch_size=disable_by_batch_size)
         self._clock = clock
+        self._catch_up = False  # this step's draft caught up on many tokens (set by _propose)
         self.greedy_argmax = greedy_argmax
         #: called before every engine forward (the engine client hands the previous step's tokens to
         #: the event loop there, while the engine is about to release the GIL for its run)
@@ -200,6 +201,7 @@ class ModelRunner:
         prompt's last chunk runs now (its first token, sampled from that chunk's last row).
         """
         t0, target0 = self._clock(), self.stats.target_seconds
+        self._catch_up = False
         proposals = self._propose(decodes, prefills)
         propose_s = self._clock() - t0  # the proposer's whole time (its forwards and the Python around them)
         rows, firsts = [], []  # firsts: the prefills whose last chunk this is
@@ -236,8 +238,9 @@ class ModelRunner:
         target_s = self.stats.target_seconds - target0
         rounds = max((len(d) for d, _ in proposals.values()), default=0)
         # the cost model sees decode-only steps: a prefill chunk runs as a call of its own, with another
-        # cost per token than verification rows
-        self.speculation.observe_step(0 if prefills else sum(len(row.tokens) for row in rows), target_s, rounds,
+        # cost per token than verification rows (and a draft catching up on many tokens is prefilling)
+        decoded = 0 if prefills or self._catch_up else sum(len(row.tokens) for row in rows)
+        self.speculation.observe_step(decoded, target_s, rounds,
                                       sum(1 for d, _ in proposals.values() if d), propose_s,
                                       self._clock() - t0 - target_s - propose_s, batch=len(decodes),
                                       drafted=max((g for _, g in decodes), default=0))
@@ -284,8 +287,11 @@ class ModelRunner:
         # First call: every speculating slot's catch-up (what its draft cache lacks: at least the
         # pending token) plus the draft's share of this step's prefill chunks; then one token per call.
         rows, wanting = [], []
+        # While the cost model drafts nothing, the draft does not prefill either: a slot catches up from
+        # the common prefix when it next drafts (a probe, or once drafting pays again).
+        draft_prefills = self.speculation.last > 0
         for r, n in prefills:
-            if self.uses_draft(r):
+            if self.uses_draft(r) and draft_prefills:
                 end = r.computed + n
                 have = min(common_prefix(self.draft_cache[r.slot], r.tokens[:end]), end)
                 self._rollback(self.draft, self.draft_cache, r.slot, have)
@@ -297,6 +303,8 @@ class ModelRunner:
             have = min(common_prefix(self.draft_cache[r.slot], r.tokens), len(r.tokens) - 1)
             self._rollback(self.draft, self.draft_cache, r.slot, have)
             rows.append(Row(r.slot, r.tokens[have:], fetch="last"))
+            if len(r.tokens) - have > g + 2:  # a catch-up of more than the last step's tokens: a prefill's cost
+                self._catch_up = True
             wanting.append((r, g))
             out[r.slot] = ([], [])
         if not rows:

@@ -41,6 +41,7 @@ class TimedSlots(SequenceSlots):
     def __init__(self, table, slots: int, clock: FakeClock, cost):
         super().__init__([MarkovEngine(table) for _ in range(slots)])
         self.clock, self.cost = clock, cost
+        self.tokens_run = 0
 
     def set_table(self, table) -> None:
         for seq in self.sequences:
@@ -48,6 +49,7 @@ class TimedSlots(SequenceSlots):
 
     def forward(self, rows):
         self.clock.now += self.cost(len(rows), sum(len(r.tokens) for r in rows))
+        self.tokens_run += sum(len(r.tokens) for r in rows)
         return super().forward(rows)
 
 
@@ -113,6 +115,19 @@ def test_a_costly_draft_that_is_rarely_accepted_is_not_run_and_greedy_output_is_
     assert sum(1 for g in late if g) <= len(late) / PROBE_EVERY + 1  # probes only, bounded
     snapshot = runner.speculation.snapshot()
     assert snapshot[4][0] == 0 and snapshot[4][1] > 0  # batch bucket 4 decided 0, skipped steps counted
+
+
+def test_while_drafting_does_not_pay_the_draft_does_not_prefill_prompts():
+    target, unrelated = _tables()
+    runner, draft = _runner(unrelated, target, draft_cost=0.008)
+    _serve(runner, _prompts(8))
+    assert runner.speculation.snapshot()[4][0] == 0
+    rng = np.random.default_rng(1)
+    long_prompts = [rng.integers(0, VOCAB, size=60).tolist() for _ in range(8)]
+    before = draft.tokens_run
+    outs, _ = _serve(runner, long_prompts, max_tokens=12)
+    assert outs == [_greedy(target, p, 12) for p in long_prompts]
+    assert draft.tokens_run - before < sum(map(len, long_prompts)) / 2  # only probes' catch-ups
 
 
 def test_a_cheap_draft_that_is_accepted_drafts_k_and_greedy_output_is_plain():
