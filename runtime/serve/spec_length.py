@@ -112,8 +112,11 @@ class GroupedCost:
         self.decay = decay
         self.groups: dict = {}  # key -> [x mean, seconds mean, weight]
         self.count = 0
+        self._line: tuple[float, float] | None = None  # cached until the next observation
+        self._spread = 0
 
     def observe(self, key, x: float, seconds: float) -> None:
+        self._line = None
         g = self.groups.get(key)
         if g is None:
             self.groups[key] = [float(x), float(seconds), 1.0]
@@ -125,23 +128,27 @@ class GroupedCost:
         self.count += 1
 
     def line(self) -> tuple[float, float]:
-        w = sx = sy = sxx = sxy = 0.0
-        for x, y, weight in self.groups.values():
-            w += weight
-            sx += weight * x
-            sy += weight * y
-            sxx += weight * x * x
-            sxy += weight * x * y
-        return _line(w, sx, sy, sxx, sxy)
+        if self._line is None:
+            w = sx = sy = sxx = sxy = 0.0
+            for x, y, weight in self.groups.values():
+                w += weight
+                sx += weight * x
+                sy += weight * y
+                sxx += weight * x * x
+                sxy += weight * x * y
+            self._line = _line(w, sx, sy, sxx, sxy)
+            self._spread = len({round(g[0], 6) for g in self.groups.values()})
+        return self._line
 
-    def predict(self, x):
+    def predict(self, x: float) -> float:
         a, b = self.line()
-        return a + b * np.asarray(x, dtype=np.float64)
+        return a + b * x
 
     @property
     def spread(self) -> int:
         """Distinct x values seen (2 or more: the slope is measured, not assumed)."""
-        return len({round(g[0], 6) for g in self.groups.values()})
+        self.line()
+        return self._spread
 
 
 @dataclass
@@ -157,6 +164,7 @@ class Bucket:
     probes: int = 0  # drafted steps run to re-measure while the decision was 0
     plain_run: int = 0  # plain steps since the last probe
     probe_wait: int = PROBE_EVERY
+    recheck: bool = False  # decide again at the next step (after a probe)
 
     @classmethod
     def empty(cls) -> "Bucket":
@@ -179,8 +187,8 @@ class SpeculationLength:
         self.all = Bucket.empty()  # every bucket's observations: what a bucket without its own borrows
         self._hits = 0.0  # server-wide, decayed: accepted proposals / proposals scored
         self._trials = 0.0
-        self._reached = np.zeros(max(k, 1))  # per position: decayed verifications that reached it
-        self._kept = np.zeros(max(k, 1))  # ... and accepted it
+        self._reached = [0.0] * k  # per position: decayed verifications that reached it
+        self._kept = [0.0] * k  # ... and accepted it
         self.last = k  # the G of the latest step
 
     # --- acceptance ----------------------------------------------------------------------------
@@ -193,9 +201,10 @@ class SpeculationLength:
         hits, trials = getattr(request, "spec_hits", 0.0), getattr(request, "spec_trials", 0.0)
         return (hits + PRIOR_WEIGHT * self.rate()) / (trials + PRIOR_WEIGHT)
 
-    def position_acceptance(self) -> np.ndarray:
+    def position_acceptance(self) -> list[float]:
         """p_i for positions 1..K: accepted given reached, the server-wide rate counting as PRIOR_WEIGHT tries."""
-        return (self._kept + PRIOR_WEIGHT * self.rate()) / (self._reached + PRIOR_WEIGHT)
+        prior = PRIOR_WEIGHT * self.rate()
+        return [(kept + prior) / (reached + PRIOR_WEIGHT) for kept, reached in zip(self._kept, self._reached)]
 
     def record(self, request, drafted: int, accepted: int) -> None:
         """One verification: `accepted` of `drafted` proposals kept. Trials count each accepted token
@@ -207,20 +216,23 @@ class SpeculationLength:
         request.spec_trials = ACCEPT_DECAY * getattr(request, "spec_trials", 0.0) + trials
         self._hits = DECAY * self._hits + accepted
         self._trials = DECAY * self._trials + trials
-        reached = min(trials, len(self._reached))
-        self._reached[:reached] = DECAY * self._reached[:reached] + 1.0
-        kept = min(accepted, len(self._kept))
-        self._kept[:kept] = DECAY * self._kept[:kept] + 1.0
-        if reached > kept:
-            self._kept[kept:reached] *= DECAY
+        for i in range(min(trials, self.k)):  # position i reached; kept when i < accepted
+            self._reached[i] = DECAY * self._reached[i] + 1.0
+            self._kept[i] = DECAY * self._kept[i] + (1.0 if i < accepted else 0.0)
 
-    def expected_tokens(self, rates, g_max: int) -> np.ndarray:
-        """[g_max + 1, slots]: tokens each slot keeps from a verification of G = 0..g_max proposals."""
+    def expected_tokens(self, rates, g_max: int) -> list[float]:
+        """Tokens the slots of per-token acceptance `rates` keep together from a verification of G = 0..g_max
+        proposals each (plain Python: a handful of floats per slot, cheaper than numpy at this size)."""
         wide = max(self.rate(), 1e-6)
         p = self.position_acceptance()[:g_max]
-        ratio = np.asarray(rates, dtype=np.float64)[None, :] / wide
-        chain = np.cumprod(np.clip(p[:, None] * ratio, 0.0, 0.999), axis=0)  # [g_max, slots]
-        return np.vstack([np.ones((1, chain.shape[1])), 1.0 + np.cumsum(chain, axis=0)])
+        out = [float(len(rates))] + [0.0] * g_max
+        for rate in rates:
+            ratio, chain, kept = rate / wide, 1.0, 1.0
+            for i, pi in enumerate(p):
+                chain *= min(max(pi * ratio, 0.0), 0.999)
+                kept += chain
+                out[i + 1] += kept
+        return out
 
     # --- costs ---------------------------------------------------------------------------------
     def observe_step(self, target_tokens: int, target_seconds: float, draft_rounds: int, draft_rows: int,
@@ -273,31 +285,41 @@ class SpeculationLength:
         if not self.adaptive:
             return self._pick(self.k)
         bucket = self.buckets.setdefault(batch_bucket(n + plain), Bucket.empty())
+        if bucket.decision == 0 and not bucket.recheck and bucket.plain_run + 1 < bucket.probe_wait:
+            # decided 0 here: nothing that could change it (acceptance, drafted steps' costs) is measured
+            # before the next probe, so plain steps cost no evaluation
+            bucket.steps += 1
+            bucket.plain_run += 1
+            bucket.skipped += 1
+            return self._pick(0)
+        bucket.recheck = False
         fits = self._fits(bucket, need_draft=not free_draft)
         if fits is None:
             return self._pick(self.k)  # measure the configured length first
         target, draft, other = fits
-        gs = np.arange(self.k + 1)
-        rates = np.clip([self.acceptance(r) for r in adaptive], 0.0, 0.999)
-        kept = self.expected_tokens(rates, self.k).sum(axis=1)
-        if fixed:
-            kept = kept + fixed * self.expected_tokens([self.rate()], self.k)[self.k, 0]
-        kept = kept + plain
-        tokens = len(adaptive) * (1 + gs) + fixed * (1 + self.k) + plain
-        rounds = np.maximum(gs, self.k if fixed else 0)
+        rates = [min(max(self.acceptance(r), 0.0), 0.999) for r in adaptive]
+        kept = self.expected_tokens(rates, self.k)
+        bonus = plain + (fixed * self.expected_tokens([self.rate()], self.k)[self.k] if fixed else 0.0)
         per_round = draft.predict(n) if draft.count else 0.0
-        cost = target.predict(tokens) + rounds * per_round + other.predict(gs)
-        speed = kept / np.maximum(cost, 1e-12)
-        best = 1 + int(np.argmax(speed[1:]))  # the best G that drafts
+        speed = []
+        for g in range(self.k + 1):
+            tokens = len(adaptive) * (1 + g) + fixed * (1 + self.k) + plain
+            rounds = max(g, self.k if fixed else 0)
+            cost = target.predict(tokens) + rounds * per_round + other.predict(g)
+            speed.append((kept[g] + bonus) / max(cost, 1e-12))
+        best = max(range(1, self.k + 1), key=speed.__getitem__)  # the best G that drafts
         pays = speed[best] > speed[0] * (1.0 + self.min_gain)
         bucket.steps += 1
         bucket.decision = best if pays else 0
+        # a slope assumed, not measured (one G seen so far): this step's plain costs will measure it
+        bucket.recheck = target.spread < 2 or other.spread < 2
         if not pays:
             bucket.plain_run += 1
             if bucket.plain_run >= bucket.probe_wait:  # re-measure now and then, waiting longer each time
                 bucket.plain_run = 0
                 bucket.probe_wait = min(2 * bucket.probe_wait, self.probe_max)
                 bucket.probes += 1
+                bucket.recheck = True  # the next step decides again, with what the probe measured
                 return self._pick(best)
             bucket.skipped += 1
             return self._pick(0)

@@ -197,7 +197,7 @@ def test_per_position_acceptance_shapes_the_expected_tokens():
         policy.record(Req(), 3, 1)  # first proposal accepted, second rejected: every time
     p = policy.position_acceptance()
     assert p[0] > 0.95 and p[1] < 0.05
-    e = policy.expected_tokens([policy.rate()], 3)[:, 0]
+    e = policy.expected_tokens([policy.rate()], 3)
     assert e[1] == pytest.approx(e[3], abs=0.1) and e[1] > 1.9
     # cheap rows, a draft round costing 30% of a plain step: one proposal pays, more do not
     _observe(policy, 1, 3, lambda rows: 0.01 + 1e-6 * rows, lambda n: 0.003)
