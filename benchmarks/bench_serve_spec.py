@@ -32,6 +32,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import socket
 import statistics
 import subprocess
@@ -194,16 +195,17 @@ def install_demo_cpu(root: Path) -> tuple[str, Path]:
 
 # --- report ----------------------------------------------------------------------------------------
 def table(rows: list[dict]) -> str:
-    head = ("| streams | prompt | method | tok/s | vs plain | mean accepted length | draft tokens chosen "
-            "(batch: k) | steps skipped | TTFT p50 ms |")
-    lines = [head, "|---|---|---|---:|---:|---:|---|---:|---:|"]
+    head = ("| streams | prompt | method | tok/s | runs (min-max) | vs plain | mean accepted length | draft tokens "
+            "chosen (batch: k) | steps skipped | TTFT p50 ms |")
+    lines = [head, "|---|---|---|---:|---|---:|---:|---|---:|---:|"]
     for r in rows:
         base = next(b for b in rows if b["streams"] == r["streams"] and b["prompt"] == r["prompt"]
                     and b["method"] == "plain")
         mal = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
         chosen = " ".join(f"{b}:{g}" for b, g in sorted(r["chosen"].items())) or "-"
         skipped = f"{r['skipped_steps']:.0f}" if r["method"] != "plain" else "-"
-        lines.append(f"| {r['streams']} | {r['prompt']} | {r['method']} | {r['tok_s']:.1f} | "
+        spread = f"{min(r['tok_s_all']):.0f}-{max(r['tok_s_all']):.0f}"
+        lines.append(f"| {r['streams']} | {r['prompt']} | {r['method']} | {r['tok_s']:.1f} | {spread} | "
                      f"{r['tok_s'] / base['tok_s']:.2f}x | {mal} | {chosen} | {skipped} | {r['ttft_p50'] * 1e3:.0f} |")
     return "\n".join(lines)
 
@@ -261,6 +263,7 @@ def main(argv=None) -> int:
     finally:
         for server in servers:
             server.stop()
+        shutil.rmtree(work, ignore_errors=True)
     rows = []
     for (n, pname, label), rs in runs.items():
         med = sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2]

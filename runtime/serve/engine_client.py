@@ -5,8 +5,9 @@ The server submits `EngineRequest`s and reads their Steps through each request's
 runs every step, so the engines never see two callers; the event loop only queues and cancels.
 
 Hand-off to the event loop: `post` from the engine thread only queues the call; the queued calls
-of a step go to each loop in ONE `call_soon_threadsafe`, made just before the next engine forward
-(the model runner's `before_forward`), or at once when the engine has nothing more to do. Waking
+of a step go to each loop in ONE `call_soon_threadsafe`, made just before the next target forward
+(the model runner's `before_forward`; not before a draft's, which is too short to cover the loop's turn),
+or at once when the engine has nothing more to do. Waking
 the loop releases the GIL (a write to its self-pipe) and the woken loop keeps it while it streams
 the chunks; woken once per token (as before), or at the end of a step, the engine thread waited
 for the loop's whole turn before its next step (cProfile under 8 streams: 2.8 ms per wake-up against

@@ -79,8 +79,10 @@ class ModelRunner:
         self._clock = clock
         self._catch_up = False  # this step's draft caught up on many tokens (set by _propose)
         self.greedy_argmax = greedy_argmax
-        #: called before every engine forward (the engine client hands the previous step's tokens to
-        #: the event loop there, while the engine is about to release the GIL for its run)
+        #: called before every target forward (the engine client hands the previous step's tokens to
+        #: the event loop there, while the target is about to release the GIL for its run). Not before the
+        #: draft's: its short single-threaded forwards would then wait for the loop's whole streaming turn
+        #: to get the GIL back, which made every drafted step pay that turn several times over
         self.before_forward = None
         self._mirrors()
 
@@ -340,7 +342,7 @@ class ModelRunner:
     def _forward(self, engine: Engine, mirror: list[list[int]], rows: list[Row], role: str, *,
                  greedy: bool = False, logits_for: Collection[int] = ()) -> list[np.ndarray]:
         """greedy: argmax only (Engine.forward_greedy), except logits for the slots in logits_for."""
-        if self.before_forward is not None:
+        if self.before_forward is not None and role == "target":
             self.before_forward()
         t0 = self._clock()
         logits = engine.forward_greedy(rows, logits_for=logits_for) if greedy else engine.forward(rows)

@@ -27,7 +27,8 @@ G = 0 unless the best G > 0 beats plain decoding by `MIN_GAIN`: speculation is m
 While a bucket decodes plainly, a probe step drafts the best G > 0 after `PROBE_EVERY` plain steps,
 the wait doubling after each probe that confirms 0, up to `PROBE_MAX` (bounded exploration, a
 deterministic schedule), so acceptance and costs keep being measured and the bucket switches back
-when drafting starts to pay (better acceptance, a lighter load). While it speculates, every
+when drafting starts to pay (better acceptance, a lighter load); between probes its plain steps skip the
+evaluation (nothing it depends on but plain costs is measured there). While it speculates, every
 `EXPLORE_EVERY`-th step tries a neighbouring G so the fits see more than one G.
 
 Lossless: G only changes how many proposals are verified, never how they are accepted, so greedy
@@ -164,7 +165,7 @@ class Bucket:
     probes: int = 0  # drafted steps run to re-measure while the decision was 0
     plain_run: int = 0  # plain steps since the last probe
     probe_wait: int = PROBE_EVERY
-    recheck: bool = False  # decide again at the next step (after a probe)
+    recheck: bool = False  # decide again at the next step (after a probe, or while a slope is assumed)
 
     @classmethod
     def empty(cls) -> "Bucket":

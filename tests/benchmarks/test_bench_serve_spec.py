@@ -19,7 +19,7 @@ def test_the_table_has_the_plain_baseline_and_a_results_file(installed_bundle, t
             "--repeats", "1", "--prompts", "short", "--out", str(tmp_path)]
     assert bench_serve_spec.main(argv) == 0
     out = capsys.readouterr().out
-    rows = re.findall(r"^\| (\d+) \| short \| (\w+) \| [\d.]+ \| ([\d.]+)x \|", out, re.M)
+    rows = re.findall(r"^\| (\d+) \| short \| (\w+) \| [\d.]+ \| [\d-]+ \| ([\d.]+)x \|", out, re.M)
     assert sorted((n, m) for n, m, _ in rows) == [("1", "plain"), ("1", "speculative"), ("2", "plain"),
                                                   ("2", "speculative")]
     assert all(ratio == "1.00" for _, m, ratio in rows if m == "plain")
