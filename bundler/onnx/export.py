@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Iterable
 
 from bundler.model_config import read_config
-from manifests.errors import UsageError
+from manifests.errors import ModelError, UsageError
 from manifests.families import check_family
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,11 @@ KV_CACHE_LAYOUTS = ("concat", "shared", "batched")
 #: Graph dtypes (weights, activations, KV cache). float16 only for the concat layout: the shared
 #: layout is for ONNX Runtime on CPU, where fp16 buys nothing but casts.
 DTYPES = ("float32", "float16", "bfloat16")
+#: Families whose attention normalises each head's q and k before rotary (the in-place graphs' path).
+Q_K_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+#: Families with routed experts: only the in-place graphs (bundler.onnx.blocks.moe) run them; tracing the
+#: torch model would bake in the experts the trace's tokens happened to choose.
+ROUTED_FAMILIES = ("qwen3_moe",)
 
 
 def past_names(num_layers: int) -> list[str]:
@@ -176,6 +181,9 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
         raise UsageError(f"expected a Hugging Face checkpoint with config.json in {checkpoint_dir}, found none")
     config = read_config(checkpoint_dir, merge_text_config=False)
     family, arch = check_family(config, str(checkpoint_dir))
+    if family in ROUTED_FAMILIES and kv_cache == "concat":
+        raise ModelError(f"{checkpoint_dir}: model type {family!r} has routed experts, which the traced concat "
+                         f"KV-cache graph cannot hold; expected kv_cache 'batched' or 'shared' (ONNX Runtime targets)")
     opset = opset or DEFAULT_OPSET
     out_dir.mkdir(parents=True, exist_ok=True)
     aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
@@ -272,9 +280,9 @@ def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str
     result.weights.unlink(missing_ok=True)
     try:
         if layout == "batched":
-            build_batched_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family == "qwen3", fusions=fusions)
+            build_batched_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family in Q_K_NORM_FAMILIES, fusions=fusions)
         else:
-            build_shared_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family == "qwen3")
+            build_shared_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family in Q_K_NORM_FAMILIES)
     except BaseException:  # no half-written graph that looks complete
         result.graph.unlink(missing_ok=True)
         result.weights.unlink(missing_ok=True)

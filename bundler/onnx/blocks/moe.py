@@ -1,0 +1,126 @@
+"""Routed experts (Qwen3-MoE's sparse MLP) as ONNX Runtime's com.microsoft MoE operator.
+
+transformers' Qwen3MoeSparseMoeBlock: router logits = x @ gate.T; probabilities = softmax in float32 over
+every expert; the top `num_experts_per_tok` are kept and, with `norm_topk_prob`, renormalised to sum to 1;
+each chosen expert is a SwiGLU MLP (down(silu(gate(x)) * up(x))) weighted by its probability. There is no
+shared expert. Layers listed in `mlp_only_layers`, or whose index + 1 is not a multiple of
+`decoder_sparse_step`, keep the dense MLP.
+
+The MoE operator takes the token-major form [tokens, hidden] and the router *logits*: its kernel applies
+the softmax, the top-k and (normalize_routing_weights) the renormalisation itself. ONNX Runtime's CPU
+kernel (1.32) runs SwiGLU only with swiglu_fusion=1: gate and up interleaved in one fc1 weight
+[experts, 2 * inter, hidden] (gate at even rows, up at odd), fc2 = down [experts, hidden, inter]; it has no
+fc3 path. activation_alpha 1 and beta 0 make its SwiGLU plain silu(gate) * up.
+
+Ties. torch.topk's choice among equal router scores is unspecified (on the CPU it picks the lower expert
+index in some positions and the higher in others), and the MoE kernel picks the higher index. With
+norm_topk_prob the graph therefore chooses the experts with the standard TopK operator, whose ties go to
+the lower index by the ONNX specification, and hands MoE logits that are -inf outside that choice: the
+kernel's softmax over them is exactly the renormalised top-k probabilities, so nothing else changes.
+Without norm_topk_prob the weights are the probabilities over all experts, which masking would change, so
+the logits go to MoE as they are and ties follow the kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from manifests.errors import ModelError
+
+MS_DOMAIN = "com.microsoft"
+#: config.json key of the expert count: Qwen's checkpoints write num_experts, transformers 5 num_local_experts.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    return cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
+
+
+def num_experts(cfg: Any) -> int:
+    for key in EXPERT_COUNT_KEYS:
+        value = _get(cfg, key)
+        if value:
+            return int(value)
+    return 0
+
+
+def sparse_layers(cfg: Any) -> frozenset[int]:
+    """Indices of the decoder layers whose MLP is routed experts (transformers' Qwen3MoeDecoderLayer rule)."""
+    if not num_experts(cfg):
+        return frozenset()
+    step = int(_get(cfg, "decoder_sparse_step", 1) or 1)
+    dense = set(_get(cfg, "mlp_only_layers", None) or ())
+    return frozenset(i for i in range(int(_get(cfg, "num_hidden_layers", 0)))
+                     if i not in dense and (i + 1) % step == 0)
+
+
+def expert_parameters(cfg: Any) -> int:
+    """Weights of every expert of every sparse layer (gate, up, down), router excluded: what a checkpoint
+    holds beyond what a dense reading of its config counts, whatever few experts a token uses."""
+    inter = int(_get(cfg, "moe_intermediate_size", 0) or 0)
+    return len(sparse_layers(cfg)) * num_experts(cfg) * 3 * int(_get(cfg, "hidden_size", 0)) * inter
+
+
+def router_parameters(cfg: Any) -> int:
+    return len(sparse_layers(cfg)) * num_experts(cfg) * int(_get(cfg, "hidden_size", 0))
+
+
+@dataclass(frozen=True)
+class GraphOps:
+    """What a block needs from the graph builder: add a node, add an initializer, read a checkpoint tensor."""
+
+    node: Callable[..., Any]  # node(op, inputs, outputs=None, domain="", **attrs) -> output name(s)
+    add: Callable[[str, np.ndarray], str]  # add(name, array) -> initializer name
+    tensor: Callable[[str], np.ndarray]  # float32 numpy of a checkpoint tensor
+    has: Callable[[str], bool]  # whether the checkpoint holds a tensor
+
+
+def expert_weights(g: GraphOps, prefix: str, experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(fc1 [experts, 2*inter, hidden] with gate/up interleaved, fc2 [experts, hidden, inter]) from either
+    checkpoint layout: one tensor per expert (the Hub's) or transformers 5's fused 3D gate_up_proj/down_proj."""
+    if g.has(f"{prefix}.experts.gate_up_proj"):
+        gate_up = g.tensor(f"{prefix}.experts.gate_up_proj")  # [experts, 2*inter, hidden]: gate | up
+        inter = gate_up.shape[1] // 2
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        down = g.tensor(f"{prefix}.experts.down_proj")
+    else:
+        gate = np.stack([g.tensor(f"{prefix}.experts.{j}.gate_proj.weight") for j in range(experts)])
+        up = np.stack([g.tensor(f"{prefix}.experts.{j}.up_proj.weight") for j in range(experts)])
+        down = np.stack([g.tensor(f"{prefix}.experts.{j}.down_proj.weight") for j in range(experts)])
+    if gate.shape[0] != experts or down.shape[0] != experts:
+        raise ModelError(f"{prefix}: expected {experts} experts, found weights for {gate.shape[0]}")
+    fc1 = np.empty((experts, 2 * gate.shape[1], gate.shape[2]), np.float32)
+    fc1[:, 0::2], fc1[:, 1::2] = gate, up
+    return fc1, np.ascontiguousarray(down, np.float32)
+
+
+def sparse_moe(g: GraphOps, x: str, prefix: str, cfg: Any) -> str:
+    """The routed-experts MLP of x [batch, seq, hidden] (layer prefix `model.layers.<i>.mlp`): [batch, seq, hidden]."""
+    from onnx import TensorProto, helper
+
+    experts, top_k = num_experts(cfg), int(_get(cfg, "num_experts_per_tok"))
+    hidden = int(_get(cfg, "hidden_size"))
+    if not 0 < top_k <= experts:
+        raise ModelError(f"{prefix}: expected num_experts_per_tok in 1..{experts}, found {top_k}")
+    if str(_get(cfg, "hidden_act", "silu")) != "silu":
+        raise ModelError(f"{prefix}: expected silu experts (SwiGLU), found {_get(cfg, 'hidden_act')!r}")
+    node = g.node
+    tokens = node("Reshape", [x, g.add(f"shape_tokens_{hidden}", np.array([-1, hidden], np.int64))])
+    # Gemm, not MatMul: the router stays float32 when the graph's MatMuls are made 4-bit (bundler.onnx.quantize).
+    logits = node("Gemm", [tokens, g.add(f"{prefix}.gate.weight", g.tensor(f"{prefix}.gate.weight"))], transB=1)
+    normalize = bool(_get(cfg, "norm_topk_prob", False))
+    if normalize:  # choose with TopK (ties: lower index), then only the chosen logits reach MoE
+        k = g.add(f"top_k_{top_k}", np.array([top_k], np.int64))
+        values, indices = node("TopK", [logits, k], [f"{prefix}/top_values", f"{prefix}/top_indices"],
+                               axis=-1, largest=1, sorted=1)
+        floor = node("ConstantOfShape", [node("Shape", [logits])],
+                     value=helper.make_tensor("neg_inf", TensorProto.FLOAT, [1], [-np.inf]))
+        logits = node("ScatterElements", [floor, indices, values], axis=1)
+    fc1, fc2 = expert_weights(g, prefix, experts)
+    y = node("MoE", [tokens, logits, g.add(f"{prefix}.experts.fc1", fc1), "", g.add(f"{prefix}.experts.fc2", fc2)],
+             domain=MS_DOMAIN, k=top_k, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0,
+             activation_beta=0.0, normalize_routing_weights=int(normalize))
+    return node("Reshape", [y, node("Shape", [x])])
