@@ -191,8 +191,8 @@ def engine_layout(profile: Any) -> EngineLayout:
 
 
 FORMULA = ("weights = (parameters + vocab x hidden when the embeddings are tied: the graph holds its own "
-           "lm_head) x B (+ 2 x positions x head_dim/2 x 4 rotary tables on ONNX Runtime; with int4, routed experts and their "
-           "routers stay at B bytes: ONNX Runtime's MoE operator takes them unquantized); "
+           "lm_head) x B (+ 2 x positions x head_dim/2 x 4 rotary tables on ONNX Runtime; with int4, routed experts are 4-bit "
+           "too (QMoE) when the block size divides hidden and moe_intermediate, and their routers stay at B bytes); "
            "KV cache (per sequence: `bundle serve` holds as many as its KV budget allows, at most --max-num-seqs) "
            "= copies x 2 x layers x kv_heads x head_dim x (max_model_len + spare) x B; spare = 64 padding rows "
            "on ONNX Runtime's batched graph, else 0; "
@@ -207,7 +207,7 @@ def device_memory(cfg: Mapping[str, Any], parameters: int, max_model_len: int, p
                   weights_from: str = "") -> MemoryEstimate:
     """What the device allocates to serve one model (see FORMULA), for a profile's engine layout; a profile
     with quantization int4 (manifests.quantization.with_quantization) counts 4-bit linear layers."""
-    from bundler.onnx.blocks.moe import expert_parameters, router_parameters
+    from bundler.onnx.blocks.moe import expert_parameters, experts_quantizable, router_parameters
     from manifests.quantization import DEFAULT_BLOCK_SIZE, applied, weight_bytes_per_parameter
 
     s = _shape(cfg)
@@ -219,7 +219,9 @@ def device_memory(cfg: Mapping[str, Any], parameters: int, max_model_len: int, p
     if applied(profile) == "int4":  # every linear layer (the lm_head too) in MatMulNBits blocks
         per = weight_bytes_per_parameter(int(profile.extra.get("quantization_block_size", DEFAULT_BLOCK_SIZE)), b)
         embed = s["vocab"] * s["hidden"]  # the Gather table stays in the graph's dtype
-        weights = (embed + experts) * b + int((parameters + tied_head - embed - experts) * per)
+        block = int(profile.extra.get("quantization_block_size", DEFAULT_BLOCK_SIZE))
+        float_experts = router_parameters(cfg) + (0 if experts_quantizable(cfg, block) else expert_parameters(cfg))
+        weights = (embed + float_experts) * b + int((parameters + tied_head - embed - float_experts) * per)
     if lay.rotary_tables:
         weights += 2 * (s["positions"] + lay.kv_spare_rows) * (s["head_dim"] // 2) * 4
     kv = kv_cache_bytes(cfg, max_model_len + lay.kv_spare_rows, b, lay.kv_copies)

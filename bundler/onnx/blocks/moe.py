@@ -64,6 +64,12 @@ def expert_parameters(cfg: Any) -> int:
     return len(sparse_layers(cfg)) * num_experts(cfg) * 3 * int(_get(cfg, "hidden_size", 0)) * inter
 
 
+def experts_quantizable(cfg: Any, block_size: int) -> bool:
+    """Whether quantize_experts makes this config's experts 4-bit: QMoE needs whole blocks along K."""
+    inter = int(_get(cfg, "moe_intermediate_size", 0) or 0)
+    return bool(inter) and not int(_get(cfg, "hidden_size", 0)) % block_size and not inter % block_size
+
+
 def router_parameters(cfg: Any) -> int:
     return len(sparse_layers(cfg)) * num_experts(cfg) * int(_get(cfg, "hidden_size", 0))
 
@@ -124,3 +130,65 @@ def sparse_moe(g: GraphOps, x: str, prefix: str, cfg: Any) -> str:
              domain=MS_DOMAIN, k=top_k, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0,
              activation_beta=0.0, normalize_routing_weights=int(normalize))
     return node("Reshape", [y, node("Shape", [x])])
+
+
+# --- 4-bit experts (bundle create --quantization int4) ----------------------------------------------------------
+
+#: The operator 4-bit experts run in: ONNX Runtime's QMoE, block-wise int4 weights in its raw layout
+#: (weights_prepacked=0: [experts, N, K/2] uint8, low nibble first, as MatMulNBits packs a row).
+QMOE_OPERATOR = "com.microsoft.QMoE"
+
+
+def rtn_int4(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric round-to-nearest 4 bits over blocks of `block` along the last axis (K), the range widened to
+    hold 0 as MatMulNBits' quantizer does: (packed [.., N, K/2] uint8, scales [.., N, K/block] float32,
+    zero points [.., N, ceil(K/block/2)] uint8, two per byte, low nibble first)."""
+    *lead, n, k = w.shape
+    nb = k // block
+    blocks = w.reshape(*lead, n, nb, block).astype(np.float32)
+    lo, hi = np.minimum(blocks.min(-1), 0.0), np.maximum(blocks.max(-1), 0.0)
+    scale = (hi - lo) / 15.0
+    scale[scale == 0] = 1.0
+    zp = np.clip(np.round(-lo / scale), 0, 15).astype(np.uint8)
+    q = np.clip(np.round(blocks / scale[..., None]) + zp[..., None], 0, 15).astype(np.uint8).reshape(*lead, n, k)
+    packed = q[..., 0::2] | (q[..., 1::2] << 4)
+    zz = np.zeros((*lead, n, 2 * -(-nb // 2)), np.uint8)
+    zz[..., :nb] = zp
+    return packed.astype(np.uint8), scale.astype(np.float32), (zz[..., 0::2] | (zz[..., 1::2] << 4)).astype(np.uint8)
+
+
+def quantize_experts(model, block_size: int) -> tuple[str, ...]:
+    """Rewrite every MoE node of `model` (an onnx ModelProto with its weights loaded) as QMoE over 4-bit
+    experts; returns the expert weights quantized (initializer names, sorted). A node whose hidden or expert
+    width is not a multiple of `block_size` stays float (QMoE needs whole blocks). Scales take the type of
+    the graph's activations (float32 or float16); a bfloat16 graph keeps float experts."""
+    from onnx import helper, numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    done: list[str] = []
+    for i in range(len(model.graph.node)):
+        n = model.graph.node[i]
+        if n.op_type != "MoE" or n.domain != MS_DOMAIN or len(n.input) < 5 or any(n.input[5:]) or n.input[3]:
+            continue
+        fc1, fc2 = (inits.get(n.input[j]) for j in (2, 4))
+        if fc1 is None or fc2 is None:
+            continue
+        w1, w2 = numpy_helper.to_array(fc1), numpy_helper.to_array(fc2)
+        if w1.dtype not in (np.float32, np.float16) or w1.shape[-1] % block_size or w2.shape[-1] % block_size:
+            continue
+        names = []
+        for name, w in ((fc1.name, w1), (fc2.name, w2)):
+            packed, scale, zp = rtn_int4(w.astype(np.float32), block_size)
+            for suffix, a in (("", packed), ("_scales", scale.astype(w.dtype)), ("_zero_points", zp)):
+                model.graph.initializer.append(numpy_helper.from_array(a, f"{name}_q4{suffix}"))
+            names.append(f"{name}_q4")
+            model.graph.initializer.remove(inits[name])
+            done.append(name)
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        q = helper.make_node("QMoE", [n.input[0], n.input[1], names[0], names[0] + "_scales", "", names[1],
+                                      names[1] + "_scales", "", "", "", "", names[0] + "_zero_points",
+                                      names[1] + "_zero_points"],
+                             list(n.output), name=n.name + "_q4", domain=MS_DOMAIN, **attrs, expert_weight_bits=4,
+                             block_size=block_size, weights_prepacked=0, accuracy_level=0)
+        model.graph.node[i].CopyFrom(q)
+    return tuple(sorted(done))

@@ -130,7 +130,7 @@ def test_routed_experts_are_all_counted_from_config():
     assert config_parameters(dense_reading) < 5e9  # what the count would be with the experts forgotten
 
 
-def test_routed_experts_count_matches_the_checkpoint_and_stay_unquantized_under_int4(tmp_path):
+def test_routed_experts_count_matches_the_checkpoint_and_int4_counts_them_in_4_bits(tmp_path):
     from bundler.resolve.checks import config_parameters, device_memory, safetensors_parameters
     from manifests.quantization import QuantizeOptions, with_quantization
     from tests.models import make_tiny_checkpoint
@@ -140,10 +140,13 @@ def test_routed_experts_count_matches_the_checkpoint_and_stay_unquantized_under_
     q_k_norms = cfg["num_hidden_layers"] * 2 * cfg["head_dim"]  # per-head norm weights, not in the config count
     assert safetensors_parameters(sorted(ckpt.glob("*.safetensors"))) == config_parameters(cfg) + q_k_norms
 
-    cpu = get_profile("cpu")
-    params = config_parameters(cfg)
-    full = device_memory(cfg, params, 256, cpu).weights_bytes
-    int4 = device_memory(cfg, params, 256, with_quantization(cpu, QuantizeOptions(mode="int4"))).weights_bytes
+    cpu, params = get_profile("cpu"), config_parameters(cfg)
+
+    def weights(block: int) -> int:
+        profile = with_quantization(cpu, QuantizeOptions(mode="int4", block_size=block))
+        return device_memory(cfg, params, 256, profile).weights_bytes
+
     experts = 3 * 8 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 3  # 3 sparse layers, 8 experts each
-    assert int4 > experts * 4  # fp32 experts (ONNX Runtime's MoE operator takes no 4-bit weights here)
-    assert int4 < full
+    # moe_intermediate_size 32: whole blocks of 32 (QMoE, ~0.64 bytes a weight), not of 64 (float, 4 bytes)
+    assert weights(64) - weights(32) > 3 * experts
+    assert weights(32) < device_memory(cfg, params, 256, cpu).weights_bytes / 3
