@@ -319,14 +319,29 @@ def check_servable(model_dir: Path, name: str | None = None, *, allow_no_chat_te
     return False
 
 
+def check_layout(family: str, profiles: Iterable[Any], name: str) -> None:
+    """Routed experts run only in the in-place graphs (ONNX Runtime); a target whose engines trace the concat
+    graph (TensorRT without int4) is refused before any download, naming the targets that can serve it."""
+    from bundler.onnx.export import ROUTED_FAMILIES
+
+    if family not in ROUTED_FAMILIES:
+        return
+    traced = [p.id for p in profiles if engine_layout(p).kv_copies == 2]
+    if traced:
+        raise ModelError(f"{name}: model type {family!r} has routed experts, which the TensorRT graph of "
+                         f"{', '.join(traced)} cannot hold; expected ONNX Runtime targets (cpu, cuda)")
+
+
 def run_preflight_checks(models: Mapping[str, Any], profiles: Iterable[Any], max_model_len: int, *,
                          force: bool = False, warn: Callable[[str], None] | None = None,
                          allow_no_chat_template: bool = False) -> None:
     """All checks for `bundle create`, on plans or resolved models ({role: obj with .local_dir, .name,
     .weight_bytes}); the architecture, tokenizer and chat-template checks are not overridable (the
     template's absence can be allowed explicitly), the memory check is (--force)."""
-    for m in models.values():
-        check_architecture(m.local_dir, m.name)
+    families = {role: check_architecture(m.local_dir, m.name) for role, m in models.items()}
+    profiles = list(profiles)
+    for role, m in models.items():
+        check_layout(families[role], profiles, m.name or str(m.local_dir))
     target = models["target"]
     check_servable(target.local_dir, target.name, allow_no_chat_template=allow_no_chat_template, warn=warn)
     if "draft" in models:

@@ -124,6 +124,7 @@ def sparse_moe(g: GraphOps, x: str, prefix: str, cfg: Any) -> str:
                                axis=-1, largest=1, sorted=1)
         floor = node("ConstantOfShape", [node("Shape", [logits])],
                      value=helper.make_tensor("neg_inf", TensorProto.FLOAT, [1], [-np.inf]))
+        floor = node("CastLike", [floor, logits])  # the half-precision graphs (bundler.onnx.half) too
         logits = node("ScatterElements", [floor, indices, values], axis=1)
     fc1, fc2 = expert_weights(g, prefix, experts)
     y = node("MoE", [tokens, logits, g.add(f"{prefix}.experts.fc1", fc1), "", g.add(f"{prefix}.experts.fc2", fc2)],

@@ -150,3 +150,17 @@ def test_routed_experts_count_matches_the_checkpoint_and_int4_counts_them_in_4_b
     # moe_intermediate_size 32: whole blocks of 32 (QMoE, ~0.64 bytes a weight), not of 64 (float, 4 bytes)
     assert weights(64) - weights(32) > 3 * experts
     assert weights(32) < device_memory(cfg, params, 256, cpu).weights_bytes / 3
+
+
+def test_routed_experts_for_a_tensorrt_target_are_refused_before_download(tmp_path):
+    from types import SimpleNamespace
+
+    from tests.models import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "moe", family="qwen3_moe", num_layers=2)
+    models = {"target": SimpleNamespace(local_dir=ckpt, name="acme/moe", weight_files=None, weight_bytes=None)}
+    with pytest.raises(ModelError, match=r"acme/moe: model type 'qwen3_moe' has routed experts, which the TensorRT "
+                                         r"graph of jetson-thor cannot hold; expected ONNX Runtime targets") as e:
+        run_preflight_checks(models, [get_profile("cpu"), get_profile("jetson-thor")], 256)
+    assert e.value.exit_code == 8
+    run_preflight_checks(models, [get_profile("cpu")], 256)  # the cpu target takes it
