@@ -176,3 +176,65 @@ def test_the_traced_concat_graph_is_refused_for_routed_experts(moe_exports, tmp_
 
     with pytest.raises(ModelError, match="routed experts.*expected kv_cache 'batched' or 'shared'"):
         export_onnx(moe_exports["checkpoint"], tmp_path / "concat")
+
+
+def _reference_with_tie_rule(checkpoint: Path, tokens: list[int], prefer_lower: bool) -> np.ndarray:
+    """transformers' logits with its router's top-k replaced by a stable sort: ties to the lower expert index
+    (prefer_lower), or to the higher. Everything else is transformers' own code."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = F.linear(hidden_states, self.weight)
+        probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+        order = probs if prefer_lower else probs.flip(-1)
+        top, idx = torch.sort(order, dim=-1, descending=True, stable=True)
+        top, idx = top[:, :self.top_k], idx[:, :self.top_k]
+        if not prefer_lower:
+            idx = self.num_experts - 1 - idx
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), idx
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    original = m.Qwen3MoeTopKRouter.forward
+    m.Qwen3MoeTopKRouter.forward = forward
+    try:
+        with torch.no_grad():
+            return model(torch.tensor([tokens])).logits[0].numpy()
+    finally:
+        m.Qwen3MoeTopKRouter.forward = original
+
+
+def test_tied_experts_in_the_whole_model_follow_the_lower_index_rule(moe_exports, tmp_path):
+    """Every sparse layer's experts 1 and 2 get one router row: wherever they tie for the last chosen place,
+    the graph takes expert 1, as transformers' router does when its top-k is a stable sort."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from bundler.onnx.export import export_onnx
+
+    ckpt = tmp_path / "tied"
+    shutil.copytree(moe_exports["checkpoint"], ckpt)
+    weights = load_file(str(ckpt / "model.safetensors"))
+    noise = torch.Generator().manual_seed(0)
+    for name in [n for n in weights if n.endswith(".mlp.gate.weight")]:
+        gate = weights[name].clone()
+        gate[2] = gate[1]
+        gate[0] = gate[1] + 0.3 * torch.randn(gate[1].shape, generator=noise)  # expert 0 near them: often one of the pair is 2nd
+        weights[name] = gate
+    save_file(weights, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    tokens = np.random.default_rng(11).integers(0, moe_exports["batched"].vocab_size, 40).tolist()
+    lower = _reference_with_tie_rule(ckpt, tokens, prefer_lower=True)
+    higher = _reference_with_tie_rule(ckpt, tokens, prefer_lower=False)
+    assert np.abs(lower - higher).max() > 100 * ATOL  # ties at the boundary happened and matter
+    result = export_onnx(ckpt, tmp_path / "onnx", kv_cache="batched")
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    engine = OnnxRuntimeEngine(result.graph, max_context=64)
+    assert_logits(np.asarray(engine.forward_one(tokens[:24])), lower[:24], ATOL, "prefill with ties")
+    for i in range(24, 40):
+        assert_logits(np.asarray(engine.forward_one([tokens[i]])), lower[i:i + 1], ATOL, f"decode {i} with ties")
