@@ -40,7 +40,7 @@ from typing import Iterable
 
 from bundler.model_config import read_config
 from manifests.errors import ModelError, UsageError
-from manifests.families import check_family
+from manifests.families import FAMILIES, check_family
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +58,6 @@ KV_CACHE_LAYOUTS = ("concat", "shared", "batched")
 #: Graph dtypes (weights, activations, KV cache). float16 only for the concat layout: the shared
 #: layout is for ONNX Runtime on CPU, where fp16 buys nothing but casts.
 DTYPES = ("float32", "float16", "bfloat16")
-#: Families whose attention normalises each head's q and k before rotary (the in-place graphs' path).
-Q_K_NORM_FAMILIES = ("qwen3", "qwen3_moe")
-#: Families with routed experts: only the in-place graphs (bundler.onnx.blocks.moe) run them; tracing the
-#: torch model would bake in the experts the trace's tokens happened to choose.
-ROUTED_FAMILIES = ("qwen3_moe",)
 
 
 def past_names(num_layers: int) -> list[str]:
@@ -181,7 +176,7 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
         raise UsageError(f"expected a Hugging Face checkpoint with config.json in {checkpoint_dir}, found none")
     config = read_config(checkpoint_dir, merge_text_config=False)
     family, arch = check_family(config, str(checkpoint_dir))
-    if family in ROUTED_FAMILIES and kv_cache == "concat":
+    if FAMILIES[family].routed_experts and kv_cache == "concat":
         raise ModelError(f"{checkpoint_dir}: model type {family!r} has routed experts, which the traced concat "
                          f"KV-cache graph cannot hold; expected kv_cache 'batched' or 'shared' (ONNX Runtime targets)")
     opset = opset or DEFAULT_OPSET
@@ -280,9 +275,9 @@ def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str
     result.weights.unlink(missing_ok=True)
     try:
         if layout == "batched":
-            build_batched_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family in Q_K_NORM_FAMILIES, fusions=fusions)
+            build_batched_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=FAMILIES[family].q_k_norm, fusions=fusions)
         else:
-            build_shared_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family in Q_K_NORM_FAMILIES)
+            build_shared_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=FAMILIES[family].q_k_norm)
     except BaseException:  # no half-written graph that looks complete
         result.graph.unlink(missing_ok=True)
         result.weights.unlink(missing_ok=True)

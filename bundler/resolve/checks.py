@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from bundler.model_config import read_config
 from manifests.errors import ModelError
-from manifests.families import check_family
+from manifests.families import FAMILIES, check_family
 from manifests.strict_json import parse as parse_json
 from manifests.sizes import format_size
 from manifests.limits import LIMITS
@@ -322,9 +322,7 @@ def check_servable(model_dir: Path, name: str | None = None, *, allow_no_chat_te
 def check_layout(family: str, profiles: Iterable[Any], name: str) -> None:
     """Routed experts run only in the in-place graphs (ONNX Runtime); a target whose engines trace the concat
     graph (TensorRT without int4) is refused before any download, naming the targets that can serve it."""
-    from bundler.onnx.export import ROUTED_FAMILIES
-
-    if family not in ROUTED_FAMILIES:
+    if not FAMILIES[family].routed_experts:
         return
     traced = [p.id for p in profiles if engine_layout(p).kv_copies == 2]
     if traced:
