@@ -19,6 +19,9 @@ the lower index by the ONNX specification, and hands MoE logits that are -inf ou
 kernel's softmax over them is exactly the renormalised top-k probabilities, so nothing else changes.
 Without norm_topk_prob the weights are the probabilities over all experts, which masking would change, so
 the logits go to MoE as they are and ties follow the kernel.
+
+Memory at export: one layer's experts at a time (fc1 and fc2 of every expert of that layer, float32), not
+one tensor as for the dense layers: the operator takes them as one tensor each.
 """
 
 from __future__ import annotations
