@@ -275,7 +275,8 @@ def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str
     result.weights.unlink(missing_ok=True)
     try:
         if layout == "batched":
-            build_batched_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=FAMILIES[family].q_k_norm, fusions=fusions)
+            build_batched_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=FAMILIES[family].q_k_norm,
+                                   fusions=fusions)
         else:
             build_shared_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=FAMILIES[family].q_k_norm)
     except BaseException:  # no half-written graph that looks complete

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from manifests.errors import ModelError
+from manifests.families import FAMILIES
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +273,7 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
         return node("Add", [x, linear(act, f"{p}.mlp.down_proj")])
 
     ops = moe.GraphOps(node, w.add, ckpt.get, ckpt.__contains__)
-    sparse = {f"model.layers.{i}" for i in moe.sparse_layers(cfg)}
+    sparse = {f"model.layers.{i}" for i in moe.sparse_layers(cfg)} if FAMILIES[family].routed_experts else set()
     cos_name, sin_name = w.add("cos_cache", cos), w.add("sin_cache", sin)
     if gqa and has_q_k_norm:
         raise ModelError("the gqa variant has no q/k norm (Qwen3) path; expected a model without q_norm/k_norm")

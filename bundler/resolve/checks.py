@@ -191,8 +191,9 @@ def engine_layout(profile: Any) -> EngineLayout:
 
 
 FORMULA = ("weights = (parameters + vocab x hidden when the embeddings are tied: the graph holds its own "
-           "lm_head) x B (+ 2 x positions x head_dim/2 x 4 rotary tables on ONNX Runtime; with int4, routed experts are 4-bit "
-           "too (QMoE) when the block size divides hidden and moe_intermediate, and their routers stay at B bytes); "
+           "lm_head) x B (+ 2 x positions x head_dim/2 x 4 rotary tables on ONNX Runtime; with int4, routed "
+           "experts are 4-bit too (QMoE) when the block size divides hidden and moe_intermediate, and their "
+           "routers stay at B bytes); "
            "KV cache (per sequence: `bundle serve` holds as many as its KV budget allows, at most --max-num-seqs) "
            "= copies x 2 x layers x kv_heads x head_dim x (max_model_len + spare) x B; spare = 64 padding rows "
            "on ONNX Runtime's batched graph, else 0; "

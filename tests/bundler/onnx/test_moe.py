@@ -112,7 +112,8 @@ def _block_session(cfg: dict, weights: dict[str, np.ndarray]):
     graph = helper.make_graph(nodes, "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", h])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", h])],
                               list(inits.values()))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24),
+                                                    helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 11
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
@@ -136,7 +137,8 @@ def test_tied_router_scores_choose_the_lower_expert_index():
     x = (v / np.linalg.norm(v) + 0.01 * rng.standard_normal(hidden)).astype(np.float32)
     weights = {"mlp.gate.weight": np.stack([2 * v, v, v, -v]).astype(np.float32)}
     for e in range(experts):
-        for name, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
+        for name, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
+                            ("down_proj", (hidden, inter))):
             weights[f"mlp.experts.{e}.{name}.weight"] = (0.5 * rng.standard_normal(shape)).astype(np.float32)
     cfg = {"hidden_size": hidden, "num_experts": experts, "num_experts_per_tok": 2, "norm_topk_prob": True,
            "moe_intermediate_size": inter, "hidden_act": "silu"}
@@ -224,7 +226,8 @@ def test_tied_experts_in_the_whole_model_follow_the_lower_index_rule(moe_exports
     for name in [n for n in weights if n.endswith(".mlp.gate.weight")]:
         gate = weights[name].clone()
         gate[2] = gate[1]
-        gate[0] = gate[1] + 0.3 * torch.randn(gate[1].shape, generator=noise)  # expert 0 near them: often one of the pair is 2nd
+        # expert 0 near the pair: often it is first and one of the pair second
+        gate[0] = gate[1] + 0.3 * torch.randn(gate[1].shape, generator=noise)
         weights[name] = gate
     save_file(weights, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
     tokens = np.random.default_rng(11).integers(0, moe_exports["batched"].vocab_size, 40).tolist()
