@@ -29,6 +29,17 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
 }
+#: Families with routed experts: only the in-place graphs export them (not in FAMILIES, whose tests trace
+#: the concat graph too). Layer 2 keeps the dense MLP (mlp_only_layers), the others route 8 experts, top 2.
+ROUTED_FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [2]}),
+}
+#: Routed families' router and expert weights are redrawn with these standard deviations: transformers'
+#: 0.02 makes every router score nearly equal and every expert's output tiny, so a wrong choice of
+#: experts would hide under the logits' tolerance.
+ROUTER_STD, EXPERT_STD = 1.0, 0.2
 
 
 def make_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
@@ -60,7 +71,7 @@ def make_tiny_checkpoint(out_dir: Path, *, family: str = "llama", vocab_size: in
     import torch
     import transformers
 
-    cfg_name, model_name, extra = FAMILIES[family]
+    cfg_name, model_name, extra = {**FAMILIES, **ROUTED_FAMILIES}[family]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer_from is not None:
@@ -79,6 +90,11 @@ def make_tiny_checkpoint(out_dir: Path, *, family: str = "llama", vocab_size: in
         tie_word_embeddings=False, **extra)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
+    if family in ROUTED_FAMILIES:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".mlp.gate." in name + "." or ".mlp.experts." in name + ".":
+                    param.normal_(0.0, ROUTER_STD if ".mlp.gate." in name + "." else EXPERT_STD)
     model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": pad}))
     return out_dir

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Iterable
 
 from bundler.model_config import read_config
-from manifests.errors import UsageError
-from manifests.families import check_family
+from manifests.errors import ModelError, UsageError
+from manifests.families import FAMILIES, check_family
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,9 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
         raise UsageError(f"expected a Hugging Face checkpoint with config.json in {checkpoint_dir}, found none")
     config = read_config(checkpoint_dir, merge_text_config=False)
     family, arch = check_family(config, str(checkpoint_dir))
+    if FAMILIES[family].routed_experts and kv_cache == "concat":
+        raise ModelError(f"{checkpoint_dir}: model type {family!r} has routed experts, which the traced concat "
+                         f"KV-cache graph cannot hold; expected kv_cache 'batched' or 'shared' (ONNX Runtime targets)")
     opset = opset or DEFAULT_OPSET
     out_dir.mkdir(parents=True, exist_ok=True)
     aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
@@ -272,9 +275,10 @@ def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str
     result.weights.unlink(missing_ok=True)
     try:
         if layout == "batched":
-            build_batched_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family == "qwen3", fusions=fusions)
+            build_batched_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=FAMILIES[family].q_k_norm,
+                                   fusions=fusions)
         else:
-            build_shared_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family == "qwen3")
+            build_shared_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=FAMILIES[family].q_k_norm)
     except BaseException:  # no half-written graph that looks complete
         result.graph.unlink(missing_ok=True)
         result.weights.unlink(missing_ok=True)

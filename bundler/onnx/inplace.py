@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from manifests.errors import ModelError
+from manifests.families import FAMILIES
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ AUX_OUTPUT = "aux_hidden_states"
 IR_VERSION = 9
 ALIGN = 64  # byte alignment of each tensor in the external-data file
 
-_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
 
 
 class _Checkpoint:
@@ -201,6 +202,8 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
     from onnx import TensorProto as TP
     from onnx import helper as h
 
+    from bundler.onnx.blocks import moe
+
     cfg = config
     batched = layout == BATCHED_LAYOUT
     family, layers = result.family, result.num_layers
@@ -260,6 +263,8 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
     def mlp_block(x, attn, p):  # o_proj + residual, post-attention norm, SwiGLU MLP + residual
         x = node("Add", [x, linear(attn, f"{p}.self_attn.o_proj")])
         hs = rms(x, f"{p}.post_attention_layernorm.weight")
+        if p in sparse:  # routed experts (bundler.onnx.blocks.moe)
+            return node("Add", [x, moe.sparse_moe(ops, hs, f"{p}.mlp", cfg)])
         if "gate_up" in fusions:
             gate, up = packed(hs, f"{p}.mlp", ("gate_proj", "up_proj"))
         else:
@@ -267,6 +272,8 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
         act = node("Mul", [node("Mul", [gate, node("Sigmoid", [gate])]), up])
         return node("Add", [x, linear(act, f"{p}.mlp.down_proj")])
 
+    ops = moe.GraphOps(node, w.add, ckpt.get, ckpt.__contains__)
+    sparse = {f"model.layers.{i}" for i in moe.sparse_layers(cfg)} if FAMILIES[family].routed_experts else set()
     cos_name, sin_name = w.add("cos_cache", cos), w.add("sin_cache", sin)
     if gqa and has_q_k_norm:
         raise ModelError("the gqa variant has no q/k norm (Qwen3) path; expected a model without q_norm/k_norm")
@@ -374,7 +381,7 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
             outputs.append(h.make_tensor_value_info(f"present.{i}.{part}", TP.FLOAT, cache))
     graph = h.make_graph(nodes, "decoder", inputs, outputs, w.initializers)
     if batched:
-        contrib = fusions & {"skip_norm", "gqa"}
+        contrib = fusions & {"skip_norm", "gqa"} or sparse  # MoE is a com.microsoft op
         opsets = [h.make_opsetid("", BATCHED_OPSET)] + ([h.make_opsetid(MS_DOMAIN, 1)] if contrib else [])
         doc = "batched in-place KV-cache decoding (TensorScatter + Attention, one cache region per slot)"
     else:
