@@ -25,6 +25,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mistral", ("MistralForCausalLM",), "attention + MLP"),
     Family("qwen2", ("Qwen2ForCausalLM",), "attention + MLP"),
     Family("qwen3", ("Qwen3ForCausalLM",), "attention (q/k norms) + MLP"),
+    Family("qwen3_5_text", ("Qwen3_5ForCausalLM",), "Gated DeltaNet + attention"),
 )}
 
 #: config.json architectures of EAGLE-3 draft heads (the public checkpoints' and vLLM's names).

@@ -29,6 +29,14 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
 }
+#: Families whose layers mix attention with recurrent ones: the batched graph only, so not in FAMILIES
+#: (which every layout's tests walk). Qwen3.5: layers 0, 2 Gated DeltaNet, 1, 3 gated attention.
+HYBRID_FAMILIES = {
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {
+        "head_dim": 16, "layer_types": ["linear_attention", "full_attention"] * 2,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}),
+}
 
 
 def make_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
@@ -60,7 +68,9 @@ def make_tiny_checkpoint(out_dir: Path, *, family: str = "llama", vocab_size: in
     import torch
     import transformers
 
-    cfg_name, model_name, extra = FAMILIES[family]
+    cfg_name, model_name, extra = {**FAMILIES, **HYBRID_FAMILIES}[family]
+    if family in HYBRID_FAMILIES:
+        num_layers = len(extra["layer_types"])
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer_from is not None:
@@ -79,6 +89,11 @@ def make_tiny_checkpoint(out_dir: Path, *, family: str = "llama", vocab_size: in
         tie_word_embeddings=False, **extra)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
+    if family in HYBRID_FAMILIES:  # norms start at 0 (scale 1 + w) and gates at fixed values: move them all
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.ndim == 1:
+                    param.add_(0.2 * torch.randn_like(param))
     model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": pad}))
     return out_dir

@@ -40,7 +40,11 @@ from typing import Iterable
 
 from bundler.model_config import read_config
 from manifests.errors import UsageError
+from bundler.onnx.inplace import HYBRID_FAMILIES
 from manifests.families import check_family
+
+#: Families whose attention normalises q and k per head.
+Q_K_NORM_FAMILIES = ("qwen3", "qwen3_5_text")
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +189,9 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     if fusions is not None and kv_cache != "batched":
         raise UsageError(f"graph fusions apply to the batched KV-cache graph; found kv_cache {kv_cache!r}")
     fusions = None if fusions is None else frozenset(fusions)
+    if family in HYBRID_FAMILIES and kv_cache != "batched":
+        raise UsageError(f"{checkpoint_dir}: {arch} mixes Gated DeltaNet with attention; expected "
+                         f"kv_cache='batched' (its recurrent state lives beside the KV cache), found {kv_cache!r}")
     if kv_cache != "concat":
         if dtype != "float32":  # the float32 graph, rewritten in half precision (bundler.onnx.half)
             return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype, fusions,
@@ -269,12 +276,17 @@ def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str
     cfg = AutoConfig.from_pretrained(checkpoint_dir)
     result = _result(cfg, family, arch, out_dir, BATCHED_OPSET if layout == "batched" else opset, layout,
                      aux_layer_ids=aux_layer_ids)
+    if family in HYBRID_FAMILIES:  # bundle.num_layers counts the KV caches: the attention layers
+        import dataclasses
+
+        result = dataclasses.replace(result, num_layers=sum(t == "full_attention" for t in cfg.layer_types))
     result.weights.unlink(missing_ok=True)
     try:
         if layout == "batched":
-            build_batched_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family == "qwen3", fusions=fusions)
+            build_batched_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family in Q_K_NORM_FAMILIES,
+                                   fusions=fusions)
         else:
-            build_shared_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family == "qwen3")
+            build_shared_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family in Q_K_NORM_FAMILIES)
     except BaseException:  # no half-written graph that looks complete
         result.graph.unlink(missing_ok=True)
         result.weights.unlink(missing_ok=True)
