@@ -118,3 +118,15 @@ def test_other_layouts_are_refused(hybrid_export, tmp_path, layout):
     checkpoint, _ = hybrid_export
     with pytest.raises(UsageError, match="expected kv_cache='batched'"):
         export_onnx(checkpoint, tmp_path, kv_cache=layout)
+
+
+def test_memory_preflight_counts_what_the_engine_allocates(hybrid_export):
+    """bundler.resolve.checks's estimate for the cpu target: the attention layers' KV cache plus the
+    recurrent states, exactly the engine's buffers."""
+    from bundler.resolve.checks import estimate_memory
+    from manifests.targets import get_profile
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    checkpoint, result = hybrid_export
+    est = estimate_memory(checkpoint, 96, get_profile("cpu"))
+    assert est.kv_cache_bytes == OnnxRuntimeEngine(result.graph, max_context=96).memory()["kv_cache"]
