@@ -420,12 +420,16 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
             inputs.append(h.make_tensor_value_info(f"past_key_values.{i}.{part}", TP.FLOAT, cache))
             outputs.append(h.make_tensor_value_info(f"present.{i}.{part}", TP.FLOAT, cache))
     if hybrid:  # per slot, bound in place like the KV cache
-        inputs.append(h.make_tensor_value_info(gdn.NEW_TOKENS, TP.INT64, ["batch"]))
+        inputs += [h.make_tensor_value_info(gdn.NEW_TOKENS, TP.INT64, ["batch"]),
+                   h.make_tensor_value_info(gdn.CAPTURE_COUNT, TP.INT32, ["batch"])]
         conv_shape, rec_shape = gdn.state_shapes(cfg)
         for i in range(rec_index):
             for names, shape in ((gdn.conv_state_names(i), conv_shape), (gdn.recurrent_state_names(i), rec_shape)):
                 inputs.append(h.make_tensor_value_info(names[0], TP.FLOAT, ["batch", *shape]))
                 outputs.append(h.make_tensor_value_info(names[1], TP.FLOAT, ["batch", *shape]))
+            update, conv_input = gdn.capture_names(i)
+            outputs += [h.make_tensor_value_info(update, TP.FLOAT, ["batch", gdn.capture_width(cfg)]),
+                        h.make_tensor_value_info(conv_input, TP.FLOAT, ["batch", "sequence_length", conv_shape[1]])]
     graph = h.make_graph(nodes, "decoder", inputs, outputs, w.initializers)
     if batched:
         contrib = (fusions & {"skip_norm", "gqa"}) or hybrid
@@ -447,5 +451,6 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
         model.metadata_props.add(key="bundle.attention", value="gqa" if gqa else "attention")
     if hybrid:
         model.metadata_props.add(key="bundle.layer_types", value=",".join(types))
+        model.metadata_props.add(key="bundle.state_capture_tokens", value=str(gdn.CAPTURE_TOKENS))
     result.graph.write_bytes(model.SerializeToString())
     log.info("built the %s-KV graph for %s (%d layers) at %s", layout, result.architecture, layers, result.graph)

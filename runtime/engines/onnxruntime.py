@@ -15,12 +15,9 @@ I/O binding, so a step allocates nothing. How they are laid out depends on the g
   nobody attends to. Rows of very different lengths (a prefill chunk beside decodes) go in separate calls
   so that a 64-token chunk does not pad eight 1-token decodes to 64 each.
   Hybrid models (Qwen3.5: Gated DeltaNet layers beside attention) also carry a recurrent state per
-  slot and layer (`past_conv_state.<i>`, `past_recurrent_state.<i>`: [slots, ...], bound in place like
-  the cache, counted in kv_bytes_per_slot) and take `new_tokens` [batch], each row's real token count,
-  so that padding and rows without tokens leave a state as it was. A state cannot be rolled back by a
-  length: before each forward the engine keeps a copy of each row's state (a snapshot), and a
-  rollback into that forward's tokens (rejected drafts) restores it and runs the kept tokens again;
-  a rollback further back, or a copy of part of another slot's prefix, runs the tokens from the start.
+  slot (runtime.engines.recurrent: bound in place like the cache, counted in kv_bytes_per_slot);
+  a rollback into the last forward replays its captured transitions, one further back or a copy of
+  part of another slot's prefix runs tokens again.
 - "shared" (GroupQueryAttention graph, bundles made before "batched"): one buffer per slot, layer
   and k/v, [1, kv_heads, max_context, head_dim]. ONNX Runtime's GQA refuses a batch when a row adds
   more than one token after a past, so rows run one by one (batch 1 per call).
@@ -45,6 +42,7 @@ import numpy as np
 
 from manifests.errors import EnvironmentProblem, ModelError
 from runtime.engines.base import ContextFull, Engine, Row
+from runtime.engines.recurrent import RecurrentStates
 from runtime.engines.slots import SlotTable
 
 log = logging.getLogger(__name__)
@@ -171,15 +169,11 @@ class OnnxRuntimeEngine(Engine):
         self.kv_dtype = np.dtype(NUMPY_TYPES[next(iter(types))])
         self._logits_dtype = np.dtype(NUMPY_TYPES[outs["logits"].type])
         self._has_mask = "attention_mask" in ins
-        # Hybrid graphs: recurrent state per slot, [(past, present, per-slot shape)] in graph order
-        self._states = [(n, "present_" + n[len("past_"):], [int(d) for d in ins[n].shape[1:]])
-                        for n in ins if n.startswith(("past_conv_state.", "past_recurrent_state."))]
-        bad = [n for n, out, shape in self._states if out not in outs or ins[n].type != "tensor(float)"]
-        if self._states and (self.kv_cache != "batched" or "new_tokens" not in ins or bad):
-            raise ModelError(f"{self._graph}: expected recurrent states (float32, with new_tokens) in a batched "
-                             f"graph, found layout {self.kv_cache!r}, states {bad or [n for n, _, _ in self._states][:2]}")
-        #: True when slots hold recurrent state beside their KV cache (rollback runs tokens again)
-        self.recurrent = bool(self._states)
+        meta = self.session.get_modelmeta().custom_metadata_map
+        self._states = RecurrentStates.of(ins, outs, meta, self._graph)  # hybrid graphs only
+        if self._states is not None and self.kv_cache != "batched":
+            raise ModelError(f"{self._graph}: expected recurrent states in a batched graph, found {self.kv_cache!r}")
+        self.recurrent = self._states is not None
         self._has_positions = "position_ids" in ins
         # EAGLE-3 targets (every layout) also return the aux layers' hidden states: per slot, the rows
         # of its last forward, in last_aux_hidden
@@ -195,10 +189,7 @@ class OnnxRuntimeEngine(Engine):
 
     def kv_bytes_per_slot(self) -> int:
         kv = len(self._past) * self.num_kv_heads * self._rows_per_slot() * self.head_dim * self.kv_dtype.itemsize
-        return kv + 2 * self._state_bytes_per_slot()  # the state and its snapshot
-
-    def _state_bytes_per_slot(self) -> int:
-        return sum(int(np.prod(shape)) * 4 for _, _, shape in self._states)
+        return kv + (self._states.bytes_per_slot() if self._states else 0)
 
     def allocate_slots(self, num_slots: int) -> None:
         """(Re)allocate the caches for `num_slots` sequences; every slot starts empty."""
@@ -211,12 +202,8 @@ class OnnxRuntimeEngine(Engine):
             copies = 1 if self.kv_cache == "shared" else 2
             self._buffers = [[[np.zeros(per * self.max_context, self.kv_dtype) for _ in self._past]
                               for _ in range(copies)] for _ in range(num_slots)]
-        # recurrent state [slots, ...] per state input, each row's copy from before its last forward, the
-        # length it was taken at (None: none) and every slot's tokens (to run them again)
-        self._state_buffers = [np.zeros((num_slots, *shape), np.float32) for _, _, shape in self._states]
-        self._snapshots = [np.zeros_like(b) for b in self._state_buffers]
-        self._snapshot_at: list[int | None] = [None] * num_slots
-        self._tokens: list[list[int]] = [[] for _ in range(num_slots)]
+        if self._states:
+            self._states.allocate(num_slots)
         self._bound_cache = None
 
     def length(self, slot: int) -> int:
@@ -292,10 +279,8 @@ class OnnxRuntimeEngine(Engine):
         b.bind_cpu_input("write_indices", write)
         b.bind_cpu_input("attention_mask", mask)
         if self._states:
-            b.bind_cpu_input("new_tokens", np.array([len(by_slot[s].tokens) if s in by_slot else 0
-                                                     for s in range(lo, hi)], np.int64))
-            for slot in by_slot:
-                self._snapshot(slot)
+            captures = self._states.before_run(b, lo, hi, {s: len(r.tokens) for s, r in by_slot.items()},
+                                               self.slots.lengths, width)
         if self._bound_cache != ("batched", lo, hi):
             per = self.num_kv_heads * cap * self.head_dim
             shape = [batch, self.num_kv_heads, cap, self.head_dim]
@@ -303,10 +288,8 @@ class OnnxRuntimeEngine(Engine):
             for past, present, buf in zip(self._past, self._present, self._buffers):
                 b.bind_input(past, "cpu", 0, self.kv_dtype, shape, buf.ctypes.data + offset)
                 b.bind_output(present, "cpu", 0, self.kv_dtype, shape, buf.ctypes.data + offset)
-            for (past, present, per_slot), buf in zip(self._states, self._state_buffers):
-                view = buf[lo:hi]  # contiguous: slots are the leading axis
-                b.bind_input(past, "cpu", 0, np.float32, list(view.shape), view.ctypes.data)
-                b.bind_output(present, "cpu", 0, np.float32, list(view.shape), view.ctypes.data)
+            if self._states:
+                self._states.bind_states(b, lo, hi)
             self._bound_cache = ("batched", lo, hi)
         logits = self._logits_buffer((batch, width, self.vocab_size))
         aux = self._bind_aux((batch, width))
@@ -318,14 +301,9 @@ class OnnxRuntimeEngine(Engine):
             if aux is not None:  # the row's real tokens only, not its padding
                 self.last_aux_hidden[slot] = aux[slot - lo, :n].astype(np.float32, copy=False)
             self.slots.advance(slot, n)
-            if self._states:
-                self._tokens[slot].extend(int(t) for t in r.tokens)
+        if self._states:
+            self._states.after_run(lo, {s: r.tokens for s, r in by_slot.items()}, captures)
         return out
-
-    def _snapshot(self, slot: int) -> None:
-        for buf, snap in zip(self._state_buffers, self._snapshots):
-            snap[slot] = buf[slot]
-        self._snapshot_at[slot] = self.slots.lengths[slot]
 
     def _bind_aux(self, rows: tuple[int, int]) -> np.ndarray | None:
         """EAGLE-3 targets: a fresh [batch, width, 3H] buffer for aux_hidden_states (kept per slot)."""
@@ -381,7 +359,10 @@ class OnnxRuntimeEngine(Engine):
         have = self.slots.lengths[slot]
         self.slots.rollback(slot, length, self._compact)
         if self._states and length != have:
-            self._rewind(slot, length)
+            again = self._states.rewind(slot, length)
+            self.slots.lengths[slot] = length - len(again)
+            if again:
+                self.forward([Row(slot, again)])
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         if not self._states or src == dst:
@@ -391,34 +372,13 @@ class OnnxRuntimeEngine(Engine):
             raise ValueError(f"copy of {length} tokens from slot {src}: it holds {self.slots.lengths[src]}")
         if length == self.slots.lengths[src]:  # the whole of it: KV rows and the state as they are
             self.slots.copy_prefix(src, dst, length, self._copy_rows, self._compact)
-            for buf in self._state_buffers:
-                buf[dst] = buf[src]
-            self._tokens[dst] = list(self._tokens[src])
-            self._snapshot_at[dst] = None
+            self._states.copy(src, dst)
             return
-        tokens = self._tokens[src][:length]  # a state after part of src's tokens exists nowhere: run them
-        self.rollback(dst, 0)
+        tokens = self._states.tokens[src][:length]  # a state after part of src's tokens exists nowhere: run them
+        self.slots.rollback(dst, 0, self._compact)
+        self._states.clear(dst)
         if tokens:
             self.forward([Row(dst, tokens)])
-
-    def _rewind(self, slot: int, length: int) -> None:
-        """The recurrent state after the slot's first `length` tokens (the KV length is already `length`):
-        from the snapshot when it was taken at or before `length`, else from an empty state; the tokens
-        between are run again."""
-        start = self._snapshot_at[slot]
-        if start is None or start > length:
-            start = 0
-            for buf in self._state_buffers:
-                buf[slot] = 0.0
-        else:
-            for buf, snap in zip(self._state_buffers, self._snapshots):
-                buf[slot] = snap[slot]
-        again = self._tokens[slot][start:length]
-        del self._tokens[slot][start:]
-        self._snapshot_at[slot] = None
-        self.slots.lengths[slot] = start
-        if again:
-            self.forward([Row(slot, again)])
 
     def _compact(self, slot: int, live: int, other: int, have: int, length: int) -> None:
         """concat: the kept prefix of every head into the slot's other buffer."""
@@ -436,5 +396,6 @@ class OnnxRuntimeEngine(Engine):
 
     def close(self) -> None:
         self._buffers = []
-        self._state_buffers = self._snapshots = []
+        if self._states:
+            self._states.close()
         self.session = None  # type: ignore[assignment]

@@ -33,6 +33,10 @@ batched graph pads every row to the longest one and the operators would let padd
 - the L2 norm of q and k (ReduceSumSquare, Sqrt): GatedDeltaNet's own qk_l2_norm leaves out
   transformers' eps of 1e-6 under the root, which moves the logits of small-norm heads by 1e-3.
 
+For rollback (rejected drafts) each row's first capture_count token transitions come out as
+GatedDeltaNet's compact state updates (`state_update.<i>`: decay, key, delta per token) beside the
+conv inputs (`conv_input.<i>`): runtime.engines.recurrent replays the accepted ones on its snapshot.
+
 A slot in the call's range without a row has new_tokens 0: both states pass through unchanged.
 """
 
@@ -44,6 +48,11 @@ LINEAR = "linear_attention"
 FULL = "full_attention"
 #: graph input: real (unpadded) new tokens per row, int64 [batch]
 NEW_TOKENS = "new_tokens"
+#: graph input: how many of each row's first tokens to capture the transitions of, int32 [batch]
+CAPTURE_COUNT = "capture_count"
+#: the most tokens a forward captures (GatedDeltaNet's state_update_capacity allows 0..8): a verification
+#: of up to 7 drafts plus the bonus position
+CAPTURE_TOKENS = 8
 #: transformers' l2norm of q and k: x / sqrt(sum(x^2) + eps)
 L2NORM_EPS = 1e-6
 
@@ -56,6 +65,11 @@ def recurrent_state_names(index: int) -> tuple[str, str]:
     return f"past_recurrent_state.{index}", f"present_recurrent_state.{index}"
 
 
+def capture_names(index: int) -> tuple[str, str]:
+    """Outputs for rollback: the captured transitions and the conv inputs of the call's rows."""
+    return f"state_update.{index}", f"conv_input.{index}"
+
+
 def layer_types(cfg) -> list[str]:
     types = list(getattr(cfg, "layer_types", None) or [])
     if len(types) != int(cfg.num_hidden_layers) or set(types) - {LINEAR, FULL}:
@@ -64,6 +78,12 @@ def layer_types(cfg) -> list[str]:
         raise ModelError(f"expected layer_types of {LINEAR!r}/{FULL!r} for each of the {cfg.num_hidden_layers} "
                          f"layers, found {types}")
     return types
+
+
+def capture_width(cfg) -> int:
+    """Floats of one row's state_update: CAPTURE_TOKENS x (v_heads + k_heads x k_dim + v_heads x v_dim)."""
+    hk, hv = int(cfg.linear_num_key_heads), int(cfg.linear_num_value_heads)
+    return CAPTURE_TOKENS * (hv + hk * int(cfg.linear_key_head_dim) + hv * int(cfg.linear_value_head_dim))
 
 
 def state_shapes(cfg) -> tuple[list, list]:
@@ -95,7 +115,9 @@ def deltanet_mixer(g, hs: str, p: str, index: int, cfg, valid: str) -> str:
     past_conv, present_conv = conv_state_names(index)
     past_rec, present_rec = recurrent_state_names(index)
 
+    update_name, conv_input = capture_names(index)
     mixed = g.linear(hs, f"{a_}.in_proj_qkv")  # [batch, seq, conv_dim], the conv's (and its state's) input
+    g.node("Identity", [mixed], [conv_input])
     z = g.linear(hs, f"{a_}.in_proj_z")
     b = g.linear(hs, f"{a_}.in_proj_b")
     a = g.linear(hs, f"{a_}.in_proj_a")
@@ -119,8 +141,9 @@ def deltanet_mixer(g, hs: str, p: str, index: int, cfg, valid: str) -> str:
     dt_bias = g.w.add(f"{a_}.dt_bias", g.ckpt.get(f"{a_}.dt_bias"))
     decay = g.node("Mul", [g.node("Mul", [g.node("Softplus", [g.node("Add", [a, dt_bias])]), neg_a]), valid])
     q, k = _l2norm(g, q), _l2norm(g, k)
-    out = g.node("GatedDeltaNet", [q, k, v, "", decay, beta, past_rec], [f"{a_}/core", present_rec],
-                 domain=g.MS, qk_l2_norm=0, update_rule="gated_delta")[0]  # [batch, seq, hv, dv]
+    out = g.node("GatedDeltaNet", [q, k, v, "", decay, beta, past_rec, "", "", CAPTURE_COUNT],
+                 [f"{a_}/core", present_rec, update_name], domain=g.MS, qk_l2_norm=0, update_rule="gated_delta",
+                 state_update_capacity=CAPTURE_TOKENS)[0]  # [batch, seq, hv, dv]
     normed = g.node("RMSNormalization", [out, g.w.add(f"{a_}.norm.weight", g.ckpt.get(f"{a_}.norm.weight"))],
                     axis=-1, epsilon=float(cfg.rms_norm_eps), stash_type=1)
     z4 = g.node("Reshape", [z, g.const(f"shape_{hv}_{dv}", [0, 0, hv, dv])])

@@ -52,7 +52,9 @@ def test_graph_describes_its_layers(hybrid_export):
     ops = {(n.domain, n.op_type) for n in model.graph.node}
     assert {("com.microsoft", "GatedDeltaNet"), ("com.microsoft", "CausalConvWithState")} <= ops
     names = {i.name for i in model.graph.input}
-    assert {"new_tokens", "past_conv_state.1", "past_recurrent_state.1", "past_key_values.1.key"} <= names
+    assert {"new_tokens", "capture_count", "past_conv_state.1", "past_recurrent_state.1",
+            "past_key_values.1.key"} <= names
+    assert {"state_update.1", "conv_input.1"} <= {o.name for o in model.graph.output}
 
 
 def test_prefill_decode_and_rollback_match_transformers(hybrid_export):
@@ -72,15 +74,30 @@ def test_rows_of_different_lengths_in_one_call(hybrid_export):
     ref_a, ref_b = reference_logits(checkpoint, a), reference_logits(checkpoint, b)
     engine = _engine(result, slots=3)
     engine.forward([Row(1, b[:2])])  # slot 1 holds something the calls below must not touch
-    slot1 = [buf[1].copy() for buf in engine._state_buffers]
+    slot1 = [buf[1].copy() for buf in engine._states.buffers.values()]
     got_a, got_b = engine.forward([Row(0, a[:7]), Row(2, b[:3])])
     assert_logits(got_a, ref_a[:7], ATOL, "7-token row")
     assert_logits(got_b, ref_b[:3], ATOL, "3-token row padded to 7")
     got_a, got_b = engine.forward([Row(0, a[7:10]), Row(2, b[3:4])])
     assert_logits(got_a, ref_a[7:10], ATOL, "3-token chunk")
     assert_logits(got_b, ref_b[3:4], ATOL, "decode beside it")
-    for before, buf in zip(slot1, engine._state_buffers):
+    for before, buf in zip(slot1, engine._states.buffers.values()):
         np.testing.assert_array_equal(buf[1], before, err_msg="a slot without a row kept its state")
+
+
+def test_rollback_into_a_verification_replays_its_captured_transitions(hybrid_export, monkeypatch):
+    """Rejected drafts: the state after the accepted tokens comes from the snapshot and the transitions
+    the graph captured, with no second forward."""
+    checkpoint, result = hybrid_export
+    tokens = np.random.default_rng(3).integers(0, result.vocab_size, 16).tolist()
+    ref = reference_logits(checkpoint, tokens)
+    engine = _engine(result)
+    engine.forward_one(tokens[:6])
+    engine.forward_one(tokens[6:12])  # a verification of 5 drafts + the bonus position
+    with monkeypatch.context() as m:
+        m.setattr(engine, "forward", lambda rows: pytest.fail("rollback ran a forward"))
+        engine.rollback(0, 9)
+    assert_logits(engine.forward_one(tokens[9:16]), ref[9:16], ATOL, "after the replayed rollback")
 
 
 def test_rollback_before_the_last_forward_and_prefix_copies(hybrid_export):
@@ -94,6 +111,12 @@ def test_rollback_before_the_last_forward_and_prefix_copies(hybrid_export):
     engine.forward_one(tokens[8:12])
     engine.rollback(0, 5)  # before the last forward's snapshot: the state is rebuilt from the start
     assert_logits(engine.forward_one(tokens[5:9]), ref[5:9], ATOL, "after a deep rollback")
+    engine.rollback(0, 0)
+    engine.forward_one(tokens[:3])
+    engine.forward_one(tokens[3:15])  # 12 tokens: more than the capture holds
+    engine.rollback(0, 13)  # from the snapshot, running 10 tokens again
+    assert_logits(engine.forward_one(tokens[13:16]), ref[13:16], ATOL, "past the capture")
+    engine.rollback(0, 9)
     engine.copy_prefix(0, 1, 9)  # all of slot 0
     engine.copy_prefix(0, 2, 6)  # part of it
     out = engine.forward([Row(1, tokens[9:12]), Row(2, tokens[6:12])])
@@ -108,6 +131,7 @@ def test_recurrent_state_counts_in_the_slot_budget(hybrid_export):
     engine = _engine(result)
     kv = 2 * 2 * engine.num_kv_heads * engine.capacity * engine.head_dim * 4  # 2 attention layers, k and v
     state = 2 * (3 * 96 + 4 * 8 * 16) * 4  # 2 Gated DeltaNet layers: conv [3, 96] + delta rule [4, 8, 16]
+    assert engine.recurrent and engine._states.capacity == 8
     assert engine.kv_bytes_per_slot() == kv + 2 * state  # the state and its snapshot
 
 
