@@ -189,9 +189,10 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     if fusions is not None and kv_cache != "batched":
         raise UsageError(f"graph fusions apply to the batched KV-cache graph; found kv_cache {kv_cache!r}")
     fusions = None if fusions is None else frozenset(fusions)
-    if family in HYBRID_FAMILIES and kv_cache != "batched":
+    if family in HYBRID_FAMILIES and (kv_cache != "batched" or dtype != "float32"):
         raise UsageError(f"{checkpoint_dir}: {arch} mixes Gated DeltaNet with attention; expected "
-                         f"kv_cache='batched' (its recurrent state lives beside the KV cache), found {kv_cache!r}")
+                         f"kv_cache='batched' in float32 (the cpu target's graph: its recurrent state lives beside "
+                         f"the KV cache), found {kv_cache!r} in {dtype}")
     if kv_cache != "concat":
         if dtype != "float32":  # the float32 graph, rewritten in half precision (bundler.onnx.half)
             return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype, fusions,

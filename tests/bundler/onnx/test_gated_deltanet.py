@@ -135,13 +135,13 @@ def test_recurrent_state_counts_in_the_slot_budget(hybrid_export):
     assert engine.kv_bytes_per_slot() == kv + 2 * state  # the state and its snapshot
 
 
-@pytest.mark.parametrize("layout", ["concat", "shared"])
-def test_other_layouts_are_refused(hybrid_export, tmp_path, layout):
+@pytest.mark.parametrize("layout, dtype", [("concat", "float32"), ("shared", "float32"), ("batched", "float16")])
+def test_other_layouts_are_refused(hybrid_export, tmp_path, layout, dtype):
     from bundler.onnx.export import export_onnx
 
     checkpoint, _ = hybrid_export
-    with pytest.raises(UsageError, match="expected kv_cache='batched'"):
-        export_onnx(checkpoint, tmp_path, kv_cache=layout)
+    with pytest.raises(UsageError, match="expected kv_cache='batched' in float32"):
+        export_onnx(checkpoint, tmp_path, kv_cache=layout, dtype=dtype)
 
 
 def test_memory_preflight_counts_what_the_engine_allocates(hybrid_export):
