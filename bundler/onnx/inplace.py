@@ -23,6 +23,11 @@ match), positions come from seqlens_k = sum(attention_mask) - 1. Prefill, decode
 verification of k tokens after a past are one graph; rollback is a length change.
 GroupQueryAttention is an ONNX Runtime contrib op: TensorRT targets keep the "concat" graph.
 
+Qwen3.5 text models (HYBRID_FAMILIES) mix in Gated DeltaNet layers (bundler.onnx.blocks.gated_deltanet),
+batched layout only: their KV caches are numbered among the attention layers (past_key_values.<j> is
+the j-th full-attention layer), their recurrent states among the Gated DeltaNet layers, and metadata
+`bundle.layer_types` lists which layer is which.
+
 Weights are streamed tensor by tensor from the safetensors files into one external-data file,
 so memory stays at one tensor whatever the model size.
 """

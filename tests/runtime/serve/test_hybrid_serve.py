@@ -48,7 +48,7 @@ def hybrid_store(tmp_path_factory) -> Path:
     return once_per_run(tmp_path_factory, "hybrid-bundle", build)
 
 
-def _serve(store: Path, **speculation):
+def _serve(store: Path, options: dict | None = None, **speculation):
     from runtime.server.app import OpenAIServer
     from runtime.server.loader import load_serving_model, parse_speculative_config
     from runtime.server.serving_engine import ServeOptions
@@ -58,19 +58,28 @@ def _serve(store: Path, **speculation):
         speculation = {"speculative": parse_speculative_config(speculation["config"])}
     model = load_serving_model(Store(store).current("hybrid"), **speculation)
     model.runner.speculation.adaptive = False  # every step verifies its full proposal, whatever the timing
-    return RunningServer(OpenAIServer(model, ServeOptions(max_num_seqs=2, log_interval_s=60.0)))
+    return RunningServer(OpenAIServer(model, ServeOptions(**{"max_num_seqs": 2, "log_interval_s": 60.0,
+                                                              **(options or {})})))
 
 
-def _completions(server, n: int = 24) -> list[str]:
+def _completions(server, n: int = 24, together: bool = False) -> list[str]:
+    """Greedy completions of PROMPTS, one after another or all at once (one thread each)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    out = []
-    for prompt in PROMPTS:
-        r = client.completions.create(model="hybrid", prompt=prompt, max_tokens=n, temperature=0)
-        assert r.usage.completion_tokens == n or r.choices[0].finish_reason == "stop"
-        out.append(r.choices[0].text)
-    return out
+
+    def one(prompt: str) -> str:
+        r = client.completions.create(model="hybrid", prompt=prompt, max_tokens=n, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == n
+        return r.choices[0].text
+
+    if not together:
+        return [one(p) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(one, PROMPTS))
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +128,15 @@ def test_greedy_output_is_the_same_with_speculation(hybrid_store, plain, specula
         server.stop()
     assert texts == plain["texts"]
     assert rejected.num_draft_tokens > rejected.num_accepted_tokens  # some drafts were rolled back
+
+
+def test_concurrent_requests_with_speculation_return_what_each_returns_alone(hybrid_store, plain):
+    """Three sequences at once, prefilled in chunks of what 16 batched tokens leave beside the others' verification rows: one
+    batched call mixes rows of different lengths, each slot's state its own."""
+    server = _serve(hybrid_store, {"max_num_seqs": 3, "max_num_batched_tokens": 16},
+                    config='{"method": "draft_model", "num_speculative_tokens": 3}')
+    try:
+        texts = _completions(server, together=True)
+    finally:
+        server.stop()
+    assert texts == plain["texts"]
