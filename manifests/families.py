@@ -26,6 +26,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen2", ("Qwen2ForCausalLM",), "attention + MLP"),
     Family("qwen3", ("Qwen3ForCausalLM",), "attention (q/k norms) + MLP"),
     Family("qwen3_5_text", ("Qwen3_5ForCausalLM",), "Gated DeltaNet + attention"),
+    # the Hub's Qwen3.5 checkpoints: the text model is exported, the vision tower left out
+    Family("qwen3_5", ("Qwen3_5ForConditionalGeneration",), "Gated DeltaNet + attention (text)"),
 )}
 
 #: config.json architectures of EAGLE-3 draft heads (the public checkpoints' and vLLM's names).

@@ -44,7 +44,7 @@ from bundler.onnx.inplace import HYBRID_FAMILIES
 from manifests.families import check_family
 
 #: Families whose attention normalises q and k per head.
-Q_K_NORM_FAMILIES = ("qwen3", "qwen3_5_text")
+Q_K_NORM_FAMILIES = ("qwen3", "qwen3_5_text", "qwen3_5")
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +275,8 @@ def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str
     from bundler.onnx.inplace import BATCHED_OPSET, build_batched_kv_graph, build_shared_kv_graph
 
     cfg = AutoConfig.from_pretrained(checkpoint_dir)
+    if family == "qwen3_5":  # the multimodal checkpoint: its text model only
+        cfg = cfg.text_config
     result = _result(cfg, family, arch, out_dir, BATCHED_OPSET if layout == "batched" else opset, layout,
                      aux_layer_ids=aux_layer_ids)
     if family in HYBRID_FAMILIES:  # bundle.num_layers counts the KV caches: the attention layers

@@ -60,10 +60,13 @@ IR_VERSION = 9
 ALIGN = 64  # byte alignment of each tensor in the external-data file
 
 _CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-                 "qwen3_5_text": "Qwen3_5Text"}
+                 "qwen3_5_text": "Qwen3_5Text", "qwen3_5": "Qwen3_5Text"}
 _MODULE = {"qwen3_5_text": "qwen3_5"}  # transformers' module, where it is not the model type
 #: Families whose layers mix attention with Gated DeltaNet (bundler.onnx.blocks.gated_deltanet): batched only.
-HYBRID_FAMILIES = ("qwen3_5_text",)
+#: "qwen3_5" is the multimodal checkpoint, whose text model is exported (text_config, model.language_model.*).
+HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5")
+#: Where a multimodal checkpoint keeps its text model's tensors (read as model.*).
+_TEXT_MODEL_PREFIX = "model.language_model."
 
 
 class _Checkpoint:
@@ -81,14 +84,20 @@ class _Checkpoint:
             raise ModelError(f"{checkpoint_dir}: expected model weights in *.safetensors, found none")
         self._files = [safe_open(str(checkpoint_dir / s), framework="pt") for s in shards]
         self._where = {k: f for f in self._files for k in f.keys()}
+        # a multimodal checkpoint's text model: model.language_model.X is read as model.X
+        self._text = any(k.startswith(_TEXT_MODEL_PREFIX) for k in self._where)
+
+    def _stored(self, name: str) -> str:
+        return _TEXT_MODEL_PREFIX + name[len("model."):] if self._text and name.startswith("model.") else name
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return self._stored(name) in self._where
 
     def get(self, name: str) -> np.ndarray:
-        if name not in self._where:
-            raise ModelError(f"checkpoint has no tensor {name!r}; expected the standard layout of its family")
-        return self._where[name].get_tensor(name).float().numpy()
+        stored = self._stored(name)
+        if stored not in self._where:
+            raise ModelError(f"checkpoint has no tensor {stored!r}; expected the standard layout of its family")
+        return self._where[stored].get_tensor(stored).float().numpy()
 
 
 class _Writer:

@@ -45,7 +45,8 @@ def check_architecture(model_dir: Path, name: str | None = None) -> str:
     cfg = read_config(model_dir, name)
     from bundler.onnx.gptq_pack import checkpoint_format
     checkpoint_format(cfg, str(name or model_dir))  # FP8, NVFP4, compressed-tensors...: refused by name
-    return check_family(cfg, str(name or model_dir))[0]
+    # the family as export reads it: a multimodal config's own model_type, not its text_config's
+    return check_family(read_config(model_dir, name, merge_text_config=False), str(name or model_dir))[0]
 
 
 def load_vocab(model_dir: Path, name: str | None = None) -> dict[str, int]:

@@ -154,3 +154,25 @@ def test_memory_preflight_counts_what_the_engine_allocates(hybrid_export):
     checkpoint, result = hybrid_export
     est = estimate_memory(checkpoint, 96, get_profile("cpu"))
     assert est.kv_cache_bytes == OnnxRuntimeEngine(result.graph, max_context=96).memory()["kv_cache"]
+
+
+def test_the_hubs_multimodal_checkpoint_exports_its_text_model(tmp_path):
+    """model_type qwen3_5 (Qwen3_5ForConditionalGeneration, text model under model.language_model): the
+    family is named as such, and the graph gives the full model's logits for text."""
+    import torch
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from bundler.onnx.export import export_onnx
+    from bundler.resolve.checks import check_architecture
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "ckpt", family="qwen3_5", seed=6)
+    assert check_architecture(checkpoint) == "qwen3_5"
+    result = export_onnx(checkpoint, tmp_path / "onnx", kv_cache="batched")
+    tokens = np.random.default_rng(4).integers(0, result.vocab_size, 12).tolist()
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([tokens])).logits[0].numpy()
+    engine = _engine(result)
+    assert_logits(engine.forward_one(tokens[:9]), ref[:9], ATOL, "prefill")
+    for i in range(9, 12):
+        assert_logits(engine.forward_one([tokens[i]]), ref[i:i + 1], ATOL, f"decode {i}")
