@@ -12,7 +12,9 @@ accepted token. Before each forward a row's state is copied (its snapshot), and 
 each row's first `capture_count` token transitions (com.microsoft GatedDeltaNet's compact state
 updates: decay, key and delta per token, `state_update.<i>`) and its conv inputs (`conv_input.<i>`).
 A rollback into that forward replays the kept transitions on the snapshot (S = S * decay + key x delta,
-per value head; the conv state is the last kernel-1 of snapshot + inputs): no second forward. A
+per value head; the conv state is the last kernel-1 of snapshot + inputs): no second forward. The
+replay is numpy here: ONNX Runtime's GatedDeltaNetStateReplay does the same but has only a WebGPU kernel
+(1.32's CPU provider has none), and it is a few multiply-adds per kept token. A
 rollback further back, or into a longer forward than the capture holds, runs the tokens again from
 the snapshot or from an empty state (the engine does, with the tokens kept here).
 """

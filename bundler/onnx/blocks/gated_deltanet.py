@@ -35,7 +35,8 @@ batched graph pads every row to the longest one and the operators would let padd
 
 For rollback (rejected drafts) each row's first capture_count token transitions come out as
 GatedDeltaNet's compact state updates (`state_update.<i>`: decay, key, delta per token) beside the
-conv inputs (`conv_input.<i>`): runtime.engines.recurrent replays the accepted ones on its snapshot.
+conv inputs (`conv_input.<i>`): runtime.engines.recurrent replays the accepted ones on its snapshot
+(in numpy: GatedDeltaNetStateReplay has no CPU kernel in ONNX Runtime 1.32).
 
 A slot in the call's range without a row has new_tokens 0: both states pass through unchanged.
 """
