@@ -45,7 +45,8 @@ def check_architecture(model_dir: Path, name: str | None = None) -> str:
     cfg = read_config(model_dir, name)
     from bundler.onnx.gptq_pack import checkpoint_format
     checkpoint_format(cfg, str(name or model_dir))  # FP8, NVFP4, compressed-tensors...: refused by name
-    return check_family(cfg, str(name or model_dir))[0]
+    # the family as export reads it: a multimodal config's own model_type, not its text_config's
+    return check_family(read_config(model_dir, name, merge_text_config=False), str(name or model_dir))[0]
 
 
 def load_vocab(model_dir: Path, name: str | None = None) -> dict[str, int]:
@@ -123,7 +124,9 @@ def safetensors_parameters(files: Iterable[Path]) -> int:
 def _shape(cfg: Mapping[str, Any]) -> dict[str, int]:
     h = int(cfg.get("hidden_size", 0))
     heads = int(cfg.get("num_attention_heads", 1))
-    return {"hidden": h, "layers": int(cfg.get("num_hidden_layers", 0)), "heads": heads,
+    layers = int(cfg.get("num_hidden_layers", 0))
+    types = cfg.get("layer_types") or []
+    return {"hidden": h, "layers": layers - sum(t == "linear_attention" for t in types), "heads": heads,
             "kv_heads": int(cfg.get("num_key_value_heads") or heads),
             "head_dim": int(cfg.get("head_dim") or (h // max(heads, 1))),
             "inter": int(cfg.get("intermediate_size", 4 * h)), "vocab": int(cfg.get("vocab_size", 0)),
@@ -153,7 +156,19 @@ def kv_cache_bytes(cfg: Mapping[str, Any], max_model_len: int, value_bytes: int 
     """copies x 2 (K and V) x layers x kv_heads x head_dim x tokens x bytes per value, for one sequence."""
     s = _shape(cfg)
     per = value_bytes if value_bytes is not None else _dtype_bytes(cfg)
-    return copies * 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * max_model_len * per
+    return copies * 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * max_model_len * per + recurrent_state_bytes(cfg)
+
+
+def recurrent_state_bytes(cfg: Mapping[str, Any]) -> int:
+    """Gated DeltaNet layers (Qwen3.5): per sequence, a conv state (kernel-1) x conv_dim and a delta-rule
+    state v_heads x v_dim x k_dim, float32, twice (the runtime keeps a snapshot for rollback)."""
+    linear = sum(t == "linear_attention" for t in cfg.get("layer_types") or [])
+    if not linear:
+        return 0
+    hk, hv = int(cfg.get("linear_num_key_heads", 0)), int(cfg.get("linear_num_value_heads", 0))
+    dk, dv = int(cfg.get("linear_key_head_dim", 0)), int(cfg.get("linear_value_head_dim", 0))
+    conv = (int(cfg.get("linear_conv_kernel_dim", 4)) - 1) * (2 * hk * dk + hv * dv)
+    return 2 * linear * (conv + hv * dv * dk) * 4
 
 
 def _dtype_bytes(cfg: Mapping[str, Any]) -> int:
@@ -195,7 +210,9 @@ FORMULA = ("weights = (parameters + vocab x hidden when the embeddings are tied:
            "experts are 4-bit too (QMoE) when the block size divides hidden and moe_intermediate, and their "
            "routers stay at B bytes); "
            "KV cache (per sequence: `bundle serve` holds as many as its KV budget allows, at most --max-num-seqs) "
-           "= copies x 2 x layers x kv_heads x head_dim x (max_model_len + spare) x B; spare = 64 padding rows "
+           "= copies x 2 x layers x kv_heads x head_dim x (max_model_len + spare) x B (layers with attention; "
+           "+ 2 x Gated DeltaNet layers x ((kernel - 1) x conv_dim + v_heads x v_dim x k_dim) x 4, the recurrent "
+           "state and its snapshot); spare = 64 padding rows "
            "on ONNX Runtime's batched graph, else 0; "
            "activations = T x vocab x 4 (fp32 logits) + T x (4 x hidden + 2 x intermediate) x B "
            "(+ T x top_k x (2 x moe_intermediate + hidden) x B with routed experts) "

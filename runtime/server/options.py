@@ -173,7 +173,7 @@ def apply_serve_config(installed, serve: ServeConfig, *, cache_dir: Path | None 
     server = OpenAIServer(model, options)
     lines.insert(0, f"batching:    {server.slot_plan.describe()}; max_num_batched_tokens "
                     f"{options.max_num_batched_tokens}; prefix caching "
-                    f"{'on' if options.enable_prefix_caching else 'off'}")
+                    f"{'on' if server.enable_prefix_caching else 'off'}")
     return Setup(serving=server, host=config.get("host", "127.0.0.1"),
                  port=int(config.get("port", 8000)), uvicorn_log_level=config.get("uvicorn_log_level", "info"),
                  ssl=ssl, features_lines=lines)

@@ -1,1 +1,2 @@
-"""Decoder-layer blocks the in-place graph builder (bundler.onnx.inplace) composes, one module per block."""
+"""Decoder-layer blocks the in-place graph builder (bundler.onnx.inplace) composes beyond attention + MLP, one
+module per block: routed experts (moe), Gated DeltaNet (gated_deltanet)."""
