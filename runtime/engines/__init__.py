@@ -24,7 +24,7 @@ from manifests.schema import Engine as EngineRecord
 from manifests.schema import Manifest, safe_relative_path
 from runtime import settings
 from runtime.engines.base import Engine, EngineChoice
-from runtime.engines.cache import EngineCache, engine_key, mismatch, onnx_digest
+from runtime.engines.cache import EngineCache, engine_key, flavour_of, mismatch, onnx_digest
 
 log = logging.getLogger(__name__)
 
@@ -150,15 +150,31 @@ def load_engine(installed_root: Path, manifest: Manifest, target_id: str, role: 
     return _tensorrt(root, manifest, records, onnx, cache_dir, max_context, backend, threads, cuda)
 
 
+def _backends(backend, records: list[EngineRecord]) -> list:
+    """The TensorRT backends to try, first the one that builds: `backend` (one, or a list: the tests' seam),
+    else the platform's TensorRT, then TensorRT-RTX where it is installed or a shipped plan needs it."""
+    if backend is not None:
+        return list(backend) if isinstance(backend, (list, tuple)) else [backend]
+    import importlib.util
+
+    from runtime.engines.tensorrt import FLAVOURS, TensorRTBackend
+
+    out = [TensorRTBackend()]
+    rtx_plans = any(flavour_of(e.key.get("tensorrt_version", "")) == "rtx" for e in records
+                    if e.format == "tensorrt-plan")
+    if rtx_plans or any(importlib.util.find_spec(m) for m in FLAVOURS["rtx"][0]):
+        out.append(TensorRTBackend("rtx"))
+    return out
+
+
 def _tensorrt(root: Path, manifest: Manifest, records: list[EngineRecord], onnx: EngineRecord | None,
               cache_dir: Path | None, max_context: int | None, backend, threads: int | None, cuda=None) -> Engine:
-    if backend is None:
-        from runtime.engines.tensorrt import TensorRTBackend
-        backend = TensorRTBackend()
+    backends = _backends(backend, records)
     cache = EngineCache(cache_dir or settings.default_store() / "engine-cache")
-    device = backend.device()
-    if device is None:
-        reason = getattr(backend, "unavailable", "TensorRT is not available")
+    found = [(b, b.device()) for b in backends]
+    usable = [(b, d) for b, d in found if d is not None]
+    if not usable:
+        reason = "; ".join(getattr(b, "unavailable", "TensorRT is not available") for b in backends)
         if onnx is None:
             raise EnvironmentProblem(f"{reason}; and the bundle ships no ONNX to run with ONNX Runtime instead")
         engine, why = (cuda or cuda_engine)(root / onnx.path, onnx, _limit(manifest, onnx, max_context))
@@ -177,20 +193,29 @@ def _tensorrt(root: Path, manifest: Manifest, records: list[EngineRecord], onnx:
 
     why = "the bundle ships no TensorRT engine"
     # What a plan must have been built from: the shipped ONNX (digest recomputed from the signed file
-    # entries) with the ONNX record's build options, for this GPU and TensorRT. Only a bundle that ships
-    # no ONNX leaves nothing to compare the plan's own graph and options with.
+    # entries) with the ONNX record's build options, for this GPU and TensorRT of the plan's flavour. Only a
+    # bundle that ships no ONNX leaves nothing to compare the plan's own graph and options with.
     source_sha = onnx_sha256_of(manifest, onnx) if onnx is not None else None
     for plan in (e for e in records if e.format == "tensorrt-plan"):
+        version = plan.key.get("tensorrt_version", "")
+        same = [(b, d) for b, d in usable if flavour_of(d.tensorrt_version) == flavour_of(version)]
+        if not same:
+            why = f"shipped plan {plan.path} needs {'TensorRT-RTX' if flavour_of(version) == 'rtx' else 'TensorRT'} " \
+                  f"{version}, which is not installed here"
+            log.info("%s", why)
+            continue
+        b, device = same[0]
         expected = engine_key(source_sha or plan.key.get("onnx_sha256", ""),
                               onnx.build if onnx is not None else plan.build,
                               device.compute_capability, device.tensorrt_version)
         why = mismatch(plan.key, expected)
         if why is None:
             log.info("using shipped TensorRT engine %s", plan.path)
-            return _chose(backend.load(root / plan.path, options=plan.build, max_context=max_context), "tensorrt",
+            return _chose(b.load(root / plan.path, options=plan.build, max_context=max_context), "tensorrt",
                           f"shipped plan {plan.path}: its key matches this GPU (compute capability "
                           f"{device.compute_capability}, TensorRT {device.tensorrt_version})", "tensorrt")
         log.info("shipped TensorRT engine %s does not fit this device: %s", plan.path, why)
+    backend, device = usable[0]
     if onnx is None:
         raise EnvironmentProblem(f"no shipped TensorRT engine fits this device ({why}) and the bundle has no "
                                  f"ONNX to build one from")
