@@ -201,6 +201,11 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     method = "draft_model"
     platforms = runtime_platforms(with_runtime, no_runtime, targets)
     aot = _rtx_builder(targets) if rtx_engines else None
+    if platforms:
+        from bundler.pack.wheelhouse import onnxruntime_gpu_lines
+
+        for line in onnxruntime_gpu_lines(targets, platforms, extra_wheels):
+            click.echo(line, err=True)
     if spec_config is not None:
         from manifests.speculative import parse_speculative_config
 

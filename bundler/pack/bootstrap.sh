@@ -470,6 +470,15 @@ if [ ! -f "$VENV/.bootstrap-complete" ]; then
   run "$VENV/bin/python" -I -m pip --isolated install --no-index --no-cache-dir \
       --disable-pip-version-check --no-input -q --find-links "$WORK/wheels" "$WORK"/wheels/*.whl \
     || die 6 "pip could not install $PACKAGE $VERSION from the verified wheels (see above)"
+  # onnxruntime-gpu (carried with --extra-wheels for a DGX Spark) and the CPU onnxruntime the runtime requires
+  # share the `onnxruntime` package: installed again alone, the GPU build's files are the ones that stay.
+  for gpu in "$WORK"/wheels/onnxruntime_gpu-*.whl; do
+    [ -f "$gpu" ] || continue
+    run "$VENV/bin/python" -I -m pip --isolated install --no-index --no-cache-dir --disable-pip-version-check \
+        --no-input -q --no-deps --force-reinstall "$gpu" \
+      || die 6 "pip could not install ${gpu##*/} over the CPU onnxruntime (see above)"
+    echo "bootstrap: ${gpu##*/} installed over the CPU onnxruntime: its CUDA provider is the fallback without TensorRT"
+  done
   pause pip
   echo "$PACKAGE $VERSION $PLATFORM $HOUSE" > "$VENV/.bootstrap-complete"
   pause installed

@@ -136,6 +136,62 @@ def wheel_fits(filename: str, plat: str) -> bool:
     return py_ok and plat_ok
 
 
+# --- onnxruntime-gpu, the CUDA provider fallback --------------------------------------------
+
+#: CUDA kernels of PyPI's onnxruntime-gpu for linux aarch64, by version (cuobjdump --list-elf / --list-ptx
+#: of its CUDA provider library): sm_89, sm_90a, sm_120a, sm_121a, and no PTX, so nothing runs on another
+#: SM. It serves a DGX Spark (sm_121) or a GH200 (sm_90), never a Thor (sm_110) or an Orin (sm_87).
+ONNXRUNTIME_GPU_AARCH64_SMS = {"1.31.1": ("8.9", "9.0", "12.0", "12.1")}
+
+
+def _sm(cc: str) -> str:
+    return "sm_" + cc.replace(".", "")
+
+
+def onnxruntime_gpu_lines(target_ids: Sequence[str], platforms: Sequence[str],
+                          extra_wheels: Path | None) -> list[str]:
+    """One line per aarch64 TensorRT target about the CUDA provider fallback its bundle carries, or why none.
+
+    An onnxruntime-gpu for aarch64 given with --extra-wheels goes to every aarch64 device of the bundle, so a
+    target whose SM it has no kernels for (a Thor, an Orin) is refused: there its CUDA provider would load and
+    then fail at the first kernel, instead of serving on the CPU."""
+    from manifests.targets import get_profile
+
+    if not any(p.startswith("linux_aarch64") for p in platforms):
+        return []
+    wheels = sorted(Path(extra_wheels).glob("onnxruntime_gpu-*.whl")) if extra_wheels else []
+    gpu = next((w for w in wheels if any(wheel_fits(w.name, p) for p in platforms if "aarch64" in p)), None)
+    version = gpu.name.split("-")[1] if gpu is not None else None
+    lines, refused = [], []
+    for t in target_ids:
+        profile = get_profile(t, settings.profile_dirs())
+        if profile.backend != "tensorrt" or profile.cpu_arch != "aarch64" or not profile.compute_capability:
+            continue
+        sms = ONNXRUNTIME_GPU_AARCH64_SMS.get(version or "1.31.1")
+        fits = sms is not None and profile.compute_capability in sms
+        if gpu is None:
+            lines.append(f"fallback: {t}: " + (
+                f"onnxruntime-gpu 1.31.1 (PyPI, aarch64) has {_sm(profile.compute_capability)} kernels: carry it "
+                f"with --extra-wheels for a CUDA provider fallback (else the CPU serves without TensorRT)" if fits
+                else f"no onnxruntime-gpu: PyPI's aarch64 build has kernels for "
+                     f"{', '.join(_sm(c) for c in ONNXRUNTIME_GPU_AARCH64_SMS['1.31.1'])} only, no PTX, not "
+                     f"{_sm(profile.compute_capability)}: without TensorRT it serves on the CPU"))
+        elif sms is None:
+            lines.append(f"fallback: {t}: carries onnxruntime-gpu {version} (its kernels for "
+                         f"{_sm(profile.compute_capability)} are not verified here)")
+        elif fits:
+            lines.append(f"fallback: {t}: carries onnxruntime-gpu {version}, whose CUDA provider has "
+                         f"{_sm(profile.compute_capability)} kernels")
+        else:
+            refused.append(f"{t} ({_sm(profile.compute_capability)})")
+    if refused:
+        raise UsageError(f"--extra-wheels {gpu.name} has CUDA kernels for "
+                         f"{', '.join(_sm(c) for c in ONNXRUNTIME_GPU_AARCH64_SMS[version])} only and would reach "
+                         f"{', '.join(refused)}, where its CUDA provider fails: expected a bundle of its own for "
+                         f"those targets, without onnxruntime-gpu")
+    return lines
+
+
 # --- the floor wheel -------------------------------------------------------------------------
 
 def floor_version() -> str:

@@ -661,3 +661,59 @@ def test_a_device_without_platform_tensorrt_says_so(runtime_bundle, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "bootstrap: no platform TensorRT for Python 3." in r.stdout
     assert _imports(tmp_path / "opt" / "current" / "bin" / "python", "import tensorrt").returncode == 1
+
+
+def _fake_onnxruntime_gpu(folder: Path) -> Path:
+    """An onnxruntime-gpu wheel for this host whose `onnxruntime` says it is the GPU build (the real one is
+    255 MB); it shares the package with the CPU onnxruntime the runtime requires, as the real one does."""
+    import base64
+    import hashlib
+    import zipfile
+
+    from bundler.pack.wheelhouse import host_platform
+
+    tag = host_platform().split("-")[1]
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"onnxruntime_gpu-1.31.1-{tag}-{tag}-manylinux_2_28_{host_platform().split('-')[0][6:]}.whl"
+    info = "onnxruntime_gpu-1.31.1.dist-info"
+    files = {"onnxruntime/__init__.py": b'__version__ = "1.31.1"\nBUILD = "gpu"\n',
+             f"{info}/METADATA": b"Metadata-Version: 2.1\nName: onnxruntime-gpu\nVersion: 1.31.1\n",
+             f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\nTag: {tag}-{tag}-"
+                              f"manylinux_2_28_{host_platform().split('-')[0][6:]}\n".encode()}
+    record = "".join(f"{n},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},"
+                     f"{len(d)}\n" for n, d in files.items()) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for n, d in files.items():
+            z.writestr(n, d)
+        z.writestr(f"{info}/RECORD", record)
+    return wheel
+
+
+def _gpu_bundle(root: Path) -> dict:
+    from bundler.pack.create import CreateOptions, create_bundle, local_model
+    from bundler.pack.engines import target_files_hook
+    from bundler.pack.wheelhouse import host_platform
+    from tests.models import make_tiny_checkpoint
+
+    wheels = root / "extra"
+    _fake_onnxruntime_gpu(wheels)
+    target = make_tiny_checkpoint(root / "target", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                  intermediate_size=64, max_positions=128, seed=0)
+    generate_key(root / "release.key")
+    create_bundle(root / "bundle", CreateOptions(name="tiny", version=1, model=local_model(target, "target"),
+                  targets=["cpu"], sign_keys=[load_private_key(root / "release.key")],
+                  target_files=target_files_hook(), progress=False, runtime_platforms=[host_platform()],
+                  extra_wheels=wheels))
+    return {"bundle": root / "bundle", "pub": root / "release.key.pub"}
+
+
+@pytest.mark.slow
+def test_a_carried_onnxruntime_gpu_is_the_onnxruntime_the_runtime_imports(tmp_path_factory, tmp_path):
+    from tests.conftest import once_per_run
+
+    made = once_per_run(tmp_path_factory, "bootstrap-onnxruntime-gpu", _gpu_bundle)
+    r = run_bootstrap(made["bundle"], made["pub"], tmp_path / "opt", env={**os.environ, "PYTHON": system_python()})
+    assert r.returncode == 0, r.stderr
+    assert "bootstrap: onnxruntime_gpu-1.31.1-" in r.stdout and "installed over the CPU onnxruntime" in r.stdout
+    seen = _imports(tmp_path / "opt" / "current" / "bin" / "python", "import onnxruntime; print(onnxruntime.BUILD)")
+    assert seen.returncode == 0 and seen.stdout.strip() == "gpu", seen.stderr
