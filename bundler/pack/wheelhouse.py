@@ -13,6 +13,7 @@ downloaded from the configured index.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import importlib.util
 import platform as host
@@ -30,6 +31,8 @@ from manifests.layout import BOOTSTRAP_MEDIA_TYPE, WHEEL_MEDIA_TYPE
 from manifests.schema import BOOTSTRAP_PATH, WHEELHOUSE_PREFIX, Runtime
 from runtime import settings
 from runtime.fsutil import file_sha256
+
+log = logging.getLogger(__name__)
 
 FLOOR_PACKAGE = "bundle-runtime"
 BOOTSTRAP_SOURCE = Path(__file__).with_name("bootstrap.sh")
@@ -301,9 +304,38 @@ def download_platform(plat: str, requirements: list[str], find_links: list[Path]
     return wheels
 
 
+def tensorrt_requirements(target_ids: Sequence[str], platforms: Sequence[str]) -> dict[str, list[str]]:
+    """What a platform's wheelhouse adds for its TensorRT targets: cuda-python (`cuda-bindings`, 7 MB for
+    aarch64), which the TensorRT engine allocates device memory with, of the target's CUDA major (JetPack 7:
+    13, JetPack 6: 12). TensorRT itself is the platform's (the bootstrap links it in). A target runs on its
+    profile's runtime_platform, or on every platform of its architecture when the profile names none."""
+    from manifests.targets import get_profile
+
+    wanted: dict[str, set[str]] = {}
+    for plat in platforms:
+        m = _PLATFORM.match(plat)
+        for t in target_ids:
+            profile = get_profile(t, settings.profile_dirs())
+            own = profile.extra.get("runtime_platform")
+            if profile.backend != "tensorrt" or not profile.cuda_version or m is None or \
+                    profile.cpu_arch != m.group(1) or (own not in (None, BUILD_HOST) and own != plat):
+                continue
+            major, minor = (int(x) for x in profile.cuda_version.split(".")[:2])
+            wanted.setdefault(plat, set()).add(f"cuda-bindings>={major}.{minor if major == 12 else 0},<{major + 1}")
+    out = {}
+    for plat, reqs in wanted.items():
+        if len(reqs) == 1:
+            out[plat] = sorted(reqs)
+        else:  # one venv per platform holds one cuda-python
+            log.warning("wheelhouse: targets for %s need different CUDA majors (%s): no cuda-python carried; the "
+                        "TensorRT engine needs one installed on the device", plat, ", ".join(sorted(reqs)))
+    return out
+
+
 def build_wheelhouse(platforms: Sequence[str], work: Path, *, extra_wheels: Path | None = None,
-                     cache: Path | None = None) -> Wheelhouse:
-    """Every platform's wheels plus the bootstrap, as stored files for the packer."""
+                     cache: Path | None = None, requirements: dict[str, list[str]] | None = None) -> Wheelhouse:
+    """Every platform's wheels plus the bootstrap, as stored files for the packer. `requirements`: more for
+    some platforms (tensorrt_requirements)."""
     if extra_wheels is not None and not Path(extra_wheels).is_dir():
         raise UsageError(f"expected --extra-wheels {extra_wheels} to be a folder of .whl files, found "
                          f"{'nothing' if not Path(extra_wheels).exists() else 'a file'}")
@@ -314,7 +346,8 @@ def build_wheelhouse(platforms: Sequence[str], work: Path, *, extra_wheels: Path
     links = [floor.parent] + ([Path(extra_wheels)] if extra_wheels else [])
     per_platform = {}
     for plat in platforms:
-        reqs = [f"{FLOOR_PACKAGE}=={floor_version()}"] + [str(e) for e in extras if wheel_fits(e.name, plat)]
+        reqs = [f"{FLOOR_PACKAGE}=={floor_version()}"] + [str(e) for e in extras if wheel_fits(e.name, plat)] \
+            + list((requirements or {}).get(plat, ()))
         per_platform[plat] = download_platform(plat, reqs, links, cache, work)
     return wheelhouse_from_files(FLOOR_PACKAGE, floor_version(), per_platform)
 
