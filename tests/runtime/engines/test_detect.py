@@ -139,8 +139,12 @@ def test_targets_detect_names_the_tensorrt_the_runtime_imports(tmp_path, monkeyp
     (tmp_path / "tensorrt").mkdir()
     (tmp_path / "tensorrt" / "__init__.py").write_text('__version__ = "10.13.3.9"\n')
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "tensorrt", raising=False)
-    result = CliRunner().invoke(cli, ["targets", "--detect"])
+    real = sys.modules.pop("tensorrt", None)
+    try:
+        result = CliRunner().invoke(cli, ["targets", "--detect"])
+    finally:  # the fake must not outlive this test
+        sys.modules.pop("tensorrt", None)
+        if real is not None:
+            sys.modules["tensorrt"] = real
     assert result.exit_code == 0, result.output
     assert f"tensorrt: 10.13.3.9 from {tmp_path.resolve()}" in result.output
-    monkeypatch.delitem(sys.modules, "tensorrt", raising=False)
