@@ -138,3 +138,18 @@ def test_create_builds_real_rtx_plans_for_the_demo_pair_with_no_gpu(tmp_path_fac
     assert spark.builds == [] and spark.loads[0] == root / "engines/plans/dgx-spark/target/engine.plan"
     assert engine.forward_one([1, 2, 3]).shape[0] == 3
     shutil.rmtree(tmp_path / "store")
+
+
+def test_rtx_engines_without_tensorrt_rtx_is_one_line_naming_the_extra(monkeypatch):
+    import runtime.engines.tensorrt as trt
+    from bundler.pack.aot import RtxBuilder
+    from manifests.errors import EnvironmentProblem
+
+    def missing(flavour="tensorrt"):
+        raise EnvironmentProblem(trt.RTX_NOT_INSTALLED)
+
+    monkeypatch.setattr(trt, "tensorrt_module", missing)
+    with pytest.raises(EnvironmentProblem) as e:
+        RtxBuilder()
+    assert str(e.value).startswith("--rtx-engines needs TensorRT-RTX's builder: TensorRT-RTX is not installed")
+    assert "pip install 'bundle[rtx]'" in str(e.value) and "\n" not in str(e.value)
