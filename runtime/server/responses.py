@@ -185,7 +185,7 @@ def _items(out) -> list[dict]:
     items = []
     if out.reasoning:
         items.append(_reasoning_item(out.reasoning))
-    calls = [c for c in out.tool_calls if c.arguments]
+    calls = out.tool_calls
     if out.content and not (calls and not out.content.strip()):
         items.append(_message_item(out.content))
     items += [_call_item(c) for c in calls]

@@ -144,7 +144,8 @@ class ServingChat(OpenAIServing):
 
 def finish_reason(plan: Plan, out, finish: str) -> str:
     """vLLM's: "tool_calls" when tool_choice 'auto' or 'required' stopped with a call read out of the answer;
-    else the engine's (a 'required' answer that ended inside its reasoning has no call: "stop")."""
-    if plan.tool_mode in ("auto", "required") and finish == "stop" and any(c.arguments for c in out.tool_calls):
+    else the engine's (a 'required' answer that ended inside its reasoning has no call: "stop"; a call cut
+    off by max_tokens: "length", streamed or not, so a client knows its arguments are incomplete)."""
+    if plan.tool_mode in ("auto", "required") and finish == "stop" and out.tool_calls:
         return "tool_calls"
     return finish

@@ -179,6 +179,63 @@ def test_auto_tool_choice_reads_calls_with_the_hermes_parser(sdk):
                                                           "tool_calls")
 
 
+#: a long hermes call the grammar makes the model write, one token per step (no drafting)
+LONG_CALL = ('Checking\\. <tool_call>\\{"name": "set_conveyor_speed", "arguments": \\{"cell": "B", '
+             '"rpm": [1-8][0-9][0-9], "note": "[a-z]{4,8}"\\}\\}</tool_call>')
+
+
+def _long_call(**kw) -> dict:
+    return dict(model="demo", messages=ASK, tools=TOOLS, temperature=0, max_tokens=130,
+                extra_body={"structured_outputs": {"regex": LONG_CALL}, "speculative": False, **NO_THINK}) | kw
+
+
+def _streamed(sdk, kw) -> tuple[str, list[dict], str | None]:
+    """content, calls (id, name, arguments, argument delta count) and finish reason, as a client joins them."""
+    content, calls, finish = "", {}, None
+    for chunk in sdk.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        content += c.delta.content or ""
+        for d in c.delta.tool_calls or []:
+            if d.id:  # the header: id, type and name, with empty arguments
+                assert d.index not in calls and d.type == "function" and d.function.name
+                assert d.function.arguments == ""
+                calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": "", "deltas": 0}
+            else:
+                assert d.function.name is None and d.function.arguments
+                calls[d.index]["arguments"] += d.function.arguments
+                calls[d.index]["deltas"] += 1
+        finish = c.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_streamed_tool_call_arguments_arrive_as_they_are_generated(sdk):
+    """As vLLM's hermes parser streams: the header first, then argument fragments in order; joined, they are
+    the non-streamed answer's arguments on the same greedy request."""
+    whole = sdk.chat.completions.create(**_long_call())
+    (tc,) = whole.choices[0].message.tool_calls
+    assert whole.choices[0].finish_reason == "tool_calls" and tc.function.name == "set_conveyor_speed"
+    content, (call,), finish = _streamed(sdk, _long_call())
+    assert (content, finish) == (whole.choices[0].message.content, "tool_calls")
+    assert call["deltas"] > 3 and call["arguments"] == tc.function.arguments
+    assert json.loads(call["arguments"])["cell"] == "B"
+
+
+def test_tool_call_cut_by_max_tokens_reads_the_same_streamed_and_not(sdk):
+    """max_tokens ends the answer inside the call's arguments: both paths give the call with the arguments
+    written so far (not valid JSON yet) and finish_reason "length"."""
+    full = sdk.chat.completions.create(**_long_call()).usage.completion_tokens
+    whole = sdk.chat.completions.create(**_long_call(max_tokens=full - 20))
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and whole.usage.completion_tokens == full - 20
+    (tc,) = choice.message.tool_calls
+    assert tc.function.arguments.startswith('{"cell": "B"') and not tc.function.arguments.endswith("}"), tc
+    content, (call,), finish = _streamed(sdk, _long_call(max_tokens=full - 20))
+    assert (content, finish) == (choice.message.content, "length")
+    assert (call["name"], call["arguments"]) == (tc.function.name, tc.function.arguments)
+
+
 # --- structured output --------------------------------------------------------------------------------
 SHIFT_REPORT = {"type": "object", "properties": {
     "status": {"enum": ["ok", "degraded", "down"]}, "line": {"type": "integer", "minimum": 1, "maximum": 12},
@@ -207,7 +264,7 @@ def test_structured_outputs_choice_and_json_object(sdk):
                                     extra_body={"structured_outputs": {"choice": ["stop", "continue", "escalate"]},
                                                 **NO_THINK})
     assert r.choices[0].message.content in ("stop", "continue", "escalate")
-    r = sdk.chat.completions.create(model="demo", messages=ASK, temperature=0, max_tokens=200,
+    r = sdk.chat.completions.create(model="demo", messages=ASK, temperature=0, max_tokens=130,
                                     response_format={"type": "json_object"}, extra_body=NO_THINK)
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
