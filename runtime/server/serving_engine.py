@@ -289,6 +289,7 @@ class OpenAIServing:
             if step.tokens:
                 if last is None:
                     m.ttft.observe(now - state.arrived)
+                    m.prefill_done(len(job.prompt), job.engine_request.cached_tokens)
                 else:
                     for _ in step.tokens:
                         m.itl.observe((now - last) / len(step.tokens))
@@ -301,6 +302,9 @@ class OpenAIServing:
                 m.request_generation_tokens.observe(output.completion_tokens)
                 if state.first_token_at is not None and output.completion_tokens > 1:
                     m.tpot.observe((now - state.first_token_at) / (output.completion_tokens - 1))
+                if state.first_token_at is not None:  # vLLM's: 0 for a one-token answer
+                    n = output.completion_tokens - 1
+                    m.request_tpot.observe((now - state.first_token_at) / n if n > 0 else 0.0)
                 m.outcome(output.finish_reason)
                 m.request_times(state.arrived, job.engine_request.scheduled, state.first_token_at, now, max_tokens)
                 finish(output)
