@@ -100,6 +100,7 @@ class ChatCompletionRequest(_Common):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False  # vLLM's: the prompt ends inside the last (assistant) message
     include_reasoning: bool | None = True
     chat_template_kwargs: dict | None = None
 

@@ -70,6 +70,7 @@ class ServingChat(OpenAIServing):
             messages.append(m)
         try:
             return self.model.template.render(messages, add_generation_prompt=req.add_generation_prompt is not False,
+                                              continue_final_message=bool(req.continue_final_message),
                                               tools=req.tools, **(req.chat_template_kwargs or {}))
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None

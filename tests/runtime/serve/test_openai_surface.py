@@ -459,6 +459,25 @@ def test_tokenize_detokenize_version_and_models(surface, sdk):
     assert httpx.post(server.url + "/detokenize", json={"tokens": [10 ** 6]}).status_code == 400
 
 
+def test_continue_final_message_ends_the_prompt_inside_the_assistant_turn(surface, sdk):
+    """vLLM's continue_final_message: the prompt stops right after the last (assistant) message's text, so the
+    model goes on with it; chat and /tokenize render the same prompt; with add_generation_prompt too: a 400."""
+    server, _ = surface
+    messages = ASK + [{"role": "assistant", "content": "Slowing cell B to"}]
+    body = {"model": "demo", "messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    t = httpx.post(server.url + "/tokenize", json=body).json()
+    text = httpx.post(server.url + "/detokenize", json={"tokens": t["tokens"]}).json()["prompt"]
+    assert text.endswith("\n\nSlowing cell B to")  # no end-of-turn markup after it
+    r = sdk.chat.completions.create(model="demo", messages=messages, max_tokens=3, temperature=0,
+                                    extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert r.usage.prompt_tokens == t["count"]
+    closed = httpx.post(server.url + "/tokenize", json={**body, "continue_final_message": False}).json()
+    assert closed["count"] > t["count"]  # the usual render closes the turn
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt and continue_final_message"):
+        sdk.chat.completions.create(model="demo", messages=messages, max_tokens=3,
+                                    extra_body={"continue_final_message": True})
+
+
 def test_streaming_shape_on_the_wire(surface):
     server, _ = surface
     body = {"model": "demo", "messages": ASK, "max_tokens": 5, "temperature": 0, "stream": True,
