@@ -435,6 +435,27 @@ def test_responses_api_text_tools_and_streaming(sdk):
         sdk.responses.create(model="demo", input="x", previous_response_id="resp_1")
 
 
+def test_responses_logprobs_whole_and_streamed(sdk):
+    """vLLM's Responses logprobs: with include=["message.output_text.logprobs"], one entry per generated token
+    on the output text, each with top_logprobs alternatives; streamed on the text deltas, the same entries."""
+    kw = dict(model="demo", input="Cell B is jammed.", max_output_tokens=8, temperature=0, top_logprobs=3,
+              include=["message.output_text.logprobs"], extra_body={**NO_THINK, "speculative": False})
+    r = sdk.responses.create(**kw)
+    (msg,) = [o for o in r.output if o.type == "message"]
+    lps = msg.content[0].logprobs
+    assert len(lps) == r.usage.output_tokens and all(len(lp.top_logprobs) == 3 for lp in lps)
+    assert all(lp.logprob <= max(t.logprob for t in lp.top_logprobs) + 1e-6 for lp in lps)  # top 3 are the best
+    events = list(sdk.responses.create(stream=True, **kw))
+    deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    streamed = [(lp.token, lp.logprob) for lp in done.logprobs]
+    assert [(lp.token, lp.logprob) for lp in deltas] == streamed
+    assert [t for t, _ in streamed] == [lp.token for lp in lps]
+    assert [lp for _, lp in streamed] == pytest.approx([lp.logprob for lp in lps], abs=1e-4)
+    plain = sdk.responses.create(**{**kw, "include": None})  # top_logprobs alone asks for none, as in vLLM
+    assert [o for o in plain.output if o.type == "message"][0].content[0].logprobs == []
+
+
 def test_usage_counts_the_prompt_once_per_prompt(sdk):
     kw = dict(model="demo", prompt=["import os\n", "def read(path):"], max_tokens=3, n=2, temperature=0.7, seed=1)
     whole = sdk.completions.create(**kw)
