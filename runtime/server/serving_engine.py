@@ -206,6 +206,21 @@ class OpenAIServing:
         except UsageError as e:
             raise APIError(400, str(e)) from None
 
+    def truncate(self, req: P._Common, ids: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: at most that many prompt tokens (-1: the context), dropped from the
+        left (the start; the default) or the right, before the prompt is checked against the context."""
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        limit = self.model.max_model_len
+        if keep > limit:
+            raise APIError(400, f"expected truncate_prompt_tokens at most the context of {limit} tokens "
+                                f"(max_model_len) or -1, found {keep}", param="truncate_prompt_tokens")
+        keep = limit if keep == -1 else keep
+        if len(ids) <= keep:
+            return ids
+        return ids[:keep] if req.truncation_side == "right" else ids[len(ids) - keep:]
+
     def max_tokens(self, requested: int | None, prompt_len: int) -> int:
         limit = self.model.max_model_len
         if prompt_len >= limit:

@@ -499,6 +499,35 @@ def test_continue_final_message_ends_the_prompt_inside_the_assistant_turn(surfac
                                     extra_body={"continue_final_message": True})
 
 
+def test_return_token_ids_and_prompt_truncation(surface, sdk):
+    """vLLM's return_token_ids: the prompt's ids and each choice's generated ids, whole and streamed (the
+    first chunk names the prompt's, each chunk the ids since the one before); truncate_prompt_tokens keeps
+    that many prompt tokens, the last ones unless truncation_side is right."""
+    server, _ = surface
+    ids = {"return_token_ids": True, "speculative": False}
+    kw = dict(model="demo", prompt="import os\ndef read(path):", max_tokens=6, temperature=0, extra_body=ids)
+    prompt = httpx.post(server.url + "/tokenize", json={"model": "demo", "prompt": kw["prompt"]}).json()["tokens"]
+    c = sdk.completions.create(**kw).choices[0]
+    assert c.prompt_token_ids == prompt and len(c.token_ids) == 6
+    assert httpx.post(server.url + "/detokenize", json={"tokens": c.token_ids}).json()["prompt"] == c.text
+    chunks = [ch.choices[0] for ch in sdk.completions.create(stream=True, **kw)]
+    assert [getattr(ch, "prompt_token_ids", None) for ch in chunks] == [prompt] + [None] * (len(chunks) - 1)
+    assert [t for ch in chunks for t in ch.token_ids] == c.token_ids
+    chat = dict(model="demo", messages=ASK, max_tokens=5, temperature=0, extra_body={**ids, **NO_THINK})
+    rendered = httpx.post(server.url + "/tokenize", json={"model": "demo", "messages": ASK, **NO_THINK}).json()
+    whole = sdk.chat.completions.create(**chat)
+    assert whole.prompt_token_ids == rendered["tokens"] and len(whole.choices[0].token_ids) == 5
+    stream = list(sdk.chat.completions.create(stream=True, **chat))
+    assert stream[0].prompt_token_ids == rendered["tokens"]
+    assert [t for ch in stream for c in ch.choices for t in c.token_ids] == whole.choices[0].token_ids
+    for side, kept in (("left", rendered["tokens"][-7:]), ("right", rendered["tokens"][:7])):
+        cut = sdk.chat.completions.create(**{**chat, "extra_body": {**chat["extra_body"], "truncate_prompt_tokens": 7,
+                                                                    "truncation_side": side}})
+        assert cut.prompt_token_ids == kept and cut.usage.prompt_tokens == 7
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        sdk.completions.create(**{**kw, "extra_body": {"truncate_prompt_tokens": 10 ** 6}})
+
+
 def test_streaming_shape_on_the_wire(surface):
     server, _ = surface
     body = {"model": "demo", "messages": ASK, "max_tokens": 5, "temperature": 0, "stream": True,
