@@ -169,7 +169,9 @@ class Metrics:
         self.connections = gauge("bundle:http_connections", "HTTP connections open now")
         self.connections_closed = counter("bundle:http_connections_closed", "HTTP connections the server closed "
                                           "(a read deadline passed, or a connection limit)", ["reason"])
-        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens computed per engine step",
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step, as vLLM counts "
+                                          "them: the prompts that got their first token in it, and the tokens it "
+                                          "generated",
                                           (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
         self.running = gauge("vllm:num_requests_running", "Requests generating now")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests queued for the generator")
@@ -183,6 +185,7 @@ class Metrics:
                                        "response included", ["handler", "method"], buckets=_HTTP_BUCKETS, registry=r)
         self._clock = clock
         self._window = _Window(since=clock())
+        self._iteration = 0  # this step's tokens so far (engine thread: the steps' callbacks, then scheduler_step)
 
     def cache_config(self, **info) -> None:
         """vLLM's vllm:cache_config_info: a gauge at 1 whose labels are the KV cache's configuration (vLLM's
@@ -207,8 +210,9 @@ class Metrics:
         usage = scheduler.num_running / max(scheduler.num_slots, 1)
         self.kv_cache_usage.set(usage)
         self.gpu_cache_usage.set(usage)
-        if scheduler.last_step_tokens:
-            self.iteration_tokens.observe(scheduler.last_step_tokens)
+        if self._iteration:
+            self.iteration_tokens.observe(self._iteration)
+            self._iteration = 0
         queries, hits = scheduler.prefix_queries, scheduler.prefix_hits
         self.prefix_queries.inc(queries - self._prefix_seen[0])
         self.prefix_hits.inc(hits - self._prefix_seen[1])
@@ -242,7 +246,10 @@ class Metrics:
             self.prefill_time.observe(max(first_token - scheduled, 0.0))
             self.decode_time.observe(max(finished - first_token, 0.0))
 
-    def step(self, tokens: int, drafted: int, accepted: int) -> None:
+    def step(self, tokens: int, drafted: int, accepted: int, prompt_tokens: int = 0) -> None:
+        """One request's share of an engine step: its generated tokens, and its whole prompt (cached part
+        included) in the step that gave its first token."""
+        self._iteration += tokens + prompt_tokens
         self.generation_tokens.inc(tokens)
         w = self._window
         w.tokens += tokens

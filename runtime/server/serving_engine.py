@@ -308,7 +308,8 @@ class OpenAIServing:
                 else:
                     for _ in step.tokens:
                         m.itl.observe((now - last) / len(step.tokens))
-            m.step(len(step.tokens), step.drafted, step.accepted)
+            m.step(len(step.tokens), step.drafted, step.accepted,
+                   len(job.prompt) if step.tokens and last is None else 0)
             for output in state.process(step, now, job.engine_request.cached_tokens):
                 if not output.finished:
                     job.post(output)

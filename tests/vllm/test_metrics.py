@@ -92,8 +92,6 @@ HIDDEN_DEPRECATED_METRICS: list[str] = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="vllm:iteration_tokens_total counts the tokens each step computed: the prefix "
-                   "cache here skips the repeated prompt, so the sum is below vLLM's prompt x requests count")
 def test_metrics_counts(server, client, tokenizer_ids):
     prompt_ids = tokenizer_ids(_PROMPT)
     num_requests = 10
