@@ -37,6 +37,7 @@ class ChatTemplate:
         import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+        self.source = source  # what the serve start reads (does it ever open a thinking block?)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson

@@ -58,13 +58,19 @@ class OpenAIServer:
             except NotImplementedError:  # an engine with a fixed number of slots
                 self.slot_plan = SlotPlan(min(runner.num_slots, options.max_num_seqs), self.slot_plan.kv_bytes_per_slot,
                                           self.slot_plan.kv_budget_bytes, "engine")
+        #: prefix caching as it runs: off for a target with recurrent state, as vLLM turns it off for hybrids
+        self.enable_prefix_caching = options.enable_prefix_caching
+        if self.enable_prefix_caching and getattr(runner.target, "recurrent", False):
+            log.info("prefix caching is off: %s keeps a recurrent state (Gated DeltaNet layers) per sequence, "
+                     "which a cached prefix of KV rows cannot restore", model.name)
+            self.enable_prefix_caching = False
         config = SchedulerConfig(max_num_seqs=self.slot_plan.num_slots,
                                  max_num_batched_tokens=options.max_num_batched_tokens,
-                                 enable_prefix_caching=options.enable_prefix_caching)
+                                 enable_prefix_caching=self.enable_prefix_caching)
         # one slot holds one whole sequence: vLLM's block is the context, its blocks are the slots
         self.metrics.cache_config(block_size=model.max_model_len, num_gpu_blocks=self.slot_plan.num_slots,
                                   num_cpu_blocks=0, cache_dtype="auto",
-                                  enable_prefix_caching=options.enable_prefix_caching)
+                                  enable_prefix_caching=self.enable_prefix_caching)
         self.engine = EngineClient(runner, config, on_step_done=self._gauges)
         self.metrics.watch_engine(lambda: (self.engine.steps, self.engine.step_seconds,
                                            runner.stats.target_seconds + runner.stats.draft_seconds))

@@ -582,3 +582,27 @@ def test_disable_log_requests_turns_the_line_off(demo_installed, caplog):
         assert setup.serving.model.max_model_len == 256
     finally:
         server.stop()
+
+
+def test_the_demo_bundles_own_template_cannot_think_so_answers_are_content(demo_installed):
+    """The demo's signed defaults name --reasoning-parser qwen3, but its tokenizer has no think tokens and
+    its own template opens no block: the parser is off with a note, answers and structured output are
+    content from the first token (before, every answer was reasoning and content was null)."""
+    from runtime.server.options import ServeConfig, apply_serve_config
+
+    installed, _ = demo_installed
+    setup = apply_serve_config(installed, ServeConfig(args={"max_model_len": 256}))
+    assert not [line for line in setup.features_lines if line.startswith("reasoning:")]
+    assert any("--reasoning-parser qwen3 is off" in line for line in setup.features_lines)
+    server = RunningServer(setup.serving)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        plain = client.chat.completions.create(model="demo", messages=ASK, max_tokens=8, temperature=0)
+        assert plain.choices[0].message.content
+        assert getattr(plain.choices[0].message, "reasoning", None) is None
+        r = client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "Report line 3."}], temperature=0, max_tokens=80,
+            response_format={"type": "json_schema", "json_schema": {"name": "report", "schema": SHIFT_REPORT}})
+        jsonschema.validate(json.loads(r.choices[0].message.content), SHIFT_REPORT)
+    finally:
+        server.stop()

@@ -141,6 +141,9 @@ def test_required_and_named_forms():
     assert content is None and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == WEATHER
 
 
+#: what a Qwen3.5 template ends the prompt with: the thinking block is open
+QWEN35_PROMPT = "<|im_start|>assistant\n<think>\n"
+
 REASONING = [
     # (parser, kwargs, prompt, output, reasoning, content)
     ("deepseek_r1", {}, "", "<think>plan the move</think>Move arm to B.", "plan the move", "Move arm to B."),
@@ -149,9 +152,14 @@ REASONING = [
     ("qwen3", {}, "<|im_start|>assistant\n<think>\n", "check sensor</think>Sensor OK.", "check sensor", "Sensor OK."),
     ("qwen3", {"enable_thinking": False}, "", "Sensor OK.", None, "Sensor OK."),
     ("qwen3", {}, "<think>\n\n</think>\n\n", "Sensor OK.", None, "Sensor OK."),
-    ("qwen3", {}, "", "need data <tool_call>\n<function=get_weather></function></tool_call>",
+    ("qwen3", {}, QWEN35_PROMPT, "need data <tool_call>\n<function=get_weather></function></tool_call>",
      "need data ", "<tool_call>\n<function=get_weather></function></tool_call>"),
-    ("qwen3", {}, "", "mention <tool_call> in text</think>done", "mention <tool_call> in text", "done"),
+    ("qwen3", {}, QWEN35_PROMPT, "mention <tool_call> in text</think>done", "mention <tool_call> in text", "done"),
+    # qwen3: a prompt that opens no block and an output that opens none is the answer, end marker or not
+    ("qwen3", {}, "<|assistant|>\n", "Sensor OK.", None, "Sensor OK."),
+    ("qwen3", {}, "", "<think>plan</think>Go.", "plan", "Go."),  # Qwen3 up to 2507 opens its own block
+    ("qwen3", {}, QWEN35_PROMPT, "cut short while thinking", "cut short while thinking", None),
+    ("deepseek_r1", {}, "<|assistant|>\n", "still thinking", "still thinking", None),  # R1 may omit <think>
     ("nemotron_v3", {}, "", "<think>x</think>y", "x", "y"),
     ("nemotron_v3", {"enable_thinking": False}, "", "just the answer", None, "just the answer"),
     ("deepseek_r1", {}, "", "</think>", None, None),
@@ -205,3 +213,16 @@ def test_deeply_nested_model_output_is_read_without_recursion(name):
         assert (content, calls) == (text, [])
     else:  # a call to f whose arguments are the model's text, read without recursion
         assert content is None and [(c.name, c.arguments) for c in calls] == [("f", "[" * 5000 + "]" * 5000)]
+
+
+def test_a_model_that_cannot_think_gets_no_reasoning_parser(tiny_models):
+    """vLLM refuses a parser whose think tokens the tokenizer lacks; a model whose template never writes
+    <think> either cannot think, so the parser is off (with the reason) and every answer is content."""
+    from runtime.serve.tokenizer import Tokenizer
+    from runtime.server.reasoning_parsers import reasoning_unavailable
+
+    tok = Tokenizer(tiny_models["target"])
+    assert tok.token_to_id("<think>") is None
+    why = reasoning_unavailable("qwen3", tok, "{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert why and "--reasoning-parser qwen3 is off" in why and "<think>" in why
+    assert reasoning_unavailable("qwen3", tok, "{{ '<think>\\n' }}") is None  # the template opens a block
