@@ -2,7 +2,7 @@
 
 Run by hand. On an NVIDIA GPU host (onnxruntime-gpu importable: docs/offline-gpu-host.md):
 
-    python benchmarks/bench_quant.py prepare --work /tmp/bq [--shapes 1b,8b]   # random-weight checkpoints, graphs
+    python benchmarks/bench_quant.py prepare --work /tmp/bq [--shapes 1b,8b:8]   # random-weight checkpoints, graphs
     python benchmarks/bench_quant.py gpu --work /tmp/bq --out OUT [--shapes 1b,8b]
     ORT_FPA_INTB_GEMM=1 python benchmarks/bench_quant.py gpu --work /tmp/bq --out OUT --tag fpa-intb
 
@@ -44,6 +44,16 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
 LLAMA_8B = dict(LLAMA_1B, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
 SHAPES = {"1b": LLAMA_1B, "8b": LLAMA_8B}
+
+
+def shape_of(name: str) -> tuple[str, dict]:
+    """"8b" or "8b:8" (the 8B shape cut to 8 decoder layers: every layer costs the same, so the ratios of a
+    cut model say what the full depth does, at a fraction of the export time) -> (folder name, config)."""
+    base, _, layers = name.partition(":")
+    shape = dict(SHAPES[base])
+    if layers:
+        shape["num_hidden_layers"] = int(layers)
+    return (f"{base}-{layers}l" if layers else base), shape
 CONTEXTS = (128, 1024)
 BATCHES = (1, 8)
 VERIFY_WIDTH = 4
@@ -89,7 +99,8 @@ def prepare(work: Path, shapes) -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for s in shapes:
-        export_pair(checkpoint(work, f"llama-{s}", SHAPES[s], device), work / "graphs" / s, "float16", True)
+        folder, shape = shape_of(s)
+        export_pair(checkpoint(work, f"llama-{folder}", shape, device), work / "graphs" / folder, "float16", True)
 
 
 def graph_bytes(graph: Path) -> int:
@@ -158,8 +169,9 @@ def gpu(work: Path, out: Path, shapes, steps: int, tag: str) -> None:
     bw = copy_bandwidth()
     results = {"bandwidth_bytes_s": bw, "tag": tag, "shapes": {}}
     for s in shapes:
-        results["shapes"][s] = {name: bench(make, work / "graphs" / s / name / "model.onnx", steps, bw)
-                                for name in ("plain", "int4")}
+        folder, _ = shape_of(s)
+        results["shapes"][folder] = {name: bench(make, work / "graphs" / folder / name / "model.onnx", steps, bw)
+                                     for name in ("plain", "int4")}
     write(out, f"gpu{'_' + tag if tag else ''}", results, gpu_table(results))
 
 
@@ -282,7 +294,7 @@ def main() -> None:
     ap.add_argument("mode", choices=("prepare", "gpu", "cpu", "quality"))
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench-quant"))
     ap.add_argument("--out", type=Path, default=Path("."))
-    ap.add_argument("--shapes", default="1b,8b", help="prepare/gpu: comma-separated of " + ", ".join(SHAPES))
+    ap.add_argument("--shapes", default="1b,8b", help="prepare/gpu: comma-separated of " + ", ".join(SHAPES) + " (NAME:LAYERS cuts the depth)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=4, help="cpu: decoder layers of the 1B shape")
     ap.add_argument("--tag", default="", help="gpu: a name for this run (e.g. fpa-intb under ORT_FPA_INTB_GEMM=1)")

@@ -18,13 +18,26 @@ class Family:
     model_type: str
     architectures: tuple[str, ...]  # the first is the one recorded when a config names none
     blocks: str  # what its decoder layers are made of, for messages and the docs
+    q_k_norm: bool = False  # attention normalises each head's q and k before rotary (Qwen3)
+    #: the MLP of (some) layers is routed experts: only the in-place graphs hold them (bundler.onnx.blocks.moe);
+    #: tracing the torch model would bake in the experts the trace's tokens happened to choose
+    routed_experts: bool = False
+    #: some layers are Gated DeltaNet linear attention with a recurrent state per slot (batched graph only)
+    gated_deltanet: bool = False
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", ("LlamaForCausalLM",), "attention + MLP"),
     Family("mistral", ("MistralForCausalLM",), "attention + MLP"),
     Family("qwen2", ("Qwen2ForCausalLM",), "attention + MLP"),
-    Family("qwen3", ("Qwen3ForCausalLM",), "attention (q/k norms) + MLP"),
+    Family("qwen3", ("Qwen3ForCausalLM",), "attention (q/k norms) + MLP", q_k_norm=True),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "attention (q/k norms) + routed experts", q_k_norm=True,
+           routed_experts=True),
+    Family("qwen3_5_text", ("Qwen3_5ForCausalLM",), "Gated DeltaNet + attention", q_k_norm=True,
+           gated_deltanet=True),
+    # the Hub's Qwen3.5 checkpoints: the text model is exported, the vision tower left out
+    Family("qwen3_5", ("Qwen3_5ForConditionalGeneration",), "Gated DeltaNet + attention (text)", q_k_norm=True,
+           gated_deltanet=True),
 )}
 
 #: config.json architectures of EAGLE-3 draft heads (the public checkpoints' and vLLM's names).

@@ -138,8 +138,10 @@ class Quantization:
     def summary(self) -> str:
         """One line: "int4 rtn block 32 asym, 42 layers (lm_head kept)"."""
         kept = f" ({', '.join(self.kept)} kept)" if self.kept else ""
+        experts = self.extra.get("experts")
+        experts = f", {len(experts)} expert weights" if isinstance(experts, list) and experts else ""
         return (f"int{self.bits} {self.method} block {self.block_size} {'sym' if self.symmetric else 'asym'}, "
-                f"{len(self.layers)} layers{kept}")
+                f"{len(self.layers)} layers{experts}{kept}")
 
     def to_dict(self) -> dict:
         d = {"method": self.method, "bits": self.bits, "block_size": self.block_size, "symmetric": self.symmetric,

@@ -133,3 +133,20 @@ def check_target(target: str, *, force: bool = False, profiles: Sequence[TargetP
         return f"installing for {target} although this machine is {found} ({reason}), as --force-target asks"
     raise EnvironmentProblem(f"--target {target} does not match this machine: expected a {target}, found "
                              f"{found} ({reason}); pass --force-target to install for {target} anyway")
+
+
+def tensorrt_bindings() -> str:
+    """One line for `bundle targets --detect`: the TensorRT Python bindings this runtime imports (version and
+    folder; on a bootstrapped device, the platform's, linked in by the bootstrap), or why there are none."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("tensorrt")
+    if spec is None:
+        from runtime.engines.tensorrt import install_hint
+        return f"not importable here: TensorRT targets serve with ONNX Runtime ({install_hint()})"
+    where = str(Path(list(spec.submodule_search_locations or [spec.origin or "?"])[0]).resolve().parent)
+    try:
+        import tensorrt
+    except Exception as e:  # noqa: BLE001 - a broken install (no libnvinfer): say what it raised
+        return f"found in {where} but does not import ({type(e).__name__}: {str(e)[:200]})"
+    return f"{getattr(tensorrt, '__version__', 'unknown version')} from {where}"

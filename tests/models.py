@@ -29,6 +29,25 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
 }
+#: Families with routed experts: only the in-place graphs export them (not in FAMILIES, whose tests trace
+#: the concat graph too). Layer 2 keeps the dense MLP (mlp_only_layers), the others route 8 experts, top 2.
+ROUTED_FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [2]}),
+}
+#: Routed families' router and expert weights are redrawn with these standard deviations: transformers'
+#: 0.02 makes every router score nearly equal and every expert's output tiny, so a wrong choice of
+#: experts would hide under the logits' tolerance.
+ROUTER_STD, EXPERT_STD = 1.0, 0.2
+#: Families whose layers mix attention with recurrent ones: the batched graph only, so not in FAMILIES
+#: (which every layout's tests walk). Qwen3.5: layers 0, 2 Gated DeltaNet, 1, 3 gated attention.
+HYBRID_FAMILIES = {
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {
+        "head_dim": 16, "layer_types": ["linear_attention", "full_attention"] * 2,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}),
+}
 
 
 def make_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
@@ -60,7 +79,11 @@ def make_tiny_checkpoint(out_dir: Path, *, family: str = "llama", vocab_size: in
     import torch
     import transformers
 
-    cfg_name, model_name, extra = FAMILIES[family]
+    if family == "qwen3_5":  # the Hub's multimodal layout around the same text model
+        return _multimodal_qwen3_5(out_dir, vocab_size=vocab_size, max_positions=max_positions, seed=seed)
+    cfg_name, model_name, extra = {**FAMILIES, **ROUTED_FAMILIES, **HYBRID_FAMILIES}[family]
+    if family in HYBRID_FAMILIES:
+        num_layers = len(extra["layer_types"])
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer_from is not None:
@@ -79,6 +102,44 @@ def make_tiny_checkpoint(out_dir: Path, *, family: str = "llama", vocab_size: in
         tie_word_embeddings=False, **extra)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
+    if family in ROUTED_FAMILIES:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".mlp.gate." in name + "." or ".mlp.experts." in name + ".":
+                    param.normal_(0.0, ROUTER_STD if ".mlp.gate." in name + "." else EXPERT_STD)
+    if family in HYBRID_FAMILIES:  # norms start at 0 (scale 1 + w) and gates at fixed values: move them all
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.ndim == 1:
+                    param.add_(0.2 * torch.randn_like(param))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": pad}))
+    return out_dir
+
+
+def _multimodal_qwen3_5(out_dir: Path, *, vocab_size: int, max_positions: int, seed: int) -> Path:
+    """Qwen3_5ForConditionalGeneration (model_type qwen3_5) with HYBRID_FAMILIES' text model, a one-block
+    vision tower, 1-D parameters moved off their initial values."""
+    import torch
+    import transformers
+
+    out_dir = Path(out_dir)
+    make_tokenizer(out_dir, vocab_size)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    eos, pad = tok.token_to_id("<|end|>"), tok.token_to_id("<|endoftext|>")
+    text = {"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": max_positions,
+            "eos_token_id": eos, "pad_token_id": pad, **HYBRID_FAMILIES["qwen3_5_text"][2]}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "patch_size": 8, "num_position_embeddings": 16}
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(0.2 * torch.randn_like(param))
     model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": pad}))
     return out_dir

@@ -79,6 +79,21 @@ def runtime_platforms(with_runtime: str | None, no_runtime: bool, targets: list[
     return parse_platforms(with_runtime) if with_runtime is not None else default_platforms(targets)
 
 
+def _rtx_builder(targets):
+    """The TensorRT-RTX builder for --rtx-engines; one line per target it cannot build for, and why."""
+    from bundler.pack.aot import RtxBuilder
+    from runtime.profiles import get_profile
+
+    aot = RtxBuilder()
+    for t in targets:
+        profile = get_profile(t)
+        if profile.backend == "tensorrt" and aot.compute_capability_for(profile) is None:
+            click.echo(f"rtx:      {t}: TensorRT-RTX {aot.version[4:]} builds for sm_"
+                       f"{', sm_'.join(c.replace('.', '') for c in aot.targets)}, not sm_"
+                       f"{profile.compute_capability.replace('.', '')}: its plan is built on the device", err=True)
+    return aot
+
+
 @click.command(epilog="""\b
 Examples:
   bundle create --model ./llama-1b --draft ./llama-draft --targets jetson-thor,igx-thor \\
@@ -152,6 +167,11 @@ Examples:
 @click.option("--allow-no-chat-template", is_flag=True,
               help="Bundle a target with no chat template (a warning instead of a refusal, exit 8): the device "
                    "then serves /v1/completions only.")
+@click.option("--rtx-engines", "rtx_engines", is_flag=True,
+              help="Build TensorRT-RTX plans here, ahead of time and with no GPU, for every TensorRT target whose "
+                   "GPU TensorRT-RTX targets (dgx-spark, sm_121; not the Thors or Orins): the device loads the "
+                   "plan when its key matches (TensorRT-RTX of that version) and builds its own otherwise. "
+                   "Needs bundle[rtx].")
 @click.option("--jobs", type=click.IntRange(min=1), help="Compression threads. Default: every core (BUNDLE_JOBS).")
 @click.option("--no-progress", is_flag=True,
               help="No progress: neither the bars (on a terminal) nor the timestamped lines on stderr (otherwise).")
@@ -159,7 +179,7 @@ Examples:
 def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_model_len, targets_text, name,
            version, sign_key_paths, unsigned, max_part_size, out, expires, num_speculative_tokens,
            serve_args, serve_config_path, with_checkpoint_weights, with_runtime, no_runtime, extra_wheels,
-           wheel_cache, force, allow_no_chat_template, jobs, no_progress, quantization) -> None:
+           wheel_cache, force, allow_no_chat_template, rtx_engines, jobs, no_progress, quantization) -> None:
     """Pack a model (and draft) into a signed, zstd-compressed bundle directory (an OCI image layout).
 
     Every file is recorded in a signed manifest with its sha256; files larger than --max-part-size are
@@ -180,6 +200,12 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
     max_model_len = serve.get("max_model_len")
     method = "draft_model"
     platforms = runtime_platforms(with_runtime, no_runtime, targets)
+    aot = _rtx_builder(targets) if rtx_engines else None
+    if platforms:
+        from bundler.pack.wheelhouse import onnxruntime_gpu_lines
+
+        for line in onnxruntime_gpu_lines(targets, platforms, extra_wheels):
+            click.echo(line, err=True)
     if spec_config is not None:
         from manifests.speculative import parse_speculative_config
 
@@ -215,7 +241,7 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
         jobs=jobs, progress=not no_progress, serve=serve, checkpoint_weights=with_checkpoint_weights,
         speculative_method=method,
         target_files=target_files_hook(num_speculative_tokens=num_speculative_tokens, serve=serve,
-                                       eagle3_layers=layers, quantization=quantization),
+                                       eagle3_layers=layers, quantization=quantization, aot=aot),
         runtime_platforms=platforms, extra_wheels=extra_wheels, wheel_cache=wheel_cache)
     manifest = create_bundle(out, options)
     lock_out = lock_path or write_lock(out.parent / f"{out.name}.lock.json", checked_resolution(resolved, manifest),
@@ -232,6 +258,11 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
         click.echo(f"left out: {len(left_out)} checkpoint files, {format_size(sum(o['size'] for o in left_out))} "
                    f"no target installs (size and sha256 in the manifest; --with-checkpoint-weights carries them)")
     click.echo(f"targets:  {', '.join(t.id for t in manifest.targets)}")
+    for t in manifest.targets:
+        rtx = [e for e in t.engines if e.format == "tensorrt-plan" and e.key.get("tensorrt_version", "").startswith("rtx-")]
+        if rtx:
+            click.echo(f"rtx:      {t.id}: {len(rtx)} TensorRT-RTX {rtx[0].key['tensorrt_version'][4:]} plans for "
+                       f"sm_{rtx[0].key['compute_capability'].replace('.', '')} built here ahead of time, signed in")
     for line in quality_lines(manifest):
         click.echo(line)
     for m in manifest.models:

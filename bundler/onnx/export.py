@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Iterable
 
 from bundler.model_config import read_config
-from manifests.errors import UsageError
-from manifests.families import check_family
+from manifests.errors import ModelError, UsageError
+from manifests.families import FAMILIES, check_family
+from bundler.onnx.inplace import HYBRID_FAMILIES
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,9 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
         raise UsageError(f"expected a Hugging Face checkpoint with config.json in {checkpoint_dir}, found none")
     config = read_config(checkpoint_dir, merge_text_config=False)
     family, arch = check_family(config, str(checkpoint_dir))
+    if FAMILIES[family].routed_experts and kv_cache == "concat":
+        raise ModelError(f"{checkpoint_dir}: model type {family!r} has routed experts, which the traced concat "
+                         f"KV-cache graph cannot hold; expected kv_cache 'batched' or 'shared' (ONNX Runtime targets)")
     opset = opset or DEFAULT_OPSET
     out_dir.mkdir(parents=True, exist_ok=True)
     aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
@@ -185,6 +189,10 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     if fusions is not None and kv_cache != "batched":
         raise UsageError(f"graph fusions apply to the batched KV-cache graph; found kv_cache {kv_cache!r}")
     fusions = None if fusions is None else frozenset(fusions)
+    if family in HYBRID_FAMILIES and (kv_cache != "batched" or dtype != "float32"):
+        raise UsageError(f"{checkpoint_dir}: {arch} mixes Gated DeltaNet with attention; expected "
+                         f"kv_cache='batched' in float32 (the cpu target's graph: its recurrent state lives beside "
+                         f"the KV cache), found {kv_cache!r} in {dtype}")
     if kv_cache != "concat":
         if dtype != "float32":  # the float32 graph, rewritten in half precision (bundler.onnx.half)
             return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype, fusions,
@@ -267,14 +275,21 @@ def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str
     from bundler.onnx.inplace import BATCHED_OPSET, build_batched_kv_graph, build_shared_kv_graph
 
     cfg = AutoConfig.from_pretrained(checkpoint_dir)
+    if family == "qwen3_5":  # the multimodal checkpoint: its text model only
+        cfg = cfg.text_config
     result = _result(cfg, family, arch, out_dir, BATCHED_OPSET if layout == "batched" else opset, layout,
                      aux_layer_ids=aux_layer_ids)
+    if family in HYBRID_FAMILIES:  # bundle.num_layers counts the KV caches: the attention layers
+        import dataclasses
+
+        result = dataclasses.replace(result, num_layers=sum(t == "full_attention" for t in cfg.layer_types))
     result.weights.unlink(missing_ok=True)
     try:
         if layout == "batched":
-            build_batched_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family == "qwen3", fusions=fusions)
+            build_batched_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=FAMILIES[family].q_k_norm,
+                                   fusions=fusions)
         else:
-            build_shared_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=family == "qwen3")
+            build_shared_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=FAMILIES[family].q_k_norm)
     except BaseException:  # no half-written graph that looks complete
         result.graph.unlink(missing_ok=True)
         result.weights.unlink(missing_ok=True)

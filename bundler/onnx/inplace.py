@@ -23,6 +23,11 @@ match), positions come from seqlens_k = sum(attention_mask) - 1. Prefill, decode
 verification of k tokens after a past are one graph; rollback is a length change.
 GroupQueryAttention is an ONNX Runtime contrib op: TensorRT targets keep the "concat" graph.
 
+Qwen3.5 text models (HYBRID_FAMILIES) mix in Gated DeltaNet layers (bundler.onnx.blocks.gated_deltanet),
+batched layout only: their KV caches are numbered among the attention layers (past_key_values.<j> is
+the j-th full-attention layer), their recurrent states among the Gated DeltaNet layers, and metadata
+`bundle.layer_types` lists which layer is which.
+
 Weights are streamed tensor by tensor from the safetensors files into one external-data file,
 so memory stays at one tensor whatever the model size.
 """
@@ -37,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from manifests.errors import ModelError
+from manifests.families import FAMILIES
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +60,14 @@ AUX_OUTPUT = "aux_hidden_states"
 IR_VERSION = 9
 ALIGN = 64  # byte alignment of each tensor in the external-data file
 
-_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
+                 "qwen3_5_text": "Qwen3_5Text", "qwen3_5": "Qwen3_5Text"}
+_MODULE = {"qwen3_5_text": "qwen3_5"}  # transformers' module, where it is not the model type
+#: Families whose layers mix attention with Gated DeltaNet (bundler.onnx.blocks.gated_deltanet): batched only.
+#: "qwen3_5" is the multimodal checkpoint, whose text model is exported (text_config, model.language_model.*).
+HYBRID_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.gated_deltanet)
+#: Where a multimodal checkpoint keeps its text model's tensors (read as model.*).
+_TEXT_MODEL_PREFIX = "model.language_model."
 
 
 class _Checkpoint:
@@ -72,14 +85,20 @@ class _Checkpoint:
             raise ModelError(f"{checkpoint_dir}: expected model weights in *.safetensors, found none")
         self._files = [safe_open(str(checkpoint_dir / s), framework="pt") for s in shards]
         self._where = {k: f for f in self._files for k in f.keys()}
+        # a multimodal checkpoint's text model: model.language_model.X is read as model.X
+        self._text = any(k.startswith(_TEXT_MODEL_PREFIX) for k in self._where)
+
+    def _stored(self, name: str) -> str:
+        return _TEXT_MODEL_PREFIX + name[len("model."):] if self._text and name.startswith("model.") else name
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return self._stored(name) in self._where
 
     def get(self, name: str) -> np.ndarray:
-        if name not in self._where:
-            raise ModelError(f"checkpoint has no tensor {name!r}; expected the standard layout of its family")
-        return self._where[name].get_tensor(name).float().numpy()
+        stored = self._stored(name)
+        if stored not in self._where:
+            raise ModelError(f"checkpoint has no tensor {stored!r}; expected the standard layout of its family")
+        return self._where[stored].get_tensor(stored).float().numpy()
 
 
 class _Writer:
@@ -118,10 +137,12 @@ class _Writer:
 
 
 def rotary_tables(family: str, config, max_positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [max_positions, head_dim/2] from transformers' rotary module for this family."""
+    """cos/sin [max_positions, rotary_dim/2] from transformers' rotary module for this family (rotary_dim
+    is head_dim, or its rotated part under partial rotary)."""
     import torch
 
-    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    name = _MODULE.get(family, family)
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     rotary = getattr(module, f"{_CLASS_PREFIX[family]}RotaryEmbedding")(config=config)
     if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
         raise ModelError(f"rope type {rotary.rope_type!r} depends on the sequence length and cannot be "
@@ -129,7 +150,7 @@ def rotary_tables(family: str, config, max_positions: int, head_dim: int) -> tup
     with torch.no_grad():
         pos = torch.arange(max_positions, dtype=torch.int64)[None]
         cos, sin = rotary(torch.zeros(1, dtype=torch.float32), pos)
-    half = head_dim // 2
+    half = cos.shape[-1] // 2
     return cos[0, :, :half].numpy().astype(np.float32), sin[0, :, :half].numpy().astype(np.float32)
 
 
@@ -201,9 +222,24 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
     from onnx import TensorProto as TP
     from onnx import helper as h
 
+    from bundler.onnx.blocks import moe
+
     cfg = config
     batched = layout == BATCHED_LAYOUT
-    family, layers = result.family, result.num_layers
+    family = result.family
+    hybrid = family in HYBRID_FAMILIES
+    if hybrid:
+        from bundler.onnx.blocks import gated_deltanet as gdn
+
+        types = gdn.layer_types(cfg)
+        fusions = fusions - {"qkv"}  # q_proj carries the output gate: q, gate, k, v are separate MatMuls
+        if not batched or fusions & {"q3d", "bsnh", "gqa"}:
+            raise ModelError(f"{result.architecture} (Gated DeltaNet + attention) is written for the batched "
+                             f"graph without {', '.join(sorted(fusions & {'q3d', 'bsnh', 'gqa'})) or 'fusions'}; "
+                             f"found layout {layout!r}")
+    else:
+        types = ["full_attention"] * result.num_layers
+    layers = len(types)
     heads, kv, hd = int(cfg.num_attention_heads), result.num_kv_heads, result.head_dim
     eps = float(cfg.rms_norm_eps)
     ckpt = _Checkpoint(Path(checkpoint_dir))
@@ -222,12 +258,14 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
 
     gqa, bsnh, q3d = "gqa" in fusions, "bsnh" in fusions, "q3d" in fusions or "bsnh" in fusions
 
+    def norm_weight(weight_name):  # Qwen3.5's norms scale by (1 + weight)
+        return w.add(weight_name, ckpt.get(weight_name) + 1.0 if hybrid else ckpt.get(weight_name))
+
     def rms(x, weight_name):
         if batched and "skip_norm" not in fusions:  # the standard op (opset 23), the contrib one's computation
-            return node("RMSNormalization", [x, w.add(weight_name, ckpt.get(weight_name))], axis=-1,
-                        epsilon=eps, stash_type=1)
-        return node("SimplifiedLayerNormalization", [x, w.add(weight_name, ckpt.get(weight_name))],
-                    axis=-1, epsilon=eps, stash_type=1)
+            return node("RMSNormalization", [x, norm_weight(weight_name)], axis=-1, epsilon=eps, stash_type=1)
+        return node("SimplifiedLayerNormalization", [x, norm_weight(weight_name)], axis=-1, epsilon=eps,
+                    stash_type=1)
 
     def linear(x, prefix):
         y = node("MatMul", [x, w.add(prefix + ".weight", ckpt.get(prefix + ".weight").T)])
@@ -257,9 +295,11 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
         x4 = node("Reshape", [x, const(f"shape_{n_heads}_{hd}", [0, 0, n_heads, hd])])
         return node("Transpose", [x4], perm=[0, 2, 1, 3])
 
-    def mlp_block(x, attn, p):  # o_proj + residual, post-attention norm, SwiGLU MLP + residual
-        x = node("Add", [x, linear(attn, f"{p}.self_attn.o_proj")])
+    def mlp_block(x, attn, p, out_proj="self_attn.o_proj"):  # o_proj + residual, norm, SwiGLU MLP + residual
+        x = node("Add", [x, linear(attn, f"{p}.{out_proj}")])
         hs = rms(x, f"{p}.post_attention_layernorm.weight")
+        if p in sparse:  # routed experts (bundler.onnx.blocks.moe)
+            return node("Add", [x, moe.sparse_moe(ops, hs, f"{p}.mlp", cfg)])
         if "gate_up" in fusions:
             gate, up = packed(hs, f"{p}.mlp", ("gate_proj", "up_proj"))
         else:
@@ -267,6 +307,8 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
         act = node("Mul", [node("Mul", [gate, node("Sigmoid", [gate])]), up])
         return node("Add", [x, linear(act, f"{p}.mlp.down_proj")])
 
+    ops = moe.GraphOps(node, w.add, ckpt.get, ckpt.__contains__)
+    sparse = {f"model.layers.{i}" for i in moe.sparse_layers(cfg)} if FAMILIES[family].routed_experts else set()
     cos_name, sin_name = w.add("cos_cache", cos), w.add("sin_cache", sin)
     if gqa and has_q_k_norm:
         raise ModelError("the gqa variant has no q/k norm (Qwen3) path; expected a model without q_norm/k_norm")
@@ -280,13 +322,29 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
         total = node("Cast", [node("Squeeze", [node("Shape", ["attention_mask"], start=1, end=2),
                                                const("axes_0", [0])])], to=TP.INT32)
 
+    rotary = {}
+    if hybrid:
+        import types as _types
+
+        ops = _types.SimpleNamespace(node=node, const=const, linear=linear, w=w, ckpt=ckpt, MS=MS_DOMAIN,
+                                     scalar=lambda name, v: w.add(name, np.array(v, np.int64)))
+        valid = gdn.valid_rows(ops)
+        if gdn.rotary_dim(cfg, hd) != hd:  # partial rotary: the first rotary_dim of each head
+            rotary = {"rotary_embedding_dim": gdn.rotary_dim(cfg, hd)}
+
     x = node("Gather", [w.add("model.embed_tokens.weight", ckpt.get("model.embed_tokens.weight")), "input_ids"])
     aux: dict[int, str] = {}  # EAGLE-3: layer id -> that layer's input (transformers' hidden_states[i])
-    for i in range(layers):  # x: the layer's input (the residual stream)
-        p = f"model.layers.{i}"
-        if i in result.aux_layer_ids:
-            aux[i] = x
+    kv_index = rec_index = 0  # caches are numbered among their own kind of layer
+    for layer, kind in enumerate(types):  # x: the layer's input (the residual stream)
+        p = f"model.layers.{layer}"
+        if layer in result.aux_layer_ids:
+            aux[layer] = x
         hs = rms(x, f"{p}.input_layernorm.weight")
+        if hybrid and kind == gdn.LINEAR:
+            x = mlp_block(x, gdn.deltanet_mixer(ops, hs, p, rec_index, cfg, valid), p, "linear_attn.out_proj")
+            rec_index += 1
+            continue
+        i, kv_index = kv_index, kv_index + 1
         if gqa:  # packed QKV straight into GroupQueryAttention (rotary and the cache append inside it)
             qkv = packed(hs, f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"), split=False)
             attn = node("GroupQueryAttention",
@@ -297,7 +355,13 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
                         scale=float(hd) ** -0.5)[0]
             x = mlp_block(x, attn, p)
             continue
-        if "qkv" in fusions:
+        gate = None
+        if hybrid:  # gated attention: q_proj yields [q | gate] per head
+            q_w, gate_w = gdn.split_query_gate(ckpt, p, heads, hd)
+            q = node("MatMul", [hs, w.add(f"{p}.self_attn.q_proj.weight.q", q_w)])
+            gate = node("MatMul", [hs, w.add(f"{p}.self_attn.q_proj.weight.gate", gate_w)])
+            k, v = (linear(hs, f"{p}.self_attn.{n}_proj") for n in ("k", "v"))
+        elif "qkv" in fusions:
             q, k, v = packed(hs, f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"))
         else:
             q, k, v = (linear(hs, f"{p}.self_attn.{n}_proj") for n in ("q", "k", "v"))
@@ -325,8 +389,10 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
             # ONNX Runtime's shape inference gets a 3D Attention output's last axis wrong: say it.
             attn = node("Reshape", [attn, const(f"shape_{heads * hd}", [0, 0, heads * hd])])
         elif batched:
-            q4 = node("RotaryEmbedding", [heads_first(q, heads), cos_name, sin_name, "position_ids"], interleaved=0)
-            k4 = node("RotaryEmbedding", [heads_first(k, kv), cos_name, sin_name, "position_ids"], interleaved=0)
+            q4 = node("RotaryEmbedding", [heads_first(q, heads), cos_name, sin_name, "position_ids"], interleaved=0,
+                      **rotary)
+            k4 = node("RotaryEmbedding", [heads_first(k, kv), cos_name, sin_name, "position_ids"], interleaved=0,
+                      **rotary)
             present_k = node("TensorScatter", [past_k, k4, "write_indices"], [f"present.{i}.key"], axis=2)
             present_v = node("TensorScatter", [past_v, heads_first(v, kv), "write_indices"],
                              [f"present.{i}.value"], axis=2)
@@ -343,6 +409,8 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
                         [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN,
                         num_heads=heads, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0,
                         scale=float(hd) ** -0.5)[0]
+        if gate is not None:
+            attn = node("Mul", [attn, node("Sigmoid", [gate])])
         x = mlp_block(x, attn, p)
     x = rms(x, "model.norm.weight")
     head = "lm_head.weight" if "lm_head.weight" in ckpt else "model.embed_tokens.weight"  # tied embeddings
@@ -368,13 +436,24 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
     if result.aux_layer_ids:
         width = len(result.aux_layer_ids) * int(cfg.hidden_size)
         outputs.append(h.make_tensor_value_info(AUX_OUTPUT, TP.FLOAT, ["batch", "sequence_length", width]))
-    for i in range(layers):
+    for i in range(kv_index):
         for part in ("key", "value"):
             inputs.append(h.make_tensor_value_info(f"past_key_values.{i}.{part}", TP.FLOAT, cache))
             outputs.append(h.make_tensor_value_info(f"present.{i}.{part}", TP.FLOAT, cache))
+    if hybrid:  # per slot, bound in place like the KV cache
+        inputs += [h.make_tensor_value_info(gdn.NEW_TOKENS, TP.INT64, ["batch"]),
+                   h.make_tensor_value_info(gdn.CAPTURE_COUNT, TP.INT32, ["batch"])]
+        conv_shape, rec_shape = gdn.state_shapes(cfg)
+        for i in range(rec_index):
+            for names, shape in ((gdn.conv_state_names(i), conv_shape), (gdn.recurrent_state_names(i), rec_shape)):
+                inputs.append(h.make_tensor_value_info(names[0], TP.FLOAT, ["batch", *shape]))
+                outputs.append(h.make_tensor_value_info(names[1], TP.FLOAT, ["batch", *shape]))
+            update, conv_input = gdn.capture_names(i)
+            outputs += [h.make_tensor_value_info(update, TP.FLOAT, ["batch", gdn.capture_width(cfg)]),
+                        h.make_tensor_value_info(conv_input, TP.FLOAT, ["batch", "sequence_length", conv_shape[1]])]
     graph = h.make_graph(nodes, "decoder", inputs, outputs, w.initializers)
     if batched:
-        contrib = fusions & {"skip_norm", "gqa"}
+        contrib = (fusions & {"skip_norm", "gqa"}) or sparse or hybrid  # MoE and GatedDeltaNet: com.microsoft ops
         opsets = [h.make_opsetid("", BATCHED_OPSET)] + ([h.make_opsetid(MS_DOMAIN, 1)] if contrib else [])
         doc = "batched in-place KV-cache decoding (TensorScatter + Attention, one cache region per slot)"
     else:
@@ -391,5 +470,8 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
         model.metadata_props.add(key="bundle.attention_window", value="0" if gqa else "1")
         model.metadata_props.add(key="bundle.fusions", value=",".join(sorted(fusions)))
         model.metadata_props.add(key="bundle.attention", value="gqa" if gqa else "attention")
+    if hybrid:
+        model.metadata_props.add(key="bundle.layer_types", value=",".join(types))
+        model.metadata_props.add(key="bundle.state_capture_tokens", value=str(gdn.CAPTURE_TOKENS))
     result.graph.write_bytes(model.SerializeToString())
     log.info("built the %s-KV graph for %s (%d layers) at %s", layout, result.architecture, layers, result.graph)

@@ -5,7 +5,10 @@ The exporter writes the graph; this rewrites it with ONNX Runtime's maintained q
 whose weight is an initializer (q/k/v, o, gate/up, down, and the EAGLE-3 head's fc and layer) becomes
 `com.microsoft.MatMulNBits` with block-wise 4-bit weights, fp16 or fp32 scales (the graph's dtype) and
 uint8 zero points; activations stay in the graph's dtype. The lm_head (the MatMul that makes the logits) is
-4-bit too unless `keep_lm_head` (manifests.quantization.LM_HEAD says why).
+4-bit too unless `keep_lm_head` (manifests.quantization.LM_HEAD says why). Routed experts (com.microsoft MoE)
+become com.microsoft QMoE with the same kind of blocks, asymmetric round-to-nearest whatever the method
+(bundler.onnx.blocks.moe.quantize_experts; recorded as the record's "experts"); their routers are Gemms
+and stay in the graph's dtype.
 
 The quantizer is deterministic: the same weights give the same bytes, so the `cuda` target's two graphs
 (bundler.onnx.dual), quantized one after the other, still share one weights file.
@@ -71,6 +74,8 @@ def quantize_graph(graph: Path, out: Path, options: QuantizeOptions, dtype: str 
     what was quantized. ModelError when the graph has no MatMul weight to quantize."""
     import onnx
 
+    from bundler.onnx.blocks.moe import QMOE_OPERATOR, quantize_experts
+
     q = _quantizer_module()
     graph, out = Path(graph), Path(out)
     model = onnx.load(str(graph), load_external_data=True)
@@ -94,6 +99,7 @@ def quantize_graph(graph: Path, out: Path, options: QuantizeOptions, dtype: str 
     quantizer = q.MatMulNBitsQuantizer(model, algo_config=config, nodes_to_exclude=exclude)
     quantizer.process()
     result = quantizer.model.model
+    experts = quantize_experts(result, options.block_size)  # routed experts: MoE -> QMoE
     done = sorted(n.input[1] for n in matmuls if n.name not in exclude)
     left = [n for n in result.graph.node if n.op_type == "MatMul" and n.input[1] in done]
     if left:
@@ -105,8 +111,10 @@ def quantize_graph(graph: Path, out: Path, options: QuantizeOptions, dtype: str 
     for k, v in meta.items():
         result.metadata_props.add(key=k, value=v)
     _save(result, out)
+    extra = {"experts": list(experts), "experts_operator": QMOE_OPERATOR, "experts_method": "rtn"} if experts else {}
     return Quantization(method=options.method, bits=BITS, block_size=options.block_size, symmetric=False,
-                        layers=tuple(done), kept=tuple(sorted({head} if head else set())), accuracy_level=level)
+                        layers=tuple(done), kept=tuple(sorted({head} if head else set())), accuracy_level=level,
+                        extra=extra)
 
 
 def _save(model, out: Path) -> None:

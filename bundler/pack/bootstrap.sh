@@ -7,8 +7,11 @@
 #      on a private copy, so the stick cannot change them after the check;
 #   3. only then `python3 -m venv` and `pip install --no-index` from those verified copies; a runtime
 #      older than the newest one installed under PREFIX is refused unless --allow-downgrade.
+#   4. the platform's own TensorRT Python bindings (JetPack's python3-libnvinfer: `tensorrt*` in the system
+#      python's dist-packages), when there are any, are exposed in the runtime's venv alone: a .pth names a
+#      folder of links to those packages only, so no other system package becomes importable there.
 # Usage:  sh /media/usb/assistant-3/bootstrap --trust release.pub [--prefix /opt/bundle] [--verify-only]
-#         [--allow-downgrade]
+#         [--allow-downgrade] [--no-platform-tensorrt]
 # Exit codes (the bundle's own table): 0 ok, 2 usage (also a --trust file that is not an Ed25519 public key),
 #   3 bad bundle, 4 untrusted, 5 refused (newer format; an older runtime without --allow-downgrade),
 #   6 environment; 128+N when signal N ends it (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP): the runtime being
@@ -20,13 +23,14 @@ PREFIX=/opt/bundle
 TRUST=
 VERIFY_ONLY=0
 ALLOW_DOWNGRADE=0
+PLATFORM_TRT=1
 PY=${PYTHON:-python3}
 WORK=        # $TMPDIR/bundle-bootstrap-*: the verified wheel copies
 CHILD=       # the long step running now (venv, pip), killed with the bootstrap
 NEW_VENV=    # the runtime this run is creating: removed unless `current` names it
 HELD=        # a signal that arrived while traps only record (a child's start, the switch of `current`)
 die() { code=$1; shift; echo "bootstrap: error: $*" >&2; exit "$code"; }
-usage() { echo "usage: sh $0 --trust KEY.pub [--prefix DIR] [--python PYTHON] [--verify-only] [--allow-downgrade]"; }
+usage() { echo "usage: sh $0 --trust KEY.pub [--prefix DIR] [--python PYTHON] [--verify-only] [--allow-downgrade] [--no-platform-tensorrt]"; }
 
 cleanup() {  # every exit path: the unfinished runtime, the work folder (tens of MB of wheels)
   # SIGKILL: a child between fork and exec loses a catchable signal, and all it wrote is removed below anyway
@@ -72,6 +76,7 @@ while [ $# -gt 0 ]; do
     --python) [ $# -ge 2 ] || die 2 "--python needs an interpreter"; PY=$2; shift 2 ;;
     --verify-only) VERIFY_ONLY=1; shift ;;
     --allow-downgrade) ALLOW_DOWNGRADE=1; shift ;;
+    --no-platform-tensorrt) PLATFORM_TRT=0; shift ;;
     -h|--help) usage; exit 0 ;;
     *) usage >&2; die 2 "unknown argument: $1" ;;
   esac
@@ -354,8 +359,46 @@ def downgrade(prefix, package, version):
         print("older", newest[1])
 
 
+PLATFORM_DIR = "platform-packages"  # in the venv: links to the platform's tensorrt* packages, nothing else
+PLATFORM_PTH = "bundle-platform-tensorrt.pth"
+PLATFORM_NAME = re.compile(r"^tensorrt(?:[_.-].*)?$", re.IGNORECASE)  # tensorrt, tensorrt_lean, tensorrt-10...dist-info
+
+
+def platform_tensorrt(venv, enabled):
+    """Run by the system python: link its `tensorrt*` packages (and their metadata) into VENV/platform-packages
+    and name that folder in a .pth of the venv's site-packages; print the folder they came from, or nothing.
+    The links are rebuilt on every run (an apt upgrade of TensorRT is picked up by the next bootstrap)."""
+    import glob, importlib.util, shutil
+    sites = glob.glob(os.path.join(venv, "lib", "python3*", "site-packages"))
+    if len(sites) != 1:
+        die(6, f"expected one site-packages in {venv}, found {len(sites)}")
+    links, pth = os.path.join(venv, PLATFORM_DIR), os.path.join(sites[0], PLATFORM_PTH)
+    for old in (pth, links + ".new"):
+        if os.path.isdir(old) and not os.path.islink(old):
+            shutil.rmtree(old)
+        elif os.path.lexists(old):
+            os.unlink(old)
+    spec = importlib.util.find_spec("tensorrt") if enabled == "1" else None
+    if spec is None or not spec.submodule_search_locations:
+        if os.path.isdir(links):
+            shutil.rmtree(links)
+        return
+    source = os.path.dirname(os.path.realpath(list(spec.submodule_search_locations)[0]))
+    os.mkdir(links + ".new")
+    for name in sorted(os.listdir(source)):
+        if PLATFORM_NAME.match(name):
+            os.symlink(os.path.join(source, name), os.path.join(links + ".new", name))
+    if os.path.isdir(links):
+        shutil.rmtree(links)
+    os.rename(links + ".new", links)
+    with open(pth, "w") as f:
+        f.write(links + "\n")
+    print(source)
+
+
 try:
-    {"key": key, "extract": extract, "wheels": wheels, "downgrade": downgrade}[sys.argv[1]](*sys.argv[2:])
+    {"key": key, "extract": extract, "wheels": wheels, "downgrade": downgrade,
+     "platform-tensorrt": platform_tensorrt}[sys.argv[1]](*sys.argv[2:])
 except (AttributeError, KeyError, TypeError, ValueError, IndexError) as e:  # malformed content: one line
     die(3, f"unexpected bundle content ({type(e).__name__}: {str(e)[:200]})")
 PY
@@ -427,9 +470,32 @@ if [ ! -f "$VENV/.bootstrap-complete" ]; then
   run "$VENV/bin/python" -I -m pip --isolated install --no-index --no-cache-dir \
       --disable-pip-version-check --no-input -q --find-links "$WORK/wheels" "$WORK"/wheels/*.whl \
     || die 6 "pip could not install $PACKAGE $VERSION from the verified wheels (see above)"
+  # onnxruntime-gpu (carried with --extra-wheels for a DGX Spark) and the CPU onnxruntime the runtime requires
+  # share the `onnxruntime` package: installed again alone, the GPU build's files are the ones that stay.
+  for gpu in "$WORK"/wheels/onnxruntime_gpu-*.whl; do
+    [ -f "$gpu" ] || continue
+    run "$VENV/bin/python" -I -m pip --isolated install --no-index --no-cache-dir --disable-pip-version-check \
+        --no-input -q --no-deps --force-reinstall "$gpu" \
+      || die 6 "pip could not install ${gpu##*/} over the CPU onnxruntime (see above)"
+    echo "bootstrap: ${gpu##*/} installed over the CPU onnxruntime: its CUDA provider is the fallback without TensorRT"
+  done
   pause pip
   echo "$PACKAGE $VERSION $PLATFORM $HOUSE" > "$VENV/.bootstrap-complete"
   pause installed
+fi
+# 4. the platform's TensorRT (JetPack: python3-libnvinfer), and nothing else of the system's packages
+TRT_FROM=$("$PY" -I "$HELPER" platform-tensorrt "$VENV" "$PLATFORM_TRT") || die 6 "could not link the platform's TensorRT into $VENV"
+rm -f "$VENV/.platform-tensorrt"
+if [ "$PLATFORM_TRT" = 0 ]; then
+  echo "bootstrap: platform TensorRT not linked (--no-platform-tensorrt): TensorRT targets serve with ONNX Runtime"
+elif [ -z "$TRT_FROM" ]; then
+  echo "bootstrap: no platform TensorRT for $("$PY" -V 2>&1) (python3-libnvinfer on JetPack): TensorRT targets serve with ONNX Runtime"
+elif TRT_VERSION=$("$VENV/bin/python" -I -c 'import tensorrt; print(tensorrt.__version__)' 2>"$WORK/trt.err"); then
+  echo "tensorrt $TRT_VERSION $TRT_FROM" > "$VENV/.platform-tensorrt"
+  echo "bootstrap: platform TensorRT $TRT_VERSION from $TRT_FROM is importable in the runtime (only its tensorrt* packages)"
+else
+  "$PY" -I "$HELPER" platform-tensorrt "$VENV" 0 >/dev/null || :
+  echo "bootstrap: warning: the platform TensorRT in $TRT_FROM does not import in the runtime ($(tail -n 1 "$WORK/trt.err")): TensorRT targets serve with ONNX Runtime" >&2
 fi
 # The switch: a signal from here on waits for it (the runtime is complete), then the run ends as installed.
 hold

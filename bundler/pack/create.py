@@ -430,10 +430,11 @@ def create_bundle(out: Path, options: CreateOptions) -> Manifest:
     with tempfile.TemporaryDirectory(prefix="bundle-create-") as work:
         house = wheelhouse
         if house is None and runtime_platforms:  # first: a pip failure should not come after a long export
-            from bundler.pack.wheelhouse import build_wheelhouse
+            from bundler.pack.wheelhouse import build_wheelhouse, tensorrt_requirements
             log.info("wheelhouse: resolving the runtime's wheels for %s", ", ".join(runtime_platforms))
             house = build_wheelhouse(runtime_platforms, Path(work) / "wheelhouse", extra_wheels=extra_wheels,
-                                     cache=wheel_cache)
+                                     cache=wheel_cache,
+                                     requirements=tensorrt_requirements([t.id for t in target_list], runtime_platforms))
         if house is not None:
             from bundler.pack.pack import check_stored_sizes
             check_stored_sizes(house.files, max_part_size)  # before the export, not after it

@@ -308,9 +308,11 @@ def _variant_for(profile: TargetProfile, onnxruntime_layout: str, half: str = "f
 def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], shape: ServeShape,
                    work_dir: Path, device: DeviceInfo | None = None, backend=None,
                    onnxruntime_layout: str = "batched", half: str = "float16",
-                   quant: str = "none") -> tuple[list[PackFile], Target]:
+                   quant: str = "none", aot=None) -> tuple[list[PackFile], Target]:
     """Engine records (and plan files, when this host can build them) for one target. A 4-bit graph's
-    record carries its quantization (manifests.quantization.Quantization) in `build` and in `key`."""
+    record carries its quantization (manifests.quantization.Quantization) in `build` and in `key`.
+    `aot` (bundler.pack.aot.RtxBuilder): builds the plan ahead of time, with no GPU, when this host's own
+    GPU cannot and TensorRT-RTX targets the profile's SM."""
     files: list[PackFile] = []
     engines: list[Engine] = []
     precision = "fp32" if profile.backend == "onnxruntime" else precision_for(profile)
@@ -353,6 +355,17 @@ def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], sh
             engines.append(Engine(model=m.role, backend="tensorrt", format="tensorrt-plan", path=path,
                                   files=(path,), key=engine_key(m.onnx_sha256, options, device.compute_capability,
                                                                 device.tensorrt_version), build=options))
+        elif aot is not None and (sm := aot.compute_capability_for(profile)) is not None:
+            plan = Path(work_dir) / "plans" / profile.id / m.role / "engine.plan"
+            plan.parent.mkdir(parents=True, exist_ok=True)
+            log.info("building the %s engine for %s ahead of time with TensorRT-RTX %s (sm_%s, no GPU)", m.role,
+                     profile.id, aot.version, sm.replace(".", ""))
+            aot.build(m.export.graph, options, plan, sm)
+            path = f"{PLAN_ROOT}/{profile.id}/{m.role}/engine.plan"
+            files.append(PackFile(src=plan, path=path, targets=(profile.id,)))
+            engines.append(Engine(model=m.role, backend="tensorrt", format="tensorrt-plan", path=path,
+                                  files=(path,), key=engine_key(m.onnx_sha256, options, sm, aot.version),
+                                  build=options))
     build = {"compute_capability": profile.compute_capability, "tensorrt_version": profile.tensorrt_version,
              "cuda_version": profile.cuda_version, "precision": precision, "max_context": shape.max_context,
              "quantization": quant if quant != "none" else None}
@@ -365,7 +378,7 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
                     backend=None, export: Callable[..., ExportResult] = export_onnx,
                     kv_cache: str = "batched",
                     eagle3_layers: Sequence[int] | None = None,
-                    quantization: QuantizeOptions | None = None) -> tuple[list[PackFile], list[Target]]:
+                    quantization: QuantizeOptions | None = None, aot=None) -> tuple[list[PackFile], list[Target]]:
     """Export every model once per layout its targets need and plan every target: (files to pack, Targets).
 
     `kv_cache` is the layout ONNX Runtime targets get ("batched"; "shared" for the older
@@ -373,6 +386,7 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
     always get "concat" (a 4-bit TensorRT target: the `cuda` target's graph, see _variant_for).
     `quantization`: --quantization and its options (None: no target quantized; mode None: each target's
     profile default, what `bundle create` passes without --quantization).
+    `aot`: an ahead-of-time builder (bundler.pack.aot.RtxBuilder, --rtx-engines) for the targets it can build.
     """
     if not target_ids:
         raise UsageError("expected at least one target, found none")
@@ -401,7 +415,7 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
         log.warning("%s; ONNX Runtime targets get the concat graph instead", e)
         return prepare_targets(target_ids, models, work_dir, serve, num_speculative_tokens=num_speculative_tokens,
                                extra_dirs=extra_dirs, backend=backend, export=export, kv_cache="concat",
-                               quantization=quantization)
+                               quantization=quantization, aot=aot)
     limit = min(m.export.max_positions for m in exported)
     shape = serve_shape(serve, limit, num_speculative_tokens)
     device = None
@@ -418,7 +432,7 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
     targets = []
     for profile in profiles:
         extra, target = target_engines(profile, exported, shape, Path(work_dir), device, backend, kv_cache, half,
-                                       quants[profile.id])
+                                       quants[profile.id], aot)
         files += extra
         targets.append(target)
     return files, targets
@@ -446,14 +460,15 @@ def _eagle3_export(models: Mapping[str, Path], layers: tuple[int, ...], export, 
 
 def target_files_hook(*, serve: Mapping | None = None, num_speculative_tokens: int | None = None,
                       extra_dirs: Iterable[Path] = (), backend=None, kv_cache: str = "batched",
-                      eagle3_layers: Sequence[int] | None = None, quantization: QuantizeOptions | None = None):
+                      eagle3_layers: Sequence[int] | None = None, quantization: QuantizeOptions | None = None,
+                      aot=None):
     """Adapter to bundler.pack.create's `target_files` hook (models, targets, work_dir) -> (files, targets).
     `eagle3_layers`: the draft is an EAGLE-3 head reading those target layers."""
     def hook(inputs, targets, work_dir):
         return prepare_targets([t.id for t in targets], {m.role: m.local_dir for m in inputs}, work_dir,
                                dict(serve or {}), num_speculative_tokens=num_speculative_tokens,
                                extra_dirs=extra_dirs, backend=backend, kv_cache=kv_cache,
-                               eagle3_layers=eagle3_layers, quantization=quantization)
+                               eagle3_layers=eagle3_layers, quantization=quantization, aot=aot)
     return hook
 
 

@@ -13,6 +13,7 @@ downloaded from the configured index.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import importlib.util
 import platform as host
@@ -30,6 +31,8 @@ from manifests.layout import BOOTSTRAP_MEDIA_TYPE, WHEEL_MEDIA_TYPE
 from manifests.schema import BOOTSTRAP_PATH, WHEELHOUSE_PREFIX, Runtime
 from runtime import settings
 from runtime.fsutil import file_sha256
+
+log = logging.getLogger(__name__)
 
 FLOOR_PACKAGE = "bundle-runtime"
 BOOTSTRAP_SOURCE = Path(__file__).with_name("bootstrap.sh")
@@ -134,6 +137,62 @@ def wheel_fits(filename: str, plat: str) -> bool:
     plat_ok = any(t == "any" or (t.endswith(f"_{arch}") and t.startswith(("manylinux", "linux")))
                   for t in plattags)
     return py_ok and plat_ok
+
+
+# --- onnxruntime-gpu, the CUDA provider fallback --------------------------------------------
+
+#: CUDA kernels of PyPI's onnxruntime-gpu for linux aarch64, by version (cuobjdump --list-elf / --list-ptx
+#: of its CUDA provider library): sm_89, sm_90a, sm_120a, sm_121a, and no PTX, so nothing runs on another
+#: SM. It serves a DGX Spark (sm_121) or a GH200 (sm_90), never a Thor (sm_110) or an Orin (sm_87).
+ONNXRUNTIME_GPU_AARCH64_SMS = {"1.31.1": ("8.9", "9.0", "12.0", "12.1")}
+
+
+def _sm(cc: str) -> str:
+    return "sm_" + cc.replace(".", "")
+
+
+def onnxruntime_gpu_lines(target_ids: Sequence[str], platforms: Sequence[str],
+                          extra_wheels: Path | None) -> list[str]:
+    """One line per aarch64 TensorRT target about the CUDA provider fallback its bundle carries, or why none.
+
+    An onnxruntime-gpu for aarch64 given with --extra-wheels goes to every aarch64 device of the bundle, so a
+    target whose SM it has no kernels for (a Thor, an Orin) is refused: there its CUDA provider would load and
+    then fail at the first kernel, instead of serving on the CPU."""
+    from manifests.targets import get_profile
+
+    if not any(p.startswith("linux_aarch64") for p in platforms):
+        return []
+    wheels = sorted(Path(extra_wheels).glob("onnxruntime_gpu-*.whl")) if extra_wheels else []
+    gpu = next((w for w in wheels if any(wheel_fits(w.name, p) for p in platforms if "aarch64" in p)), None)
+    version = gpu.name.split("-")[1] if gpu is not None else None
+    lines, refused = [], []
+    for t in target_ids:
+        profile = get_profile(t, settings.profile_dirs())
+        if profile.backend != "tensorrt" or profile.cpu_arch != "aarch64" or not profile.compute_capability:
+            continue
+        sms = ONNXRUNTIME_GPU_AARCH64_SMS.get(version or "1.31.1")
+        fits = sms is not None and profile.compute_capability in sms
+        if gpu is None:
+            lines.append(f"fallback: {t}: " + (
+                f"onnxruntime-gpu 1.31.1 (PyPI, aarch64) has {_sm(profile.compute_capability)} kernels: carry it "
+                f"with --extra-wheels for a CUDA provider fallback (else the CPU serves without TensorRT)" if fits
+                else f"no onnxruntime-gpu: PyPI's aarch64 build has kernels for "
+                     f"{', '.join(_sm(c) for c in ONNXRUNTIME_GPU_AARCH64_SMS['1.31.1'])} only, no PTX, not "
+                     f"{_sm(profile.compute_capability)}: without TensorRT it serves on the CPU"))
+        elif sms is None:
+            lines.append(f"fallback: {t}: carries onnxruntime-gpu {version} (its kernels for "
+                         f"{_sm(profile.compute_capability)} are not verified here)")
+        elif fits:
+            lines.append(f"fallback: {t}: carries onnxruntime-gpu {version}, whose CUDA provider has "
+                         f"{_sm(profile.compute_capability)} kernels")
+        else:
+            refused.append(f"{t} ({_sm(profile.compute_capability)})")
+    if refused:
+        raise UsageError(f"--extra-wheels {gpu.name} has CUDA kernels for "
+                         f"{', '.join(_sm(c) for c in ONNXRUNTIME_GPU_AARCH64_SMS[version])} only and would reach "
+                         f"{', '.join(refused)}, where its CUDA provider fails: expected a bundle of its own for "
+                         f"those targets, without onnxruntime-gpu")
+    return lines
 
 
 # --- the floor wheel -------------------------------------------------------------------------
@@ -245,9 +304,38 @@ def download_platform(plat: str, requirements: list[str], find_links: list[Path]
     return wheels
 
 
+def tensorrt_requirements(target_ids: Sequence[str], platforms: Sequence[str]) -> dict[str, list[str]]:
+    """What a platform's wheelhouse adds for its TensorRT targets: cuda-python (`cuda-bindings`, 7 MB for
+    aarch64), which the TensorRT engine allocates device memory with, of the target's CUDA major (JetPack 7:
+    13, JetPack 6: 12). TensorRT itself is the platform's (the bootstrap links it in). A target runs on its
+    profile's runtime_platform, or on every platform of its architecture when the profile names none."""
+    from manifests.targets import get_profile
+
+    wanted: dict[str, set[str]] = {}
+    for plat in platforms:
+        m = _PLATFORM.match(plat)
+        for t in target_ids:
+            profile = get_profile(t, settings.profile_dirs())
+            own = profile.extra.get("runtime_platform")
+            if profile.backend != "tensorrt" or not profile.cuda_version or m is None or \
+                    profile.cpu_arch != m.group(1) or (own not in (None, BUILD_HOST) and own != plat):
+                continue
+            major, minor = (int(x) for x in profile.cuda_version.split(".")[:2])
+            wanted.setdefault(plat, set()).add(f"cuda-bindings>={major}.{minor if major == 12 else 0},<{major + 1}")
+    out = {}
+    for plat, reqs in wanted.items():
+        if len(reqs) == 1:
+            out[plat] = sorted(reqs)
+        else:  # one venv per platform holds one cuda-python
+            log.warning("wheelhouse: targets for %s need different CUDA majors (%s): no cuda-python carried; the "
+                        "TensorRT engine needs one installed on the device", plat, ", ".join(sorted(reqs)))
+    return out
+
+
 def build_wheelhouse(platforms: Sequence[str], work: Path, *, extra_wheels: Path | None = None,
-                     cache: Path | None = None) -> Wheelhouse:
-    """Every platform's wheels plus the bootstrap, as stored files for the packer."""
+                     cache: Path | None = None, requirements: dict[str, list[str]] | None = None) -> Wheelhouse:
+    """Every platform's wheels plus the bootstrap, as stored files for the packer. `requirements`: more for
+    some platforms (tensorrt_requirements)."""
     if extra_wheels is not None and not Path(extra_wheels).is_dir():
         raise UsageError(f"expected --extra-wheels {extra_wheels} to be a folder of .whl files, found "
                          f"{'nothing' if not Path(extra_wheels).exists() else 'a file'}")
@@ -258,7 +346,8 @@ def build_wheelhouse(platforms: Sequence[str], work: Path, *, extra_wheels: Path
     links = [floor.parent] + ([Path(extra_wheels)] if extra_wheels else [])
     per_platform = {}
     for plat in platforms:
-        reqs = [f"{FLOOR_PACKAGE}=={floor_version()}"] + [str(e) for e in extras if wheel_fits(e.name, plat)]
+        reqs = [f"{FLOOR_PACKAGE}=={floor_version()}"] + [str(e) for e in extras if wheel_fits(e.name, plat)] \
+            + list((requirements or {}).get(plat, ()))
         per_platform[plat] = download_platform(plat, reqs, links, cache, work)
     return wheelhouse_from_files(FLOOR_PACKAGE, floor_version(), per_platform)
 

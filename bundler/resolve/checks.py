@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from bundler.model_config import read_config
 from manifests.errors import ModelError
-from manifests.families import check_family
+from manifests.families import FAMILIES, check_family
 from manifests.strict_json import parse as parse_json
 from manifests.sizes import format_size
 from manifests.limits import LIMITS
@@ -45,7 +45,8 @@ def check_architecture(model_dir: Path, name: str | None = None) -> str:
     cfg = read_config(model_dir, name)
     from bundler.onnx.gptq_pack import checkpoint_format
     checkpoint_format(cfg, str(name or model_dir))  # FP8, NVFP4, compressed-tensors...: refused by name
-    return check_family(cfg, str(name or model_dir))[0]
+    # the family as export reads it: a multimodal config's own model_type, not its text_config's
+    return check_family(read_config(model_dir, name, merge_text_config=False), str(name or model_dir))[0]
 
 
 def load_vocab(model_dir: Path, name: str | None = None) -> dict[str, int]:
@@ -123,7 +124,9 @@ def safetensors_parameters(files: Iterable[Path]) -> int:
 def _shape(cfg: Mapping[str, Any]) -> dict[str, int]:
     h = int(cfg.get("hidden_size", 0))
     heads = int(cfg.get("num_attention_heads", 1))
-    return {"hidden": h, "layers": int(cfg.get("num_hidden_layers", 0)), "heads": heads,
+    layers = int(cfg.get("num_hidden_layers", 0))
+    types = cfg.get("layer_types") or []
+    return {"hidden": h, "layers": layers - sum(t == "linear_attention" for t in types), "heads": heads,
             "kv_heads": int(cfg.get("num_key_value_heads") or heads),
             "head_dim": int(cfg.get("head_dim") or (h // max(heads, 1))),
             "inter": int(cfg.get("intermediate_size", 4 * h)), "vocab": int(cfg.get("vocab_size", 0)),
@@ -131,13 +134,17 @@ def _shape(cfg: Mapping[str, Any]) -> dict[str, int]:
 
 
 def config_parameters(cfg: Mapping[str, Any]) -> int:
-    """Parameter count of a Llama-style decoder from config.json (tied embeddings counted once)."""
+    """Parameter count of a Llama-style decoder from config.json (tied embeddings counted once); a layer with
+    routed experts (bundler.onnx.blocks.moe) counts every expert and its router instead of the dense MLP."""
+    from bundler.onnx.blocks.moe import expert_parameters, router_parameters, sparse_layers
+
     s = _shape(cfg)
     h, hd = s["hidden"], s["head_dim"]
     attn = h * s["heads"] * hd * 2 + h * s["kv_heads"] * hd * 2
-    mlp = 3 * h * s["inter"]
+    dense = s["layers"] - len(sparse_layers(cfg))
+    mlp = dense * 3 * h * s["inter"] + expert_parameters(cfg) + router_parameters(cfg)
     embed = s["vocab"] * h * (1 if cfg.get("tie_word_embeddings") else 2)
-    return s["layers"] * (attn + mlp + 2 * h) + embed + h
+    return s["layers"] * (attn + 2 * h) + mlp + embed + h
 
 
 def config_weight_bytes(cfg: Mapping[str, Any]) -> int:
@@ -149,7 +156,19 @@ def kv_cache_bytes(cfg: Mapping[str, Any], max_model_len: int, value_bytes: int 
     """copies x 2 (K and V) x layers x kv_heads x head_dim x tokens x bytes per value, for one sequence."""
     s = _shape(cfg)
     per = value_bytes if value_bytes is not None else _dtype_bytes(cfg)
-    return copies * 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * max_model_len * per
+    return copies * 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * max_model_len * per + recurrent_state_bytes(cfg)
+
+
+def recurrent_state_bytes(cfg: Mapping[str, Any]) -> int:
+    """Gated DeltaNet layers (Qwen3.5): per sequence, a conv state (kernel-1) x conv_dim and a delta-rule
+    state v_heads x v_dim x k_dim, float32, twice (the runtime keeps a snapshot for rollback)."""
+    linear = sum(t == "linear_attention" for t in cfg.get("layer_types") or [])
+    if not linear:
+        return 0
+    hk, hv = int(cfg.get("linear_num_key_heads", 0)), int(cfg.get("linear_num_value_heads", 0))
+    dk, dv = int(cfg.get("linear_key_head_dim", 0)), int(cfg.get("linear_value_head_dim", 0))
+    conv = (int(cfg.get("linear_conv_kernel_dim", 4)) - 1) * (2 * hk * dk + hv * dv)
+    return 2 * linear * (conv + hv * dv * dk) * 4
 
 
 def _dtype_bytes(cfg: Mapping[str, Any]) -> int:
@@ -187,11 +206,16 @@ def engine_layout(profile: Any) -> EngineLayout:
 
 
 FORMULA = ("weights = (parameters + vocab x hidden when the embeddings are tied: the graph holds its own "
-           "lm_head) x B (+ 2 x positions x head_dim/2 x 4 rotary tables on ONNX Runtime); "
+           "lm_head) x B (+ 2 x positions x head_dim/2 x 4 rotary tables on ONNX Runtime; with int4, routed "
+           "experts are 4-bit too (QMoE) when the block size divides hidden and moe_intermediate, and their "
+           "routers stay at B bytes); "
            "KV cache (per sequence: `bundle serve` holds as many as its KV budget allows, at most --max-num-seqs) "
-           "= copies x 2 x layers x kv_heads x head_dim x (max_model_len + spare) x B; spare = 64 padding rows "
+           "= copies x 2 x layers x kv_heads x head_dim x (max_model_len + spare) x B (layers with attention; "
+           "+ 2 x Gated DeltaNet layers x ((kernel - 1) x conv_dim + v_heads x v_dim x k_dim) x 4, the recurrent "
+           "state and its snapshot); spare = 64 padding rows "
            "on ONNX Runtime's batched graph, else 0; "
            "activations = T x vocab x 4 (fp32 logits) + T x (4 x hidden + 2 x intermediate) x B "
+           "(+ T x top_k x (2 x moe_intermediate + hidden) x B with routed experts) "
            "(+ heads x T x max_model_len x 4 attention scores on ONNX Runtime); B = 2 for fp16 TensorRT targets and cuda "
            "else 4, copies = 2 (TensorRT's ping-pong buffers) or 1 (ONNX Runtime's in-place cache), T = tokens "
            "per forward pass (the 512-token prefill chunk on TensorRT, the whole prompt on ONNX Runtime)")
@@ -201,9 +225,11 @@ def device_memory(cfg: Mapping[str, Any], parameters: int, max_model_len: int, p
                   weights_from: str = "") -> MemoryEstimate:
     """What the device allocates to serve one model (see FORMULA), for a profile's engine layout; a profile
     with quantization int4 (manifests.quantization.with_quantization) counts 4-bit linear layers."""
+    from bundler.onnx.blocks.moe import expert_parameters, experts_quantizable, router_parameters
     from manifests.quantization import DEFAULT_BLOCK_SIZE, applied, weight_bytes_per_parameter
 
     s = _shape(cfg)
+    experts = expert_parameters(cfg) + router_parameters(cfg)
     lay = engine_layout(profile)
     b = lay.value_bytes
     tied_head = s["vocab"] * s["hidden"] if cfg.get("tie_word_embeddings") else 0
@@ -211,12 +237,17 @@ def device_memory(cfg: Mapping[str, Any], parameters: int, max_model_len: int, p
     if applied(profile) == "int4":  # every linear layer (the lm_head too) in MatMulNBits blocks
         per = weight_bytes_per_parameter(int(profile.extra.get("quantization_block_size", DEFAULT_BLOCK_SIZE)), b)
         embed = s["vocab"] * s["hidden"]  # the Gather table stays in the graph's dtype
-        weights = embed * b + int((parameters + tied_head - embed) * per)
+        block = int(profile.extra.get("quantization_block_size", DEFAULT_BLOCK_SIZE))
+        float_experts = router_parameters(cfg) + (0 if experts_quantizable(cfg, block) else expert_parameters(cfg))
+        weights = (embed + float_experts) * b + int((parameters + tied_head - embed - float_experts) * per)
     if lay.rotary_tables:
         weights += 2 * (s["positions"] + lay.kv_spare_rows) * (s["head_dim"] // 2) * 4
     kv = kv_cache_bytes(cfg, max_model_len + lay.kv_spare_rows, b, lay.kv_copies)
     tokens = lay.tokens_per_pass(max_model_len)
     activations = tokens * s["vocab"] * 4 + tokens * (4 * s["hidden"] + 2 * s["inter"]) * b
+    if experts:
+        top_k = int(cfg.get("num_experts_per_tok") or 0)
+        activations += tokens * top_k * (2 * int(cfg.get("moe_intermediate_size") or 0) + s["hidden"]) * b
     if lay.attention_scores:
         activations += s["heads"] * tokens * max_model_len * 4
     return MemoryEstimate(weights, kv, weights_from, activations, FORMULA)
@@ -306,14 +337,27 @@ def check_servable(model_dir: Path, name: str | None = None, *, allow_no_chat_te
     return False
 
 
+def check_layout(family: str, profiles: Iterable[Any], name: str) -> None:
+    """Routed experts run only in the in-place graphs (ONNX Runtime); a target whose engines trace the concat
+    graph (TensorRT without int4) is refused before any download, naming the targets that can serve it."""
+    if not FAMILIES[family].routed_experts:
+        return
+    traced = [p.id for p in profiles if engine_layout(p).kv_copies == 2]
+    if traced:
+        raise ModelError(f"{name}: model type {family!r} has routed experts, which the TensorRT graph of "
+                         f"{', '.join(traced)} cannot hold; expected ONNX Runtime targets (cpu, cuda)")
+
+
 def run_preflight_checks(models: Mapping[str, Any], profiles: Iterable[Any], max_model_len: int, *,
                          force: bool = False, warn: Callable[[str], None] | None = None,
                          allow_no_chat_template: bool = False) -> None:
     """All checks for `bundle create`, on plans or resolved models ({role: obj with .local_dir, .name,
     .weight_bytes}); the architecture, tokenizer and chat-template checks are not overridable (the
     template's absence can be allowed explicitly), the memory check is (--force)."""
-    for m in models.values():
-        check_architecture(m.local_dir, m.name)
+    families = {role: check_architecture(m.local_dir, m.name) for role, m in models.items()}
+    profiles = list(profiles)
+    for role, m in models.items():
+        check_layout(families[role], profiles, m.name or str(m.local_dir))
     target = models["target"]
     check_servable(target.local_dir, target.name, allow_no_chat_template=allow_no_chat_template, warn=warn)
     if "draft" in models:

@@ -47,7 +47,7 @@ def targets(detect, as_json, profile_dirs):
         click.echo(format_table(profile_rows(profiles)))
     if detect:
         from runtime.engines.cudalib import gpu
-        from runtime.detect import detect_target
+        from runtime.detect import detect_target, tensorrt_bindings
 
         target_id, reason = detect_target(profiles)
         found = gpu()
@@ -55,3 +55,4 @@ def targets(detect, as_json, profile_dirs):
             click.echo(f"\ngpu: {found.name}, compute capability {found.compute_capability}, "
                        f"{format_size(found.memory_bytes)}")
         click.echo(f"\ndetected: {target_id} ({reason})")
+        click.echo(f"tensorrt: {tensorrt_bindings()}")

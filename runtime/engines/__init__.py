@@ -23,8 +23,8 @@ from manifests.errors import EnvironmentProblem, ModelError
 from manifests.schema import Engine as EngineRecord
 from manifests.schema import Manifest, safe_relative_path
 from runtime import settings
-from runtime.engines.base import Engine
-from runtime.engines.cache import EngineCache, engine_key, mismatch, onnx_digest
+from runtime.engines.base import Engine, EngineChoice
+from runtime.engines.cache import EngineCache, engine_key, flavour_of, mismatch, onnx_digest
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,11 @@ def decode_graph_of(graph: Path, record: EngineRecord) -> Path | None:
     return root / safe_relative_path(rel)
 
 
+def _chose(engine: Engine, runs: str, reason: str, wanted: str) -> Engine:
+    engine.choice = EngineChoice(runs, reason, wanted)
+    return engine
+
+
 def _limit(manifest: Manifest, record: EngineRecord, max_context: int | None) -> int | None:
     return max_context or manifest.serve.get("max_model_len") or record.build.get("max_context")
 
@@ -110,7 +115,8 @@ def _on_cuda(root: Path, manifest: Manifest, onnx: EngineRecord, cache_dir: Path
             engine.description += f" (fallback from TensorRT: {fallback_from})"
             engine.fallback = fallback_from  # type: ignore[attr-defined]
         log.info("running %s on ONNX Runtime's CUDA provider", onnx.path)
-        return engine
+        return _chose(engine, "onnxruntime-cuda", f"fallback from TensorRT: {fallback_from}" if fallback_from
+                      else "the cuda target: onnxruntime-gpu's CUDA provider loads on this GPU", onnx.backend)
     reason = f"{fallback_from}; and {why}" if fallback_from else why
     cache = EngineCache(cache_dir or settings.default_store() / "engine-cache")
     where = cache.record_fallback({**onnx.key, "onnx_sha256": onnx_sha256_of(manifest, onnx)}, reason,
@@ -120,7 +126,7 @@ def _on_cuda(root: Path, manifest: Manifest, onnx: EngineRecord, cache_dir: Path
     engine = _onnxruntime(root, onnx, manifest, max_context, threads)
     engine.description += f" (fallback: {reason})"
     engine.fallback = reason  # type: ignore[attr-defined]
-    return engine
+    return _chose(engine, "onnxruntime-cpu", reason, onnx.backend)
 
 
 def load_engine(installed_root: Path, manifest: Manifest, target_id: str, role: str, *,
@@ -139,19 +145,36 @@ def load_engine(installed_root: Path, manifest: Manifest, target_id: str, role: 
             raise EnvironmentProblem(f"target {target_id!r} has no ONNX graph for model {role!r}")
         if onnx.backend == "onnxruntime-cuda":
             return _on_cuda(root, manifest, onnx, cache_dir, max_context, threads, cuda)
-        return _onnxruntime(root, onnx, manifest, max_context, threads)
+        return _chose(_onnxruntime(root, onnx, manifest, max_context, threads), "onnxruntime-cpu",
+                      f"target {target_id!r} runs ONNX Runtime on the CPU", "onnxruntime")
     return _tensorrt(root, manifest, records, onnx, cache_dir, max_context, backend, threads, cuda)
+
+
+def _backends(backend, records: list[EngineRecord]) -> list:
+    """The TensorRT backends to try, first the one that builds: `backend` (one, or a list: the tests' seam),
+    else the platform's TensorRT, then TensorRT-RTX where it is installed or a shipped plan needs it."""
+    if backend is not None:
+        return list(backend) if isinstance(backend, (list, tuple)) else [backend]
+    import importlib.util
+
+    from runtime.engines.tensorrt import FLAVOURS, TensorRTBackend
+
+    out = [TensorRTBackend()]
+    rtx_plans = any(flavour_of(e.key.get("tensorrt_version", "")) == "rtx" for e in records
+                    if e.format == "tensorrt-plan")
+    if rtx_plans or any(importlib.util.find_spec(m) for m in FLAVOURS["rtx"][0]):
+        out.append(TensorRTBackend("rtx"))
+    return out
 
 
 def _tensorrt(root: Path, manifest: Manifest, records: list[EngineRecord], onnx: EngineRecord | None,
               cache_dir: Path | None, max_context: int | None, backend, threads: int | None, cuda=None) -> Engine:
-    if backend is None:
-        from runtime.engines.tensorrt import TensorRTBackend
-        backend = TensorRTBackend()
+    backends = _backends(backend, records)
     cache = EngineCache(cache_dir or settings.default_store() / "engine-cache")
-    device = backend.device()
-    if device is None:
-        reason = getattr(backend, "unavailable", "TensorRT is not available")
+    found = [(b, b.device()) for b in backends]
+    usable = [(b, d) for b, d in found if d is not None]
+    if not usable:
+        reason = "; ".join(getattr(b, "unavailable", "TensorRT is not available") for b in backends)
         if onnx is None:
             raise EnvironmentProblem(f"{reason}; and the bundle ships no ONNX to run with ONNX Runtime instead")
         engine, why = (cuda or cuda_engine)(root / onnx.path, onnx, _limit(manifest, onnx, max_context))
@@ -165,22 +188,34 @@ def _tensorrt(root: Path, manifest: Manifest, records: list[EngineRecord], onnx:
             engine = _onnxruntime(root, onnx, manifest, max_context, threads)
         engine.description += f" (fallback from TensorRT: {reason})"
         engine.fallback = reason  # type: ignore[attr-defined]
-        return engine
+        return _chose(engine, "onnxruntime-cpu" if used == "onnxruntime" else used,
+                      reason if used != "onnxruntime" else f"{reason}; and {why}", "tensorrt")
 
     why = "the bundle ships no TensorRT engine"
     # What a plan must have been built from: the shipped ONNX (digest recomputed from the signed file
-    # entries) with the ONNX record's build options, for this GPU and TensorRT. Only a bundle that ships
-    # no ONNX leaves nothing to compare the plan's own graph and options with.
+    # entries) with the ONNX record's build options, for this GPU and TensorRT of the plan's flavour. Only a
+    # bundle that ships no ONNX leaves nothing to compare the plan's own graph and options with.
     source_sha = onnx_sha256_of(manifest, onnx) if onnx is not None else None
     for plan in (e for e in records if e.format == "tensorrt-plan"):
+        version = plan.key.get("tensorrt_version", "")
+        same = [(b, d) for b, d in usable if flavour_of(d.tensorrt_version) == flavour_of(version)]
+        if not same:
+            why = f"shipped plan {plan.path} needs {'TensorRT-RTX' if flavour_of(version) == 'rtx' else 'TensorRT'} " \
+                  f"{version}, which is not installed here"
+            log.info("%s", why)
+            continue
+        b, device = same[0]
         expected = engine_key(source_sha or plan.key.get("onnx_sha256", ""),
                               onnx.build if onnx is not None else plan.build,
                               device.compute_capability, device.tensorrt_version)
         why = mismatch(plan.key, expected)
         if why is None:
             log.info("using shipped TensorRT engine %s", plan.path)
-            return backend.load(root / plan.path, options=plan.build, max_context=max_context)
+            return _chose(b.load(root / plan.path, options=plan.build, max_context=max_context), "tensorrt",
+                          f"shipped plan {plan.path}: its key matches this GPU (compute capability "
+                          f"{device.compute_capability}, TensorRT {device.tensorrt_version})", "tensorrt")
         log.info("shipped TensorRT engine %s does not fit this device: %s", plan.path, why)
+    backend, device = usable[0]
     if onnx is None:
         raise EnvironmentProblem(f"no shipped TensorRT engine fits this device ({why}) and the bundle has no "
                                  f"ONNX to build one from")
@@ -191,6 +226,10 @@ def _tensorrt(root: Path, manifest: Manifest, records: list[EngineRecord], onnx:
         info = {"reason": why, "source": onnx.path, "bundle": f"{manifest.name}:{manifest.version}",
                 "device": device.name, "backend": getattr(backend, "name", type(backend).__name__)}
         plan_path = cache.store(key, lambda out: backend.build(root / onnx.path, onnx.build, out), info)
+        reason = f"built on this device at this start ({why}), cached in {plan_path.parent}"
     else:
         log.info("using cached TensorRT engine %s", plan_path)
-    return backend.load(plan_path, options=onnx.build, max_context=max_context)
+        reason = f"built on this device at an earlier start ({why}), cached in {plan_path.parent}"
+    return _chose(backend.load(plan_path, options=onnx.build, max_context=max_context), "tensorrt",
+                  f"{reason}; TensorRT {device.tensorrt_version}, compute capability {device.compute_capability}",
+                  "tensorrt")

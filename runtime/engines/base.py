@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from dataclasses import dataclass
 from typing import Collection, Sequence
 
 import numpy as np
@@ -50,6 +51,30 @@ class Row:
     fetch: str = "all"
 
 
+#: what runs a model: a TensorRT plan, ONNX Runtime's CUDA provider, or ONNX Runtime on the CPU
+RUNS = {"tensorrt": "TensorRT plan", "onnxruntime-cuda": "ONNX Runtime CUDA provider",
+        "onnxruntime-cpu": "ONNX Runtime on the CPU"}
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """Which engine runs a model and why, set by runtime.engines.load_engine: what the serve banner and
+    /health say, so an operator sees a GPU target that ended up on its CPU."""
+
+    runs: str  # a key of RUNS
+    reason: str
+    wanted: str  # the target's backend: "tensorrt", "onnxruntime-cuda" or "onnxruntime"
+
+    @property
+    def degraded(self) -> bool:
+        """A GPU target running on the CPU (correct, not fast)."""
+        return self.wanted != "onnxruntime" and self.runs == "onnxruntime-cpu"
+
+    @property
+    def label(self) -> str:
+        return RUNS.get(self.runs, self.runs)
+
+
 class Engine(ABC):
     """A causal LM with `num_slots` KV caches of `max_context` tokens each."""
 
@@ -61,8 +86,13 @@ class Engine(ABC):
     num_slots: int = 1
     #: short description for logs and /v1/models, e.g. "onnxruntime CPUExecutionProvider fp32"
     description: str = ""
+    #: what runs it and why (runtime.engines.load_engine sets it; None for an engine made directly)
+    choice: EngineChoice | None = None
     #: True when one forward computes all rows together; False when rows run one after another
     batched: bool = False
+    #: True when slots also hold a recurrent state (Gated DeltaNet layers): it cannot be shortened by a
+    #: length, so a rollback or a partial prefix copy runs tokens again; prefix caching buys nothing
+    recurrent: bool = False
 
     @abstractmethod
     def length(self, slot: int) -> int:

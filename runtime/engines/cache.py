@@ -63,6 +63,15 @@ def engine_key(onnx_sha256: str, build_options: Mapping, compute_capability: str
             "compute_capability": compute_capability, "tensorrt_version": tensorrt_version}
 
 
+#: how an engine key's tensorrt_version names TensorRT-RTX ("rtx-1.7.1.116"); TensorRT's is its bare version
+RTX_PREFIX = "rtx-"
+
+
+def flavour_of(tensorrt_version: str) -> str:
+    """"rtx" (TensorRT-RTX) or "tensorrt": a plan runs only under the flavour it was built with."""
+    return "rtx" if str(tensorrt_version).startswith(RTX_PREFIX) else "tensorrt"
+
+
 def key_id(key: Mapping) -> str:
     """Folder name of a cache entry: a digest of the whole key (32 hex digits are plenty)."""
     return canonical_sha256({k: key.get(k) for k in KEY_FIELDS})[:32]

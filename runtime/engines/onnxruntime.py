@@ -14,6 +14,10 @@ I/O binding, so a step allocates nothing. How they are laid out depends on the g
   the range that take no part write into `capacity - max_context` spare rows past the end that
   nobody attends to. Rows of very different lengths (a prefill chunk beside decodes) go in separate calls
   so that a 64-token chunk does not pad eight 1-token decodes to 64 each.
+  Hybrid models (Qwen3.5: Gated DeltaNet layers beside attention) also carry a recurrent state per
+  slot (runtime.engines.recurrent: bound in place like the cache, counted in kv_bytes_per_slot);
+  a rollback into the last forward replays its captured transitions, one further back or a copy of
+  part of another slot's prefix runs tokens again.
 - "shared" (GroupQueryAttention graph, bundles made before "batched"): one buffer per slot, layer
   and k/v, [1, kv_heads, max_context, head_dim]. ONNX Runtime's GQA refuses a batch when a row adds
   more than one token after a past, so rows run one by one (batch 1 per call).
@@ -38,6 +42,7 @@ import numpy as np
 
 from manifests.errors import EnvironmentProblem, ModelError
 from runtime.engines.base import ContextFull, Engine, Row
+from runtime.engines.recurrent import RecurrentStates
 from runtime.engines.slots import SlotTable
 
 log = logging.getLogger(__name__)
@@ -164,6 +169,11 @@ class OnnxRuntimeEngine(Engine):
         self.kv_dtype = np.dtype(NUMPY_TYPES[next(iter(types))])
         self._logits_dtype = np.dtype(NUMPY_TYPES[outs["logits"].type])
         self._has_mask = "attention_mask" in ins
+        meta = self.session.get_modelmeta().custom_metadata_map
+        self._states = RecurrentStates.of(ins, outs, meta, self._graph)  # hybrid graphs only
+        if self._states is not None and self.kv_cache != "batched":
+            raise ModelError(f"{self._graph}: expected recurrent states in a batched graph, found {self.kv_cache!r}")
+        self.recurrent = self._states is not None
         self._has_positions = "position_ids" in ins
         # EAGLE-3 targets (every layout) also return the aux layers' hidden states: per slot, the rows
         # of its last forward, in last_aux_hidden
@@ -178,7 +188,8 @@ class OnnxRuntimeEngine(Engine):
         return {"batched": self.capacity, "shared": self.max_context, "concat": 2 * self.max_context}[self.kv_cache]
 
     def kv_bytes_per_slot(self) -> int:
-        return len(self._past) * self.num_kv_heads * self._rows_per_slot() * self.head_dim * self.kv_dtype.itemsize
+        kv = len(self._past) * self.num_kv_heads * self._rows_per_slot() * self.head_dim * self.kv_dtype.itemsize
+        return kv + (self._states.bytes_per_slot() if self._states else 0)
 
     def allocate_slots(self, num_slots: int) -> None:
         """(Re)allocate the caches for `num_slots` sequences; every slot starts empty."""
@@ -191,6 +202,8 @@ class OnnxRuntimeEngine(Engine):
             copies = 1 if self.kv_cache == "shared" else 2
             self._buffers = [[[np.zeros(per * self.max_context, self.kv_dtype) for _ in self._past]
                               for _ in range(copies)] for _ in range(num_slots)]
+        if self._states:
+            self._states.allocate(num_slots)
         self._bound_cache = None
 
     def length(self, slot: int) -> int:
@@ -265,6 +278,9 @@ class OnnxRuntimeEngine(Engine):
         b.bind_cpu_input("position_ids", positions)
         b.bind_cpu_input("write_indices", write)
         b.bind_cpu_input("attention_mask", mask)
+        if self._states:
+            captures = self._states.before_run(b, lo, hi, {s: len(r.tokens) for s, r in by_slot.items()},
+                                               self.slots.lengths, width)
         if self._bound_cache != ("batched", lo, hi):
             per = self.num_kv_heads * cap * self.head_dim
             shape = [batch, self.num_kv_heads, cap, self.head_dim]
@@ -272,6 +288,8 @@ class OnnxRuntimeEngine(Engine):
             for past, present, buf in zip(self._past, self._present, self._buffers):
                 b.bind_input(past, "cpu", 0, self.kv_dtype, shape, buf.ctypes.data + offset)
                 b.bind_output(present, "cpu", 0, self.kv_dtype, shape, buf.ctypes.data + offset)
+            if self._states:
+                self._states.bind_states(b, lo, hi)
             self._bound_cache = ("batched", lo, hi)
         logits = self._logits_buffer((batch, width, self.vocab_size))
         aux = self._bind_aux((batch, width))
@@ -283,6 +301,8 @@ class OnnxRuntimeEngine(Engine):
             if aux is not None:  # the row's real tokens only, not its padding
                 self.last_aux_hidden[slot] = aux[slot - lo, :n].astype(np.float32, copy=False)
             self.slots.advance(slot, n)
+        if self._states:
+            self._states.after_run(lo, {s: r.tokens for s, r in by_slot.items()}, captures)
         return out
 
     def _bind_aux(self, rows: tuple[int, int]) -> np.ndarray | None:
@@ -336,10 +356,29 @@ class OnnxRuntimeEngine(Engine):
         return self._buffers[slot][which][layer_slot][: kv * length * hd].reshape(kv, length, hd)
 
     def rollback(self, slot: int, length: int) -> None:
+        have = self.slots.lengths[slot]
         self.slots.rollback(slot, length, self._compact)
+        if self._states and length != have:
+            again = self._states.rewind(slot, length)
+            self.slots.lengths[slot] = length - len(again)
+            if again:
+                self.forward([Row(slot, again)])
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        self.slots.copy_prefix(src, dst, length, self._copy_rows, self._compact)
+        if not self._states or src == dst:
+            self.slots.copy_prefix(src, dst, length, self._copy_rows, self._compact)
+            return
+        if not 0 <= length <= self.slots.lengths[src]:
+            raise ValueError(f"copy of {length} tokens from slot {src}: it holds {self.slots.lengths[src]}")
+        if length == self.slots.lengths[src]:  # the whole of it: KV rows and the state as they are
+            self.slots.copy_prefix(src, dst, length, self._copy_rows, self._compact)
+            self._states.copy(src, dst)
+            return
+        tokens = self._states.tokens[src][:length]  # a state after part of src's tokens exists nowhere: run them
+        self.slots.rollback(dst, 0, self._compact)
+        self._states.clear(dst)
+        if tokens:
+            self.forward([Row(dst, tokens)])
 
     def _compact(self, slot: int, live: int, other: int, have: int, length: int) -> None:
         """concat: the kept prefix of every head into the slot's other buffer."""
@@ -357,4 +396,6 @@ class OnnxRuntimeEngine(Engine):
 
     def close(self) -> None:
         self._buffers = []
+        if self._states:
+            self._states.close()
         self.session = None  # type: ignore[assignment]

@@ -11,6 +11,11 @@ graph's own. So fp16 targets ship an fp16 graph (build option "dtype": "float16"
 10 builds strongly typed too, keeping the fp32 the graph asks for (norms, softmax, logits); an
 fp32 graph with precision fp16 (older bundles) still gets TensorRT 10's FP16 flag. Buffer sizes
 and rollback pitches come from the engine's own tensor dtypes; logits reach the host as float32.
+
+Two flavours, one API: TensorRT (`tensorrt`, the platform's: JetPack, DGX OS) and TensorRT-RTX
+(`tensorrt_rtx`, pip wheels), whose builder also runs on a machine with no GPU for the SMs it knows
+(ahead of time, bundler.pack.aot). A plan runs only under its own flavour: the engine key's
+tensorrt_version names it ("10.16.1.11" is TensorRT, "rtx-1.7.1.116" TensorRT-RTX).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 from manifests.errors import EnvironmentProblem, ModelError
 from runtime.engines.base import Engine, Row
 from runtime.engines.slots import SlotTable
-from runtime.engines.cache import DeviceInfo
+from runtime.engines.cache import RTX_PREFIX, DeviceInfo, flavour_of
 from runtime.fsutil import write_atomic
 
 log = logging.getLogger(__name__)
@@ -49,11 +54,30 @@ def install_hint(device_tree: Path | None = None) -> str:
             f"connected build host) in the bundle with `bundle create --extra-wheels DIR`, then run its bootstrap")
 
 
-def _modules():
-    try:
-        import tensorrt as trt
-    except ImportError:
-        raise EnvironmentProblem(f"{NOT_INSTALLED}; {install_hint()}") from None
+#: flavour -> (Python modules to try, prefix of its version in engine keys)
+FLAVOURS = {"tensorrt": (("tensorrt",), ""), "rtx": (("tensorrt_rtx", "tensorrt_rtx_bindings"), RTX_PREFIX)}
+RTX_NOT_INSTALLED = ("TensorRT-RTX is not installed (pip install tensorrt-rtx-cu13-bindings tensorrt-rtx-cu13-libs, "
+                     "or bundle[rtx] on a build host)")
+
+
+__all__ = ["FLAVOURS", "TensorRTBackend", "TensorRTEngine", "aot_targets", "flavour_of", "install_hint",
+           "tensorrt_module"]
+
+
+def tensorrt_module(flavour: str = "tensorrt"):
+    """The flavour's Python module (no GPU needed), or EnvironmentProblem saying how to get it."""
+    import importlib
+
+    for name in FLAVOURS[flavour][0]:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise EnvironmentProblem(f"{NOT_INSTALLED}; {install_hint()}" if flavour == "tensorrt" else RTX_NOT_INSTALLED)
+
+
+def _modules(flavour: str = "tensorrt"):
+    trt = tensorrt_module(flavour)
     try:
         from cuda.bindings import runtime as cudart
     except ImportError:
@@ -73,14 +97,22 @@ def _check(result):
 
 
 class TensorRTBackend:
-    """The real backend: what load_engine needs from TensorRT (device info, build, load)."""
+    """The real backend: what load_engine needs from TensorRT (device info, build, load), of one flavour."""
 
-    name = "tensorrt"
+    def __init__(self, flavour: str = "tensorrt"):
+        if flavour not in FLAVOURS:
+            raise ValueError(f"expected a TensorRT flavour among {sorted(FLAVOURS)}, found {flavour!r}")
+        self.flavour = flavour
+        self.name = "tensorrt" if flavour == "tensorrt" else "tensorrt-rtx"
+
+    def version(self) -> str:
+        """The version as engine keys name it ("rtx-" before TensorRT-RTX's); needs no GPU."""
+        return FLAVOURS[self.flavour][1] + tensorrt_module(self.flavour).__version__
 
     def device(self) -> DeviceInfo | None:
         """This GPU and TensorRT version, or None (with `self.unavailable` saying why)."""
         try:
-            trt, cudart = _modules()
+            trt, cudart = _modules(self.flavour)
             major = _check(cudart.cudaDeviceGetAttribute(
                 cudart.cudaDeviceAttr.cudaDevAttrComputeCapabilityMajor, 0))
             minor = _check(cudart.cudaDeviceGetAttribute(
@@ -90,10 +122,12 @@ class TensorRTBackend:
             self.unavailable = str(e)
             return None
         name = props.name.decode(errors="replace").rstrip("\x00") if isinstance(props.name, bytes) else str(props.name)
-        return DeviceInfo(f"{major}.{minor}", trt.__version__, name)
+        return DeviceInfo(f"{major}.{minor}", FLAVOURS[self.flavour][1] + trt.__version__, name)
 
-    def build(self, onnx_path: Path, options: dict, out_plan: Path) -> None:
-        trt, _ = _modules()
+    def build(self, onnx_path: Path, options: dict, out_plan: Path, compute_capability: str | None = None) -> None:
+        """Build a plan for this GPU, or (TensorRT-RTX, `compute_capability` "12.1") for that SM, ahead of
+        time: then no GPU and no CUDA library is needed."""
+        trt = tensorrt_module(self.flavour)
         logger = trt.Logger(trt.Logger.WARNING)
         builder = trt.Builder(logger)
         flags = 0
@@ -110,7 +144,16 @@ class TensorRTBackend:
         config = builder.create_builder_config()
         if options.get("workspace_bytes"):
             config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options["workspace_bytes"]))
-        config.builder_optimization_level = int(options.get("builder_optimization_level", 3))
+        if hasattr(config, "builder_optimization_level"):  # TensorRT-RTX has none
+            config.builder_optimization_level = int(options.get("builder_optimization_level", 3))
+        if compute_capability is not None:
+            sm = getattr(trt, "ComputeCapability", None)
+            wanted = getattr(sm, "SM" + compute_capability.replace(".", ""), None) if sm is not None else None
+            if wanted is None:
+                raise EnvironmentProblem(f"TensorRT {self.version()} cannot build ahead of time for compute "
+                                         f"capability {compute_capability}; expected one of {aot_targets(trt)}")
+            config.num_compute_capabilities = 1
+            config.set_compute_capability(wanted, 0)
         if typed:  # precision flags are refused on strongly typed networks
             log.info("building the %s graph %s strongly typed", options["dtype"], onnx_path)
         elif options.get("precision") == "fp16" and hasattr(trt.BuilderFlag, "FP16"):
@@ -129,7 +172,15 @@ class TensorRTBackend:
         write_atomic(Path(out_plan), bytes(plan))
 
     def load(self, plan: Path, *, options: dict, max_context: int | None = None) -> Engine:
-        return TensorRTEngine(plan, options=options, max_context=max_context)  # one slot; the server allocates more
+        return TensorRTEngine(plan, options=options, max_context=max_context,  # one slot; the server allocates more
+                              flavour=self.flavour)
+
+
+def aot_targets(trt) -> list[str]:
+    """Compute capabilities the module's builder targets without a GPU (TensorRT-RTX's ComputeCapability: SM121
+    -> "12.1"); none for TensorRT, which builds for the GPU it runs on."""
+    names = [n for n in dir(getattr(trt, "ComputeCapability", object)) if n.startswith("SM") and n[2:].isdigit()]
+    return sorted((f"{n[2:-1]}.{n[-1]}" for n in names), key=lambda cc: tuple(int(x) for x in cc.split(".")))
 
 
 class _DeviceBuffer:
@@ -165,8 +216,9 @@ class TensorRTEngine(Engine):
 
     batched = False
 
-    def __init__(self, plan: Path, *, options: dict, max_context: int | None = None, num_slots: int = 1):
-        trt, cudart = _modules()
+    def __init__(self, plan: Path, *, options: dict, max_context: int | None = None, num_slots: int = 1,
+                 flavour: str = "tensorrt"):
+        trt, cudart = _modules(flavour)
         self._trt, self._cudart = trt, cudart
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         serialized = Path(plan).read_bytes()
@@ -199,7 +251,8 @@ class TensorRTEngine(Engine):
         self._logits = _DeviceBuffer(cudart, self._max_new * self.vocab_size * self._logits_dtype.itemsize)
         self.stream = _check(cudart.cudaStreamCreate())
         self._profile = -1
-        self.description = f"tensorrt {trt.__version__} {options.get('precision', 'fp32')}"
+        self.description = (f"{'tensorrt' if flavour == 'tensorrt' else 'tensorrt-rtx'} {trt.__version__} "
+                            f"{options.get('precision', 'fp32')}")
         self.allocate_slots(num_slots)
 
     # --- slots -----------------------------------------------------------------------------------

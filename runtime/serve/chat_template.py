@@ -37,6 +37,7 @@ class ChatTemplate:
         import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+        self.source = source  # what the serve start reads (does it ever open a thinking block?)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
@@ -57,15 +58,37 @@ class ChatTemplate:
                    pad_token=tokenizer.pad_token, unk_token=tokenizer.unk_token)
 
     def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
-               tools: list | None = None, **kwargs) -> str:
+               tools: list | None = None, continue_final_message: bool = False, **kwargs) -> str:
+        """`continue_final_message`: the prompt ends inside the last message (an assistant turn to go on
+        with), cut as Hugging Face's apply_chat_template cuts it."""
         import jinja2
 
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("expected at most one of add_generation_prompt and continue_final_message, "
+                                    "found both true")
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+            text = self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                          tools=tools, documents=None, **self._special, **kwargs)
+            return _cut_after_final(text, messages) if continue_final_message else text
         except ChatTemplateError:
             raise
         except jinja2.exceptions.SecurityError as e:
             raise ChatTemplateError(f"chat template tried an unsafe operation: {e}") from None
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
             raise ChatTemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None
+
+
+def _cut_after_final(text: str, messages: Sequence[dict[str, Any]]) -> str:
+    """The rendered chat up to the end of the final message's content (what follows it, the end-of-turn
+    markup, is dropped), by Hugging Face's rule: the last occurrence of the stripped content."""
+    final = messages[-1].get("content") if messages else None
+    if isinstance(final, (list, tuple)):
+        final = "".join(p.get("text", "") for p in final if isinstance(p, dict))
+    if not isinstance(final, str) or not final.strip() or final.strip() not in text:
+        raise ChatTemplateError("continue_final_message is set but the final message does not appear in the "
+                                "rendered chat; expected a last message with content the template writes out")
+    at = text.rindex(final.strip())
+    if text[at:at + len(final.lstrip())] == final:  # the template kept the message's own spacing
+        return text[:at + len(final.lstrip())]
+    return text[:at + len(final.strip())]
+

@@ -127,6 +127,12 @@ def serve(name_or_dir, config: ServeConfig | None = None, *, echo: Callable[[str
             echo(f"model:       {model.name} ({info['bundle']}, max_model_len {model.max_model_len})")
             echo(f"target:      {info['target']}")
             echo(f"engine:      {info['engine']}")
+            if "engine_runs" in info:
+                from runtime.engines.base import RUNS
+
+                echo(f"runs on:     {RUNS.get(info['engine_runs'], info['engine_runs'])}: {info['engine_reason']}")
+            if "engine_warning" in info:
+                echo(f"WARNING:     {info['engine_warning']}")
             echo(f"speculative: {info['speculative']}")
             for line in setup.features_lines:
                 echo(line)

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -48,7 +49,8 @@ class OpenAIServer:
     def __init__(self, model: ServingModel, options: ServeOptions = ServeOptions(), metrics: Metrics | None = None):
         self.model, self.options = model, options
         runner = model.runner
-        self.metrics = metrics or Metrics(runner.num_speculative_tokens, model_name=model.name)
+        self.metrics = metrics or Metrics(runner.num_speculative_tokens, model_name=model.name,
+                                          max_model_len=model.max_model_len)
         self.slot_plan: SlotPlan = plan_slots(runner, options.max_num_seqs, options.kv_cache_memory_bytes)
         if runner.num_slots != self.slot_plan.num_slots:
             try:
@@ -56,9 +58,19 @@ class OpenAIServer:
             except NotImplementedError:  # an engine with a fixed number of slots
                 self.slot_plan = SlotPlan(min(runner.num_slots, options.max_num_seqs), self.slot_plan.kv_bytes_per_slot,
                                           self.slot_plan.kv_budget_bytes, "engine")
+        #: prefix caching as it runs: off for a target with recurrent state, as vLLM turns it off for hybrids
+        self.enable_prefix_caching = options.enable_prefix_caching
+        if self.enable_prefix_caching and getattr(runner.target, "recurrent", False):
+            log.info("prefix caching is off: %s keeps a recurrent state (Gated DeltaNet layers) per sequence, "
+                     "which a cached prefix of KV rows cannot restore", model.name)
+            self.enable_prefix_caching = False
         config = SchedulerConfig(max_num_seqs=self.slot_plan.num_slots,
                                  max_num_batched_tokens=options.max_num_batched_tokens,
-                                 enable_prefix_caching=options.enable_prefix_caching)
+                                 enable_prefix_caching=self.enable_prefix_caching)
+        # one slot holds one whole sequence: vLLM's block is the context, its blocks are the slots
+        self.metrics.cache_config(block_size=model.max_model_len, num_gpu_blocks=self.slot_plan.num_slots,
+                                  num_cpu_blocks=0, cache_dtype="auto",
+                                  enable_prefix_caching=self.enable_prefix_caching)
         self.engine = EngineClient(runner, config, on_step_done=self._gauges)
         self.metrics.watch_engine(lambda: (self.engine.steps, self.engine.step_seconds,
                                            runner.stats.target_seconds + runner.stats.draft_seconds))
@@ -123,6 +135,36 @@ class HeaderCountMiddleware:
         await self.app(scope, receive, send)
 
 
+#: Routes left out of the HTTP metrics, as vLLM leaves its probes and /metrics out.
+UNCOUNTED_PATHS = frozenset({"/metrics", "/health", "/health/ready", "/ping", "/version"})
+
+
+class HTTPMetricsMiddleware:
+    """vLLM's http_requests_total and http_request_duration_seconds: each API request by route (an unknown
+    path is "none"), method and status class, timed until its last body byte (a stream included)."""
+
+    def __init__(self, app, metrics: Metrics, routes: set[str]):
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in UNCOUNTED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        start = time.monotonic()
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            handler = scope["path"] if scope["path"] in self.routes else "none"
+            self.metrics.http_request(handler, scope["method"], status[0], time.monotonic() - start)
+
+
 def build_app(serving: OpenAIServer) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -167,6 +209,8 @@ def build_app(serving: OpenAIServer) -> FastAPI:
     if serving.options.api_key:
         app.add_middleware(APIKeyMiddleware, key=serving.options.api_key)
     app.add_middleware(HeaderCountMiddleware, limit=serving.options.http.max_header_count)
+    routes: set[str] = set()  # filled once the routes below exist; the middleware reads it per request
+    app.add_middleware(HTTPMetricsMiddleware, metrics=serving.metrics, routes=routes)
 
     @app.get("/health")
     async def health():
@@ -220,4 +264,5 @@ def build_app(serving: OpenAIServer) -> FastAPI:
     async def version_route():
         return version()
 
+    routes.update(r.path for r in app.routes)
     return app

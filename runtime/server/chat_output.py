@@ -70,7 +70,7 @@ class ChatOutput:
         if self.reasoning:
             msg["reasoning"] = self.reasoning
             msg["reasoning_content"] = self.reasoning  # older clients read vLLM's earlier name
-        calls = [c for c in self.tool_calls if c.arguments]
+        calls = self.tool_calls
         if calls:
             msg["tool_calls"] = [{"id": c.id, "type": "function",
                                   "function": {"name": c.name, "arguments": c.arguments}} for c in calls]

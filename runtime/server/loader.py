@@ -85,6 +85,21 @@ def _eagle3_head(root: Path, manifest: Manifest, target_id: str, max_context: in
     return OnnxDrafter(root / record.path, max_context=max_context)
 
 
+def engine_info(engine, target_id: str) -> dict:
+    """What runs the target model and why, for the banner and /health: engine_runs (tensorrt,
+    onnxruntime-cuda, onnxruntime-cpu), engine_reason, and engine_warning when a GPU target ended up
+    on the CPU. Nothing for an engine that load_engine did not pick (a test's own)."""
+    choice = getattr(engine, "choice", None)
+    if choice is None:
+        return {}
+    out = {"engine_runs": choice.runs, "engine_reason": choice.reason}
+    if choice.degraded:
+        kind = "TensorRT" if choice.wanted == "tensorrt" else "GPU"
+        out["engine_warning"] = (f"{target_id} is a {kind} target but runs on the CPU (correct, not fast): "
+                                 f"{choice.reason}")
+    return out
+
+
 def load_serving_model(installed, *, target_id: str | None = None, speculative: Speculative | None = None,
                        no_speculation: bool = False, max_model_len: int | None = None,
                        cache_dir: Path | None = None, load_engine=None) -> ServingModel:
@@ -119,6 +134,7 @@ def load_serving_model(installed, *, target_id: str | None = None, speculative: 
             "engine": target.description or type(target).__name__,
             "speculative": spec.method if spec.method == "none" else
             f"{spec.method} (num_speculative_tokens={spec.num_speculative_tokens})"}
+    info.update(engine_info(target, target_id))
     return ServingModel(name=manifest.name, tokenizer=tokenizer, template=ChatTemplate.for_tokenizer(tokenizer),
                         runner=runner, max_model_len=min(wanted or limit, limit), info=info,
                         defaults=defaults)

@@ -10,18 +10,37 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger("bundle.serve")
 
 #: vLLM's finished_reason values; our "cancelled" (client went away) is vLLM's "abort".
 FINISHED_REASONS = ("stop", "length", "abort", "error")
-#: vLLM's buckets for the request phase histograms (queue, prefill, decode, inference)
+#: vLLM's buckets (vllm/v1/metrics/loggers.py), so a dashboard's `le` thresholds (its SLO panels) are edges here:
+#: the request phases and end-to-end latency,
 _REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                          120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+#: time to first token,
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+#: and the per-token latencies (inter-token, time per output token)
+_TOKEN_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                       20.0, 40.0, 80.0)
+#: HTTP request durations (prometheus-fastapi-instrumentator's default, which vLLM's API server uses)
+_HTTP_BUCKETS = (0.1, 0.5, 1.0)
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to max_value (the context length)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 @dataclass
@@ -63,7 +82,8 @@ class Metrics:
     Grafana dashboard reads this server unchanged. Rejections (429) and invalid requests never reach
     vLLM's engine either, so they are counted under `bundle:` names of their own."""
 
-    def __init__(self, num_speculative_tokens: int = 0, clock=time.monotonic, model_name: str = "model"):
+    def __init__(self, num_speculative_tokens: int = 0, clock=time.monotonic, model_name: str = "model",
+                 max_model_len: int = 10000):
         disable_created_metrics()  # as vLLM: no *_created series
         self.registry = CollectorRegistry()
         r = self.registry
@@ -74,11 +94,13 @@ class Metrics:
         def counter(name, doc, extra=()):
             return _Labelled(Counter(name, doc, names + list(extra), registry=r), base, tuple(extra))
 
-        def histogram(name, doc, buckets=_LATENCY_BUCKETS):
+        def histogram(name, doc, buckets):
             return _Labelled(Histogram(name, doc, names, buckets=buckets, registry=r), base)
 
-        def gauge(name, doc):
-            return _Labelled(Gauge(name, doc, names, registry=r), base)
+        def gauge(name, doc, extra=()):
+            return _Labelled(Gauge(name, doc, names + list(extra), registry=r), base, tuple(extra))
+
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, open fds, start time
 
         self.num_drafts = counter("vllm:spec_decode_num_drafts", "Speculative steps that proposed tokens")
         self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Tokens proposed")
@@ -87,10 +109,14 @@ class Metrics:
                                         "Accepted tokens by position in the proposal", ["position"])
         for pos in range(num_speculative_tokens):  # export zeros so every position shows up from the start
             self.accepted_per_pos.labels(position=str(pos))
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Request arrival to first generated token")
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between generated tokens")
-        self.tpot = histogram("vllm:time_per_output_token_seconds", "Mean time per output token of a request")
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request arrival to last token")
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Request arrival to first generated token",
+                              _TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between generated tokens", _TOKEN_TIME_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Mean time per output token of a request "
+                              "(vLLM's older name of vllm:request_time_per_output_token_seconds)", _TOKEN_TIME_BUCKETS)
+        self.request_tpot = histogram("vllm:request_time_per_output_token_seconds", "Mean time per output token "
+                                      "after the first, per finished request (0 for one token)", _TOKEN_TIME_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request arrival to last token", _REQUEST_TIME_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Time a request waited for a slot",
                                     _REQUEST_TIME_BUCKETS)
         self.prefill_time = histogram("vllm:request_prefill_time_seconds",
@@ -106,14 +132,31 @@ class Metrics:
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.preemptions = counter("vllm:num_preemptions", "Requests preempted (a slot, once given, is kept "
                                    "here: always 0)")
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached", "Prompt tokens read from the prefix cache")
+        self.prompt_tokens_by_source = counter("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV "
+                                               "came from", ["source"])
+        for o in ("local_compute", "local_cache_hit", "external_kv_transfer"):  # no KV connector: the last stays 0
+            self.prompt_tokens_by_source.labels(source=o)
+        self.prompt_tokens_cached_by_source = counter("vllm:prompt_tokens_cached_by_source", "Cached prompt tokens "
+                                                      "by the tier that held them (here the device)", ["source"])
+        self.prompt_tokens_cached_by_source.labels(source="device")
+        self.sleep_state = gauge("vllm:engine_sleep_state", "Engine sleep state (this server has no sleep mode: "
+                                 "always awake)", ["sleep_state"])
+        for o in ("awake", "weights_offloaded", "discard_all"):
+            self.sleep_state.labels(sleep_state=o).set(1 if o == "awake" else 0)
         self._prefix_seen = (0, 0)
-        token_buckets = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+        token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request",
                                                token_buckets)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Generated tokens per request", token_buckets)
         self.max_generation_tokens = histogram("vllm:request_max_num_generation_tokens",
                                                "The max_tokens a request allowed", token_buckets)
+        self.request_params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                                   "The max_tokens request parameter (the default filled in)",
+                                                   token_buckets)
+        self.prefill_kv_computed = histogram("vllm:request_prefill_kv_computed_tokens", "Prompt tokens prefill "
+                                             "computed per request (the prompt less its cached prefix)", token_buckets)
         self.request_params_n = histogram("vllm:request_params_n", "The n request parameter", (1, 2, 5, 10, 20))
         self.requests = counter("vllm:request_success", "Finished requests by finish reason", ["finished_reason"])
         for o in FINISHED_REASONS:
@@ -126,14 +169,32 @@ class Metrics:
         self.connections = gauge("bundle:http_connections", "HTTP connections open now")
         self.connections_closed = counter("bundle:http_connections_closed", "HTTP connections the server closed "
                                           "(a read deadline passed, or a connection limit)", ["reason"])
-        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens computed per engine step",
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step, as vLLM counts "
+                                          "them: the prompts that got their first token in it, and the tokens it "
+                                          "generated",
                                           (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
         self.running = gauge("vllm:num_requests_running", "Requests generating now")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests queued for the generator")
+        self.waiting_by_reason = gauge("vllm:num_requests_waiting_by_reason", "Requests queued, by why: capacity "
+                                       "(a free slot) or deferred (never here)", ["reason"])
+        for o in ("capacity", "deferred"):
+            self.waiting_by_reason.labels(reason=o)
+        self.http_requests = Counter("http_requests_total", "HTTP API requests by route, method and status class",
+                                     ["handler", "method", "status"], registry=r)
+        self.http_duration = Histogram("http_request_duration_seconds", "HTTP API request time, the whole streamed "
+                                       "response included", ["handler", "method"], buckets=_HTTP_BUCKETS, registry=r)
         self._clock = clock
         self._window = _Window(since=clock())
         self._speculation = None  # read() -> runtime.serve.spec_length.SpeculationLength.snapshot()
         self._skipped_seen: dict = {}
+        self._iteration = 0  # this step's tokens so far (engine thread: the steps' callbacks, then scheduler_step)
+
+    def cache_config(self, **info) -> None:
+        """vLLM's vllm:cache_config_info: a gauge at 1 whose labels are the KV cache's configuration (vLLM's
+        CacheConfig field names, values as strings, and the engine)."""
+        labels = {k: str(v) for k, v in info.items()} | {"engine": self._base["engine"]}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(labels),
+              registry=self.registry).labels(**labels).set(1)
 
     def watch_engine(self, read) -> None:
         """Export the engine thread's cumulative counters, read at scrape time (nothing per step):
@@ -154,21 +215,38 @@ class Metrics:
         computed, and the prefix cache's cumulative lookups."""
         self.running.set(scheduler.num_running)
         self.waiting.set(scheduler.num_waiting)
+        self.waiting_by_reason.labels(reason="capacity").set(scheduler.num_waiting)
         usage = scheduler.num_running / max(scheduler.num_slots, 1)
         self.kv_cache_usage.set(usage)
         self.gpu_cache_usage.set(usage)
-        if scheduler.last_step_tokens:
-            self.iteration_tokens.observe(scheduler.last_step_tokens)
+        if self._iteration:
+            self.iteration_tokens.observe(self._iteration)
+            self._iteration = 0
         queries, hits = scheduler.prefix_queries, scheduler.prefix_hits
         self.prefix_queries.inc(queries - self._prefix_seen[0])
         self.prefix_hits.inc(hits - self._prefix_seen[1])
         self._prefix_seen = (queries, hits)
+
+    def prefill_done(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request's first token came: its prompt split by where the KV came from (computed, or cached)."""
+        self.prompt_tokens_cached.inc(cached_tokens)
+        self.prompt_tokens_cached_by_source.labels(source="device").inc(cached_tokens)
+        self.prompt_tokens_by_source.labels(source="local_cache_hit").inc(cached_tokens)
+        self.prompt_tokens_by_source.labels(source="local_compute").inc(prompt_tokens - cached_tokens)
+        self.prefill_kv_computed.observe(prompt_tokens - cached_tokens)
+
+    def http_request(self, handler: str, method: str, status: int, seconds: float) -> None:
+        """One HTTP API request answered (vLLM's API server counts these through prometheus-fastapi-instrumentator:
+        the status as its class, 2xx..5xx)."""
+        self.http_requests.labels(handler=handler, method=method, status=f"{status // 100}xx").inc()
+        self.http_duration.labels(handler=handler, method=method).observe(seconds)
 
     def request_times(self, arrived: float, scheduled: float | None, first_token: float | None,
                       finished: float, max_tokens: int) -> None:
         """A finished request's phases, as vLLM splits them (queue, prefill, decode, inference), in the
         engine's monotonic clock."""
         self.max_generation_tokens.observe(max_tokens)
+        self.request_params_max_tokens.observe(max_tokens)
         if scheduled is None:
             return
         self.queue_time.observe(max(scheduled - arrived, 0.0))
@@ -177,7 +255,10 @@ class Metrics:
             self.prefill_time.observe(max(first_token - scheduled, 0.0))
             self.decode_time.observe(max(finished - first_token, 0.0))
 
-    def step(self, tokens: int, drafted: int, accepted: int) -> None:
+    def step(self, tokens: int, drafted: int, accepted: int, prompt_tokens: int = 0) -> None:
+        """One request's share of an engine step: its generated tokens, and its whole prompt (cached part
+        included) in the step that gave its first token."""
+        self._iteration += tokens + prompt_tokens
         self.generation_tokens.inc(tokens)
         w = self._window
         w.tokens += tokens

@@ -104,6 +104,7 @@ def apply_serve_config(installed, serve: ServeConfig, *, cache_dir: Path | None 
     from runtime.serve.chat_template import ChatTemplate
     from runtime.server.loader import load_serving_model, parse_speculative_config
     from runtime.server.app import OpenAIServer
+    from runtime.server.reasoning_parsers import reasoning_unavailable
     from runtime.server.request_plan import Features
     from runtime.server.serving_engine import ServeOptions
 
@@ -136,9 +137,16 @@ def apply_serve_config(installed, serve: ServeConfig, *, cache_dir: Path | None 
     defaults.update(config.get("override_generation_config") or {})
     model.defaults = defaults
 
+    reasoning = config.get("reasoning_parser")
+    if reasoning:
+        why_not = reasoning_unavailable(reasoning, model.tokenizer,
+                                        model.template.source if model.template is not None else None)
+        if why_not:
+            notes.append(why_not)
+            reasoning = None
     features = Features(tool_call_parser=config.get("tool_call_parser"),
                         enable_auto_tool_choice=bool(config.get("enable_auto_tool_choice")),
-                        reasoning_parser=config.get("reasoning_parser"),
+                        reasoning_parser=reasoning,
                         max_logprobs=int(config.get("max_logprobs", 20)))
     options = ServeOptions(max_queued_requests=max_queued_requests, api_key=config.get("api_key"),
                            log_interval_s=log_interval_s, log_requests=not config.get("disable_log_requests"),
@@ -165,7 +173,7 @@ def apply_serve_config(installed, serve: ServeConfig, *, cache_dir: Path | None 
     server = OpenAIServer(model, options)
     lines.insert(0, f"batching:    {server.slot_plan.describe()}; max_num_batched_tokens "
                     f"{options.max_num_batched_tokens}; prefix caching "
-                    f"{'on' if options.enable_prefix_caching else 'off'}")
+                    f"{'on' if server.enable_prefix_caching else 'off'}")
     return Setup(serving=server, host=config.get("host", "127.0.0.1"),
                  port=int(config.get("port", 8000)), uvicorn_log_level=config.get("uvicorn_log_level", "info"),
                  ssl=ssl, features_lines=lines)

@@ -83,6 +83,9 @@ class _Common(BaseModel):
     skip_special_tokens: bool | None = True
     speculative: bool | None = True
     prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's: each prompt token's logprob, this many top
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: keep this many prompt tokens (-1: the context)
+    truncation_side: Literal["left", "right"] | None = None  # which end goes: left (the default) keeps the last
+    return_token_ids: bool | None = False  # vLLM's: prompt_token_ids and each choice's token_ids in the answer
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -100,6 +103,7 @@ class ChatCompletionRequest(_Common):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False  # vLLM's: the prompt ends inside the last (assistant) message
     include_reasoning: bool | None = True
     chat_template_kwargs: dict | None = None
 

@@ -7,7 +7,13 @@ whole output is reasoning (it was cut short while thinking), except when the ren
 closed the thinking block (`enable_thinking: false` templates write `<think>\\n\\n</think>`): then it is all
 content. `qwen3` and `nemotron_v3` also take an output as content when the request set
 `enable_thinking: false` (unless it opens with `<think>`), and `qwen3` ends reasoning at a `<tool_call>`
-followed by `<function` (Qwen3.5 calls tools from inside a thinking block).
+followed by `<function` (Qwen3.5 calls tools from inside a thinking block). For `qwen3` an output is
+reasoning only inside a block that was opened, by the prompt (Qwen3.5 templates) or by the output's own
+leading `<think>` (Qwen3 up to 2507): an output that opens none is content, end marker or not.
+
+A model that cannot think (its tokenizer has no `<think>` token and its chat template never writes one)
+gets no parser at all: `reasoning_unavailable` says why, and the serve start prints it, as vLLM refuses a
+parser whose think tokens the tokenizer lacks (here the signed serve defaults still start).
 
 One incremental state machine serves streaming and non-streaming alike (`parse` feeds the whole text),
 so both give the same split. Text that may be the start of a marker is held back until it is known.
@@ -38,13 +44,16 @@ class ReasoningParser:
     name = "deepseek_r1"
     #: with enable_thinking false, output starts as content (a leading <think> still opens reasoning)
     disabled_means_content = False
+    #: output is reasoning only inside a <think> block the prompt left open or the output opens
+    needs_an_open_block = False
 
     def __init__(self, *, prompt: str = "", chat_template_kwargs: dict | None = None):
         kwargs = chat_template_kwargs or {}
         self._args = {"prompt": prompt, "chat_template_kwargs": chat_template_kwargs}
         self.thinking_disabled = kwargs.get("enable_thinking") is False
         self._in_reasoning = not (self._prompt_ends_reasoning(prompt)
-                                  or (self.thinking_disabled and self.disabled_means_content))
+                                  or (self.thinking_disabled and self.disabled_means_content)
+                                  or (self.needs_an_open_block and not self._prompt_opens_reasoning(prompt)))
         self._at_start = True  # a leading <think> (after whitespace) is dropped
         self._buf = ""
         self.saw_end = False
@@ -52,6 +61,11 @@ class ReasoningParser:
     @staticmethod
     def _prompt_ends_reasoning(prompt: str) -> bool:
         return prompt.rfind(END) > prompt.rfind(START) >= -1 and END in prompt
+
+    @staticmethod
+    def _prompt_opens_reasoning(prompt: str) -> bool:
+        """The prompt ends inside a <think> block (only whitespace may follow the last one)."""
+        return prompt.rfind(START) > prompt.rfind(END)
 
     def feed(self, text: str) -> Split:
         self._buf += text
@@ -142,6 +156,7 @@ class Qwen3ReasoningParser(ReasoningParser):
     FUNCTION = "<function"
 
     disabled_means_content = True
+    needs_an_open_block = True
 
     def _implicit_end(self, buf: str) -> int | None:
         i = buf.find(self.TOOL)
@@ -169,6 +184,18 @@ class NemotronV3ReasoningParser(ReasoningParser):
 
 
 PARSERS = {p.name: p for p in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser, NemotronV3ReasoningParser)}
+
+
+def reasoning_unavailable(name: str, tokenizer, chat_template: str | None) -> str | None:
+    """Why parser `name` cannot split this model's output (None when it can): the model can only think if
+    its tokenizer has the think token or its chat template writes the marker into the prompt."""
+    if tokenizer.token_to_id(START) is not None and tokenizer.token_to_id(END) is not None:
+        return None
+    if chat_template and START in chat_template:
+        return None
+    return (f"--reasoning-parser {name} is off: the tokenizer has no {START} {END} tokens and the chat template "
+            f"never opens {START}, so this model does not think; answers are content, structured output "
+            f"applies from the first token")
 
 
 def make_reasoning_parser(name: str, **kw) -> ReasoningParser:

@@ -6,7 +6,8 @@ A Responses request becomes a chat request (`instructions` -> a system message; 
 speculation behave exactly as for /v1/chat/completions. Output items: `reasoning` (when a reasoning
 parser split some off), `message` with `output_text`, and one `function_call` per call. Streaming sends the
 Responses event sequence (response.created ... response.completed), each with a sequence_number. There is
-no server-side state: `previous_response_id` is refused with what to do instead.
+no server-side state: `previous_response_id` is refused with what to do instead. Token logprobs come, as
+vLLM gives them, with `include=["message.output_text.logprobs"]` (and `top_logprobs` alternatives each).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, AsyncIterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from runtime.server import openai_format as F
 from runtime.server import protocol as P
 from runtime.server.errors import APIError
 from runtime.server.serving_chat import ServingChat
@@ -45,6 +47,12 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     speculative: bool | None = True
     chat_template_kwargs: dict | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+
+
+#: the `include` value that asks for the output text's token logprobs
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
 
 
 def _text_of(content) -> str:
@@ -123,13 +131,15 @@ def to_chat_request(req: ResponsesRequest) -> P.ChatCompletionRequest:
     if req.previous_response_id:
         raise APIError(400, "previous_response_id: this server keeps no conversation state; send the whole "
                             "conversation in 'input'", param="previous_response_id")
+    logprobs = OUTPUT_LOGPROBS in (req.include or [])  # vLLM's: top_logprobs alone asks for none
     try:
         return P.ChatCompletionRequest(
             model=req.model, messages=to_chat_messages(req), tools=to_chat_tools(req.tools),
             tool_choice=to_chat_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
             max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed, stream=req.stream, response_format=to_response_format(req.text),
-            speculative=req.speculative, chat_template_kwargs=req.chat_template_kwargs)
+            speculative=req.speculative, chat_template_kwargs=req.chat_template_kwargs,
+            logprobs=logprobs, top_logprobs=(req.top_logprobs or 0) if logprobs else None)
     except ValueError as e:
         raise APIError(400, f"invalid value for 'input': {e}", param="input") from None
 
@@ -148,7 +158,12 @@ class ServingResponses(ServingChat):
         out.feed(result.text)
         out.finish()
         self.log_request(rid, [job])
-        return self.json_response(_final(base, _items(out), job, finish))
+        logprobs = self._logprobs(result.logprobs) if result.logprobs is not None else []
+        return self.json_response(_final(base, _items(out, logprobs), job, finish))
+
+    def _logprobs(self, entries) -> list[dict]:
+        """output_text.logprobs: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]."""
+        return F.chat_logprobs(entries, self.model.tokenizer)["content"]
 
     def build_responses(self, req: ResponsesRequest):
         chat_req = to_chat_request(req)
@@ -166,9 +181,9 @@ def _base(rid: str, req: ResponsesRequest, model: str) -> dict[str, Any]:
             "usage": None}
 
 
-def _message_item(text: str, status: str = "completed") -> dict:
+def _message_item(text: str, status: str = "completed", logprobs: list | None = None) -> dict:
     return {"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
 def _reasoning_item(text: str) -> dict:
@@ -181,13 +196,14 @@ def _call_item(call) -> dict:
             "arguments": call.arguments, "status": "completed"}
 
 
-def _items(out) -> list[dict]:
+def _items(out, logprobs: list | None = None) -> list[dict]:
+    """The output items; `logprobs` (every generated token's, as vLLM gives them) go on the message text."""
     items = []
     if out.reasoning:
         items.append(_reasoning_item(out.reasoning))
-    calls = [c for c in out.tool_calls if c.arguments]
+    calls = out.tool_calls
     if out.content and not (calls and not out.content.strip()):
-        items.append(_message_item(out.content))
+        items.append(_message_item(out.content, logprobs=logprobs))
     items += [_call_item(c) for c in calls]
     return items
 
@@ -216,6 +232,12 @@ async def _stream(serving, job, rid: str, base: dict, plan, prompt_text: str) ->
     out = plan.make_output(prompt_text)
     items: list[dict] = []  # in output order; the open text/reasoning item is the last
     open_kind = None  # "message" | "reasoning" | None
+    pending: list[dict] = []  # token logprobs not yet sent: they ride on the next output_text delta
+
+    def take() -> list[dict]:
+        got = list(pending)
+        pending.clear()
+        return got
 
     def close_open():
         nonlocal open_kind
@@ -226,8 +248,9 @@ async def _stream(serving, job, rid: str, base: dict, plan, prompt_text: str) ->
         events = []
         if open_kind == "message":
             text = item["content"][0]["text"]
+            item["content"][0]["logprobs"] += take()
             events.append(event("response.output_text.done", item_id=item["id"], output_index=index,
-                                content_index=0, text=text, logprobs=[]))
+                                content_index=0, text=text, logprobs=item["content"][0]["logprobs"]))
             events.append(event("response.content_part.done", item_id=item["id"], output_index=index,
                                 content_index=0, part=item["content"][0]))
         else:
@@ -258,7 +281,10 @@ async def _stream(serving, job, rid: str, base: dict, plan, prompt_text: str) ->
             item, index = items[-1], len(items) - 1
             item["content"][0]["text"] += text
             name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-            extra = {"logprobs": []} if kind == "message" else {}
+            extra = {}
+            if kind == "message":
+                extra["logprobs"] = take()
+                item["content"][0]["logprobs"] += extra["logprobs"]
             events.append(event(name, item_id=item["id"], output_index=index, content_index=0, delta=text, **extra))
         for d in delta.tool_calls:
             if d.id:  # a new call: its header
@@ -285,6 +311,8 @@ async def _stream(serving, job, rid: str, base: dict, plan, prompt_text: str) ->
                 failed = dict(base, status="failed", error={"code": "server_error", "message": result.error})
                 yield event("response.failed", response=failed)
                 return
+            if result.logprobs:
+                pending += serving._logprobs(result.logprobs)
             if result.text:
                 for e in emit(out.feed(result.text)):
                     yield e
@@ -294,6 +322,9 @@ async def _stream(serving, job, rid: str, base: dict, plan, prompt_text: str) ->
             yield e
         for e in close_open():
             yield e
+        messages = [i for i in items if i["type"] == "message"]
+        if messages:  # tokens after the message closed (a tool call's): theirs too, as the whole answer has them
+            messages[-1]["content"][0]["logprobs"] += take()
         for index, item in enumerate(items):
             if item["type"] == "function_call":
                 item["status"] = "completed"

@@ -41,7 +41,7 @@ class ServingChat(OpenAIServing):
         self.check_common(req)
         plan = self.plan(req, chat=True)
         text = self.render(req)
-        prompt = self.encode(text, add_special_tokens=False)
+        prompt = self.truncate(req, self.encode(text, add_special_tokens=False))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return Prepared(plan, text, prompt, self.max_tokens(max_tokens, len(prompt)))
 
@@ -70,6 +70,7 @@ class ServingChat(OpenAIServing):
             messages.append(m)
         try:
             return self.model.template.render(messages, add_generation_prompt=req.add_generation_prompt is not False,
+                                              continue_final_message=bool(req.continue_final_message),
                                               tools=req.tools, **(req.chat_template_kwargs or {}))
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
@@ -83,7 +84,8 @@ class ServingChat(OpenAIServing):
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
-            chunks = self._chunks(jobs, rid, plan, prepared.text, include_usage, continuous)
+            chunks = self._chunks(jobs, rid, plan, prepared.text, include_usage, continuous,
+                                  bool(req.return_token_ids))
             return self.sse_response(self.sse_stream(jobs, rid, chunks))
         choices, results = [], await self.collect_all(jobs, request)
         for index, result in enumerate(results):
@@ -94,33 +96,48 @@ class ServingChat(OpenAIServing):
             choices.append({"index": index, "message": out.message(),
                             "logprobs": F.chat_logprobs(lps, self.model.tokenizer) if lps is not None else None,
                             "finish_reason": finish_reason(plan, out, result.finish_reason)})
+            if req.return_token_ids:
+                choices[-1]["token_ids"] = list(result.token_ids)
         self.log_request(rid, jobs)
         body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model.name,
                 "choices": choices, "usage": self.usage(len(prepared.prompt), jobs)}
+        if req.return_token_ids:  # vLLM's: the prompt's ids on the response, each choice's own on it
+            body["prompt_token_ids"] = list(prepared.prompt)
         if req.prompt_logprobs is not None:  # vLLM's: on the response, for the one prompt
             body["prompt_logprobs"] = F.prompt_logprobs(prepared.prompt, results[0].prompt_logprobs or (),
                                                         self.model.tokenizer)
         return self.json_response(body)
 
     async def _chunks(self, jobs: list[Job], rid: str, plan: Plan, prompt_text: str,
-                      include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:
+                      include_usage: bool, continuous: bool = False, token_ids: bool = False) -> AsyncIterator[str]:
         """A streamed chat completion's chunks, one choice after another (sse_stream frames them). The last
         content chunk is held back so the finish reason rides on it, as vLLM sends it; with continuous usage
-        (vLLM's stream_options.continuous_usage_stats) every chunk carries the usage so far."""
+        (vLLM's stream_options.continuous_usage_stats) every chunk carries the usage so far. `token_ids`
+        (return_token_ids): the first chunk names the prompt_token_ids, and each chunk's choice the
+        token_ids that came since the one before."""
         created, name, tok = int(time.time()), self.model.name, self.model.tokenizer
+        ids: list[int] = []  # token ids not yet sent
 
         def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
             body = F.chat_chunk(rid, created, name, index, delta, finish, logprobs=logprobs)
             if continuous:
                 body["usage"] = F.usage(len(jobs[0].prompt), sum(j.streamed for j in jobs))
+            if token_ids:
+                body["choices"][0]["token_ids"] = list(ids)
+                ids.clear()
             return body
 
         for index, job in enumerate(jobs):
             out = plan.make_output(prompt_text)
-            yield F.sse(chunk(index, F.message_delta(None, first=True)))
+            first = chunk(index, F.message_delta(None, first=True))
+            if token_ids:
+                first["prompt_token_ids"] = list(job.prompt)
+            yield F.sse(first)
             pending = None
             async for result in self.stream_events(job):
                 job.streamed = result.completion_tokens
+                if token_ids:
+                    ids.extend(result.token_ids)
                 if result.text or result.logprobs:
                     delta = out.feed(result.text)
                     logprobs = F.chat_logprobs(result.logprobs, tok) if result.logprobs else None
@@ -131,7 +148,7 @@ class ServingChat(OpenAIServing):
                 if not result.finished:
                     continue
                 tail = out.finish()
-                if tail or pending is None:
+                if tail or pending is None or ids:
                     if pending is not None:
                         yield F.sse(pending)
                     pending = chunk(index, F.message_delta(tail) if tail else {})
@@ -144,7 +161,8 @@ class ServingChat(OpenAIServing):
 
 def finish_reason(plan: Plan, out, finish: str) -> str:
     """vLLM's: "tool_calls" when tool_choice 'auto' or 'required' stopped with a call read out of the answer;
-    else the engine's (a 'required' answer that ended inside its reasoning has no call: "stop")."""
-    if plan.tool_mode in ("auto", "required") and finish == "stop" and any(c.arguments for c in out.tool_calls):
+    else the engine's (a 'required' answer that ended inside its reasoning has no call: "stop"; a call cut
+    off by max_tokens: "length", streamed or not, so a client knows its arguments are incomplete)."""
+    if plan.tool_mode in ("auto", "required") and finish == "stop" and out.tool_calls:
         return "tool_calls"
     return finish

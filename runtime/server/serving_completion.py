@@ -37,7 +37,7 @@ class ServingCompletion(OpenAIServing):
             continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
             chunks = self._chunks(jobs, rid, p.echo, include_usage, prompt_tokens,
                                   [x for x in p.prompts for _ in range(n)] if echo_lps is not None else None,
-                                  continuous)
+                                  continuous, bool(req.return_token_ids))
             return self.sse_response(self.sse_stream(jobs, rid, chunks))
         choices = []
         tok, outs = self.model.tokenizer, []
@@ -57,6 +57,8 @@ class ServingCompletion(OpenAIServing):
                       "logprobs": logprobs}
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = F.prompt_logprobs(prompt, out.prompt_logprobs or (), tok)
+            if req.return_token_ids:
+                choice.update(prompt_token_ids=list(prompt), token_ids=list(out.token_ids))
             choices.append(choice)
             outs.append(out)
         self.log_request(rid, jobs)
@@ -76,7 +78,7 @@ class ServingCompletion(OpenAIServing):
         items = prompt_items(req.prompt)
         self.check_choices(len(items) * int(req.n or 1))  # before any grammar is compiled or prompt tokenized
         plan = self.plan(req, chat=False)
-        prompts = self.tokenize(items)
+        prompts = self.tokenize(items, req)
         score_only = req.max_tokens == 0 and bool(req.echo)  # one token runs, none is returned
         if score_only and req.stream:
             raise APIError(400, "expected stream false with max_tokens 0 (echo only), found stream true",
@@ -85,12 +87,14 @@ class ServingCompletion(OpenAIServing):
         echo = [self.model.tokenizer.decode(x) if req.echo else "" for x in prompts for _ in range(plan.n)]
         return Prepared(plan, prompts, limits, echo)
 
-    def tokenize(self, items: list) -> list[list[int]]:
-        """The prompts of prompt_items: texts or token ids."""
+    def tokenize(self, items: list, req: P.CompletionRequest | None = None) -> list[list[int]]:
+        """The prompts of prompt_items: texts or token ids (truncated as `req` asks)."""
         vocab = self.model.runner.target.vocab_size
         out = []
         for item in items:
             ids = self.encode(item, add_special_tokens=True, param="prompt") if isinstance(item, str) else list(item)
+            if req is not None:
+                ids = self.truncate(req, ids)
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise APIError(400, f"prompt token ids must be in [0, {vocab}), found {bad[0]}", param="prompt")
@@ -102,23 +106,32 @@ class ServingCompletion(OpenAIServing):
 
     async def _chunks(self, jobs: list[Job], rid: str, echo: list[str], include_usage: bool,
                       prompt_tokens: int, scored: list[list[int]] | None = None,
-                      continuous: bool = False) -> AsyncIterator[str]:
+                      continuous: bool = False, token_ids: bool = False) -> AsyncIterator[str]:
         """A streamed text completion's chunks, one choice after another (sse_stream frames them). The last
         text chunk carries the finish reason, as vLLM sends it; with continuous usage every chunk carries the
-        usage so far. `scored`: each choice's prompt, when echo comes with its logprobs (sent first)."""
+        usage so far. `scored`: each choice's prompt, when echo comes with its logprobs (sent first).
+        `token_ids` (return_token_ids): a choice's first chunk names its prompt_token_ids, and every chunk
+        the token_ids that came since the one before."""
         created, name, tok = int(time.time()), self.model.name, self.model.tokenizer
+        ids: list[int] = []  # token ids not yet sent
 
         def chunk(index: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> dict:
             body = F.completion_chunk(rid, created, name, index, text, finish_reason=finish, logprobs=logprobs)
             if continuous:
                 body["usage"] = F.usage(prompt_tokens, sum(j.streamed for j in jobs))
+            if token_ids:
+                body["choices"][0]["token_ids"] = list(ids)
+                ids.clear()
             return body
 
         for index, job in enumerate(jobs):
             offset = len(echo[index])
             pending = chunk(index, echo[index]) if echo[index] and scored is None else None
+            first = True
             async for out in self.stream_events(job):
                 job.streamed = out.completion_tokens
+                if token_ids:
+                    ids.extend(out.token_ids)
                 if scored is not None and out.prompt_logprobs is not None:
                     head = F.echo_logprobs(scored[index], out.prompt_logprobs, tok)
                     offset = head["text_offset"][-1] + len(head["tokens"][-1])
@@ -132,8 +145,15 @@ class ServingCompletion(OpenAIServing):
                         yield F.sse(pending)
                     pending = chunk(index, out.text, logprobs=logprobs)
                 if out.finished:
+                    if pending is not None and ids:  # ids that came with no text: their own chunk
+                        yield F.sse(pending)
+                        pending = None
                     pending = pending or chunk(index, "")
                     pending["choices"][0]["finish_reason"] = out.finish_reason
+                if pending is not None and token_ids and first:
+                    pending["choices"][0]["prompt_token_ids"] = list(job.prompt)
+                    first = False
+                if out.finished:
                     yield F.sse(pending)
         if include_usage:
             yield F.sse({"id": rid, "object": "text_completion", "created": created, "model": name,

@@ -206,6 +206,21 @@ class OpenAIServing:
         except UsageError as e:
             raise APIError(400, str(e)) from None
 
+    def truncate(self, req: P._Common, ids: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: at most that many prompt tokens (-1: the context), dropped from the
+        left (the start; the default) or the right, before the prompt is checked against the context."""
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        limit = self.model.max_model_len
+        if keep > limit:
+            raise APIError(400, f"expected truncate_prompt_tokens at most the context of {limit} tokens "
+                                f"(max_model_len) or -1, found {keep}", param="truncate_prompt_tokens")
+        keep = limit if keep == -1 else keep
+        if len(ids) <= keep:
+            return ids
+        return ids[:keep] if req.truncation_side == "right" else ids[len(ids) - keep:]
+
     def max_tokens(self, requested: int | None, prompt_len: int) -> int:
         limit = self.model.max_model_len
         if prompt_len >= limit:
@@ -289,10 +304,12 @@ class OpenAIServing:
             if step.tokens:
                 if last is None:
                     m.ttft.observe(now - state.arrived)
+                    m.prefill_done(len(job.prompt), job.engine_request.cached_tokens)
                 else:
                     for _ in step.tokens:
                         m.itl.observe((now - last) / len(step.tokens))
-            m.step(len(step.tokens), step.drafted, step.accepted)
+            m.step(len(step.tokens), step.drafted, step.accepted,
+                   len(job.prompt) if step.tokens and last is None else 0)
             for output in state.process(step, now, job.engine_request.cached_tokens):
                 if not output.finished:
                     job.post(output)
@@ -301,6 +318,9 @@ class OpenAIServing:
                 m.request_generation_tokens.observe(output.completion_tokens)
                 if state.first_token_at is not None and output.completion_tokens > 1:
                     m.tpot.observe((now - state.first_token_at) / (output.completion_tokens - 1))
+                if state.first_token_at is not None:  # vLLM's: 0 for a one-token answer
+                    n = output.completion_tokens - 1
+                    m.request_tpot.observe((now - state.first_token_at) / n if n > 0 else 0.0)
                 m.outcome(output.finish_reason)
                 m.request_times(state.arrived, job.engine_request.scheduled, state.first_token_at, now, max_tokens)
                 finish(output)

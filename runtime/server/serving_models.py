@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from runtime.server import protocol as P
 
+#: what /health says about the engine (runtime.server.loader.engine_info): what runs, why, and a warning
+ENGINE_KEYS = ("engine", "engine_runs", "engine_reason", "engine_warning")
+
 
 class ServingModels:
     def __init__(self, model, engine, slot_plan):
@@ -20,4 +23,5 @@ class ServingModels:
         return {"status": "ok", "slots": s.num_slots, "running": s.num_running, "waiting": s.num_waiting,
                 "kv_bytes_per_slot": plan.kv_bytes_per_slot, "kv_cache_bytes": plan.kv_bytes_per_slot * s.num_slots,
                 "kv_budget_bytes": plan.kv_budget_bytes, "slots_limited_by": plan.limited_by,
-                "max_num_batched_tokens": s.max_num_batched_tokens, "prefix_caching": s.enable_prefix_caching}
+                "max_num_batched_tokens": s.max_num_batched_tokens, "prefix_caching": s.enable_prefix_caching,
+                **{k: v for k, v in (getattr(self.model, "info", None) or {}).items() if k in ENGINE_KEYS}}

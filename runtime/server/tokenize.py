@@ -26,6 +26,7 @@ class TokenizeRequest(BaseModel):
     messages: list[P.ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
     tools: list[dict] | None = None
     chat_template_kwargs: dict | None = None
     return_token_strs: bool | None = False
@@ -57,6 +58,7 @@ class ServingTokenize(OpenAIServing):
 
             chat = P.ChatCompletionRequest(model=self.model.name, messages=req.messages, tools=req.tools,
                                            add_generation_prompt=req.add_generation_prompt,
+                                           continue_final_message=req.continue_final_message,
                                            chat_template_kwargs=req.chat_template_kwargs)
             ids = self.encode(ServingChat.render(self, chat), add_special_tokens=bool(req.add_special_tokens))
         else:

@@ -9,10 +9,14 @@ Formats (as vLLM's parsers of the same names read them):
 - `mistral`: `[TOOL_CALLS]` then a JSON array of {name, arguments}, or (v11+ tokenizers) `name{...}`
   per call, each after its own `[TOOL_CALLS]` (and `[ARGS]` before the arguments in v13).
 
-One incremental parser per request serves streaming and non-streaming alike: `feed(text)` returns the
-content that is safe to send and the tool-call deltas completed so far (the header with id and name as
-soon as the name is known, the arguments when the call is closed), `finish()` flushes, `parse(text)` is
-both at once. A call that does not parse stays text, as vLLM does (the client sees what the model said).
+One incremental parser per request serves streaming and non-streaming alike, as vLLM streams calls:
+`feed(text)` returns the content that is safe to send and the tool-call deltas so far (first the header,
+id and name with empty arguments, as soon as the name is complete; then the arguments text as the model
+writes it, so the fragments join to the final arguments), `finish()` flushes, `parse(text)` is both at
+once. The JSON formats pass the model's own arguments text through; qwen3_coder sends each parameter as
+JSON once it is closed. A call counts once its name is readable (that is when a stream announces it), so
+both paths read the same: a call cut off by max_tokens keeps its partial arguments (finish_reason
+"length"); a region with no readable name stays text.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ MAX_TOOL_CALLS = LIMITS.tool_calls
 @dataclass
 class ToolCall:
     name: str
-    arguments: str  # JSON text
+    arguments: str  # JSON text (partial when the output was cut off inside the call)
     id: str = ""
 
 
@@ -50,6 +54,14 @@ class ParsedDelta:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Found:
+    """A call as far as the text shows it: `arguments` is the text that is final so far (None: not begun)."""
+
+    name: str
+    arguments: str | None = None
+
+
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
@@ -64,6 +76,92 @@ def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
     return best
 
 
+def _match_end(s: str, start: int) -> int | None:
+    """Index just past the bracket that closes s[start] ("{" or "["), strings skipped; None while open."""
+    open_ch = s[start]
+    close_ch = "}" if open_ch == "{" else "]"
+    depth, in_str, esc = 0, False, False
+    for i in range(start, len(s)):
+        c = s[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c == open_ch:
+            depth += 1
+        elif c == close_ch:
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+
+
+def _read_name(text: str) -> str:
+    m = _NAME.search(text)
+    if not m:
+        return ""
+    try:
+        return json.loads(f'"{m.group(1)}"')
+    except ValueError:
+        return m.group(1)
+
+
+def _object_call(obj: str, closed: bool, hold: tuple[str, ...] = ()) -> Found | None:
+    """A `{"name": ..., "arguments"|"parameters": ...}` call from its raw text (`closed`: the object is
+    complete). The arguments are the model's own text of the value: an object or array as far as it goes
+    (a suffix that may start one of `hold` is kept back), a scalar once the object closed."""
+    m = _ARGS.search(obj)
+    args, after = None, ""
+    if m and m.end() < len(obj):
+        raw = obj[m.end():]
+        if raw[0] in "{[":
+            end = _match_end(raw, 0)
+            if end is None:
+                args = raw[:len(raw) - _partial_suffix(raw, hold)] if hold else raw
+            else:
+                args, after = raw[:end], raw[end:]
+        elif closed:  # a scalar (rare): sent whole
+            try:
+                value, _ = json.JSONDecoder().raw_decode(raw)
+                args = json.dumps(value, ensure_ascii=False)
+            except (ValueError, RecursionError):
+                args = raw.rstrip().removesuffix("}").rstrip()
+    name = _read_name(obj[:m.start()] if m else obj) or (_read_name(after) if m else "")
+    if not name:
+        return None
+    if args is None and closed:
+        args = "{}"
+    return Found(name, args)
+
+
+def _object_calls(s: str, i: int, separators: str, final: bool) -> list[Found] | None:
+    """A run of call objects from s[i] on (vLLM's llama3_json, mistral and 'required' forms)."""
+    out: list[Found] = []
+    while True:
+        while i < len(s) and s[i] in separators:
+            i += 1
+        if i >= len(s) or s[i] != "{":
+            break
+        end = _match_end(s, i)
+        call = _object_call(s[i:end] if end else s[i:], closed=end is not None)
+        if call is None:
+            break
+        out.append(call)
+        if end is None:
+            break
+        i = end
+    return out if out or not final else None
+
+
 class ToolParser:
     """Base: content until a start marker, then the region after it is parsed into calls."""
 
@@ -75,8 +173,6 @@ class ToolParser:
         self._buf = ""
         self._region: str | None = None  # text from the start marker on, once one was seen
         self._content_sent = ""
-        self._sent_headers = 0
-        self._sent_calls = 0
         self._whole = False
         self.calls: list[ToolCall] = []
 
@@ -100,13 +196,12 @@ class ToolParser:
         return out
 
     def finish(self) -> ParsedDelta:
-        """End of output: complete what can be completed; an unparsable region becomes content."""
+        """End of output: complete what can be completed; a region with no call in it becomes content."""
         out = ParsedDelta()
         if self._region is None:
             out.content, self._buf = self._buf, ""
             return out
-        calls = self._calls(self._region, final=True)
-        if calls is None and not self.calls:
+        if not self.calls and not any(f.name for f in self._calls(self._region, final=True) or []):
             out.content, self._region = self._region, None
             return out
         out.tool_calls = self._emit(final=True)
@@ -114,32 +209,24 @@ class ToolParser:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """Whole output -> (content or None, calls)."""
-        self._whole = True  # nothing is sent before the end, so a broken call can still become text
+        self._whole = True  # nothing is sent before the end: the calls are read once, at the end
         a, b = self.feed(text), self.finish()
         content = a.content + b.content
         return (content or None), list(self.calls)
 
     def _emit(self, final: bool) -> list[ToolCallDelta]:
-        found = self._calls(self._region or "", final=final) or []
+        """The deltas from what was sent to what the region now shows: headers, then argument text."""
         deltas: list[ToolCallDelta] = []
-        for i, (name, args) in enumerate(found[:MAX_TOOL_CALLS]):
-            if i < self._sent_calls:
-                continue
-            if args is None:  # name known, arguments still streaming
-                if name and i == self._sent_headers:
-                    self.calls.append(ToolCall(name, "", self._new_id()))
-                    deltas.append(ToolCallDelta(i, self.calls[i].id, name))
-                    self._sent_headers += 1
-                break
-            arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-            if i < self._sent_headers:
-                self.calls[i].arguments = arguments
-                deltas.append(ToolCallDelta(i, arguments=arguments))
-            else:
-                self.calls.append(ToolCall(name, arguments, self._new_id()))
-                deltas.append(ToolCallDelta(i, self.calls[i].id, name, arguments))
-                self._sent_headers += 1
-            self._sent_calls += 1
+        for i, found in enumerate((self._calls(self._region or "", final=final) or [])[:MAX_TOOL_CALLS]):
+            if not found.name:
+                break  # a later call cannot go out before this one's header
+            if i == len(self.calls):
+                self.calls.append(ToolCall(found.name, "", self._new_id()))
+                deltas.append(ToolCallDelta(i, self.calls[i].id, found.name, ""))
+            call, args = self.calls[i], found.arguments or ""
+            if len(args) > len(call.arguments) and args.startswith(call.arguments):
+                deltas.append(ToolCallDelta(i, arguments=args[len(call.arguments):]))
+                call.arguments = args
         return deltas
 
     def _new_id(self) -> str:
@@ -153,19 +240,10 @@ class ToolParser:
     def _hold(self, buf: str) -> int:
         return _partial_suffix(buf, self.markers)
 
-    def _calls(self, region: str, final: bool) -> list[tuple[str, object]] | None:
-        """[(name, arguments or None while open)], or None when the region is not a tool call."""
+    def _calls(self, region: str, final: bool) -> list[Found] | None:
+        """The calls the region shows so far (`final`: the output ended), or None when it holds none.
+        Each call's arguments text may only grow as more text comes (what was sent stays sent)."""
         raise NotImplementedError
-
-
-_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-
-
-def _json_call(obj) -> tuple[str, object] | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return obj["name"], args if args is not None else {}
 
 
 class HermesToolParser(ToolParser):
@@ -177,19 +255,19 @@ class HermesToolParser(ToolParser):
         out = []
         for part in region.split(self.markers[0])[1:]:
             body, closed, _ = part.partition(self.END)
-            if closed or final:
-                try:
-                    call = _json_call(json.loads(body))
-                except (ValueError, RecursionError):
-                    call = None
-                if call is None:
-                    return None if final else out
-                out.append(call)
-            else:
-                m = _NAME.search(body)
-                out.append((json.loads(f'"{m.group(1)}"'), None) if m else ("", None))
+            start = len(body) - len(body.lstrip())
+            if start >= len(body) or body[start] != "{":
                 break
-        return out
+            end = _match_end(body, start)
+            done = bool(closed) or end is not None
+            call = _object_call(body[start:end] if end else body[start:], closed=done,
+                                hold=() if closed else (self.END, self.markers[0]))
+            if call is None:
+                break
+            out.append(call)
+            if not closed:
+                break
+        return out or (None if final else [])
 
 
 class Qwen3CoderToolParser(ToolParser):
@@ -199,28 +277,30 @@ class Qwen3CoderToolParser(ToolParser):
     OPEN_FUNCTION = re.compile(r"<function=([^>\n]*)>")
     PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.S)
 
+    CLOSED_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=))", re.S)
+
     def _calls(self, region, final):
         out = []
         pos = 0
         for m in self.FUNCTION.finditer(region):
-            out.append((m.group(1).strip(), self._arguments(m.group(1).strip(), m.group(2))))
+            name = m.group(1).strip()
+            out.append(Found(name, json.dumps(self._arguments(name, m.group(2)), ensure_ascii=False)))
             pos = m.end()
         rest = region[pos:]
         m = self.OPEN_FUNCTION.search(rest)
         if m:
-            name = m.group(1).strip()
-            if final:
-                out.append((name, self._arguments(name, rest[m.end():].split("</tool_call>")[0])))
-            else:
-                out.append((name, None))
-        if final and not out:
-            return None
-        return out
+            name, body = m.group(1).strip(), rest[m.end():].split("</tool_call>")[0]
+            if final:  # cut off inside the function: the parameters written so far, closed
+                out.append(Found(name, json.dumps(self._arguments(name, body), ensure_ascii=False)))
+            else:  # the closed parameters as JSON, the object left open
+                args = self._arguments(name, body, self.CLOSED_PARAMETER)
+                out.append(Found(name, json.dumps(args, ensure_ascii=False)[:-1]))
+        return out or (None if final else [])
 
-    def _arguments(self, name: str, body: str) -> dict:
+    def _arguments(self, name: str, body: str, pattern: re.Pattern | None = None) -> dict:
         props = (self.tools.get(name, {}).get("parameters") or {}).get("properties") or {}
         args = {}
-        for key, value in self.PARAMETER.findall(body):
+        for key, value in (pattern or self.PARAMETER).findall(body):
             key = key.strip()
             if value.startswith("\n"):
                 value = value[1:]
@@ -293,25 +373,7 @@ class Llama3JsonToolParser(ToolParser):
         s = region.lstrip()
         if s.startswith(self.TAG):
             s = s[len(self.TAG):]
-        decoder, out, i = json.JSONDecoder(), [], 0
-        while True:
-            while i < len(s) and s[i] in " \t\r\n;":
-                i += 1
-            if i >= len(s):
-                break
-            try:
-                obj, i = decoder.raw_decode(s, i)
-            except (ValueError, RecursionError):
-                if final:
-                    return None
-                m = _NAME.search(s[i:])
-                out.append((json.loads(f'"{m.group(1)}"'), None) if m else ("", None))
-                break
-            call = _json_call(obj)
-            if call is None:
-                return None
-            out.append(call)
-        return out or (None if final else [])
+        return _object_calls(s, 0, " \t\r\n;", final)
 
 
 class MistralToolParser(ToolParser):
@@ -325,37 +387,23 @@ class MistralToolParser(ToolParser):
 
     def _calls(self, region, final):
         body = region[len(self.markers[0]):].lstrip()
-        decoder = json.JSONDecoder()
         if body.startswith("["):
-            try:
-                arr, _ = decoder.raw_decode(body)
-            except (ValueError, RecursionError):
-                if final:
-                    return None
-                m = _NAME.search(body)
-                return [(json.loads(f'"{m.group(1)}"'), None)] if m else []
-            calls = [_json_call(o) for o in arr] if isinstance(arr, list) else [None]
-            return None if None in calls else calls
+            return _object_calls(body, 1, " \t\r\n,", final)
         out = []
         for part in region.split(self.markers[0])[1:]:
             part = part.strip()
             if not part:
                 continue
             name, brace, _ = part.partition("{")
-            name = name.replace(self.ARGS, "").strip()
             if not brace:
-                if final:
-                    return None
+                break  # the name may still grow
+            k = part.index("{")
+            end = _match_end(part, k)
+            args = part[k:end] if end else part[k:len(part) - _partial_suffix(part, self.markers)]
+            out.append(Found(name.replace(self.ARGS, "").strip(), args))
+            if end is None:
                 break
-            try:
-                args, _ = decoder.raw_decode(part, part.index("{"))
-            except (ValueError, RecursionError):
-                if final:
-                    return None
-                out.append((name, None))
-                break
-            out.append((name, args))
-        return out if out or not final else None
+        return out or (None if final else [])
 
 
 PARSERS = {p.name: p for p in (HermesToolParser, Qwen3CoderToolParser, Qwen3XMLToolParser,
@@ -376,36 +424,8 @@ class RequiredToolCallParser(ToolParser):
         return 0 if buf else None
 
     def _calls(self, region, final):
-        try:
-            arr = json.loads(region)
-        except (ValueError, RecursionError):
-            if final:
-                return None
-            # stream each item once it is complete: scan the array's top-level objects
-            return self._complete_items(region)
-        if not isinstance(arr, list):
-            return None
-        calls = [(o.get("name"), o.get("parameters", {})) if isinstance(o, dict) else None for o in arr]
-        return None if None in calls else calls
-
-    @staticmethod
-    def _complete_items(region):
         s = region.lstrip()
-        if not s.startswith("["):
-            return []
-        decoder, out, i = json.JSONDecoder(), [], 1
-        while True:
-            while i < len(s) and s[i] in " \t\r\n,":
-                i += 1
-            try:
-                obj, i = decoder.raw_decode(s, i)
-            except (ValueError, RecursionError):
-                m = _NAME.search(s[i:])
-                if m:
-                    out.append((json.loads(f'"{m.group(1)}"'), None))
-                return out
-            if isinstance(obj, dict):
-                out.append((obj.get("name"), obj.get("parameters", {})))
+        return _object_calls(s, 1, " \t\r\n,", final) if s.startswith("[") else (None if final else [])
 
 
 class NamedToolCallParser(ToolParser):
@@ -421,10 +441,4 @@ class NamedToolCallParser(ToolParser):
         return 0 if buf else None
 
     def _calls(self, region, final):
-        if not final:
-            return [(self.function_name, None)]
-        try:
-            json.loads(region)
-        except (ValueError, RecursionError):
-            return None
-        return [(self.function_name, region.strip())]
+        return [Found(self.function_name, region.strip())]  # the text is the arguments, as the model writes them

@@ -22,7 +22,10 @@ from tests.vllm.conftest import MODEL_NAME, url_for
 
 LORA = pytest.param("zephyr-lora", marks=pytest.mark.skip(
     reason="LoRA adapters: a bundle serves one signed model, this server loads no LoRA"))
-PROMPT_LOGPROBS = pytest.mark.xfail(strict=True, reason="prompt_logprobs: not yet served")
+PROMPT_LOGPROBS = pytest.mark.xfail(strict=True, reason="model-specific: prompt_logprobs=k gives the top k plus the "
+                                     "prompt token itself when it is not among them (vLLM's rule, served here); vLLM's "
+                                     "counts 1 and 2 hold when prompt token 3 is its trained model's top choice, while "
+                                     "on the tiny random model it ranks far lower, so the counts are 2 and 3")
 #: a length-bound answer on a random model: greedy, and the end token cannot cut it short
 FIXED = dict(temperature=0.0, extra_body={"ignore_eos": True})
 

@@ -58,8 +58,6 @@ def test_single_completion(server, client: openai.OpenAI, model_name: str) -> No
     assert getattr(completion.choices[0], "prompt_logprobs", None) is None
 
 
-@pytest.mark.xfail(strict=True, reason="truncate_prompt_tokens, truncation_side and return_token_ids "
-                                       "(vLLM extensions): not yet served")
 @pytest.mark.parametrize("model_name", [MODEL_NAME])
 def test_completion_truncation_side_controls_prompt_truncation(client: openai.OpenAI, model_name: str) -> None:
     prompt_token_ids = list(range(8))

@@ -20,7 +20,6 @@ from tests.runtime.serve.conftest import RunningServer
 from tests.vllm.conftest import MODEL_NAME, url_for
 
 _PROMPT = "Hello my name is Robert and I love magic"
-#: metrics vLLM exports that this server does not yet: the tests fail on them, strictly, until they are served
 
 @pytest.fixture(scope="module")
 def server(installed_bundle):
@@ -93,8 +92,6 @@ HIDDEN_DEPRECATED_METRICS: list[str] = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="vllm:iteration_tokens_total counts the tokens each step computed: the prefix "
-                   "cache here skips the repeated prompt, so the sum is below vLLM's prompt x requests count")
 def test_metrics_counts(server, client, tokenizer_ids):
     prompt_ids = tokenizer_ids(_PROMPT)
     num_requests = 10
@@ -135,8 +132,6 @@ def tokenizer_ids(server):
     return ids
 
 
-@pytest.mark.xfail(strict=True, reason="vllm:cache_config_info and vllm:request_params_max_tokens: "
-                   "not exported yet")
 def test_metrics_exist(server, client):
     client.completions.create(model=MODEL_NAME, prompt="Hello, my name is", max_tokens=5, temperature=0.0)
     response = requests.get(url_for(server, "metrics"))

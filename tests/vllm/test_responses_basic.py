@@ -56,8 +56,6 @@ def test_chat_with_input_type(client: openai.OpenAI):
     assert response.status in ("completed", "incomplete")  # vLLM: "completed" (its answer ends within the limit)
 
 
-@pytest.mark.xfail(strict=True, reason="Responses logprobs (include=['message.output_text.logprobs'], "
-                                       "top_logprobs): not yet served")
 def test_logprobs(client: openai.OpenAI):
     response = client.responses.create(include=["message.output_text.logprobs"], input="What is 13 * 24?",
                                        top_logprobs=5, **SHORT)

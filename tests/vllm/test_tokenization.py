@@ -13,8 +13,6 @@ import requests
 from tests.vllm.conftest import MODEL_NAME, url_for
 
 MAX_MODEL_LEN = 512
-CONTINUE_FINAL = pytest.mark.xfail(strict=True, reason="continue_final_message (vLLM's /tokenize and chat "
-                                                       "field): not yet served")
 TOKENIZER_INFO = pytest.mark.skip(reason="/tokenizer_info (vLLM's --enable-tokenizer-info-endpoint): "
                                          "not served; it would publish the tokenizer's whole configuration")
 
@@ -73,12 +71,11 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     "type": "object", "properties": {"location": {"type": "string"}}}}}]
 
 
-# vLLM's loop covers continue_final_message False and True in one test; split so the part served runs
+# vLLM's loop covers continue_final_message False and True in one test; split, each part its own test
 def test_tokenize_chat(server, tokenizer):
     _chat(server, tokenizer, [False])
 
 
-@CONTINUE_FINAL
 def test_tokenize_chat_continue_final_message(server, tokenizer):
     _chat(server, tokenizer, [True])
 
@@ -87,7 +84,6 @@ def test_tokenize_chat_with_tools(server, tokenizer):
     _chat(server, tokenizer, [False], tools=TOOLS)
 
 
-@CONTINUE_FINAL
 def test_tokenize_chat_with_tools_continue_final_message(server, tokenizer):
     _chat(server, tokenizer, [True], tools=TOOLS)
 

@@ -32,7 +32,8 @@ def unpack_matmulnbits(b: np.ndarray, scales: np.ndarray, zp: np.ndarray, k: int
 
 
 def dequantized_reference(quantized: Path, out: Path) -> Path:
-    """The quantized graph with each MatMulNBits back as a float32 MatMul over its dequantized weights."""
+    """The quantized graph with each MatMulNBits back as a MatMul over its dequantized weights (in the graph's
+    float type)."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -45,12 +46,18 @@ def dequantized_reference(quantized: Path, out: Path) -> Path:
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         b, s, z = (numpy_helper.to_array(inits[i]) for i in node.input[1:4])
-        w = unpack_matmulnbits(b, s, z, attrs["K"], attrs["N"], attrs["block_size"]).astype(np.float32)
+        # the graph's own float type (its scales'): float32, or float16 for GPU graphs
+        w = unpack_matmulnbits(b, s, z, attrs["K"], attrs["N"], attrs["block_size"]).astype(
+            np.float16 if s.dtype == np.float16 else np.float32)
         name = node.input[1] + "_dequantized"
         model.graph.initializer.append(numpy_helper.from_array(w, name))
         nodes.append(helper.make_node("MatMul", [node.input[0], name], list(node.output), name=node.name + "_ref"))
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+    used = {i for n in nodes for i in n.input}
+    kept = [t for t in model.graph.initializer if t.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
     onnx.save_model(model, str(out), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=out.name + ".data", size_threshold=1024)
     return out

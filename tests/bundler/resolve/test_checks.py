@@ -20,8 +20,8 @@ def test_supported_architecture(checkpoints):
 
 def test_unsupported_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ModelError, match=r"expected an architecture of family llama, mistral, qwen2, qwen3, found "
-                                         r"model_type 'gpt2' \(GPT2LMHeadModel\)") as e:
+    with pytest.raises(ModelError, match=r"expected an architecture of family llama, mistral, qwen2, qwen3, qwen3_moe, "
+                                         r"qwen3_5_text, qwen3_5, found model_type 'gpt2' \(GPT2LMHeadModel\)") as e:
         check_architecture(tmp_path, "acme/gpt")
     assert e.value.exit_code == 8
 
@@ -111,3 +111,56 @@ def test_compatible_pair_that_fits_resolves(hub, hf_cache):
     assert len(hub.gets("model.safetensors")) == 2
     # The same checks also accept resolved models (weights now on disk: estimated from headers).
     run_preflight_checks(models, [get_profile("jetson-orin-nano")], 512)
+
+
+#: Qwen3-30B-A3B's config.json shapes (30.5 B parameters; 3.3 B active per token).
+MOE_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+              "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+              "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, "num_hidden_layers": 48,
+              "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+              "max_position_embeddings": 40960, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+
+
+def test_routed_experts_are_all_counted_from_config():
+    """Every expert of every layer is held on the device, whatever few a token uses."""
+    from bundler.resolve.checks import config_parameters
+
+    assert 30.4e9 < config_parameters(MOE_CONFIG) < 30.6e9
+    dense_reading = {k: v for k, v in MOE_CONFIG.items() if k not in ("num_experts",)}
+    assert config_parameters(dense_reading) < 5e9  # what the count would be with the experts forgotten
+
+
+def test_routed_experts_count_matches_the_checkpoint_and_int4_counts_them_in_4_bits(tmp_path):
+    from bundler.resolve.checks import config_parameters, device_memory, safetensors_parameters
+    from manifests.quantization import QuantizeOptions, with_quantization
+    from tests.models import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "moe", family="qwen3_moe", num_layers=4)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    q_k_norms = cfg["num_hidden_layers"] * 2 * cfg["head_dim"]  # per-head norm weights, not in the config count
+    assert safetensors_parameters(sorted(ckpt.glob("*.safetensors"))) == config_parameters(cfg) + q_k_norms
+
+    cpu, params = get_profile("cpu"), config_parameters(cfg)
+
+    def weights(block: int) -> int:
+        profile = with_quantization(cpu, QuantizeOptions(mode="int4", block_size=block))
+        return device_memory(cfg, params, 256, profile).weights_bytes
+
+    experts = 3 * 8 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 3  # 3 sparse layers, 8 experts each
+    # moe_intermediate_size 32: whole blocks of 32 (QMoE, ~0.64 bytes a weight), not of 64 (float, 4 bytes)
+    assert weights(64) - weights(32) > 3 * experts
+    assert weights(32) < device_memory(cfg, params, 256, cpu).weights_bytes / 3
+
+
+def test_routed_experts_for_a_tensorrt_target_are_refused_before_download(tmp_path):
+    from types import SimpleNamespace
+
+    from tests.models import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "moe", family="qwen3_moe", num_layers=2)
+    models = {"target": SimpleNamespace(local_dir=ckpt, name="acme/moe", weight_files=None, weight_bytes=None)}
+    with pytest.raises(ModelError, match=r"acme/moe: model type 'qwen3_moe' has routed experts, which the TensorRT "
+                                         r"graph of jetson-thor cannot hold; expected ONNX Runtime targets") as e:
+        run_preflight_checks(models, [get_profile("cpu"), get_profile("jetson-thor")], 256)
+    assert e.value.exit_code == 8
+    run_preflight_checks(models, [get_profile("cpu")], 256)  # the cpu target takes it

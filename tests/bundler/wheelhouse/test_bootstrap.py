@@ -594,3 +594,126 @@ def test_the_bootstrap_orders_versions_as_pep_440_does(older, newer, tmp_path):
         r = subprocess.run([sys.executable, "-I", str(tmp_path / "helper.py"), "downgrade", str(runtime.parent),
                             "bundle-runtime", candidate], capture_output=True, text=True)
         assert r.returncode == 0 and r.stdout.strip() == (f"older {installed}" if refused else ""), (r, installed)
+
+
+def _fake_platform(root: Path, init: str = '__version__ = "10.13.3.9"\n') -> Path:
+    """A system python's dist-packages as JetPack's python3-libnvinfer leaves it, beside another system
+    package (`othersys`) that must stay out of the runtime."""
+    dist = root / "dist-packages"
+    for package, text in (("tensorrt", init), ("tensorrt_lean", ""), ("othersys", "")):
+        (dist / package).mkdir(parents=True, exist_ok=True)
+        (dist / package / "__init__.py").write_text(text)
+    meta = dist / "tensorrt-10.13.3.9.dist-info"
+    meta.mkdir(exist_ok=True)
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: tensorrt\nVersion: 10.13.3.9\n")
+    return dist
+
+
+def _system_with(dist: Path, root: Path) -> Path:
+    """A python whose own path holds `dist` (a venv of the system python with a .pth), standing in for
+    the device's /usr/bin/python3 with /usr/lib/python3/dist-packages."""
+    subprocess.run([system_python(), "-m", "venv", "--without-pip", str(root)], check=True)
+    next(root.glob("lib/python3*/site-packages")).joinpath("platform.pth").write_text(f"{dist}\n")
+    return root / "bin" / "python"
+
+
+def _imports(python: Path, code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(python), "-I", "-c", code], capture_output=True, text=True)
+
+
+@pytest.mark.slow
+def test_the_platform_tensorrt_alone_reaches_the_runtime(runtime_bundle, tmp_path):
+    """JetPack's TensorRT bindings become importable in the isolated runtime venv; no other system package does;
+    the next run follows what the platform has (opted out, or bindings that do not import)."""
+    dist = _fake_platform(tmp_path)
+    python = _system_with(dist, tmp_path / "system")
+    prefix = tmp_path / "opt"
+    r = run_bootstrap(runtime_bundle.dir, runtime_bundle.pub, prefix, "--python", str(python))
+    assert r.returncode == 0, r.stderr
+    source = os.path.realpath(dist)
+    assert f"bootstrap: platform TensorRT 10.13.3.9 from {source} is importable in the runtime" in r.stdout
+    runtime = prefix / "current" / "bin" / "python"
+    seen = _imports(runtime, "import importlib.metadata as m, tensorrt, tensorrt_lean; "
+                             "print(tensorrt.__version__, m.version('tensorrt'))")
+    assert seen.returncode == 0 and seen.stdout.split() == ["10.13.3.9", "10.13.3.9"], seen.stderr
+    other = _imports(runtime, "import othersys")
+    assert other.returncode == 1 and "No module named 'othersys'" in other.stderr
+    assert (prefix / "current" / ".platform-tensorrt").read_text().split() == ["tensorrt", "10.13.3.9", source]
+
+    off = run_bootstrap(runtime_bundle.dir, runtime_bundle.pub, prefix, "--python", str(python),
+                        "--no-platform-tensorrt")
+    assert off.returncode == 0 and "platform TensorRT not linked (--no-platform-tensorrt)" in off.stdout
+    assert _imports(runtime, "import tensorrt").returncode == 1
+    assert not (prefix / "current" / ".platform-tensorrt").exists()
+
+    _fake_platform(tmp_path, init="raise ImportError('libnvinfer.so.10: cannot open shared object file')\n")
+    broken = run_bootstrap(runtime_bundle.dir, runtime_bundle.pub, prefix, "--python", str(python))
+    assert broken.returncode == 0, broken.stderr
+    assert "does not import in the runtime (ImportError: libnvinfer.so.10" in broken.stderr
+    assert "TensorRT targets serve with ONNX Runtime" in broken.stderr
+    assert _imports(runtime, "import tensorrt_lean").returncode == 1  # none of the links stay
+
+
+@pytest.mark.slow
+def test_a_device_without_platform_tensorrt_says_so(runtime_bundle, tmp_path):
+    r = run_bootstrap(runtime_bundle.dir, runtime_bundle.pub, tmp_path / "opt", env={**os.environ,
+                      "PYTHON": system_python()})
+    assert r.returncode == 0, r.stderr
+    assert "bootstrap: no platform TensorRT for Python 3." in r.stdout
+    assert _imports(tmp_path / "opt" / "current" / "bin" / "python", "import tensorrt").returncode == 1
+
+
+def _fake_onnxruntime_gpu(folder: Path) -> Path:
+    """An onnxruntime-gpu wheel for this host whose `onnxruntime` says it is the GPU build (the real one is
+    255 MB); it shares the package with the CPU onnxruntime the runtime requires, as the real one does."""
+    import base64
+    import hashlib
+    import zipfile
+
+    from bundler.pack.wheelhouse import host_platform
+
+    tag = host_platform().split("-")[1]
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"onnxruntime_gpu-1.31.1-{tag}-{tag}-manylinux_2_28_{host_platform().split('-')[0][6:]}.whl"
+    info = "onnxruntime_gpu-1.31.1.dist-info"
+    files = {"onnxruntime/__init__.py": b'__version__ = "1.31.1"\nBUILD = "gpu"\n',
+             f"{info}/METADATA": b"Metadata-Version: 2.1\nName: onnxruntime-gpu\nVersion: 1.31.1\n",
+             f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\nTag: {tag}-{tag}-"
+                              f"manylinux_2_28_{host_platform().split('-')[0][6:]}\n".encode()}
+    record = "".join(f"{n},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},"
+                     f"{len(d)}\n" for n, d in files.items()) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for n, d in files.items():
+            z.writestr(n, d)
+        z.writestr(f"{info}/RECORD", record)
+    return wheel
+
+
+def _gpu_bundle(root: Path) -> dict:
+    from bundler.pack.create import CreateOptions, create_bundle, local_model
+    from bundler.pack.engines import target_files_hook
+    from bundler.pack.wheelhouse import host_platform
+    from tests.models import make_tiny_checkpoint
+
+    wheels = root / "extra"
+    _fake_onnxruntime_gpu(wheels)
+    target = make_tiny_checkpoint(root / "target", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                  intermediate_size=64, max_positions=128, seed=0)
+    generate_key(root / "release.key")
+    create_bundle(root / "bundle", CreateOptions(name="tiny", version=1, model=local_model(target, "target"),
+                  targets=["cpu"], sign_keys=[load_private_key(root / "release.key")],
+                  target_files=target_files_hook(), progress=False, runtime_platforms=[host_platform()],
+                  extra_wheels=wheels))
+    return {"bundle": root / "bundle", "pub": root / "release.key.pub"}
+
+
+@pytest.mark.slow
+def test_a_carried_onnxruntime_gpu_is_the_onnxruntime_the_runtime_imports(tmp_path_factory, tmp_path):
+    from tests.conftest import once_per_run
+
+    made = once_per_run(tmp_path_factory, "bootstrap-onnxruntime-gpu", _gpu_bundle)
+    r = run_bootstrap(made["bundle"], made["pub"], tmp_path / "opt", env={**os.environ, "PYTHON": system_python()})
+    assert r.returncode == 0, r.stderr
+    assert "bootstrap: onnxruntime_gpu-1.31.1-" in r.stdout and "installed over the CPU onnxruntime" in r.stdout
+    seen = _imports(tmp_path / "opt" / "current" / "bin" / "python", "import onnxruntime; print(onnxruntime.BUILD)")
+    assert seen.returncode == 0 and seen.stdout.strip() == "gpu", seen.stderr

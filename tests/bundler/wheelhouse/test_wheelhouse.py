@@ -321,3 +321,28 @@ def test_a_wheel_over_max_part_size_is_refused_by_name_and_size_before_the_expor
     out = _pack_with(tmp_path / "fits", {"linux_x86_64-cp312": [big]})
     entry = next(f for f in verify_bundle(out, {}, allow_unsigned=True).manifest.files if f.path.endswith(big.name))
     assert [(p.size, p.compression) for p in entry.parts] == [(17 * 1024 * 1024, "none")]
+
+
+def test_tensorrt_targets_wheelhouses_carry_cuda_python_of_their_cuda_major(tmp_path, monkeypatch):
+    """The platform's TensorRT is linked in by the bootstrap; the engine's cuda-python travels in the wheelhouse."""
+    import bundler.pack.wheelhouse as wh
+
+    reqs = wh.tensorrt_requirements(["jetson-thor", "dgx-spark", "jetson-agx-orin", "cpu"],
+                                    ["linux_aarch64-cp312", "linux_aarch64-cp310", "linux_x86_64-cp311"])
+    assert reqs == {"linux_aarch64-cp312": ["cuda-bindings>=13.0,<14"],  # JetPack 7, DGX OS 7: CUDA 13
+                    "linux_aarch64-cp310": ["cuda-bindings>=12.6,<13"]}  # JetPack 6 (Orin): CUDA 12.6
+    assert wh.tensorrt_requirements(["cpu", "cuda"], ["linux_aarch64-cp312"]) == {}
+
+    site = tmp_path / "site"
+    floor = make_wheel(site, "bundle-runtime", wh.floor_version())
+    asked = {}
+
+    def fake_download(plat, requirements, find_links, cache, work):
+        asked[plat] = requirements
+        return [floor]
+
+    monkeypatch.setattr(wh, "download_platform", fake_download)
+    wh.build_wheelhouse(["linux_aarch64-cp312", "linux_x86_64-cp311"], tmp_path / "work", extra_wheels=site,
+                        cache=tmp_path / "cache", requirements=reqs)
+    assert asked["linux_aarch64-cp312"] == [f"bundle-runtime=={wh.floor_version()}", "cuda-bindings>=13.0,<14"]
+    assert asked["linux_x86_64-cp311"] == [f"bundle-runtime=={wh.floor_version()}"]

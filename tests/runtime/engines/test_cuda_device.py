@@ -65,20 +65,20 @@ def test_rollback_keeps_each_heads_first_rows_on_the_device(dtype):
     # TensorRT writes present as a contiguous [1, kv, length, hd] tensor of the graph's dtype.
     caches = [np.random.default_rng(i).standard_normal((kv, length, hd)).astype(dtype) for i in range(2)]
     slot = eng._slots[1]
-    for buf, cache in zip(slot.kv[slot.current], caches):
+    live = lambda i: eng._slots[i].kv[eng.slots.current[i]]  # noqa: E731 (the slot table says which buffer)
+    for buf, cache in zip(live(1), caches):
         eng._h2d(buf, cache)
     from runtime.engines.tensorrt import _check
     _check(CUDART.cudaStreamSynchronize(eng.stream))
-    slot.length = length
+    eng.slots.lengths[1] = length
 
     eng.copy_prefix(1, 0, keep - 2)  # another slot gets the first keep-2 rows of every head
-    first = eng._slots[0]
-    for buf, cache in zip(first.kv[first.current], caches):
+    for buf, cache in zip(live(0), caches):
         got = _d2h(buf, kv * (keep - 2) * hd * np.dtype(dtype).itemsize, dtype).reshape(kv, keep - 2, hd)
         np.testing.assert_array_equal(got, cache[:, :keep - 2, :])
     eng.rollback(1, keep)
     assert eng.length(1) == keep and eng.length(0) == keep - 2
-    for buf, cache in zip(slot.kv[slot.current], caches):  # the new past: [kv, keep, hd], contiguous
+    for buf, cache in zip(live(1), caches):  # the new past: [kv, keep, hd], contiguous
         got = _d2h(buf, kv * keep * hd * np.dtype(dtype).itemsize, dtype).reshape(kv, keep, hd)
         np.testing.assert_array_equal(got, cache[:, :keep, :])
     eng.rollback(1, 0)

@@ -264,3 +264,74 @@ def test_detection_reads_the_gpu():
 
     found = gpu()
     assert found is not None and found.memory_bytes > 2**30 and found.compute_capability.count(".") == 1
+
+
+@pytest.fixture(scope="module")
+def int4_graphs(tiny_export, tmp_path_factory) -> dict:
+    """The `cuda` target's graphs at 4 bits, as `bundle create --quantization int4` makes them (fp16
+    activations, MatMulNBits weights, the dual decode graph too), and the fp16 graph of their dequantized
+    weights: what the 4-bit kernels must compute."""
+    pytest.importorskip("onnx_ir", reason="the 4-bit pass needs onnx-ir (the [build] extra)")
+    from pathlib import Path
+
+    from bundler.onnx.dual import add_decode_graph
+    from bundler.onnx.export import export_onnx
+    from bundler.onnx.quantize import quantizing_export
+    from manifests.quantization import QuantizeOptions
+    from tests.bundler.quant.test_quantize import dequantized_reference
+
+    ckpt = tiny_export[0]
+    root = tmp_path_factory.mktemp("cuda-int4")
+    export = quantizing_export(export_onnx, QuantizeOptions(mode="int4"))
+    q = export(ckpt, root / "q", kv_cache="batched", dtype="float16")
+    decode = add_decode_graph(ckpt, q, export)
+    (root / "ref").mkdir()
+    ref = dequantized_reference(Path(q.graph), root / "ref" / "model.onnx")
+    return {"checkpoint": ckpt, "int4": q, "decode": decode, "reference": ref}
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_the_int4_dual_graph_on_the_gpu_computes_its_dequantized_weights(int4_graphs, cuda_graphs):
+    """MatMulNBits' CUDA kernels (decode rows through GroupQueryAttention, prefill and verification through
+    Attention) against plain fp16 MatMuls over the same weights dequantized: prefill, decode, 4-token
+    verification and rollback, two slots."""
+    import onnx
+
+    q = int4_graphs["int4"]
+    assert "MatMulNBits" in {n.op_type for n in onnx.load(str(q.graph), load_external_data=False).graph.node}
+    engine = cuda_engine(q.graph, decode_graph=int4_graphs["decode"], max_context=96, num_slots=2,
+                         cuda_graphs=cuda_graphs)
+    assert engine.dual and engine.cuda_graphs == cuda_graphs, engine.cuda_graph_error
+    ref = cuda_engine(int4_graphs["reference"], max_context=96, num_slots=2, cuda_graphs=False)
+    rng = np.random.default_rng(4)
+    steps = [[rng.integers(2, q.vocab_size, n).tolist() for n in (9, 5)]]
+    steps += [[rng.integers(2, q.vocab_size, w).tolist() for _ in range(2)] for w in (1, 1, 4, 1)]
+    got, want = [], []
+    for i, feed in enumerate(steps):
+        got.append(engine.forward([Row(s, f) for s, f in enumerate(feed)]))
+        want.append(ref.forward([Row(s, f) for s, f in enumerate(feed)]))
+        if i == 3:  # reject the verification's last 3 tokens, as speculation does
+            for e in (engine, ref):
+                for s in range(2):
+                    e.rollback(s, e.length(s) - 3)
+    scale = max(float(np.abs(w).max()) for step in want for w in step)
+    for a_step, b_step in zip(got, want):
+        for a, b in zip(a_step, b_step):
+            assert np.isfinite(a).all()
+            np.testing.assert_allclose(a, b, atol=FP16_RTOL * scale)
+    assert [engine.length(s) for s in range(2)] == [9 + 4, 5 + 4]
+
+
+def test_int4_speculation_on_the_gpu_is_greedy_token_for_token(int4_graphs):
+    """The 4-bit target verifying its own 4-bit graph as draft: speculation changes no token."""
+    from runtime.serve.generator import Generator
+    from runtime.serve.sampling import SamplingParams
+
+    q = int4_graphs["int4"]
+    target = cuda_engine(q.graph, decode_graph=int4_graphs["decode"], max_context=128)
+    draft = cuda_engine(int4_graphs["reference"], max_context=128)
+    prompt, greedy = [5, 17, 42, 9, 300], SamplingParams(temperature=0.0)
+    plain = [t for s in Generator(target).generate(prompt, greedy, max_tokens=32) for t in s.tokens]
+    steps = list(Generator(target, draft, "draft_model", 3).generate(prompt, greedy, max_tokens=32))
+    assert [t for s in steps for t in s.tokens] == plain and len(plain) == 32
+    assert any(s.drafted for s in steps)

@@ -123,3 +123,28 @@ def test_an_explicit_target_that_fits_passes_without_a_word(tmp_path):
     assert check_target("igx-thor", **ambiguous) is None
     with pytest.raises(EnvironmentProblem, match="found drive-agx-thor or igx-thor or jetson-thor"):
         check_target("dgx-spark", **ambiguous)
+
+
+def test_targets_detect_names_the_tensorrt_the_runtime_imports(tmp_path, monkeypatch):
+    """What the bootstrap linked in (a platform folder with a `tensorrt` package) is what --detect reports."""
+    import importlib.util
+    import sys
+
+    from bundler.cli import cli
+
+    result = CliRunner().invoke(cli, ["targets", "--detect"])
+    if importlib.util.find_spec("tensorrt") is None:  # a machine with TensorRT installed has nothing to say here
+        assert "tensorrt: not importable here: TensorRT targets serve with ONNX Runtime" in result.output
+
+    (tmp_path / "tensorrt").mkdir()
+    (tmp_path / "tensorrt" / "__init__.py").write_text('__version__ = "10.13.3.9"\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    real = sys.modules.pop("tensorrt", None)
+    try:
+        result = CliRunner().invoke(cli, ["targets", "--detect"])
+    finally:  # the fake must not outlive this test
+        sys.modules.pop("tensorrt", None)
+        if real is not None:
+            sys.modules["tensorrt"] = real
+    assert result.exit_code == 0, result.output
+    assert f"tensorrt: 10.13.3.9 from {tmp_path.resolve()}" in result.output

@@ -179,6 +179,63 @@ def test_auto_tool_choice_reads_calls_with_the_hermes_parser(sdk):
                                                           "tool_calls")
 
 
+#: a long hermes call the grammar makes the model write, one token per step (no drafting)
+LONG_CALL = ('Checking\\. <tool_call>\\{"name": "set_conveyor_speed", "arguments": \\{"cell": "B", '
+             '"rpm": [1-8][0-9][0-9], "note": "[a-z]{4,8}"\\}\\}</tool_call>')
+
+
+def _long_call(**kw) -> dict:
+    return dict(model="demo", messages=ASK, tools=TOOLS, temperature=0, max_tokens=130,
+                extra_body={"structured_outputs": {"regex": LONG_CALL}, "speculative": False, **NO_THINK}) | kw
+
+
+def _streamed(sdk, kw) -> tuple[str, list[dict], str | None]:
+    """content, calls (id, name, arguments, argument delta count) and finish reason, as a client joins them."""
+    content, calls, finish = "", {}, None
+    for chunk in sdk.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        content += c.delta.content or ""
+        for d in c.delta.tool_calls or []:
+            if d.id:  # the header: id, type and name, with empty arguments
+                assert d.index not in calls and d.type == "function" and d.function.name
+                assert d.function.arguments == ""
+                calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": "", "deltas": 0}
+            else:
+                assert d.function.name is None and d.function.arguments
+                calls[d.index]["arguments"] += d.function.arguments
+                calls[d.index]["deltas"] += 1
+        finish = c.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_streamed_tool_call_arguments_arrive_as_they_are_generated(sdk):
+    """As vLLM's hermes parser streams: the header first, then argument fragments in order; joined, they are
+    the non-streamed answer's arguments on the same greedy request."""
+    whole = sdk.chat.completions.create(**_long_call())
+    (tc,) = whole.choices[0].message.tool_calls
+    assert whole.choices[0].finish_reason == "tool_calls" and tc.function.name == "set_conveyor_speed"
+    content, (call,), finish = _streamed(sdk, _long_call())
+    assert (content, finish) == (whole.choices[0].message.content, "tool_calls")
+    assert call["deltas"] > 3 and call["arguments"] == tc.function.arguments
+    assert json.loads(call["arguments"])["cell"] == "B"
+
+
+def test_tool_call_cut_by_max_tokens_reads_the_same_streamed_and_not(sdk):
+    """max_tokens ends the answer inside the call's arguments: both paths give the call with the arguments
+    written so far (not valid JSON yet) and finish_reason "length"."""
+    full = sdk.chat.completions.create(**_long_call()).usage.completion_tokens
+    whole = sdk.chat.completions.create(**_long_call(max_tokens=full - 20))
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and whole.usage.completion_tokens == full - 20
+    (tc,) = choice.message.tool_calls
+    assert tc.function.arguments.startswith('{"cell": "B"') and not tc.function.arguments.endswith("}"), tc
+    content, (call,), finish = _streamed(sdk, _long_call(max_tokens=full - 20))
+    assert (content, finish) == (choice.message.content, "length")
+    assert (call["name"], call["arguments"]) == (tc.function.name, tc.function.arguments)
+
+
 # --- structured output --------------------------------------------------------------------------------
 SHIFT_REPORT = {"type": "object", "properties": {
     "status": {"enum": ["ok", "degraded", "down"]}, "line": {"type": "integer", "minimum": 1, "maximum": 12},
@@ -207,7 +264,7 @@ def test_structured_outputs_choice_and_json_object(sdk):
                                     extra_body={"structured_outputs": {"choice": ["stop", "continue", "escalate"]},
                                                 **NO_THINK})
     assert r.choices[0].message.content in ("stop", "continue", "escalate")
-    r = sdk.chat.completions.create(model="demo", messages=ASK, temperature=0, max_tokens=200,
+    r = sdk.chat.completions.create(model="demo", messages=ASK, temperature=0, max_tokens=130,
                                     response_format={"type": "json_object"}, extra_body=NO_THINK)
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
@@ -378,6 +435,27 @@ def test_responses_api_text_tools_and_streaming(sdk):
         sdk.responses.create(model="demo", input="x", previous_response_id="resp_1")
 
 
+def test_responses_logprobs_whole_and_streamed(sdk):
+    """vLLM's Responses logprobs: with include=["message.output_text.logprobs"], one entry per generated token
+    on the output text, each with top_logprobs alternatives; streamed on the text deltas, the same entries."""
+    kw = dict(model="demo", input="Cell B is jammed.", max_output_tokens=8, temperature=0, top_logprobs=3,
+              include=["message.output_text.logprobs"], extra_body={**NO_THINK, "speculative": False})
+    r = sdk.responses.create(**kw)
+    (msg,) = [o for o in r.output if o.type == "message"]
+    lps = msg.content[0].logprobs
+    assert len(lps) == r.usage.output_tokens and all(len(lp.top_logprobs) == 3 for lp in lps)
+    assert all(lp.logprob <= max(t.logprob for t in lp.top_logprobs) + 1e-6 for lp in lps)  # top 3 are the best
+    events = list(sdk.responses.create(stream=True, **kw))
+    deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    streamed = [(lp.token, lp.logprob) for lp in done.logprobs]
+    assert [(lp.token, lp.logprob) for lp in deltas] == streamed
+    assert [t for t, _ in streamed] == [lp.token for lp in lps]
+    assert [lp for _, lp in streamed] == pytest.approx([lp.logprob for lp in lps], abs=1e-4)
+    plain = sdk.responses.create(**{**kw, "include": None})  # top_logprobs alone asks for none, as in vLLM
+    assert [o for o in plain.output if o.type == "message"][0].content[0].logprobs == []
+
+
 def test_usage_counts_the_prompt_once_per_prompt(sdk):
     kw = dict(model="demo", prompt=["import os\n", "def read(path):"], max_tokens=3, n=2, temperature=0.7, seed=1)
     whole = sdk.completions.create(**kw)
@@ -400,6 +478,54 @@ def test_tokenize_detokenize_version_and_models(surface, sdk):
     assert re.match(r"\d+\.\d+", httpx.get(server.url + "/version").json()["version"])
     assert [m.id for m in sdk.models.list().data] == ["demo", "plant-assistant"]
     assert httpx.post(server.url + "/detokenize", json={"tokens": [10 ** 6]}).status_code == 400
+
+
+def test_continue_final_message_ends_the_prompt_inside_the_assistant_turn(surface, sdk):
+    """vLLM's continue_final_message: the prompt stops right after the last (assistant) message's text, so the
+    model goes on with it; chat and /tokenize render the same prompt; with add_generation_prompt too: a 400."""
+    server, _ = surface
+    messages = ASK + [{"role": "assistant", "content": "Slowing cell B to"}]
+    body = {"model": "demo", "messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    t = httpx.post(server.url + "/tokenize", json=body).json()
+    text = httpx.post(server.url + "/detokenize", json={"tokens": t["tokens"]}).json()["prompt"]
+    assert text.endswith("\n\nSlowing cell B to")  # no end-of-turn markup after it
+    r = sdk.chat.completions.create(model="demo", messages=messages, max_tokens=3, temperature=0,
+                                    extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert r.usage.prompt_tokens == t["count"]
+    closed = httpx.post(server.url + "/tokenize", json={**body, "continue_final_message": False}).json()
+    assert closed["count"] > t["count"]  # the usual render closes the turn
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt and continue_final_message"):
+        sdk.chat.completions.create(model="demo", messages=messages, max_tokens=3,
+                                    extra_body={"continue_final_message": True})
+
+
+def test_return_token_ids_and_prompt_truncation(surface, sdk):
+    """vLLM's return_token_ids: the prompt's ids and each choice's generated ids, whole and streamed (the
+    first chunk names the prompt's, each chunk the ids since the one before); truncate_prompt_tokens keeps
+    that many prompt tokens, the last ones unless truncation_side is right."""
+    server, _ = surface
+    ids = {"return_token_ids": True, "speculative": False}
+    kw = dict(model="demo", prompt="import os\ndef read(path):", max_tokens=6, temperature=0, extra_body=ids)
+    prompt = httpx.post(server.url + "/tokenize", json={"model": "demo", "prompt": kw["prompt"]}).json()["tokens"]
+    c = sdk.completions.create(**kw).choices[0]
+    assert c.prompt_token_ids == prompt and len(c.token_ids) == 6
+    assert httpx.post(server.url + "/detokenize", json={"tokens": c.token_ids}).json()["prompt"] == c.text
+    chunks = [ch.choices[0] for ch in sdk.completions.create(stream=True, **kw)]
+    assert [getattr(ch, "prompt_token_ids", None) for ch in chunks] == [prompt] + [None] * (len(chunks) - 1)
+    assert [t for ch in chunks for t in ch.token_ids] == c.token_ids
+    chat = dict(model="demo", messages=ASK, max_tokens=5, temperature=0, extra_body={**ids, **NO_THINK})
+    rendered = httpx.post(server.url + "/tokenize", json={"model": "demo", "messages": ASK, **NO_THINK}).json()
+    whole = sdk.chat.completions.create(**chat)
+    assert whole.prompt_token_ids == rendered["tokens"] and len(whole.choices[0].token_ids) == 5
+    stream = list(sdk.chat.completions.create(stream=True, **chat))
+    assert stream[0].prompt_token_ids == rendered["tokens"]
+    assert [t for ch in stream for c in ch.choices for t in c.token_ids] == whole.choices[0].token_ids
+    for side, kept in (("left", rendered["tokens"][-7:]), ("right", rendered["tokens"][:7])):
+        cut = sdk.chat.completions.create(**{**chat, "extra_body": {**chat["extra_body"], "truncate_prompt_tokens": 7,
+                                                                    "truncation_side": side}})
+        assert cut.prompt_token_ids == kept and cut.usage.prompt_tokens == 7
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        sdk.completions.create(**{**kw, "extra_body": {"truncate_prompt_tokens": 10 ** 6}})
 
 
 def test_streaming_shape_on_the_wire(surface):
@@ -454,5 +580,29 @@ def test_disable_log_requests_turns_the_line_off(demo_installed, caplog):
             client.chat.completions.create(model="demo", messages=ASK, max_tokens=2)
         assert not [r for r in caplog.records if r.getMessage().startswith("request ")]
         assert setup.serving.model.max_model_len == 256
+    finally:
+        server.stop()
+
+
+def test_the_demo_bundles_own_template_cannot_think_so_answers_are_content(demo_installed):
+    """The demo's signed defaults name --reasoning-parser qwen3, but its tokenizer has no think tokens and
+    its own template opens no block: the parser is off with a note, answers and structured output are
+    content from the first token (before, every answer was reasoning and content was null)."""
+    from runtime.server.options import ServeConfig, apply_serve_config
+
+    installed, _ = demo_installed
+    setup = apply_serve_config(installed, ServeConfig(args={"max_model_len": 256}))
+    assert not [line for line in setup.features_lines if line.startswith("reasoning:")]
+    assert any("--reasoning-parser qwen3 is off" in line for line in setup.features_lines)
+    server = RunningServer(setup.serving)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        plain = client.chat.completions.create(model="demo", messages=ASK, max_tokens=8, temperature=0)
+        assert plain.choices[0].message.content
+        assert getattr(plain.choices[0].message, "reasoning", None) is None
+        r = client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "Report line 3."}], temperature=0, max_tokens=80,
+            response_format={"type": "json_schema", "json_schema": {"name": "report", "schema": SHIFT_REPORT}})
+        jsonschema.validate(json.loads(r.choices[0].message.content), SHIFT_REPORT)
     finally:
         server.stop()

@@ -31,22 +31,27 @@ CASES = {
 }
 
 
-def _stream(parser, text, rng):
-    """Feed `text` in random pieces; rebuild what an OpenAI client accumulates from the deltas."""
+def _stream(parser, text, rng, max_piece=7):
+    """Feed `text` in random pieces; rebuild what an OpenAI client accumulates from the deltas (and count
+    each call's argument fragments under "pieces")."""
     content, calls = "", {}
     i = 0
     pieces = []
     while i < len(text):
-        n = rng.randint(1, 7)
+        n = rng.randint(1, max_piece)
         pieces.append(text[i:i + n])
         i += n
     for d in [parser.feed(p) for p in pieces] + [parser.finish()]:
         content += d.content
         for c in d.tool_calls:
-            entry = calls.setdefault(c.index, {"id": None, "name": "", "arguments": ""})
+            entry = calls.setdefault(c.index, {"id": None, "name": "", "arguments": "", "pieces": 0})
             if c.id:
                 assert entry["id"] is None, "the id comes once, in the first delta of a call"
+                assert (c.name, c.arguments) != (None, None) and c.arguments == "", "the header: name, no arguments"
                 entry["id"] = c.id
+            else:
+                assert entry["id"] is not None and c.name is None, "arguments follow their call's header"
+                entry["pieces"] += 1
             entry["name"] += c.name or ""
             entry["arguments"] += c.arguments or ""
     return content or None, [calls[i] for i in sorted(calls)]
@@ -88,9 +93,41 @@ def test_plain_text_stays_content(name):
 @pytest.mark.parametrize("name", ["hermes", "mistral", "llama3_json"])
 def test_a_broken_call_is_returned_as_text(name):
     text = {"hermes": "<tool_call>{not json</tool_call>", "mistral": "[TOOL_CALLS][{broken",
-            "llama3_json": '{"name": "get_weather", "parameters": {"city": '}[name]
+            "llama3_json": '{"city": "Oslo"}'}[name]
     content, calls = make_tool_parser(name, TOOLS).parse(text)
     assert calls == [] and content == text
+    assert _stream(make_tool_parser(name, TOOLS), text, random.Random(0)) == (text, [])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_arguments_stream_in_pieces_that_join_to_the_whole_answer(name):
+    """As vLLM streams calls: the header (id, name) first, then the arguments text as it is written; the
+    fragments join to exactly the arguments the non-streamed answer gives."""
+    text, _ = CASES[name]
+    _, whole = make_tool_parser(name, TOOLS).parse(text)
+    for seed in range(10):
+        _, streamed = _stream(make_tool_parser(name, TOOLS), text, random.Random(seed), max_piece=2)
+        assert [(c["name"], c["arguments"]) for c in streamed] == [(c.name, c.arguments) for c in whole], seed
+        assert streamed[0]["pieces"] > 1, "a long call's arguments come in more than one delta"
+
+
+@pytest.mark.parametrize("name", list(CASES) + ["required", "named"])
+def test_output_cut_anywhere_reads_the_same_streamed_and_whole(name):
+    """max_tokens can cut the output at any point: both paths then give the same content and calls (a call
+    whose name was written keeps the arguments written so far)."""
+    parsers = {"required": lambda: RequiredToolCallParser(TOOLS),
+               "named": lambda: NamedToolCallParser("get_weather", TOOLS)}
+    make = parsers.get(name) or (lambda: make_tool_parser(name, TOOLS))
+    text = {"required": json.dumps([{"name": "get_weather", "parameters": WEATHER}]),
+            "named": json.dumps(WEATHER)}.get(name) or CASES[name][0]
+    cut_calls = 0
+    for cut in range(len(text) + 1):
+        content, calls = make().parse(text[:cut])
+        expected = (content, [(c.name, c.arguments) for c in calls])
+        s_content, s_calls = _stream(make(), text[:cut], random.Random(cut))
+        assert (s_content, [(c["name"], c["arguments"]) for c in s_calls]) == expected, text[:cut]
+        cut_calls += bool(calls) and calls[0].arguments not in ("", json.dumps(WEATHER))
+    assert cut_calls > 5, "some cuts leave a call with partial arguments"
 
 
 def test_required_and_named_forms():
@@ -104,6 +141,9 @@ def test_required_and_named_forms():
     assert content is None and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == WEATHER
 
 
+#: what a Qwen3.5 template ends the prompt with: the thinking block is open
+QWEN35_PROMPT = "<|im_start|>assistant\n<think>\n"
+
 REASONING = [
     # (parser, kwargs, prompt, output, reasoning, content)
     ("deepseek_r1", {}, "", "<think>plan the move</think>Move arm to B.", "plan the move", "Move arm to B."),
@@ -112,9 +152,14 @@ REASONING = [
     ("qwen3", {}, "<|im_start|>assistant\n<think>\n", "check sensor</think>Sensor OK.", "check sensor", "Sensor OK."),
     ("qwen3", {"enable_thinking": False}, "", "Sensor OK.", None, "Sensor OK."),
     ("qwen3", {}, "<think>\n\n</think>\n\n", "Sensor OK.", None, "Sensor OK."),
-    ("qwen3", {}, "", "need data <tool_call>\n<function=get_weather></function></tool_call>",
+    ("qwen3", {}, QWEN35_PROMPT, "need data <tool_call>\n<function=get_weather></function></tool_call>",
      "need data ", "<tool_call>\n<function=get_weather></function></tool_call>"),
-    ("qwen3", {}, "", "mention <tool_call> in text</think>done", "mention <tool_call> in text", "done"),
+    ("qwen3", {}, QWEN35_PROMPT, "mention <tool_call> in text</think>done", "mention <tool_call> in text", "done"),
+    # qwen3: a prompt that opens no block and an output that opens none is the answer, end marker or not
+    ("qwen3", {}, "<|assistant|>\n", "Sensor OK.", None, "Sensor OK."),
+    ("qwen3", {}, "", "<think>plan</think>Go.", "plan", "Go."),  # Qwen3 up to 2507 opens its own block
+    ("qwen3", {}, QWEN35_PROMPT, "cut short while thinking", "cut short while thinking", None),
+    ("deepseek_r1", {}, "<|assistant|>\n", "still thinking", "still thinking", None),  # R1 may omit <think>
     ("nemotron_v3", {}, "", "<think>x</think>y", "x", "y"),
     ("nemotron_v3", {"enable_thinking": False}, "", "just the answer", None, "just the answer"),
     ("deepseek_r1", {}, "", "</think>", None, None),
@@ -159,9 +204,25 @@ def test_mistral_keeps_special_tokens_in_the_text(tiny_models):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_deeply_nested_model_output_stays_text(name):
-    """A model can write nesting deep enough to exhaust json's recursion: it stays text, never a 500."""
+def test_deeply_nested_model_output_is_read_without_recursion(name):
+    """A model can write nesting deep enough to exhaust json's recursion: never a 500."""
     text = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "", "qwen3_coder": "<tool_call>",
             "qwen3_xml": "<tool_call>"}[name] + '{"name": "f", "arguments": ' + "[" * 5000 + "]" * 5000 + "}"
     content, calls = make_tool_parser(name, TOOLS).parse(text)
-    assert (content, calls) == (text, [])
+    if name in ("qwen3_coder", "qwen3_xml", "mistral"):  # no <function=, no name before the {: not a call
+        assert (content, calls) == (text, [])
+    else:  # a call to f whose arguments are the model's text, read without recursion
+        assert content is None and [(c.name, c.arguments) for c in calls] == [("f", "[" * 5000 + "]" * 5000)]
+
+
+def test_a_model_that_cannot_think_gets_no_reasoning_parser(tiny_models):
+    """vLLM refuses a parser whose think tokens the tokenizer lacks; a model whose template never writes
+    <think> either cannot think, so the parser is off (with the reason) and every answer is content."""
+    from runtime.serve.tokenizer import Tokenizer
+    from runtime.server.reasoning_parsers import reasoning_unavailable
+
+    tok = Tokenizer(tiny_models["target"])
+    assert tok.token_to_id("<think>") is None
+    why = reasoning_unavailable("qwen3", tok, "{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert why and "--reasoning-parser qwen3 is off" in why and "<think>" in why
+    assert reasoning_unavailable("qwen3", tok, "{{ '<think>\\n' }}") is None  # the template opens a block

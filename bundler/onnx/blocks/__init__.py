@@ -1,0 +1,2 @@
+"""Decoder-layer blocks the in-place graph builder (bundler.onnx.inplace) composes beyond attention + MLP, one
+module per block: routed experts (moe), Gated DeltaNet (gated_deltanet)."""

@@ -1,0 +1,155 @@
+"""TensorRT-RTX plans built ahead of time on the build host (no GPU) for the targets whose SM it knows
+(dgx-spark, sm_121), signed into the bundle under their engine key; the runtime loads one when the key
+matches its TensorRT-RTX and builds its own otherwise.
+
+The real builder runs where the `rtx` extra is installed (scripts/setup installs it on x86_64); a device
+cannot exist here, so loading goes through the stand-in backend of the key's flavour.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import once_per_run
+from tests.runtime.engines.standin import StandInBackend
+from tests.runtime.engines.test_load_engine import plan_bundle
+
+RTX = "rtx-1.7.1.116"
+HAVE_RTX = any(importlib.util.find_spec(m) for m in ("tensorrt_rtx", "tensorrt_rtx_bindings"))
+NO_RTX = "TensorRT-RTX is not installed (pip install 'bundle[rtx]'; scripts/setup does on x86_64)"
+
+
+class FakeAot:
+    """The interface of bundler.pack.aot.RtxBuilder; its "plan" names what it was built from and for."""
+
+    version = RTX
+    targets = ("8.9", "12.0", "12.1")
+
+    def __init__(self):
+        self.builds: list[tuple[str, str]] = []
+
+    def compute_capability_for(self, profile):
+        return profile.compute_capability if profile.backend == "tensorrt" and \
+            profile.compute_capability in self.targets else None
+
+    def build(self, onnx_path, options, out_plan, compute_capability):
+        self.builds.append((Path(out_plan).parent.parent.name, compute_capability))
+        Path(out_plan).write_text(json.dumps({"onnx": str(onnx_path), "options": options,
+                                              "built_for": [compute_capability, self.version]}))
+
+
+def test_spark_gets_an_ahead_of_time_plan_and_thor_does_not(tiny_exports, tmp_path):
+    aot = FakeAot()
+    root, manifest = plan_bundle(tiny_exports, tmp_path, ["dgx-spark", "jetson-thor"], StandInBackend(None), aot=aot)
+    assert aot.builds == [("dgx-spark", "12.1")]
+    onnx, plan = manifest.target("dgx-spark").engines
+    assert plan.format == "tensorrt-plan" and plan.path == "engines/plans/dgx-spark/target/engine.plan"
+    assert plan.key == {**onnx.key, "compute_capability": "12.1", "tensorrt_version": RTX}
+    assert [e.format for e in manifest.target("jetson-thor").engines] == ["onnx"]
+
+
+def test_the_runtime_loads_the_rtx_plan_when_its_key_matches_and_rebuilds_otherwise(tiny_exports, tmp_path):
+    from runtime.engines import load_engine
+
+    root, manifest = plan_bundle(tiny_exports, tmp_path, ["dgx-spark"], StandInBackend(None), aot=FakeAot())
+    shipped = root / "engines/plans/dgx-spark/target/engine.plan"
+    spark = StandInBackend("12.1", RTX)
+    engine = load_engine(root, manifest, "dgx-spark", "target", cache_dir=tmp_path / "cache", backend=spark)
+    assert spark.loads == [shipped] and spark.builds == []
+    assert engine.choice.runs == "tensorrt" and "shipped plan" in engine.choice.reason
+
+    # the platform's TensorRT beside it (which cannot run an RTX plan) does not take it either
+    platform, rtx = StandInBackend("12.1", "10.16.1.11"), StandInBackend("12.1", RTX)
+    load_engine(root, manifest, "dgx-spark", "target", cache_dir=tmp_path / "cache", backend=[platform, rtx])
+    assert rtx.loads == [shipped] and platform.loads == [] and platform.builds == []
+
+    newer = StandInBackend("12.1", "rtx-1.8.0.1")  # another TensorRT-RTX: its own plan, built and cached
+    engine = load_engine(root, manifest, "dgx-spark", "target", cache_dir=tmp_path / "cache", backend=newer)
+    assert len(newer.builds) == 1 and newer.loads[0] != shipped
+    assert "tensorrt_version is 'rtx-1.7.1.116', this device needs 'rtx-1.8.0.1'" in engine.choice.reason
+
+    only_platform = StandInBackend("12.1", "10.16.1.11")
+    engine = load_engine(root, manifest, "dgx-spark", "target", cache_dir=tmp_path / "cache",
+                         backend=only_platform)
+    assert len(only_platform.builds) == 1
+    assert f"needs TensorRT-RTX {RTX}, which is not installed here" in engine.choice.reason
+
+
+def _demo_spark_bundle(root: Path) -> dict:
+    """`bundle create` of the demo pair for dgx-spark with --rtx-engines: the real builder, no GPU."""
+    from click.testing import CliRunner
+
+    from bundler.cli.pack import create
+
+    out = root / "bundle"
+    r = CliRunner().invoke(create, ["--targets", "dgx-spark,jetson-thor", "--rtx-engines", "--name", "demo",
+                                    "--version", "1", "--unsigned", "--no-runtime", "--out", str(out),
+                                    "--no-progress", "--max-model-len", "256"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return {"bundle": out, "output": r.output}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_RTX, reason=NO_RTX)
+def test_create_builds_real_rtx_plans_for_the_demo_pair_with_no_gpu(tmp_path_factory, tmp_path):
+    from runtime.engines import load_engine
+    from runtime.store.store import Store
+
+    made = once_per_run(tmp_path_factory, "demo-rtx-spark", _demo_spark_bundle)
+    assert "rtx:      jetson-thor: TensorRT-RTX 1.7.1.116 builds for sm_75, sm_80, sm_86, sm_89, sm_120, sm_121, " \
+           "not sm_110: its plan is built on the device" in made["output"]
+    assert "rtx:      dgx-spark: 2 TensorRT-RTX 1.7.1.116 plans for sm_121 built here ahead of time, signed in" \
+        in made["output"]
+    store = Store(tmp_path / "store")
+    store.install(made["bundle"], target="dgx-spark", trusted={}, allow_unsigned=True)
+    installed = store.current("demo")
+    manifest, root = installed.manifest, Path(installed.path)
+    for role in ("target", "draft"):
+        onnx, plan = (e for e in manifest.target("dgx-spark").engines if e.model == role)
+        assert plan.key["tensorrt_version"].startswith("rtx-") and plan.key["compute_capability"] == "12.1"
+        assert plan.key["onnx_sha256"] == onnx.key["onnx_sha256"]
+        weights = root / Path(onnx.path).with_suffix(".onnx.data")
+        assert (root / plan.path).stat().st_size > weights.stat().st_size  # a real plan: it holds the weights
+    assert [e.format for e in manifest.target("jetson-thor").engines] == ["onnx", "onnx"]
+
+    # A Spark whose TensorRT-RTX is the builder's loads the shipped plan (the stand-in runs its ONNX instead).
+    class Spark(StandInBackend):
+        def load(self, plan, *, options, max_context=None):
+            if Path(plan).read_bytes()[:1] == b"{":
+                return super().load(plan, options=options, max_context=max_context)
+            self.loads.append(Path(plan))
+            copy = tmp_path / "as-json.plan"
+            copy.write_text(json.dumps({"onnx": str(root / onnx_of(plan).path), "built_for": []}))
+            return super().load(copy, options=options, max_context=max_context)
+
+    def onnx_of(plan):
+        return next(e for e in manifest.target("dgx-spark").engines if e.format == "onnx" and
+                    str(plan).endswith(f"/{e.model}/engine.plan"))
+
+    from bundler.pack.aot import RtxBuilder
+
+    spark = Spark("12.1", RtxBuilder().version)
+    engine = load_engine(root, manifest, "dgx-spark", "target", cache_dir=tmp_path / "cache", backend=spark)
+    assert spark.builds == [] and spark.loads[0] == root / "engines/plans/dgx-spark/target/engine.plan"
+    assert engine.forward_one([1, 2, 3]).shape[0] == 3
+    shutil.rmtree(tmp_path / "store")
+
+
+def test_rtx_engines_without_tensorrt_rtx_is_one_line_naming_the_extra(monkeypatch):
+    import runtime.engines.tensorrt as trt
+    from bundler.pack.aot import RtxBuilder
+    from manifests.errors import EnvironmentProblem
+
+    def missing(flavour="tensorrt"):
+        raise EnvironmentProblem(trt.RTX_NOT_INSTALLED)
+
+    monkeypatch.setattr(trt, "tensorrt_module", missing)
+    with pytest.raises(EnvironmentProblem) as e:
+        RtxBuilder()
+    assert str(e.value).startswith("--rtx-engines needs TensorRT-RTX's builder: TensorRT-RTX is not installed")
+    assert "pip install 'bundle[rtx]'" in str(e.value) and "\n" not in str(e.value)
