@@ -12,8 +12,13 @@ from typing import Any, Mapping
 from manifests.errors import BadBundleError, UsageError
 
 #: --quantization values: "none" keeps every weight in the graph's dtype; "int4" makes every linear layer
-#: block-wise 4-bit (ONNX Runtime's MatMulNBits, com.microsoft).
+#: block-wise 4-bit: ONNX Runtime's MatMulNBits (com.microsoft) in the graphs ONNX Runtime runs, the standard
+#: blocked INT4 DequantizeLinear before each MatMul (QDQ) in the graphs TensorRT builds (its weight-only INT4).
 MODES = ("none", "int4")
+#: the two forms of a 4-bit graph, by the engine that runs it (bundler.onnx.quantize)
+MATMULNBITS, QDQ = "matmulnbits", "qdq"
+FORMATS = (MATMULNBITS, QDQ)
+OPERATORS = {MATMULNBITS: "com.microsoft.MatMulNBits", QDQ: "DequantizeLinear"}
 #: ONNX Runtime's quantizer algorithms this tool runs (onnxruntime.quantization.matmul_nbits_quantizer):
 #: "rtn" its DefaultWeightOnlyQuantConfig (C++ round to nearest per block, min/max scale and zero point),
 #: "hqq" its HQQWeightOnlyQuantConfig (half-quadratic optimisation of scale and zero point, no data);

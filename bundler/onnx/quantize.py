@@ -10,6 +10,11 @@ become com.microsoft QMoE with the same kind of blocks, asymmetric round-to-near
 (bundler.onnx.blocks.moe.quantize_experts; recorded as the record's "experts"); their routers are Gemms
 and stay in the graph's dtype.
 
+TensorRT has no MatMulNBits: the graphs it builds (the concat layout) get the standard form instead (`fmt` "qdq"):
+each weight an INT4 initializer with per-block fp16/fp32 scales (symmetric, no zero point: TensorRT's weight-only
+INT4 takes none) into a blocked `DequantizeLinear` (opset 21) before its MatMul, which TensorRT builds as
+weight-only INT4 GEMMs and ONNX Runtime's CPU provider also runs (create's quality measurement).
+
 The quantizer is deterministic: the same weights give the same bytes, so the `cuda` target's two graphs
 (bundler.onnx.dual), quantized one after the other, still share one weights file.
 """
@@ -21,12 +26,14 @@ import os
 import shutil
 from pathlib import Path
 
-from manifests.errors import EnvironmentProblem, ModelError
-from manifests.quantization import QuantizeOptions, Quantization
+from manifests.errors import EnvironmentProblem, ModelError, UsageError
+from manifests.quantization import MATMULNBITS, OPERATORS, QDQ, QuantizeOptions, Quantization
 
 log = logging.getLogger(__name__)
 
 BITS = 4
+#: INT4 tensors and DequantizeLinear's block_size: ONNX opset 21 (the concat graph is exported at 17)
+QDQ_OPSET = 21
 #: MatMulNBits accuracy_level per graph dtype: 0 (compute in the activations' type) everywhere. Level 4 (int8
 #: activations) is faster on the CPU at one row, but ONNX Runtime 1.32's CPU kernel then gives a token's logits
 #: 1e-2 apart whether it runs in a 12-token row or alone (1e-5 at level 0): verification rows and decode rows
@@ -67,9 +74,10 @@ def lm_head_weight(model) -> str | None:
 
 
 def quantize_graph(graph: Path, out: Path, options: QuantizeOptions, dtype: str = "float32",
-                   accuracy_level: int | None = None) -> Quantization:
+                   accuracy_level: int | None = None, fmt: str = MATMULNBITS) -> Quantization:
     """Write `out` (a graph path) and its `out.name + '.data'`: `graph` with its MatMul weights in 4 bits.
 
+    `fmt`: MATMULNBITS (ONNX Runtime) or QDQ (TensorRT: RTN, symmetric, blocked DequantizeLinear).
     `accuracy_level`: MatMulNBits' attribute (default ACCURACY_LEVEL of `dtype`). Returns the record of
     what was quantized. ModelError when the graph has no MatMul weight to quantize."""
     import onnx
@@ -78,7 +86,7 @@ def quantize_graph(graph: Path, out: Path, options: QuantizeOptions, dtype: str 
 
     q = _quantizer_module()
     graph, out = Path(graph), Path(out)
-    model = onnx.load(str(graph), load_external_data=True)
+    model = _at_opset(graph, QDQ_OPSET) if fmt == QDQ else onnx.load(str(graph), load_external_data=True)
     inits = {t.name: t for t in model.graph.initializer}
     matmuls = [n for n in model.graph.node if n.op_type == "MatMul" and len(n.input) == 2 and n.input[1] in inits
                and len(inits[n.input[1]].dims) == 2]
@@ -90,7 +98,18 @@ def quantize_graph(graph: Path, out: Path, options: QuantizeOptions, dtype: str 
     head = lm_head_weight(model) if options.keep_lm_head else None
     exclude = [n.name for n in matmuls if n.input[1] == head]
     level = ACCURACY_LEVEL.get(dtype, 0) if accuracy_level is None else accuracy_level
-    if options.method == "hqq":
+    symmetric = False
+    if fmt == QDQ:
+        if options.method != "rtn":
+            raise UsageError(f"expected --quantization-method rtn for a TensorRT target's 4-bit graph (TensorRT "
+                             f"builds blocked INT4 DequantizeLinear, which ONNX Runtime's quantizer writes by RTN "
+                             f"only), found {options.method}")
+        from onnxruntime.quantization.quant_utils import QuantFormat
+
+        config = q.DefaultWeightOnlyQuantConfig(block_size=options.block_size, is_symmetric=True,
+                                                quant_format=QuantFormat.QDQ, bits=BITS)
+        level, symmetric = 0, True
+    elif options.method == "hqq":
         config = q.HQQWeightOnlyQuantConfig(block_size=options.block_size, bits=BITS)
         level = 0  # HQQ's nodes carry no accuracy_level
     else:
@@ -102,19 +121,38 @@ def quantize_graph(graph: Path, out: Path, options: QuantizeOptions, dtype: str 
     experts = quantize_experts(result, options.block_size)  # routed experts: MoE -> QMoE
     done = sorted(n.input[1] for n in matmuls if n.name not in exclude)
     left = [n for n in result.graph.node if n.op_type == "MatMul" and n.input[1] in done]
+    if fmt == QDQ:
+        blocked = sum(1 for n in result.graph.node if n.op_type == "DequantizeLinear")
+        if blocked != len(done):
+            raise ModelError(f"{graph}: ONNX Runtime's quantizer wrote {blocked} DequantizeLinear node(s) for "
+                             f"{len(done)} weights; expected one per linear layer")
     if left:
         raise ModelError(f"{graph}: ONNX Runtime's quantizer left {len(left)} MatMul(s) unquantized "
                          f"({left[0].input[1]}); expected every linear layer in {BITS} bits")
     meta = {p.key: p.value for p in result.metadata_props}
-    meta["bundle.quantization"] = f"int{BITS}-{options.method}-b{options.block_size}"
+    meta["bundle.quantization"] = f"int{BITS}-{options.method}-b{options.block_size}" + ("-qdq" if fmt == QDQ else "")
     del result.metadata_props[:]
     for k, v in meta.items():
         result.metadata_props.add(key=k, value=v)
     _save(result, out)
     extra = {"experts": list(experts), "experts_operator": QMOE_OPERATOR, "experts_method": "rtn"} if experts else {}
-    return Quantization(method=options.method, bits=BITS, block_size=options.block_size, symmetric=False,
+    return Quantization(method=options.method, bits=BITS, block_size=options.block_size, symmetric=symmetric,
                         layers=tuple(done), kept=tuple(sorted({head} if head else set())), accuracy_level=level,
-                        extra=extra)
+                        operator=OPERATORS[fmt], extra=extra)
+
+
+def _at_opset(graph: Path, opset: int):
+    """`graph` converted to at least `opset` by ONNX's version converter (ReduceMean's axes become an input at
+    18, ...), then its external weights loaded: converted before the weights are in, so no 2 GiB protobuf."""
+    import onnx
+    from onnx import external_data_helper, version_converter
+
+    model = onnx.load(str(graph), load_external_data=False)
+    current = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), opset)
+    if current < opset:
+        model = version_converter.convert_version(model, opset)
+    external_data_helper.load_external_data_for_model(model, str(graph.parent))
+    return model
 
 
 def _save(model, out: Path) -> None:
@@ -135,7 +173,8 @@ def _save(model, out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def quantizing_export(export, options: QuantizeOptions, *, measure_dir: Path | None = None, held=None):
+def quantizing_export(export, options: QuantizeOptions, *, measure_dir: Path | None = None, held=None,
+                      form: str = MATMULNBITS):
     """`export` (bundler.onnx.export.export_onnx's signature) followed by quantize_graph: the graph it writes in
     `out` is the 4-bit one, its ExportResult's `quantization` the record. For the graphs of `measure_dir`'s
     model (the target) that are not a fusion variant (the dual engine's decode graph has the same weights),
@@ -155,10 +194,14 @@ def quantizing_export(export, options: QuantizeOptions, *, measure_dir: Path | N
             result = export(source, plain, **kw)
             dtype = getattr(result, "dtype", "float32")
             graph = out / result.graph.name
+            if fmt is not None and form == QDQ:
+                raise UsageError(f"{checkpoint} is a 4-bit {fmt.method} checkpoint, which packs into ONNX Runtime's "
+                                 f"MatMulNBits as it is; expected ONNX Runtime targets for it (TensorRT targets take "
+                                 f"blocked INT4 DequantizeLinear: give them the float checkpoint)")
             if fmt is not None:  # already 4-bit: its own integers, not quantized again
                 record = pack_graph(result.graph, graph, checkpoint, fmt, dtype)
             else:
-                record = quantize_graph(result.graph, graph, options, dtype)
+                record = quantize_graph(result.graph, graph, options, dtype, fmt=form)
             if measure_dir is not None and Path(checkpoint) == Path(measure_dir) and kw.get("fusions") is None:
                 from bundler.onnx.quality import measure
 

@@ -32,7 +32,7 @@ from bundler.onnx.export import KV_CACHE_LAYOUTS, ExportResult, export_onnx, pas
 from bundler.onnx.inplace import SharedLayoutUnsupported
 from bundler.pack.pack import PackFile
 from manifests.errors import ModelError, UsageError
-from manifests.quantization import QuantizeOptions
+from manifests.quantization import MATMULNBITS, QDQ, QuantizeOptions
 from manifests.schema import Engine, Target
 from manifests.targets import TargetProfile
 from manifests.serve_config import DEFAULT_PREFILL_CHUNK
@@ -50,10 +50,15 @@ ONNX_ROOTS = {("concat", "float32"): ONNX_ROOT, ("concat", "float16"): "engines/
               ("shared", "float16"): "engines/onnx-shared-fp16", ("shared", "bfloat16"): "engines/onnx-shared-bf16"}
 
 
+#: the quantization a 4-bit TensorRT target's variant names: int4 as blocked INT4 DequantizeLinear (QDQ)
+TENSORRT_INT4 = "int4-qdq"
+
+
 def onnx_root(variant: tuple) -> str:
-    """The bundle folder of a (layout, dtype[, quantization]) graph: ONNX_ROOTS, "-int4" for 4-bit graphs."""
+    """The bundle folder of a (layout, dtype[, quantization]) graph: ONNX_ROOTS, "-int4" for 4-bit graphs
+    ("-int4-qdq" for TensorRT's form of them)."""
     root = ONNX_ROOTS[variant[0], variant[1]]
-    return root + "-int4" if len(variant) > 2 and variant[2] != "none" else root
+    return root + "-" + variant[2] if len(variant) > 2 and variant[2] != "none" else root
 
 
 #: ONNX Runtime that runs the shared layout: CPU GroupQueryAttention with new tokens after a past
@@ -185,7 +190,10 @@ class ExportedModel:
 
     @property
     def quant(self) -> str:
-        return "none" if self.quantization is None else f"int{self.quantization.bits}"
+        q = self.quantization
+        if q is None:
+            return "none"
+        return TENSORRT_INT4 if q.operator == "DequantizeLinear" else f"int{q.bits}"
 
     @property
     def variant(self) -> tuple[str, str, str]:
@@ -218,7 +226,7 @@ def export_models(models: Mapping[str, Path], work_dir: Path,
     passed to `export`. "int4" variants go through bundler.onnx.quantize (`quantization`: its options), the
     target's with its quality measured against the unquantized graph and checked (--max-quality-loss)."""
     out = []
-    plain_export, quantized_export = export, None
+    plain_export, quantized_exports = export, {}
     for role, checkpoint in models.items():
         for variant in variants:
             layout, dtype = variant[0], variant[1]
@@ -229,9 +237,10 @@ def export_models(models: Mapping[str, Path], work_dir: Path,
             log.info("export: %s to ONNX (%s KV cache, %s)", role, layout, dtype)
             export = plain_export
             if quant != "none":
-                if quantized_export is None:
-                    quantized_export = _quantized(plain_export, quantization or QuantizeOptions(), models)
-                export = quantized_export
+                if quant not in quantized_exports:
+                    quantized_exports[quant] = _quantized(plain_export, quantization or QuantizeOptions(), models,
+                                                          QDQ if quant == TENSORRT_INT4 else MATMULNBITS)
+                export = quantized_exports[quant]
             result = export(Path(checkpoint), folder, **options)
             head = getattr(result, "family", None) == "eagle3"
             if getattr(result, "dtype", "float32") != dtype and not head:
@@ -258,8 +267,8 @@ def _packed_checkpoints(models: Mapping[str, Path]) -> list[str]:
     return out
 
 
-def _quantized(export, options: QuantizeOptions, models: Mapping[str, Path]):
-    """`export` then the 4-bit pass (bundler.onnx.quantize); the target's graphs measured and checked."""
+def _quantized(export, options: QuantizeOptions, models: Mapping[str, Path], form: str = MATMULNBITS):
+    """`export` then the 4-bit pass (bundler.onnx.quantize) in `form`; the target's graphs measured and checked."""
     from bundler.onnx.quality import check_quality, held_out
     from bundler.onnx.quantize import quantizing_export
 
@@ -270,7 +279,7 @@ def _quantized(export, options: QuantizeOptions, models: Mapping[str, Path]):
     except ImportError:
         is_demo = False
     held = held_out(options.calibration_text, is_demo)
-    run = quantizing_export(export, options, measure_dir=target, held=held)
+    run = quantizing_export(export, options, measure_dir=target, held=held, form=form)
 
     def checked(checkpoint, out, **kw):
         result = run(checkpoint, out, **kw)
@@ -298,11 +307,13 @@ def _decode_graph(checkpoint: Path, result: ExportResult, export) -> Path | None
 
 def _variant_for(profile: TargetProfile, onnxruntime_layout: str, half: str = "float16",
                  quant: str = "none") -> tuple[str, str, str]:
-    """(KV-cache layout, dtype, quantization) of the graph a target runs. A 4-bit TensorRT target runs the
-    `cuda` target's 4-bit graph on ONNX Runtime's CUDA provider: TensorRT has no MatMulNBits."""
-    if profile.backend == "onnxruntime-cuda" or (profile.backend == "tensorrt" and quant != "none"):
+    """(KV-cache layout, dtype, quantization) of the graph a target runs. A 4-bit TensorRT target keeps its
+    concat graph, with its weights as blocked INT4 DequantizeLinear (TENSORRT_INT4): TensorRT has no MatMulNBits."""
+    if profile.backend == "onnxruntime-cuda":
         return onnxruntime_layout, half if onnxruntime_layout != "concat" else "float16", quant
-    return (onnxruntime_layout if profile.backend == "onnxruntime" else "concat"), graph_dtype(profile), quant
+    if profile.backend == "tensorrt":
+        return "concat", graph_dtype(profile), TENSORRT_INT4 if quant != "none" else quant
+    return onnxruntime_layout, graph_dtype(profile), quant
 
 
 def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], shape: ServeShape,
@@ -318,7 +329,7 @@ def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], sh
     precision = "fp32" if profile.backend == "onnxruntime" else precision_for(profile)
     variant = _variant_for(profile, onnxruntime_layout, half, quant)
     layout = variant[0]
-    on_cuda = profile.backend == "onnxruntime-cuda" or (profile.backend == "tensorrt" and quant != "none")
+    on_cuda = profile.backend == "onnxruntime-cuda"
     if on_cuda:
         precision = {"float16": "fp16", "bfloat16": "bf16"}[variant[1]]
     for m in (m for m in exported if m.variant == variant):
@@ -340,7 +351,7 @@ def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], sh
                                   build={"max_context": shape.max_context,
                                          "kv_cache": m.export.kv_cache, **qbuild}))  # an EAGLE-3 head has its own
             continue
-        options = build_options(profile, m.export, shape)
+        options = {**build_options(profile, m.export, shape), **qbuild}  # the 4-bit record: in the key too
         engines.append(Engine(model=m.role, backend="tensorrt", format="onnx", path=m.graph_path, files=m.paths,
                               key=engine_key(m.onnx_sha256, options, profile.compute_capability,
                                              profile.tensorrt_version), build=options))
@@ -419,7 +430,7 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
     limit = min(m.export.max_positions for m in exported)
     shape = serve_shape(serve, limit, num_speculative_tokens)
     device = None
-    if any(p.backend == "tensorrt" and quants[p.id] == "none" for p in profiles):
+    if any(p.backend == "tensorrt" for p in profiles):
         if backend is None:
             from runtime.engines.tensorrt import TensorRTBackend
             backend = TensorRTBackend()

@@ -153,3 +153,53 @@ def test_rtx_engines_without_tensorrt_rtx_is_one_line_naming_the_extra(monkeypat
         RtxBuilder()
     assert str(e.value).startswith("--rtx-engines needs TensorRT-RTX's builder: TensorRT-RTX is not installed")
     assert "pip install 'bundle[rtx]'" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_RTX, reason=NO_RTX)
+def test_int4_for_tensorrt_targets_is_blocked_int4_dequantize_linear_that_tensorrt_rtx_builds(
+        tmp_path_factory, tmp_path):
+    """--quantization int4 on TensorRT targets keeps them on TensorRT: the concat graph with its weights as
+    INT4 initializers behind blocked DequantizeLinear (no MatMulNBits, which TensorRT lacks), the record in
+    the engine key, the quality measured on it, and TensorRT-RTX builds a real plan from it here, with no GPU,
+    smaller than the fp16 graph's plan of the same run (its weights stay 4-bit inside)."""
+    import onnx
+    from click.testing import CliRunner
+
+    from bundler.cli.pack import create
+    from manifests.quantization import Quantization
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+    from runtime.store.store import Store
+
+    fp16 = once_per_run(tmp_path_factory, "demo-rtx-spark", _demo_spark_bundle)
+    out = tmp_path / "bundle"
+    r = CliRunner().invoke(create, ["--targets", "dgx-spark,jetson-thor", "--rtx-engines", "--quantization", "int4",
+                                    "--name", "demo", "--version", "1", "--unsigned", "--no-runtime", "--out",
+                                    str(out), "--no-progress", "--max-model-len", "256"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    store = Store(tmp_path / "store")
+    store.install(out, target="dgx-spark", trusted={}, allow_unsigned=True)
+    installed = store.current("demo")
+    manifest, root = installed.manifest, Path(installed.path)
+    target = manifest.target("dgx-spark")
+    assert target.backend == "tensorrt" and target.build["quantization"] == "int4"
+    onnx_rec, plan_rec = (e for e in target.engines if e.model == "target")
+    assert onnx_rec.backend == plan_rec.backend == "tensorrt" and onnx_rec.path.startswith("engines/onnx-fp16-int4-qdq/")
+    q = Quantization.from_dict(onnx_rec.build["quantization"])
+    assert q.operator == "DequantizeLinear" and q.symmetric and q.bits == 4 and q.quality is not None
+    assert plan_rec.key["build_options_sha256"] == onnx_rec.key["build_options_sha256"]  # the record: in both keys
+    assert plan_rec.build["quantization"] == onnx_rec.build["quantization"]
+    graph = onnx.load(str(root / onnx_rec.path), load_external_data=False)
+    ops = {n.op_type for n in graph.graph.node}
+    assert "DequantizeLinear" in ops and "MatMulNBits" not in ops
+    int4 = [t for t in graph.graph.initializer if t.data_type == onnx.TensorProto.INT4]
+    assert len(int4) == len(q.layers) > 0
+    fp16_manifest = Store(tmp_path / "fp16-store")
+    fp16_manifest.install(fp16["bundle"], target="dgx-spark", trusted={}, allow_unsigned=True)
+    fp16_installed = fp16_manifest.current("demo")
+    fp16_plan = next(e for e in fp16_installed.manifest.target("dgx-spark").engines
+                     if e.model == "target" and e.format == "tensorrt-plan")
+    assert (root / plan_rec.path).stat().st_size < (Path(fp16_installed.path) / fp16_plan.path).stat().st_size
+    # the same graph runs on ONNX Runtime's CPU provider: where create measured its quality, and a device's fallback
+    engine = OnnxRuntimeEngine(root / onnx_rec.path, max_context=64)
+    assert engine.forward_one([1, 2, 3]).shape[0] == 3
