@@ -394,7 +394,7 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
 
     `kv_cache` is the layout ONNX Runtime targets get ("batched"; "shared" for the older
     GroupQueryAttention graph, or "concat" to ship one graph for every target); TensorRT targets
-    always get "concat" (a 4-bit TensorRT target: the `cuda` target's graph, see _variant_for).
+    always get "concat" (a 4-bit TensorRT target: with blocked INT4 DequantizeLinear weights, see _variant_for).
     `quantization`: --quantization and its options (None: no target quantized; mode None: each target's
     profile default, what `bundle create` passes without --quantization).
     `aot`: an ahead-of-time builder (bundler.pack.aot.RtxBuilder, --rtx-engines) for the targets it can build.

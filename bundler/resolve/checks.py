@@ -191,13 +191,11 @@ class EngineLayout:
 def engine_layout(profile: Any) -> EngineLayout:
     from manifests.serve_config import DEFAULT_PREFILL_CHUNK
     from bundler.onnx.inplace import BATCHED_HEADROOM
-    from manifests.quantization import applied
-
-    if profile.backend == "tensorrt" and applied(profile) == "none":  # fp16 concat graph where the
-        # profile lists fp16; prefill in chunks (a 4-bit TensorRT target runs the cuda graph, below)
+    if profile.backend == "tensorrt":  # fp16 concat graph where the profile lists fp16 (4-bit: its weights as
+        # INT4 DequantizeLinear, counted by the quantized bytes); prefill in chunks
         return EngineLayout(2 if "fp16" in profile.precisions else 4, 2,
                             lambda n: min(DEFAULT_PREFILL_CHUNK, n), attention_scores=False)
-    if profile.backend in ("onnxruntime-cuda", "tensorrt"):  # fp16/bf16 batched graph on the GPU: in-place cache,
+    if profile.backend == "onnxruntime-cuda":  # fp16/bf16 batched graph on the GPU: in-place cache,
         # chunked prefill
         return EngineLayout(2, 1, lambda n: min(DEFAULT_PREFILL_CHUNK, n), attention_scores=False, rotary_tables=True,
                             kv_spare_rows=BATCHED_HEADROOM)
