@@ -124,9 +124,9 @@ def safetensors_parameters(files: Iterable[Path]) -> int:
 def _shape(cfg: Mapping[str, Any]) -> dict[str, int]:
     h = int(cfg.get("hidden_size", 0))
     heads = int(cfg.get("num_attention_heads", 1))
-    layers = int(cfg.get("num_hidden_layers", 0))
-    types = cfg.get("layer_types") or []
-    return {"hidden": h, "layers": layers - sum(t == "linear_attention" for t in types), "heads": heads,
+    types = _layer_types(cfg)
+    layers = sum(t == "full_attention" for t in types) if types else int(cfg.get("num_hidden_layers", 0))
+    return {"hidden": h, "layers": layers, "heads": heads,
             "kv_heads": int(cfg.get("num_key_value_heads") or heads),
             "head_dim": int(cfg.get("head_dim") or (h // max(heads, 1))),
             "inter": int(cfg.get("intermediate_size", 4 * h)), "vocab": int(cfg.get("vocab_size", 0)),
@@ -159,12 +159,30 @@ def kv_cache_bytes(cfg: Mapping[str, Any], max_model_len: int, value_bytes: int 
     return copies * 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * max_model_len * per + recurrent_state_bytes(cfg)
 
 
+def _layer_types(cfg: Mapping[str, Any]) -> list[str]:
+    """Each layer's kind for hybrid configs (Qwen3.5's layer_types, Nemotron-H's pattern), else []."""
+    if cfg.get("model_type") == "nemotron_h":
+        from bundler.onnx.blocks.mamba2 import layer_types
+
+        return layer_types(dict(cfg))
+    return list(cfg.get("layer_types") or [])
+
+
 def recurrent_state_bytes(cfg: Mapping[str, Any]) -> int:
     """Gated DeltaNet layers (Qwen3.5): per sequence, a conv state (kernel-1) x conv_dim and a delta-rule
-    state v_heads x v_dim x k_dim, float32, twice (the runtime keeps a snapshot for rollback)."""
-    linear = sum(t == "linear_attention" for t in cfg.get("layer_types") or [])
+    state v_heads x v_dim x k_dim; Mamba-2 layers (Nemotron-H): a conv state (conv_kernel-1) x (heads x
+    head_dim + 2 x n_groups x ssm_state_size) and an SSM state heads x head_dim x ssm_state_size; float32,
+    twice (the runtime keeps a snapshot for rollback)."""
+    linear = sum(t == "linear_attention" for t in _layer_types(cfg))
     if not linear:
         return 0
+    if cfg.get("model_type") == "nemotron_h":
+        heads, dim = int(cfg.get("mamba_num_heads", 0)), int(cfg.get("mamba_head_dim", 0))
+        # the Hub's older configs spell them mamba_n_groups / mamba_d_conv (transformers' defaults: 8, 4)
+        groups = int(cfg.get("n_groups") or cfg.get("mamba_n_groups") or 8)
+        state = int(cfg.get("ssm_state_size", 0))
+        conv = (int(cfg.get("conv_kernel") or cfg.get("mamba_d_conv") or 4) - 1) * (heads * dim + 2 * groups * state)
+        return 2 * linear * (conv + heads * dim * state) * 4
     hk, hv = int(cfg.get("linear_num_key_heads", 0)), int(cfg.get("linear_num_value_heads", 0))
     dk, dv = int(cfg.get("linear_key_head_dim", 0)), int(cfg.get("linear_value_head_dim", 0))
     conv = (int(cfg.get("linear_conv_kernel_dim", 4)) - 1) * (2 * hk * dk + hv * dv)
@@ -211,7 +229,8 @@ FORMULA = ("weights = (parameters + vocab x hidden when the embeddings are tied:
            "routers stay at B bytes); "
            "KV cache (per sequence: `bundle serve` holds as many as its KV budget allows, at most --max-num-seqs) "
            "= copies x 2 x layers x kv_heads x head_dim x (max_model_len + spare) x B (layers with attention; "
-           "+ 2 x Gated DeltaNet layers x ((kernel - 1) x conv_dim + v_heads x v_dim x k_dim) x 4, the recurrent "
+           "+ 2 x Gated DeltaNet layers x ((kernel - 1) x conv_dim + v_heads x v_dim x k_dim) x 4, or 2 x Mamba-2 "
+           "layers x ((conv_kernel - 1) x conv_dim + heads x head_dim x ssm_state) x 4, the recurrent "
            "state and its snapshot); spare = 64 padding rows "
            "on ONNX Runtime's batched graph, else 0; "
            "activations = T x vocab x 4 (fp32 logits) + T x (4 x hidden + 2 x intermediate) x B "
