@@ -1,4 +1,5 @@
-"""A Qwen3.5 text model (Gated DeltaNet + attention) through the whole path: `bundle create` for the cpu
+"""Hybrid models through the whole path, a Qwen3.5 text model (Gated DeltaNet + attention) and a Nemotron-H
+(Mamba-2 + attention + MLP): `bundle create` for the cpu
 target (with a tiny dense Qwen3 draft sharing its tokenizer), `bundle install`, and a real server driven
 by the official `openai` client.
 
@@ -23,9 +24,15 @@ PROMPTS = ["The quick brown fox", "def read(path):\n    with open(path) as f:",
            "import os\nimport sys\nprint(os.path)\nimport os\nimport sys\n"]
 
 
-@pytest.fixture(scope="module")
-def hybrid_store(tmp_path_factory) -> Path:
-    """The installed bundle's store (read-only)."""
+#: per family, a random model whose greedy text makes both kinds of draft miss somewhere
+SEEDS = {"qwen3_5_text": 3, "nemotron_h": 7}
+
+
+@pytest.fixture(scope="module", params=sorted(SEEDS))
+def hybrid_store(tmp_path_factory, request) -> Path:
+    """The installed bundle's store (read-only), per hybrid family."""
+    family = request.param
+
     def build(root: Path) -> Path:
         from bundler.pack.create import CreateOptions, create_bundle, local_model
         from bundler.pack.engines import target_files_hook
@@ -33,7 +40,7 @@ def hybrid_store(tmp_path_factory) -> Path:
         from runtime.store.store import Store
         from runtime.store.trust import trusted_keys
 
-        target = make_tiny_checkpoint(root / "target", family="qwen3_5_text", seed=3)
+        target = make_tiny_checkpoint(root / "target", family=family, seed=SEEDS[family])
         draft = make_tiny_checkpoint(root / "draft", family="qwen3", hidden_size=32, num_layers=1, num_heads=2,
                                      num_kv_heads=1, intermediate_size=64, seed=4, tokenizer_from=target)
         generate_key(root / "key")
@@ -45,7 +52,7 @@ def hybrid_store(tmp_path_factory) -> Path:
                                       trusted=trusted_keys([root / "key.pub"], trust_dir=None))
         return root / "store"
 
-    return once_per_run(tmp_path_factory, "hybrid-bundle", build)
+    return once_per_run(tmp_path_factory, f"hybrid-bundle-{family}", build)
 
 
 def _serve(store: Path, options: dict | None = None, **speculation):
@@ -90,7 +97,8 @@ def plain(hybrid_store):
 
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         chat = client.chat.completions.create(model="hybrid", messages=[{"role": "user", "content": "hi"}],
-                                              max_tokens=8, temperature=0)
+                                              max_tokens=8, temperature=0,
+                                              extra_body={"ignore_eos": True})  # a random model may stop at once
         yield {"texts": _completions(server), "chat": chat}
     finally:
         server.stop()
@@ -99,7 +107,7 @@ def plain(hybrid_store):
 def test_plain_serving_answers_through_the_openai_client(plain):
     assert len(plain["texts"]) == len(PROMPTS) and all(plain["texts"])
     chat = plain["chat"]
-    assert chat.choices[0].message.content and chat.usage.completion_tokens >= 1
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 8
 
 
 def test_prefix_caching_is_off_with_a_reason(hybrid_store, caplog):
