@@ -138,6 +138,10 @@ def config_parameters(cfg: Mapping[str, Any]) -> int:
     routed experts (bundler.onnx.blocks.moe) counts every expert and its router instead of the dense MLP."""
     from bundler.onnx.blocks.moe import expert_parameters, router_parameters, sparse_layers
 
+    if cfg.get("model_type") == "nemotron_h":  # one mixer per layer: Mamba-2, attention, MLP or experts
+        from bundler.onnx.blocks.mamba2 import config_parameters as nemotron_parameters
+
+        return nemotron_parameters(cfg)
     s = _shape(cfg)
     h, hd = s["hidden"], s["head_dim"]
     attn = h * s["heads"] * hd * 2 + h * s["kv_heads"] * hd * 2

@@ -43,6 +43,8 @@ a sparse kernel: right for the cpu target's small models, where one fused kernel
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from bundler.onnx.blocks.gated_deltanet import (CAPTURE_COUNT, CAPTURE_TOKENS, NEW_TOKENS, capture_names,  # noqa: F401
@@ -55,9 +57,13 @@ MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
 
 
+def _getter(cfg):
+    return cfg.get if isinstance(cfg, Mapping) else lambda k, d=None: getattr(cfg, k, d)
+
+
 def layer_types(cfg) -> list[str]:
     """Each layer's mixer, from layers_block_type (transformers 5) or hybrid_override_pattern (the Hub's)."""
-    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    get = _getter(cfg)
     types = get("layers_block_type") or get("layer_types")
     if not types and isinstance(get("hybrid_override_pattern"), str):
         types = [PATTERN.get(c, c) for c in get("hybrid_override_pattern")]
@@ -66,6 +72,27 @@ def layer_types(cfg) -> list[str]:
         raise ModelError(f"expected hybrid_override_pattern of {''.join(PATTERN)} (or layers_block_type of "
                          f"{', '.join(PATTERN.values())}), found {types}")
     return types
+
+
+def config_parameters(cfg: Mapping) -> int:
+    """Weights of a Nemotron-H config.json (either spelling of its Mamba keys), what its checkpoint holds."""
+    get = _getter(cfg)
+    h, vocab = int(get("hidden_size")), int(get("vocab_size"))
+    heads, dim = int(get("mamba_num_heads")), int(get("mamba_head_dim"))
+    groups = int(get("n_groups") or get("mamba_n_groups") or 8)
+    state, kernel = int(get("ssm_state_size")), int(get("conv_kernel") or get("mamba_d_conv") or 4)
+    inner, conv = heads * dim, heads * dim + 2 * groups * state
+    q_heads, kv, hd = int(get("num_attention_heads")), int(get("num_key_value_heads") or get("num_attention_heads")), \
+        int(get("head_dim") or h // int(get("num_attention_heads")))
+    experts, latent = int(get("n_routed_experts") or 0), get("moe_latent_size")
+    width = int(latent or h)
+    per = {MAMBA: h * (inner + conv + heads) + conv * kernel + (conv if get("use_conv_bias", True) else 0)
+           + 3 * heads + inner + inner * h,
+           ATTENTION: 2 * h * q_heads * hd + 2 * h * kv * hd,
+           MLP: 2 * h * int(get("intermediate_size")),
+           MOE: experts * (2 * width * int(get("moe_intermediate_size") or 0) + h + 1)
+           + 2 * h * int(get("moe_shared_expert_intermediate_size") or 0) + (2 * h * width if latent else 0)}
+    return sum(per[t] + h for t in layer_types(cfg)) + vocab * h * (1 if get("tie_word_embeddings") else 2) + h
 
 
 def _dims(cfg) -> tuple[int, int, int, int, int]:
@@ -145,3 +172,64 @@ def relu2_mlp(g, hs: str, m: str, cfg) -> str:
         raise ModelError(f"{m}: expected mlp_hidden_act 'relu2' (squared ReLU), found {act!r}")
     up = g.node("Relu", [g.linear(hs, f"{m}.up_proj")])
     return g.linear(g.node("Mul", [up, up]), f"{m}.down_proj")
+
+
+#: swiglu's alpha that makes it squared ReLU: with gate and up the same projection g, swiglu(g) = g *
+#: sigmoid(alpha g) * g, which is relu(g)^2 except where |g| < 17 / alpha (sigmoid not yet 0 or 1 in
+#: float32), off there by less than g^2 < 3e-10
+RELU2_ALPHA = 1e6
+
+
+def routed_experts(g, hs: str, m: str, cfg) -> str:
+    """Nemotron-H's MoE mixer (`{m}.gate`, `{m}.experts`, `{m}.shared_experts`) over hs [batch, seq, hidden].
+
+    The router is com.microsoft `MoEGroupRouter` (sigmoid, correction bias, group-limited top-k: it writes
+    log(score) at the chosen experts, -10000 elsewhere); the experts com.microsoft `MoE`, whose softmax over
+    those logits is the chosen scores renormalised (norm_topk_prob; without it the output is scaled back by
+    their sum). Its CPU kernel has no squared ReLU, so fc1 holds up_proj twice (swiglu's gate and up) with
+    swiglu alpha RELU2_ALPHA: g * sigmoid(alpha g) * g = relu(g)^2. routed_scaling_factor is folded into fc2.
+    """
+    from bundler.onnx.blocks.moe import MS_DOMAIN
+
+    experts, top_k = int(cfg.n_routed_experts), int(cfg.num_experts_per_tok)
+    n_group, topk_group = int(getattr(cfg, "n_group", 1) or 1), int(getattr(cfg, "topk_group", 1) or 1)
+    hidden = int(cfg.hidden_size)
+    if not 0 < top_k <= experts or experts % n_group or not 0 < topk_group <= n_group:
+        raise ModelError(f"{m}: expected num_experts_per_tok in 1..n_routed_experts and n_routed_experts divisible "
+                         f"by n_group >= topk_group, found {top_k}, {experts}, {n_group}, {topk_group}")
+    shared = relu2_mlp(g, hs, f"{m}.shared_experts", cfg)  # checks mlp_hidden_act, the experts' too
+    tokens = g.node("Reshape", [hs, g.const(f"shape_tokens_{hidden}", [-1, hidden])])
+    # Gemm, not MatMul: the router stays float32 when the graph's MatMuls are made 4-bit (bundler.onnx.quantize)
+    logits = g.node("Gemm", [tokens, g.w.add(f"{m}.gate.weight", g.ckpt.get(f"{m}.gate.weight"))], transB=1)
+    name = f"{m}.gate.e_score_correction_bias"
+    bias = g.ckpt.get(name) if name in g.ckpt else np.zeros(experts, np.float32)
+    routed = g.node("MoEGroupRouter", [logits, g.w.add(name, bias)], domain=MS_DOMAIN, top_k=top_k,
+                    n_group=n_group, topk_group=topk_group, group_topk=2)
+    latent = getattr(cfg, "moe_latent_size", None)
+    x = g.linear(tokens, f"{m}.fc1_latent_proj") if latent else tokens
+    up, down = _expert_weights(g, m, experts)
+    fc1 = np.empty((experts, 2 * up.shape[1], up.shape[2]), np.float32)
+    fc1[:, 0::2], fc1[:, 1::2] = up, up  # swiglu's gate and up: the same projection
+    fc2 = down * np.float32(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0)
+    y = g.node("MoE", [x, routed, g.w.add(f"{m}.experts.fc1", fc1), "", g.w.add(f"{m}.experts.fc2", fc2)],
+               domain=MS_DOMAIN, k=top_k, activation_type="swiglu", swiglu_fusion=1, activation_alpha=RELU2_ALPHA,
+               activation_beta=0.0, normalize_routing_weights=1)
+    if not bool(getattr(cfg, "norm_topk_prob", True)):  # the chosen scores as they are: times their sum
+        total = g.node("ReduceSum", [g.node("Exp", [routed]), g.const("axes_last", [-1])], keepdims=1)
+        y = g.node("Mul", [y, total])
+    if latent:
+        y = g.linear(y, f"{m}.fc2_latent_proj")
+    return g.node("Add", [g.node("Reshape", [y, g.node("Shape", [hs])]), shared])
+
+
+def _expert_weights(g, m: str, experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(up [experts, inter, in], down [experts, in, inter]) from the Hub's one tensor per expert or
+    transformers 5's fused 3-D experts.up_proj / experts.down_proj."""
+    if f"{m}.experts.up_proj" in g.ckpt:
+        up, down = g.ckpt.get(f"{m}.experts.up_proj"), g.ckpt.get(f"{m}.experts.down_proj")
+    else:
+        up = np.stack([g.ckpt.get(f"{m}.experts.{j}.up_proj.weight") for j in range(experts)])
+        down = np.stack([g.ckpt.get(f"{m}.experts.{j}.down_proj.weight") for j in range(experts)])
+    if up.shape[0] != experts or down.shape[0] != experts:
+        raise ModelError(f"{m}: expected {experts} experts, found weights for {up.shape[0]}")
+    return np.ascontiguousarray(up, np.float32), np.ascontiguousarray(down, np.float32)

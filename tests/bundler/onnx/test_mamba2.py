@@ -39,6 +39,12 @@ def mamba_export(tmp_path_factory):
     return _export(tmp_path_factory, "export-nemotron_h", None, seed=5)
 
 
+@pytest.fixture(scope="session")
+def moe_export(tmp_path_factory):
+    """(checkpoint, ExportResult) of the tiny "M*ME" Nemotron-H (tests.models.NEMOTRON_MOE)."""
+    return _export(tmp_path_factory, "export-nemotron_h-moe", NEMOTRON_MOE, seed=6)
+
+
 def _engine(result, slots: int = 1):
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
 
@@ -167,3 +173,49 @@ def test_other_layouts_are_refused(mamba_export, tmp_path, layout, dtype):
     checkpoint, _ = mamba_export
     with pytest.raises(UsageError, match="expected kv_cache='batched' in float32"):
         export_onnx(checkpoint, tmp_path, kv_cache=layout, dtype=dtype)
+
+
+def test_routed_experts_match_transformers(moe_export):
+    """Sigmoid router with correction bias, grouped top-k, renormalised and scaled weights, squared-ReLU
+    experts and the shared expert: prefill, decode and rollback."""
+    import onnx
+
+    checkpoint, result = moe_export
+    ops = {n.op_type for n in onnx.load(str(result.graph), load_external_data=False).graph.node}
+    assert {"MoEGroupRouter", "MoE"} <= ops
+    check_parity(checkpoint, result.graph, result.vocab_size, engine=_engine(result))
+
+
+def test_the_routing_details_matter_at_this_tolerance(moe_export):
+    """Without the correction bias or the group limit transformers' own logits move by far more than ATOL:
+    the parity above would catch either one left out."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    checkpoint, result = moe_export
+    tokens = torch.tensor([np.random.default_rng(0).integers(0, result.vocab_size, 48).tolist()])
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    routers = [m for m in model.modules() if type(m).__name__ == "NemotronHTopkRouter"]
+    with torch.no_grad():
+        ref = model(tokens).logits
+        for r in routers:
+            r.num_group = r.topk_group = 1
+        ungrouped = model(tokens).logits
+        for r in routers:
+            r.num_group, r.topk_group = NEMOTRON_MOE["n_group"], NEMOTRON_MOE["topk_group"]
+            r.e_score_correction_bias.zero_()
+        unbiased = model(tokens).logits
+    assert routers and float((ref - ungrouped).abs().max()) > 10 * ATOL
+    assert float((ref - unbiased).abs().max()) > 10 * ATOL
+
+
+@pytest.mark.parametrize("which", ["mamba", "moe"])
+def test_parameters_from_config_json_are_the_checkpoints(mamba_export, moe_export, which):
+    """Before a download the preflight counts weights from config.json: exactly what the checkpoint holds."""
+    import json
+
+    from bundler.resolve.checks import config_parameters, safetensors_parameters
+
+    checkpoint, _ = mamba_export if which == "mamba" else moe_export
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    assert config_parameters(cfg) == safetensors_parameters(sorted(checkpoint.glob("*.safetensors")))
