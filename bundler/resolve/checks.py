@@ -362,7 +362,16 @@ def check_servable(model_dir: Path, name: str | None = None, *, allow_no_chat_te
 
 def check_layout(family: str, profiles: Iterable[Any], name: str) -> None:
     """Routed experts run only in the in-place graphs (ONNX Runtime); a target whose engines trace the concat
-    graph (TensorRT without int4) is refused before any download, naming the targets that can serve it."""
+    graph (TensorRT without int4) is refused before any download, naming the targets that can serve it.
+    Recurrent layers (Gated DeltaNet, Mamba-2) run only in the cpu target's fp32 batched graph: any other
+    target is refused before any download too (export would refuse it after)."""
+    profiles = list(profiles)
+    if FAMILIES[family].recurrent:
+        other = [p.id for p in profiles if engine_layout(p).value_bytes != 4 or engine_layout(p).kv_copies != 1]
+        if other:
+            raise ModelError(f"{name}: model type {family!r} has recurrent layers ({FAMILIES[family].blocks}), "
+                             f"which only the cpu target's float32 batched graph holds; found targets "
+                             f"{', '.join(other)}; expected --targets cpu")
     if not FAMILIES[family].routed_experts:
         return
     traced = [p.id for p in profiles if engine_layout(p).kv_copies == 2]

@@ -219,3 +219,14 @@ def test_parameters_from_config_json_are_the_checkpoints(mamba_export, moe_expor
     checkpoint, _ = mamba_export if which == "mamba" else moe_export
     cfg = json.loads((checkpoint / "config.json").read_text())
     assert config_parameters(cfg) == safetensors_parameters(sorted(checkpoint.glob("*.safetensors")))
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5_text"])
+def test_targets_other_than_cpu_are_refused_before_any_download(family):
+    from bundler.resolve.checks import check_layout
+    from manifests.errors import ModelError
+    from manifests.targets import get_profile
+
+    check_layout(family, [get_profile("cpu")], "acme/hybrid")
+    with pytest.raises(ModelError, match=r"recurrent layers .* found targets cuda, jetson-thor; expected --targets cpu"):
+        check_layout(family, [get_profile(t) for t in ("cpu", "cuda", "jetson-thor")], "acme/hybrid")
