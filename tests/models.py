@@ -48,10 +48,11 @@ HYBRID_FAMILIES = {
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
         "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}),
     # Nemotron-H: Mamba-2, attention, Mamba-2, MLP (hybrid_override_pattern "M*M-"); 4 Mamba heads of 16 in 2
-    # groups, state 16; chunk_size 8 so a prefill crosses transformers' scan chunks
+    # groups, state 16; chunk_size 8 so a prefill crosses transformers' scan chunks; time_step_min 0.05 (the
+    # Hub's: 0.001) so that dt's clamp there is reached by many tokens
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {
         "head_dim": 16, "hybrid_override_pattern": "M*M-", "mamba_num_heads": 4, "mamba_head_dim": 16,
-        "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4, "chunk_size": 8}),
+        "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4, "chunk_size": 8, "time_step_min": 0.05}),
 }
 #: Nemotron-H with routed experts: "M*ME", 8 experts in 2 groups (topk_group 1), top 2, a shared expert.
 NEMOTRON_MOE = {"hybrid_override_pattern": "M*ME", "n_routed_experts": 8, "num_experts_per_tok": 2,

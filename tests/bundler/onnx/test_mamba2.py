@@ -186,6 +186,22 @@ def test_routed_experts_match_transformers(moe_export):
     check_parity(checkpoint, result.graph, result.vocab_size, engine=_engine(result))
 
 
+def test_latent_experts_without_renormalisation_match_transformers(tmp_path):
+    """moe_latent_size (the experts run on a projection of the hidden state) and norm_topk_prob false (the
+    chosen scores as they are): the graph scales MoE's renormalised output back by their sum."""
+    from bundler.onnx.export import export_onnx
+
+    overrides = {**NEMOTRON_MOE, "moe_latent_size": 32, "norm_topk_prob": False, "n_group": 4, "topk_group": 2}
+    checkpoint = make_tiny_checkpoint(tmp_path / "ckpt", family=FAMILY, seed=8, overrides=overrides)
+    result = export_onnx(checkpoint, tmp_path / "onnx", kv_cache="batched")
+    tokens = np.random.default_rng(5).integers(0, result.vocab_size, 20).tolist()
+    ref = reference_logits(checkpoint, tokens)
+    engine = _engine(result)
+    assert_logits(engine.forward_one(tokens[:12]), ref[:12], ATOL, "prefill")
+    for i in range(12, 20):
+        assert_logits(engine.forward_one([tokens[i]]), ref[i:i + 1], ATOL, f"decode {i}")
+
+
 def test_the_routing_details_matter_at_this_tolerance(moe_export):
     """Without the correction bias or the group limit transformers' own logits move by far more than ATOL:
     the parity above would catch either one left out."""
