@@ -1,7 +1,6 @@
-"""Hybrid models through the whole path, a Qwen3.5 text model (Gated DeltaNet + attention) and a Nemotron-H
-(Mamba-2 + attention + MLP): `bundle create` for the cpu
-target (with a tiny dense Qwen3 draft sharing its tokenizer), `bundle install`, and a real server driven
-by the official `openai` client.
+"""Hybrid models through the whole path, a Qwen3.5 text model (Gated DeltaNet + attention) and Nemotron-H
+(Mamba-2 + attention + MLP, and with routed experts): `bundle create` for the cpu target (with a tiny dense
+Qwen3 draft sharing its tokenizer), `bundle install`, and a real server driven by the official `openai` client.
 
 Greedy output must not depend on speculation: draft-model and n-gram verification leave each slot's
 recurrent state after its last accepted token (the engine restores its snapshot and runs the accepted
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import once_per_run
-from tests.models import make_tiny_checkpoint
+from tests.models import NEMOTRON_MOE, make_tiny_checkpoint
 from tests.runtime.serve.conftest import RunningServer
 
 #: the last lines repeat earlier ones, so n-gram lookup finds proposals from the first step
@@ -24,14 +23,17 @@ PROMPTS = ["The quick brown fox", "def read(path):\n    with open(path) as f:",
            "import os\nimport sys\nprint(os.path)\nimport os\nimport sys\n"]
 
 
-#: per family, a random model whose greedy text makes both kinds of draft miss somewhere
-SEEDS = {"qwen3_5_text": 3, "nemotron_h": 7}
+#: per model (family, config overrides, seed): a random model whose greedy text makes both kinds of draft
+#: miss somewhere; "nemotron_h_moe" is Nemotron-H with routed experts ("M*ME")
+MODELS = {"qwen3_5_text": ("qwen3_5_text", None, 3), "nemotron_h": ("nemotron_h", None, 7),
+          "nemotron_h_moe": ("nemotron_h", NEMOTRON_MOE, 7)}
 
 
-@pytest.fixture(scope="module", params=sorted(SEEDS))
+@pytest.fixture(scope="module", params=sorted(MODELS))
 def hybrid_store(tmp_path_factory, request) -> Path:
     """The installed bundle's store (read-only), per hybrid family."""
-    family = request.param
+    which = request.param
+    family, overrides, seed = MODELS[which]
 
     def build(root: Path) -> Path:
         from bundler.pack.create import CreateOptions, create_bundle, local_model
@@ -40,7 +42,7 @@ def hybrid_store(tmp_path_factory, request) -> Path:
         from runtime.store.store import Store
         from runtime.store.trust import trusted_keys
 
-        target = make_tiny_checkpoint(root / "target", family=family, seed=SEEDS[family])
+        target = make_tiny_checkpoint(root / "target", family=family, seed=seed, overrides=overrides)
         draft = make_tiny_checkpoint(root / "draft", family="qwen3", hidden_size=32, num_layers=1, num_heads=2,
                                      num_kv_heads=1, intermediate_size=64, seed=4, tokenizer_from=target)
         generate_key(root / "key")
@@ -52,7 +54,7 @@ def hybrid_store(tmp_path_factory, request) -> Path:
                                       trusted=trusted_keys([root / "key.pub"], trust_dir=None))
         return root / "store"
 
-    return once_per_run(tmp_path_factory, f"hybrid-bundle-{family}", build)
+    return once_per_run(tmp_path_factory, f"hybrid-bundle-{which}", build)
 
 
 def _serve(store: Path, options: dict | None = None, **speculation):
