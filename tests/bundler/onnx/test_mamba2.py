@@ -244,5 +244,60 @@ def test_targets_other_than_cpu_are_refused_before_any_download(family):
     from manifests.targets import get_profile
 
     check_layout(family, [get_profile("cpu")], "acme/hybrid")
-    with pytest.raises(ModelError, match=r"recurrent layers .* found targets cuda, jetson-thor; expected --targets cpu"):
+    with pytest.raises(ModelError, match=r"recurrent layers .* found targets cuda, jetson-thor; expected --targets "
+                                         r"cpu"):
         check_layout(family, [get_profile(t) for t in ("cpu", "cuda", "jetson-thor")], "acme/hybrid")
+
+
+def _dequantized(w: np.ndarray, block: int) -> np.ndarray:
+    """What QMoE computes with: rtn_int4's codes, zero points and scales back to floats."""
+    from bundler.onnx.blocks.moe import rtn_int4
+
+    packed, scale, zp = rtn_int4(w, block)
+    codes = np.empty(w.shape, np.float32)
+    codes[..., 0::2], codes[..., 1::2] = packed & 15, packed >> 4
+    blocks = w.shape[-1] // block
+    zeros = np.empty((*w.shape[:-1], 2 * -(-blocks // 2)), np.float32)
+    zeros[..., 0::2], zeros[..., 1::2] = zp & 15, zp >> 4
+    codes = codes.reshape(*w.shape[:-1], blocks, block)
+    return ((codes - zeros[..., :blocks, None]) * scale[..., None]).reshape(w.shape)
+
+
+def test_4_bit_experts_stay_squared_relu():
+    """--quantization int4 turns MoE into QMoE (bundler.onnx.blocks.moe.quantize_experts), attributes kept: its
+    swiglu over the doubled up_proj is still relu(up x)^2, exactly on the dequantized weights."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from bundler.onnx.blocks.mamba2 import RELU2_ALPHA
+    from bundler.onnx.blocks.moe import quantize_experts
+
+    tokens, hidden, experts, inter, top_k, block = 16, 64, 4, 32, 2, 32
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    logits = rng.standard_normal((tokens, experts)).astype(np.float32)
+    up = (rng.standard_normal((experts, inter, hidden)) * 0.2).astype(np.float32)
+    down = (rng.standard_normal((experts, hidden, inter)) * 0.2).astype(np.float32)
+    fc1 = np.repeat(up, 2, axis=1)  # gate and up interleaved, the same rows
+    node = helper.make_node("MoE", ["x", "r", "fc1", "", "fc2"], ["y"], domain="com.microsoft", k=top_k,
+                            activation_type="swiglu", swiglu_fusion=1, activation_alpha=RELU2_ALPHA,
+                            activation_beta=0.0, normalize_routing_weights=1)
+    graph = helper.make_graph([node], "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [tokens, hidden]),
+                                              helper.make_tensor_value_info("r", TensorProto.FLOAT, [tokens, experts])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(fc1, "fc1"), numpy_helper.from_array(down, "fc2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 11
+    assert quantize_experts(model, block) == ("fc1", "fc2")
+    assert [n.op_type for n in model.graph.node] == ["QMoE"]
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x, "r": logits})[0]
+    up_q, down_q = _dequantized(fc1, block)[:, 0::2], _dequantized(down, block)
+    want = np.zeros((tokens, hidden))
+    for t in range(tokens):
+        chosen = np.argsort(-logits[t])[:top_k]
+        weights = np.exp(logits[t, chosen]) / np.exp(logits[t, chosen]).sum()
+        for e, weight in zip(chosen, weights):
+            want[t] += weight * (down_q[e] @ np.maximum(up_q[e] @ x[t], 0.0) ** 2)
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
