@@ -214,7 +214,8 @@ def build_batched_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm
     """Write result.graph + result.weights for the batched layout (standard TensorScatter + Attention,
     or GroupQueryAttention with fusions containing "gqa"); fusions None: DEFAULT_FUSIONS."""
     fusions = DEFAULT_FUSIONS if fusions is None else frozenset(fusions)
-    act = getattr(config, "hidden_act", "silu")
+    # Nemotron-H's MLP is squared ReLU by mlp_hidden_act (bundler.onnx.blocks.mamba2 checks it)
+    act = "silu" if FAMILIES[result.family].mamba2 else getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise SharedLayoutUnsupported(f"{checkpoint_dir} cannot use the in-place KV cache graph: activation "
                                       f"{act!r} is not silu (SwiGLU MLP)")

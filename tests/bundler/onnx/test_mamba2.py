@@ -301,3 +301,30 @@ def test_4_bit_experts_stay_squared_relu():
         for e, weight in zip(chosen, weights):
             want[t] += weight * (down_q[e] @ np.maximum(up_q[e] @ x[t], 0.0) ** 2)
     np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+
+
+def test_a_hub_style_config_exports_the_same_graph(mamba_export, tmp_path):
+    """The Hub's Nemotron-H config.json: hybrid_override_pattern and num_hidden_layers instead of
+    layers_block_type, the older mamba_n_groups / mamba_d_conv, a hidden_act beside mlp_hidden_act; tensors
+    under backbone.* (as save_pretrained writes them too). Same logits as transformers reads it."""
+    import json
+    import shutil
+
+    from bundler.onnx.export import export_onnx
+    from bundler.resolve.checks import estimate_memory
+    from manifests.targets import get_profile
+
+    checkpoint, result = mamba_export
+    hub = tmp_path / "hub"
+    shutil.copytree(checkpoint, hub)
+    cfg = json.loads((hub / "config.json").read_text())
+    pattern = "".join({"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}[t]
+                      for t in cfg.pop("layers_block_type"))
+    cfg.update(hybrid_override_pattern=pattern, num_hidden_layers=len(pattern), mamba_n_groups=cfg.pop("n_groups"),
+               mamba_d_conv=cfg.pop("conv_kernel"), hidden_act="relu2")
+    (hub / "config.json").write_text(json.dumps(cfg))
+    exported = export_onnx(hub, tmp_path / "onnx", kv_cache="batched")
+    tokens = np.random.default_rng(7).integers(0, result.vocab_size, 12).tolist()
+    assert_logits(_engine(exported).forward_one(tokens), reference_logits(hub, tokens), ATOL, "hub-style config")
+    profile = get_profile("cpu")
+    assert estimate_memory(hub, 96, profile) == estimate_memory(checkpoint, 96, profile)
