@@ -9,7 +9,8 @@ Mamba-2 (transformers' NemotronHMamba2Mixer, its PyTorch path): in_proj -> [gate
 depthwise conv over xBC (kernel conv_kernel, bias, SiLU) -> x [heads, head_dim], B and C [n_groups,
 ssm_state_size] (each group serving heads / n_groups consecutive heads); dt = max(softplus(dt + dt_bias),
 time_step_min) (transformers' chunked scan clamps at time_step_min, as ONNX Runtime's own Mamba2Verify
-does); A = -exp(A_log); the SSD recurrence per head, state S [head_dim, state]:
+does; its one-token cached step leaves the clamp out, so transformers' own decode can differ from its
+prefill where softplus falls below time_step_min: the graph is the prefill's, every step); A = -exp(A_log); the SSD recurrence per head, state S [head_dim, state]:
 
     S_t = exp(dt_t A) S_{t-1} + (dt_t x_t) B_t^T,     y_t = S_t C_t + D x_t
 
@@ -34,11 +35,14 @@ sigmoid; the choice adds `e_score_correction_bias` and is restricted to the `top
 expert groups with the largest sum of their two best corrected scores; the top `num_experts_per_tok` are
 chosen, their weights are the uncorrected scores, renormalised with norm_topk_prob (+1e-20) and times
 routed_scaling_factor; each expert is down(relu(up(x))^2), plus a shared expert MLP over every token.
-ONNX Runtime's MoE operator has no squared-ReLU activation (its CPU kernel: relu, gelu, silu, identity,
-swiglu) and its router is a softmax, so this block is standard ops: the routing by TopK (ties to the lower
-index, ONNX's rule) into a dense [tokens, experts] weight matrix, zero outside the choice, and every
-expert evaluated as one batched MatMul and weighted by it. That costs experts / top_k times the FLOPs of
-a sparse kernel: right for the cpu target's small models, where one fused kernel is still to come.
+Maintained operators again, no dense fallback: com.microsoft `MoEGroupRouter` (CPU kernel) is exactly
+this router and hands com.microsoft `MoE` log-scores of the chosen experts (-10000 elsewhere), whose
+softmax there is the renormalised weights. MoE's CPU kernel has no squared ReLU (relu2 is CUDA only: relu,
+gelu, silu, identity, swiglu here), so fc1 holds up_proj twice as swiglu's gate and up with a large alpha,
+which is relu^2 (RELU2_ALPHA says how close); this costs fc1 twice, where evaluating every expert densely
+in standard ops would cost experts / top_k times (benchmarks/bench_mamba2.py). Ties between equal scores
+follow MoEGroupRouter (torch.topk's choice is unspecified); the -inf masking and +1e-20 are immaterial.
+`--quantization int4` turns the MoE node into QMoE with the same attributes (bundler.onnx.blocks.moe).
 """
 
 from __future__ import annotations
