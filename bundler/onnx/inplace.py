@@ -231,10 +231,9 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
     from onnx import TensorProto as TP
     from onnx import helper as h
 
-    from bundler.onnx.blocks import moe
-
     from bundler.onnx.blocks import gated_deltanet as gdn
     from bundler.onnx.blocks import mamba2 as m2
+    from bundler.onnx.blocks import moe
 
     cfg = config
     batched = layout == BATCHED_LAYOUT
