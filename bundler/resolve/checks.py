@@ -228,7 +228,8 @@ def engine_layout(profile: Any) -> EngineLayout:
 
 
 FORMULA = ("weights = (parameters + vocab x hidden when the embeddings are tied: the graph holds its own "
-           "lm_head) x B (+ 2 x positions x head_dim/2 x 4 rotary tables on ONNX Runtime; with int4, routed "
+           "lm_head; + Nemotron-H's expert up_proj a second time) x B (+ 2 x positions x head_dim/2 x 4 rotary "
+           "tables on ONNX Runtime, none for Nemotron-H; with int4, routed "
            "experts are 4-bit too (QMoE) when the block size divides hidden and moe_intermediate, and their "
            "routers stay at B bytes); "
            "KV cache (per sequence: `bundle serve` holds as many as its KV budget allows, at most --max-num-seqs) "
@@ -252,6 +253,10 @@ def device_memory(cfg: Mapping[str, Any], parameters: int, max_model_len: int, p
     from manifests.quantization import DEFAULT_BLOCK_SIZE, applied, weight_bytes_per_parameter
 
     s = _shape(cfg)
+    if cfg.get("model_type") == "nemotron_h":  # its graph holds each expert's up_proj twice
+        from bundler.onnx.blocks.mamba2 import graph_only_parameters
+
+        parameters += graph_only_parameters(cfg)
     experts = expert_parameters(cfg) + router_parameters(cfg)
     lay = engine_layout(profile)
     b = lay.value_bytes
@@ -263,7 +268,7 @@ def device_memory(cfg: Mapping[str, Any], parameters: int, max_model_len: int, p
         block = int(profile.extra.get("quantization_block_size", DEFAULT_BLOCK_SIZE))
         float_experts = router_parameters(cfg) + (0 if experts_quantizable(cfg, block) else expert_parameters(cfg))
         weights = (embed + float_experts) * b + int((parameters + tied_head - embed - float_experts) * per)
-    if lay.rotary_tables:
+    if lay.rotary_tables and cfg.get("model_type") != "nemotron_h":  # Nemotron-H's attention has no rotary
         weights += 2 * (s["positions"] + lay.kv_spare_rows) * (s["head_dim"] // 2) * 4
     kv = kv_cache_bytes(cfg, max_model_len + lay.kv_spare_rows, b, lay.kv_copies)
     tokens = lay.tokens_per_pass(max_model_len)

@@ -99,6 +99,16 @@ def config_parameters(cfg: Mapping) -> int:
     return sum(per[t] + h for t in layer_types(cfg)) + vocab * h * (1 if get("tie_word_embeddings") else 2) + h
 
 
+def graph_only_parameters(cfg: Mapping) -> int:
+    """Weights the graph holds beyond the checkpoint's: each expert's up_proj a second time (routed_experts'
+    fc1 is swiglu's gate and up, both up_proj)."""
+    get = _getter(cfg)
+    experts = int(get("n_routed_experts") or 0)
+    moe_layers = sum(t == MOE for t in layer_types(cfg)) if experts else 0
+    width = int(get("moe_latent_size") or get("hidden_size"))
+    return moe_layers * experts * width * int(get("moe_intermediate_size") or 0)
+
+
 def _dims(cfg) -> tuple[int, int, int, int, int]:
     """(heads, head_dim, n_groups, state size, conv kernel)."""
     return (int(cfg.mamba_num_heads), int(cfg.mamba_head_dim), int(cfg.n_groups), int(cfg.ssm_state_size),

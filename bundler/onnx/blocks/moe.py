@@ -70,9 +70,10 @@ def expert_parameters(cfg: Any) -> int:
     """Weights of every expert of every sparse layer (gate, up, down), router excluded: what a checkpoint
     holds beyond what a dense reading of its config counts, whatever few experts a token uses."""
     inter = int(_get(cfg, "moe_intermediate_size", 0) or 0)
-    if _get(cfg, "model_type") == "nemotron_h":  # up and down only, over the latent width when there is one
+    if _get(cfg, "model_type") == "nemotron_h":  # as its graph holds them: up twice (swiglu's gate and up, see
+        # bundler.onnx.blocks.mamba2.routed_experts) and down, over the latent width when there is one
         width = int(_get(cfg, "moe_latent_size", None) or _get(cfg, "hidden_size", 0))
-        return len(sparse_layers(cfg)) * num_experts(cfg) * 2 * width * inter
+        return len(sparse_layers(cfg)) * num_experts(cfg) * 3 * width * inter
     return len(sparse_layers(cfg)) * num_experts(cfg) * 3 * int(_get(cfg, "hidden_size", 0)) * inter
 
 

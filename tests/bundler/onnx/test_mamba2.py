@@ -303,6 +303,22 @@ def test_4_bit_experts_stay_squared_relu():
     np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("which", ["mamba", "moe"])
+def test_the_preflights_weights_are_the_graphs(mamba_export, moe_export, which):
+    """The cpu target's weight bytes as the pre-flight counts them (no rotary tables; each expert's up_proj
+    twice, as fc1 holds it) against the graph's initializers: within 1 % (the graph's small constants)."""
+    import onnx
+    from onnx import numpy_helper
+
+    from bundler.resolve.checks import estimate_memory
+    from manifests.targets import get_profile
+
+    checkpoint, result = mamba_export if which == "mamba" else moe_export
+    graph = onnx.load(str(result.graph))
+    held = sum(numpy_helper.to_array(t).nbytes for t in graph.graph.initializer)
+    assert estimate_memory(checkpoint, 96, get_profile("cpu")).weights_bytes == pytest.approx(held, rel=0.01)
+
+
 def test_a_hub_style_config_exports_the_same_graph(mamba_export, tmp_path):
     """The Hub's Nemotron-H config.json: hybrid_override_pattern and num_hidden_layers instead of
     layers_block_type, the older mamba_n_groups / mamba_d_conv, a hidden_act beside mlp_hidden_act; tensors
