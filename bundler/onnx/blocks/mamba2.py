@@ -10,7 +10,8 @@ depthwise conv over xBC (kernel conv_kernel, bias, SiLU) -> x [heads, head_dim],
 ssm_state_size] (each group serving heads / n_groups consecutive heads); dt = max(softplus(dt + dt_bias),
 time_step_min) (transformers' chunked scan clamps at time_step_min, as ONNX Runtime's own Mamba2Verify
 does; its one-token cached step leaves the clamp out, so transformers' own decode can differ from its
-prefill where softplus falls below time_step_min: the graph is the prefill's, every step); A = -exp(A_log); the SSD recurrence per head, state S [head_dim, state]:
+prefill where softplus falls below time_step_min: the graph is the prefill's, every step);
+A = -exp(A_log); the SSD recurrence per head, state S [head_dim, state]:
 
     S_t = exp(dt_t A) S_{t-1} + (dt_t x_t) B_t^T,     y_t = S_t C_t + D x_t
 
