@@ -24,6 +24,14 @@ class Family:
     routed_experts: bool = False
     #: some layers are Gated DeltaNet linear attention with a recurrent state per slot (batched graph only)
     gated_deltanet: bool = False
+    #: some layers are Mamba-2 state-space mixers with a recurrent state per slot (batched graph only); the
+    #: decoder layers are one mixer each (Mamba-2, attention, MLP or routed experts) in the config's pattern
+    mamba2: bool = False
+
+    @property
+    def recurrent(self) -> bool:
+        """Layers keep a fixed-size state per sequence beside the KV cache (Gated DeltaNet or Mamba-2)."""
+        return self.gated_deltanet or self.mamba2
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -38,6 +46,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # the Hub's Qwen3.5 checkpoints: the text model is exported, the vision tower left out
     Family("qwen3_5", ("Qwen3_5ForConditionalGeneration",), "Gated DeltaNet + attention (text)", q_k_norm=True,
            gated_deltanet=True),
+    # Nemotron-H: hybrid_override_pattern, e.g. "M*M-E": Mamba-2, attention (no rotary), squared-ReLU MLP, routed
+    # experts (sigmoid router, grouped top-k, a shared expert)
+    Family("nemotron_h", ("NemotronHForCausalLM",), "Mamba-2 + attention + MLP / routed experts", routed_experts=True,
+           mamba2=True),
 )}
 
 #: config.json architectures of EAGLE-3 draft heads (the public checkpoints' and vLLM's names).

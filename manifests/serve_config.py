@@ -138,7 +138,19 @@ def _generation_config(v):
 
 
 _MAMBA_DTYPES = ("auto", "float32", "float16", "bfloat16")
-_NO_MAMBA = "no Mamba layers in this model (bundles carry dense transformer families); no effect"
+#: why a Mamba prefix-cache setting changes nothing: the recurrent families serve with prefix caching off
+_MAMBA_NO_PREFIX = ("prefix caching is off for models with Mamba-2 (or Gated DeltaNet) layers: a sequence's "
+                    "recurrent state is not kept at prefix junctions; no effect")
+
+
+def _mamba_dtype(flag: str):
+    def check(v):
+        if v in (None, "auto", "float32"):  # what runs: the states are float32
+            return None
+        return _note(flag, f"{v}: Mamba-2 conv and SSM states are float32 (ONNX Runtime's GatedDeltaNet keeps "
+                           "its state in float on the cpu target, the one that serves Mamba-2); no effect")
+    return check
+
 _NO_HUB = "the bundle carries its model files; nothing is downloaded or loaded from a hub"
 
 FLAGS: tuple[Flag, ...] = (
@@ -214,15 +226,19 @@ FLAGS: tuple[Flag, ...] = (
          "adapter into the checkpoint and build a bundle of it"),
     Flag("--limit-mm-per-prompt", "json", "Most images/videos/audio items per prompt, e.g. '{\"image\": 0}'.",
          effect="bundles serve text only (images and audio are refused per request); no effect"),
-    # vLLM's Mamba (state-space) cache settings: the families bundles carry are dense transformers
-    *(Flag(name, kind, doc, choices=choices, effect=_NO_MAMBA) for name, kind, doc, choices in (
-        ("--mamba-cache-dtype", "str", "Mamba cache data type (conv and SSM state).", _MAMBA_DTYPES),
-        ("--mamba-ssm-cache-dtype", "str", "Mamba SSM state data type.", _MAMBA_DTYPES),
-        ("--mamba-block-size", "int", "Mamba cache block size in tokens.", ()),
-        ("--mamba-cache-mode", "str", "Mamba prefix-cache strategy.", ("all", "align", "none")),
-        ("--mamba-backend", "str", "Mamba kernel backend.", ()),
-        ("--enable-mamba-fine-grained-prefix-cache", "pair", "Mamba checkpoints at shared-prefix junctions.", ()),
-    )),
+    # vLLM's Mamba (state-space) cache settings; Nemotron-H's Mamba-2 states are float32, one region per slot
+    Flag("--mamba-cache-dtype", "str", "Mamba cache data type (conv and SSM state).", choices=_MAMBA_DTYPES,
+         effect=_mamba_dtype("--mamba-cache-dtype")),
+    Flag("--mamba-ssm-cache-dtype", "str", "Mamba SSM state data type.", choices=_MAMBA_DTYPES,
+         effect=_mamba_dtype("--mamba-ssm-cache-dtype")),
+    Flag("--mamba-block-size", "int", "Mamba cache block size in tokens.",
+         effect="each sequence has its own recurrent-state region beside its KV cache, not blocks; no effect"),
+    Flag("--mamba-cache-mode", "str", "Mamba prefix-cache strategy.", choices=("all", "align", "none"),
+         effect=_MAMBA_NO_PREFIX),
+    Flag("--mamba-backend", "str", "Mamba kernel backend.", effect="Mamba-2 runs as the ONNX Runtime operators "
+         "of the exported graph (CausalConvWithState, GatedDeltaNet); no effect"),
+    Flag("--enable-mamba-fine-grained-prefix-cache", "pair", "Mamba checkpoints at shared-prefix junctions.",
+         effect=_MAMBA_NO_PREFIX),
     Flag("--speculative-config", "json", "vLLM-style JSON, e.g. '{\"method\": \"ngram\", "
          "\"num_speculative_tokens\": 3}'. Methods: draft_model (the bundle's draft), ngram, none. "
          "Default: the bundle manifest's setting."),

@@ -47,7 +47,17 @@ HYBRID_FAMILIES = {
         "head_dim": 16, "layer_types": ["linear_attention", "full_attention"] * 2,
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
         "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}),
+    # Nemotron-H: Mamba-2, attention, Mamba-2, MLP (hybrid_override_pattern "M*M-"); 4 Mamba heads of 16 in 2
+    # groups, state 16; chunk_size 8 so a prefill crosses transformers' scan chunks; time_step_min 0.05 (the
+    # Hub's: 0.001) so that dt's clamp there is reached by many tokens
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {
+        "head_dim": 16, "hybrid_override_pattern": "M*M-", "mamba_num_heads": 4, "mamba_head_dim": 16,
+        "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4, "chunk_size": 8, "time_step_min": 0.05}),
 }
+#: Nemotron-H with routed experts: "M*ME", 8 experts in 2 groups (topk_group 1), top 2, a shared expert.
+NEMOTRON_MOE = {"hybrid_override_pattern": "M*ME", "n_routed_experts": 8, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48, "n_group": 2,
+                "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5}
 
 
 def make_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
@@ -72,8 +82,9 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
 def make_tiny_checkpoint(out_dir: Path, *, family: str = "llama", vocab_size: int = 512, hidden_size: int = 64,
                          num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                          intermediate_size: int = 128, max_positions: int = 512, seed: int = 0,
-                         tokenizer_from: Path | None = None) -> Path:
-    """A random-weight checkpoint of `family` in Hugging Face layout. Same tokenizer => pass `tokenizer_from`."""
+                         tokenizer_from: Path | None = None, overrides: dict | None = None) -> Path:
+    """A random-weight checkpoint of `family` in Hugging Face layout. Same tokenizer => pass `tokenizer_from`;
+    `overrides`: config kwargs over the family's (e.g. NEMOTRON_MOE)."""
     import shutil
 
     import torch
@@ -82,8 +93,9 @@ def make_tiny_checkpoint(out_dir: Path, *, family: str = "llama", vocab_size: in
     if family == "qwen3_5":  # the Hub's multimodal layout around the same text model
         return _multimodal_qwen3_5(out_dir, vocab_size=vocab_size, max_positions=max_positions, seed=seed)
     cfg_name, model_name, extra = {**FAMILIES, **ROUTED_FAMILIES, **HYBRID_FAMILIES}[family]
+    extra = {**extra, **(overrides or {})}
     if family in HYBRID_FAMILIES:
-        num_layers = len(extra["layer_types"])
+        num_layers = len(extra.get("layer_types") or extra["hybrid_override_pattern"])
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer_from is not None:
@@ -102,11 +114,14 @@ def make_tiny_checkpoint(out_dir: Path, *, family: str = "llama", vocab_size: in
         tie_word_embeddings=False, **extra)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
-    if family in ROUTED_FAMILIES:
+    if family in ROUTED_FAMILIES or extra.get("n_routed_experts"):
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if ".mlp.gate." in name + "." or ".mlp.experts." in name + ".":
-                    param.normal_(0.0, ROUTER_STD if ".mlp.gate." in name + "." else EXPERT_STD)
+                if any(f".{m}.{part}." in name + "." for m in ("mlp", "mixer") for part in ("gate", "experts")):
+                    param.normal_(0.0, ROUTER_STD if ".gate." in name + "." else EXPERT_STD)
+            for name, buf in model.named_buffers():  # Nemotron-H's router correction bias starts at 0
+                if name.endswith("e_score_correction_bias"):
+                    buf.normal_(0.0, 0.3)
     if family in HYBRID_FAMILIES:  # norms start at 0 (scale 1 + w) and gates at fixed values: move them all
         with torch.no_grad():
             for name, param in model.named_parameters():

@@ -190,7 +190,8 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
         raise UsageError(f"graph fusions apply to the batched KV-cache graph; found kv_cache {kv_cache!r}")
     fusions = None if fusions is None else frozenset(fusions)
     if family in HYBRID_FAMILIES and (kv_cache != "batched" or dtype != "float32"):
-        raise UsageError(f"{checkpoint_dir}: {arch} mixes Gated DeltaNet with attention; expected "
+        raise UsageError(f"{checkpoint_dir}: {arch} mixes recurrent layers ({FAMILIES[family].blocks}) with "
+                         f"attention; expected "
                          f"kv_cache='batched' in float32 (the cpu target's graph: its recurrent state lives beside "
                          f"the KV cache), found {kv_cache!r} in {dtype}")
     if kv_cache != "concat":

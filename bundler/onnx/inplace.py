@@ -26,7 +26,9 @@ GroupQueryAttention is an ONNX Runtime contrib op: TensorRT targets keep the "co
 Qwen3.5 text models (HYBRID_FAMILIES) mix in Gated DeltaNet layers (bundler.onnx.blocks.gated_deltanet),
 batched layout only: their KV caches are numbered among the attention layers (past_key_values.<j> is
 the j-th full-attention layer), their recurrent states among the Gated DeltaNet layers, and metadata
-`bundle.layer_types` lists which layer is which.
+`bundle.layer_types` lists which layer is which. Nemotron-H (bundler.onnx.blocks.mamba2) is built the same
+way: its layers are one mixer each (Mamba-2, attention without rotary, MLP or routed experts), its
+Mamba-2 states numbered among the Mamba-2 layers, bound and captured like Gated DeltaNet's.
 
 Weights are streamed tensor by tensor from the safetensors files into one external-data file,
 so memory stays at one tensor whatever the model size.
@@ -63,11 +65,14 @@ ALIGN = 64  # byte alignment of each tensor in the external-data file
 _CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
                  "qwen3_5_text": "Qwen3_5Text", "qwen3_5": "Qwen3_5Text"}
 _MODULE = {"qwen3_5_text": "qwen3_5"}  # transformers' module, where it is not the model type
-#: Families whose layers mix attention with Gated DeltaNet (bundler.onnx.blocks.gated_deltanet): batched only.
+#: Families whose layers mix attention with recurrent ones (Gated DeltaNet: bundler.onnx.blocks.gated_deltanet;
+#: Mamba-2: bundler.onnx.blocks.mamba2): batched only, a recurrent state per slot beside the KV cache.
 #: "qwen3_5" is the multimodal checkpoint, whose text model is exported (text_config, model.language_model.*).
-HYBRID_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.gated_deltanet)
+HYBRID_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.recurrent)
 #: Where a multimodal checkpoint keeps its text model's tensors (read as model.*).
 _TEXT_MODEL_PREFIX = "model.language_model."
+#: Where Nemotron-H checkpoints keep the decoder (transformers renames backbone.* to model.* on load).
+_BACKBONE_PREFIX = "backbone."
 
 
 class _Checkpoint:
@@ -87,9 +92,12 @@ class _Checkpoint:
         self._where = {k: f for f in self._files for k in f.keys()}
         # a multimodal checkpoint's text model: model.language_model.X is read as model.X
         self._text = any(k.startswith(_TEXT_MODEL_PREFIX) for k in self._where)
+        self._backbone = any(k.startswith(_BACKBONE_PREFIX) for k in self._where)
 
     def _stored(self, name: str) -> str:
-        return _TEXT_MODEL_PREFIX + name[len("model."):] if self._text and name.startswith("model.") else name
+        if not name.startswith("model.") or not (self._text or self._backbone):
+            return name
+        return (_TEXT_MODEL_PREFIX if self._text else _BACKBONE_PREFIX) + name[len("model."):]
 
     def __contains__(self, name: str) -> bool:
         return self._stored(name) in self._where
@@ -206,7 +214,8 @@ def build_batched_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm
     """Write result.graph + result.weights for the batched layout (standard TensorScatter + Attention,
     or GroupQueryAttention with fusions containing "gqa"); fusions None: DEFAULT_FUSIONS."""
     fusions = DEFAULT_FUSIONS if fusions is None else frozenset(fusions)
-    act = getattr(config, "hidden_act", "silu")
+    # Nemotron-H's MLP is squared ReLU by mlp_hidden_act (bundler.onnx.blocks.mamba2 checks it)
+    act = "silu" if FAMILIES[result.family].mamba2 else getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise SharedLayoutUnsupported(f"{checkpoint_dir} cannot use the in-place KV cache graph: activation "
                                       f"{act!r} is not silu (SwiGLU MLP)")
@@ -222,28 +231,32 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
     from onnx import TensorProto as TP
     from onnx import helper as h
 
+    from bundler.onnx.blocks import gated_deltanet as gdn
+    from bundler.onnx.blocks import mamba2 as m2
     from bundler.onnx.blocks import moe
 
     cfg = config
     batched = layout == BATCHED_LAYOUT
     family = result.family
-    hybrid = family in HYBRID_FAMILIES
-    if hybrid:
-        from bundler.onnx.blocks import gated_deltanet as gdn
-
-        types = gdn.layer_types(cfg)
-        fusions = fusions - {"qkv"}  # q_proj carries the output gate: q, gate, k, v are separate MatMuls
+    hybrid = FAMILIES[family].gated_deltanet  # Qwen3.5: Gated DeltaNet + gated attention
+    mamba = FAMILIES[family].mamba2  # Nemotron-H: one mixer per layer, no rotary
+    if hybrid or mamba:
+        types = gdn.layer_types(cfg) if hybrid else m2.layer_types(cfg)
+        if hybrid:
+            fusions = fusions - {"qkv"}  # q_proj carries the output gate: q, gate, k, v are separate MatMuls
         if not batched or fusions & {"q3d", "bsnh", "gqa"}:
-            raise ModelError(f"{result.architecture} (Gated DeltaNet + attention) is written for the batched "
+            raise ModelError(f"{result.architecture} ({FAMILIES[family].blocks}) is written for the batched "
                              f"graph without {', '.join(sorted(fusions & {'q3d', 'bsnh', 'gqa'})) or 'fusions'}; "
                              f"found layout {layout!r}")
     else:
         types = ["full_attention"] * result.num_layers
+    states = m2 if mamba else gdn  # the recurrent layers' state shapes and captures
     layers = len(types)
     heads, kv, hd = int(cfg.num_attention_heads), result.num_kv_heads, result.head_dim
-    eps = float(cfg.rms_norm_eps)
+    eps = float(cfg.layer_norm_epsilon if mamba else cfg.rms_norm_eps)
     ckpt = _Checkpoint(Path(checkpoint_dir))
-    cos, sin = rotary_tables(family, cfg, result.max_positions + (BATCHED_HEADROOM if batched else 0), hd)
+    if not mamba:  # Nemotron-H has no rotary (no tables, no RotaryEmbedding)
+        cos, sin = rotary_tables(family, cfg, result.max_positions + (BATCHED_HEADROOM if batched else 0), hd)
     w = _Writer(result.weights)
     nodes: list = []
 
@@ -308,8 +321,9 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
         return node("Add", [x, linear(act, f"{p}.mlp.down_proj")])
 
     ops = moe.GraphOps(node, w.add, ckpt.get, ckpt.__contains__)
-    sparse = {f"model.layers.{i}" for i in moe.sparse_layers(cfg)} if FAMILIES[family].routed_experts else set()
-    cos_name, sin_name = w.add("cos_cache", cos), w.add("sin_cache", sin)
+    sparse = ({f"model.layers.{i}" for i in moe.sparse_layers(cfg)} if FAMILIES[family].routed_experts and not mamba
+              else set())
+    cos_name, sin_name = ("", "") if mamba else (w.add("cos_cache", cos), w.add("sin_cache", sin))
     if gqa and has_q_k_norm:
         raise ModelError("the gqa variant has no q/k norm (Qwen3) path; expected a model without q_norm/k_norm")
     if batched and not gqa:
@@ -323,23 +337,35 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
                                                const("axes_0", [0])])], to=TP.INT32)
 
     rotary = {}
-    if hybrid:
+    if hybrid or mamba:
         import types as _types
 
         ops = _types.SimpleNamespace(node=node, const=const, linear=linear, w=w, ckpt=ckpt, MS=MS_DOMAIN,
                                      scalar=lambda name, v: w.add(name, np.array(v, np.int64)))
         valid = gdn.valid_rows(ops)
-        if gdn.rotary_dim(cfg, hd) != hd:  # partial rotary: the first rotary_dim of each head
+        if hybrid and gdn.rotary_dim(cfg, hd) != hd:  # partial rotary: the first rotary_dim of each head
             rotary = {"rotary_embedding_dim": gdn.rotary_dim(cfg, hd)}
 
-    x = node("Gather", [w.add("model.embed_tokens.weight", ckpt.get("model.embed_tokens.weight")), "input_ids"])
+    embed = "model.embeddings.weight" if mamba else "model.embed_tokens.weight"
+    x = node("Gather", [w.add(embed, ckpt.get(embed)), "input_ids"])
     aux: dict[int, str] = {}  # EAGLE-3: layer id -> that layer's input (transformers' hidden_states[i])
     kv_index = rec_index = 0  # caches are numbered among their own kind of layer
     for layer, kind in enumerate(types):  # x: the layer's input (the residual stream)
         p = f"model.layers.{layer}"
         if layer in result.aux_layer_ids:
             aux[layer] = x
-        hs = rms(x, f"{p}.input_layernorm.weight")
+        hs = rms(x, f"{p}.norm.weight" if mamba else f"{p}.input_layernorm.weight")
+        if mamba and kind != m2.ATTENTION:  # Nemotron-H: the layer is this one mixer and the residual
+            m = f"{p}.mixer"
+            if kind == m2.MAMBA:
+                y = m2.mamba2_mixer(ops, hs, m, rec_index, cfg, valid)
+                rec_index += 1
+            elif kind == m2.MLP:
+                y = m2.relu2_mlp(ops, hs, m, cfg)
+            else:
+                y = m2.routed_experts(ops, hs, m, cfg)
+            x = node("Add", [x, y])
+            continue
         if hybrid and kind == gdn.LINEAR:
             x = mlp_block(x, gdn.deltanet_mixer(ops, hs, p, rec_index, cfg, valid), p, "linear_attn.out_proj")
             rec_index += 1
@@ -356,15 +382,16 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
             x = mlp_block(x, attn, p)
             continue
         gate = None
+        sa = f"{p}.mixer" if mamba else f"{p}.self_attn"
         if hybrid:  # gated attention: q_proj yields [q | gate] per head
             q_w, gate_w = gdn.split_query_gate(ckpt, p, heads, hd)
             q = node("MatMul", [hs, w.add(f"{p}.self_attn.q_proj.weight.q", q_w)])
             gate = node("MatMul", [hs, w.add(f"{p}.self_attn.q_proj.weight.gate", gate_w)])
             k, v = (linear(hs, f"{p}.self_attn.{n}_proj") for n in ("k", "v"))
         elif "qkv" in fusions:
-            q, k, v = packed(hs, f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"))
+            q, k, v = packed(hs, sa, ("q_proj", "k_proj", "v_proj"))
         else:
-            q, k, v = (linear(hs, f"{p}.self_attn.{n}_proj") for n in ("q", "k", "v"))
+            q, k, v = (linear(hs, f"{sa}.{n}_proj") for n in ("q", "k", "v"))
         if has_q_k_norm:
             q = head_norm(q, heads, f"{p}.self_attn.q_norm.weight")
             k = head_norm(k, kv, f"{p}.self_attn.k_norm.weight")
@@ -388,11 +415,14 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
                         q_num_heads=heads, kv_num_heads=kv)
             # ONNX Runtime's shape inference gets a 3D Attention output's last axis wrong: say it.
             attn = node("Reshape", [attn, const(f"shape_{heads * hd}", [0, 0, heads * hd])])
-        elif batched:
-            q4 = node("RotaryEmbedding", [heads_first(q, heads), cos_name, sin_name, "position_ids"], interleaved=0,
-                      **rotary)
-            k4 = node("RotaryEmbedding", [heads_first(k, kv), cos_name, sin_name, "position_ids"], interleaved=0,
-                      **rotary)
+        if batched and not q3d:
+            if mamba:  # Nemotron-H's attention has no rotary
+                q4, k4 = heads_first(q, heads), heads_first(k, kv)
+            else:
+                q4 = node("RotaryEmbedding", [heads_first(q, heads), cos_name, sin_name, "position_ids"],
+                          interleaved=0, **rotary)
+                k4 = node("RotaryEmbedding", [heads_first(k, kv), cos_name, sin_name, "position_ids"],
+                          interleaved=0, **rotary)
             present_k = node("TensorScatter", [past_k, k4, "write_indices"], [f"present.{i}.key"], axis=2)
             present_v = node("TensorScatter", [past_v, heads_first(v, kv), "write_indices"],
                              [f"present.{i}.value"], axis=2)
@@ -403,7 +433,7 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
             y4 = node("Attention", [q4, k_win, v_win, "attention_mask"], scale=float(hd) ** -0.5)
             attn = node("Reshape", [node("Transpose", [y4], perm=[0, 2, 1, 3]),
                                     const(f"shape_{heads * hd}", [0, 0, heads * hd])])
-        else:
+        elif not batched:
             attn = node("GroupQueryAttention",
                         [q, k, v, past_k, past_v, seqlens_k, total, cos_name, sin_name],
                         [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN,
@@ -411,9 +441,9 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
                         scale=float(hd) ** -0.5)[0]
         if gate is not None:
             attn = node("Mul", [attn, node("Sigmoid", [gate])])
-        x = mlp_block(x, attn, p)
-    x = rms(x, "model.norm.weight")
-    head = "lm_head.weight" if "lm_head.weight" in ckpt else "model.embed_tokens.weight"  # tied embeddings
+        x = node("Add", [x, linear(attn, f"{sa}.o_proj")]) if mamba else mlp_block(x, attn, p)
+    x = rms(x, "model.norm_f.weight" if mamba else "model.norm.weight")
+    head = "lm_head.weight" if "lm_head.weight" in ckpt else embed  # tied embeddings
     node("MatMul", [x, w.add("lm_head.weight.T", ckpt.get(head).T)], ["logits"])
     if result.aux_layer_ids:  # only the new rows, only these layers: [batch, sequence_length, len(ids) * H]
         node("Concat", [aux[i] for i in result.aux_layer_ids], [AUX_OUTPUT], axis=-1)
@@ -440,20 +470,20 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
         for part in ("key", "value"):
             inputs.append(h.make_tensor_value_info(f"past_key_values.{i}.{part}", TP.FLOAT, cache))
             outputs.append(h.make_tensor_value_info(f"present.{i}.{part}", TP.FLOAT, cache))
-    if hybrid:  # per slot, bound in place like the KV cache
+    if hybrid or mamba:  # per slot, bound in place like the KV cache
         inputs += [h.make_tensor_value_info(gdn.NEW_TOKENS, TP.INT64, ["batch"]),
                    h.make_tensor_value_info(gdn.CAPTURE_COUNT, TP.INT32, ["batch"])]
-        conv_shape, rec_shape = gdn.state_shapes(cfg)
+        conv_shape, rec_shape = states.state_shapes(cfg)
         for i in range(rec_index):
             for names, shape in ((gdn.conv_state_names(i), conv_shape), (gdn.recurrent_state_names(i), rec_shape)):
                 inputs.append(h.make_tensor_value_info(names[0], TP.FLOAT, ["batch", *shape]))
                 outputs.append(h.make_tensor_value_info(names[1], TP.FLOAT, ["batch", *shape]))
             update, conv_input = gdn.capture_names(i)
-            outputs += [h.make_tensor_value_info(update, TP.FLOAT, ["batch", gdn.capture_width(cfg)]),
+            outputs += [h.make_tensor_value_info(update, TP.FLOAT, ["batch", states.capture_width(cfg)]),
                         h.make_tensor_value_info(conv_input, TP.FLOAT, ["batch", "sequence_length", conv_shape[1]])]
     graph = h.make_graph(nodes, "decoder", inputs, outputs, w.initializers)
     if batched:
-        contrib = (fusions & {"skip_norm", "gqa"}) or sparse or hybrid  # MoE and GatedDeltaNet: com.microsoft ops
+        contrib = (fusions & {"skip_norm", "gqa"}) or sparse or hybrid or mamba  # MoE, GatedDeltaNet: com.microsoft
         opsets = [h.make_opsetid("", BATCHED_OPSET)] + ([h.make_opsetid(MS_DOMAIN, 1)] if contrib else [])
         doc = "batched in-place KV-cache decoding (TensorScatter + Attention, one cache region per slot)"
     else:
@@ -470,7 +500,7 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
         model.metadata_props.add(key="bundle.attention_window", value="0" if gqa else "1")
         model.metadata_props.add(key="bundle.fusions", value=",".join(sorted(fusions)))
         model.metadata_props.add(key="bundle.attention", value="gqa" if gqa else "attention")
-    if hybrid:
+    if hybrid or mamba:
         model.metadata_props.add(key="bundle.layer_types", value=",".join(types))
         model.metadata_props.add(key="bundle.state_capture_tokens", value=str(gdn.CAPTURE_TOKENS))
     result.graph.write_bytes(model.SerializeToString())

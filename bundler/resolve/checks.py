@@ -124,9 +124,9 @@ def safetensors_parameters(files: Iterable[Path]) -> int:
 def _shape(cfg: Mapping[str, Any]) -> dict[str, int]:
     h = int(cfg.get("hidden_size", 0))
     heads = int(cfg.get("num_attention_heads", 1))
-    layers = int(cfg.get("num_hidden_layers", 0))
-    types = cfg.get("layer_types") or []
-    return {"hidden": h, "layers": layers - sum(t == "linear_attention" for t in types), "heads": heads,
+    types = _layer_types(cfg)
+    layers = sum(t == "full_attention" for t in types) if types else int(cfg.get("num_hidden_layers", 0))
+    return {"hidden": h, "layers": layers, "heads": heads,
             "kv_heads": int(cfg.get("num_key_value_heads") or heads),
             "head_dim": int(cfg.get("head_dim") or (h // max(heads, 1))),
             "inter": int(cfg.get("intermediate_size", 4 * h)), "vocab": int(cfg.get("vocab_size", 0)),
@@ -138,6 +138,10 @@ def config_parameters(cfg: Mapping[str, Any]) -> int:
     routed experts (bundler.onnx.blocks.moe) counts every expert and its router instead of the dense MLP."""
     from bundler.onnx.blocks.moe import expert_parameters, router_parameters, sparse_layers
 
+    if cfg.get("model_type") == "nemotron_h":  # one mixer per layer: Mamba-2, attention, MLP or experts
+        from bundler.onnx.blocks.mamba2 import config_parameters as nemotron_parameters
+
+        return nemotron_parameters(cfg)
     s = _shape(cfg)
     h, hd = s["hidden"], s["head_dim"]
     attn = h * s["heads"] * hd * 2 + h * s["kv_heads"] * hd * 2
@@ -159,12 +163,30 @@ def kv_cache_bytes(cfg: Mapping[str, Any], max_model_len: int, value_bytes: int 
     return copies * 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * max_model_len * per + recurrent_state_bytes(cfg)
 
 
+def _layer_types(cfg: Mapping[str, Any]) -> list[str]:
+    """Each layer's kind for hybrid configs (Qwen3.5's layer_types, Nemotron-H's pattern), else []."""
+    if cfg.get("model_type") == "nemotron_h":
+        from bundler.onnx.blocks.mamba2 import layer_types
+
+        return layer_types(dict(cfg))
+    return list(cfg.get("layer_types") or [])
+
+
 def recurrent_state_bytes(cfg: Mapping[str, Any]) -> int:
     """Gated DeltaNet layers (Qwen3.5): per sequence, a conv state (kernel-1) x conv_dim and a delta-rule
-    state v_heads x v_dim x k_dim, float32, twice (the runtime keeps a snapshot for rollback)."""
-    linear = sum(t == "linear_attention" for t in cfg.get("layer_types") or [])
+    state v_heads x v_dim x k_dim; Mamba-2 layers (Nemotron-H): a conv state (conv_kernel-1) x (heads x
+    head_dim + 2 x n_groups x ssm_state_size) and an SSM state heads x head_dim x ssm_state_size; float32,
+    twice (the runtime keeps a snapshot for rollback)."""
+    linear = sum(t == "linear_attention" for t in _layer_types(cfg))
     if not linear:
         return 0
+    if cfg.get("model_type") == "nemotron_h":
+        heads, dim = int(cfg.get("mamba_num_heads", 0)), int(cfg.get("mamba_head_dim", 0))
+        # the Hub's older configs spell them mamba_n_groups / mamba_d_conv (transformers' defaults: 8, 4)
+        groups = int(cfg.get("n_groups") or cfg.get("mamba_n_groups") or 8)
+        state = int(cfg.get("ssm_state_size", 0))
+        conv = (int(cfg.get("conv_kernel") or cfg.get("mamba_d_conv") or 4) - 1) * (heads * dim + 2 * groups * state)
+        return 2 * linear * (conv + heads * dim * state) * 4
     hk, hv = int(cfg.get("linear_num_key_heads", 0)), int(cfg.get("linear_num_value_heads", 0))
     dk, dv = int(cfg.get("linear_key_head_dim", 0)), int(cfg.get("linear_value_head_dim", 0))
     conv = (int(cfg.get("linear_conv_kernel_dim", 4)) - 1) * (2 * hk * dk + hv * dv)
@@ -204,12 +226,14 @@ def engine_layout(profile: Any) -> EngineLayout:
 
 
 FORMULA = ("weights = (parameters + vocab x hidden when the embeddings are tied: the graph holds its own "
-           "lm_head) x B (+ 2 x positions x head_dim/2 x 4 rotary tables on ONNX Runtime; with int4, routed "
+           "lm_head; + Nemotron-H's expert up_proj a second time) x B (+ 2 x positions x head_dim/2 x 4 rotary "
+           "tables on ONNX Runtime, none for Nemotron-H; with int4, routed "
            "experts are 4-bit too (QMoE) when the block size divides hidden and moe_intermediate, and their "
            "routers stay at B bytes); "
            "KV cache (per sequence: `bundle serve` holds as many as its KV budget allows, at most --max-num-seqs) "
            "= copies x 2 x layers x kv_heads x head_dim x (max_model_len + spare) x B (layers with attention; "
-           "+ 2 x Gated DeltaNet layers x ((kernel - 1) x conv_dim + v_heads x v_dim x k_dim) x 4, the recurrent "
+           "+ 2 x Gated DeltaNet layers x ((kernel - 1) x conv_dim + v_heads x v_dim x k_dim) x 4, or 2 x Mamba-2 "
+           "layers x ((conv_kernel - 1) x conv_dim + heads x head_dim x ssm_state) x 4, the recurrent "
            "state and its snapshot); spare = 64 padding rows "
            "on ONNX Runtime's batched graph, else 0; "
            "activations = T x vocab x 4 (fp32 logits) + T x (4 x hidden + 2 x intermediate) x B "
@@ -227,6 +251,10 @@ def device_memory(cfg: Mapping[str, Any], parameters: int, max_model_len: int, p
     from manifests.quantization import DEFAULT_BLOCK_SIZE, applied, weight_bytes_per_parameter
 
     s = _shape(cfg)
+    if cfg.get("model_type") == "nemotron_h":  # its graph holds each expert's up_proj twice
+        from bundler.onnx.blocks.mamba2 import graph_only_parameters
+
+        parameters += graph_only_parameters(cfg)
     experts = expert_parameters(cfg) + router_parameters(cfg)
     lay = engine_layout(profile)
     b = lay.value_bytes
@@ -238,7 +266,7 @@ def device_memory(cfg: Mapping[str, Any], parameters: int, max_model_len: int, p
         block = int(profile.extra.get("quantization_block_size", DEFAULT_BLOCK_SIZE))
         float_experts = router_parameters(cfg) + (0 if experts_quantizable(cfg, block) else expert_parameters(cfg))
         weights = (embed + float_experts) * b + int((parameters + tied_head - embed - float_experts) * per)
-    if lay.rotary_tables:
+    if lay.rotary_tables and cfg.get("model_type") != "nemotron_h":  # Nemotron-H's attention has no rotary
         weights += 2 * (s["positions"] + lay.kv_spare_rows) * (s["head_dim"] // 2) * 4
     kv = kv_cache_bytes(cfg, max_model_len + lay.kv_spare_rows, b, lay.kv_copies)
     tokens = lay.tokens_per_pass(max_model_len)
@@ -337,7 +365,16 @@ def check_servable(model_dir: Path, name: str | None = None, *, allow_no_chat_te
 
 def check_layout(family: str, profiles: Iterable[Any], name: str) -> None:
     """Routed experts run only in the in-place graphs (ONNX Runtime); a target whose engines trace the concat
-    graph (TensorRT without int4) is refused before any download, naming the targets that can serve it."""
+    graph (TensorRT without int4) is refused before any download, naming the targets that can serve it.
+    Recurrent layers (Gated DeltaNet, Mamba-2) run only in the cpu target's fp32 batched graph: any other
+    target is refused before any download too (export would refuse it after)."""
+    profiles = list(profiles)
+    if FAMILIES[family].recurrent:
+        other = [p.id for p in profiles if engine_layout(p).value_bytes != 4 or engine_layout(p).kv_copies != 1]
+        if other:
+            raise ModelError(f"{name}: model type {family!r} has recurrent layers ({FAMILIES[family].blocks}), "
+                             f"which only the cpu target's float32 batched graph holds; found targets "
+                             f"{', '.join(other)}; expected --targets cpu")
     if not FAMILIES[family].routed_experts:
         return
     traced = [p.id for p in profiles if engine_layout(p).kv_copies == 2]

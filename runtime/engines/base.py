@@ -90,7 +90,7 @@ class Engine(ABC):
     choice: EngineChoice | None = None
     #: True when one forward computes all rows together; False when rows run one after another
     batched: bool = False
-    #: True when slots also hold a recurrent state (Gated DeltaNet layers): it cannot be shortened by a
+    #: True when slots also hold a recurrent state (Gated DeltaNet or Mamba-2 layers): it cannot be shortened by a
     #: length, so a rollback or a partial prefix copy runs tokens again; prefix caching buys nothing
     recurrent: bool = False
 

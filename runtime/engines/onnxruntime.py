@@ -14,9 +14,9 @@ I/O binding, so a step allocates nothing. How they are laid out depends on the g
   the range that take no part write into `capacity - max_context` spare rows past the end that
   nobody attends to. Rows of very different lengths (a prefill chunk beside decodes) go in separate calls
   so that a 64-token chunk does not pad eight 1-token decodes to 64 each.
-  Hybrid models (Qwen3.5: Gated DeltaNet layers beside attention) also carry a recurrent state per
-  slot (runtime.engines.recurrent: bound in place like the cache, counted in kv_bytes_per_slot);
-  a rollback into the last forward replays its captured transitions, one further back or a copy of
+  Hybrid models (Qwen3.5's Gated DeltaNet, Nemotron-H's Mamba-2 layers, beside attention) also
+  carry a recurrent state per slot (runtime.engines.recurrent: bound in place like the cache, counted
+  in kv_bytes_per_slot); a rollback into the last forward replays its captured transitions, one further back or a copy of
   part of another slot's prefix runs tokens again.
 - "shared" (GroupQueryAttention graph, bundles made before "batched"): one buffer per slot, layer
   and k/v, [1, kv_heads, max_context, head_dim]. ONNX Runtime's GQA refuses a batch when a row adds

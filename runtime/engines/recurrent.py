@@ -1,4 +1,8 @@
-"""Recurrent state per slot for hybrid graphs (Qwen3.5's Gated DeltaNet layers beside attention).
+"""Recurrent state per slot for hybrid graphs (Qwen3.5's Gated DeltaNet, Nemotron-H's Mamba-2 layers).
+
+A Mamba-2 layer's state has the same two parts and the same names (conv state [kernel-1, conv_dim], SSM
+state [heads, head_dim, ssm_state] as v_heads, v_dim, k_dim) and its graph captures the same compact
+updates (GatedDeltaNet's "gated" rule: decay exp(dt A), key B, delta dt x), so all below holds for both.
 
 A Gated DeltaNet layer's memory is a fixed-size state per sequence: the last kernel-1 conv inputs
 (`past_conv_state.<i>`, [slots, kernel-1, conv_dim]) and the delta-rule state (`past_recurrent_state.<i>`,

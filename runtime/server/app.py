@@ -61,7 +61,8 @@ class OpenAIServer:
         #: prefix caching as it runs: off for a target with recurrent state, as vLLM turns it off for hybrids
         self.enable_prefix_caching = options.enable_prefix_caching
         if self.enable_prefix_caching and getattr(runner.target, "recurrent", False):
-            log.info("prefix caching is off: %s keeps a recurrent state (Gated DeltaNet layers) per sequence, "
+            log.info("prefix caching is off: %s keeps a recurrent state (Gated DeltaNet or Mamba-2 "
+                     "layers) per sequence, "
                      "which a cached prefix of KV rows cannot restore", model.name)
             self.enable_prefix_caching = False
         config = SchedulerConfig(max_num_seqs=self.slot_plan.num_slots,

@@ -99,17 +99,26 @@ def test_merge_lays_the_command_line_over_the_bundle():
         "max_model_len": 2048, "tool_call_parser": "hermes"}
 
 
-@pytest.mark.parametrize("args", [
-    ["--limit-mm-per-prompt", '{"image": 0, "video": 0}'],
-    ["--mamba-ssm-cache-dtype", "float32"], ["--mamba-cache-dtype", "auto"], ["--mamba-block-size", "64"],
-    ["--mamba-cache-mode", "align"], ["--mamba-backend", "triton"],
-    ["--enable-mamba-fine-grained-prefix-cache"], ["--no-enable-mamba-fine-grained-prefix-cache"],
+@pytest.mark.parametrize("args, why", [
+    (["--limit-mm-per-prompt", '{"image": 0, "video": 0}'], "text only"),
+    (["--mamba-ssm-cache-dtype", "bfloat16"], "states are float32"), (["--mamba-cache-dtype", "float16"], "float32"),
+    (["--mamba-block-size", "64"], "own recurrent-state region"), (["--mamba-cache-mode", "align"], "prefix caching"),
+    (["--mamba-backend", "triton"], "ONNX Runtime operators"),
+    (["--enable-mamba-fine-grained-prefix-cache"], "prefix caching is off"),
+    (["--no-enable-mamba-fine-grained-prefix-cache"], "prefix caching is off"),
 ])
-def test_multimodal_and_mamba_flags_are_noted_never_unknown(args):
+def test_multimodal_and_mamba_flags_are_noted_never_unknown(args, why):
     notes = sc.check(sc.parse_args(args))
     flag = args[0].replace("--no-", "--")
     assert len(notes) == 1 and notes[0].startswith(flag + ":")
-    assert ("text only" if "mm" in flag else "no Mamba layers") in notes[0]
+    assert why in notes[0]
+
+
+@pytest.mark.parametrize("flag", ["--mamba-ssm-cache-dtype", "--mamba-cache-dtype"])
+@pytest.mark.parametrize("value", ["float32", "auto"])
+def test_a_float32_mamba_state_is_what_runs(flag, value):
+    """Mamba-2 states are float32: vLLM's float32 (or auto) asks for what the engine does, no note."""
+    assert sc.check(sc.parse_args([flag, value])) == []
 
 
 def test_mamba_dtype_outside_vllms_choices_is_refused():

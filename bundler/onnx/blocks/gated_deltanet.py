@@ -125,12 +125,7 @@ def deltanet_mixer(g, hs: str, p: str, index: int, cfg, valid: str) -> str:
     weight = g.w.add(f"{a_}.conv1d.weight", g.ckpt.get(f"{a_}.conv1d.weight"))  # [conv_dim, 1, kernel]
     conv = g.node("CausalConvWithState", [mixed, weight, "", past_conv], [f"{a_}/conv", f"{a_}/conv_carry"],
                   domain=g.MS, channels_last=1, activation="silu")[0]
-    # The conv state after each row's last real token: its last kernel-1 inputs, padding excluded.
-    joined = g.node("Concat", [past_conv, mixed], axis=1)  # [batch, kernel-1+seq, conv_dim]
-    rows = g.node("Add", [g.node("Unsqueeze", [NEW_TOKENS, g.const("axes_1", [1])]),
-                          g.const(f"steps_{kernel - 1}", [list(range(kernel - 1))])])  # [batch, kernel-1]
-    rows = g.node("Expand", [g.node("Unsqueeze", [rows, g.const("axes_2", [2])]), g.node("Shape", [past_conv])])
-    g.node("GatherElements", [joined, rows], [present_conv], axis=1)
+    conv_state_after(g, past_conv, mixed, kernel, present_conv)
 
     sizes = g.const(f"split_{hk * dk}_{hk * dk}_{hv * dv}", [hk * dk, hk * dk, hv * dv])
     q, k, v = g.node("Split", [conv, sizes], [f"{a_}/q", f"{a_}/k", f"{a_}/v"], axis=-1)
@@ -150,6 +145,16 @@ def deltanet_mixer(g, hs: str, p: str, index: int, cfg, valid: str) -> str:
     z4 = g.node("Reshape", [z, g.const(f"shape_{hv}_{dv}", [0, 0, hv, dv])])
     gated = g.node("Mul", [normed, g.node("Mul", [z4, g.node("Sigmoid", [z4])])])
     return g.node("Reshape", [gated, g.const(f"shape_{hv * dv}", [0, 0, hv * dv])])
+
+
+def conv_state_after(g, past_conv: str, inputs: str, kernel: int, present_conv: str) -> None:
+    """present_conv = the conv state after each row's last real token: its last kernel-1 inputs, padding
+    excluded (rows new_tokens[row] .. +kernel-2 of Concat(past state, inputs)). Mamba-2 uses it too."""
+    joined = g.node("Concat", [past_conv, inputs], axis=1)  # [batch, kernel-1+seq, conv_dim]
+    rows = g.node("Add", [g.node("Unsqueeze", [NEW_TOKENS, g.const("axes_1", [1])]),
+                          g.const(f"steps_{kernel - 1}", [list(range(kernel - 1))])])  # [batch, kernel-1]
+    rows = g.node("Expand", [g.node("Unsqueeze", [rows, g.const("axes_2", [2])]), g.node("Shape", [past_conv])])
+    g.node("GatherElements", [joined, rows], [present_conv], axis=1)
 
 
 def _l2norm(g, x: str) -> str:

@@ -34,8 +34,9 @@ import numpy as np
 from manifests.errors import ModelError
 
 MS_DOMAIN = "com.microsoft"
-#: config.json key of the expert count: Qwen's checkpoints write num_experts, transformers 5 num_local_experts.
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
+#: config.json key of the expert count: Qwen's checkpoints write num_experts, transformers 5 num_local_experts,
+#: Nemotron-H n_routed_experts.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -51,9 +52,14 @@ def num_experts(cfg: Any) -> int:
 
 
 def sparse_layers(cfg: Any) -> frozenset[int]:
-    """Indices of the decoder layers whose MLP is routed experts (transformers' Qwen3MoeDecoderLayer rule)."""
+    """Indices of the decoder layers whose MLP is routed experts (transformers' Qwen3MoeDecoderLayer rule;
+    Nemotron-H: its "E" layers)."""
     if not num_experts(cfg):
         return frozenset()
+    if _get(cfg, "model_type") == "nemotron_h":
+        from bundler.onnx.blocks.mamba2 import MOE, layer_types
+
+        return frozenset(i for i, t in enumerate(layer_types(cfg)) if t == MOE)
     step = int(_get(cfg, "decoder_sparse_step", 1) or 1)
     dense = set(_get(cfg, "mlp_only_layers", None) or ())
     return frozenset(i for i in range(int(_get(cfg, "num_hidden_layers", 0)))
@@ -64,6 +70,10 @@ def expert_parameters(cfg: Any) -> int:
     """Weights of every expert of every sparse layer (gate, up, down), router excluded: what a checkpoint
     holds beyond what a dense reading of its config counts, whatever few experts a token uses."""
     inter = int(_get(cfg, "moe_intermediate_size", 0) or 0)
+    if _get(cfg, "model_type") == "nemotron_h":  # as its graph holds them: up twice (swiglu's gate and up, see
+        # bundler.onnx.blocks.mamba2.routed_experts) and down, over the latent width when there is one
+        width = int(_get(cfg, "moe_latent_size", None) or _get(cfg, "hidden_size", 0))
+        return len(sparse_layers(cfg)) * num_experts(cfg) * 3 * width * inter
     return len(sparse_layers(cfg)) * num_experts(cfg) * 3 * int(_get(cfg, "hidden_size", 0)) * inter
 
 

@@ -83,7 +83,7 @@ def test_unsupported_family_is_refused_by_name(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ModelError, match=r"family llama, mistral, qwen2, qwen3, qwen3_moe, qwen3_5_text, qwen3_5, "
-                                         r"found model_type 'gpt2' \(GPT2LMHeadModel\)"):
+                                         r"nemotron_h, found model_type 'gpt2' \(GPT2LMHeadModel\)"):
         export_onnx(tmp_path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

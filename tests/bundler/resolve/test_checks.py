@@ -21,7 +21,8 @@ def test_supported_architecture(checkpoints):
 def test_unsupported_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ModelError, match=r"expected an architecture of family llama, mistral, qwen2, qwen3, qwen3_moe, "
-                                         r"qwen3_5_text, qwen3_5, found model_type 'gpt2' \(GPT2LMHeadModel\)") as e:
+                                         r"qwen3_5_text, qwen3_5, nemotron_h, found model_type 'gpt2' "
+                                         r"\(GPT2LMHeadModel\)") as e:
         check_architecture(tmp_path, "acme/gpt")
     assert e.value.exit_code == 8
 
