@@ -5,7 +5,9 @@
 # Changes (see tests/vllm/README.md): the server is the tiny test bundle through `bundle serve`'s server, no
 # reasoning parser (vLLM's responses/conftest.py serves a Qwen3 reasoning model); the async client became the sync one; the answers'
 # content ("312", "QED", "30") and the presence of a reasoning item (what Qwen3 thinks) are a trained model's
-# text and are dropped; the output's shape is kept; max_output_tokens keeps each answer short.
+# text and are dropped; the output's shape is kept; max_output_tokens keeps each answer short, and temperature 0
+# makes it the same on every run (sampled, the random-weight model sometimes ends at its first token, and an
+# empty answer has no message item, in vLLM too).
 """vLLM's basic Responses API tests against the real server."""
 
 import openai  # use the official client for correctness check
@@ -13,7 +15,7 @@ import openai.types.responses as openai_responses_types
 import pytest
 
 MODEL_NAME = "tiny"
-SHORT = dict(model=MODEL_NAME, max_output_tokens=16)
+SHORT = dict(model=MODEL_NAME, max_output_tokens=16, temperature=0)
 
 
 @pytest.fixture()
