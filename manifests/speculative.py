@@ -48,6 +48,8 @@ VLLM_KEYS = ("method", "model", "num_speculative_tokens", "revision", "code_revi
              "disable_log_stats", "acceptance_method", "posterior_threshold", "posterior_alpha",
              "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
              "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+#: Keys of this tool's own beside vLLM's (kept in `extra`): "tree", token-tree proposals for draft_model.
+OWN_KEYS = ("tree",)
 #: Keys this tool acts on; the other VLLM_KEYS land in `extra`.
 USED_KEYS = ("method", "model", "num_speculative_tokens", "revision", "prompt_lookup_max", "prompt_lookup_min")
 #: vLLM's older spelling of prompt lookup: the model name "[ngram]".
@@ -131,7 +133,7 @@ def parse_speculative_config(text: str | dict) -> SpeculativeConfig:
         d = text
     if not isinstance(d, dict):
         raise _bad(f"expected a JSON object, found {type(d).__name__}")
-    unknown = sorted(set(d) - set(VLLM_KEYS))
+    unknown = sorted(set(d) - set(VLLM_KEYS) - set(OWN_KEYS))
     if unknown:
         raise _bad(f"expected vLLM's keys ({', '.join(USED_KEYS)}, ...), found unknown "
                    f"{', '.join(repr(k[:40]) for k in unknown[:5])}")
