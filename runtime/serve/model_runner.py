@@ -22,7 +22,7 @@ from runtime.serve.eagle3 import ChainProposer
 from runtime.engines.base import Engine, Row, SequenceEngine, SequenceSlots, TreeMask
 from runtime.serve.logits_process import token_logprobs
 from runtime.serve.spec_length import SpeculationLength
-from runtime.serve.spec_tree import Tree, TreeOptions, accept_tree, accept_tree_greedy, choose_children
+from runtime.serve.spec_tree import Tree, TreeOptions, accept_tree, accept_tree_greedy, grow_level, level_quota
 from runtime.serve.speculative import METHODS, SpecStats, Step, accept, accept_greedy, ngram_lookup, propose_token
 
 log = logging.getLogger(__name__)
@@ -336,14 +336,11 @@ class ModelRunner:
             for r, g in wanting:
                 if level >= g:
                     continue
-                tree, new = trees[r.slot], []
-                for node in frontier[r.slot]:
-                    # nodes the target (past + pending + nodes) and the draft can still hold
-                    left = min(budget, self.max_context - len(r.tokens)) - len(tree)
-                    if left <= 0:
-                        break
-                    new += choose_children(tree, node, logits[r.slot][node], r.params, r.rng, k, left,
-                                           r.logits_processors, r.output_ids)
+                tree = trees[r.slot]
+                # nodes the target (past + pending + nodes) and the draft can still hold
+                left = min(budget, self.max_context - len(r.tokens)) - len(tree)
+                new = grow_level(tree, frontier[r.slot], logits[r.slot], r.params, r.rng, k,
+                                 level_quota(left, g - level), r.logits_processors, r.output_ids)
                 frontier[r.slot] = new
                 if new and level < g - 1:
                     base = len(r.tokens)  # the draft holds every token, pending included; node j is at base + j

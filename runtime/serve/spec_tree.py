@@ -1,7 +1,9 @@
 """Token trees for speculative decoding: several branches per step, verified in ONE target forward.
 
-The draft proposes a tree instead of a chain: at each depth every frontier node gets up to
-`branching` children, until `max_nodes` nodes (the verify rows beyond the pending token) are used.
+The draft proposes a tree instead of a chain, of depth up to num_speculative_tokens and at most
+`max_nodes` nodes (the verify rows beyond the pending token), spread evenly over the levels; at each
+level the frontier's nodes, most probable path first, offer up to `branching` children each (grow_level).
+The draft runs level by level: one forward per level for every slot, the level's nodes as one tree row.
 The target scores every node in one forward (runtime.engines.base.TreeMask: a node sees the past
 and its ancestors), and the longest acceptable path plus one target token is kept.
 
@@ -68,18 +70,24 @@ class Tree:
     #: node -> the draft distribution its children were drawn from (sampled requests only)
     qs: dict[int, np.ndarray] = field(default_factory=dict)
     children: dict[int, dict[int, int]] = field(default_factory=dict)  # node -> token -> child node
+    scores: list[float] = field(default_factory=list)
+
+    def score(self, node: int) -> float:
+        return 0.0 if node < 0 else self.scores[node]
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, parent: int, token: int) -> int | None:
-        """Record `token` drawn at `parent`; a new node's index, or None when a sibling holds it already."""
+    def add(self, parent: int, token: int, score: float = 0.0) -> int | None:
+        """Record `token` drawn at `parent`; a new node's index, or None when a sibling holds it already.
+        `score`: the draft's log-probability of the node's path (which nodes grow first)."""
         self.draws.setdefault(parent, []).append(token)
         kids = self.children.setdefault(parent, {})
         if token in kids:
             return None
         node = len(self.tokens)
         self.tokens.append(token)
+        self.scores.append(score)
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1 if parent >= 0 else 1)
         kids[token] = node
@@ -97,25 +105,52 @@ class Tree:
         return [] if node < 0 else [self.tokens[a] for a in self.ancestors(node)] + [self.tokens[node]]
 
 
-def choose_children(tree: Tree, node: int, logits: np.ndarray, params: SamplingParams, rng, k: int,
-                    budget: int, processors: Sequence[LogitsProcessor], output_ids: Sequence[int]) -> list[int]:
-    """Up to k children of `node` from the draft's logits after it (at most `budget` new nodes)."""
-    if processors:
-        logits = apply_processors(processors, list(output_ids) + tree.path_tokens(node), logits)
+def level_quota(left: int, levels_left: int) -> int:
+    """Nodes the next level may add: the budget left spread evenly over the levels still to grow, so a
+    tree of max_nodes == depth is the chain and a larger budget widens every level alike."""
+    return max(1, left // max(levels_left, 1)) if left > 0 else 0
+
+
+def grow_level(tree: Tree, frontier: Sequence[int], logits_of: dict, params: SamplingParams, rng, k: int,
+               quota: int, processors: Sequence[LogitsProcessor], output_ids: Sequence[int]) -> list[int]:
+    """The next level's nodes (at most `quota`): frontier nodes are taken in order of their draft path
+    probability (best first).
+
+    Greedy: every frontier node's top-k draft tokens compete; the `quota` most probable paths win.
+    Sampled: the frontier nodes draw children i.i.d. from their q in rounds (each node once per round,
+    at most k rounds), so the node a verification accepts has a child whenever the quota covers the
+    frontier; drawing stops as soon as the level holds `quota` nodes. Which node draws, and how often, depends only on what was drawn
+    before, never on the draws to come, so each node's draws stay i.i.d. samples of its q."""
+    order = sorted(frontier, key=lambda n: -tree.score(n))
+    rows = {}
+    for node in order:
+        lg = logits_of[node]
+        if processors:
+            lg = apply_processors(processors, list(output_ids) + tree.path_tokens(node), lg)
+        rows[node] = lg
     new: list[int] = []
     if params.greedy:
-        order = np.argsort(-np.asarray(logits, dtype=np.float64), kind="stable")[:min(k, budget)]
-        for t in order:
-            new.append(tree.add(node, int(t)))  # distinct tokens: always a new node
+        pool = []
+        for node in order:
+            x = np.asarray(rows[node], dtype=np.float64)
+            logp = x - x.max() - np.log(np.exp(x - x.max()).sum())
+            for t in np.argsort(-x, kind="stable")[:k]:
+                pool.append((tree.score(node) + float(logp[t]), node, int(t)))
+        pool.sort(key=lambda c: -c[0])  # stable: equal scores keep the frontier's and the draft's order
+        for score, node, t in pool[:quota]:
+            new.append(tree.add(node, t, score))
         return new
-    q = probabilities(logits, params)
-    tree.qs[node] = q
-    for _ in range(k):
-        if len(new) >= budget:  # stop before a draw: the number of draws depends on earlier ones only
-            break
-        child = tree.add(node, draw(q, rng))
-        if child is not None:
-            new.append(child)
+    qs = {node: probabilities(rows[node], params) for node in order}
+    tree.qs.update(qs)
+    for _ in range(k):  # round robin: every frontier node draws once before any draws again
+        for node in order:
+            if len(new) >= quota:  # stop before a draw: the number of draws depends on earlier ones only
+                return new
+            q = qs[node]
+            t = draw(q, rng)
+            child = tree.add(node, t, tree.score(node) + float(np.log(q[t])))
+            if child is not None:
+                new.append(child)
     return new
 
 

@@ -134,7 +134,8 @@ def load_serving_model(installed, *, target_id: str | None = None, speculative: 
     info = {"bundle": f"{manifest.name} v{manifest.version}", "target": target_id,
             "engine": target.description or type(target).__name__,
             "speculative": spec.method if spec.method == "none" else
-            f"{spec.method} (num_speculative_tokens={spec.num_speculative_tokens})"}
+            f"{spec.method} (num_speculative_tokens={spec.num_speculative_tokens}"
+            + (f", tree branching={runner.tree.branching} max_nodes={runner.tree.max_nodes})" if runner.tree else ")")}
     info.update(engine_info(target, target_id))
     return ServingModel(name=manifest.name, tokenizer=tokenizer, template=ChatTemplate.for_tokenizer(tokenizer),
                         runner=runner, max_model_len=min(wanted or limit, limit), info=info,
