@@ -252,6 +252,8 @@ class SequenceSlots(Engine):
         return self._slots[slot].length
 
     def forward(self, rows: Sequence[Row]) -> list[np.ndarray]:
+        if any(row.tree is not None for row in rows):  # a single-sequence engine has no tree mask
+            raise NotImplementedError(f"{type(self).__name__} runs no token trees (Row.tree)")
         out = []
         for row in rows:
             out.append(self._slots[row.slot].forward(row.tokens))

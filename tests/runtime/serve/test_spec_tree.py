@@ -219,3 +219,35 @@ def test_served_with_trees_through_the_openai_client(installed_bundle):
             drafted = [ln for ln in metrics.splitlines() if ln.startswith("vllm:spec_decode_num_draft_tokens")]
             assert drafted and float(drafted[0].split()[-1]) > 0
     assert texts["tree"] == texts["plain"]
+
+
+def test_sampled_trees_under_concurrency_keep_the_target_distribution_per_slot():
+    """Four slots grow and verify their trees in the same draft and target forwards (a seed each, 4 tokens):
+    every slot's samples follow the target's exact distribution."""
+    from runtime.serve.model_runner import ModelRunner
+    from runtime.serve.scheduler import Scheduler
+    from tests.runtime.serve.test_scheduler import Recorder, assert_distributed_per_slot
+
+    target, draft = _tables()
+    slots, n = 4, 6000
+    params = SamplingParams(temperature=1.0)
+    runner = ModelRunner(MarkovSlots(target, num_slots=slots), MarkovSlots(draft, num_slots=slots), "draft_model", 2,
+                         tree=TreeOptions(branching=2, max_nodes=6), adaptive=False)
+    scheduler = Scheduler(runner, max_num_seqs=slots, max_num_batched_tokens=64)
+    rec = Recorder()
+    reqs = [rec.request(PROMPT, SamplingParams(1.0, seed=i), max_tokens=SAMPLED) for i in range(n)]
+    assert_distributed_per_slot(scheduler, rec, reqs, slots, _exact(target, params))
+    assert runner.stats.num_draft_tokens > 2 * runner.stats.num_drafts
+
+
+def test_engines_without_trees_refuse_tree_rows_and_keep_rows(make):
+    from runtime.engines.base import SequenceSlots
+
+    engine = SequenceSlots([MarkovEngine(np.zeros((4, 4)))])
+    with pytest.raises(NotImplementedError, match="token trees"):
+        engine.forward([Row(0, [1, 2], tree=TreeMask(0, ((), (0,))))])
+    with pytest.raises(NotImplementedError, match="keep selected cache rows"):
+        engine.keep_rows(0, 0, [0])
+    real = make("target")
+    with pytest.raises(ValueError, match="one ancestor list per tree token"):
+        real.forward([Row(0, [1, 2], tree=TreeMask(0, ((),)))])
