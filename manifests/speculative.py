@@ -4,7 +4,8 @@ A user pastes the JSON they already run with `vllm serve --speculative-config`, 
 '{"method": "draft_model", "model": "org/draft", "num_speculative_tokens": 3}'. Both commands
 accept the same keys with the same meaning: vLLM keys that only tune vLLM's own scheduler are
 accepted and kept (`extra`) but change nothing; a key vLLM does not know is refused, as vLLM
-would, because it is almost always a typo. What differs is only what each command can do with
+would, because it is almost always a typo (one key of this tool's own is accepted beside them: "tree",
+token-tree proposals for draft_model, runtime.serve.spec_tree). What differs is only what each command can do with
 the result: create bundles a draft model or an EAGLE-3 head (`bundled_draft`), serve runs the
 bundle's own draft or head or prompt lookup and refuses a `model` that is not the bundle's (`check_draft`).
 Methods this version does not run are refused by name with what a bundle would need (NOT_SUPPORTED).
