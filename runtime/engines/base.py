@@ -49,6 +49,22 @@ class Row:
     slot: int
     tokens: Sequence[int]
     fetch: str = "all"
+    #: None: the tokens follow each other (causal). A TreeMask: they are nodes of a token tree
+    #: (speculative verification of several branches in one forward); only engines with supports_tree
+    tree: "TreeMask | None" = None
+
+
+@dataclass(frozen=True)
+class TreeMask:
+    """Which cached rows each new token of a tree row sees, so a token tree runs in ONE forward.
+
+    Token i of the row (written at cache position past + i) attends to every position < `base`, to
+    the positions in `ancestors[i]` (all >= base: earlier tree nodes, in this row or in the cache
+    from an earlier call) and to itself; its position id is base + len(ancestors[i]) (its depth).
+    A chain of n tokens is the tree whose token i has ancestors past..past+i-1."""
+
+    base: int
+    ancestors: tuple[tuple[int, ...], ...]
 
 
 #: what runs a model: a TensorRT plan, ONNX Runtime's CUDA provider, or ONNX Runtime on the CPU
@@ -93,6 +109,8 @@ class Engine(ABC):
     #: True when slots also hold a recurrent state (Gated DeltaNet or Mamba-2 layers): it cannot be shortened by a
     #: length, so a rollback or a partial prefix copy runs tokens again; prefix caching buys nothing
     recurrent: bool = False
+    #: True when forward takes Row.tree (a tree attention mask) and keep_rows compacts chosen rows
+    supports_tree: bool = False
 
     @abstractmethod
     def length(self, slot: int) -> int:
@@ -106,6 +124,12 @@ class Engine(ABC):
             if r.slot in seen or not 0 <= r.slot < self.num_slots:
                 raise ValueError(f"expected each slot in 0..{self.num_slots - 1} at most once, found slot {r.slot}")
             seen.add(r.slot)
+            if r.tree is not None:
+                if not self.supports_tree:
+                    raise NotImplementedError(f"{type(self).__name__} runs no token trees (Row.tree)")
+                if len(r.tree.ancestors) != len(r.tokens):
+                    raise ValueError(f"expected one ancestor list per tree token ({len(r.tokens)}), "
+                                     f"found {len(r.tree.ancestors)}")
             if self.length(r.slot) + len(r.tokens) > self.max_context:
                 raise ContextFull(f"context full: expected at most {self.max_context} tokens, found "
                                   f"{self.length(r.slot)} cached + {len(r.tokens)} new in slot {r.slot}")
@@ -134,6 +158,12 @@ class Engine(ABC):
     @abstractmethod
     def rollback(self, slot: int, length: int) -> None:
         """Forget every token of `slot` at position >= length (rejected drafts, a shorter prefix)."""
+
+    def keep_rows(self, slot: int, past: int, rows: Sequence[int]) -> None:
+        """Keep the first `past` cached tokens of `slot` and, after them, the rows past + i for i in
+        `rows` (increasing), moved to be contiguous; forget the rest. After a token tree's
+        verification only the accepted path stays. Engines without supports_tree refuse."""
+        raise NotImplementedError(f"{type(self).__name__} cannot keep selected cache rows (token trees)")
 
     def release(self, slot: int) -> None:
         """Empty `slot` (its cached tokens are forgotten)."""
@@ -222,6 +252,8 @@ class SequenceSlots(Engine):
         return self._slots[slot].length
 
     def forward(self, rows: Sequence[Row]) -> list[np.ndarray]:
+        if any(row.tree is not None for row in rows):  # a single-sequence engine has no tree mask
+            raise NotImplementedError(f"{type(self).__name__} runs no token trees (Row.tree)")
         out = []
         for row in rows:
             out.append(self._slots[row.slot].forward(row.tokens))

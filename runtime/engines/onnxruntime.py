@@ -87,6 +87,17 @@ def open_session(graph: Path, options, providers: Sequence[str], threads: int | 
         raise ModelError(f"ONNX Runtime cannot load {graph}: {str(e).splitlines()[0]}") from None
 
 
+def tree_mask(mask: np.ndarray, positions: np.ndarray, tree, write: int) -> None:
+    """One row's [width, window] mask and position ids for a Row.tree (runtime.engines.base.TreeMask)."""
+    for i, anc in enumerate(tree.ancestors):
+        mask[i] = False
+        mask[i, :tree.base] = True
+        if anc:
+            mask[i, list(anc)] = True
+        mask[i, write + i] = True
+        positions[i] = tree.base + len(anc)
+
+
 class OnnxRuntimeEngine(Engine):
     def __init__(self, graph: Path, *, max_context: int | None = None, num_slots: int = 1,
                  threads: int | None = None, providers: Sequence[str] = ("CPUExecutionProvider",),
@@ -127,6 +138,8 @@ class OnnxRuntimeEngine(Engine):
             raise ModelError(f"max context {limit} exceeds what the model supports; expected at most {graph_max}")
         self.max_context = int(limit)
         self.batched = self.kv_cache == "batched"
+        # token trees: the batched graph takes any mask and position ids; a recurrent state cannot branch
+        self.supports_tree = self.batched and self._states is None
         self._headroom = int(meta.get("bundle.kv_headroom", 0)) if self.batched else 0
         self._windowed = meta.get("bundle.attention_window") == "1"  # else the mask spans the capacity
         #: rows one slot's region holds: max_context, plus the spare rows padding writes into
@@ -273,6 +286,9 @@ class OnnxRuntimeEngine(Engine):
         window = max(self.slots.lengths[r.slot] for r in group) + width if self._windowed else cap
         # Row b, new token i attends to every cached row before it and to new tokens 0..i.
         mask = np.arange(window)[None, None, None, :] <= positions[:, None, :, None]
+        for r in group:
+            if r.tree is not None:
+                tree_mask(mask[r.slot - lo, 0], positions[r.slot - lo], r.tree, int(write[r.slot - lo]))
         b = self._binding
         b.bind_cpu_input("input_ids", ids)
         b.bind_cpu_input("position_ids", positions)
@@ -379,6 +395,20 @@ class OnnxRuntimeEngine(Engine):
         self._states.clear(dst)
         if tokens:
             self.forward([Row(dst, tokens)])
+
+    def keep_rows(self, slot: int, past: int, rows: Sequence[int]) -> None:
+        if not self.supports_tree:
+            super().keep_rows(slot, past, rows)
+        have = self.slots.lengths[slot]
+        idx = past + np.asarray(rows, dtype=np.int64)
+        if not (0 <= past <= have and (len(idx) == 0 or (idx.max() < have and np.all(np.diff(idx) > 0)))):
+            raise ValueError(f"keep rows {list(rows)[:8]} after {past} of slot {slot}: it holds {have}")
+        n = len(idx)
+        if n and not np.array_equal(idx, np.arange(past, past + n)):
+            for i in range(len(self._past)):  # a gather (fancy indexing copies) into the rows after past
+                view = self._view(slot, i, have)
+                view[:, past:past + n] = view[:, idx]
+        self.slots.lengths[slot] = past + n
 
     def _compact(self, slot: int, live: int, other: int, have: int, length: int) -> None:
         """concat: the kept prefix of every head into the slot's other buffer."""

@@ -26,14 +26,15 @@ class Generator:
 
     def __init__(self, target, draft=None, method: str = "none", num_speculative_tokens: int = 3, *,
                  prompt_lookup_min: int = 2, prompt_lookup_max: int = 4, clock=time.perf_counter,
-                 adaptive: bool = False, disable_by_batch_size: int | None = None):
+                 adaptive: bool = False, disable_by_batch_size: int | None = None, tree=None):
         """`adaptive`: the runner picks each step's speculation length from measured costs
         (runtime.serve.spec_length; what the server runs); False, the default here, always verifies
         `num_speculative_tokens`, so tools and tests see the fixed call pattern."""
         draft = draft if method == "eagle3" else as_slots(draft)  # an EAGLE-3 head is a runtime.serve.eagle3.Drafter
         self.runner = ModelRunner(as_slots(target), draft, method, num_speculative_tokens,
                                   prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
-                                  clock=clock, adaptive=adaptive, disable_by_batch_size=disable_by_batch_size)
+                                  clock=clock, adaptive=adaptive, disable_by_batch_size=disable_by_batch_size,
+                                  tree=tree)
         self._busy = threading.Lock()
 
     @classmethod

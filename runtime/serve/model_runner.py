@@ -11,6 +11,7 @@ prefix, and a new request reuses the longest prefix any slot holds (prefix cachi
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Collection, Sequence
 
@@ -18,10 +19,13 @@ import numpy as np
 
 from manifests.errors import UsageError
 from runtime.serve.eagle3 import ChainProposer
-from runtime.engines.base import Engine, Row, SequenceEngine, SequenceSlots
+from runtime.engines.base import Engine, Row, SequenceEngine, SequenceSlots, TreeMask
 from runtime.serve.logits_process import token_logprobs
 from runtime.serve.spec_length import SpeculationLength
+from runtime.serve.spec_tree import Tree, TreeOptions, accept_tree, accept_tree_greedy, grow_level, level_quota
 from runtime.serve.speculative import METHODS, SpecStats, Step, accept, accept_greedy, ngram_lookup, propose_token
+
+log = logging.getLogger(__name__)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -47,11 +51,13 @@ class ModelRunner:
     def __init__(self, target: Engine, draft: Engine | None = None, method: str = "none",
                  num_speculative_tokens: int = 3, *, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
                  clock=time.perf_counter, greedy_argmax: bool = True, adaptive: bool = True,
-                 disable_by_batch_size: int | None = None):
+                 disable_by_batch_size: int | None = None, tree: TreeOptions | None = None):
         """`greedy_argmax`: a step whose decoding rows are all greedy asks the target for the argmax
         only (Engine.forward_greedy); False always fetches logits (the reference in tests).
         `adaptive`: pick each step's number of proposals from measured costs (runtime.serve.spec_length);
-        False verifies num_speculative_tokens every step. `disable_by_batch_size`: vLLM's key."""
+        False verifies num_speculative_tokens every step. `disable_by_batch_size`: vLLM's key.
+        `tree`: draft_model proposes token trees (runtime.serve.spec_tree) of depth up to
+        num_speculative_tokens, where both engines run them; None: chains."""
         if method not in METHODS:
             raise UsageError(f"speculative method must be one of {', '.join(METHODS)}, found {method!r}")
         if method == "draft_model" and draft is None:
@@ -66,6 +72,14 @@ class ModelRunner:
         if draft is not None and method in ("draft_model", "eagle3") and draft.vocab_size != target.vocab_size:
             # Logit rows must index the same tokens; a smaller draft vocabulary would need padding.
             raise UsageError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
+        if tree is not None and method != "draft_model":
+            raise UsageError(f'speculative "tree" needs method draft_model, found {method!r}')
+        if tree is not None and not (target.supports_tree and draft.supports_tree):
+            log.warning("token trees are off: the %s engine cannot run them (they need ONNX Runtime's batched "
+                        "KV-cache graph); speculation proposes chains",
+                        "target" if not target.supports_tree else "draft")
+            tree = None
+        self.tree = tree
         self.target = target
         self.draft = draft if method == "draft_model" else None
         self.head = draft if method == "eagle3" else None  # runtime.serve.eagle3.Drafter
@@ -98,6 +112,18 @@ class ModelRunner:
         # EAGLE-3: per slot, the target's features and a head cache of its own
         self.eagle = ([ChainProposer(self.head if i == 0 else self.head.fork()) for i in range(self.num_slots)]
                       if self.head is not None else None)
+
+    @property
+    def rows_per_decode(self) -> int:
+        """The most target rows one decoding sequence takes in a step (pending + proposals)."""
+        return 1 + (max(self.tree.max_nodes, self.num_speculative_tokens) if self.tree else self.num_speculative_tokens)
+
+    def proposal_rows(self, g: int) -> int:
+        """Target rows the proposals of a step with speculation length g take (a tree: its nodes)."""
+        if self.tree is None or g == 0:
+            return g
+        k = self.tree.branching
+        return min(self.tree.max_nodes, sum(k ** d for d in range(1, g + 1)))
 
     @property
     def num_slots(self) -> int:
@@ -215,7 +241,10 @@ class ModelRunner:
                 firsts.append(r)
         for r, _ in decodes:
             drafts, _ = proposals.get(r.slot, ([], []))
-            rows.append(Row(r.slot, [r.tokens[-1], *drafts]))
+            if isinstance(drafts, Tree):
+                rows.append(Row(r.slot, [r.tokens[-1], *drafts.tokens], tree=target_mask(drafts, len(r.tokens) - 1)))
+            else:
+                rows.append(Row(r.slot, [r.tokens[-1], *drafts]))
         # Sampling rows (decodes, and prompts whose last chunk runs now) that are greedy with nothing
         # reading the full distribution get only the argmax back; rows that read it (sampling, logprobs,
         # a logits processor) their logits, in the same call.
@@ -238,7 +267,7 @@ class ModelRunner:
             drafts, qs = proposals.get(r.slot, ([], []))
             self._finish_row(r, row_logits, drafts, qs, greedy and r.slot not in sampled)
         target_s = self.stats.target_seconds - target0
-        rounds = max((len(d) for d, _ in proposals.values()), default=0)
+        rounds = max((depth(d) for d, _ in proposals.values()), default=0)
         # the cost model sees decode-only steps: a prefill chunk runs as a call of its own, with another
         # cost per token than verification rows (and a draft catching up on many tokens is prefilling)
         decoded = 0 if prefills or self._catch_up else sum(len(row.tokens) for row in rows)
@@ -249,6 +278,9 @@ class ModelRunner:
 
     def _finish_row(self, r, row_logits, drafts: list[int], qs: list, greedy: bool) -> None:
         """Accept from a row's target output (argmax or logits after [pending, *drafts]); emit the Step."""
+        if isinstance(drafts, Tree):
+            self._finish_tree(r, row_logits, drafts, greedy)
+            return
         if greedy:  # row_logits: the argmax after [pending, *drafts]
             new = accept_greedy(np.asarray(row_logits).tolist()[-(len(drafts) + 1):], drafts)
         else:
@@ -266,6 +298,59 @@ class ModelRunner:
         logprobs = None if r.logprobs is None else [token_logprobs(row_logits[i], t, r.logprobs)
                                                      for i, t in enumerate(new)]
         r.emit(new, len(drafts), accepted, logprobs)
+
+    def _finish_tree(self, r, row_logits, tree: Tree, greedy: bool) -> None:
+        """As _finish_row for a token tree: keep the accepted path's cache rows, in both engines."""
+        if greedy:
+            new, path = accept_tree_greedy(np.asarray(row_logits).tolist(), tree)
+        else:
+            new, path = accept_tree(row_logits, tree, r.params, r.rng, r.logits_processors, r.output_ids)
+        accepted = len(path)
+        self.stats.record(len(tree), accepted)
+        self.speculation.record(r, max(tree.depths, default=0), accepted)
+        past = len(r.tokens) - 1  # the target holds past + [pending, *nodes]; keep pending and the path
+        self._keep(self.target, self.target_cache, r.slot, past, [0] + [1 + j for j in path])
+        if self.uses_draft(r):  # the draft holds tokens + the nodes it ran (all but the deepest level's)
+            ran = len(self.draft_cache[r.slot]) - len(r.tokens)
+            self._keep(self.draft, self.draft_cache, r.slot, len(r.tokens), [j for j in path if j < ran])
+        rows = [0] + [1 + j for j in path]  # row of the target output each new token was chosen from
+        r.tokens.extend(new)
+        r.computed = len(r.tokens) - 1
+        logprobs = None if r.logprobs is None else [token_logprobs(row_logits[rows[i]], t, r.logprobs)
+                                                     for i, t in enumerate(new)]
+        r.emit(new, len(tree), accepted, logprobs)
+
+    def _keep(self, engine: Engine, mirror: list[list[int]], slot: int, past: int, rows: list[int]) -> None:
+        engine.keep_rows(slot, past, rows)
+        mirror[slot][past:] = [mirror[slot][past + i] for i in rows]
+
+    def _propose_tree(self, wanting, last) -> dict[int, tuple[Tree, list]]:
+        """Grow each wanting slot's tree level by level; one draft forward per level for every slot,
+        each node seeing the past and its ancestors (the deepest level is not run)."""
+        trees = {r.slot: Tree() for r, _ in wanting}
+        frontier = {r.slot: [-1] for r, _ in wanting}
+        logits = {r.slot: {-1: last[r.slot]} for r, _ in wanting}
+        k, budget = self.tree.branching, self.tree.max_nodes
+        for level in range(max((g for _, g in wanting), default=0)):
+            rows, grown = [], {}
+            for r, g in wanting:
+                if level >= g:
+                    continue
+                tree = trees[r.slot]
+                # nodes the target (past + pending + nodes) and the draft can still hold
+                left = min(budget, self.max_context - len(r.tokens)) - len(tree)
+                new = grow_level(tree, frontier[r.slot], logits[r.slot], r.params, r.rng, k,
+                                 level_quota(left, g - level), r.logits_processors, r.output_ids)
+                frontier[r.slot] = new
+                if new and level < g - 1:
+                    base = len(r.tokens)  # the draft holds every token, pending included; node j is at base + j
+                    rows.append(Row(r.slot, [tree.tokens[j] for j in new],
+                                    tree=TreeMask(base, tuple(tuple(base + a for a in tree.ancestors(j)) for j in new))))
+                    grown[r.slot] = new
+            if rows:
+                for row, lg in zip(rows, self._forward(self.draft, self.draft_cache, rows, "draft")):
+                    logits[row.slot].update(zip(grown[row.slot], lg))
+        return {slot: (tree, []) for slot, tree in trees.items()}
 
     def _propose(self, decodes, prefills) -> dict[int, tuple[list[int], list]]:
         out: dict[int, tuple[list[int], list]] = {}
@@ -312,11 +397,17 @@ class ModelRunner:
         if not rows:
             return out
         # Greedy proposals without a logits processor are the draft's argmax: only that comes back.
+        # Trees read the draft's logits (top-k children, or draws from q).
         sampled = {r.slot for r, _ in wanting if not (r.params.greedy and not r.logits_processors)}
+        if self.tree is not None:
+            sampled = {r.slot for r, _ in wanting}
         greedy = self.greedy_argmax and len(sampled) < len(wanting) and offers_greedy(self.draft)
         logits = dict(zip((row.slot for row in rows), self._forward(self.draft, self.draft_cache, rows, "draft",
                                                                     greedy=greedy, logits_for=sampled)))
         last = {r.slot: logits[r.slot][-1] for r, _ in wanting}
+        if self.tree is not None:
+            out.update(self._propose_tree(wanting, last))
+            return out
         for i in range(max((g for _, g in wanting), default=0)):
             rows = []
             for r, g in wanting:
@@ -365,6 +456,17 @@ class ModelRunner:
             del mirror[slot][length:]
             if self.eagle is not None and engine is self.target:
                 self.eagle[slot].on_target_rollback(length)
+
+
+def target_mask(tree: Tree, past: int) -> TreeMask:
+    """The target row [pending, *nodes] after `past` tokens: pending at past, node j at past + 1 + j."""
+    anc = [()] + [(past,) + tuple(past + 1 + a for a in tree.ancestors(j)) for j in range(len(tree))]
+    return TreeMask(past, tuple(anc))
+
+
+def depth(drafts) -> int:
+    """Draft forwards' worth of a proposal: a chain's length, a tree's depth."""
+    return max(drafts.depths, default=0) if isinstance(drafts, Tree) else len(drafts)
 
 
 def argmax_suffices(request) -> bool:

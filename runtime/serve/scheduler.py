@@ -143,7 +143,7 @@ class Scheduler:
                  enable_prefix_caching: bool = True):
         self.runner = runner
         self.num_slots = min(runner.num_slots, max_num_seqs)
-        per_step = self.num_slots * (1 + runner.num_speculative_tokens)
+        per_step = self.num_slots * runner.rows_per_decode
         if max_num_batched_tokens < per_step:
             raise UsageError(f"--max-num-batched-tokens {max_num_batched_tokens} is less than one step of "
                              f"{self.num_slots} sequences with {runner.num_speculative_tokens} speculative "
@@ -218,13 +218,13 @@ class Scheduler:
             want = (length if r.adaptive else k) if r.speculative else 0
             g = max(min(want, context - len(r.tokens), r.max_tokens - r.produced - 1), 0)
             decodes.append((r, g))
-            budget -= 1 + g
+            budget -= 1 + self.runner.proposal_rows(g)
         for r in sorted(self.running.values(), key=lambda r: r.arrival):
             if r.prefilling and budget > 0:
                 n = min(len(r.prompt) - r.computed, budget)
                 prefills.append((r, n))
                 budget -= n
-        self.last_step_tokens = sum(1 + g for _, g in decodes) + sum(n for _, n in prefills)
+        self.last_step_tokens = sum(1 + self.runner.proposal_rows(g) for _, g in decodes) + sum(n for _, n in prefills)
         if decodes or prefills:
             self.runner.step(decodes, prefills)
         for r, _ in [*decodes, *prefills]:

@@ -5,7 +5,8 @@ Methods:
 - "draft_model": a small draft engine proposes g tokens one by one (batched over every speculating
   slot: g draft forwards per step, whatever the number of slots); the target scores all g+1
   positions of every slot in ONE forward; per slot the longest acceptable prefix plus one target
-  token is kept.
+  token is kept. With a "tree" in the config the draft proposes a token tree instead, verified in the
+  same one forward (runtime.serve.spec_tree).
 - "eagle3": an EAGLE-3 head (runtime.serve.eagle3) drafts g tokens in a chain from the target's own
   hidden states, per slot; acceptance as for draft_model (its q rows are over the target
   vocabulary, zero outside the head's draft vocabulary).

@@ -16,6 +16,7 @@ from manifests.schema import Manifest, Speculative
 from runtime.serve.chat_template import ChatTemplate
 from runtime.server.serving_engine import ServingModel
 from runtime.serve.model_runner import ModelRunner, as_slots
+from runtime.serve.spec_tree import TreeOptions
 from runtime.serve.tokenizer import Tokenizer
 
 
@@ -62,7 +63,7 @@ def build_runner(target, draft, spec: Speculative, *, adaptive: bool = True) -> 
     draft = draft if spec.method in ("draft_model", "eagle3") else None
     return ModelRunner(as_slots(target), draft if spec.method == "eagle3" else as_slots(draft), spec.method,
                        spec.num_speculative_tokens, prompt_lookup_min=lo, prompt_lookup_max=hi, adaptive=adaptive,
-                       disable_by_batch_size=disable_by_batch_size(spec))
+                       disable_by_batch_size=disable_by_batch_size(spec), tree=TreeOptions.parse(spec.extra.get("tree")))
 
 
 def disable_by_batch_size(spec: Speculative) -> int | None:
@@ -133,7 +134,8 @@ def load_serving_model(installed, *, target_id: str | None = None, speculative: 
     info = {"bundle": f"{manifest.name} v{manifest.version}", "target": target_id,
             "engine": target.description or type(target).__name__,
             "speculative": spec.method if spec.method == "none" else
-            f"{spec.method} (num_speculative_tokens={spec.num_speculative_tokens})"}
+            f"{spec.method} (num_speculative_tokens={spec.num_speculative_tokens}"
+            + (f", tree branching={runner.tree.branching} max_nodes={runner.tree.max_nodes})" if runner.tree else ")")}
     info.update(engine_info(target, target_id))
     return ServingModel(name=manifest.name, tokenizer=tokenizer, template=ChatTemplate.for_tokenizer(tokenizer),
                         runner=runner, max_model_len=min(wanted or limit, limit), info=info,

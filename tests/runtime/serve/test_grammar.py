@@ -207,8 +207,14 @@ def demo_engines(tmp_path_factory):
     from runtime.engines.onnxruntime import OnnxRuntimeEngine
 
     root = tmp_path_factory.mktemp("demo-onnx")
-    graphs = {n: export_onnx(d, root / n).files[0] for n, d in (("target", DEMO), ("draft", DEMO_DRAFT_DIR))}
-    return lambda n: OnnxRuntimeEngine(graphs[n], max_context=512, threads=1)
+    models = {"target": DEMO, "draft": DEMO_DRAFT_DIR}
+    graphs = {n: export_onnx(d, root / n).files[0] for n, d in models.items()}
+
+    def make(n, batched=False):  # batched: the in-place graph the cpu target ships (token trees need it)
+        if batched and f"{n}-batched" not in graphs:
+            graphs[f"{n}-batched"] = export_onnx(models[n], root / f"{n}-batched", kv_cache="batched").graph
+        return OnnxRuntimeEngine(graphs[f"{n}-batched" if batched else n], max_context=512, threads=1)
+    return make
 
 
 @pytest.mark.parametrize("spec", [GrammarSpec("json_schema", {
@@ -223,18 +229,23 @@ def test_constrained_greedy_output_is_the_same_with_and_without_speculation(demo
     prompt = tok.encode("<|user|>\nWhat does `os.path.join(a, *p)` do?<|end|>\n<|assistant|>\n",
                         add_special_tokens=False)
     outputs = {}
-    for method, draft in (("none", None), ("draft_model", "draft"), ("ngram", None)):
-        target = demo_engines("target")
-        gen = Generator(target, demo_engines(draft) if draft else None, method, 3)
+    from runtime.serve.spec_tree import TreeOptions
+
+    for name, method, draft in (("none", "none", None), ("draft_model", "draft_model", "draft"),
+                                ("ngram", "ngram", None), ("tree", "draft_model", "draft")):
+        target = demo_engines("target", batched=name == "tree")
+        gen = Generator(target, demo_engines(draft, batched=name == "tree") if draft else None, method, 3,
+                        tree=TreeOptions(branching=2, max_nodes=6) if name == "tree" else None)
+        assert (gen.runner.tree is not None) == (name == "tree")
         compiler = GrammarCompiler.for_tokenizer(tok, target.vocab_size)
         proc = LogitsProcessor(grammar=compiler.compile(spec).constraint(), penalties=Penalties(frequency=0.3))
         steps = list(gen.generate(prompt, SamplingParams(temperature=0.0), max_tokens=80,
                                   eos_ids=tok.eos_token_ids, logits_processors=(proc,), logprobs=2))
-        outputs[method] = ([t for s in steps for t in s.tokens], steps[-1].finish_reason,
-                           [lp.logprob for s in steps for lp in s.logprobs])
+        outputs[name] = ([t for s in steps for t in s.tokens], steps[-1].finish_reason,
+                         [lp.logprob for s in steps for lp in s.logprobs])
         if method == "draft_model":
             assert gen.stats.num_drafts > 0
-    for method in ("draft_model", "ngram"):  # same tokens; logprobs equal up to batched-forward rounding
+    for method in ("draft_model", "ngram", "tree"):  # same tokens; logprobs equal up to batched-forward rounding
         assert outputs[method][:2] == outputs["none"][:2], method
         assert np.allclose(outputs[method][2], outputs["none"][2], atol=1e-4), method
     text = tok.decode(outputs["none"][0])

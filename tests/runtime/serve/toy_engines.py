@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.engines.base import SequenceEngine
+from runtime.engines.base import Engine, SequenceEngine, check_rollback
 
 
 class MarkovEngine(SequenceEngine):
@@ -35,3 +35,41 @@ class MarkovEngine(SequenceEngine):
     def rollback(self, length):
         assert 0 <= length <= len(self._tokens), f"rollback to {length} with {len(self._tokens)} cached"
         del self._tokens[length:]
+
+
+class MarkovSlots(Engine):
+    """The Markov chain as a slot Engine that runs token trees: a node's logits depend on its own token
+    only, so any tree mask gives them exactly; keep_rows keeps the chosen tokens as the real engine does."""
+
+    description = "numpy first-order Markov chain, token trees"
+    supports_tree = True
+
+    def __init__(self, table: np.ndarray, max_context: int = 4096, num_slots: int = 1):
+        self.table = np.asarray(table, dtype=np.float32)
+        self.vocab_size = self.table.shape[1]
+        self.max_context = max_context
+        self.num_slots = num_slots
+        self._tokens: list[list[int]] = [[] for _ in range(num_slots)]
+
+    def length(self, slot):
+        return len(self._tokens[slot])
+
+    def forward(self, rows):
+        self.check_rows(rows)
+        out = []
+        for r in rows:
+            self._tokens[r.slot].extend(int(t) for t in r.tokens)
+            out.append(self.table[np.asarray(r.tokens, dtype=np.int64)].reshape(len(r.tokens), -1))
+        return out
+
+    def rollback(self, slot, length):
+        check_rollback(slot, length, len(self._tokens[slot]))
+        del self._tokens[slot][length:]
+
+    def keep_rows(self, slot, past, rows):
+        t = self._tokens[slot]
+        assert list(rows) == sorted(set(rows)) and all(past + i < len(t) for i in rows), (past, rows, len(t))
+        self._tokens[slot] = t[:past] + [t[past + i] for i in rows]
+
+    def copy_prefix(self, src, dst, length):
+        self._tokens[dst] = self._tokens[src][:length]
