@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
+from bundler.onnx.writer import write_atomic
 from manifests.errors import ModelError
 from manifests.layout import SHARED_WEIGHTS_INDEX
 
@@ -106,17 +106,8 @@ def share_weights(graph: Path, primary: Path, out: Path) -> Path:
                        "offset": int(other_info.get("offset", 0)), "length": int(other_info["length"])})
     model.metadata_props.add(key="bundle.weights_of", value=primary.name)
     index = out.with_name(SHARED_WEIGHTS_INDEX)
-    _write_atomic(index, json.dumps({"format": 1, "data": primary.name + ".data", "tensors": shared},
+    write_atomic(index, json.dumps({"format": 1, "data": primary.name + ".data", "tensors": shared},
                                     indent=0).encode())
-    _write_atomic(out, model.SerializeToString())
+    write_atomic(out, model.SerializeToString())
     return out
 
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bundler.model_config import read_config
+from bundler.onnx.writer import save_model
 from manifests.errors import ModelError
 from manifests.families import EAGLE3_ARCHITECTURES
 
@@ -427,9 +428,7 @@ def export_head_onnx(head_dir: Path, target_dir: Path, out_dir: Path, *, opset: 
     del proto.metadata_props[:]
     for k, v in meta.items():
         proto.metadata_props.add(key=k, value=v)
-    (out_dir / WEIGHTS_NAME).unlink(missing_ok=True)
-    onnx.save_model(proto, str(out_dir / GRAPH_NAME), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=WEIGHTS_NAME, size_threshold=1024)
+    save_model(proto, out_dir / GRAPH_NAME)
     return meta
 
 

@@ -27,15 +27,19 @@ IR_VERSION = 11
 
 def build_head_graph(head, embed: np.ndarray, graph: Path, weights: Path, metadata: dict[str, str]) -> None:
     """Write graph (+ weights, external data) for the torch `head` (bundler.onnx.eagle3) and the target's embedding."""
+    from bundler.onnx.writer import TensorWriter
+
+    with TensorWriter(weights) as w:
+        _compose(w, head, embed, graph, metadata)
+
+
+def _compose(w, head, embed: np.ndarray, graph: Path, metadata: dict[str, str]) -> None:
     from onnx import TensorProto as TP
     from onnx import helper as h
-
-    from bundler.onnx.inplace import _Writer
 
     c = head.config
     H, hd, heads, kv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
     state = {k: v.detach().float().cpu().numpy() for k, v in head.state_dict().items() if v.is_floating_point()}
-    w = _Writer(weights)
     nodes: list = []
 
     def node(op, inputs, outputs=None, **attrs):
@@ -87,7 +91,6 @@ def build_head_graph(head, embed: np.ndarray, graph: Path, weights: Path, metada
     pad = node("Expand", [const("neg_inf", [[[-np.inf]]], np.float32),
                           node("Concat", [node("Shape", [draft_logits], start=0, end=2), const("one_1d", [1])], axis=0)])
     node("Gather", [node("Concat", [draft_logits, pad], axis=-1), w.add("vocab_gather", full)], ["logits"], axis=2)
-    w.close()
 
     cache = [1, kv, "capacity", hd]
     inputs = [h.make_tensor_value_info("input_ids", TP.INT64, [1, "sequence_length"]),
@@ -108,4 +111,4 @@ def build_head_graph(head, embed: np.ndarray, graph: Path, weights: Path, metada
     model.ir_version = IR_VERSION
     for key, value in metadata.items():
         model.metadata_props.add(key=key, value=value)
-    graph.write_bytes(model.SerializeToString())
+    w.commit(model, graph)

@@ -42,6 +42,7 @@ from bundler.model_config import read_config
 from manifests.errors import ModelError, UsageError
 from manifests.families import FAMILIES, check_family
 from bundler.onnx.inplace import HYBRID_FAMILIES
+from bundler.onnx.writer import save_model
 
 log = logging.getLogger(__name__)
 
@@ -243,9 +244,7 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     del proto.metadata_props[:]
     for k, v in result.metadata().items():
         proto.metadata_props.add(key=k, value=v)
-    result.weights.unlink(missing_ok=True)  # onnx appends to an existing external-data file
-    onnx.save_model(proto, str(result.graph), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=WEIGHTS_NAME, size_threshold=1024)
+    save_model(proto, result.graph)
     log.info("exported %s (%s, %d layers, %s) to %s", checkpoint_dir, arch, num_layers, dtype, result.graph)
     return result
 

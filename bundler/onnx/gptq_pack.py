@@ -203,7 +203,8 @@ def pack_graph(graph: Path, out: Path, checkpoint: Path, fmt: PackedFormat, dtyp
     import onnx
     from onnx import helper, numpy_helper
 
-    from bundler.onnx.quantize import _save, lm_head_weight
+    from bundler.onnx.quantize import lm_head_weight
+    from bundler.onnx.writer import save_model
 
     np_dtype = {"float32": np.float32, "float16": np.float16}.get(dtype)
     if np_dtype is None:
@@ -243,7 +244,7 @@ def pack_graph(graph: Path, out: Path, checkpoint: Path, fmt: PackedFormat, dtyp
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     model.metadata_props.add(key="bundle.quantization", value=f"int4-{fmt.method}-b{fmt.group_size}-checkpoint")
     head = lm_head_weight(model)
-    _save(model, Path(out))
+    save_model(model, Path(out))
     return Quantization(method=fmt.method, bits=4, block_size=fmt.group_size, symmetric=fmt.symmetric,
                         layers=tuple(sorted(done)), kept=(head,) if head else (), source="checkpoint")
 

@@ -22,17 +22,16 @@ overflow fp16's range; fp16 otherwise (more mantissa, and every CUDA kernel has 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 
+from bundler.onnx.writer import TensorWriter, data_path, read_external
 from manifests.errors import ModelError
 
 log = logging.getLogger(__name__)
 
 HALF_DTYPES = ("float16", "bfloat16")
-ALIGN = 64
 ARGMAX_OUTPUT = "argmax"
 AUX_OUTPUT = "aux_hidden_states"  # EAGLE-3 targets (bundler.onnx.inplace)
 
@@ -61,7 +60,6 @@ def convert_graph(src_graph: Path, dst_graph: Path, dtype: str = "float16") -> P
     """Write dst_graph (+ dst_graph.data) as the `dtype` version of the float32 in-place graph src_graph."""
     import onnx
     from onnx import TensorProto as TP
-    from onnx import helper as h
 
     if dtype not in HALF_DTYPES:
         raise ModelError(f"expected dtype one of {', '.join(HALF_DTYPES)}, found {dtype!r}")
@@ -73,64 +71,64 @@ def convert_graph(src_graph: Path, dst_graph: Path, dtype: str = "float16") -> P
         raise ModelError(f"{src_graph}: expected a float32 in-place KV-cache graph, found kv_cache "
                          f"{meta.get('bundle.kv_cache')!r}, dtype {meta.get('bundle.dtype')!r}")
     g = model.graph
-    data_path = dst_graph.with_name(dst_graph.name + ".data")
-    tmp_graph, tmp_data = dst_graph.with_suffix(".onnx.tmp"), data_path.with_suffix(".data.tmp")
     sources: dict[str, object] = {}
-    try:
-        with open(tmp_data, "wb") as out:
+    with TensorWriter(data_path(dst_graph)) as out:
+        try:
             for t in g.initializer:
                 if t.data_type != TP.FLOAT:
                     if t.data_location == TP.EXTERNAL:  # int64 constants: copied as they are
-                        raw = _read_external(src_graph, t, sources)
-                        _write_external(t, raw, out, data_path.name)
+                        out.append(t, read_external(src_graph, t, sources))
                     continue
                 if t.data_location == TP.EXTERNAL:
-                    array = np.frombuffer(_read_external(src_graph, t, sources), np.float32)
+                    array = np.frombuffer(read_external(src_graph, t, sources), np.float32)
                     t.data_type = elem
-                    _write_external(t, _half_bytes(array, dtype), out, data_path.name)
+                    out.append(t, _half_bytes(array, dtype))
                 else:
                     array = onnx.numpy_helper.to_array(t).astype(np.float32).ravel()
                     t.data_type = elem
                     del t.float_data[:]
                     t.raw_data = _half_bytes(array, dtype)
-        for f in sources.values():
-            f.close()  # type: ignore[attr-defined]
-        for vi in list(g.input) + list(g.output):
-            if vi.type.tensor_type.elem_type == TP.FLOAT:
-                vi.type.tensor_type.elem_type = elem
-        del g.value_info[:]
-        for n in g.node:
-            for a in n.attribute:
-                if n.op_type == "Cast" and a.name == "to" and a.i == TP.FLOAT:
-                    a.i = elem
-        # logits: the graph's last MatMul now yields `dtype`; cast to float32 under the old name.
-        producer = next((n for n in g.node if "logits" in n.output), None)
-        if producer is None:
-            raise ModelError(f"{src_graph}: expected a node producing 'logits', found none")
-        producer.output[list(producer.output).index("logits")] = f"logits_{dtype}"
-        g.node.append(h.make_node("Cast", [f"logits_{dtype}"], ["logits"], name="/logits_float32", to=TP.FLOAT))
-        g.node.append(h.make_node("ArgMax", ["logits"], [ARGMAX_OUTPUT], name="/argmax", axis=-1, keepdims=0,
-                                  select_last_index=0))
-        _float32_aux_output(g, dtype)
-        logits = next(o for o in g.output if o.name == "logits")
-        logits.type.tensor_type.elem_type = TP.FLOAT
-        dims = [d.dim_param or d.dim_value for d in logits.type.tensor_type.shape.dim][:2]
-        g.output.append(h.make_tensor_value_info(ARGMAX_OUTPUT, TP.INT64, dims))
-        for p in model.metadata_props:
-            if p.key == "bundle.dtype":
-                p.value = dtype
-        if "bundle.dtype" not in meta:
-            model.metadata_props.add(key="bundle.dtype", value=dtype)
-        model.doc_string = f"{model.doc_string} ({dtype}, float32 logits, argmax output)"
-        tmp_graph.write_bytes(model.SerializeToString())
-        os.replace(tmp_data, data_path)
-        os.replace(tmp_graph, dst_graph)  # the graph last: no graph that points at a half-written data file
-    except BaseException:
-        tmp_graph.unlink(missing_ok=True)
-        tmp_data.unlink(missing_ok=True)
-        raise
+        finally:
+            for f in sources.values():
+                f.close()  # type: ignore[attr-defined]
+        _to_half(model, g, src_graph, meta, dtype, elem)
+        out.commit(model, dst_graph)  # the graph last: no graph that points at a half-written data file
     log.info("wrote the %s in-place graph %s", dtype, dst_graph)
     return dst_graph
+
+
+def _to_half(model, g, src_graph: Path, meta: dict, dtype: str, elem: int) -> None:
+    """Inputs, outputs and Casts in `elem`; float32 logits (+ argmax) and aux output; the dtype metadata."""
+    from onnx import TensorProto as TP
+    from onnx import helper as h
+
+    for vi in list(g.input) + list(g.output):
+        if vi.type.tensor_type.elem_type == TP.FLOAT:
+            vi.type.tensor_type.elem_type = elem
+    del g.value_info[:]
+    for n in g.node:
+        for a in n.attribute:
+            if n.op_type == "Cast" and a.name == "to" and a.i == TP.FLOAT:
+                a.i = elem
+    # logits: the graph's last MatMul now yields `dtype`; cast to float32 under the old name.
+    producer = next((n for n in g.node if "logits" in n.output), None)
+    if producer is None:
+        raise ModelError(f"{src_graph}: expected a node producing 'logits', found none")
+    producer.output[list(producer.output).index("logits")] = f"logits_{dtype}"
+    g.node.append(h.make_node("Cast", [f"logits_{dtype}"], ["logits"], name="/logits_float32", to=TP.FLOAT))
+    g.node.append(h.make_node("ArgMax", ["logits"], [ARGMAX_OUTPUT], name="/argmax", axis=-1, keepdims=0,
+                              select_last_index=0))
+    _float32_aux_output(g, dtype)
+    logits = next(o for o in g.output if o.name == "logits")
+    logits.type.tensor_type.elem_type = TP.FLOAT
+    dims = [d.dim_param or d.dim_value for d in logits.type.tensor_type.shape.dim][:2]
+    g.output.append(h.make_tensor_value_info(ARGMAX_OUTPUT, TP.INT64, dims))
+    for p in model.metadata_props:
+        if p.key == "bundle.dtype":
+            p.value = dtype
+    if "bundle.dtype" not in meta:
+        model.metadata_props.add(key="bundle.dtype", value=dtype)
+    model.doc_string = f"{model.doc_string} ({dtype}, float32 logits, argmax output)"
 
 
 def _float32_aux_output(g, dtype: str) -> None:
@@ -147,27 +145,3 @@ def _float32_aux_output(g, dtype: str) -> None:
     g.node.append(h.make_node("Cast", [f"{AUX_OUTPUT}_{dtype}"], [AUX_OUTPUT], name="/aux_float32", to=TP.FLOAT))
     out.type.tensor_type.elem_type = TP.FLOAT
 
-
-def _read_external(graph: Path, tensor, files: dict) -> bytes:
-    info = {e.key: e.value for e in tensor.external_data}
-    location = info.get("location", "")
-    if Path(location).name != location:
-        raise ModelError(f"{graph}: expected external data next to the graph, found location {location!r}")
-    f = files.get(location)
-    if f is None:
-        f = files[location] = open(graph.parent / location, "rb")
-    f.seek(int(info.get("offset", 0)))  # type: ignore[attr-defined]
-    length = int(info["length"])
-    raw = f.read(length)  # type: ignore[attr-defined]
-    if len(raw) != length:
-        raise ModelError(f"{graph}: external data of {tensor.name} is truncated ({len(raw)} of {length} bytes)")
-    return raw
-
-
-def _write_external(tensor, raw: bytes, out, location: str) -> None:
-    out.write(b"\0" * (-out.tell() % ALIGN))
-    offset = out.tell()
-    out.write(raw)
-    del tensor.external_data[:]
-    for k, v in (("location", location), ("offset", str(offset)), ("length", str(len(raw)))):
-        tensor.external_data.add(key=k, value=v)

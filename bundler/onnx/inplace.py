@@ -60,7 +60,6 @@ MS_DOMAIN = "com.microsoft"
 #: EAGLE-3 targets: the inputs of the head's aux layers, concatenated (bundler.onnx.export's name too).
 AUX_OUTPUT = "aux_hidden_states"
 IR_VERSION = 9
-ALIGN = 64  # byte alignment of each tensor in the external-data file
 
 _CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
                  "qwen3_5_text": "Qwen3_5Text", "qwen3_5": "Qwen3_5Text"}
@@ -107,41 +106,6 @@ class _Checkpoint:
         if stored not in self._where:
             raise ModelError(f"checkpoint has no tensor {stored!r}; expected the standard layout of its family")
         return self._where[stored].get_tensor(stored).float().numpy()
-
-
-class _Writer:
-    """Appends initializers to one external-data file and keeps only their TensorProto headers."""
-
-    def __init__(self, data_path: Path):
-        self.location = data_path.name
-        self._f = open(data_path, "wb")
-        self.initializers: list = []
-        self._names: set[str] = set()
-
-    def add(self, name: str, array: np.ndarray) -> str:
-        """Store `array` as initializer `name` (once: a second add of the same name reuses it)."""
-        from onnx import TensorProto, helper
-
-        if name in self._names:
-            return name
-        self._names.add(name)
-        array = np.ascontiguousarray(array)
-        dtype = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64}[array.dtype]
-        if array.nbytes < 1024:  # small constants stay inline, like onnx.save's size_threshold
-            self.initializers.append(helper.make_tensor(name, dtype, array.shape, array.tobytes(), raw=True))
-            return name
-        pad = -self._f.tell() % ALIGN
-        self._f.write(b"\0" * pad)
-        offset = self._f.tell()
-        self._f.write(array.tobytes())
-        t = TensorProto(name=name, data_type=dtype, dims=array.shape, data_location=TensorProto.EXTERNAL)
-        for k, v in (("location", self.location), ("offset", str(offset)), ("length", str(array.nbytes))):
-            t.external_data.add(key=k, value=v)
-        self.initializers.append(t)
-        return name
-
-    def close(self) -> None:
-        self._f.close()
 
 
 def rotary_tables(family: str, config, max_positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -228,6 +192,18 @@ def build_batched_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm
 
 def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: str,
            fusions: frozenset[str] = frozenset()) -> None:
+    from bundler.onnx.writer import TensorWriter
+
+    with TensorWriter(result.weights) as w:
+        model, layers = _compose(w, checkpoint_dir, result, config, has_q_k_norm=has_q_k_norm, layout=layout,
+                                 fusions=fusions)
+        w.commit(model, result.graph)
+    log.info("built the %s-KV graph for %s (%d layers) at %s", layout, result.architecture, layers, result.graph)
+
+
+def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: str,
+             fusions: frozenset[str]):
+    """The graph (an onnx ModelProto) and its layer count; initializers go to `w` (a TensorWriter)."""
     from onnx import TensorProto as TP
     from onnx import helper as h
 
@@ -257,7 +233,6 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
     ckpt = _Checkpoint(Path(checkpoint_dir))
     if not mamba:  # Nemotron-H has no rotary (no tables, no RotaryEmbedding)
         cos, sin = rotary_tables(family, cfg, result.max_positions + (BATCHED_HEADROOM if batched else 0), hd)
-    w = _Writer(result.weights)
     nodes: list = []
 
     def node(op, inputs, outputs=None, domain="", **attrs):
@@ -447,7 +422,6 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
     node("MatMul", [x, w.add("lm_head.weight.T", ckpt.get(head).T)], ["logits"])
     if result.aux_layer_ids:  # only the new rows, only these layers: [batch, sequence_length, len(ids) * H]
         node("Concat", [aux[i] for i in result.aux_layer_ids], [AUX_OUTPUT], axis=-1)
-    w.close()
 
     inputs = [h.make_tensor_value_info("input_ids", TP.INT64, ["batch", "sequence_length"])]
     if gqa:
@@ -503,5 +477,4 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
     if hybrid or mamba:
         model.metadata_props.add(key="bundle.layer_types", value=",".join(types))
         model.metadata_props.add(key="bundle.state_capture_tokens", value=str(gdn.CAPTURE_TOKENS))
-    result.graph.write_bytes(model.SerializeToString())
-    log.info("built the %s-KV graph for %s (%d layers) at %s", layout, result.architecture, layers, result.graph)
+    return model, layers

@@ -22,10 +22,10 @@ The quantizer is deterministic: the same weights give the same bytes, so the `cu
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from pathlib import Path
 
+from bundler.onnx.writer import save_model
 from manifests.errors import EnvironmentProblem, ModelError, UsageError
 from manifests.quantization import MATMULNBITS, OPERATORS, QDQ, QuantizeOptions, Quantization
 
@@ -134,7 +134,7 @@ def quantize_graph(graph: Path, out: Path, options: QuantizeOptions, dtype: str 
     del result.metadata_props[:]
     for k, v in meta.items():
         result.metadata_props.add(key=k, value=v)
-    _save(result, out)
+    save_model(result, out)
     extra = {"experts": list(experts), "experts_operator": QMOE_OPERATOR, "experts_method": "rtn"} if experts else {}
     return Quantization(method=options.method, bits=BITS, block_size=options.block_size, symmetric=symmetric,
                         layers=tuple(done), kept=tuple(sorted({head} if head else set())), accuracy_level=level,
@@ -153,24 +153,6 @@ def _at_opset(graph: Path, opset: int):
         model = version_converter.convert_version(model, opset)
     external_data_helper.load_external_data_for_model(model, str(graph.parent))
     return model
-
-
-def _save(model, out: Path) -> None:
-    """Graph + one external-data file (tensors over 1 KiB), written beside each other; nothing half-written."""
-    import onnx
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    data = out.with_name(out.name + ".data")
-    tmp = out.parent / f".quantize-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        onnx.save_model(model, str(tmp / out.name), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data.name, size_threshold=1024)
-        os.replace(tmp / data.name, data)
-        os.replace(tmp / out.name, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def quantizing_export(export, options: QuantizeOptions, *, measure_dir: Path | None = None, held=None,
