@@ -18,7 +18,7 @@ the new rows only: what an EAGLE-3 head's fc reads, in either in-place layout.
 The runtime binds past and present to the SAME preallocated buffer (GQA's
 past_present_share_buffer mode): a step writes only the new tokens' K/V at positions
 past..total-1 and attends over the first total positions. Rotary is applied inside GQA from
-cos/sin tables precomputed here with transformers' own rotary module (so scaled RoPE variants
+cos/sin tables precomputed with transformers' own rotary module (bundler.onnx.blocks.rotary) (so scaled RoPE variants
 match), positions come from seqlens_k = sum(attention_mask) - 1. Prefill, decode and
 verification of k tokens after a past are one graph; rollback is a length change.
 GroupQueryAttention is an ONNX Runtime contrib op: TensorRT targets keep the "concat" graph.
@@ -30,19 +30,22 @@ the j-th full-attention layer), their recurrent states among the Gated DeltaNet 
 way: its layers are one mixer each (Mamba-2, attention without rotary, MLP or routed experts), its
 Mamba-2 states numbered among the Mamba-2 layers, bound and captured like Gated DeltaNet's.
 
-Weights are streamed tensor by tensor from the safetensors files into one external-data file,
-so memory stays at one tensor whatever the model size.
+The graph is composed from bundler.onnx.blocks (norm, rotary, attention, mlp, moe, gated_deltanet, mamba2),
+each writing into one blocks.graph.GraphBuilder. Weights are streamed tensor by tensor from the safetensors
+files into one external-data file (bundler.onnx.writer.TensorWriter), so memory stays at one tensor whatever
+the model size.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 from pathlib import Path
 
 import numpy as np
 
+from bundler.onnx.blocks.graph import MS_DOMAIN
+from bundler.onnx.blocks.rotary import rotary_tables
 from manifests.errors import ModelError
 from manifests.families import FAMILIES
 
@@ -56,14 +59,10 @@ BATCHED_IR_VERSION = 11
 #: Rows past max_context a slot's cache has room for: a batch pads every row to its longest one,
 #: and the padding (never attended to) is written there. Rows longer than this are split by the runtime.
 BATCHED_HEADROOM = 64
-MS_DOMAIN = "com.microsoft"
 #: EAGLE-3 targets: the inputs of the head's aux layers, concatenated (bundler.onnx.export's name too).
 AUX_OUTPUT = "aux_hidden_states"
 IR_VERSION = 9
 
-_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
-                 "qwen3_5_text": "Qwen3_5Text", "qwen3_5": "Qwen3_5Text"}
-_MODULE = {"qwen3_5_text": "qwen3_5"}  # transformers' module, where it is not the model type
 #: Families whose layers mix attention with recurrent ones (Gated DeltaNet: bundler.onnx.blocks.gated_deltanet;
 #: Mamba-2: bundler.onnx.blocks.mamba2): batched only, a recurrent state per slot beside the KV cache.
 #: "qwen3_5" is the multimodal checkpoint, whose text model is exported (text_config, model.language_model.*).
@@ -106,24 +105,6 @@ class _Checkpoint:
         if stored not in self._where:
             raise ModelError(f"checkpoint has no tensor {stored!r}; expected the standard layout of its family")
         return self._where[stored].get_tensor(stored).float().numpy()
-
-
-def rotary_tables(family: str, config, max_positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [max_positions, rotary_dim/2] from transformers' rotary module for this family (rotary_dim
-    is head_dim, or its rotated part under partial rotary)."""
-    import torch
-
-    name = _MODULE.get(family, family)
-    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    rotary = getattr(module, f"{_CLASS_PREFIX[family]}RotaryEmbedding")(config=config)
-    if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
-        raise ModelError(f"rope type {rotary.rope_type!r} depends on the sequence length and cannot be "
-                         f"tabulated; expected default, linear, yarn or llama3 rope scaling")
-    with torch.no_grad():
-        pos = torch.arange(max_positions, dtype=torch.int64)[None]
-        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), pos)
-    half = cos.shape[-1] // 2
-    return cos[0, :, :half].numpy().astype(np.float32), sin[0, :, :half].numpy().astype(np.float32)
 
 
 #: ONNX Runtime's CPU GroupQueryAttention kernel refuses other head sizes at run time (not at load time).
@@ -207,9 +188,11 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
     from onnx import TensorProto as TP
     from onnx import helper as h
 
+    from bundler.onnx.blocks import attention, mlp, moe
     from bundler.onnx.blocks import gated_deltanet as gdn
     from bundler.onnx.blocks import mamba2 as m2
-    from bundler.onnx.blocks import moe
+    from bundler.onnx.blocks.graph import GraphBuilder
+    from bundler.onnx.blocks.norm import Norm, rms
 
     cfg = config
     batched = layout == BATCHED_LAYOUT
@@ -233,195 +216,63 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
     ckpt = _Checkpoint(Path(checkpoint_dir))
     if not mamba:  # Nemotron-H has no rotary (no tables, no RotaryEmbedding)
         cos, sin = rotary_tables(family, cfg, result.max_positions + (BATCHED_HEADROOM if batched else 0), hd)
-    nodes: list = []
-
-    def node(op, inputs, outputs=None, domain="", **attrs):
-        name = f"/{op}_{len(nodes)}"
-        outputs = outputs or [name + "/out"]
-        nodes.append(h.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
-        return outputs[0] if len(outputs) == 1 else outputs
-
-    def const(name, values):
-        return w.add(name, np.array(values, np.int64))
-
-    gqa, bsnh, q3d = "gqa" in fusions, "bsnh" in fusions, "q3d" in fusions or "bsnh" in fusions
-
-    def norm_weight(weight_name):  # Qwen3.5's norms scale by (1 + weight)
-        return w.add(weight_name, ckpt.get(weight_name) + 1.0 if hybrid else ckpt.get(weight_name))
-
-    def rms(x, weight_name):
-        if batched and "skip_norm" not in fusions:  # the standard op (opset 23), the contrib one's computation
-            return node("RMSNormalization", [x, norm_weight(weight_name)], axis=-1, epsilon=eps, stash_type=1)
-        return node("SimplifiedLayerNormalization", [x, norm_weight(weight_name)], axis=-1, epsilon=eps,
-                    stash_type=1)
-
-    def linear(x, prefix):
-        y = node("MatMul", [x, w.add(prefix + ".weight", ckpt.get(prefix + ".weight").T)])
-        if prefix + ".bias" in ckpt:
-            y = node("Add", [y, w.add(prefix + ".bias", ckpt.get(prefix + ".bias"))])
-        return y
-
-    def packed(x, prefix, names, split=True):
-        """One MatMul for several projections of x (weights side by side), split back unless split=False."""
-        weights = [ckpt.get(f"{prefix}.{n}.weight").T for n in names]
-        joined = f"{prefix}.{'_'.join(names)}"
-        y = node("MatMul", [x, w.add(joined + ".weight", np.concatenate(weights, axis=1))])
-        if f"{prefix}.{names[0]}.bias" in ckpt:
-            bias = np.concatenate([ckpt.get(f"{prefix}.{n}.bias") for n in names])
-            y = node("Add", [y, w.add(joined + ".bias", bias)])
-        if not split:
-            return y
-        sizes = const(f"split_{'_'.join(str(a.shape[1]) for a in weights)}", [a.shape[1] for a in weights])
-        return node("Split", [y, sizes], [f"{joined}/{n}" for n in names], axis=-1)
-
-    def head_norm(x, n_heads, weight_name):  # Qwen3: RMSNorm over each head's vector before rotary
-        x4 = node("Reshape", [x, const(f"shape_{n_heads}_{hd}", [0, 0, n_heads, hd])])
-        y = rms(x4, weight_name)
-        return node("Reshape", [y, const(f"shape_{n_heads * hd}", [0, 0, n_heads * hd])])
-
-    def heads_first(x, n_heads):  # [batch, seq, n*hd] -> [batch, n, seq, hd]
-        x4 = node("Reshape", [x, const(f"shape_{n_heads}_{hd}", [0, 0, n_heads, hd])])
-        return node("Transpose", [x4], perm=[0, 2, 1, 3])
+    g = GraphBuilder(w, ckpt)
+    gqa = "gqa" in fusions
+    norm = Norm(eps, standard=batched and "skip_norm" not in fusions, plus_one=hybrid)
 
     def mlp_block(x, attn, p, out_proj="self_attn.o_proj"):  # o_proj + residual, norm, SwiGLU MLP + residual
-        x = node("Add", [x, linear(attn, f"{p}.{out_proj}")])
-        hs = rms(x, f"{p}.post_attention_layernorm.weight")
+        x = g.node("Add", [x, g.linear(attn, f"{p}.{out_proj}")])
+        hs = rms(g, x, f"{p}.post_attention_layernorm.weight", norm)
         if p in sparse:  # routed experts (bundler.onnx.blocks.moe)
-            return node("Add", [x, moe.sparse_moe(ops, hs, f"{p}.mlp", cfg)])
-        if "gate_up" in fusions:
-            gate, up = packed(hs, f"{p}.mlp", ("gate_proj", "up_proj"))
-        else:
-            gate, up = linear(hs, f"{p}.mlp.gate_proj"), linear(hs, f"{p}.mlp.up_proj")
-        act = node("Mul", [node("Mul", [gate, node("Sigmoid", [gate])]), up])
-        return node("Add", [x, linear(act, f"{p}.mlp.down_proj")])
+            return g.node("Add", [x, moe.sparse_moe(g, hs, f"{p}.mlp", cfg)])
+        return g.node("Add", [x, mlp.swiglu(g, hs, f"{p}.mlp", packed="gate_up" in fusions)])
 
-    ops = moe.GraphOps(node, w.add, ckpt.get, ckpt.__contains__)
     sparse = ({f"model.layers.{i}" for i in moe.sparse_layers(cfg)} if FAMILIES[family].routed_experts and not mamba
               else set())
     cos_name, sin_name = ("", "") if mamba else (w.add("cos_cache", cos), w.add("sin_cache", sin))
     if gqa and has_q_k_norm:
         raise ModelError("the gqa variant has no q/k norm (Qwen3) path; expected a model without q_norm/k_norm")
-    if batched and not gqa:
-        window = node("Shape", ["attention_mask"], start=3, end=4)
-        zero, two = const("zero_1d", [0]), const("two_1d", [2])
-    if not batched:
-        # seqlens_k = total tokens - 1 per row; total_sequence_length = attention_mask's length (scalar)
-        tokens = node("ReduceSum", ["attention_mask", const("axes_1", [1])], keepdims=0)
-        seqlens_k = node("Cast", [node("Sub", [tokens, w.add("one", np.array(1, np.int64))])], to=TP.INT32)
-        total = node("Cast", [node("Squeeze", [node("Shape", ["attention_mask"], start=1, end=2),
-                                               const("axes_0", [0])])], to=TP.INT32)
-
-    rotary = {}
+    partial = hybrid and gdn.rotary_dim(cfg, hd) != hd  # partial rotary: the first rotary_dim of each head
+    spec = attention.AttentionSpec(heads, kv, hd, batched, frozenset(fusions), norm, cos_name, sin_name,
+                                   q_k_norm=has_q_k_norm, gated=hybrid, rotary=not mamba,
+                                   module="mixer" if mamba else "self_attn",
+                                   rotary_dim=gdn.rotary_dim(cfg, hd) if partial else 0)
+    io = attention.graph_inputs(g, spec)
     if hybrid or mamba:
-        import types as _types
-
-        ops = _types.SimpleNamespace(node=node, const=const, linear=linear, w=w, ckpt=ckpt, MS=MS_DOMAIN,
-                                     scalar=lambda name, v: w.add(name, np.array(v, np.int64)))
-        valid = gdn.valid_rows(ops)
-        if hybrid and gdn.rotary_dim(cfg, hd) != hd:  # partial rotary: the first rotary_dim of each head
-            rotary = {"rotary_embedding_dim": gdn.rotary_dim(cfg, hd)}
+        valid = gdn.valid_rows(g)
 
     embed = "model.embeddings.weight" if mamba else "model.embed_tokens.weight"
-    x = node("Gather", [w.add(embed, ckpt.get(embed)), "input_ids"])
+    x = g.node("Gather", [w.add(embed, ckpt.get(embed)), "input_ids"])
     aux: dict[int, str] = {}  # EAGLE-3: layer id -> that layer's input (transformers' hidden_states[i])
     kv_index = rec_index = 0  # caches are numbered among their own kind of layer
     for layer, kind in enumerate(types):  # x: the layer's input (the residual stream)
         p = f"model.layers.{layer}"
         if layer in result.aux_layer_ids:
             aux[layer] = x
-        hs = rms(x, f"{p}.norm.weight" if mamba else f"{p}.input_layernorm.weight")
+        hs = rms(g, x, f"{p}.norm.weight" if mamba else f"{p}.input_layernorm.weight", norm)
         if mamba and kind != m2.ATTENTION:  # Nemotron-H: the layer is this one mixer and the residual
             m = f"{p}.mixer"
             if kind == m2.MAMBA:
-                y = m2.mamba2_mixer(ops, hs, m, rec_index, cfg, valid)
+                y = m2.mamba2_mixer(g, hs, m, rec_index, cfg, valid)
                 rec_index += 1
             elif kind == m2.MLP:
-                y = m2.relu2_mlp(ops, hs, m, cfg)
+                y = m2.relu2_mlp(g, hs, m, cfg)
             else:
-                y = m2.routed_experts(ops, hs, m, cfg)
-            x = node("Add", [x, y])
+                y = m2.routed_experts(g, hs, m, cfg)
+            x = g.node("Add", [x, y])
             continue
         if hybrid and kind == gdn.LINEAR:
-            x = mlp_block(x, gdn.deltanet_mixer(ops, hs, p, rec_index, cfg, valid), p, "linear_attn.out_proj")
+            x = mlp_block(x, gdn.deltanet_mixer(g, hs, p, rec_index, cfg, valid), p, "linear_attn.out_proj")
             rec_index += 1
             continue
         i, kv_index = kv_index, kv_index + 1
-        if gqa:  # packed QKV straight into GroupQueryAttention (rotary and the cache append inside it)
-            qkv = packed(hs, f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"), split=False)
-            attn = node("GroupQueryAttention",
-                        [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k",
-                         "total_sequence_length", cos_name, sin_name],
-                        [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN,
-                        num_heads=heads, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0,
-                        scale=float(hd) ** -0.5)[0]
-            x = mlp_block(x, attn, p)
-            continue
-        gate = None
-        sa = f"{p}.mixer" if mamba else f"{p}.self_attn"
-        if hybrid:  # gated attention: q_proj yields [q | gate] per head
-            q_w, gate_w = gdn.split_query_gate(ckpt, p, heads, hd)
-            q = node("MatMul", [hs, w.add(f"{p}.self_attn.q_proj.weight.q", q_w)])
-            gate = node("MatMul", [hs, w.add(f"{p}.self_attn.q_proj.weight.gate", gate_w)])
-            k, v = (linear(hs, f"{p}.self_attn.{n}_proj") for n in ("k", "v"))
-        elif "qkv" in fusions:
-            q, k, v = packed(hs, sa, ("q_proj", "k_proj", "v_proj"))
-        else:
-            q, k, v = (linear(hs, f"{sa}.{n}_proj") for n in ("q", "k", "v"))
-        if has_q_k_norm:
-            q = head_norm(q, heads, f"{p}.self_attn.q_norm.weight")
-            k = head_norm(k, kv, f"{p}.self_attn.k_norm.weight")
-        past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
-        if batched and q3d:
-            q3 = node("RotaryEmbedding", [q, cos_name, sin_name, "position_ids"], interleaved=0, num_heads=heads)
-            if bsnh:  # cache [batch, capacity, kv_heads*dim]: no transposes at all
-                k3 = node("RotaryEmbedding", [k, cos_name, sin_name, "position_ids"], interleaved=0, num_heads=kv)
-                present_k = node("TensorScatter", [past_k, k3, "write_indices"], [f"present.{i}.key"], axis=1)
-                present_v = node("TensorScatter", [past_v, v, "write_indices"], [f"present.{i}.value"], axis=1)
-                axis = const("one_1d", [1])
-            else:
-                k4 = node("RotaryEmbedding", [heads_first(k, kv), cos_name, sin_name, "position_ids"], interleaved=0)
-                present_k = node("TensorScatter", [past_k, k4, "write_indices"], [f"present.{i}.key"], axis=2)
-                present_v = node("TensorScatter", [past_v, heads_first(v, kv), "write_indices"],
-                                 [f"present.{i}.value"], axis=2)
-                axis = two
-            k_win = node("Slice", [present_k, zero, window, axis])
-            v_win = node("Slice", [present_v, zero, window, axis])
-            attn = node("Attention", [q3, k_win, v_win, "attention_mask"], scale=float(hd) ** -0.5,
-                        q_num_heads=heads, kv_num_heads=kv)
-            # ONNX Runtime's shape inference gets a 3D Attention output's last axis wrong: say it.
-            attn = node("Reshape", [attn, const(f"shape_{heads * hd}", [0, 0, heads * hd])])
-        if batched and not q3d:
-            if mamba:  # Nemotron-H's attention has no rotary
-                q4, k4 = heads_first(q, heads), heads_first(k, kv)
-            else:
-                q4 = node("RotaryEmbedding", [heads_first(q, heads), cos_name, sin_name, "position_ids"],
-                          interleaved=0, **rotary)
-                k4 = node("RotaryEmbedding", [heads_first(k, kv), cos_name, sin_name, "position_ids"],
-                          interleaved=0, **rotary)
-            present_k = node("TensorScatter", [past_k, k4, "write_indices"], [f"present.{i}.key"], axis=2)
-            present_v = node("TensorScatter", [past_v, heads_first(v, kv), "write_indices"],
-                             [f"present.{i}.value"], axis=2)
-            # Attend over the first `window` cache rows only (the mask's last axis): ONNX Runtime's
-            # Attention expands grouped K/V heads over every row it is given.
-            k_win = node("Slice", [present_k, zero, window, two])
-            v_win = node("Slice", [present_v, zero, window, two])
-            y4 = node("Attention", [q4, k_win, v_win, "attention_mask"], scale=float(hd) ** -0.5)
-            attn = node("Reshape", [node("Transpose", [y4], perm=[0, 2, 1, 3]),
-                                    const(f"shape_{heads * hd}", [0, 0, heads * hd])])
-        elif not batched:
-            attn = node("GroupQueryAttention",
-                        [q, k, v, past_k, past_v, seqlens_k, total, cos_name, sin_name],
-                        [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN,
-                        num_heads=heads, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0,
-                        scale=float(hd) ** -0.5)[0]
-        if gate is not None:
-            attn = node("Mul", [attn, node("Sigmoid", [gate])])
-        x = node("Add", [x, linear(attn, f"{sa}.o_proj")]) if mamba else mlp_block(x, attn, p)
-    x = rms(x, "model.norm_f.weight" if mamba else "model.norm.weight")
+        attn = attention.self_attention(g, hs, p, i, spec, io)
+        x = g.node("Add", [x, g.linear(attn, f"{p}.mixer.o_proj")]) if mamba else mlp_block(x, attn, p)
+    x = rms(g, x, "model.norm_f.weight" if mamba else "model.norm.weight", norm)
     head = "lm_head.weight" if "lm_head.weight" in ckpt else embed  # tied embeddings
-    node("MatMul", [x, w.add("lm_head.weight.T", ckpt.get(head).T)], ["logits"])
+    g.node("MatMul", [x, w.add("lm_head.weight.T", ckpt.get(head).T)], ["logits"])
     if result.aux_layer_ids:  # only the new rows, only these layers: [batch, sequence_length, len(ids) * H]
-        node("Concat", [aux[i] for i in result.aux_layer_ids], [AUX_OUTPUT], axis=-1)
+        g.node("Concat", [aux[i] for i in result.aux_layer_ids], [AUX_OUTPUT], axis=-1)
 
     inputs = [h.make_tensor_value_info("input_ids", TP.INT64, ["batch", "sequence_length"])]
     if gqa:
@@ -429,7 +280,7 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
         inputs += [h.make_tensor_value_info("seqlens_k", TP.INT32, ["batch"]),
                    h.make_tensor_value_info("total_sequence_length", TP.INT32, [])]
     elif batched:
-        cache = ["batch", "capacity", kv * hd] if bsnh else ["batch", kv, "capacity", hd]
+        cache = ["batch", "capacity", kv * hd] if spec.bsnh else ["batch", kv, "capacity", hd]
         inputs += [h.make_tensor_value_info("position_ids", TP.INT64, ["batch", "sequence_length"]),
                    h.make_tensor_value_info("write_indices", TP.INT64, ["batch"]),
                    h.make_tensor_value_info("attention_mask", TP.BOOL, ["batch", 1, "sequence_length", "window"])]
@@ -455,7 +306,7 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
             update, conv_input = gdn.capture_names(i)
             outputs += [h.make_tensor_value_info(update, TP.FLOAT, ["batch", states.capture_width(cfg)]),
                         h.make_tensor_value_info(conv_input, TP.FLOAT, ["batch", "sequence_length", conv_shape[1]])]
-    graph = h.make_graph(nodes, "decoder", inputs, outputs, w.initializers)
+    graph = h.make_graph(g.nodes, "decoder", inputs, outputs, w.initializers)
     if batched:
         contrib = (fusions & {"skip_norm", "gqa"}) or sparse or hybrid or mamba  # MoE, GatedDeltaNet: com.microsoft
         opsets = [h.make_opsetid("", BATCHED_OPSET)] + ([h.make_opsetid(MS_DOMAIN, 1)] if contrib else [])

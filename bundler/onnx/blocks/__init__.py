@@ -1,3 +1,4 @@
-"""Decoder-layer blocks the in-place graph builder (bundler.onnx.inplace) composes beyond attention + MLP, one
-module per block: routed experts (moe), Gated DeltaNet (gated_deltanet), Nemotron-H's Mamba-2, MLP and experts
-(mamba2)."""
+"""The blocks the in-place graph builder (bundler.onnx.inplace) composes, one module per block, each writing
+into a graph.GraphBuilder: RMSNorm (norm), rotary tables (rotary), self-attention over the in-place cache
+(attention), the SwiGLU MLP (mlp), routed experts (moe), Gated DeltaNet (gated_deltanet), Nemotron-H's Mamba-2,
+MLP and experts (mamba2)."""

@@ -1,0 +1,169 @@
+"""Self-attention over an in-place KV cache, in the variants the in-place graphs use.
+
+- "shared" layout: com.microsoft GroupQueryAttention with fused rotary over shared past/present buffers;
+- "batched": rotary (RotaryEmbedding), TensorScatter of the new K/V rows at write_indices, then the
+  standard Attention over the first `window` rows (the mask's last axis); fusions "q3d"/"bsnh" keep q
+  (and with "bsnh" the cache) 3D; "gqa": packed QKV straight into GroupQueryAttention (decode only).
+
+Cache i is `past_key_values.<i>.key/.value` in and `present.<i>.key/.value` out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bundler.onnx.blocks.graph import MS_DOMAIN, GraphBuilder
+from bundler.onnx.blocks.norm import Norm, head_norm
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    batched: bool  # the "batched" layout; else "shared"
+    fusions: frozenset[str]
+    norm: Norm  # of Qwen3's q/k norm
+    cos: str = ""  # the rotary tables' initializers ("" without rotary)
+    sin: str = ""
+    q_k_norm: bool = False  # Qwen3
+    gated: bool = False  # Qwen3.5: q_proj yields [q | output gate] per head
+    rotary: bool = True  # Nemotron-H's attention has none
+    module: str = "self_attn"  # the projections' module in the layer ("mixer": Nemotron-H)
+    rotary_dim: int = 0  # partial rotary: the rotated part of each head (0: all of it)
+
+    @property
+    def gqa(self) -> bool:
+        return "gqa" in self.fusions
+
+    @property
+    def bsnh(self) -> bool:
+        return "bsnh" in self.fusions
+
+    @property
+    def q3d(self) -> bool:
+        return "q3d" in self.fusions or self.bsnh
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Graph-wide values the attention layers read (made once, before the first layer)."""
+    window: str = ""
+    zero: str = ""
+    two: str = ""
+    seqlens_k: str = ""
+    total: str = ""
+
+
+def graph_inputs(g: GraphBuilder, spec: AttentionSpec) -> Inputs:
+    """batched: the window length and Slice constants; shared: GQA's seqlens_k and total length from the mask."""
+    import numpy as np
+    from onnx import TensorProto as TP
+
+    window = zero = two = seqlens_k = total = ""
+    if spec.batched and not spec.gqa:
+        window = g.node("Shape", ["attention_mask"], start=3, end=4)
+        zero, two = g.const("zero_1d", [0]), g.const("two_1d", [2])
+    if not spec.batched:
+        # seqlens_k = total tokens - 1 per row; total_sequence_length = attention_mask's length (scalar)
+        tokens = g.node("ReduceSum", ["attention_mask", g.const("axes_1", [1])], keepdims=0)
+        seqlens_k = g.node("Cast", [g.node("Sub", [tokens, g.w.add("one", np.array(1, np.int64))])], to=TP.INT32)
+        total = g.node("Cast", [g.node("Squeeze", [g.node("Shape", ["attention_mask"], start=1, end=2),
+                                                   g.const("axes_0", [0])])], to=TP.INT32)
+    return Inputs(window, zero, two, seqlens_k, total)
+
+
+def heads_first(g: GraphBuilder, x: str, n_heads: int, head_dim: int) -> str:
+    """[batch, seq, n*hd] -> [batch, n, seq, hd]"""
+    x4 = g.node("Reshape", [x, g.const(f"shape_{n_heads}_{head_dim}", [0, 0, n_heads, head_dim])])
+    return g.node("Transpose", [x4], perm=[0, 2, 1, 3])
+
+
+def self_attention(g: GraphBuilder, hs: str, p: str, i: int, spec: AttentionSpec, io: Inputs) -> str:
+    """Attention of layer `p` (`model.layers.<j>`) over cache i, of the normed input hs: [batch, seq, heads*hd]
+    before the output projection (which the caller adds)."""
+    heads, kv, hd = spec.heads, spec.kv_heads, spec.head_dim
+    past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
+    if spec.gqa:  # packed QKV straight into GroupQueryAttention (rotary and the cache append inside it)
+        qkv = g.packed(hs, f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"), split=False)
+        return g.node("GroupQueryAttention",
+                      [qkv, "", "", past_k, past_v, "seqlens_k", "total_sequence_length", spec.cos, spec.sin],
+                      [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN,
+                      num_heads=heads, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0,
+                      scale=float(hd) ** -0.5)[0]
+    gate = None
+    sa = f"{p}.{spec.module}"
+    if spec.gated:  # gated attention: q_proj yields [q | gate] per head
+        from bundler.onnx.blocks.gated_deltanet import split_query_gate
+
+        q_w, gate_w = split_query_gate(g.ckpt, p, heads, hd)
+        q = g.node("MatMul", [hs, g.w.add(f"{p}.self_attn.q_proj.weight.q", q_w)])
+        gate = g.node("MatMul", [hs, g.w.add(f"{p}.self_attn.q_proj.weight.gate", gate_w)])
+        k, v = (g.linear(hs, f"{p}.self_attn.{n}_proj") for n in ("k", "v"))
+    elif "qkv" in spec.fusions:
+        q, k, v = g.packed(hs, sa, ("q_proj", "k_proj", "v_proj"))
+    else:
+        q, k, v = (g.linear(hs, f"{sa}.{n}_proj") for n in ("q", "k", "v"))
+    if spec.q_k_norm:
+        q = head_norm(g, q, heads, hd, f"{p}.self_attn.q_norm.weight", spec.norm)
+        k = head_norm(g, k, kv, hd, f"{p}.self_attn.k_norm.weight", spec.norm)
+    if spec.batched and spec.q3d:
+        attn = _batched_3d(g, q, k, v, i, spec, io)
+    elif spec.batched:
+        attn = _batched(g, q, k, v, i, spec, io)
+    else:
+        attn = g.node("GroupQueryAttention",
+                      [q, k, v, past_k, past_v, io.seqlens_k, io.total, spec.cos, spec.sin],
+                      [f"{p}/attn", f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN,
+                      num_heads=heads, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0,
+                      scale=float(hd) ** -0.5)[0]
+    if gate is not None:
+        attn = g.node("Mul", [attn, g.node("Sigmoid", [gate])])
+    return attn
+
+
+def _batched_3d(g: GraphBuilder, q, k, v, i: int, spec: AttentionSpec, io: Inputs) -> str:
+    """"q3d": q stays [batch, seq, heads*dim]; "bsnh": the cache too ([batch, capacity, kv_heads*dim])."""
+    heads, kv, hd, cos, sin = spec.heads, spec.kv_heads, spec.head_dim, spec.cos, spec.sin
+    past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
+    q3 = g.node("RotaryEmbedding", [q, cos, sin, "position_ids"], interleaved=0, num_heads=heads)
+    if spec.bsnh:  # cache [batch, capacity, kv_heads*dim]: no transposes at all
+        k3 = g.node("RotaryEmbedding", [k, cos, sin, "position_ids"], interleaved=0, num_heads=kv)
+        present_k = g.node("TensorScatter", [past_k, k3, "write_indices"], [f"present.{i}.key"], axis=1)
+        present_v = g.node("TensorScatter", [past_v, v, "write_indices"], [f"present.{i}.value"], axis=1)
+        axis = g.const("one_1d", [1])
+    else:
+        k4 = g.node("RotaryEmbedding", [heads_first(g, k, kv, hd), cos, sin, "position_ids"], interleaved=0)
+        present_k = g.node("TensorScatter", [past_k, k4, "write_indices"], [f"present.{i}.key"], axis=2)
+        present_v = g.node("TensorScatter", [past_v, heads_first(g, v, kv, hd), "write_indices"],
+                           [f"present.{i}.value"], axis=2)
+        axis = io.two
+    k_win = g.node("Slice", [present_k, io.zero, io.window, axis])
+    v_win = g.node("Slice", [present_v, io.zero, io.window, axis])
+    attn = g.node("Attention", [q3, k_win, v_win, "attention_mask"], scale=float(hd) ** -0.5,
+                  q_num_heads=heads, kv_num_heads=kv)
+    # ONNX Runtime's shape inference gets a 3D Attention output's last axis wrong: say it.
+    return g.node("Reshape", [attn, g.const(f"shape_{heads * hd}", [0, 0, heads * hd])])
+
+
+def _batched(g: GraphBuilder, q, k, v, i: int, spec: AttentionSpec, io: Inputs) -> str:
+    heads, kv, hd, cos, sin = spec.heads, spec.kv_heads, spec.head_dim, spec.cos, spec.sin
+    past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
+    if not spec.rotary:  # Nemotron-H's attention has no rotary
+        q4, k4 = heads_first(g, q, heads, hd), heads_first(g, k, kv, hd)
+    else:
+        attrs = {"rotary_embedding_dim": spec.rotary_dim} if spec.rotary_dim else {}
+        q4 = g.node("RotaryEmbedding", [heads_first(g, q, heads, hd), cos, sin, "position_ids"],
+                    interleaved=0, **attrs)
+        k4 = g.node("RotaryEmbedding", [heads_first(g, k, kv, hd), cos, sin, "position_ids"],
+                    interleaved=0, **attrs)
+    present_k = g.node("TensorScatter", [past_k, k4, "write_indices"], [f"present.{i}.key"], axis=2)
+    present_v = g.node("TensorScatter", [past_v, heads_first(g, v, kv, hd), "write_indices"],
+                       [f"present.{i}.value"], axis=2)
+    # Attend over the first `window` cache rows only (the mask's last axis): ONNX Runtime's
+    # Attention expands grouped K/V heads over every row it is given.
+    k_win = g.node("Slice", [present_k, io.zero, io.window, io.two])
+    v_win = g.node("Slice", [present_v, io.zero, io.window, io.two])
+    y4 = g.node("Attention", [q4, k_win, v_win, "attention_mask"], scale=float(hd) ** -0.5)
+    return g.node("Reshape", [g.node("Transpose", [y4], perm=[0, 2, 1, 3]),
+                              g.const(f"shape_{heads * hd}", [0, 0, heads * hd])])
