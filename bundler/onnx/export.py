@@ -42,6 +42,7 @@ from bundler.model_config import read_config
 from manifests.errors import ModelError, UsageError
 from manifests.families import FAMILIES, check_family
 from bundler.onnx.inplace import HYBRID_FAMILIES
+from bundler.onnx.spec import DTYPES, KV_CACHE_LAYOUTS, GraphSpec  # noqa: F401
 from bundler.onnx.writer import save_model
 
 log = logging.getLogger(__name__)
@@ -49,17 +50,7 @@ log = logging.getLogger(__name__)
 DEFAULT_OPSET = 17
 GRAPH_NAME = "model.onnx"
 WEIGHTS_NAME = "model.onnx.data"
-#: KV-cache graph layouts. "concat": torch export, present = Concat(past, new), past grows each
-#: step; runs anywhere (ONNX Runtime, TensorRT). "shared": written by bundler.onnx.inplace with
-#: GroupQueryAttention, past and present are one fixed [.., max_context, ..] buffer updated in
-#: place (ONNX Runtime only: GQA is a contrib op).
-#: "batched": written by bundler.onnx.inplace with the standard TensorScatter + Attention ops (opset
-#: 24): one cache region per slot, [slots, kv_heads, capacity, head_dim], updated in place, and one
-#: call advances many slots with different numbers of new tokens (what the scheduler batches).
-KV_CACHE_LAYOUTS = ("concat", "shared", "batched")
-#: Graph dtypes (weights, activations, KV cache). float16 only for the concat layout: the shared
-#: layout is for ONNX Runtime on CPU, where fp16 buys nothing but casts.
-DTYPES = ("float32", "float16", "bfloat16")
+#: KV_CACHE_LAYOUTS and DTYPES: bundler.onnx.spec (re-exported here, where callers have always found them)
 
 
 def past_names(num_layers: int) -> list[str]:
@@ -166,14 +157,14 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     aux_layer_ids (EAGLE-3 targets) adds the output aux_hidden_states [batch, sequence_length,
     len(ids) * hidden]: the inputs of those decoder layers, concatenated, what the head's fc reads.
     """
+    spec = GraphSpec(kv_cache, dtype, None if fusions is None else frozenset(fusions), aux_layer_ids=aux_layer_ids)
+    return export_graph(checkpoint_dir, out_dir, spec, opset=opset)
+
+
+def export_graph(checkpoint_dir: Path, out_dir: Path, spec: GraphSpec, *, opset: int | None = None) -> ExportResult:
+    """export_onnx of one GraphSpec (its quantization is bundler.onnx.quantize's, applied after)."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
-    if kv_cache not in KV_CACHE_LAYOUTS:
-        raise UsageError(f"expected kv_cache to be one of {', '.join(KV_CACHE_LAYOUTS)}, found {kv_cache!r}")
-    if dtype not in DTYPES:
-        raise UsageError(f"expected dtype to be one of {', '.join(DTYPES)}, found {dtype!r}")
-    if kv_cache == "concat" and dtype == "bfloat16":
-        raise UsageError("the concat KV-cache graph is float32 or float16; found dtype 'bfloat16': export "
-                         "bfloat16 with an in-place layout (kv_cache='batched')")
+    kv_cache, dtype, fusions, aux_layer_ids = spec.layout, spec.dtype, spec.fusions, spec.aux_layer_ids
     if not (Path(checkpoint_dir) / "config.json").is_file():
         raise UsageError(f"expected a Hugging Face checkpoint with config.json in {checkpoint_dir}, found none")
     config = read_config(checkpoint_dir, merge_text_config=False)
@@ -183,13 +174,10 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
                          f"KV-cache graph cannot hold; expected kv_cache 'batched' or 'shared' (ONNX Runtime targets)")
     opset = opset or DEFAULT_OPSET
     out_dir.mkdir(parents=True, exist_ok=True)
-    aux_layer_ids = tuple(int(i) for i in aux_layer_ids)
     n_layers = int(config.get("num_hidden_layers", 0))
     if any(not 0 <= i < n_layers for i in aux_layer_ids):
         raise UsageError(f"expected aux layer ids in 0..{n_layers - 1}, found {list(aux_layer_ids)}")
-    if fusions is not None and kv_cache != "batched":
-        raise UsageError(f"graph fusions apply to the batched KV-cache graph; found kv_cache {kv_cache!r}")
-    fusions = None if fusions is None else frozenset(fusions)
+    spec.check_fusions()
     if family in HYBRID_FAMILIES and (kv_cache != "batched" or dtype != "float32"):
         raise UsageError(f"{checkpoint_dir}: {arch} mixes recurrent layers ({FAMILIES[family].blocks}) with "
                          f"attention; expected "

@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from bundler.model_config import read_config
 from bundler.onnx.export import KV_CACHE_LAYOUTS, ExportResult, export_onnx, past_names
+from bundler.onnx.spec import GraphSpec
 from bundler.onnx.inplace import SharedLayoutUnsupported
 from bundler.pack.pack import PackFile
 from manifests.errors import ModelError, UsageError
@@ -229,11 +230,10 @@ def export_models(models: Mapping[str, Path], work_dir: Path,
     plain_export, quantized_exports = export, {}
     for role, checkpoint in models.items():
         for variant in variants:
-            layout, dtype = variant[0], variant[1]
-            quant = variant[2] if len(variant) > 2 else "none"
+            spec = GraphSpec.of_variant(variant)
+            layout, dtype, quant = spec.variant
             folder = Path(work_dir) / onnx_root(variant).split("/")[-1] / role
-            options = {**({"kv_cache": layout} if layout != "concat" else {}),
-                       **({"dtype": dtype} if dtype != "float32" else {})}
+            options = spec.export_options()
             log.info("export: %s to ONNX (%s KV cache, %s)", role, layout, dtype)
             export = plain_export
             if quant != "none":
@@ -248,7 +248,7 @@ def export_models(models: Mapping[str, Path], work_dir: Path,
                                  f"{getattr(result, 'dtype', 'float32')}")
             decode = _decode_graph(Path(checkpoint), result, export) \
                 if layout == "batched" and dtype != "float32" and not head else None
-            exported = ExportedModel(role, result, "", {}, packed_with=(layout, dtype, quant) if head else None,
+            exported = ExportedModel(role, result, "", {}, packed_with=spec.variant if head else None,
                                      decode_graph=decode)
             hashes = {p.name: file_sha256(p) for p in exported.sources}
             out.append(dataclasses.replace(exported, onnx_sha256=onnx_digest(hashes), file_sha256=hashes))
