@@ -27,6 +27,9 @@ class Family:
     #: some layers are Mamba-2 state-space mixers with a recurrent state per slot (batched graph only); the
     #: decoder layers are one mixer each (Mamba-2, attention, MLP or routed experts) in the config's pattern
     mamba2: bool = False
+    #: transformers' rotary embedding of the family, "<module>.<Class>" under transformers.models (the in-place
+    #: graphs' cos/sin tables come from it, so scaled RoPE variants match); "" : no rotary (Nemotron-H)
+    rotary_embedding: str = ""
 
     @property
     def recurrent(self) -> bool:
@@ -35,17 +38,18 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    Family("llama", ("LlamaForCausalLM",), "attention + MLP"),
-    Family("mistral", ("MistralForCausalLM",), "attention + MLP"),
-    Family("qwen2", ("Qwen2ForCausalLM",), "attention + MLP"),
-    Family("qwen3", ("Qwen3ForCausalLM",), "attention (q/k norms) + MLP", q_k_norm=True),
+    Family("llama", ("LlamaForCausalLM",), "attention + MLP", rotary_embedding="llama.LlamaRotaryEmbedding"),
+    Family("mistral", ("MistralForCausalLM",), "attention + MLP", rotary_embedding="mistral.MistralRotaryEmbedding"),
+    Family("qwen2", ("Qwen2ForCausalLM",), "attention + MLP", rotary_embedding="qwen2.Qwen2RotaryEmbedding"),
+    Family("qwen3", ("Qwen3ForCausalLM",), "attention (q/k norms) + MLP", q_k_norm=True,
+           rotary_embedding="qwen3.Qwen3RotaryEmbedding"),
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "attention (q/k norms) + routed experts", q_k_norm=True,
-           routed_experts=True),
+           routed_experts=True, rotary_embedding="qwen3_moe.Qwen3MoeRotaryEmbedding"),
     Family("qwen3_5_text", ("Qwen3_5ForCausalLM",), "Gated DeltaNet + attention", q_k_norm=True,
-           gated_deltanet=True),
+           gated_deltanet=True, rotary_embedding="qwen3_5.Qwen3_5TextRotaryEmbedding"),
     # the Hub's Qwen3.5 checkpoints: the text model is exported, the vision tower left out
     Family("qwen3_5", ("Qwen3_5ForConditionalGeneration",), "Gated DeltaNet + attention (text)", q_k_norm=True,
-           gated_deltanet=True),
+           gated_deltanet=True, rotary_embedding="qwen3_5.Qwen3_5TextRotaryEmbedding"),
     # Nemotron-H: hybrid_override_pattern, e.g. "M*M-E": Mamba-2, attention (no rotary), squared-ReLU MLP, routed
     # experts (sigmoid router, grouped top-k, a shared expert)
     Family("nemotron_h", ("NemotronHForCausalLM",), "Mamba-2 + attention + MLP / routed experts", routed_experts=True,

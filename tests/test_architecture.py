@@ -170,3 +170,22 @@ def test_limits_are_one_frozen_value_with_a_reason_each():
     undocumented = [f.name for f in fields
                     if not re.search(rf"\n    {f.name}: [^\n]+\n    \"\"\"", source)]
     assert not undocumented, f"Limits fields without a docstring saying why: {undocumented}"
+
+
+def test_one_family_list():
+    """manifests/families.py is the only table of model families: no other module spells out a collection of
+    their model types (per-family facts are Family fields), so adding a family is one edit."""
+    from manifests.families import FAMILIES
+
+    offenders = []
+    for package in ("manifests", "runtime", "bundler"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.relative_to(ROOT).as_posix() == "manifests/families.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                items = node.keys if isinstance(node, ast.Dict) else \
+                    node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else []
+                named = {i.value for i in items if isinstance(i, ast.Constant) and i.value in FAMILIES}
+                if len(named) >= 2:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {sorted(named)}")
+    assert not offenders, f"a second list of model families (make it a manifests.families.Family field): {offenders}"

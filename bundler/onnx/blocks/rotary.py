@@ -8,10 +8,7 @@ import importlib
 import numpy as np
 
 from manifests.errors import ModelError
-
-_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
-                 "qwen3_5_text": "Qwen3_5Text", "qwen3_5": "Qwen3_5Text"}
-_MODULE = {"qwen3_5_text": "qwen3_5"}  # transformers' module, where it is not the model type
+from manifests.families import FAMILIES
 
 
 def rotary_tables(family: str, config, max_positions: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -19,9 +16,12 @@ def rotary_tables(family: str, config, max_positions: int, head_dim: int) -> tup
     is head_dim, or its rotated part under partial rotary)."""
     import torch
 
-    name = _MODULE.get(family, family)
+    where = FAMILIES[family].rotary_embedding
+    if not where:
+        raise ModelError(f"model type {family!r} has no rotary embedding; expected a family with rotary")
+    name, cls = where.split(".")
     module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    rotary = getattr(module, f"{_CLASS_PREFIX[family]}RotaryEmbedding")(config=config)
+    rotary = getattr(module, cls)(config=config)
     if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
         raise ModelError(f"rope type {rotary.rope_type!r} depends on the sequence length and cannot be "
                          f"tabulated; expected default, linear, yarn or llama3 rope scaling")

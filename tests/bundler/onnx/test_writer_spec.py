@@ -1,0 +1,83 @@
+"""The one external-data writer (bundler.onnx.writer) and the graph description (bundler.onnx.spec)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from manifests.errors import UsageError
+
+
+def _model(initializers):
+    from onnx import TensorProto as TP
+    from onnx import helper as h
+
+    out = h.make_tensor_value_info("y", TP.FLOAT, None)
+    graph = h.make_graph([h.make_node("Identity", [initializers[-1].name], ["y"])], "g", [], [out], initializers)
+    return h.make_model(graph)
+
+
+def test_tensor_writer_aligns_streams_and_reads_back(tmp_path):
+    import onnx
+
+    from bundler.onnx.writer import ALIGN, TensorWriter, data_path, read_external
+
+    graph = tmp_path / "model.onnx"
+    big = np.arange(1000, dtype=np.float32)
+    with TensorWriter(data_path(graph)) as w:
+        w.add("small", np.ones(3, np.float32))  # under INLINE_BELOW: stays in the graph
+        w.add("a", big[:333])
+        w.add("b", big)
+        assert w.add("b", np.zeros(1, np.float32)) == "b" and len(w.initializers) == 3  # added once
+        w.commit(_model(w.initializers), graph)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.data"]
+    model = onnx.load(str(graph), load_external_data=False)
+    by_name = {t.name: t for t in model.graph.initializer}
+    assert by_name["small"].data_location == onnx.TensorProto.DEFAULT
+    files: dict = {}
+    for name, want in (("a", big[:333]), ("b", big)):
+        offset = int({e.key: e.value for e in by_name[name].external_data}["offset"])
+        assert offset % ALIGN == 0
+        assert np.array_equal(np.frombuffer(read_external(graph, by_name[name], files), np.float32), want)
+    for f in files.values():
+        f.close()
+
+
+def test_tensor_writer_leaves_nothing_when_the_build_fails(tmp_path):
+    from bundler.onnx.writer import TensorWriter
+
+    with pytest.raises(RuntimeError):
+        with TensorWriter(tmp_path / "model.onnx.data") as w:
+            w.add("a", np.zeros(1024, np.float32))
+            raise RuntimeError("a block refused the checkpoint")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_model_writes_graph_and_one_data_file(tmp_path):
+    import onnx
+    from onnx import numpy_helper
+
+    from bundler.onnx.writer import save_model
+
+    weights = np.random.default_rng(0).standard_normal(512).astype(np.float32)
+    save_model(_model([numpy_helper.from_array(weights, "w")]), tmp_path / "q.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.onnx", "q.onnx.data"]
+    loaded = onnx.load(str(tmp_path / "q.onnx"))
+    assert np.array_equal(numpy_helper.to_array(loaded.graph.initializer[0]), weights)
+
+
+def test_graph_spec_maps_export_keywords():
+    from bundler.onnx.spec import GraphSpec
+
+    assert GraphSpec().export_options() == {}
+    spec = GraphSpec.of_variant(("batched", "bfloat16", "int4"))
+    assert spec.variant == ("batched", "bfloat16", "int4")
+    assert spec.export_options() == {"kv_cache": "batched", "dtype": "bfloat16"}  # quantization: applied after
+    assert GraphSpec("batched", fusions=["gqa"]).export_options() == {"kv_cache": "batched",
+                                                                     "fusions": frozenset({"gqa"})}
+    with pytest.raises(UsageError, match="bfloat16"):
+        GraphSpec("concat", "bfloat16")
+    with pytest.raises(UsageError, match="kv_cache to be one of"):
+        GraphSpec("paged")
+    with pytest.raises(UsageError, match="batched KV-cache graph"):
+        GraphSpec("shared", fusions={"qkv"}).check_fusions()
