@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import once_per_run
-from tests.models import FAMILIES, make_tiny_checkpoint
+from tests.models import FAMILIES, NEMOTRON_MOE, make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +53,32 @@ def family_shared_exports(family_exports, tmp_path_factory) -> dict:
 def family_batched_exports(family_exports, tmp_path_factory) -> dict:
     """The batched in-place graph (TensorScatter + Attention)."""
     return _exports_of(family_exports, tmp_path_factory, "export-batched", kv_cache="batched")
+
+
+def _hybrid_export(tmp_path_factory, family: str, name: str, seed: int, overrides: dict | None = None):
+    """(checkpoint, ExportResult) of a tiny recurrent-hybrid checkpoint in the batched layout, once per run."""
+    def build(root: Path):
+        from bundler.onnx.export import export_onnx
+
+        ckpt = make_tiny_checkpoint(root / "ckpt", family=family, seed=seed, overrides=overrides)
+        return ckpt, export_onnx(ckpt, root / "onnx", kv_cache="batched")
+
+    return once_per_run(tmp_path_factory, name, build)
+
+
+@pytest.fixture(scope="session")
+def hybrid_export(tmp_path_factory):
+    """The tiny Qwen3.5 text model (Gated DeltaNet + gated attention)."""
+    return _hybrid_export(tmp_path_factory, "qwen3_5_text", "export-qwen3_5", seed=5)
+
+
+@pytest.fixture(scope="session")
+def mamba_export(tmp_path_factory):
+    """The tiny "M*M-" Nemotron-H (Mamba-2 + attention + MLP)."""
+    return _hybrid_export(tmp_path_factory, "nemotron_h", "export-nemotron_h", seed=5)
+
+
+@pytest.fixture(scope="session")
+def moe_export(tmp_path_factory):
+    """The tiny "M*ME" Nemotron-H (tests.models.NEMOTRON_MOE: routed experts too)."""
+    return _hybrid_export(tmp_path_factory, "nemotron_h", "export-nemotron_h-moe", seed=6, overrides=NEMOTRON_MOE)
