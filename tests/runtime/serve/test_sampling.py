@@ -53,11 +53,11 @@ def _tables():
     return target.astype(np.float32), draft.astype(np.float32)
 
 
-def _exact(table, params):
-    """Closed-form probability of every 3-token continuation of PROMPT under a Markov table."""
+def _exact(table, params, length: int = LENGTH):
+    """Closed-form probability of every `length`-token continuation of PROMPT under a Markov table."""
     probs = probabilities(table, params)
     out = {}
-    for seq in itertools.product(range(VOCAB), repeat=LENGTH):
+    for seq in itertools.product(range(VOCAB), repeat=length):
         prev, p = PROMPT[-1], 1.0
         for t in seq:
             p *= probs[prev, t]
@@ -66,11 +66,11 @@ def _exact(table, params):
     return out
 
 
-def _sample(gen, params, n):
+def _sample(gen, params, n, length: int = LENGTH):
     counts = {}
     for seed in range(n):
         p = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
-        seq = tuple(t for s in gen.generate(PROMPT, p, max_tokens=LENGTH) for t in s.tokens)
+        seq = tuple(t for s in gen.generate(PROMPT, p, max_tokens=length) for t in s.tokens)
         counts[seq] = counts.get(seq, 0) + 1
     return counts
 

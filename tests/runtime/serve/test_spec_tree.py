@@ -4,7 +4,6 @@ that sampled tree verification keeps the target's distribution."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 
 import numpy as np
@@ -17,8 +16,7 @@ from runtime.serve.generator import Generator
 from runtime.serve.sampling import SamplingParams
 from runtime.serve.spec_tree import Tree, TreeOptions, accept_tree_greedy
 from runtime.serve.tokenizer import Tokenizer
-from runtime.serve.sampling import probabilities
-from tests.runtime.serve.test_sampling import PROMPT, VOCAB, _pvalue, _tables
+from tests.runtime.serve.test_sampling import PROMPT, _exact, _pvalue, _sample, _tables
 from tests.runtime.serve.toy_engines import MarkovEngine, MarkovSlots
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -125,28 +123,6 @@ def test_greedy_tree_acceptance_rule():
 SAMPLED = 4  # the first token (from the prompt) and a tree of depth 2 with its bonus token
 
 
-def _exact(table, params, length=SAMPLED):
-    """Closed-form probability of every `length`-token continuation of PROMPT under a Markov table."""
-    probs = probabilities(table, params)
-    out = {}
-    for seq in itertools.product(range(VOCAB), repeat=length):
-        prev, p = PROMPT[-1], 1.0
-        for t in seq:
-            p *= probs[prev, t]
-            prev = t
-        out[seq] = p
-    return out
-
-
-def _sample(gen, params, n):
-    counts = {}
-    for seed in range(n):
-        p = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
-        seq = tuple(t for s in gen.generate(PROMPT, p, max_tokens=SAMPLED) for t in s.tokens)
-        counts[seq] = counts.get(seq, 0) + 1
-    return counts
-
-
 @pytest.mark.parametrize("params,opts", [
     (SamplingParams(temperature=1.0), TreeOptions(branching=3, max_nodes=8)),
     (SamplingParams(temperature=0.7, top_p=0.9, top_k=4), TreeOptions(branching=2, max_nodes=5)),
@@ -158,15 +134,15 @@ def test_sampled_tree_keeps_the_target_distribution(params, opts):
     n = 5000
     gen = Generator(MarkovSlots(target), MarkovSlots(draft), "draft_model", 2, tree=opts)
     assert gen.runner.tree == opts
-    counts = _sample(gen, params, n)
+    counts = _sample(gen, params, n, SAMPLED)
     assert sum(counts.values()) == n
-    assert _pvalue(counts, _exact(target, params), n) > 1e-3
+    assert _pvalue(counts, _exact(target, params, SAMPLED), n) > 1e-3
     s = gen.stats
     assert 0.1 < s.acceptance_rate < 0.95, "both accepting and rejecting must happen"
     assert s.num_draft_tokens > 2 * s.num_drafts, "trees, not chains, were verified"
     assert s.accepted_per_pos[1] > 0.1 * n, "paths of depth 2 were accepted"
     if params.top_k == 0:  # the test has power: far from the draft's own distribution
-        assert _pvalue(counts, _exact(draft, params), n) < 1e-6
+        assert _pvalue(counts, _exact(draft, params, SAMPLED), n) < 1e-6
 
 
 def test_tree_config_is_parsed_and_checked(caplog):
@@ -236,7 +212,7 @@ def test_sampled_trees_under_concurrency_keep_the_target_distribution_per_slot()
     scheduler = Scheduler(runner, max_num_seqs=slots, max_num_batched_tokens=64)
     rec = Recorder()
     reqs = [rec.request(PROMPT, SamplingParams(1.0, seed=i), max_tokens=SAMPLED) for i in range(n)]
-    assert_distributed_per_slot(scheduler, rec, reqs, slots, _exact(target, params))
+    assert_distributed_per_slot(scheduler, rec, reqs, slots, _exact(target, params, SAMPLED))
     assert runner.stats.num_draft_tokens > 2 * runner.stats.num_drafts
 
 
