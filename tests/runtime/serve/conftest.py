@@ -68,25 +68,38 @@ class Bundle:
     name: str
 
 
+def signed_cpu_bundle(root: Path, name: str, target: Path, draft: Path) -> Path:
+    """`bundle create` (cpu target, target + draft, signed with root/key) then `bundle install` into
+    root/store, through the libraries: the store (root/bundle is the bundle, root/key.pub its key)."""
+    from bundler.pack.create import CreateOptions, create_bundle, local_model
+    from bundler.pack.engines import target_files_hook
+    from bundler.pack.keys import generate_key, load_private_key
+    from runtime.store.store import Store
+    from runtime.store.trust import trusted_keys
+
+    generate_key(root / "key")
+    create_bundle(root / "bundle", CreateOptions(
+        name=name, version=1, model=local_model(target, "target"), draft=local_model(draft, "draft"),
+        targets=["cpu"], sign_keys=[load_private_key(root / "key")], target_files=target_files_hook(),
+        progress=False))
+    Store(root / "store").install(root / "bundle", target="cpu",
+                                  trusted=trusted_keys([root / "key.pub"], trust_dir=None))
+    return root / "store"
+
+
+def tiny_dense_draft(root: Path, target: Path, seed: int) -> Path:
+    """A one-layer dense qwen3 draft sharing `target`'s tokenizer (for targets of other families)."""
+    return make_tiny_checkpoint(root / "draft", family="qwen3", hidden_size=32, num_layers=1, num_heads=2,
+                                num_kv_heads=1, intermediate_size=64, seed=seed, tokenizer_from=target)
+
+
 @pytest.fixture(scope="session")
 def installed_bundle(tiny_models, tmp_path_factory) -> Bundle:
     """`bundle create` (cpu target, target + draft, signed) then `bundle install`, through the libraries.
     Read-only: tests serve from its store, never install into it."""
     def build(root: Path) -> Bundle:
-        from bundler.pack.create import CreateOptions, create_bundle, local_model
-        from bundler.pack.engines import target_files_hook
-        from bundler.pack.keys import generate_key, load_private_key
-        from runtime.store.store import Store
-        from runtime.store.trust import trusted_keys
-
-        generate_key(root / "key")
-        create_bundle(root / "bundle", CreateOptions(
-            name="tiny", version=1, model=local_model(tiny_models["target"], "target"),
-            draft=local_model(tiny_models["draft"], "draft"), targets=["cpu"],
-            sign_keys=[load_private_key(root / "key")], target_files=target_files_hook(), progress=False))
-        Store(root / "store").install(root / "bundle", target="cpu",
-                                      trusted=trusted_keys([root / "key.pub"], trust_dir=None))
-        return Bundle(root / "bundle", root / "store", root / "key.pub", "tiny")
+        store = signed_cpu_bundle(root, "tiny", tiny_models["target"], tiny_models["draft"])
+        return Bundle(root / "bundle", store, root / "key.pub", "tiny")
 
     return once_per_run(tmp_path_factory, "tiny-bundle", build)
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import once_per_run
 from tests.models import NEMOTRON_MOE, make_tiny_checkpoint
-from tests.runtime.serve.conftest import RunningServer
+from tests.runtime.serve.conftest import RunningServer, signed_cpu_bundle, tiny_dense_draft
 
 #: the last lines repeat earlier ones, so n-gram lookup finds proposals from the first step
 PROMPTS = ["The quick brown fox", "def read(path):\n    with open(path) as f:",
@@ -36,23 +36,8 @@ def hybrid_store(tmp_path_factory, request) -> Path:
     family, overrides, seed = MODELS[which]
 
     def build(root: Path) -> Path:
-        from bundler.pack.create import CreateOptions, create_bundle, local_model
-        from bundler.pack.engines import target_files_hook
-        from bundler.pack.keys import generate_key, load_private_key
-        from runtime.store.store import Store
-        from runtime.store.trust import trusted_keys
-
         target = make_tiny_checkpoint(root / "target", family=family, seed=seed, overrides=overrides)
-        draft = make_tiny_checkpoint(root / "draft", family="qwen3", hidden_size=32, num_layers=1, num_heads=2,
-                                     num_kv_heads=1, intermediate_size=64, seed=4, tokenizer_from=target)
-        generate_key(root / "key")
-        create_bundle(root / "bundle", CreateOptions(
-            name="hybrid", version=1, model=local_model(target, "target"), draft=local_model(draft, "draft"),
-            targets=["cpu"], sign_keys=[load_private_key(root / "key")], target_files=target_files_hook(),
-            progress=False))
-        Store(root / "store").install(root / "bundle", target="cpu",
-                                      trusted=trusted_keys([root / "key.pub"], trust_dir=None))
-        return root / "store"
+        return signed_cpu_bundle(root, "hybrid", target, tiny_dense_draft(root, target, seed=4))
 
     return once_per_run(tmp_path_factory, f"hybrid-bundle-{which}", build)
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import once_per_run
 from tests.models import make_tiny_checkpoint
-from tests.runtime.serve.conftest import RunningServer
+from tests.runtime.serve.conftest import RunningServer, signed_cpu_bundle, tiny_dense_draft
 
 PROMPTS = ["def read(path):\n    with open(path) as f:\n", "The quick brown fox", "import os\nimport sys\n"]
 
@@ -18,23 +18,8 @@ PROMPTS = ["def read(path):\n    with open(path) as f:\n", "The quick brown fox"
 @pytest.fixture(scope="module")
 def moe_store(tmp_path_factory) -> Path:
     def build(root: Path) -> Path:
-        from bundler.pack.create import CreateOptions, create_bundle, local_model
-        from bundler.pack.engines import target_files_hook
-        from bundler.pack.keys import generate_key, load_private_key
-        from runtime.store.store import Store
-        from runtime.store.trust import trusted_keys
-
         target = make_tiny_checkpoint(root / "target", family="qwen3_moe", num_layers=3, seed=5)
-        draft = make_tiny_checkpoint(root / "draft", family="qwen3", hidden_size=32, num_layers=1, num_heads=2,
-                                     num_kv_heads=1, intermediate_size=64, seed=6, tokenizer_from=target)
-        generate_key(root / "key")
-        create_bundle(root / "bundle", CreateOptions(
-            name="moe", version=1, model=local_model(target, "target"), draft=local_model(draft, "draft"),
-            targets=["cpu"], sign_keys=[load_private_key(root / "key")], target_files=target_files_hook(),
-            progress=False))
-        Store(root / "store").install(root / "bundle", target="cpu",
-                                      trusted=trusted_keys([root / "key.pub"], trust_dir=None))
-        return root / "store"
+        return signed_cpu_bundle(root, "moe", target, tiny_dense_draft(root, target, seed=6))
 
     return once_per_run(tmp_path_factory, "moe-bundle", build)
 
