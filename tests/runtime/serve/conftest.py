@@ -3,6 +3,12 @@ and one real uvicorn server on 127.0.0.1 serving it (started once per session)."
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -193,3 +199,33 @@ def demo_installed(tmp_path_factory):
     return installed, root
 
 
+
+
+@contextlib.contextmanager
+def serve_process(args: list[str], *, env: dict | None = None, stderr=subprocess.STDOUT,
+                  timeout: float | None = None):
+    """`bundle serve ARGS` in a process of its own: yields (url, banner lines) once it says where it serves
+    (within `timeout` seconds when given), then stops it as a user would (SIGINT; killed if it does not exit
+    within 20 s)."""
+    exe = Path(sys.executable).parent / "bundle"
+    proc = subprocess.Popen([str(exe), "serve", *args], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    lines: list[str] = []
+    try:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        url = None
+        while url is None:
+            assert deadline is None or (time.monotonic() < deadline and proc.poll() is None), "".join(lines)
+            line = proc.stdout.readline()
+            assert line, "".join(lines)  # the server exited before serving
+            lines.append(line)
+            m = re.search(r"serving at\s+(http://\S+)/v1", line)
+            url = m.group(1) if m else None
+        yield url, lines
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -3,12 +3,7 @@ says so loudly (a WARNING line in the banner, engine_warning in /health). Throug
 
 from __future__ import annotations
 
-import os
-import re
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +11,7 @@ import openai
 import pytest
 
 from tests.conftest import once_per_run
+from tests.runtime.serve.conftest import serve_process
 
 
 def test_a_cpu_target_says_it_runs_on_the_cpu_without_a_warning(server):
@@ -48,20 +44,8 @@ def test_a_tensorrt_target_on_the_cpu_warns_in_the_banner_and_health(thor_store,
 
     if TensorRTBackend().device() is not None:
         pytest.skip("a real TensorRT GPU is here: the target runs its plan, not the CPU")
-    exe = Path(sys.executable).parent / "bundle"
-    proc = subprocess.Popen([str(exe), "serve", "tiny", "--store", str(thor_store), "--port", "0",
-                             "--uvicorn-log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                            "BUNDLE_CACHE_DIR": str(tmp_path / "cache")})
-    lines: list[str] = []
-    try:
-        url = None
-        while url is None:
-            line = proc.stdout.readline()
-            assert line, "".join(lines)  # the server exited before serving
-            lines.append(line)
-            m = re.search(r"serving at\s+(http://\S+)/v1", line)
-            url = m.group(1) if m else None
+    with serve_process(["tiny", "--store", str(thor_store), "--port", "0", "--uvicorn-log-level", "warning"],
+                       env={"BUNDLE_CACHE_DIR": str(tmp_path / "cache")}, stderr=subprocess.DEVNULL) as (url, lines):
         banner = "".join(lines)
         assert f"runs on:     ONNX Runtime on the CPU: {NOT_INSTALLED}" in banner, banner
         warning = next(line for line in lines if line.startswith("WARNING:"))
@@ -76,10 +60,3 @@ def test_a_tensorrt_target_on_the_cpu_warns_in_the_banner_and_health(thor_store,
         reply = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60).chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
         assert reply.usage.completion_tokens > 0  # it does serve, on the CPU
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

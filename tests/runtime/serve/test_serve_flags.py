@@ -3,14 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,6 +12,7 @@ from click.testing import CliRunner
 
 from manifests.errors import UsageError
 from runtime.cli.serve import serve as serve_cmd
+from tests.runtime.serve.conftest import serve_process
 
 #: The issue's list, each with a value a user would type.
 LISTED = {
@@ -124,26 +119,14 @@ def test_generation_config_and_overrides_set_default_sampling(demo_installed, tm
 def test_bundle_serve_with_the_pasted_command_line(demo_installed, tmp_path):
     """The real command in a process: startup notes, then the OpenAI API under the served name."""
     installed, root = demo_installed
-    exe = Path(sys.executable).parent / "bundle"
-    args = [str(exe), "serve", "demo", "--store", str(root / "store"), "--port", "0",
+    args = ["demo", "--store", str(root / "store"), "--port", "0",
             "--served-model-name", "qwen38", "--reasoning-parser", "qwen3", "--enable-auto-tool-choice",
             "--tool-call-parser", "qwen3_coder", "--max-model-len", "384", "--max-num-seqs", "8",
             "--gpu-memory-utilization", "0.85", "--trust-remote-code", "--enable-prefix-caching",
             "--kv-cache-dtype", "fp8", "--max-num-batched-tokens", "16384", "--dtype", "auto",
             "--tensor-parallel-size", "1", "--uvicorn-log-level", "warning", "--generation-config", "auto",
             "--speculative-config", '{"method":"draft_model","model":"draft","num_speculative_tokens":3}']
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines = []
-    try:
-        deadline = time.monotonic() + 120
-        url = None
-        while url is None:
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-            line = proc.stdout.readline()
-            lines.append(line)
-            m = re.search(r"serving at\s+(http://\S+)/v1", line)
-            url = m.group(1) if m else None
+    with serve_process(args, timeout=120) as (url, lines):
         banner = "".join(lines)
         assert "model:       qwen38" in banner and "max_model_len 384" in banner
         assert "tools:       auto tool choice, qwen3_coder parser" in banner
@@ -154,10 +137,3 @@ def test_bundle_serve_with_the_pasted_command_line(demo_installed, tmp_path):
         r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
             "model": "qwen38", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert r.status_code == 200 and r.json()["model"] == "qwen38"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
