@@ -11,6 +11,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NETWORK_CLIENTS = {"huggingface_hub", "requests", "httpx", "urllib3", "aiohttp", "oras"}
 HEAVY = {"torch", "transformers", "onnx", "tensorrt", "safetensors", "optimum"}
+PACKAGES = ("manifests", "runtime", "bundler")
+
+
+def source_files(skip: str | None = None) -> list[Path]:
+    """Every module of the three packages (but `skip`, a path relative to the repository), in a stable order."""
+    return [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))
+            if p.relative_to(ROOT).as_posix() != skip]
 
 
 def imported_modules(package: str) -> dict[str, set[str]]:
@@ -37,13 +44,12 @@ def test_import_direction(package, forbidden):
 
 def test_only_settings_reads_the_environment():
     offenders = []
-    for package in ("manifests", "runtime", "bundler"):
-        for path in (ROOT / package).rglob("*.py"):
-            if path.name == "settings.py" or "demo/train" in str(path):
-                continue
-            text = path.read_text()
-            if "os.environ" in text or "os.getenv" in text:
-                offenders.append(str(path.relative_to(ROOT)))
+    for path in source_files():
+        if path.name == "settings.py" or "demo/train" in str(path):
+            continue
+        text = path.read_text()
+        if "os.environ" in text or "os.getenv" in text:
+            offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, f"environment read outside runtime/settings.py: {offenders}"
 
 
@@ -95,11 +101,10 @@ def module_graph() -> dict[str, set[str]]:
     """Module-level imports only (function-level ones are the deliberate lazy edges) between project modules."""
     graph: dict[str, set[str]] = {}
     modules = {}
-    for package in ("runtime", "bundler", "manifests"):
-        for path in (ROOT / package).rglob("*.py"):
-            rel = path.relative_to(ROOT).with_suffix("")
-            name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
-            modules[name] = path
+    for path in source_files():
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        modules[name] = path
     for name, path in modules.items():
         edges: set[str] = set()
         for node in ast.parse(path.read_text(), str(path)).body:
@@ -144,18 +149,15 @@ def test_byte_caps_live_in_manifests_limits():
     field) but never define its value, so no two modules bound one thing differently."""
     pattern = re.compile(r"_?MAX_\w*_BYTES")
     offenders = []
-    for package in ("manifests", "runtime", "bundler"):
-        for path in sorted((ROOT / package).rglob("*.py")):
-            if path.relative_to(ROOT).as_posix() == "manifests/limits.py":
-                continue
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                targets = node.targets if isinstance(node, ast.Assign) else \
-                    [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
-                names = [t.id for t in targets if isinstance(t, ast.Name) and pattern.fullmatch(t.id)]
-                literal = not any(isinstance(n, (ast.Name, ast.Attribute, ast.Call)) for n in ast.walk(node.value)) \
-                    if names else False
-                if literal:
-                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {names[0]}")
+    for path in source_files(skip="manifests/limits.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
+            names = [t.id for t in targets if isinstance(t, ast.Name) and pattern.fullmatch(t.id)]
+            literal = not any(isinstance(n, (ast.Name, ast.Attribute, ast.Call)) for n in ast.walk(node.value)) \
+                if names else False
+            if literal:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {names[0]}")
     assert not offenders, f"byte caps defined outside manifests/limits.py (make them Limits fields): {offenders}"
 
 
@@ -178,14 +180,11 @@ def test_one_family_list():
     from manifests.families import FAMILIES
 
     offenders = []
-    for package in ("manifests", "runtime", "bundler"):
-        for path in sorted((ROOT / package).rglob("*.py")):
-            if path.relative_to(ROOT).as_posix() == "manifests/families.py":
-                continue
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                items = node.keys if isinstance(node, ast.Dict) else \
-                    node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else []
-                named = {i.value for i in items if isinstance(i, ast.Constant) and i.value in FAMILIES}
-                if len(named) >= 2:
-                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {sorted(named)}")
+    for path in source_files(skip="manifests/families.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            items = node.keys if isinstance(node, ast.Dict) else \
+                node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else []
+            named = {i.value for i in items if isinstance(i, ast.Constant) and i.value in FAMILIES}
+            if len(named) >= 2:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {sorted(named)}")
     assert not offenders, f"a second list of model families (make it a manifests.families.Family field): {offenders}"
