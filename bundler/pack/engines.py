@@ -33,7 +33,7 @@ from bundler.onnx.spec import GraphSpec
 from bundler.onnx.inplace import SharedLayoutUnsupported
 from bundler.pack.pack import PackFile
 from manifests.errors import ModelError, UsageError
-from manifests.quantization import MATMULNBITS, QDQ, QuantizeOptions
+from manifests.quantization import MATMULNBITS, OPERATORS, QDQ, QuantizeOptions
 from manifests.schema import Engine, Target
 from manifests.targets import TargetProfile
 from manifests.serve_config import DEFAULT_PREFILL_CHUNK
@@ -194,7 +194,7 @@ class ExportedModel:
         q = self.quantization
         if q is None:
             return "none"
-        return TENSORRT_INT4 if q.operator == "DequantizeLinear" else f"int{q.bits}"
+        return TENSORRT_INT4 if q.operator == OPERATORS[QDQ] else f"int{q.bits}"
 
     @property
     def variant(self) -> tuple[str, str, str]:
