@@ -29,7 +29,11 @@ the wait doubling after each probe that confirms 0, up to `PROBE_MAX` (bounded e
 deterministic schedule), so acceptance and costs keep being measured and the bucket switches back
 when drafting starts to pay (better acceptance, a lighter load); between probes its plain steps skip the
 evaluation (nothing it depends on but plain costs is measured there). While it speculates, every
-`EXPLORE_EVERY`-th step tries a neighbouring G so the fits see more than one G.
+`EXPLORE_EVERY`-th step tries another G so the fits see more than one: a neighbouring G, and every
+third time none at all, so that plain decoding's own cost is measured rather than extrapolated from
+drafted steps. That matters on a GPU, where a plain step may run another path than a verification
+(the CUDA engine's single-token decode graph under CUDA graphs): a G measured in the bucket is
+predicted from its own mean (moved along the fit's slope), not from the line through the others.
 
 Lossless: G only changes how many proposals are verified, never how they are accepted, so greedy
 output is token-identical to plain decoding and sampled output is distributed as the target's (G
@@ -144,6 +148,16 @@ class GroupedCost:
     def predict(self, x: float) -> float:
         a, b = self.line()
         return a + b * x
+
+    def predict_at(self, key, x: float) -> float:
+        """The cost at x of group `key`: its own mean moved along the fit's slope where it was measured
+        (a group may run another code path than its neighbours: a GPU engine's single-token decode
+        graph with CUDA graphs against its batched graph for verification rows), else the fit."""
+        g = self.groups.get(key)
+        if g is None:
+            return self.predict(x)
+        _, b = self.line()
+        return max(g[1] + b * (x - g[0]), 0.0)
 
     @property
     def spread(self) -> int:
@@ -306,7 +320,8 @@ class SpeculationLength:
         for g in range(self.k + 1):
             tokens = len(adaptive) * (1 + g) + fixed * (1 + self.k) + plain
             rounds = max(g, self.k if fixed else 0)
-            cost = target.predict(tokens) + rounds * per_round + other.predict(g)
+            cost = (target.predict_at(g, tokens) if target is bucket.target else target.predict(tokens)) \
+                + rounds * per_round + (other.predict_at(g, g) if other is bucket.other else other.predict(g))
             speed.append((kept[g] + bonus) / max(cost, 1e-12))
         best = max(range(1, self.k + 1), key=speed.__getitem__)  # the best G that drafts
         pays = speed[best] > speed[0] * (1.0 + self.min_gain)
@@ -326,9 +341,12 @@ class SpeculationLength:
             return self._pick(0)
         bucket.plain_run, bucket.probe_wait = 0, self.probe_every
         g = best
-        if self.explore_every and bucket.steps % self.explore_every == 0:  # a neighbour, so fits see another G
-            up = (bucket.steps // self.explore_every) % 2 == 0
-            g = best - 1 if best == self.k or not up else best + 1
+        if self.explore_every and bucket.steps % self.explore_every == 0:
+            # now and then another G, so the fits see more than one: plain decoding every third time (its
+            # cost is measured, never extrapolated from drafted steps), else a neighbour of the best G
+            turn = (bucket.steps // self.explore_every) % 3
+            up = turn == 1
+            g = 0 if turn == 0 else best - 1 if best == self.k or not up else best + 1
         return self._pick(g)
 
     def _pick(self, g: int) -> int:

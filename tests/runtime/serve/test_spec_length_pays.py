@@ -224,3 +224,31 @@ def test_metrics_and_the_log_line_show_the_decision_per_bucket():
     assert "(skipped 10 steps" in metrics.log_window()  # since the last line
     metrics.step(1, 0, 0)
     assert "skipped" not in metrics.log_window()
+
+
+def _fast_plain_path(rows, tokens):
+    """A GPU engine whose single-token rows take a fast path (a decode graph under CUDA graphs) and whose
+    verification rows take a slower one: a line through drafted steps overestimates a plain step 3x."""
+    return 0.004 if tokens == rows else 0.012 + 0.00002 * tokens
+
+
+def test_a_plain_step_on_a_faster_path_is_measured_not_extrapolated_and_drafting_that_loses_stops():
+    """Drafting pays at first (the draft always agrees) and stops paying when the draft starts to disagree
+    half of the time: a decision that extrapolated plain decoding's cost from drafted steps only would
+    keep drafting (2 tokens per 13.5 ms against a plain step it thinks costs 12 ms)."""
+    target_table, unrelated = _tables()
+    clock = FakeClock()
+    target = TimedSlots(target_table, 4, clock, _fast_plain_path)
+    draft = TimedSlots(target_table, 4, clock, lambda rows, tokens: 0.0005)
+    runner = ModelRunner(target, draft, "draft_model", 3, clock=clock)
+    prompts = _prompts(16)
+    outs, drafted = _serve(runner, prompts, max_tokens=60)
+    assert outs == [_greedy(target_table, p, 60) for p in prompts]
+    assert sum(1 for d in drafted if d) > 0.6 * len(drafted)  # 4 tokens per 14 ms against 1 per 4 ms: drafts
+    half = target_table.copy()
+    half[::2] = unrelated[::2]
+    draft.set_table(half)
+    outs, drafted = _serve(runner, _prompts(16, seed=9), max_tokens=60)
+    assert outs == [_greedy(target_table, p, 60) for p in _prompts(16, seed=9)]
+    late = drafted[len(drafted) // 2:]  # once it has seen the new acceptance
+    assert sum(1 for d in late if d) < 0.2 * len(late), (sum(1 for d in late if d), len(late))
