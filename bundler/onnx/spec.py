@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from manifests.errors import UsageError
 
-#: KV-cache graph layouts. "concat": torch export, present = Concat(past, new), past grows each
-#: step; runs anywhere (ONNX Runtime, TensorRT). "shared": written by bundler.onnx.inplace with
+#: KV-cache graph layouts. "concat": present = Concat(past, new) in elementary ops, past grows each
+#: step; runs anywhere (ONNX Runtime, TensorRT 10.13 and later). "shared": written by bundler.onnx.inplace with
 #: GroupQueryAttention, past and present are one fixed [.., max_context, ..] buffer updated in
 #: place (ONNX Runtime only: GQA is a contrib op).
 #: "batched": written by bundler.onnx.inplace with the standard TensorScatter + Attention ops (opset
