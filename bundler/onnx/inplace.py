@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -163,24 +164,32 @@ def build_shared_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm:
 #:   "gate_up"   one MatMul for the MLP's gate and up projections, then Split;
 #:   "skip_norm" RMSNorm as com.microsoft SimplifiedLayerNormalization, for ONNX Runtime to fuse with the
 #:               residual Add before it into SkipSimplifiedLayerNormalization (measured: 1.31.1 does not);
-#:   "q3d"       q stays [batch, seq, heads*dim] through RotaryEmbedding and Attention (3D Q, 4D K/V),
-#:               and Attention's output is 3D: no Reshape/Transpose pairs for q and the output;
-#:   "bsnh"      (changes the cache layout) the KV cache as [batch, capacity, kv_heads*dim], written
-#:               with TensorScatter on axis 1: no Reshape/Transpose at all;
 #:   "gqa"       (changes the inputs: decode only) com.microsoft GroupQueryAttention over the same
 #:               [batch, kv_heads, capacity, dim] cache with packed QKV and fused rotary; inputs
 #:               input_ids, seqlens_k int32 [batch] (total length - 1), total_sequence_length int32 [].
-FUSIONS = ("qkv", "gate_up", "skip_norm", "q3d", "bsnh", "gqa")
+#: Ways to attend that only a benchmark builds (3D q, a [batch, capacity, kv_heads*dim] cache) are its own code
+#: (benchmarks/cuda_variants.py), passed in as `variant` (a BatchedVariant).
+FUSIONS = ("qkv", "gate_up", "skip_norm", "gqa")
 #: What the batched graph gets by default: exact (0 difference from the unpacked graph on the H200) and
 #: 12 % faster there (benchmarks/results/cuda_variants.md); the others measured no gain or change the
-#: engine interface ("q3d": ONNX Runtime's Attention wants Q and K of the same rank).
+#: engine interface.
 DEFAULT_FUSIONS = frozenset({"qkv", "gate_up"})
 #: The CUDA decode graph: GroupQueryAttention (runtime.engines.cuda runs it, `cuda` target only).
 GQA_FUSIONS = frozenset({"gate_up", "gqa"})
 
 
+class BatchedVariant(Protocol):
+    """A benchmark's way to attend in the batched graph (blocks.attention.AttentionSpec.variant)."""
+
+    name: str  # listed in metadata bundle.fusions
+
+    def attend(self, g, q: str, k: str, v: str, i: int, spec, io) -> str: ...
+
+    def cache(self, kv_heads: int, head_dim: int) -> list: ...
+
+
 def build_batched_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool,
-                           fusions: frozenset[str] | None = None) -> None:
+                           fusions: frozenset[str] | None = None, variant: BatchedVariant | None = None) -> None:
     """Write result.graph + result.weights for the batched layout (standard TensorScatter + Attention,
     or GroupQueryAttention with fusions containing "gqa"); fusions None: DEFAULT_FUSIONS."""
     fusions = DEFAULT_FUSIONS if fusions is None else frozenset(fusions)
@@ -193,22 +202,22 @@ def build_batched_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm
     if unknown:
         raise ModelError(f"expected fusions among {', '.join(FUSIONS)}, found {', '.join(sorted(unknown))}")
     _build(checkpoint_dir, result, config, has_q_k_norm=has_q_k_norm, layout=BATCHED_LAYOUT,
-           fusions=frozenset(fusions))
+           fusions=frozenset(fusions), variant=variant)
 
 
 def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: str,
-           fusions: frozenset[str] = frozenset()) -> None:
+           fusions: frozenset[str] = frozenset(), variant: BatchedVariant | None = None) -> None:
     from bundler.onnx.writer import TensorWriter
 
     with TensorWriter(result.weights) as w:
         model, layers = _compose(w, checkpoint_dir, result, config, has_q_k_norm=has_q_k_norm, layout=layout,
-                                 fusions=fusions)
+                                 fusions=fusions, variant=variant)
         w.commit(model, result.graph)
     log.info("built the %s-KV graph for %s (%d layers) at %s", layout, result.architecture, layers, result.graph)
 
 
 def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: str,
-             fusions: frozenset[str]):
+             fusions: frozenset[str], variant: BatchedVariant | None = None):
     """The graph (an onnx ModelProto) and its layer count; initializers go to `w` (a TensorWriter)."""
     from onnx import TensorProto as TP
     from onnx import helper as h
@@ -231,10 +240,10 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
         types = gdn.layer_types(cfg) if hybrid else m2.layer_types(cfg)
         if hybrid:
             fusions = fusions - {"qkv"}  # q_proj carries the output gate: q, gate, k, v are separate MatMuls
-        if not batched or fusions & {"q3d", "bsnh", "gqa"}:
+        if not batched or "gqa" in fusions or variant is not None:
             raise ModelError(f"{result.architecture} ({FAMILIES[family].blocks}) is written for the batched "
-                             f"graph without {', '.join(sorted(fusions & {'q3d', 'bsnh', 'gqa'})) or 'fusions'}; "
-                             f"found layout {layout!r}")
+                             f"graph without gqa or benchmark variants; found layout {layout!r}, fusions "
+                             f"{', '.join(sorted(fusions)) or 'none'}{f', variant {variant.name}' if variant else ''}")
     else:
         types = ["full_attention"] * result.num_layers
     states = m2 if mamba else gdn  # the recurrent layers' state shapes and captures
@@ -267,7 +276,7 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
     spec = attention.AttentionSpec(heads, kv, hd, batched, frozenset(fusions), norm, cos_name, sin_name,
                                    q_k_norm=has_q_k_norm, gated=hybrid, rotary=not mamba,
                                    module="mixer" if mamba else "self_attn",
-                                   rotary_dim=gdn.rotary_dim(cfg, hd) if partial else 0, concat=concat, dtype=dtype,
+                                   rotary_dim=gdn.rotary_dim(cfg, hd) if partial else 0, concat=concat, dtype=dtype, variant=variant,
                                    **({"inv_freq": inv_freq, "rotary_scaling": rotary_scaling} if concat else {}))
     io = attention.graph_inputs(g, spec)
     if hybrid or mamba:
@@ -315,7 +324,7 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
         inputs += [h.make_tensor_value_info("seqlens_k", TP.INT32, ["batch"]),
                    h.make_tensor_value_info("total_sequence_length", TP.INT32, [])]
     elif batched:
-        cache = ["batch", "capacity", kv * hd] if spec.bsnh else ["batch", kv, "capacity", hd]
+        cache = variant.cache(kv, hd) if variant is not None else ["batch", kv, "capacity", hd]
         inputs += [h.make_tensor_value_info("position_ids", TP.INT64, ["batch", "sequence_length"]),
                    h.make_tensor_value_info("write_indices", TP.INT64, ["batch"]),
                    h.make_tensor_value_info("attention_mask", TP.BOOL, ["batch", 1, "sequence_length", "window"])]
@@ -366,7 +375,8 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
         model.metadata_props.add(key="bundle.kv_headroom", value=str(BATCHED_HEADROOM))
         # The mask's last axis is the attention window (rows attended over), not the whole capacity.
         model.metadata_props.add(key="bundle.attention_window", value="0" if gqa else "1")
-        model.metadata_props.add(key="bundle.fusions", value=",".join(sorted(fusions)))
+        model.metadata_props.add(key="bundle.fusions",
+                                 value=",".join(sorted(fusions | ({variant.name} if variant is not None else set()))))
         model.metadata_props.add(key="bundle.attention", value="gqa" if gqa else "attention")
     if hybrid or mamba:
         model.metadata_props.add(key="bundle.layer_types", value=",".join(types))

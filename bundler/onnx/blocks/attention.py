@@ -6,8 +6,9 @@
   which TensorRT 10.13's ONNX parser (JetPack 7) does not have;
 - "shared" layout: com.microsoft GroupQueryAttention with fused rotary over shared past/present buffers;
 - "batched": rotary (RotaryEmbedding), TensorScatter of the new K/V rows at write_indices, then the
-  standard Attention over the first `window` rows (the mask's last axis); fusions "q3d"/"bsnh" keep q
-  (and with "bsnh" the cache) 3D; "gqa": packed QKV straight into GroupQueryAttention (decode only).
+  standard Attention over the first `window` rows (the mask's last axis); "gqa": packed QKV straight into
+  GroupQueryAttention (decode only). Benchmark-only ways to attend (benchmarks/cuda_variants.py) come in as
+  AttentionSpec.variant, so their code stays in benchmarks/.
 
 Cache i is `past_key_values.<i>.key/.value` in and `present.<i>.key/.value` out.
 """
@@ -42,18 +43,14 @@ class AttentionSpec:
     rotary_scaling: float = 1.0
     #: concat: an attention_mask input (padding) beside causality; False (the EAGLE-3 head): causal over past + new
     padding_mask: bool = True
+    #: batched: another way to attend, from a benchmark: .attend(g, q, k, v, i, spec, io) -> [batch, seq,
+    #: heads*hd] and .cache(kv_heads, head_dim) -> the cache's dims (bundler.onnx.inplace's BatchedVariant)
+    variant: object = None
 
     @property
     def gqa(self) -> bool:
         return "gqa" in self.fusions
 
-    @property
-    def bsnh(self) -> bool:
-        return "bsnh" in self.fusions
-
-    @property
-    def q3d(self) -> bool:
-        return "q3d" in self.fusions or self.bsnh
 
 
 @dataclass(frozen=True)
@@ -125,8 +122,8 @@ def self_attention(g: GraphBuilder, hs: str, p: str, i: int, spec: AttentionSpec
         k = head_norm(g, k, kv, hd, f"{p}.self_attn.k_norm.weight", spec.norm)
     if spec.concat:
         attn = _concat(g, q, k, v, i, spec, io)
-    elif spec.batched and spec.q3d:
-        attn = _batched_3d(g, q, k, v, i, spec, io)
+    elif spec.batched and spec.variant is not None:
+        attn = spec.variant.attend(g, q, k, v, i, spec, io)
     elif spec.batched:
         attn = _batched(g, q, k, v, i, spec, io)
     else:
@@ -138,30 +135,6 @@ def self_attention(g: GraphBuilder, hs: str, p: str, i: int, spec: AttentionSpec
     if gate is not None:
         attn = g.node("Mul", [attn, g.node("Sigmoid", [gate])])
     return attn
-
-
-def _batched_3d(g: GraphBuilder, q, k, v, i: int, spec: AttentionSpec, io: Inputs) -> str:
-    """"q3d": q stays [batch, seq, heads*dim]; "bsnh": the cache too ([batch, capacity, kv_heads*dim])."""
-    heads, kv, hd, cos, sin = spec.heads, spec.kv_heads, spec.head_dim, spec.cos, spec.sin
-    past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
-    q3 = g.node("RotaryEmbedding", [q, cos, sin, "position_ids"], interleaved=0, num_heads=heads)
-    if spec.bsnh:  # cache [batch, capacity, kv_heads*dim]: no transposes at all
-        k3 = g.node("RotaryEmbedding", [k, cos, sin, "position_ids"], interleaved=0, num_heads=kv)
-        present_k = g.node("TensorScatter", [past_k, k3, "write_indices"], [f"present.{i}.key"], axis=1)
-        present_v = g.node("TensorScatter", [past_v, v, "write_indices"], [f"present.{i}.value"], axis=1)
-        axis = g.const("one_1d", [1])
-    else:
-        k4 = g.node("RotaryEmbedding", [heads_first(g, k, kv, hd), cos, sin, "position_ids"], interleaved=0)
-        present_k = g.node("TensorScatter", [past_k, k4, "write_indices"], [f"present.{i}.key"], axis=2)
-        present_v = g.node("TensorScatter", [past_v, heads_first(g, v, kv, hd), "write_indices"],
-                           [f"present.{i}.value"], axis=2)
-        axis = io.two
-    k_win = g.node("Slice", [present_k, io.zero, io.window, axis])
-    v_win = g.node("Slice", [present_v, io.zero, io.window, axis])
-    attn = g.node("Attention", [q3, k_win, v_win, "attention_mask"], scale=float(hd) ** -0.5,
-                  q_num_heads=heads, kv_num_heads=kv)
-    # ONNX Runtime's shape inference gets a 3D Attention output's last axis wrong: say it.
-    return g.node("Reshape", [attn, g.const(f"shape_{heads * hd}", [0, 0, heads * hd])])
 
 
 def _batched(g: GraphBuilder, q, k, v, i: int, spec: AttentionSpec, io: Inputs) -> str:
