@@ -48,7 +48,7 @@ import numpy as np
 
 from bundler.onnx.blocks.graph import MS_DOMAIN
 from bundler.onnx.blocks.rotary import frequencies, rotary_tables
-from manifests.errors import ModelError
+from manifests.errors import ModelError, UsageError
 from manifests.families import FAMILIES
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,9 @@ def check_supported(config, head_dim: int, what: str) -> None:
 
 def build_concat_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool) -> None:
     """Write result.graph + result.weights for the concat layout, in result.dtype (float32 or float16)."""
+    if result.opset != CONCAT_OPSET:  # its operators are opset 17's (ReduceMean's axes an attribute)
+        raise UsageError(f"the concat graph is written at opset {CONCAT_OPSET} (what TensorRT 10.13 reads); found "
+                         f"opset {result.opset}: convert it afterwards (onnx.version_converter)")
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise ModelError(f"{checkpoint_dir}: expected the SwiGLU MLP (hidden_act 'silu'), found {act!r}")

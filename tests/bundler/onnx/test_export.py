@@ -123,3 +123,11 @@ def test_missing_checkpoint_is_a_usage_error(tmp_path):
 
     with pytest.raises(UsageError, match="config.json"):
         export_onnx(tmp_path / "nothing", tmp_path / "out")
+
+
+def test_concat_graph_at_another_opset_is_refused(family_exports, tmp_path):
+    from bundler.onnx.export import export_onnx
+
+    with pytest.raises(UsageError, match="concat graph is written at opset 17 .*found opset 21"):
+        export_onnx(family_exports["llama"][0], tmp_path / "out", opset=21)
+    assert not (tmp_path / "out" / "model.onnx").exists()
