@@ -279,7 +279,8 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
     spec = attention.AttentionSpec(heads, kv, hd, batched, frozenset(fusions), norm, cos_name, sin_name,
                                    q_k_norm=has_q_k_norm, gated=hybrid, rotary=not mamba,
                                    module="mixer" if mamba else "self_attn",
-                                   rotary_dim=gdn.rotary_dim(cfg, hd) if partial else 0, concat=concat, dtype=dtype, variant=variant,
+                                   rotary_dim=gdn.rotary_dim(cfg, hd) if partial else 0, concat=concat, dtype=dtype,
+                                   variant=variant,
                                    **({"inv_freq": inv_freq, "rotary_scaling": rotary_scaling} if concat else {}))
     io = attention.graph_inputs(g, spec)
     if hybrid or mamba:

@@ -213,8 +213,9 @@ def export_models(models: Mapping[str, Path], work_dir: Path,
                   variants: Sequence[GraphSpec | tuple] = (GraphSpec(),),
                   quantization: QuantizeOptions | None = None) -> list[ExportedModel]:
     """Export every model once per variant (a GraphSpec, or its (layout, dtype[, quantization]) tuple);
-    only non-default choices are passed to `export`. "int4" variants go through bundler.onnx.quantize (`quantization`: its options), the
-    target's with its quality measured against the unquantized graph and checked (--max-quality-loss)."""
+    only non-default choices are passed to `export`. "int4" variants go through bundler.onnx.quantize
+    (`quantization`: its options), the target's with its quality measured against the unquantized graph and
+    checked (--max-quality-loss)."""
     out = []
     plain_export, quantized_exports = export, {}
     for role, checkpoint in models.items():

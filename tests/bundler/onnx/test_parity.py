@@ -5,9 +5,9 @@ is held to transformers' fp32 logits with fp16's tolerance, and must pick the sa
 the reference's top two are further apart than that tolerance.
 
 Three shapes of use, the ones speculative decoding needs: prefill, incremental decode through the
-cache, and multi-token verification after rejected draft tokens were rolled back. Both KV-cache
-layouts: "concat" (Concat(past, new), elementary ops: TensorRT's), "shared" (GroupQueryAttention graph, cache updated in place) and
-"batched" (TensorScatter + Attention, standard ops, one cache region per slot).
+cache, and multi-token verification after rejected draft tokens were rolled back. Every KV-cache
+layout: "concat" (Concat(past, new) in elementary ops: TensorRT's), "shared" (GroupQueryAttention graph,
+cache updated in place) and "batched" (TensorScatter + Attention, standard ops, one cache region per slot).
 """
 
 from __future__ import annotations
