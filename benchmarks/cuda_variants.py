@@ -2,7 +2,8 @@
 
     python benchmarks/cuda_variants.py --work /tmp/variants --out OUT [--shape llama-1b] [--device cpu]
 
-Exports the random-weight model once per variant of bundler.onnx.inplace's FUSIONS (in parallel, fp16 via
+Exports the random-weight model once per variant of bundler.onnx.inplace's FUSIONS, and of the two ways to attend
+only this benchmark builds (Q3D, BSNH below, passed to the builder as its `variant`) (in parallel, fp16 via
 bundler.onnx.half), then for each variant, in the same process:
 
 - ms per decode step as ONNX Runtime runs it (session.run_with_iobinding on device buffers, CUDA graphs),
@@ -51,6 +52,57 @@ ENGINE_VARIANTS = ("baseline", "qkv+gate_up", "qkv+gate_up+skip_norm", "gqa")
 MAX_CONTEXT = 1100
 
 
+class Q3D:
+    """"q3d": q stays [batch, seq, heads*dim] through RotaryEmbedding and Attention (3D Q, 4D K/V), and
+    Attention's output is 3D: no Reshape/Transpose pairs for q and the output. Measured no gain, and ONNX
+    Runtime's Attention wants Q and K of the same rank: not shipped (bundler.onnx.inplace.BatchedVariant)."""
+
+    name = "q3d"
+    bsnh = False
+
+    def cache(self, kv_heads: int, head_dim: int) -> list:
+        return ["batch", kv_heads, "capacity", head_dim]
+
+    def attend(self, g, q, k, v, i: int, spec, io) -> str:
+        from bundler.onnx.blocks.attention import heads_first
+
+        heads, kv, hd, cos, sin = spec.heads, spec.kv_heads, spec.head_dim, spec.cos, spec.sin
+        past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
+        q3 = g.node("RotaryEmbedding", [q, cos, sin, "position_ids"], interleaved=0, num_heads=heads)
+        if self.bsnh:  # cache [batch, capacity, kv_heads*dim]: no transposes at all
+            k3 = g.node("RotaryEmbedding", [k, cos, sin, "position_ids"], interleaved=0, num_heads=kv)
+            present_k = g.node("TensorScatter", [past_k, k3, "write_indices"], [f"present.{i}.key"], axis=1)
+            present_v = g.node("TensorScatter", [past_v, v, "write_indices"], [f"present.{i}.value"], axis=1)
+            axis = g.const("one_1d", [1])
+        else:
+            k4 = g.node("RotaryEmbedding", [heads_first(g, k, kv, hd), cos, sin, "position_ids"], interleaved=0)
+            present_k = g.node("TensorScatter", [past_k, k4, "write_indices"], [f"present.{i}.key"], axis=2)
+            present_v = g.node("TensorScatter", [past_v, heads_first(g, v, kv, hd), "write_indices"],
+                               [f"present.{i}.value"], axis=2)
+            axis = io.two
+        k_win = g.node("Slice", [present_k, io.zero, io.window, axis])
+        v_win = g.node("Slice", [present_v, io.zero, io.window, axis])
+        attn = g.node("Attention", [q3, k_win, v_win, "attention_mask"], scale=float(hd) ** -0.5,
+                      q_num_heads=heads, kv_num_heads=kv)
+        # ONNX Runtime's shape inference gets a 3D Attention output's last axis wrong: say it.
+        return g.node("Reshape", [attn, g.const(f"shape_{heads * hd}", [0, 0, heads * hd])])
+
+
+class BSNH(Q3D):
+    """"bsnh" (changes the cache layout): Q3D with the KV cache as [batch, capacity, kv_heads*dim], written
+    with TensorScatter on axis 1: no Reshape/Transpose at all."""
+
+    name = "bsnh"
+    bsnh = True
+
+    def cache(self, kv_heads: int, head_dim: int) -> list:
+        return ["batch", "capacity", kv_heads * head_dim]
+
+
+#: the benchmark's own ways to attend, by the name VARIANTS use
+BENCH_ATTENTION = {v.name: v for v in (Q3D(), BSNH())}
+
+
 def make_checkpoint(work: Path, shape: str, device: str) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -68,7 +120,8 @@ def make_checkpoint(work: Path, shape: str, device: str) -> Path:
 
 
 def export_one(ckpt: Path, out: Path, fusions: tuple[str, ...]) -> None:
-    """The fp16 batched graph with `fusions` (bundler.onnx.export's in-place path with one more argument)."""
+    """The fp16 batched graph with `fusions` (bundler.onnx.export's in-place path with one more argument; a
+    BENCH_ATTENTION name among them is passed as the builder's variant)."""
     import shutil
 
     from transformers import AutoConfig
@@ -84,7 +137,9 @@ def export_one(ckpt: Path, out: Path, fusions: tuple[str, ...]) -> None:
     tmp = out / ".float32"
     tmp.mkdir(parents=True, exist_ok=True)
     result = _result(cfg, family, arch, tmp, BATCHED_OPSET, "batched")
-    build_batched_kv_graph(ckpt, result, cfg, has_q_k_norm=False, fusions=frozenset(fusions))
+    variant = next((BENCH_ATTENTION[f] for f in fusions if f in BENCH_ATTENTION), None)
+    build_batched_kv_graph(ckpt, result, cfg, has_q_k_norm=False,
+                           fusions=frozenset(fusions) - set(BENCH_ATTENTION), variant=variant)
     convert_graph(result.graph, out / "model.onnx", "float16")
     shutil.rmtree(tmp)
 

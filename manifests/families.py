@@ -19,8 +19,8 @@ class Family:
     architectures: tuple[str, ...]  # the first is the one recorded when a config names none
     blocks: str  # what its decoder layers are made of, for messages and the docs
     q_k_norm: bool = False  # attention normalises each head's q and k before rotary (Qwen3)
-    #: the MLP of (some) layers is routed experts: only the in-place graphs hold them (bundler.onnx.blocks.moe);
-    #: tracing the torch model would bake in the experts the trace's tokens happened to choose
+    #: the MLP of (some) layers is routed experts: only the in-place graphs hold them (bundler.onnx.blocks.moe,
+    #: com.microsoft MoE, which TensorRT's parser lacks: the concat graph refuses them)
     routed_experts: bool = False
     #: some layers are Gated DeltaNet linear attention with a recurrent state per slot (batched graph only)
     gated_deltanet: bool = False

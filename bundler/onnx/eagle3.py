@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bundler.model_config import read_config
-from bundler.onnx.writer import save_model
 from manifests.errors import ModelError
 from manifests.families import EAGLE3_ARCHITECTURES
 
@@ -324,17 +323,16 @@ def target_aux_hidden(model, input_ids, layer_ids):
 
 
 #: The head graph's KV-cache layouts: "batched" (bundler.onnx.eagle3_graph: in place, what bundles ship)
-#: or "concat" (the torch trace: present = Concat(past, new), a copy of the cache each step).
+#: or "concat" (present = Concat(past, new), a copy of the cache each step: older bundles' head, benchmarks).
 HEAD_LAYOUTS = ("batched", "concat")
 
 
-def export_head_onnx(head_dir: Path, target_dir: Path, out_dir: Path, *, opset: int = 17,
-                     kv_cache: str = "batched") -> dict:
+def export_head_onnx(head_dir: Path, target_dir: Path, out_dir: Path, *, kv_cache: str = "batched") -> dict:
     """Write out_dir/eagle3.onnx(+.data): one step of the head with its own KV cache.
 
     kv_cache="batched": the in-place graph of bundler.onnx.eagle3_graph (a fixed [1, kv, capacity, hd]
-    buffer bound as past and present, plus write_indices and a boolean attention_mask); "concat":
-    the torch trace below, whose cache grows by a copy each step:
+    buffer bound as past and present, plus write_indices and a boolean attention_mask); "concat"
+    (the same module's other layout, elementary ops) one whose cache grows by a copy each step:
 
         inputs   input_ids [1, s] int64            tokens t + 1 for each row
                  target_hidden_states [1, st, 3H]  rows whose feature is fc(target aux), first
@@ -347,7 +345,6 @@ def export_head_onnx(head_dir: Path, target_dir: Path, out_dir: Path, *, opset: 
                  present.0.key / .value            past + new
     The embedding is the target's, copied in (the graph is self-contained). Returns the metadata written.
     """
-    import onnx
     import torch
     from safetensors.torch import load_file
 
@@ -365,23 +362,6 @@ def export_head_onnx(head_dir: Path, target_dir: Path, out_dir: Path, *, opset: 
     if embed is None:
         raise ModelError(f"target {target_dir}: expected model.embed_tokens.weight, found none")
 
-    class Step(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.head = head
-            self.embed = torch.nn.Embedding.from_pretrained(embed, freeze=True)
-            full = torch.full((cfg.vocab_size,), -1, dtype=torch.int64)
-            full[head.target_ids()] = torch.arange(cfg.draft_vocab_size)
-            # gather index into [draft logits, -inf]: ids outside the draft vocabulary read the -inf column
-            self.register_buffer("gather", torch.where(full < 0, cfg.draft_vocab_size, full))
-
-        def forward(self, input_ids, target_hidden, draft_hidden, position_ids, past_k, past_v):
-            feat = torch.cat([self.head.fc(target_hidden), draft_hidden], dim=1)
-            logits, h, k, v = self.head(self.embed(input_ids), feat, position_ids, past_k, past_v)
-            pad = torch.full_like(logits[..., :1], float("-inf"))
-            full = torch.index_select(torch.cat([logits, pad], dim=-1), 2, self.gather)
-            return full, h, k, v
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"bundle.format": "eagle3-head-v1", "bundle.kv_cache": kv_cache, "bundle.num_layers": "1",
@@ -390,45 +370,16 @@ def export_head_onnx(head_dir: Path, target_dir: Path, out_dir: Path, *, opset: 
             "bundle.vocab_size": str(cfg.vocab_size), "bundle.draft_vocab_size": str(cfg.draft_vocab_size),
             "bundle.max_positions": str(cfg.max_positions),
             "bundle.aux_hidden_state_layer_ids": ",".join(map(str, layer_ids))}
-    if kv_cache == "batched":
-        from bundler.onnx.eagle3_graph import build_head_graph
+    from bundler.onnx.eagle3_graph import build_head_graph
 
-        graph, weights = out_dir / GRAPH_NAME, out_dir / WEIGHTS_NAME
-        try:
-            with torch.no_grad():
-                build_head_graph(head, embed.numpy(), graph, weights, meta)
-        except BaseException:  # no half-written graph that looks complete
-            graph.unlink(missing_ok=True)
-            weights.unlink(missing_ok=True)
-            raise
-        return meta
-    s_t, s_d, p = 3, 2, 4
-    H = cfg.hidden_size
-    args = (torch.zeros((1, s_t + s_d), dtype=torch.int64), torch.zeros((1, s_t, 3 * cfg.target_hidden_size)),
-            torch.zeros((1, s_d, H)), torch.arange(p, p + s_t + s_d)[None],
-            torch.zeros((1, cfg.num_kv_heads, p, cfg.head_dim)), torch.zeros((1, cfg.num_kv_heads, p, cfg.head_dim)))
-    inputs = ["input_ids", "target_hidden_states", "draft_hidden_states", "position_ids",
-              "past_key_values.0.key", "past_key_values.0.value"]
-    outputs = ["logits", "hidden_states", "present.0.key", "present.0.value"]
-    dynamic = {"input_ids": {1: "sequence_length"}, "target_hidden_states": {1: "target_length"},
-               "draft_hidden_states": {1: "draft_length"}, "position_ids": {1: "sequence_length"},
-               "past_key_values.0.key": {2: "past_sequence_length"},
-               "past_key_values.0.value": {2: "past_sequence_length"},
-               "logits": {1: "sequence_length"}, "hidden_states": {1: "sequence_length"},
-               "present.0.key": {2: "total_sequence_length"}, "present.0.value": {2: "total_sequence_length"}}
-    import tempfile
-    import warnings
-    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".export-") as tmp:
-        raw = Path(tmp) / "raw.onnx"
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.onnx.export(Step().eval(), args, str(raw), dynamo=False, input_names=inputs, output_names=outputs,
-                              dynamic_axes=dynamic, opset_version=opset, do_constant_folding=True)
-        proto = onnx.load(str(raw), load_external_data=True)
-    del proto.metadata_props[:]
-    for k, v in meta.items():
-        proto.metadata_props.add(key=k, value=v)
-    save_model(proto, out_dir / GRAPH_NAME)
+    graph, weights = out_dir / GRAPH_NAME, out_dir / WEIGHTS_NAME
+    try:
+        with torch.no_grad():
+            build_head_graph(head, embed.numpy(), graph, weights, meta, kv_cache)
+    except BaseException:  # no half-written graph that looks complete
+        graph.unlink(missing_ok=True)
+        weights.unlink(missing_ok=True)
+        raise
     return meta
 
 

@@ -20,9 +20,13 @@ transformers upcasts them.
 The weights go to one external-data file next to the graph, so the graph stays small and both
 are ordinary bundle files. Facts the runtime needs (layers, heads, context) are written into the
 graph's metadata (`bundle.*` keys), so the graph describes itself on the device.
-We use the TorchScript exporter (dynamo=False): it traces transformers' cache code into plain
-Concat/MatMul/Softmax, which both ONNX Runtime and TensorRT run, and it needs no onnxscript.
-That is the "concat" layout: present = Concat(past, new) copies the cache every step.
+That is the "concat" layout: present = Concat(past, new) copies the cache every step. It is composed
+from the same blocks as the other layouts (bundler.onnx.blocks, by bundler.onnx.inplace), in opset 17 and
+elementary ops only (MatMul/Softmax attention with an additive causal + padding mask, rotate_half rotary,
+Pow/ReduceMean RMSNorm): TensorRT 10.13 (JetPack 7) has no ONNX Attention, RotaryEmbedding or
+RMSNormalization parser, and ONNX Runtime runs it too. The float16 graph is written in float16 directly.
+Torch is still needed, but only to read safetensors (bf16 included) and for transformers' rotary module
+(inv_freq and attention_scaling under rope scaling, bundler.onnx.blocks.rotary); no model is loaded or traced.
 `kv_cache="shared"` instead writes the in-place GroupQueryAttention graph of bundler.onnx.inplace
 (ONNX Runtime only), whose past and present are one fixed-size buffer; `kv_cache="batched"` the
 in-place graph of standard ops (TensorScatter + Attention) that advances many sequences in one
@@ -32,8 +36,6 @@ call (what ONNX Runtime targets ship); metadata `bundle.kv_cache` tells the runt
 from __future__ import annotations
 
 import logging
-import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -43,11 +45,10 @@ from manifests.errors import ModelError, UsageError
 from manifests.families import FAMILIES, check_family
 from bundler.onnx.inplace import HYBRID_FAMILIES
 from bundler.onnx.spec import DTYPES, KV_CACHE_LAYOUTS, GraphSpec  # noqa: F401
-from bundler.onnx.writer import save_model
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OPSET = 17
+DEFAULT_OPSET = 17  # the concat graph (bundler.onnx.inplace.CONCAT_OPSET): TensorRT 10.13 reads it
 GRAPH_NAME = "model.onnx"
 WEIGHTS_NAME = "model.onnx.data"
 #: KV_CACHE_LAYOUTS and DTYPES: bundler.onnx.spec (re-exported here, where callers have always found them)
@@ -94,37 +95,6 @@ class ExportResult:
                    if self.aux_layer_ids else {})}
 
 
-def _wrapper(model, num_layers: int, aux_layer_ids: tuple[int, ...] = ()):
-    """A module taking the cache as flat tensors, so the exporter sees plain inputs and outputs.
-    With aux_layer_ids (EAGLE-3) it also returns the inputs of those decoder layers, concatenated."""
-    import inspect
-
-    import torch
-    from transformers import DynamicCache
-
-    cache_kw = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
-
-    class DecoderWithCache(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, attention_mask, position_ids, *past):
-            cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(num_layers)])
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=True, output_hidden_states=bool(aux_layer_ids), **{cache_kw: cache})
-            cache = getattr(out, "cache", None) or out.past_key_values
-            present = []
-            for layer in cache.layers:
-                present += [layer.keys, layer.values]
-            if aux_layer_ids:  # hidden_states[i] is the input of layer i, as vLLM's aux_hidden_state_layers
-                aux = torch.cat([out.hidden_states[i] for i in aux_layer_ids], dim=-1)
-                return (out.logits.float(), aux, *present)
-            return (out.logits.float(), *present)  # no-op in fp32; see the module doc for fp16
-
-    return DecoderWithCache()
-
-
 def _result(cfg, family: str, arch: str, out_dir: Path, opset: int, kv_cache: str,
             dtype: str = "float32", aux_layer_ids: tuple[int, ...] = ()) -> ExportResult:
     max_positions = int(cfg.max_position_embeddings)
@@ -146,9 +116,9 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
                 aux_layer_ids: tuple[int, ...] = (), fusions: Iterable[str] | None = None) -> ExportResult:
     """Export the checkpoint to out_dir/model.onnx + model.onnx.data (deterministic for the same input).
 
-    kv_cache="concat" traces the transformers model (every backend); "shared" writes the in-place
+    kv_cache="concat" writes the Concat(past, new) graph of elementary ops (every backend); "shared" the in-place
     GroupQueryAttention graph of bundler.onnx.inplace (ONNX Runtime only, no per-step cache copy).
-    dtype="float16" (concat only) loads the checkpoint in fp16 and traces that: the graph TensorRT
+    dtype="float16" (concat) writes it in fp16 (norms and softmax in fp32): the graph TensorRT
     builds from on fp16 targets (TensorRT 11 takes the graph's types, there is no FP16 flag).
     dtype="float16"/"bfloat16" with an in-place layout writes the float32 graph and rewrites it in half
     precision (bundler.onnx.half): what ONNX Runtime's CUDA provider runs (the `cuda` target).
@@ -170,7 +140,7 @@ def export_graph(checkpoint_dir: Path, out_dir: Path, spec: GraphSpec, *, opset:
     config = read_config(checkpoint_dir, merge_text_config=False)
     family, arch = check_family(config, str(checkpoint_dir))
     if FAMILIES[family].routed_experts and kv_cache == "concat":
-        raise ModelError(f"{checkpoint_dir}: model type {family!r} has routed experts, which the traced concat "
+        raise ModelError(f"{checkpoint_dir}: model type {family!r} has routed experts, which the concat (TensorRT) "
                          f"KV-cache graph cannot hold; expected kv_cache 'batched' or 'shared' (ONNX Runtime targets)")
     opset = opset or DEFAULT_OPSET
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -183,57 +153,11 @@ def export_graph(checkpoint_dir: Path, out_dir: Path, spec: GraphSpec, *, opset:
                          f"attention; expected "
                          f"kv_cache='batched' in float32 (the cpu target's graph: its recurrent state lives beside "
                          f"the KV cache), found {kv_cache!r} in {dtype}")
-    if kv_cache != "concat":
-        if dtype != "float32":  # the float32 graph, rewritten in half precision (bundler.onnx.half)
-            return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype, fusions,
-                                  aux_layer_ids)
-        return _export_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, fusions, aux_layer_ids)
-
-    import onnx
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # create prints its own progress; a bar per loaded model is noise
-    torch_dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch_dtype,
-                                                 attn_implementation="eager").eval()
-    cfg = model.config
-    result = _result(cfg, family, arch, out_dir, opset, "concat", dtype, aux_layer_ids)
-    num_layers, kv_heads, head_dim = result.num_layers, result.num_kv_heads, result.head_dim
-
-    # Trace with a non-empty past and several new tokens so no shape is specialised to 0 or 1.
-    past_len, new = 3, 4
-    ids = torch.zeros((1, new), dtype=torch.int64)
-    mask = torch.ones((1, past_len + new), dtype=torch.int64)
-    pos = torch.arange(past_len, past_len + new, dtype=torch.int64)[None]
-    past = [torch.zeros((1, kv_heads, past_len, head_dim), dtype=torch_dtype) for _ in range(2 * num_layers)]
-    inputs = ["input_ids", "attention_mask", "position_ids", *past_names(num_layers)]
-    outputs = ["logits", *(["aux_hidden_states"] if aux_layer_ids else []), *present_names(num_layers)]
-    dynamic = {"input_ids": {0: "batch", 1: "sequence_length"},
-               "attention_mask": {0: "batch", 1: "total_sequence_length"},
-               "position_ids": {0: "batch", 1: "sequence_length"},
-               "logits": {0: "batch", 1: "sequence_length"},
-               "aux_hidden_states": {0: "batch", 1: "sequence_length"}}
-    dynamic.update({n: {0: "batch", 2: "past_sequence_length"} for n in past_names(num_layers)})
-    dynamic.update({n: {0: "batch", 2: "total_sequence_length"} for n in present_names(num_layers)})
-
-    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".export-") as tmp:
-        raw = Path(tmp) / "raw.onnx"  # the exporter may spill per-tensor files next to it for big models
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # tracer warnings about constant shapes; the parity tests check them
-            torch.onnx.export(_wrapper(model, num_layers, aux_layer_ids), (ids, mask, pos, *past), str(raw),
-                              dynamo=False,
-                              input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
-                              opset_version=opset, do_constant_folding=True)
-        del model
-        proto = onnx.load(str(raw), load_external_data=True)
-    proto.doc_string = f"{arch} exported by bundle for KV-cache decoding"
-    del proto.metadata_props[:]
-    for k, v in result.metadata().items():
-        proto.metadata_props.add(key=k, value=v)
-    save_model(proto, result.graph)
-    log.info("exported %s (%s, %d layers, %s) to %s", checkpoint_dir, arch, num_layers, dtype, result.graph)
+    if kv_cache != "concat" and dtype != "float32":  # the float32 graph, rewritten in half precision
+        return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype, fusions, aux_layer_ids)
+    result = _export_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, fusions, aux_layer_ids, dtype)
+    log.info("exported %s (%s, %d layers, %s %s) to %s", checkpoint_dir, arch, result.num_layers, kv_cache, dtype,
+             result.graph)
     return result
 
 
@@ -257,23 +181,27 @@ def _half_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, 
 
 def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int,
                      layout: str, fusions: frozenset[str] | None = None,
-                     aux_layer_ids: tuple[int, ...] = ()) -> ExportResult:
+                     aux_layer_ids: tuple[int, ...] = (), dtype: str = "float32") -> ExportResult:
+    """The graph of `layout` written from bundler.onnx.blocks (in `dtype`: concat only)."""
     from transformers import AutoConfig
 
-    from bundler.onnx.inplace import BATCHED_OPSET, build_batched_kv_graph, build_shared_kv_graph
+    from bundler.onnx.inplace import (BATCHED_OPSET, build_batched_kv_graph, build_concat_graph,
+                                      build_shared_kv_graph)
 
     cfg = AutoConfig.from_pretrained(checkpoint_dir)
     if family == "qwen3_5":  # the multimodal checkpoint: its text model only
         cfg = cfg.text_config
     result = _result(cfg, family, arch, out_dir, BATCHED_OPSET if layout == "batched" else opset, layout,
-                     aux_layer_ids=aux_layer_ids)
+                     dtype, aux_layer_ids=aux_layer_ids)
     if family in HYBRID_FAMILIES:  # bundle.num_layers counts the KV caches: the attention layers
         import dataclasses
 
         result = dataclasses.replace(result, num_layers=sum(t == "full_attention" for t in cfg.layer_types))
     result.weights.unlink(missing_ok=True)
     try:
-        if layout == "batched":
+        if layout == "concat":
+            build_concat_graph(checkpoint_dir, result, cfg, has_q_k_norm=FAMILIES[family].q_k_norm)
+        elif layout == "batched":
             build_batched_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=FAMILIES[family].q_k_norm,
                                    fusions=fusions)
         else:

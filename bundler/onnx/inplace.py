@@ -1,9 +1,10 @@
-"""Hugging Face checkpoint -> ONNX decoder whose KV cache is updated in place (ONNX Runtime targets).
+"""Hugging Face checkpoint -> the ONNX decoder graphs, composed from bundler.onnx.blocks (every layout).
 
-The torch-exported graph (bundler.onnx.export, layout "concat") returns `present = Concat(past, new)`,
-so every step copies the whole cache: decode cost grows with context by that copy on top of
-attention. This graph is written directly with onnx.helper, the way onnxruntime-genai's model
-builder does it, and uses the com.microsoft GroupQueryAttention operator:
+The "concat" graph (TensorRT targets, CONCAT_OPSET, elementary ops only) returns `present = Concat(past,
+new)`, so every step copies the whole cache: decode cost grows with context by that copy on top of
+attention; its I/O are bundler.onnx.export's module doc. The in-place graphs below update the cache in
+place instead. All are written directly with onnx.helper, the way onnxruntime-genai's model builder does
+it; the "shared" one uses the com.microsoft GroupQueryAttention operator:
 
     inputs   input_ids [batch, sequence_length] int64
              attention_mask [batch, total_sequence_length] int64   (ones; past + new)
@@ -41,18 +42,23 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from bundler.onnx.blocks.graph import MS_DOMAIN
-from bundler.onnx.blocks.rotary import rotary_tables
-from manifests.errors import ModelError
+from bundler.onnx.blocks.rotary import frequencies, rotary_tables
+from manifests.errors import ModelError, UsageError
 from manifests.families import FAMILIES
 
 log = logging.getLogger(__name__)
 
 KV_LAYOUT = "shared"
 BATCHED_LAYOUT = "batched"
+CONCAT_LAYOUT = "concat"
+#: The concat graph's opset and IR version: what TensorRT 10.13's ONNX parser (JetPack 7) reads.
+CONCAT_OPSET = 17
+CONCAT_IR_VERSION = 8
 #: TensorScatter, RotaryEmbedding, RMSNormalization and Attention: ONNX opset 23/24 (ONNX 1.19).
 BATCHED_OPSET = 24
 BATCHED_IR_VERSION = 11
@@ -74,9 +80,10 @@ _BACKBONE_PREFIX = "backbone."
 
 
 class _Checkpoint:
-    """Reads one tensor at a time as float32 numpy from (possibly sharded) safetensors."""
+    """Reads one tensor at a time as float32 numpy from (possibly sharded) safetensors (float16 for the
+    float16 concat graph, which is written in its dtype: bundler.onnx.half rewrites the in-place ones)."""
 
-    def __init__(self, checkpoint_dir: Path):
+    def __init__(self, checkpoint_dir: Path, dtype: str = "float32"):
         from safetensors import safe_open
 
         index = checkpoint_dir / "model.safetensors.index.json"
@@ -91,6 +98,7 @@ class _Checkpoint:
         # a multimodal checkpoint's text model: model.language_model.X is read as model.X
         self._text = any(k.startswith(_TEXT_MODEL_PREFIX) for k in self._where)
         self._backbone = any(k.startswith(_BACKBONE_PREFIX) for k in self._where)
+        self._dtype = np.dtype(dtype)
 
     def _stored(self, name: str) -> str:
         if not name.startswith("model.") or not (self._text or self._backbone):
@@ -104,7 +112,17 @@ class _Checkpoint:
         stored = self._stored(name)
         if stored not in self._where:
             raise ModelError(f"checkpoint has no tensor {stored!r}; expected the standard layout of its family")
-        return self._where[stored].get_tensor(stored).float().numpy()
+        array = self._where[stored].get_tensor(stored).float().numpy()
+        return array if self._dtype == np.float32 else _narrow(array, self._dtype, stored)
+
+
+def _narrow(array: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        half = array.astype(dtype)
+    if not np.isfinite(half[np.isfinite(array)]).all():
+        raise ModelError(f"{name}: a weight of magnitude {np.abs(array).max():.3g} overflows {dtype}; "
+                         f"expected weights within its range")
+    return half
 
 
 #: ONNX Runtime's CPU GroupQueryAttention kernel refuses other head sizes at run time (not at load time).
@@ -126,6 +144,17 @@ def check_supported(config, head_dim: int, what: str) -> None:
                                       f"silu (SwiGLU MLP)")
 
 
+def build_concat_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool) -> None:
+    """Write result.graph + result.weights for the concat layout, in result.dtype (float32 or float16)."""
+    if result.opset != CONCAT_OPSET:  # its operators are opset 17's (ReduceMean's axes an attribute)
+        raise UsageError(f"the concat graph is written at opset {CONCAT_OPSET} (what TensorRT 10.13 reads); found "
+                         f"opset {result.opset}: convert it afterwards (onnx.version_converter)")
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ModelError(f"{checkpoint_dir}: expected the SwiGLU MLP (hidden_act 'silu'), found {act!r}")
+    _build(checkpoint_dir, result, config, has_q_k_norm=has_q_k_norm, layout=CONCAT_LAYOUT)
+
+
 def build_shared_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool) -> None:
     """Write result.graph + result.weights (the ExportResult from bundler.onnx.export) for the shared layout."""
     check_supported(config, result.head_dim, str(checkpoint_dir))
@@ -138,24 +167,32 @@ def build_shared_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm:
 #:   "gate_up"   one MatMul for the MLP's gate and up projections, then Split;
 #:   "skip_norm" RMSNorm as com.microsoft SimplifiedLayerNormalization, for ONNX Runtime to fuse with the
 #:               residual Add before it into SkipSimplifiedLayerNormalization (measured: 1.31.1 does not);
-#:   "q3d"       q stays [batch, seq, heads*dim] through RotaryEmbedding and Attention (3D Q, 4D K/V),
-#:               and Attention's output is 3D: no Reshape/Transpose pairs for q and the output;
-#:   "bsnh"      (changes the cache layout) the KV cache as [batch, capacity, kv_heads*dim], written
-#:               with TensorScatter on axis 1: no Reshape/Transpose at all;
 #:   "gqa"       (changes the inputs: decode only) com.microsoft GroupQueryAttention over the same
 #:               [batch, kv_heads, capacity, dim] cache with packed QKV and fused rotary; inputs
 #:               input_ids, seqlens_k int32 [batch] (total length - 1), total_sequence_length int32 [].
-FUSIONS = ("qkv", "gate_up", "skip_norm", "q3d", "bsnh", "gqa")
+#: Ways to attend that only a benchmark builds (3D q, a [batch, capacity, kv_heads*dim] cache) are its own code
+#: (benchmarks/cuda_variants.py), passed in as `variant` (a BatchedVariant).
+FUSIONS = ("qkv", "gate_up", "skip_norm", "gqa")
 #: What the batched graph gets by default: exact (0 difference from the unpacked graph on the H200) and
 #: 12 % faster there (benchmarks/results/cuda_variants.md); the others measured no gain or change the
-#: engine interface ("q3d": ONNX Runtime's Attention wants Q and K of the same rank).
+#: engine interface.
 DEFAULT_FUSIONS = frozenset({"qkv", "gate_up"})
 #: The CUDA decode graph: GroupQueryAttention (runtime.engines.cuda runs it, `cuda` target only).
 GQA_FUSIONS = frozenset({"gate_up", "gqa"})
 
 
+class BatchedVariant(Protocol):
+    """A benchmark's way to attend in the batched graph (blocks.attention.AttentionSpec.variant)."""
+
+    name: str  # listed in metadata bundle.fusions
+
+    def attend(self, g, q: str, k: str, v: str, i: int, spec, io) -> str: ...
+
+    def cache(self, kv_heads: int, head_dim: int) -> list: ...
+
+
 def build_batched_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool,
-                           fusions: frozenset[str] | None = None) -> None:
+                           fusions: frozenset[str] | None = None, variant: BatchedVariant | None = None) -> None:
     """Write result.graph + result.weights for the batched layout (standard TensorScatter + Attention,
     or GroupQueryAttention with fusions containing "gqa"); fusions None: DEFAULT_FUSIONS."""
     fusions = DEFAULT_FUSIONS if fusions is None else frozenset(fusions)
@@ -168,22 +205,22 @@ def build_batched_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm
     if unknown:
         raise ModelError(f"expected fusions among {', '.join(FUSIONS)}, found {', '.join(sorted(unknown))}")
     _build(checkpoint_dir, result, config, has_q_k_norm=has_q_k_norm, layout=BATCHED_LAYOUT,
-           fusions=frozenset(fusions))
+           fusions=frozenset(fusions), variant=variant)
 
 
 def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: str,
-           fusions: frozenset[str] = frozenset()) -> None:
+           fusions: frozenset[str] = frozenset(), variant: BatchedVariant | None = None) -> None:
     from bundler.onnx.writer import TensorWriter
 
     with TensorWriter(result.weights) as w:
         model, layers = _compose(w, checkpoint_dir, result, config, has_q_k_norm=has_q_k_norm, layout=layout,
-                                 fusions=fusions)
+                                 fusions=fusions, variant=variant)
         w.commit(model, result.graph)
     log.info("built the %s-KV graph for %s (%d layers) at %s", layout, result.architecture, layers, result.graph)
 
 
 def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: str,
-             fusions: frozenset[str]):
+             fusions: frozenset[str], variant: BatchedVariant | None = None):
     """The graph (an onnx ModelProto) and its layer count; initializers go to `w` (a TensorWriter)."""
     from onnx import TensorProto as TP
     from onnx import helper as h
@@ -196,6 +233,9 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
 
     cfg = config
     batched = layout == BATCHED_LAYOUT
+    concat = layout == CONCAT_LAYOUT
+    dtype = result.dtype if concat else "float32"  # the in-place graphs are halved by bundler.onnx.half
+    elem = TP.FLOAT16 if dtype == "float16" else TP.FLOAT
     family = result.family
     hybrid = FAMILIES[family].gated_deltanet  # Qwen3.5: Gated DeltaNet + gated attention
     mamba = FAMILIES[family].mamba2  # Nemotron-H: one mixer per layer, no rotary
@@ -203,22 +243,25 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
         types = gdn.layer_types(cfg) if hybrid else m2.layer_types(cfg)
         if hybrid:
             fusions = fusions - {"qkv"}  # q_proj carries the output gate: q, gate, k, v are separate MatMuls
-        if not batched or fusions & {"q3d", "bsnh", "gqa"}:
+        if not batched or "gqa" in fusions or variant is not None:
             raise ModelError(f"{result.architecture} ({FAMILIES[family].blocks}) is written for the batched "
-                             f"graph without {', '.join(sorted(fusions & {'q3d', 'bsnh', 'gqa'})) or 'fusions'}; "
-                             f"found layout {layout!r}")
+                             f"graph without gqa or benchmark variants; found layout {layout!r}, fusions "
+                             f"{', '.join(sorted(fusions)) or 'none'}{f', variant {variant.name}' if variant else ''}")
     else:
         types = ["full_attention"] * result.num_layers
     states = m2 if mamba else gdn  # the recurrent layers' state shapes and captures
     layers = len(types)
     heads, kv, hd = int(cfg.num_attention_heads), result.num_kv_heads, result.head_dim
     eps = float(cfg.layer_norm_epsilon if mamba else cfg.rms_norm_eps)
-    ckpt = _Checkpoint(Path(checkpoint_dir))
-    if not mamba:  # Nemotron-H has no rotary (no tables, no RotaryEmbedding)
+    ckpt = _Checkpoint(Path(checkpoint_dir), dtype)
+    if concat:  # cos/sin computed in the graph from the positions (blocks.rotary.position_tables)
+        inv_freq, rotary_scaling = frequencies(family, cfg)
+    elif not mamba:  # Nemotron-H has no rotary (no tables, no RotaryEmbedding)
         cos, sin = rotary_tables(family, cfg, result.max_positions + (BATCHED_HEADROOM if batched else 0), hd)
     g = GraphBuilder(w, ckpt)
     gqa = "gqa" in fusions
-    norm = Norm(eps, standard=batched and "skip_norm" not in fusions, plus_one=hybrid)
+    norm = Norm(eps, standard=batched and "skip_norm" not in fusions, plus_one=hybrid, elementary=concat,
+                dtype=dtype)
 
     def mlp_block(x, attn, p, out_proj="self_attn.o_proj"):  # o_proj + residual, norm, SwiGLU MLP + residual
         x = g.node("Add", [x, g.linear(attn, f"{p}.{out_proj}")])
@@ -229,14 +272,16 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
 
     sparse = ({f"model.layers.{i}" for i in moe.sparse_layers(cfg)} if FAMILIES[family].routed_experts and not mamba
               else set())
-    cos_name, sin_name = ("", "") if mamba else (w.add("cos_cache", cos), w.add("sin_cache", sin))
+    cos_name, sin_name = ("", "") if mamba or concat else (w.add("cos_cache", cos), w.add("sin_cache", sin))
     if gqa and has_q_k_norm:
         raise ModelError("the gqa variant has no q/k norm (Qwen3) path; expected a model without q_norm/k_norm")
     partial = hybrid and gdn.rotary_dim(cfg, hd) != hd  # partial rotary: the first rotary_dim of each head
     spec = attention.AttentionSpec(heads, kv, hd, batched, frozenset(fusions), norm, cos_name, sin_name,
                                    q_k_norm=has_q_k_norm, gated=hybrid, rotary=not mamba,
                                    module="mixer" if mamba else "self_attn",
-                                   rotary_dim=gdn.rotary_dim(cfg, hd) if partial else 0)
+                                   rotary_dim=gdn.rotary_dim(cfg, hd) if partial else 0, concat=concat, dtype=dtype,
+                                   variant=variant,
+                                   **({"inv_freq": inv_freq, "rotary_scaling": rotary_scaling} if concat else {}))
     io = attention.graph_inputs(g, spec)
     if hybrid or mamba:
         valid = gdn.valid_rows(g)
@@ -270,7 +315,10 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
         x = g.node("Add", [x, g.linear(attn, f"{p}.mixer.o_proj")]) if mamba else mlp_block(x, attn, p)
     x = rms(g, x, "model.norm_f.weight" if mamba else "model.norm.weight", norm)
     head = "lm_head.weight" if "lm_head.weight" in ckpt else embed  # tied embeddings
-    g.node("MatMul", [x, w.add("lm_head.weight.T", ckpt.get(head).T)], ["logits"])
+    if elem == TP.FLOAT:
+        g.node("MatMul", [x, w.add("lm_head.weight.T", ckpt.get(head).T)], ["logits"])
+    else:  # float32 logits after the half-precision lm_head (bundler.onnx.export's module doc says why)
+        g.node("Cast", [g.node("MatMul", [x, w.add("lm_head.weight.T", ckpt.get(head).T)])], ["logits"], to=TP.FLOAT)
     if result.aux_layer_ids:  # only the new rows, only these layers: [batch, sequence_length, len(ids) * H]
         g.node("Concat", [aux[i] for i in result.aux_layer_ids], [AUX_OUTPUT], axis=-1)
 
@@ -280,21 +328,26 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
         inputs += [h.make_tensor_value_info("seqlens_k", TP.INT32, ["batch"]),
                    h.make_tensor_value_info("total_sequence_length", TP.INT32, [])]
     elif batched:
-        cache = ["batch", "capacity", kv * hd] if spec.bsnh else ["batch", kv, "capacity", hd]
+        cache = variant.cache(kv, hd) if variant is not None else ["batch", kv, "capacity", hd]
         inputs += [h.make_tensor_value_info("position_ids", TP.INT64, ["batch", "sequence_length"]),
                    h.make_tensor_value_info("write_indices", TP.INT64, ["batch"]),
                    h.make_tensor_value_info("attention_mask", TP.BOOL, ["batch", 1, "sequence_length", "window"])]
+    elif concat:
+        cache = ["batch", kv, "past_sequence_length", hd]
+        inputs += [h.make_tensor_value_info("attention_mask", TP.INT64, ["batch", "total_sequence_length"]),
+                   h.make_tensor_value_info("position_ids", TP.INT64, ["batch", "sequence_length"])]
     else:
         cache = ["batch", kv, "max_sequence_length", hd]
         inputs.append(h.make_tensor_value_info("attention_mask", TP.INT64, ["batch", "total_sequence_length"]))
     outputs = [h.make_tensor_value_info("logits", TP.FLOAT, ["batch", "sequence_length", result.vocab_size])]
     if result.aux_layer_ids:
         width = len(result.aux_layer_ids) * int(cfg.hidden_size)
-        outputs.append(h.make_tensor_value_info(AUX_OUTPUT, TP.FLOAT, ["batch", "sequence_length", width]))
+        outputs.append(h.make_tensor_value_info(AUX_OUTPUT, elem, ["batch", "sequence_length", width]))
+    present = [*cache[:2], "total_sequence_length", *cache[3:]] if concat else cache
     for i in range(kv_index):
         for part in ("key", "value"):
-            inputs.append(h.make_tensor_value_info(f"past_key_values.{i}.{part}", TP.FLOAT, cache))
-            outputs.append(h.make_tensor_value_info(f"present.{i}.{part}", TP.FLOAT, cache))
+            inputs.append(h.make_tensor_value_info(f"past_key_values.{i}.{part}", elem, cache))
+            outputs.append(h.make_tensor_value_info(f"present.{i}.{part}", elem, present))
     if hybrid or mamba:  # per slot, bound in place like the KV cache
         inputs += [h.make_tensor_value_info(gdn.NEW_TOKENS, TP.INT64, ["batch"]),
                    h.make_tensor_value_info(gdn.CAPTURE_COUNT, TP.INT32, ["batch"])]
@@ -311,19 +364,23 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
         contrib = (fusions & {"skip_norm", "gqa"}) or sparse or hybrid or mamba  # MoE, GatedDeltaNet: com.microsoft
         opsets = [h.make_opsetid("", BATCHED_OPSET)] + ([h.make_opsetid(MS_DOMAIN, 1)] if contrib else [])
         doc = "batched in-place KV-cache decoding (TensorScatter + Attention, one cache region per slot)"
+    elif concat:
+        opsets = [h.make_opsetid("", result.opset)]
+        doc = "KV-cache decoding"
     else:
         opsets = [h.make_opsetid("", result.opset), h.make_opsetid(MS_DOMAIN, 1)]
         doc = "in-place KV-cache decoding (GroupQueryAttention, shared past/present buffers)"
     model = h.make_model(graph, opset_imports=opsets, producer_name="bundle",
-                         doc_string=f"{result.architecture} built by bundle for {doc}")
-    model.ir_version = BATCHED_IR_VERSION if batched else IR_VERSION
+                         doc_string=f"{result.architecture} {'exported' if concat else 'built'} by bundle for {doc}")
+    model.ir_version = BATCHED_IR_VERSION if batched else CONCAT_IR_VERSION if concat else IR_VERSION
     for key, value in result.metadata().items():
         model.metadata_props.add(key=key, value=value)
     if batched:
         model.metadata_props.add(key="bundle.kv_headroom", value=str(BATCHED_HEADROOM))
         # The mask's last axis is the attention window (rows attended over), not the whole capacity.
         model.metadata_props.add(key="bundle.attention_window", value="0" if gqa else "1")
-        model.metadata_props.add(key="bundle.fusions", value=",".join(sorted(fusions)))
+        model.metadata_props.add(key="bundle.fusions",
+                                 value=",".join(sorted(fusions | ({variant.name} if variant is not None else set()))))
         model.metadata_props.add(key="bundle.attention", value="gqa" if gqa else "attention")
     if hybrid or mamba:
         model.metadata_props.add(key="bundle.layer_types", value=",".join(types))

@@ -1,7 +1,8 @@
 """What graph to export, as one value: GraphSpec(layout, dtype, fusions, quantization, aux_layer_ids).
 
 bundler.onnx.export.export_onnx's keyword arguments map onto it (export_graph takes it directly), and
-bundler.pack.engines names each exported variant by it: one place that says which combinations exist.
+bundler.pack.engines names each exported variant by it (a target's graph is a GraphSpec, its bundle folder
+GraphSpec.folder): one place that says which combinations exist and where each is stored.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from dataclasses import dataclass
 
 from manifests.errors import UsageError
 
-#: KV-cache graph layouts. "concat": torch export, present = Concat(past, new), past grows each
-#: step; runs anywhere (ONNX Runtime, TensorRT). "shared": written by bundler.onnx.inplace with
+#: KV-cache graph layouts. "concat": present = Concat(past, new) in elementary ops, past grows each
+#: step; runs anywhere (ONNX Runtime, TensorRT 10.13 and later). "shared": written by bundler.onnx.inplace with
 #: GroupQueryAttention, past and present are one fixed [.., max_context, ..] buffer updated in
 #: place (ONNX Runtime only: GQA is a contrib op).
 #: "batched": written by bundler.onnx.inplace with the standard TensorScatter + Attention ops (opset
@@ -21,6 +22,12 @@ KV_CACHE_LAYOUTS = ("concat", "shared", "batched")
 #: Graph dtypes (weights, activations, KV cache). bfloat16 only for the in-place layouts (the cuda
 #: target); float16 concat graphs are what fp16 TensorRT targets build from.
 DTYPES = ("float32", "float16", "bfloat16")
+#: (layout, dtype) -> the bundle folder of its graphs (engines/<folder>/<role>/); a quantized graph's folder
+#: adds "-<quantization>". Frozen: signed bundles and their lock files name these paths.
+FOLDERS = {("concat", "float32"): "engines/onnx", ("concat", "float16"): "engines/onnx-fp16",
+           ("shared", "float32"): "engines/onnx-shared", ("batched", "float32"): "engines/onnx-batched",
+           ("batched", "float16"): "engines/onnx-batched-fp16", ("batched", "bfloat16"): "engines/onnx-batched-bf16",
+           ("shared", "float16"): "engines/onnx-shared-fp16", ("shared", "bfloat16"): "engines/onnx-shared-bf16"}
 
 
 @dataclass(frozen=True)
@@ -58,8 +65,14 @@ class GraphSpec:
 
     @property
     def variant(self) -> tuple[str, str, str]:
-        """(layout, dtype, quantization): the key a bundle's graph folders and engine plans use."""
+        """(layout, dtype, quantization): what tells a bundle's graphs apart (folder says where each goes)."""
         return self.layout, self.dtype, self.quantization
+
+    @property
+    def folder(self) -> str:
+        """The bundle folder of this graph (FOLDERS; "-int4", "-int4-qdq" for 4-bit graphs)."""
+        root = FOLDERS[self.layout, self.dtype]
+        return root if self.quantization == "none" else f"{root}-{self.quantization}"
 
     def export_options(self) -> dict:
         """The export_onnx keyword arguments of this spec, only those that differ from the defaults."""

@@ -7,8 +7,7 @@ pair or no graph, never a graph pointing at a half-written data file.
 
 - TensorWriter streams tensors one at a time (bundler.onnx.inplace, eagle3_graph, half): memory stays at
   one tensor whatever the model size;
-- save_model writes an in-memory onnx.ModelProto with onnx's own external-data writer (the torch exports,
-  quantize, gptq_pack);
+- save_model writes an in-memory onnx.ModelProto with onnx's own external-data writer (quantize, gptq_pack);
 - read_external reads one tensor's bytes back; write_atomic writes any small file (the dual graph's index).
 """
 
@@ -82,7 +81,7 @@ class TensorWriter:
             tensor.external_data.add(key=k, value=v)
 
     def add(self, name: str, array: np.ndarray) -> str:
-        """Store `array` (float32 or int64) as initializer `name` (once: a second add of the same name
+        """Store `array` (float32, float16 or int64) as initializer `name` (once: a second add of the same name
         reuses it); arrays under INLINE_BELOW bytes stay inline."""
         from onnx import TensorProto, helper
 
@@ -90,7 +89,8 @@ class TensorWriter:
             return name
         self._names.add(name)
         array = np.ascontiguousarray(array)
-        dtype = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64}[array.dtype]
+        dtype = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
+                 np.dtype(np.int64): TensorProto.INT64}[array.dtype]
         if array.nbytes < INLINE_BELOW:
             self.initializers.append(helper.make_tensor(name, dtype, array.shape, array.tobytes(), raw=True))
             return name

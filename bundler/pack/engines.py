@@ -43,23 +43,11 @@ from runtime.profiles import get_profile
 
 log = logging.getLogger(__name__)
 
-ONNX_ROOT = "engines/onnx"
-#: (KV-cache layout, dtype) -> folder in the bundle. One graph per pair, shared by its targets.
-ONNX_ROOTS = {("concat", "float32"): ONNX_ROOT, ("concat", "float16"): "engines/onnx-fp16",
-              ("shared", "float32"): "engines/onnx-shared", ("batched", "float32"): "engines/onnx-batched",
-              ("batched", "float16"): "engines/onnx-batched-fp16", ("batched", "bfloat16"): "engines/onnx-batched-bf16",
-              ("shared", "float16"): "engines/onnx-shared-fp16", ("shared", "bfloat16"): "engines/onnx-shared-bf16"}
-
+#: A target's graph is a bundler.onnx.spec.GraphSpec (layout, dtype, quantization), stored once in its
+#: GraphSpec.folder for every target that runs it.
 
 #: the quantization a 4-bit TensorRT target's variant names: int4 as blocked INT4 DequantizeLinear (QDQ)
 TENSORRT_INT4 = "int4-qdq"
-
-
-def onnx_root(variant: tuple) -> str:
-    """The bundle folder of a (layout, dtype[, quantization]) graph: ONNX_ROOTS, "-int4" for 4-bit graphs
-    ("-int4-qdq" for TensorRT's form of them)."""
-    root = ONNX_ROOTS[variant[0], variant[1]]
-    return root + "-" + variant[2] if len(variant) > 2 and variant[2] != "none" else root
 
 
 #: ONNX Runtime that runs the shared layout: CPU GroupQueryAttention with new tokens after a past
@@ -161,9 +149,9 @@ class ExportedModel:
     onnx_sha256: str  # runtime.engines.cache.onnx_digest over graph + weights
     #: file name -> sha256, computed once for onnx_sha256 and reused by pack (no second hash)
     file_sha256: Mapping[str, str] = field(default_factory=dict)
-    #: (layout, dtype) of the target graphs it is packed beside, when its own differ: an EAGLE-3 head,
+    #: the GraphSpec of the target graphs it is packed beside, when its own differs: an EAGLE-3 head,
     #: whose graph (bundler.onnx.eagle3) keeps a cache of its own whatever the target's layout
-    packed_with: tuple[str, str] | None = None
+    packed_with: GraphSpec | None = None
     #: the `cuda` target's GroupQueryAttention decode graph over export.weights (bundler.onnx.dual)
     decode_graph: Path | None = None
 
@@ -197,22 +185,23 @@ class ExportedModel:
         return TENSORRT_INT4 if q.operator == OPERATORS[QDQ] else f"int{q.bits}"
 
     @property
-    def variant(self) -> tuple[str, str, str]:
-        return self.packed_with or (self.layout, self.dtype, self.quant)
+    def variant(self) -> GraphSpec:
+        """The graph's layout, dtype and quantization (what target_engines matches a target's _variant_for to)."""
+        return self.packed_with or GraphSpec(self.layout, self.dtype, quantization=self.quant)
 
     @property
     def graph_path(self) -> str:
-        return f"{onnx_root(self.variant)}/{self.role}/{self.export.graph.name}"
+        return f"{self.variant.folder}/{self.role}/{self.export.graph.name}"
 
     @property
     def paths(self) -> tuple[str, ...]:
-        return tuple(f"{onnx_root(self.variant)}/{self.role}/{p.name}" for p in self.sources)
+        return tuple(f"{self.variant.folder}/{self.role}/{p.name}" for p in self.sources)
 
     @property
     def decode_path(self) -> str | None:
         if self.decode_graph is None:
             return None
-        return f"{onnx_root(self.variant)}/{self.role}/{self.decode_graph.name}"
+        return f"{self.variant.folder}/{self.role}/{self.decode_graph.name}"
 
     def pack_files(self, targets: tuple[str, ...] | None = None) -> list[PackFile]:
         return [PackFile(src=src, path=path, targets=targets, sha256=self.file_sha256.get(src.name))
@@ -221,18 +210,19 @@ class ExportedModel:
 
 def export_models(models: Mapping[str, Path], work_dir: Path,
                   export: Callable[..., ExportResult] = export_onnx,
-                  variants: Sequence[tuple] = (("concat", "float32"),),
+                  variants: Sequence[GraphSpec | tuple] = (GraphSpec(),),
                   quantization: QuantizeOptions | None = None) -> list[ExportedModel]:
-    """Export every model once per (layout, dtype[, quantization]) variant; only non-default choices are
-    passed to `export`. "int4" variants go through bundler.onnx.quantize (`quantization`: its options), the
-    target's with its quality measured against the unquantized graph and checked (--max-quality-loss)."""
+    """Export every model once per variant (a GraphSpec, or its (layout, dtype[, quantization]) tuple);
+    only non-default choices are passed to `export`. "int4" variants go through bundler.onnx.quantize
+    (`quantization`: its options), the target's with its quality measured against the unquantized graph and
+    checked (--max-quality-loss)."""
     out = []
     plain_export, quantized_exports = export, {}
     for role, checkpoint in models.items():
         for variant in variants:
-            spec = GraphSpec.of_variant(variant)
+            spec = variant if isinstance(variant, GraphSpec) else GraphSpec.of_variant(variant)
             layout, dtype, quant = spec.variant
-            folder = Path(work_dir) / onnx_root(variant).split("/")[-1] / role
+            folder = Path(work_dir) / spec.folder.split("/")[-1] / role
             options = spec.export_options()
             log.info("export: %s to ONNX (%s KV cache, %s)", role, layout, dtype)
             export = plain_export
@@ -248,7 +238,7 @@ def export_models(models: Mapping[str, Path], work_dir: Path,
                                  f"{getattr(result, 'dtype', 'float32')}")
             decode = _decode_graph(Path(checkpoint), result, export) \
                 if layout == "batched" and dtype != "float32" and not head else None
-            exported = ExportedModel(role, result, "", {}, packed_with=spec.variant if head else None,
+            exported = ExportedModel(role, result, "", {}, packed_with=spec if head else None,
                                      decode_graph=decode)
             hashes = {p.name: file_sha256(p) for p in exported.sources}
             out.append(dataclasses.replace(exported, onnx_sha256=onnx_digest(hashes), file_sha256=hashes))
@@ -306,14 +296,14 @@ def _decode_graph(checkpoint: Path, result: ExportResult, export) -> Path | None
 
 
 def _variant_for(profile: TargetProfile, onnxruntime_layout: str, half: str = "float16",
-                 quant: str = "none") -> tuple[str, str, str]:
-    """(KV-cache layout, dtype, quantization) of the graph a target runs. A 4-bit TensorRT target keeps its
+                 quant: str = "none") -> GraphSpec:
+    """The graph a target runs (KV-cache layout, dtype, quantization). A 4-bit TensorRT target keeps its
     concat graph, with its weights as blocked INT4 DequantizeLinear (TENSORRT_INT4): TensorRT has no MatMulNBits."""
     if profile.backend == "onnxruntime-cuda":
-        return onnxruntime_layout, half if onnxruntime_layout != "concat" else "float16", quant
+        return GraphSpec(onnxruntime_layout, half if onnxruntime_layout != "concat" else "float16", quantization=quant)
     if profile.backend == "tensorrt":
-        return "concat", graph_dtype(profile), TENSORRT_INT4 if quant != "none" else quant
-    return onnxruntime_layout, graph_dtype(profile), quant
+        return GraphSpec("concat", graph_dtype(profile), quantization=TENSORRT_INT4 if quant != "none" else quant)
+    return GraphSpec(onnxruntime_layout, graph_dtype(profile), quantization=quant)
 
 
 def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], shape: ServeShape,
@@ -328,10 +318,10 @@ def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], sh
     engines: list[Engine] = []
     precision = "fp32" if profile.backend == "onnxruntime" else precision_for(profile)
     variant = _variant_for(profile, onnxruntime_layout, half, quant)
-    layout = variant[0]
+    layout = variant.layout
     on_cuda = profile.backend == "onnxruntime-cuda"
     if on_cuda:
-        precision = {"float16": "fp16", "bfloat16": "bf16"}[variant[1]]
+        precision = {"float16": "fp16", "bfloat16": "bf16"}[variant.dtype]
     for m in (m for m in exported if m.variant == variant):
         q = m.quantization
         qkey = {"quantization": q.key()} if q is not None else {}
@@ -416,7 +406,7 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
                              f"int4 or no --quantization for it, found --quantization none (that needs the "
                              f"model's float checkpoint)")
         quants = {p.id: "int4" for p in profiles}
-    users = {}  # (layout, dtype, quantization) -> ids of the targets that run it
+    users = {}  # GraphSpec -> ids of the targets that run it
     half = half_dtype(models)
     for p in profiles:
         users.setdefault(_variant_for(p, kv_cache, half, quants[p.id]), []).append(p.id)

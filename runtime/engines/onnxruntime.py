@@ -21,7 +21,7 @@ I/O binding, so a step allocates nothing. How they are laid out depends on the g
 - "shared" (GroupQueryAttention graph, bundles made before "batched"): one buffer per slot, layer
   and k/v, [1, kv_heads, max_context, head_dim]. ONNX Runtime's GQA refuses a batch when a row adds
   more than one token after a past, so rows run one by one (batch 1 per call).
-- "concat" (torch-exported graph, the fallback): `present = Concat(past, new)` in a
+- "concat" (the TensorRT targets' graph, the fallback): `present = Concat(past, new)` in a
   [kv_heads, length, head_dim] layout, so two buffers per slot ping-pong; rows run one by one.
 
 The cache takes the graph's dtype (float32, or float16 for the graphs made for fp16 GPU targets,

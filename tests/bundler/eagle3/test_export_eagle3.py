@@ -150,7 +150,7 @@ def test_vocab_map_refused_when_not_one_to_one(pair):
 
 @pytest.mark.parametrize("layout", ["batched", "concat"])
 def test_drafter_on_either_head_layout_matches_torch_forward(layout, pair, tmp_path):
-    """OnnxDrafter over the in-place head graph (what bundles ship) and the torch trace: catch-up rows,
+    """OnnxDrafter over the in-place head graph (what bundles ship) and the concat one: catch-up rows,
     two chained steps, a rollback and the same steps again, each against the torch head."""
     import torch
     from safetensors.torch import load_file

@@ -30,6 +30,27 @@ def test_files_names_and_dynamic_axes(family_exports):
     assert meta["bundle.family"] == "llama" and meta["bundle.max_positions"] == "512"
 
 
+#: What the concat graph may use: opset 17 operators TensorRT 10.13's ONNX parser (JetPack 7) takes; no
+#: Attention, RotaryEmbedding or RMSNormalization (opset 23), no com.microsoft operators.
+CONCAT_OPS = {"Add", "And", "Cast", "Concat", "Cos", "Expand", "Gather", "Greater", "LessOrEqual", "MatMul", "Mul",
+              "Pow", "Range", "Reciprocal", "ReduceMean", "Reshape", "Shape", "Sigmoid", "Sin", "Slice", "Softmax",
+              "Split", "Sqrt", "Squeeze", "Sub", "Transpose", "Unsqueeze", "Where"}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_concat_graph_is_elementary_opset_17(family, family_exports, family_fp16_exports):
+    import onnx
+
+    for result in (family_exports[family][1], family_fp16_exports[family][1]):
+        model = onnx.load(str(result.graph), load_external_data=False)
+        assert [(o.domain, o.version) for o in model.opset_import] == [("", 17)]
+        ops = {n.op_type for n in model.graph.node}
+        assert ops <= CONCAT_OPS, ops - CONCAT_OPS
+        assert {n.domain for n in model.graph.node} == {""}
+        concats = [n for n in model.graph.node if n.output[0].startswith("present.")]
+        assert len(concats) == 2 * result.num_layers and {n.op_type for n in concats} == {"Concat"}
+
+
 def test_export_is_deterministic(family_exports, tmp_path):
     from bundler.onnx.export import export_onnx
     from runtime.fsutil import file_sha256
@@ -102,3 +123,11 @@ def test_missing_checkpoint_is_a_usage_error(tmp_path):
 
     with pytest.raises(UsageError, match="config.json"):
         export_onnx(tmp_path / "nothing", tmp_path / "out")
+
+
+def test_concat_graph_at_another_opset_is_refused(family_exports, tmp_path):
+    from bundler.onnx.export import export_onnx
+
+    with pytest.raises(UsageError, match="concat graph is written at opset 17 .*found opset 21"):
+        export_onnx(family_exports["llama"][0], tmp_path / "out", opset=21)
+    assert not (tmp_path / "out" / "model.onnx").exists()

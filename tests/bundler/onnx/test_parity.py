@@ -5,9 +5,9 @@ is held to transformers' fp32 logits with fp16's tolerance, and must pick the sa
 the reference's top two are further apart than that tolerance.
 
 Three shapes of use, the ones speculative decoding needs: prefill, incremental decode through the
-cache, and multi-token verification after rejected draft tokens were rolled back. Both KV-cache
-layouts: "concat" (torch export), "shared" (GroupQueryAttention graph, cache updated in place) and
-"batched" (TensorScatter + Attention, standard ops, one cache region per slot).
+cache, and multi-token verification after rejected draft tokens were rolled back. Every KV-cache
+layout: "concat" (Concat(past, new) in elementary ops: TensorRT's), "shared" (GroupQueryAttention graph,
+cache updated in place) and "batched" (TensorScatter + Attention, standard ops, one cache region per slot).
 """
 
 from __future__ import annotations
@@ -106,9 +106,10 @@ def test_fp16_graph_matches_transformers_within_fp16_tolerance(family, family_fp
     assert engine.memory()["kv_cache"] * 2 == fp32.memory()["kv_cache"]  # same capacity, half the bytes
 
 
-@pytest.mark.parametrize("layout", ["shared", "batched"])
-def test_in_place_kv_graphs_match_with_scaled_rope(family_exports, tmp_path, layout):
-    """Llama 3 rope scaling: the cos/sin tables come from transformers' own rotary code."""
+@pytest.mark.parametrize("layout", ["concat", "shared", "batched"])
+def test_kv_graphs_match_with_scaled_rope(family_exports, tmp_path, layout):
+    """Llama 3 rope scaling: the cos/sin tables (the concat graph: inv_freq and attention_scaling) come from
+    transformers' own rotary code."""
     import json
     import shutil
 

@@ -81,3 +81,17 @@ def test_graph_spec_maps_export_keywords():
         GraphSpec("paged")
     with pytest.raises(UsageError, match="batched KV-cache graph"):
         GraphSpec("shared", fusions={"qkv"}).check_fusions()
+
+
+def test_graph_spec_names_the_bundle_folders_bundles_already_use():
+    """The folders are in signed bundles and lock files: a GraphSpec must name the same ones."""
+    from bundler.onnx.spec import GraphSpec
+
+    assert GraphSpec().folder == "engines/onnx"
+    assert GraphSpec("concat", "float16").folder == "engines/onnx-fp16"
+    assert GraphSpec("concat", "float16", quantization="int4-qdq").folder == "engines/onnx-fp16-int4-qdq"
+    assert GraphSpec("batched").folder == "engines/onnx-batched"
+    assert GraphSpec("batched", "bfloat16", quantization="int4").folder == "engines/onnx-batched-bf16-int4"
+    assert GraphSpec("shared", "float16").folder == "engines/onnx-shared-fp16"
+    # the folder and the target match by layout, dtype and quantization only
+    assert GraphSpec.of_variant(("batched", "float16")) == GraphSpec("batched", "float16")
