@@ -62,7 +62,7 @@ from manifests.errors import EnvironmentProblem, ModelError
 from manifests.limits import LIMITS
 from runtime.engines.base import Engine, Row
 from runtime.engines.cudalib import D2D, D2H, H2D, Cudart, DeviceBuffer, onnxruntime_cuda
-from runtime.engines.onnxruntime import OnnxRuntimeEngine, bind_row_inputs
+from runtime.engines.onnxruntime import OnnxRuntimeEngine, bind_row_inputs, check_capacity, static_capacity
 from runtime.engines.shared_weights import SHARED_WEIGHTS_INDEX, read_shared_weights
 from runtime.engines.slots import SlotTable
 
@@ -173,6 +173,9 @@ class CudaEngine(Engine):
             raise ModelError(f"max context {limit} exceeds what the model supports; expected at most {graph_max}")
         self.batched = self.kv_cache == "batched"
         self._headroom = int(meta.get("bundle.kv_headroom", 0)) if self.batched else 0
+        self._fixed_capacity = static_capacity(meta, self._headroom, graph)  # the graph TensorRT targets carry
+        if self._fixed_capacity and not max_context:
+            limit = self._fixed_capacity - self._headroom
         self._generation = 0
         self._buffers: list = []
         self._scratch: dict[str, DeviceBuffer] = {}
@@ -301,7 +304,8 @@ class CudaEngine(Engine):
         for buf in self._flat_buffers():
             buf.free()
         self.max_context = int(max_context or self.max_context)
-        self.capacity = self.max_context + self._headroom
+        check_capacity(self._fixed_capacity, self.max_context, self._headroom, self._graph)
+        self.capacity = self._fixed_capacity or self.max_context + self._headroom
         self.num_slots = int(num_slots)
         per_head = self.num_kv_heads * self.head_dim * self._itemsize
         if self.batched:  # [layer*2 + kv] -> [slots, kv_heads, capacity, head_dim]
