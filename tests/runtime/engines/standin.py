@@ -96,6 +96,7 @@ class OrtContext:
         self.shapes: dict[str, tuple] = {}
         self.addresses: dict[str, int] = {}
         self.calls: list[dict[str, tuple]] = []  # the input shapes of every execute
+        self.profiles: list[int] = []  # the optimisation profile of every execute
 
     def set_optimization_profile(self, index: int) -> None:
         assert 0 <= index < len(self.plan.options["profiles"]), f"no optimisation profile {index}"
@@ -137,3 +138,4 @@ class OrtContext:
             binding.bind_output(name, "cpu", 0, t.dtype, list(shape), self.addresses[name])
         self.plan.session.run_with_iobinding(binding)
         self.calls.append(dict(self.shapes))
+        self.profiles.append(self.profile)
