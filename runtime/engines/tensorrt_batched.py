@@ -31,7 +31,7 @@ import numpy as np
 from manifests.errors import ModelError
 from runtime.engines.base import Engine, Row
 from runtime.engines.cudalib import D2H, H2D, DeviceBuffer
-from runtime.engines.onnxruntime import OnnxRuntimeEngine
+from runtime.engines.onnxruntime import OnnxRuntimeEngine, tree_mask
 from runtime.engines.slots import SlotTable
 
 __all__ = ["ExecutionContext", "Plan", "PlanTensor", "TensorRTBatchedEngine"]
@@ -78,6 +78,7 @@ class Plan(Protocol):
 
 class TensorRTBatchedEngine(Engine):
     batched = True
+    supports_tree = True  # any mask and position ids, as the ONNX Runtime batched engine (Row.tree, keep_rows)
 
     def __init__(self, plan: Plan, memory, *, options: dict, max_context: int | None = None, num_slots: int = 1,
                  description: str = "tensorrt batched"):
@@ -164,8 +165,9 @@ class TensorRTBatchedEngine(Engine):
 
     def _forward(self, rows: Sequence[Row], want: str, logits_for: Collection[int] = ()) -> list[np.ndarray]:
         self.check_rows(rows)
-        if any(r.tree is not None for r in rows):
-            raise NotImplementedError(f"{type(self).__name__} runs no token trees (Row.tree)")
+        if any(r.tree is not None and len(r.tokens) > self._headroom for r in rows):
+            raise ValueError(f"expected a token tree of at most {self._headroom} tokens (one call), found "
+                             f"{max(len(r.tokens) for r in rows if r.tree is not None)}")
         out: dict[int, list[np.ndarray]] = {r.slot: [] for r in rows}
         live = [r for r in rows if len(r.tokens)]
         for group in self.groups(live):
@@ -219,6 +221,9 @@ class TensorRTBatchedEngine(Engine):
         positions = write[:, None] + np.arange(width, dtype=np.int64)[None, :]
         window = max(self.slots.lengths[r.slot] for r in group) + width  # attention over these rows only
         mask = np.arange(window)[None, None, None, :] <= positions[:, None, :, None]
+        for r in group:  # a token tree: each node sees the prefix and its ancestors; its position is its depth
+            if r.tree is not None:
+                tree_mask(mask[r.slot - lo, 0], positions[r.slot - lo], r.tree, int(write[r.slot - lo]))
         profile = self._pick_profile(batch, width)
         ctx = self.context
         if profile != self._profile:
@@ -288,6 +293,25 @@ class TensorRTBatchedEngine(Engine):
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         self.slots.copy_prefix(src, dst, length, self._copy_prefix, self._no_compact)
+
+    def keep_rows(self, slot: int, past: int, rows: Sequence[int]) -> None:
+        """After a tree's verification: rows past + i (i in `rows`, increasing) moved to past, past + 1, ...;
+        one 2D device copy per moved row and layer (a row's source lies at or after every earlier row's
+        destination, so moving them in order overwrites nothing still needed)."""
+        have = self.slots.lengths[slot]
+        idx = past + np.asarray(rows, dtype=np.int64)
+        if not (0 <= past <= have and (len(idx) == 0 or (idx.max() < have and np.all(np.diff(idx) > 0)))):
+            raise ValueError(f"keep rows {list(rows)[:8]} after {past} of slot {slot}: it holds {have}")
+        per, row = self._slot_bytes(), self.head_dim * self.kv_dtype.itemsize
+        moved = [(past + j, int(i)) for j, i in enumerate(idx) if i != past + j]
+        for buf in self._buffers:
+            base = buf.ptr + slot * per
+            for dst, src in moved:
+                self.cudart.memcpy2d(base + dst * row, self.capacity * row, base + src * row, self.capacity * row,
+                                     row, self.num_kv_heads)
+        if moved:
+            self.cudart.synchronize()
+        self.slots.lengths[slot] = past + len(idx)
 
     @staticmethod
     def _no_compact(*_) -> None:

@@ -200,3 +200,24 @@ def test_load_engine_gives_dgx_spark_the_batched_engine_and_thor_the_concat_grap
     cpu = load_engine(root, manifest, "dgx-spark", "target", cache_dir=tmp_path / "cache",
                       backend=StandInBackend(None))
     assert cpu.choice.runs == "onnxruntime-cpu" and cpu.capacity == STATIC_CAPACITY and cpu.batched
+
+
+def test_a_token_tree_beside_a_decode_row_and_keep_rows_match_the_cpu_engine(tiny_exports):
+    """Siblings b and c after a, c's child d, in one execution beside another slot's decode; keeping the path
+    a, c, d moves the rows on the device as the CPU engine moves them on the host."""
+    from runtime.engines.base import TreeMask
+
+    trt, cpu, _ = pair(tiny_exports)
+    prompt = [5, 17, 42, 9]
+    for engine in (trt, cpu):
+        engine.forward([Row(0, prompt), Row(1, [3, 4, 5])])
+    past = len(prompt)
+    step = [Row(0, [11, 23, 37, 51], tree=TreeMask(past, ((), (past,), (past,), (past, past + 2)))), Row(1, [6])]
+    same(trt.forward(step), cpu.forward(step))
+    for engine in (trt, cpu):
+        engine.keep_rows(0, past, [0, 2, 3])
+    assert trt.length(0) == cpu.length(0) == past + 3
+    after = [Row(0, [7]), Row(1, [8])]
+    same(trt.forward(after), cpu.forward(after))
+    with pytest.raises(ValueError, match="keep rows"):
+        trt.keep_rows(0, past, [2, 1])
