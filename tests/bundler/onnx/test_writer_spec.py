@@ -81,3 +81,8 @@ def test_graph_spec_maps_export_keywords():
         GraphSpec("paged")
     with pytest.raises(UsageError, match="batched KV-cache graph"):
         GraphSpec("shared", fusions={"qkv"}).check_fusions()
+    static = GraphSpec.of_variant(("batched", "float16", "none", 320))  # what TensorRT targets carry
+    assert static.variant == ("batched", "float16", "none", 320)
+    assert static.export_options() == {"kv_cache": "batched", "dtype": "float16", "capacity": 320}
+    with pytest.raises(UsageError, match="static cache capacity applies to the batched KV-cache graph"):
+        GraphSpec("concat", capacity=320)

@@ -221,3 +221,27 @@ def test_a_token_tree_beside_a_decode_row_and_keep_rows_match_the_cpu_engine(tin
     same(trt.forward(after), cpu.forward(after))
     with pytest.raises(ValueError, match="keep rows"):
         trt.keep_rows(0, past, [2, 1])
+
+
+def test_the_static_graph_fixes_the_cache_axis_and_onnx_runtime_honours_it(tiny_exports, tmp_path):
+    """The graph TensorRT targets carry is also what their ONNX Runtime fallback runs: its capacity decides the
+    context unless a smaller one is asked for, and a larger one is refused in one line."""
+    import onnx
+
+    from bundler.onnx.export import export_onnx
+    from manifests.errors import ModelError
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    graph = tiny_exports["static"].graph
+    model = onnx.load(str(graph), load_external_data=False)
+    dims = {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    assert dims["past_key_values.0.key"] == ["batch", 2, STATIC_CAPACITY, 16]
+    assert dims["attention_mask"] == ["batch", 1, "sequence_length", "window"]
+    assert {p.key: p.value for p in model.metadata_props}["bundle.kv_capacity"] == str(STATIC_CAPACITY)
+    engine = OnnxRuntimeEngine(graph)
+    assert (engine.max_context, engine.capacity) == (128, STATIC_CAPACITY)
+    assert OnnxRuntimeEngine(graph, max_context=100).capacity == STATIC_CAPACITY
+    with pytest.raises(ModelError, match="max context 129 exceeds the static cache capacity .* at most 128"):
+        OnnxRuntimeEngine(graph, max_context=129)
+    with pytest.raises(ModelError, match="expected a static cache capacity in 65..576"):
+        export_onnx(tiny_exports["checkpoint"], tmp_path / "small", kv_cache="batched", capacity=64)
