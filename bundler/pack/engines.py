@@ -504,6 +504,22 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
     return files, targets
 
 
+def tensorrt_graph_line(target: Target) -> str | None:
+    """What a TensorRT target's engine runs, for bundle create's summary: the batched graph (many slots a call)
+    or the concat graph (one slot a call), and why; None for other targets."""
+    if target.backend != "tensorrt":
+        return None
+    build = next((e.build for e in target.engines if e.model == "target" and e.format == "onnx"), {})
+    if build.get("kv_cache") == "batched":
+        return (f"{target.id}: batched graph (cache capacity {build['capacity']}, up to {build['max_num_seqs']} "
+                f"slots a call)")
+    version = target.build.get("tensorrt_version", "?")
+    why = "4-bit weights" if build.get("quantization") else \
+        f"its TensorRT {version} parses no ONNX Attention" if not get_profile(target.id).parses_onnx_attention \
+        else "the batched graph cannot hold this model"
+    return f"{target.id}: concat graph, one slot a call ({why})"
+
+
 def _static_capacity(models: Mapping[str, Path], serve: Mapping, num_speculative_tokens: int | None) -> int:
     """The cache rows per slot of the batched graph TensorRT targets get, before any export: the serve shape's
     max context (from the checkpoints' configs, as the export will see them) plus the spare rows."""

@@ -105,6 +105,9 @@ def test_create_builds_real_rtx_plans_for_the_demo_pair_with_no_gpu(tmp_path_fac
            "not sm_110: its plan is built on the device" in made["output"]
     assert "rtx:      dgx-spark: 2 TensorRT-RTX 1.7.1.116 plans for sm_121 built here ahead of time, signed in" \
         in made["output"]
+    assert "tensorrt: dgx-spark: batched graph (cache capacity 320, up to 8 slots a call)" in made["output"]
+    assert "tensorrt: jetson-thor: concat graph, one slot a call (its TensorRT 10.13.3.9 parses no ONNX Attention)" \
+        in made["output"]
     store = Store(tmp_path / "store")
     store.install(made["bundle"], target="dgx-spark", trusted={}, allow_unsigned=True)
     installed = store.current("demo")
@@ -220,6 +223,7 @@ def test_int4_for_tensorrt_targets_is_blocked_int4_dequantize_linear_that_tensor
                                     "--name", "demo", "--version", "1", "--unsigned", "--no-runtime", "--out",
                                     str(out), "--no-progress", "--max-model-len", "256"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
+    assert "tensorrt: dgx-spark: concat graph, one slot a call (4-bit weights)" in r.output
     store = Store(tmp_path / "store")
     store.install(out, target="dgx-spark", trusted={}, allow_unsigned=True)
     installed = store.current("demo")
