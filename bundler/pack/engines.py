@@ -355,15 +355,16 @@ def _decode_graph(checkpoint: Path, result: ExportResult, export) -> Path | None
 def _variant_for(profile: TargetProfile, onnxruntime_layout: str, half: str = "float16",
                  quant: str = "none", capacity: int | None = None) -> tuple:
     """(KV-cache layout, dtype, quantization[, capacity]) of the graph a target runs. A TensorRT target whose
-    TensorRT parses ONNX Attention gets the batched graph with the static `capacity` (when given); a 4-bit
-    TensorRT target keeps its concat graph, with its weights as blocked INT4 DequantizeLinear (TENSORRT_INT4):
-    TensorRT has no MatMulNBits, and the 4-bit batched graph is not checked with TensorRT."""
+    TensorRT parses ONNX Attention gets the batched graph with the static `capacity` (when given), the others
+    the concat graph; a 4-bit TensorRT target's weights are blocked INT4 DequantizeLinear (TENSORRT_INT4):
+    TensorRT has no MatMulNBits."""
     if profile.backend == "onnxruntime-cuda":
         return onnxruntime_layout, half if onnxruntime_layout != "concat" else "float16", quant
     if profile.backend == "tensorrt":
-        if quant == "none" and capacity is not None and profile.parses_onnx_attention:
-            return "batched", graph_dtype(profile), "none", capacity
-        return "concat", graph_dtype(profile), TENSORRT_INT4 if quant != "none" else quant
+        quant = TENSORRT_INT4 if quant != "none" else quant
+        if capacity is not None and profile.parses_onnx_attention:
+            return "batched", graph_dtype(profile), quant, capacity
+        return "concat", graph_dtype(profile), quant
     return onnxruntime_layout, graph_dtype(profile), quant
 
 
@@ -447,7 +448,7 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
     `kv_cache` is the layout ONNX Runtime targets get ("batched"; "shared" for the older
     GroupQueryAttention graph, or "concat" to ship one graph for every target); TensorRT targets get the
     static batched graph where their TensorRT parses ONNX Attention (and `tensorrt_batched`), else "concat"
-    (a 4-bit TensorRT target: concat with blocked INT4 DequantizeLinear weights, see _variant_for).
+    (a 4-bit TensorRT target: either, its weights as blocked INT4 DequantizeLinear, see _variant_for).
     `quantization`: --quantization and its options (None: no target quantized; mode None: each target's
     profile default, what `bundle create` passes without --quantization).
     `aot`: an ahead-of-time builder (bundler.pack.aot.RtxBuilder, --rtx-engines) for the targets it can build.
@@ -514,8 +515,7 @@ def tensorrt_graph_line(target: Target) -> str | None:
         return (f"{target.id}: batched graph (cache capacity {build['capacity']}, up to {build['max_num_seqs']} "
                 f"slots a call)")
     version = target.build.get("tensorrt_version", "?")
-    why = "4-bit weights" if build.get("quantization") else \
-        f"its TensorRT {version} parses no ONNX Attention" if not get_profile(target.id).parses_onnx_attention \
+    why = f"its TensorRT {version} parses no ONNX Attention" if not get_profile(target.id).parses_onnx_attention \
         else "the batched graph cannot hold this model"
     return f"{target.id}: concat graph, one slot a call ({why})"
 

@@ -205,10 +205,11 @@ def test_rtx_engines_without_tensorrt_rtx_is_one_line_naming_the_extra(monkeypat
 @pytest.mark.skipif(not HAVE_RTX, reason=NO_RTX)
 def test_int4_for_tensorrt_targets_is_blocked_int4_dequantize_linear_that_tensorrt_rtx_builds(
         tmp_path_factory, tmp_path):
-    """--quantization int4 on TensorRT targets keeps them on TensorRT: the concat graph with its weights as
-    INT4 initializers behind blocked DequantizeLinear (no MatMulNBits, which TensorRT lacks), the record in
-    the engine key, the quality measured on it, and TensorRT-RTX builds a real plan from it here, with no GPU,
-    smaller than the fp16 graph's plan of the same run (its weights stay 4-bit inside)."""
+    """--quantization int4 on TensorRT targets keeps them on TensorRT: their graph (dgx-spark: the static batched
+    one; a Thor: concat) with its weights as INT4 initializers behind blocked DequantizeLinear (no MatMulNBits,
+    which TensorRT lacks), the record in the engine key, the quality measured on it, and TensorRT-RTX builds a
+    real plan from it here, with no GPU, smaller than the fp16 graph's plan of the same run (its weights stay
+    4-bit inside)."""
     import onnx
     from click.testing import CliRunner
 
@@ -223,7 +224,7 @@ def test_int4_for_tensorrt_targets_is_blocked_int4_dequantize_linear_that_tensor
                                     "--name", "demo", "--version", "1", "--unsigned", "--no-runtime", "--out",
                                     str(out), "--no-progress", "--max-model-len", "256"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    assert "tensorrt: dgx-spark: concat graph, one slot a call (4-bit weights)" in r.output
+    assert "tensorrt: dgx-spark: batched graph (cache capacity 320, up to 8 slots a call)" in r.output
     store = Store(tmp_path / "store")
     store.install(out, target="dgx-spark", trusted={}, allow_unsigned=True)
     installed = store.current("demo")
@@ -231,7 +232,10 @@ def test_int4_for_tensorrt_targets_is_blocked_int4_dequantize_linear_that_tensor
     target = manifest.target("dgx-spark")
     assert target.backend == "tensorrt" and target.build["quantization"] == "int4"
     onnx_rec, plan_rec = (e for e in target.engines if e.model == "target")
-    assert onnx_rec.backend == plan_rec.backend == "tensorrt" and onnx_rec.path.startswith("engines/onnx-fp16-int4-qdq/")
+    assert onnx_rec.backend == plan_rec.backend == "tensorrt"
+    assert onnx_rec.path.startswith("engines/onnx-batched-fp16-int4-qdq-c320/") and plan_rec.build["kv_cache"] == "batched"
+    thor = [e for e in manifest.target("jetson-thor").engines if e.model == "target"]
+    assert [e.path.split("/")[1] for e in thor] == ["onnx-fp16-int4-qdq"]  # JetPack 7: the concat graph
     q = Quantization.from_dict(onnx_rec.build["quantization"])
     assert q.operator == "DequantizeLinear" and q.symmetric and q.bits == 4 and q.quality is not None
     assert plan_rec.key["build_options_sha256"] == onnx_rec.key["build_options_sha256"]  # the record: in both keys
