@@ -30,7 +30,7 @@ import numpy as np
 
 from manifests.errors import ModelError
 from runtime.engines.base import Engine, Row
-from runtime.engines.cudalib import D2H, H2D, DeviceBuffer
+from runtime.engines.cudalib import H2D, DeviceBuffer, fetch_rows, pack_aligned
 from runtime.engines.onnxruntime import OnnxRuntimeEngine, tree_mask
 from runtime.engines.slots import SlotTable
 
@@ -252,15 +252,9 @@ class TensorRTBatchedEngine(Engine):
 
     def _set_inputs(self, parts: list[tuple[str, np.ndarray]]) -> None:
         """Every row input in one host-to-device copy into one buffer, each at an aligned offset."""
-        offsets, total = [], 0
-        for _, array in parts:
-            offsets.append(total)
-            total += -(-array.nbytes // ALIGN) * ALIGN
-        host = np.zeros(total, np.uint8)
-        for (_, array), off in zip(parts, offsets):
-            host[off:off + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).ravel()
-        buf = self._scratch_buffer("inputs", total)
-        self.cudart.memcpy(buf.ptr, host.ctypes.data, total, H2D)
+        host, offsets = pack_aligned([array for _, array in parts], ALIGN)
+        buf = self._scratch_buffer("inputs", host.nbytes)
+        self.cudart.memcpy(buf.ptr, host.ctypes.data, host.nbytes, H2D)
         for (name, array), off in zip(parts, offsets):
             self.context.set_input_shape(name, array.shape)
             self.context.set_tensor_address(name, buf.ptr + off)
@@ -276,16 +270,8 @@ class TensorRTBatchedEngine(Engine):
     def _fetch(self, logits: DeviceBuffer, argmax: DeviceBuffer | None, width: int, row: int, n: int,
                want: str) -> np.ndarray:
         """Only what the row asked for to the host: its n positions' logits (all, the last, none) or argmax."""
-        if want == "argmax":
-            host = np.empty(n, np.int64)
-            self.cudart.memcpy(host.ctypes.data, argmax.ptr + row * width * 8, n * 8, D2H)
-            return host
-        first = {"last": n - 1, "none": n}.get(want, 0)
-        host = np.empty((n - first, self.vocab_size), self._logits_dtype)
-        size = self.vocab_size * self._logits_dtype.itemsize
-        if host.size:
-            self.cudart.memcpy(host.ctypes.data, logits.ptr + (row * width + first) * size, host.nbytes, D2H)
-        return host.astype(np.float32, copy=False)
+        return fetch_rows(self.cudart, logits.ptr, argmax.ptr if argmax is not None else None, self.vocab_size,
+                          width, row, n, want, self._logits_dtype)
 
     # --- rollback, prefix copies ---------------------------------------------------------------
     def rollback(self, slot: int, length: int) -> None:

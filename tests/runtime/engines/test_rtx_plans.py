@@ -233,7 +233,8 @@ def test_int4_for_tensorrt_targets_is_blocked_int4_dequantize_linear_that_tensor
     assert target.backend == "tensorrt" and target.build["quantization"] == "int4"
     onnx_rec, plan_rec = (e for e in target.engines if e.model == "target")
     assert onnx_rec.backend == plan_rec.backend == "tensorrt"
-    assert onnx_rec.path.startswith("engines/onnx-batched-fp16-int4-qdq-c320/") and plan_rec.build["kv_cache"] == "batched"
+    assert onnx_rec.path.startswith("engines/onnx-batched-fp16-int4-qdq-c320/")
+    assert plan_rec.build["kv_cache"] == "batched"
     thor = [e for e in manifest.target("jetson-thor").engines if e.model == "target"]
     assert [e.path.split("/")[1] for e in thor] == ["onnx-fp16-int4-qdq"]  # JetPack 7: the concat graph
     q = Quantization.from_dict(onnx_rec.build["quantization"])
