@@ -33,6 +33,8 @@ STRUCTURED_BACKENDS = ("auto", "guidance", "llguidance")
 #: Prompt tokens one engine call prefills per sequence unless the serve config says `prefill_chunk`: the
 #: engine plan builds its profiles for it and the pre-flight sizes activations by it.
 DEFAULT_PREFILL_CHUNK = 512
+#: sequences a server runs at once unless max_num_seqs says otherwise (TensorRT batched plans are built for it)
+DEFAULT_MAX_NUM_SEQS = 8
 _HUMAN_INT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
 
 

@@ -26,7 +26,11 @@ BACKENDS = ("tensorrt", "onnxruntime", "onnxruntime-cuda")
 _ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _CC = re.compile(r"^\d{1,2}\.\d{1,2}$")
 _KNOWN = {"id", "name", "cpu_arch", "compute_capability", "memory_bytes", "precisions", "cuda_version",
-          "tensorrt_version", "backend", "device_tree_models", "compute_capability_aliases", "notes"}
+          "tensorrt_version", "backend", "device_tree_models", "compute_capability_aliases", "notes",
+          "tensorrt_onnx_attention"}
+#: TensorRT whose ONNX parser takes the standard `Attention` operator (its 10.14 release notes): JetPack 7's
+#: 10.13 does not, DGX OS's 10.16 does. Profiles may say so themselves (tensorrt_onnx_attention).
+TENSORRT_ONNX_ATTENTION = (10, 14)
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,24 @@ class TargetProfile:
     #: other names the same GPU reports (Thor is sm_101 under CUDA 12.9 and older, sm_110 under CUDA 13)
     compute_capability_aliases: tuple[str, ...] = ()
     notes: str = ""
+    #: whether the platform TensorRT parses ONNX Attention (and TensorScatter as its KV-cache update
+    #: layer); None: decided by tensorrt_version (TENSORRT_ONNX_ATTENTION). See parses_onnx_attention.
+    tensorrt_onnx_attention: bool | None = None
     source: str = "built-in"  # "built-in" or the user file it came from
     extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def parses_onnx_attention(self) -> bool:
+        """A TensorRT target whose TensorRT builds the batched graph (TensorScatter + Attention)."""
+        if self.backend != "tensorrt":
+            return False
+        if self.tensorrt_onnx_attention is not None:
+            return self.tensorrt_onnx_attention
+        try:
+            version = tuple(int(x) for x in (self.tensorrt_version or "0").split(".")[:2])
+        except ValueError:
+            return False
+        return version >= TENSORRT_ONNX_ATTENTION
 
     def matches_compute_capability(self, cc: str) -> bool:
         return cc == self.compute_capability or cc in self.compute_capability_aliases
@@ -57,6 +77,8 @@ class TargetProfile:
         d["precisions"] = list(self.precisions)
         d["device_tree_models"] = list(self.device_tree_models)
         d["compute_capability_aliases"] = list(self.compute_capability_aliases)
+        if self.tensorrt_onnx_attention is not None:
+            d["tensorrt_onnx_attention"] = self.tensorrt_onnx_attention
         d.update(self.extra)
         return d
 
@@ -104,11 +126,14 @@ def profile_from_dict(d: Mapping[str, Any], source: str = "built-in") -> TargetP
         if v is not None and not isinstance(v, str):
             raise bad(f"expected {name} as a string like '13.0' or null, found {v!r}")
         opt[name] = v
+    attention = d.get("tensorrt_onnx_attention")
+    if attention is not None and not isinstance(attention, bool):
+        raise bad(f"expected tensorrt_onnx_attention true, false or absent, found {attention!r}")
     return TargetProfile(
         id=pid, name=str(d.get("name") or pid), cpu_arch=str(d.get("cpu_arch") or "any"),
         compute_capability=cc, memory_bytes=mem, precisions=precisions, backend=backend,
         device_tree_models=strings("device_tree_models"), compute_capability_aliases=aliases,
-        notes=str(d.get("notes") or ""), source=source,
+        notes=str(d.get("notes") or ""), source=source, tensorrt_onnx_attention=attention,
         extra={k: v for k, v in d.items() if k not in _KNOWN}, **opt)
 
 

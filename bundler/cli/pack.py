@@ -258,6 +258,12 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
         click.echo(f"left out: {len(left_out)} checkpoint files, {format_size(sum(o['size'] for o in left_out))} "
                    f"no target installs (size and sha256 in the manifest; --with-checkpoint-weights carries them)")
     click.echo(f"targets:  {', '.join(t.id for t in manifest.targets)}")
+    from bundler.pack.engines import tensorrt_graph_line
+
+    for t in manifest.targets:
+        line = tensorrt_graph_line(t)
+        if line:
+            click.echo(f"tensorrt: {line}")
     for t in manifest.targets:
         rtx = [e for e in t.engines if e.format == "tensorrt-plan" and e.key.get("tensorrt_version", "").startswith("rtx-")]
         if rtx:

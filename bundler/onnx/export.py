@@ -79,6 +79,8 @@ class ExportResult:
     aux_layer_ids: tuple[int, ...] = ()  # EAGLE-3: output aux_hidden_states of these layers' inputs
     #: a manifests.quantization.Quantization when bundler.onnx.quantize rewrote the graph's MatMuls in 4 bits
     quantization: object = None
+    #: batched graphs with a static cache axis (TensorRT targets): its rows per slot; None: dynamic
+    capacity: int | None = None
 
     @property
     def files(self) -> tuple[Path, Path]:
@@ -95,15 +97,24 @@ class ExportResult:
                    if self.aux_layer_ids else {})}
 
 
-def _result(cfg, family: str, arch: str, out_dir: Path, opset: int, kv_cache: str,
-            dtype: str = "float32", aux_layer_ids: tuple[int, ...] = ()) -> ExportResult:
-    max_positions = int(cfg.max_position_embeddings)
-    window = getattr(cfg, "sliding_window", None)
-    if window and (family == "mistral" or getattr(cfg, "use_sliding_window", False)):
+def max_positions_of(cfg, family: str) -> int:
+    """The context a graph of this config supports (bundle.max_positions): max_position_embeddings, capped at a
+    sliding window. `cfg`: a transformers config or config.json's dict."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    max_positions = int(get("max_position_embeddings"))
+    window = get("sliding_window", None)
+    if window and (family == "mistral" or get("use_sliding_window", False)):
         # A sliding window only changes attention past `window` tokens: cap the context there
         # instead of baking a window mask into the graph.
         max_positions = min(max_positions, int(window))
-        cfg.sliding_window = None
+    return max_positions
+
+
+def _result(cfg, family: str, arch: str, out_dir: Path, opset: int, kv_cache: str,
+            dtype: str = "float32", aux_layer_ids: tuple[int, ...] = ()) -> ExportResult:
+    max_positions = max_positions_of(cfg, family)
+    if getattr(cfg, "sliding_window", None) and (family == "mistral" or getattr(cfg, "use_sliding_window", False)):
+        cfg.sliding_window = None  # the context is capped at the window instead
     num_layers = int(cfg.num_hidden_layers)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
@@ -113,7 +124,8 @@ def _result(cfg, family: str, arch: str, out_dir: Path, opset: int, kv_cache: st
 
 def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None,
                 kv_cache: str = "concat", dtype: str = "float32",
-                aux_layer_ids: tuple[int, ...] = (), fusions: Iterable[str] | None = None) -> ExportResult:
+                aux_layer_ids: tuple[int, ...] = (), fusions: Iterable[str] | None = None,
+                capacity: int | None = None) -> ExportResult:
     """Export the checkpoint to out_dir/model.onnx + model.onnx.data (deterministic for the same input).
 
     kv_cache="concat" writes the Concat(past, new) graph of elementary ops (every backend); "shared" the in-place
@@ -126,8 +138,11 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     GQA_FUSIONS, the GroupQueryAttention decode graph of the CUDA engine.
     aux_layer_ids (EAGLE-3 targets) adds the output aux_hidden_states [batch, sequence_length,
     len(ids) * hidden]: the inputs of those decoder layers, concatenated, what the head's fc reads.
+    capacity (batched only): the cache's rows per slot as a static axis (metadata bundle.kv_capacity),
+    what TensorRT's KV-cache update layer needs; None keeps the axis dynamic.
     """
-    spec = GraphSpec(kv_cache, dtype, None if fusions is None else frozenset(fusions), aux_layer_ids=aux_layer_ids)
+    spec = GraphSpec(kv_cache, dtype, None if fusions is None else frozenset(fusions), aux_layer_ids=aux_layer_ids,
+                     capacity=capacity)
     return export_graph(checkpoint_dir, out_dir, spec, opset=opset)
 
 
@@ -154,8 +169,10 @@ def export_graph(checkpoint_dir: Path, out_dir: Path, spec: GraphSpec, *, opset:
                          f"kv_cache='batched' in float32 (the cpu target's graph: its recurrent state lives beside "
                          f"the KV cache), found {kv_cache!r} in {dtype}")
     if kv_cache != "concat" and dtype != "float32":  # the float32 graph, rewritten in half precision
-        return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype, fusions, aux_layer_ids)
-    result = _export_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, fusions, aux_layer_ids, dtype)
+        return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype, fusions, aux_layer_ids,
+                              spec.capacity)
+    result = _export_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, fusions, aux_layer_ids, dtype,
+                              spec.capacity)
     log.info("exported %s (%s, %d layers, %s %s) to %s", checkpoint_dir, arch, result.num_layers, kv_cache, dtype,
              result.graph)
     return result
@@ -163,7 +180,7 @@ def export_graph(checkpoint_dir: Path, out_dir: Path, spec: GraphSpec, *, opset:
 
 def _half_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int, layout: str,
                    dtype: str, fusions: frozenset[str] | None = None,
-                   aux_layer_ids: tuple[int, ...] = ()) -> ExportResult:
+                   aux_layer_ids: tuple[int, ...] = (), capacity: int | None = None) -> ExportResult:
     import dataclasses
     import shutil
 
@@ -172,7 +189,8 @@ def _half_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, 
     work = out_dir / ".float32"
     work.mkdir(parents=True, exist_ok=True)
     try:
-        full = _export_in_place(checkpoint_dir, work, family, arch, opset, layout, fusions, aux_layer_ids)
+        full = _export_in_place(checkpoint_dir, work, family, arch, opset, layout, fusions, aux_layer_ids,
+                                capacity=capacity)
         graph = convert_graph(full.graph, out_dir / full.graph.name, dtype)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -181,8 +199,9 @@ def _half_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, 
 
 def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int,
                      layout: str, fusions: frozenset[str] | None = None,
-                     aux_layer_ids: tuple[int, ...] = (), dtype: str = "float32") -> ExportResult:
-    """The graph of `layout` written from bundler.onnx.blocks (in `dtype`: concat only)."""
+                     aux_layer_ids: tuple[int, ...] = (), dtype: str = "float32",
+                     capacity: int | None = None) -> ExportResult:
+    """The graph of `layout` written from bundler.onnx.blocks (in `dtype`: concat only; `capacity`: batched only)."""
     from transformers import AutoConfig
 
     from bundler.onnx.inplace import (BATCHED_OPSET, build_batched_kv_graph, build_concat_graph,
@@ -193,6 +212,10 @@ def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str
         cfg = cfg.text_config
     result = _result(cfg, family, arch, out_dir, BATCHED_OPSET if layout == "batched" else opset, layout,
                      dtype, aux_layer_ids=aux_layer_ids)
+    if capacity is not None:
+        import dataclasses
+
+        result = dataclasses.replace(result, capacity=int(capacity))
     if family in HYBRID_FAMILIES:  # bundle.num_layers counts the KV caches: the attention layers
         import dataclasses
 
@@ -203,7 +226,7 @@ def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str
             build_concat_graph(checkpoint_dir, result, cfg, has_q_k_norm=FAMILIES[family].q_k_norm)
         elif layout == "batched":
             build_batched_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=FAMILIES[family].q_k_norm,
-                                   fusions=fusions)
+                                   fusions=fusions, capacity=capacity)
         else:
             build_shared_kv_graph(checkpoint_dir, result, cfg, has_q_k_norm=FAMILIES[family].q_k_norm)
     except BaseException:  # no half-written graph that looks complete

@@ -192,9 +192,11 @@ class BatchedVariant(Protocol):
 
 
 def build_batched_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool,
-                           fusions: frozenset[str] | None = None, variant: BatchedVariant | None = None) -> None:
+                           fusions: frozenset[str] | None = None, variant: BatchedVariant | None = None,
+                           capacity: int | None = None) -> None:
     """Write result.graph + result.weights for the batched layout (standard TensorScatter + Attention,
-    or GroupQueryAttention with fusions containing "gqa"); fusions None: DEFAULT_FUSIONS."""
+    or GroupQueryAttention with fusions containing "gqa"); fusions None: DEFAULT_FUSIONS. `capacity`: the
+    cache's rows per slot as a static axis (TensorRT's KV-cache update layer needs one), else dynamic."""
     fusions = DEFAULT_FUSIONS if fusions is None else frozenset(fusions)
     # Nemotron-H's MLP is squared ReLU by mlp_hidden_act (bundler.onnx.blocks.mamba2 checks it)
     act = "silu" if FAMILIES[result.family].mamba2 else getattr(config, "hidden_act", "silu")
@@ -204,23 +206,28 @@ def build_batched_kv_graph(checkpoint_dir: Path, result, config, *, has_q_k_norm
     unknown = set(fusions) - set(FUSIONS)
     if unknown:
         raise ModelError(f"expected fusions among {', '.join(FUSIONS)}, found {', '.join(sorted(unknown))}")
+    if capacity is not None and not BATCHED_HEADROOM < int(capacity) <= result.max_positions + BATCHED_HEADROOM:
+        raise ModelError(f"expected a static cache capacity in {BATCHED_HEADROOM + 1}.."
+                         f"{result.max_positions + BATCHED_HEADROOM} (max context + {BATCHED_HEADROOM} spare rows), "
+                         f"found {capacity}")
     _build(checkpoint_dir, result, config, has_q_k_norm=has_q_k_norm, layout=BATCHED_LAYOUT,
-           fusions=frozenset(fusions), variant=variant)
+           fusions=frozenset(fusions), variant=variant, capacity=capacity)
 
 
 def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: str,
-           fusions: frozenset[str] = frozenset(), variant: BatchedVariant | None = None) -> None:
+           fusions: frozenset[str] = frozenset(), variant: BatchedVariant | None = None,
+           capacity: int | None = None) -> None:
     from bundler.onnx.writer import TensorWriter
 
     with TensorWriter(result.weights) as w:
         model, layers = _compose(w, checkpoint_dir, result, config, has_q_k_norm=has_q_k_norm, layout=layout,
-                                 fusions=fusions, variant=variant)
+                                 fusions=fusions, variant=variant, capacity=capacity)
         w.commit(model, result.graph)
     log.info("built the %s-KV graph for %s (%d layers) at %s", layout, result.architecture, layers, result.graph)
 
 
 def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: str,
-             fusions: frozenset[str], variant: BatchedVariant | None = None):
+             fusions: frozenset[str], variant: BatchedVariant | None = None, capacity: int | None = None):
     """The graph (an onnx ModelProto) and its layer count; initializers go to `w` (a TensorWriter)."""
     from onnx import TensorProto as TP
     from onnx import helper as h
@@ -323,12 +330,13 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
         g.node("Concat", [aux[i] for i in result.aux_layer_ids], [AUX_OUTPUT], axis=-1)
 
     inputs = [h.make_tensor_value_info("input_ids", TP.INT64, ["batch", "sequence_length"])]
+    rows = "capacity" if capacity is None else int(capacity)  # static: TensorRT's KV-cache update layer
     if gqa:
-        cache = ["batch", kv, "capacity", hd]
+        cache = ["batch", kv, rows, hd]
         inputs += [h.make_tensor_value_info("seqlens_k", TP.INT32, ["batch"]),
                    h.make_tensor_value_info("total_sequence_length", TP.INT32, [])]
     elif batched:
-        cache = variant.cache(kv, hd) if variant is not None else ["batch", kv, "capacity", hd]
+        cache = variant.cache(kv, hd) if variant is not None else ["batch", kv, rows, hd]
         inputs += [h.make_tensor_value_info("position_ids", TP.INT64, ["batch", "sequence_length"]),
                    h.make_tensor_value_info("write_indices", TP.INT64, ["batch"]),
                    h.make_tensor_value_info("attention_mask", TP.BOOL, ["batch", 1, "sequence_length", "window"])]
@@ -377,6 +385,8 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
         model.metadata_props.add(key=key, value=value)
     if batched:
         model.metadata_props.add(key="bundle.kv_headroom", value=str(BATCHED_HEADROOM))
+        if capacity is not None:  # the engine's cache has exactly these rows per slot
+            model.metadata_props.add(key="bundle.kv_capacity", value=str(int(capacity)))
         # The mask's last axis is the attention window (rows attended over), not the whole capacity.
         model.metadata_props.add(key="bundle.attention_window", value="0" if gqa else "1")
         model.metadata_props.add(key="bundle.fusions",

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from bundler.onnx.writer import save_model
 from manifests.errors import EnvironmentProblem, ModelError, UsageError
+from bundler.onnx.inplace import BATCHED_HEADROOM
 from manifests.quantization import MATMULNBITS, OPERATORS, QDQ, QuantizeOptions, Quantization
 
 log = logging.getLogger(__name__)
@@ -188,8 +189,10 @@ def quantizing_export(export, options: QuantizeOptions, *, measure_dir: Path | N
                 from bundler.onnx.quality import measure
 
                 log.info("measuring the 4-bit %s graph of %s against the unquantized one", dtype, checkpoint)
-                quality = measure(result.graph, graph, Path(source), held,
-                                  max_context=min(512, int(getattr(result, "max_positions", 512))))
+                capacity = getattr(result, "capacity", None)  # a static batched graph holds only so many rows
+                limit = min(512, int(getattr(result, "max_positions", 512)),
+                            *((capacity - BATCHED_HEADROOM,) if capacity else ()))
+                quality = measure(result.graph, graph, Path(source), held, max_context=limit)
                 record = dataclasses.replace(record, quality={**quality, "dtype": dtype})
             return dataclasses.replace(result, graph=graph, weights=graph.with_name(graph.name + ".data"),
                                        quantization=record)

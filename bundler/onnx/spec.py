@@ -41,6 +41,10 @@ class GraphSpec:
     quantization: str = "none"
     #: EAGLE-3 targets: the decoder layers whose inputs the graph also returns (aux_hidden_states)
     aux_layer_ids: tuple[int, ...] = ()
+    #: batched only: the cache's rows per slot fixed in the graph (max context + headroom), or None (a
+    #: dynamic "capacity" axis). TensorRT takes TensorScatter as its KV-cache update layer, and Attention
+    #: after it, only with a static capacity: the graph TensorRT targets build from fixes it.
+    capacity: int | None = None
 
     def __post_init__(self):
         if self.layout not in KV_CACHE_LAYOUTS:
@@ -53,6 +57,9 @@ class GraphSpec:
         if self.fusions is not None:
             object.__setattr__(self, "fusions", frozenset(self.fusions))
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        if self.capacity is not None and (self.layout != "batched" or int(self.capacity) < 2):
+            raise UsageError(f"a static cache capacity applies to the batched KV-cache graph, at least 2 rows; "
+                             f"found capacity {self.capacity!r} with kv_cache {self.layout!r}")
 
     def check_fusions(self) -> None:
         if self.fusions is not None and self.layout != "batched":
@@ -60,23 +67,27 @@ class GraphSpec:
 
     @classmethod
     def of_variant(cls, variant: tuple) -> GraphSpec:
-        """From a (layout, dtype[, quantization]) tuple (bundler.pack.engines' variant names)."""
-        return cls(variant[0], variant[1], quantization=variant[2] if len(variant) > 2 else "none")
+        """From a (layout, dtype[, quantization[, capacity]]) tuple (bundler.pack.engines' variant names)."""
+        return cls(variant[0], variant[1], quantization=variant[2] if len(variant) > 2 else "none",
+                   capacity=variant[3] if len(variant) > 3 else None)
 
     @property
-    def variant(self) -> tuple[str, str, str]:
-        """(layout, dtype, quantization): what tells a bundle's graphs apart (folder says where each goes)."""
-        return self.layout, self.dtype, self.quantization
+    def variant(self) -> tuple:
+        """(layout, dtype, quantization[, capacity]): what tells a bundle's graphs apart (folder says where each goes)."""
+        return (self.layout, self.dtype, self.quantization) + ((self.capacity,) if self.capacity is not None else ())
 
     @property
     def folder(self) -> str:
-        """The bundle folder of this graph (FOLDERS; "-int4", "-int4-qdq" for 4-bit graphs)."""
+        """The bundle folder of this graph (FOLDERS; "-int4", "-int4-qdq" for 4-bit graphs, "-c<capacity>" for a
+        static cache capacity)."""
         root = FOLDERS[self.layout, self.dtype]
-        return root if self.quantization == "none" else f"{root}-{self.quantization}"
+        root = root if self.quantization == "none" else f"{root}-{self.quantization}"
+        return root if self.capacity is None else f"{root}-c{self.capacity}"
 
     def export_options(self) -> dict:
         """The export_onnx keyword arguments of this spec, only those that differ from the defaults."""
         return {**({"kv_cache": self.layout} if self.layout != "concat" else {}),
                 **({"dtype": self.dtype} if self.dtype != "float32" else {}),
                 **({"fusions": self.fusions} if self.fusions is not None else {}),
-                **({"aux_layer_ids": self.aux_layer_ids} if self.aux_layer_ids else {})}
+                **({"aux_layer_ids": self.aux_layer_ids} if self.aux_layer_ids else {}),
+                **({"capacity": self.capacity} if self.capacity is not None else {})}

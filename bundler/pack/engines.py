@@ -4,8 +4,11 @@ The ONNX export of each model is shared by every target that runs it and stored 
 layouts (bundler.onnx.export.KV_CACHE_LAYOUTS): ONNX Runtime targets get the "batched" graph
 (engines/onnx-batched/<role>/, TensorScatter + Attention: many sequences per call, KV cache
 updated in place; chosen over the "shared" GroupQueryAttention graph, which cannot batch
-verification or prefill rows, on benchmarks/bench_graphs.py), TensorRT targets the "concat" graph
-(engines/onnx/<role>/), which is also what they fall back to on ONNX Runtime.
+verification or prefill rows, on benchmarks/bench_graphs.py). TensorRT targets whose TensorRT parses
+ONNX Attention (TargetProfile.parses_onnx_attention: DGX OS's 10.16, not JetPack 7's 10.13) get the
+batched graph with a static cache capacity (max context + BATCHED_HEADROOM rows per slot, which TensorRT's
+KV-cache update layer needs; engines/onnx-batched-fp16-c<capacity>/<role>/); the other TensorRT targets the
+"concat" graph (engines/onnx/<role>/), run slot by slot. Either is also what they fall back to on ONNX Runtime.
 The engine record's build["kv_cache"] names the layout. TensorRT targets whose profile lists fp16
 get the concat graph exported in fp16 (engines/onnx-fp16/<role>/, half the bytes; TensorRT 11 has
 no FP16 builder flag and takes the graph's types), the others the fp32 one; build["dtype"] names it
@@ -30,13 +33,13 @@ from typing import Callable, Iterable, Mapping, Sequence
 from bundler.model_config import read_config
 from bundler.onnx.export import KV_CACHE_LAYOUTS, ExportResult, export_onnx, past_names
 from bundler.onnx.spec import GraphSpec
-from bundler.onnx.inplace import SharedLayoutUnsupported
+from bundler.onnx.inplace import BATCHED_HEADROOM, SharedLayoutUnsupported
 from bundler.pack.pack import PackFile
 from manifests.errors import ModelError, UsageError
 from manifests.quantization import MATMULNBITS, OPERATORS, QDQ, QuantizeOptions
 from manifests.schema import Engine, Target
 from manifests.targets import TargetProfile
-from manifests.serve_config import DEFAULT_PREFILL_CHUNK
+from manifests.serve_config import DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK
 from runtime.engines.cache import DeviceInfo, engine_key, onnx_digest
 from runtime.fsutil import file_sha256
 from runtime.profiles import get_profile
@@ -70,6 +73,12 @@ class ServeShape:
     max_context: int
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     draft_tokens: int = DEFAULT_DRAFT_TOKENS  # speculative tokens; verification feeds draft_tokens + 1
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # rows of one call of a batched TensorRT plan
+
+    @property
+    def capacity(self) -> int:
+        """Cache rows per slot of the static batched graph: the context and the spare rows padding writes into."""
+        return self.max_context + BATCHED_HEADROOM
 
 
 def serve_shape(serve: Mapping, model_max_positions: int, num_speculative_tokens: int | None = None) -> ServeShape:
@@ -80,10 +89,11 @@ def serve_shape(serve: Mapping, model_max_positions: int, num_speculative_tokens
     chunk = int(serve.get("prefill_chunk") or DEFAULT_PREFILL_CHUNK)
     draft = int(num_speculative_tokens if num_speculative_tokens is not None
                 else serve.get("num_speculative_tokens", DEFAULT_DRAFT_TOKENS))
-    if max_context < 2 or chunk < 1 or draft < 0:
-        raise UsageError(f"expected max_model_len >= 2, prefill_chunk >= 1, draft tokens >= 0; found "
-                         f"{max_context}, {chunk}, {draft}")
-    return ServeShape(max_context, min(chunk, max_context), draft)
+    seqs = int(serve.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+    if max_context < 2 or chunk < 1 or draft < 0 or seqs < 1:
+        raise UsageError(f"expected max_model_len >= 2, prefill_chunk >= 1, draft tokens >= 0, max_num_seqs >= 1; "
+                         f"found {max_context}, {chunk}, {draft}, {seqs}")
+    return ServeShape(max_context, min(chunk, max_context), draft, seqs)
 
 
 def optimization_profiles(shape: ServeShape, num_layers: int, kv_heads: int, head_dim: int) -> list[dict]:
@@ -102,6 +112,31 @@ def optimization_profiles(shape: ServeShape, num_layers: int, kv_heads: int, hea
     verify = min(shape.draft_tokens + 1, ctx)
     return [profile("decode", verify, verify, ctx // 2),
             profile("prefill", shape.prefill_chunk, shape.prefill_chunk, 0)]
+
+
+def batched_profiles(shape: ServeShape, num_layers: int, kv_heads: int, head_dim: int) -> list[dict]:
+    """TensorRT optimisation profiles of the static batched graph (cache [rows, kv_heads, capacity, head_dim],
+    capacity fixed): "rows" first (1..max_num_seqs slots of 1..BATCHED_HEADROOM new tokens: decode,
+    verification and short chunks in one call), then "prefill" (one slot, a chunk longer than the headroom).
+    The mask's window (rows attended over) runs 1..capacity in both. The engine (runtime.engines.
+    tensorrt_batched) groups rows as the ONNX Runtime engine does: a row longer than the headroom goes alone."""
+    cap, rows, verify = shape.capacity, shape.max_num_seqs, min(shape.draft_tokens + 1, BATCHED_HEADROOM)
+
+    def profile(name: str, batch: int, new_max: int, opt: tuple[int, int, int]) -> dict:
+        b, n, window = opt
+        new = {"min": [1, 1], "opt": [b, n], "max": [batch, new_max]}
+        shapes = {"input_ids": new, "position_ids": dict(new),
+                  "write_indices": {"min": [1], "opt": [b], "max": [batch]},
+                  "attention_mask": {"min": [1, 1, 1, 1], "opt": [b, 1, n, window], "max": [batch, 1, new_max, cap]}}
+        for name_ in past_names(num_layers):
+            shapes[name_] = {"min": [1, kv_heads, cap, head_dim], "opt": [b, kv_heads, cap, head_dim],
+                             "max": [batch, kv_heads, cap, head_dim]}
+        return {"name": name, "shapes": shapes}
+
+    out = [profile("rows", rows, BATCHED_HEADROOM, (rows, verify, cap // 2))]
+    if shape.prefill_chunk > BATCHED_HEADROOM:
+        out.append(profile("prefill", 1, shape.prefill_chunk, (1, shape.prefill_chunk, shape.prefill_chunk)))
+    return out
 
 
 def precision_for(profile: TargetProfile) -> str:
@@ -133,12 +168,22 @@ def graph_dtype(profile: TargetProfile, half: str = "float16") -> str:
 
 
 def build_options(profile: TargetProfile, export: ExportResult, shape: ServeShape) -> dict:
-    """Exactly what the TensorRT builder is given; its sha256 is part of the engine key."""
-    return {"format": BUILD_OPTIONS_FORMAT, "precision": precision_for(profile),
-            "dtype": getattr(export, "dtype", "float32"),
-            "max_context": shape.max_context, "prefill_chunk": shape.prefill_chunk,
-            "draft_tokens": shape.draft_tokens, "builder_optimization_level": 3,
-            "hardware_compatibility_level": "none",
+    """Exactly what the TensorRT builder is given; its sha256 is part of the engine key. "kv_cache" names the
+    graph: "batched" (static "capacity", many slots a call) or "concat" (one slot a call)."""
+    layout = getattr(export, "kv_cache", "concat")
+    options = {"format": BUILD_OPTIONS_FORMAT, "precision": precision_for(profile),
+               "dtype": getattr(export, "dtype", "float32"),
+               "max_context": shape.max_context, "prefill_chunk": shape.prefill_chunk,
+               "draft_tokens": shape.draft_tokens, "builder_optimization_level": 3,
+               "hardware_compatibility_level": "none", "kv_cache": layout}
+    if layout == "batched":
+        capacity = getattr(export, "capacity", None)
+        if capacity != shape.capacity:
+            raise ModelError(f"expected a batched graph with a static capacity of {shape.capacity} rows for "
+                             f"TensorRT, found {capacity}")
+        return {**options, "capacity": capacity, "max_num_seqs": shape.max_num_seqs,
+                "profiles": batched_profiles(shape, export.num_layers, export.num_kv_heads, export.head_dim)}
+    return {**options,
             "profiles": optimization_profiles(shape, export.num_layers, export.num_kv_heads, export.head_dim)}
 
 
@@ -186,8 +231,10 @@ class ExportedModel:
 
     @property
     def variant(self) -> GraphSpec:
-        """The graph's layout, dtype and quantization (what target_engines matches a target's _variant_for to)."""
-        return self.packed_with or GraphSpec(self.layout, self.dtype, quantization=self.quant)
+        """The graph's layout, dtype, quantization and static capacity (what target_engines matches a target's
+        _variant_for to)."""
+        return self.packed_with or GraphSpec(self.layout, self.dtype, quantization=self.quant,
+                                             capacity=getattr(self.export, "capacity", None) or None)
 
     @property
     def graph_path(self) -> str:
@@ -221,7 +268,7 @@ def export_models(models: Mapping[str, Path], work_dir: Path,
     for role, checkpoint in models.items():
         for variant in variants:
             spec = variant if isinstance(variant, GraphSpec) else GraphSpec.of_variant(variant)
-            layout, dtype, quant = spec.variant
+            layout, dtype, quant = spec.layout, spec.dtype, spec.quantization
             folder = Path(work_dir) / spec.folder.split("/")[-1] / role
             options = spec.export_options()
             log.info("export: %s to ONNX (%s KV cache, %s)", role, layout, dtype)
@@ -237,7 +284,7 @@ def export_models(models: Mapping[str, Path], work_dir: Path,
                 raise ModelError(f"expected a {dtype} export of {checkpoint}, found "
                                  f"{getattr(result, 'dtype', 'float32')}")
             decode = _decode_graph(Path(checkpoint), result, export) \
-                if layout == "batched" and dtype != "float32" and not head else None
+                if layout == "batched" and dtype != "float32" and not head and spec.capacity is None else None
             exported = ExportedModel(role, result, "", {}, packed_with=spec if head else None,
                                      decode_graph=decode)
             hashes = {p.name: file_sha256(p) for p in exported.sources}
@@ -296,20 +343,25 @@ def _decode_graph(checkpoint: Path, result: ExportResult, export) -> Path | None
 
 
 def _variant_for(profile: TargetProfile, onnxruntime_layout: str, half: str = "float16",
-                 quant: str = "none") -> GraphSpec:
-    """The graph a target runs (KV-cache layout, dtype, quantization). A 4-bit TensorRT target keeps its
-    concat graph, with its weights as blocked INT4 DequantizeLinear (TENSORRT_INT4): TensorRT has no MatMulNBits."""
+                 quant: str = "none", capacity: int | None = None) -> GraphSpec:
+    """The graph a target runs (KV-cache layout, dtype, quantization[, capacity]). A TensorRT target whose
+    TensorRT parses ONNX Attention gets the batched graph with the static `capacity` (when given), the others
+    the concat graph; a 4-bit TensorRT target's weights are blocked INT4 DequantizeLinear (TENSORRT_INT4):
+    TensorRT has no MatMulNBits."""
     if profile.backend == "onnxruntime-cuda":
         return GraphSpec(onnxruntime_layout, half if onnxruntime_layout != "concat" else "float16", quantization=quant)
     if profile.backend == "tensorrt":
-        return GraphSpec("concat", graph_dtype(profile), quantization=TENSORRT_INT4 if quant != "none" else quant)
+        quant = TENSORRT_INT4 if quant != "none" else quant
+        if capacity is not None and profile.parses_onnx_attention:
+            return GraphSpec("batched", graph_dtype(profile), quantization=quant, capacity=capacity)
+        return GraphSpec("concat", graph_dtype(profile), quantization=quant)
     return GraphSpec(onnxruntime_layout, graph_dtype(profile), quantization=quant)
 
 
 def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], shape: ServeShape,
                    work_dir: Path, device: DeviceInfo | None = None, backend=None,
                    onnxruntime_layout: str = "batched", half: str = "float16",
-                   quant: str = "none", aot=None) -> tuple[list[PackFile], Target]:
+                   quant: str = "none", aot=None, capacity: int | None = None) -> tuple[list[PackFile], Target]:
     """Engine records (and plan files, when this host can build them) for one target. A 4-bit graph's
     record carries its quantization (manifests.quantization.Quantization) in `build` and in `key`.
     `aot` (bundler.pack.aot.RtxBuilder): builds the plan ahead of time, with no GPU, when this host's own
@@ -317,7 +369,7 @@ def target_engines(profile: TargetProfile, exported: Sequence[ExportedModel], sh
     files: list[PackFile] = []
     engines: list[Engine] = []
     precision = "fp32" if profile.backend == "onnxruntime" else precision_for(profile)
-    variant = _variant_for(profile, onnxruntime_layout, half, quant)
+    variant = _variant_for(profile, onnxruntime_layout, half, quant, capacity)
     layout = variant.layout
     on_cuda = profile.backend == "onnxruntime-cuda"
     if on_cuda:
@@ -379,12 +431,14 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
                     backend=None, export: Callable[..., ExportResult] = export_onnx,
                     kv_cache: str = "batched",
                     eagle3_layers: Sequence[int] | None = None,
-                    quantization: QuantizeOptions | None = None, aot=None) -> tuple[list[PackFile], list[Target]]:
+                    quantization: QuantizeOptions | None = None, aot=None,
+                    tensorrt_batched: bool = True) -> tuple[list[PackFile], list[Target]]:
     """Export every model once per layout its targets need and plan every target: (files to pack, Targets).
 
     `kv_cache` is the layout ONNX Runtime targets get ("batched"; "shared" for the older
-    GroupQueryAttention graph, or "concat" to ship one graph for every target); TensorRT targets
-    always get "concat" (a 4-bit TensorRT target: with blocked INT4 DequantizeLinear weights, see _variant_for).
+    GroupQueryAttention graph, or "concat" to ship one graph for every target); TensorRT targets get the
+    static batched graph where their TensorRT parses ONNX Attention (and `tensorrt_batched`), else "concat"
+    (a 4-bit TensorRT target: either, its weights as blocked INT4 DequantizeLinear, see _variant_for).
     `quantization`: --quantization and its options (None: no target quantized; mode None: each target's
     profile default, what `bundle create` passes without --quantization).
     `aot`: an ahead-of-time builder (bundler.pack.aot.RtxBuilder, --rtx-engines) for the targets it can build.
@@ -408,15 +462,17 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
         quants = {p.id: "int4" for p in profiles}
     users = {}  # GraphSpec -> ids of the targets that run it
     half = half_dtype(models)
+    capacity = _static_capacity(models, serve, num_speculative_tokens) \
+        if tensorrt_batched and any(p.parses_onnx_attention for p in profiles) else None
     for p in profiles:
-        users.setdefault(_variant_for(p, kv_cache, half, quants[p.id]), []).append(p.id)
+        users.setdefault(_variant_for(p, kv_cache, half, quants[p.id], capacity), []).append(p.id)
     try:
         exported = export_models(models, Path(work_dir), export, variants=tuple(users), quantization=quantization)
     except SharedLayoutUnsupported as e:
-        log.warning("%s; ONNX Runtime targets get the concat graph instead", e)
+        log.warning("%s; every target gets the concat graph instead", e)
         return prepare_targets(target_ids, models, work_dir, serve, num_speculative_tokens=num_speculative_tokens,
                                extra_dirs=extra_dirs, backend=backend, export=export, kv_cache="concat",
-                               quantization=quantization, aot=aot)
+                               quantization=quantization, aot=aot, tensorrt_batched=False)
     limit = min(m.export.max_positions for m in exported)
     shape = serve_shape(serve, limit, num_speculative_tokens)
     device = None
@@ -433,10 +489,37 @@ def prepare_targets(target_ids: Sequence[str], models: Mapping[str, Path], work_
     targets = []
     for profile in profiles:
         extra, target = target_engines(profile, exported, shape, Path(work_dir), device, backend, kv_cache, half,
-                                       quants[profile.id], aot)
+                                       quants[profile.id], aot, capacity)
         files += extra
         targets.append(target)
     return files, targets
+
+
+def tensorrt_graph_line(target: Target) -> str | None:
+    """What a TensorRT target's engine runs, for bundle create's summary: the batched graph (many slots a call)
+    or the concat graph (one slot a call), and why; None for other targets."""
+    if target.backend != "tensorrt":
+        return None
+    build = next((e.build for e in target.engines if e.model == "target" and e.format == "onnx"), {})
+    if build.get("kv_cache") == "batched":
+        return (f"{target.id}: batched graph (cache capacity {build['capacity']}, up to {build['max_num_seqs']} "
+                f"slots a call)")
+    version = target.build.get("tensorrt_version", "?")
+    why = f"its TensorRT {version} parses no ONNX Attention" if not get_profile(target.id).parses_onnx_attention \
+        else "the batched graph cannot hold this model"
+    return f"{target.id}: concat graph, one slot a call ({why})"
+
+
+def _static_capacity(models: Mapping[str, Path], serve: Mapping, num_speculative_tokens: int | None) -> int:
+    """The cache rows per slot of the batched graph TensorRT targets get, before any export: the serve shape's
+    max context (from the checkpoints' configs, as the export will see them) plus the spare rows."""
+    from bundler.onnx.export import max_positions_of
+
+    limits = []
+    for checkpoint in models.values():
+        cfg = read_config(Path(checkpoint))
+        limits.append(max_positions_of(cfg, str(cfg.get("model_type"))))
+    return serve_shape(serve, min(limits), num_speculative_tokens).capacity
 
 
 def _eagle3_export(models: Mapping[str, Path], layers: tuple[int, ...], export, profiles):

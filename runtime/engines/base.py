@@ -9,8 +9,10 @@ Implementations:
 - `runtime.engines.onnxruntime.OnnxRuntimeEngine`: the "batched" graph (TensorScatter + Attention,
   bundler.onnx.inplace) runs all rows in one session call; the older graphs ("shared"
   GroupQueryAttention, "concat") run row by row with batch 1 (bundles made before this graph).
-- `runtime.engines.tensorrt.TensorRTEngine`: batch 1 inside, row by row (its plans are built
-  from the concat graph).
+- `runtime.engines.tensorrt_batched.TensorRTBatchedEngine`: TensorRT plans of the batched graph (static
+  cache capacity; TensorRT that parses ONNX Attention): all rows in one execution, as the ONNX Runtime one.
+- `runtime.engines.tensorrt.TensorRTEngine`: batch 1 inside, row by row (plans of the concat graph:
+  TensorRT 10.13, JetPack 7).
 - `SequenceSlots` below: any single-sequence engine (`SequenceEngine`, the interface before
   slots) turned into a slot engine, one instance per slot, rows run one after another.
 """

@@ -61,8 +61,8 @@ import numpy as np
 from manifests.errors import EnvironmentProblem, ModelError
 from manifests.limits import LIMITS
 from runtime.engines.base import Engine, Row
-from runtime.engines.cudalib import D2D, D2H, H2D, Cudart, DeviceBuffer, onnxruntime_cuda
-from runtime.engines.onnxruntime import OnnxRuntimeEngine, bind_row_inputs
+from runtime.engines.cudalib import D2D, D2H, H2D, Cudart, DeviceBuffer, fetch_rows, onnxruntime_cuda, pack_aligned
+from runtime.engines.onnxruntime import OnnxRuntimeEngine, bind_row_inputs, check_capacity, static_capacity
 from runtime.engines.shared_weights import SHARED_WEIGHTS_INDEX, read_shared_weights
 from runtime.engines.slots import SlotTable
 
@@ -173,6 +173,9 @@ class CudaEngine(Engine):
             raise ModelError(f"max context {limit} exceeds what the model supports; expected at most {graph_max}")
         self.batched = self.kv_cache == "batched"
         self._headroom = int(meta.get("bundle.kv_headroom", 0)) if self.batched else 0
+        self._fixed_capacity = static_capacity(meta, self._headroom, graph)  # the graph TensorRT targets carry
+        if self._fixed_capacity and not max_context:
+            limit = self._fixed_capacity - self._headroom
         self._generation = 0
         self._buffers: list = []
         self._scratch: dict[str, DeviceBuffer] = {}
@@ -301,7 +304,8 @@ class CudaEngine(Engine):
         for buf in self._flat_buffers():
             buf.free()
         self.max_context = int(max_context or self.max_context)
-        self.capacity = self.max_context + self._headroom
+        check_capacity(self._fixed_capacity, self.max_context, self._headroom, self._graph)
+        self.capacity = self._fixed_capacity or self.max_context + self._headroom
         self.num_slots = int(num_slots)
         per_head = self.num_kv_heads * self.head_dim * self._itemsize
         if self.batched:  # [layer*2 + kv] -> [slots, kv_heads, capacity, head_dim]
@@ -452,13 +456,8 @@ class CudaEngine(Engine):
         else:
             parts = [("input_ids", ids, np.int64), ("position_ids", positions, np.int64),
                      ("write_indices", write, np.int64), ("attention_mask", mask, np.bool_)]
-        offsets, total = [], 0
-        for _, array, _ in parts:
-            offsets.append(total)
-            total += -(-array.nbytes // 256) * 256
-        host = np.zeros(total, np.uint8)
-        for (_, array, _), off in zip(parts, offsets):
-            host[off:off + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).ravel()
+        host, offsets = pack_aligned([array for _, array, _ in parts])
+        total = host.nbytes
         buf = self._scratch_buffer(f"inputs-{lane.name}-{batch}x{width}x{window}", total)
         self.cudart.memcpy(buf.ptr, host.ctypes.data, total, H2D)
         self.cudart.synchronize()  # a pageable copy may still be in flight; ONNX Runtime's stream does not wait
@@ -513,16 +512,7 @@ class CudaEngine(Engine):
     def _fetch(self, logits: DeviceBuffer, argmax: DeviceBuffer, batch: int, width: int, row: int, n: int,
                want: str) -> np.ndarray:
         """Copy back only what was asked for: row `row`'s first n positions (or its last, or its argmax)."""
-        if want == "argmax":
-            host = np.empty(n, np.int64)
-            self.cudart.memcpy(host.ctypes.data, argmax.ptr + row * width * 8, n * 8, D2H)
-            return host
-        first = {"last": n - 1, "none": n}.get(want, 0)
-        host = np.empty((n - first, self.vocab_size), np.float32)
-        row_bytes = self.vocab_size * 4
-        if host.size:
-            self.cudart.memcpy(host.ctypes.data, logits.ptr + (row * width + first) * row_bytes, host.nbytes, D2H)
-        return host
+        return fetch_rows(self.cudart, logits.ptr, argmax.ptr, self.vocab_size, width, row, n, want)
 
     # --- concat (batch 1, two buffers per slot) ------------------------------------------------
     def _run_one(self, slot: int, token_ids: Sequence[int], want: str) -> np.ndarray:

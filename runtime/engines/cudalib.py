@@ -200,6 +200,39 @@ class DeviceBuffer:
             self.ptr = 0
 
 
+def pack_aligned(arrays, align: int = 256):
+    """Small inputs in one host buffer, each at an `align`-byte offset, for one host-to-device copy:
+    (uint8 buffer, offsets)."""
+    import numpy as np
+
+    offsets, total = [], 0
+    for array in arrays:
+        offsets.append(total)
+        total += -(-array.nbytes // align) * align
+    host = np.zeros(max(total, align), np.uint8)
+    for array, off in zip(arrays, offsets):
+        host[off:off + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).ravel()
+    return host, offsets
+
+
+def fetch_rows(memory, logits: int, argmax: int | None, vocab: int, width: int, row: int, n: int, want: str,
+               dtype="float32"):
+    """Only what a row asked for, from a call's [batch, width, vocab] logits (of `dtype`) or [batch, width] int64
+    argmax device buffers: its first n positions ("all"), the last ("last"), none ("none") or their argmax
+    ("argmax"); logits come back as float32."""
+    import numpy as np
+
+    if want == "argmax":
+        host = np.empty(n, np.int64)
+        memory.memcpy(host.ctypes.data, argmax + row * width * 8, n * 8, D2H)
+        return host
+    first = {"last": n - 1, "none": n}.get(want, 0)
+    host = np.empty((n - first, vocab), np.dtype(dtype))
+    if host.size:
+        memory.memcpy(host.ctypes.data, logits + (row * width + first) * vocab * host.itemsize, host.nbytes, D2H)
+    return host.astype(np.float32, copy=False)
+
+
 def library_path_hint() -> str:
     """LD_LIBRARY_PATH that would let a fresh process find the pip CUDA libraries (for messages, scripts)."""
     return os.pathsep.join(str(d) for d in nvidia_library_dirs())

@@ -64,6 +64,25 @@ def _version(text: str) -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
+def static_capacity(meta: dict, headroom: int, graph: Path) -> int | None:
+    """The cache rows per slot a batched graph fixes (bundle.kv_capacity: the graph TensorRT targets carry,
+    which their ONNX Runtime fallback runs too), or None when its capacity axis is dynamic."""
+    text = meta.get("bundle.kv_capacity")
+    if text is None:
+        return None
+    if not text.isdigit() or int(text) <= headroom:
+        raise ModelError(f"{graph}: expected bundle.kv_capacity a number of rows above the headroom {headroom}, "
+                         f"found {text!r}")
+    return int(text)
+
+
+def check_capacity(fixed: int | None, max_context: int, headroom: int, graph: Path) -> None:
+    """A static capacity must hold max_context rows and the spare rows padding writes into."""
+    if fixed is not None and max_context + headroom > fixed:
+        raise ModelError(f"max context {max_context} exceeds the static cache capacity of {graph} ({fixed} rows, "
+                         f"{headroom} of them spare); expected at most {fixed - headroom}")
+
+
 def bind_row_inputs(binding, token_ids: Sequence[int], past: int, *, positions: bool, mask: bool) -> None:
     """Host inputs of one batch-1 row appended after `past` cached tokens (the pre-"batched" graphs)."""
     n = len(token_ids)
@@ -130,20 +149,23 @@ class OnnxRuntimeEngine(Engine):
             raise EnvironmentProblem(f"{graph} ({self.kv_cache} KV cache) needs onnxruntime >= "
                                      f"{need[0]}.{need[1]}, found {ort.__version__}")
         self._read_signature()
+        self.batched = self.kv_cache == "batched"
+        self._headroom = int(meta.get("bundle.kv_headroom", 0)) if self.batched else 0
         graph_max = int(meta.get("bundle.max_positions", 0)) or None
-        limit = max_context or graph_max
+        fixed = static_capacity(meta, self._headroom, graph)
+        limit = max_context or (fixed - self._headroom if fixed else graph_max)
         if limit is None:
             raise ModelError(f"{graph}: no bundle.max_positions in the graph metadata; pass max_context")
         if graph_max is not None and limit > graph_max:
             raise ModelError(f"max context {limit} exceeds what the model supports; expected at most {graph_max}")
+        check_capacity(fixed, int(limit), self._headroom, graph)
         self.max_context = int(limit)
-        self.batched = self.kv_cache == "batched"
         # token trees: the batched graph takes any mask and position ids; a recurrent state cannot branch
         self.supports_tree = self.batched and self._states is None
-        self._headroom = int(meta.get("bundle.kv_headroom", 0)) if self.batched else 0
         self._windowed = meta.get("bundle.attention_window") == "1"  # else the mask spans the capacity
-        #: rows one slot's region holds: max_context, plus the spare rows padding writes into
-        self.capacity = self.max_context + self._headroom
+        #: rows one slot's region holds: max_context, plus the spare rows padding writes into (a graph made
+        #: for TensorRT fixes them: bundle.kv_capacity)
+        self.capacity = fixed or self.max_context + self._headroom
         self._binding = self.session.io_binding()
         self._logits = np.zeros(0, self._logits_dtype)
         self._bound_logits = (0, ())

@@ -6,6 +6,11 @@ only talks to the real `tensorrt` Python API and to `cuda-python` for device mem
 only on a device that asked for a TensorRT engine. It cannot run on the build machines of this
 project (no GPU, no libnvinfer); the logic above it is tested with the ONNX Runtime engine standing in.
 
+Two engines by the plan's graph (build option "kv_cache"): plans of the batched graph (TensorRT that parses
+ONNX Attention: DGX OS's 10.16, TensorRT-RTX) run in runtime.engines.tensorrt_batched, many slots a call,
+through TensorRTPlan and CudaMemory here; plans of the concat graph (JetPack 7's 10.13) in TensorRTEngine,
+slot by slot. Neither has run on a device yet: no machine here has a GPU TensorRT supports.
+
 TensorRT 11 removed weak typing (BuilderFlag.FP16 and friends): there the precision is the ONNX
 graph's own. So fp16 targets ship an fp16 graph (build option "dtype": "float16"), which TensorRT
 10 builds strongly typed too, keeping the fp32 the graph asks for (norms, softmax, logits); an
@@ -60,8 +65,8 @@ RTX_NOT_INSTALLED = ("TensorRT-RTX is not installed (pip install tensorrt-rtx-cu
                      "or bundle[rtx] on a build host)")
 
 
-__all__ = ["FLAVOURS", "TensorRTBackend", "TensorRTEngine", "aot_targets", "flavour_of", "install_hint",
-           "tensorrt_module"]
+__all__ = ["FLAVOURS", "CudaMemory", "TensorRTBackend", "TensorRTEngine", "TensorRTPlan", "aot_targets",
+           "flavour_of", "install_hint", "tensorrt_module"]
 
 
 def tensorrt_module(flavour: str = "tensorrt"):
@@ -172,8 +177,18 @@ class TensorRTBackend:
         write_atomic(Path(out_plan), bytes(plan))
 
     def load(self, plan: Path, *, options: dict, max_context: int | None = None) -> Engine:
-        return TensorRTEngine(plan, options=options, max_context=max_context,  # one slot; the server allocates more
-                              flavour=self.flavour)
+        """A batched plan (build option kv_cache "batched"): runtime.engines.tensorrt_batched over this module's
+        TensorRTPlan and CudaMemory; a concat plan: TensorRTEngine, slot by slot. One slot; the server
+        allocates more."""
+        if options.get("kv_cache") == "batched":
+            from runtime.engines.tensorrt_batched import TensorRTBatchedEngine
+
+            trt_plan = TensorRTPlan(plan, self.flavour)
+            return TensorRTBatchedEngine(trt_plan, CudaMemory(trt_plan.cudart), options=options,
+                                         max_context=max_context,
+                                         description=f"{self.name} {trt_plan.version} "
+                                                     f"{options.get('precision', 'fp32')} kv-cache batched")
+        return TensorRTEngine(plan, options=options, max_context=max_context, flavour=self.flavour)
 
 
 def aot_targets(trt) -> list[str]:
@@ -181,6 +196,91 @@ def aot_targets(trt) -> list[str]:
     -> "12.1"); none for TensorRT, which builds for the GPU it runs on."""
     names = [n for n in dir(getattr(trt, "ComputeCapability", object)) if n.startswith("SM") and n[2:].isdigit()]
     return sorted((f"{n[2:-1]}.{n[-1]}" for n in names), key=lambda cc: tuple(int(x) for x in cc.split(".")))
+
+
+class TensorRTPlan:
+    """runtime.engines.tensorrt_batched.Plan over a deserialized TensorRT engine, and its ExecutionContext: the
+    only part of the batched engine that touches `tensorrt` (everything else is tested without it)."""
+
+    def __init__(self, plan: Path, flavour: str = "tensorrt"):
+        from runtime.engines.tensorrt_batched import PlanTensor
+
+        trt, cudart = _modules(flavour)
+        self._trt, self.cudart, self.version = trt, cudart, trt.__version__
+        serialized = Path(plan).read_bytes()
+        self.plan_bytes = len(serialized)
+        self.engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(serialized)
+        if self.engine is None:
+            raise EnvironmentProblem(f"TensorRT cannot load {plan}: built for another GPU or TensorRT version")
+        self.tensors = {}
+        for i in range(self.engine.num_io_tensors):
+            name = self.engine.get_tensor_name(i)
+            self.tensors[name] = PlanTensor(name, tuple(int(d) for d in self.engine.get_tensor_shape(name)),
+                                            np.dtype(trt.nptype(self.engine.get_tensor_dtype(name))),
+                                            self.engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT)
+        activations = getattr(self.engine, "device_memory_size_v2", None)
+        self.activation_bytes = int(activations if activations is not None
+                                    else getattr(self.engine, "device_memory_size", 0) or 0)
+        self.stream = _check(cudart.cudaStreamCreate())
+        self._context = None
+
+    def context(self) -> "TensorRTPlan":
+        self._context = self.engine.create_execution_context()
+        return self
+
+    def set_optimization_profile(self, index: int) -> None:
+        if not self._context.set_optimization_profile_async(index, self.stream):
+            raise EnvironmentProblem(f"TensorRT refused optimisation profile {index}")
+
+    def set_input_shape(self, name: str, shape) -> None:
+        if not self._context.set_input_shape(name, tuple(int(d) for d in shape)):
+            raise EnvironmentProblem(f"TensorRT refused the shape {tuple(shape)} of {name} (outside the profile?)")
+
+    def set_tensor_address(self, name: str, address: int) -> None:
+        if not self._context.set_tensor_address(name, int(address)):
+            raise EnvironmentProblem(f"TensorRT refused the address of {name}")
+
+    def execute(self) -> None:
+        if not self._context.execute_async_v3(self.stream):
+            raise EnvironmentProblem("TensorRT execution failed (see its log above)")
+        _check(self.cudart.cudaStreamSynchronize(self.stream))
+
+    def close(self) -> None:
+        self._context = None
+        self.cudart.cudaStreamDestroy(self.stream)
+
+
+class CudaMemory:
+    """runtime.engines.cudalib.Cudart's interface (what the batched engine's buffers use) over cuda-python,
+    the CUDA binding TensorRT's own Python samples use. Copies are synchronous, so they are done before the
+    plan's next execution on its stream and before the host reads them."""
+
+    def __init__(self, cudart):
+        self.cudart = cudart
+        self._kinds = cudart.cudaMemcpyKind
+        self._kind = {1: self._kinds.cudaMemcpyHostToDevice, 2: self._kinds.cudaMemcpyDeviceToHost,
+                      3: self._kinds.cudaMemcpyDeviceToDevice}
+
+    def malloc(self, nbytes: int) -> int:
+        return int(_check(self.cudart.cudaMalloc(max(int(nbytes), 1))))
+
+    def free(self, ptr: int) -> None:
+        self.cudart.cudaFree(ptr)
+
+    def memset(self, ptr: int, value: int, nbytes: int) -> None:
+        _check(self.cudart.cudaMemset(ptr, value, nbytes))
+
+    def memcpy(self, dst: int, src: int, nbytes: int, kind: int) -> None:
+        if nbytes:
+            _check(self.cudart.cudaMemcpy(dst, src, nbytes, self._kind[kind]))
+
+    def memcpy2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+                 kind: int = 3) -> None:
+        if width and height:
+            _check(self.cudart.cudaMemcpy2D(dst, dst_pitch, src, src_pitch, width, height, self._kind[kind]))
+
+    def synchronize(self) -> None:
+        _check(self.cudart.cudaDeviceSynchronize())
 
 
 class _DeviceBuffer:

@@ -49,12 +49,31 @@ def test_user_profile_adds_a_device_and_overrides_a_built_in(tmp_path):
     ({"id": "x", "backend": "onnxruntime", "memory_bytes": 0, "precisions": ["fp32"]}, "expected memory_bytes > 0"),
     ({"id": "x", "backend": "tensorrt", "compute_capability": "sm_110", "memory_bytes": 1, "precisions": ["fp32"]},
      "expected compute_capability like '11.0'"),
+    ({"id": "x", "backend": "tensorrt", "compute_capability": "12.1", "memory_bytes": 1, "precisions": ["fp32"],
+      "tensorrt_onnx_attention": "yes"}, "expected tensorrt_onnx_attention true, false or absent, found 'yes'"),
 ])
 def test_bad_user_profile_names_the_file_and_field(tmp_path, profile, message):
     (tmp_path / "bad.json").write_text(json.dumps(profile))
     with pytest.raises(UsageError, match="bad.json") as e:
         all_profiles([tmp_path])
     assert message in str(e.value)
+
+
+def test_which_tensorrt_targets_parse_onnx_attention_and_so_get_the_batched_graph(tmp_path):
+    """DGX OS's TensorRT 10.16 parses ONNX Attention; JetPack 7's 10.13 does not (the Thors run slot by slot);
+    a profile without the field is decided by its TensorRT version (10.14 added the importer)."""
+    profiles = {p.id: p for p in all_profiles()}
+    assert profiles["dgx-spark"].parses_onnx_attention
+    assert not any(profiles[t].parses_onnx_attention for t in ("jetson-thor", "igx-thor", "drive-agx-thor",
+                                                                "jetson-agx-orin", "cpu", "cuda"))
+    base = {"backend": "tensorrt", "compute_capability": "12.0", "memory_bytes": "32G", "precisions": ["fp16"]}
+    for name, version, expected in (("a", "10.14.1.48", True), ("b", "10.13.3.9", False), ("c", "11.0", True)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({**base, "id": name, "tensorrt_version": version}))
+        assert get_profile(name, [tmp_path]).parses_onnx_attention is expected, version
+    (tmp_path / "d.json").write_text(json.dumps({**base, "id": "d", "tensorrt_version": "10.16",
+                                                 "tensorrt_onnx_attention": False}))
+    assert not get_profile("d", [tmp_path]).parses_onnx_attention
+    assert get_profile("d", [tmp_path]).to_dict()["tensorrt_onnx_attention"] is False
 
 
 def test_profile_file_that_is_not_json(tmp_path):

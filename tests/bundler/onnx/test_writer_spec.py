@@ -81,6 +81,11 @@ def test_graph_spec_maps_export_keywords():
         GraphSpec("paged")
     with pytest.raises(UsageError, match="batched KV-cache graph"):
         GraphSpec("shared", fusions={"qkv"}).check_fusions()
+    static = GraphSpec.of_variant(("batched", "float16", "none", 320))  # what TensorRT targets carry
+    assert static.variant == ("batched", "float16", "none", 320)
+    assert static.export_options() == {"kv_cache": "batched", "dtype": "float16", "capacity": 320}
+    with pytest.raises(UsageError, match="static cache capacity applies to the batched KV-cache graph"):
+        GraphSpec("concat", capacity=320)
 
 
 def test_graph_spec_names_the_bundle_folders_bundles_already_use():
@@ -95,3 +100,4 @@ def test_graph_spec_names_the_bundle_folders_bundles_already_use():
     assert GraphSpec("shared", "float16").folder == "engines/onnx-shared-fp16"
     # the folder and the target match by layout, dtype and quantization only
     assert GraphSpec.of_variant(("batched", "float16")) == GraphSpec("batched", "float16")
+    assert GraphSpec("batched", "float16", capacity=320).folder == "engines/onnx-batched-fp16-c320"

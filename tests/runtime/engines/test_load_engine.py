@@ -36,12 +36,14 @@ def install_tree(files, targets, root: Path) -> Manifest:
 def plan_bundle(tiny_exports, tmp_path, target_ids, host_backend, **options):
     from bundler.pack.engines import prepare_targets
 
-    checkpoint = tiny_exports["concat"].graph  # unused by the export below: every layout is exported once
-    files, targets = prepare_targets(target_ids, {"target": checkpoint}, tmp_path / "work",
-                                     {"max_model_len": 128}, backend=host_backend,
-                                     export=lambda ckpt, out_dir, kv_cache="concat", dtype="float32":
-                                     tiny_exports["fp16" if dtype == "float16" else kv_cache],
-                                     **options)
+    def export(ckpt, out_dir, kv_cache="concat", dtype="float32", capacity=None):  # every layout exported once
+        if capacity is not None:  # TensorRT targets that parse ONNX Attention: the static batched graph
+            assert capacity == 192, capacity  # max_model_len 128 + the spare rows
+            return tiny_exports["static-fp16" if dtype == "float16" else "static"]
+        return tiny_exports["fp16" if dtype == "float16" else kv_cache]
+
+    files, targets = prepare_targets(target_ids, {"target": tiny_exports["checkpoint"]}, tmp_path / "work",
+                                     {"max_model_len": 128}, backend=host_backend, export=export, **options)
     root = tmp_path / "installed"
     return root, install_tree(files, targets, root)
 

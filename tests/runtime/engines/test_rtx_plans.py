@@ -105,6 +105,9 @@ def test_create_builds_real_rtx_plans_for_the_demo_pair_with_no_gpu(tmp_path_fac
            "not sm_110: its plan is built on the device" in made["output"]
     assert "rtx:      dgx-spark: 2 TensorRT-RTX 1.7.1.116 plans for sm_121 built here ahead of time, signed in" \
         in made["output"]
+    assert "tensorrt: dgx-spark: batched graph (cache capacity 320, up to 8 slots a call)" in made["output"]
+    assert "tensorrt: jetson-thor: concat graph, one slot a call (its TensorRT 10.13.3.9 parses no ONNX Attention)" \
+        in made["output"]
     store = Store(tmp_path / "store")
     store.install(made["bundle"], target="dgx-spark", trusted={}, allow_unsigned=True)
     installed = store.current("demo")
@@ -115,7 +118,11 @@ def test_create_builds_real_rtx_plans_for_the_demo_pair_with_no_gpu(tmp_path_fac
         assert plan.key["onnx_sha256"] == onnx.key["onnx_sha256"]
         weights = root / Path(onnx.path).with_suffix(".onnx.data")
         assert (root / plan.path).stat().st_size > weights.stat().st_size  # a real plan: it holds the weights
+        # DGX OS's TensorRT parses ONNX Attention: the Spark's plan is of the batched graph, capacity 256 + 64
+        assert onnx.path == f"engines/onnx-batched-fp16-c320/{role}/model.onnx" and plan.build == onnx.build
+        assert (onnx.build["kv_cache"], onnx.build["capacity"]) == ("batched", 320)
     assert [e.format for e in manifest.target("jetson-thor").engines] == ["onnx", "onnx"]
+    assert {e.build["kv_cache"] for e in manifest.target("jetson-thor").engines} == {"concat"}  # JetPack 7: 10.13
 
     # A Spark whose TensorRT-RTX is the builder's loads the shipped plan (the stand-in runs its ONNX instead).
     class Spark(StandInBackend):
@@ -136,8 +143,47 @@ def test_create_builds_real_rtx_plans_for_the_demo_pair_with_no_gpu(tmp_path_fac
     spark = Spark("12.1", RtxBuilder().version)
     engine = load_engine(root, manifest, "dgx-spark", "target", cache_dir=tmp_path / "cache", backend=spark)
     assert spark.builds == [] and spark.loads[0] == root / "engines/plans/dgx-spark/target/engine.plan"
-    assert engine.forward_one([1, 2, 3]).shape[0] == 3
+    assert engine.batched and engine.forward_one([1, 2, 3]).shape[0] == 3  # the batched engine (stand-in plan)
     shutil.rmtree(tmp_path / "store")
+
+
+def _network(trt, graph: Path):
+    """TensorRT-RTX's network of `graph` (strongly typed, as the builder parses it), or its parser's errors."""
+    logger = trt.Logger(trt.Logger.ERROR)
+    network = trt.Builder(logger).create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(graph)):
+        return None, " ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+    return network, ""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_RTX, reason=NO_RTX)
+def test_tensorrt_rtx_takes_the_batched_graph_as_kv_cache_update_and_attention_layers_only_with_a_static_capacity(
+        tmp_path):
+    """What the batched TensorRT engine relies on: each TensorScatter becomes TensorRT's KV-cache update layer
+    (in place: present shares its past's memory) and each Attention TensorRT's attention layer; with the cache
+    axis dynamic, the parser refuses it (why TensorRT targets get a graph with the capacity fixed)."""
+    from collections import Counter
+
+    from bundler.demo import DEMO_TARGET_DIR
+    from bundler.onnx.export import export_onnx
+    from runtime.engines.tensorrt import tensorrt_module
+
+    trt = tensorrt_module("rtx")
+    static = export_onnx(DEMO_TARGET_DIR, tmp_path / "static", kv_cache="batched", dtype="float16", capacity=320)
+    network, errors = _network(trt, static.graph)
+    assert network is not None, errors
+    layers = Counter(network.get_layer(i).type for i in range(network.num_layers))
+    assert layers[trt.LayerType.KV_CACHE_UPDATE] == 2 * static.num_layers
+    assert layers[trt.LayerType.ATTENTION_INPUT] == static.num_layers
+    inputs = {network.get_input(i).name: tuple(network.get_input(i).shape) for i in range(network.num_inputs)}
+    assert inputs["past_key_values.0.key"] == (-1, static.num_kv_heads, 320, static.head_dim)
+    assert inputs["attention_mask"] == (-1, 1, -1, -1)  # rows, new tokens and the window stay dynamic
+
+    dynamic = export_onnx(DEMO_TARGET_DIR, tmp_path / "dynamic", kv_cache="batched", dtype="float16")
+    network, errors = _network(trt, dynamic.graph)
+    assert network is None and "must have a static sequence length dimension" in errors
 
 
 def test_rtx_engines_without_tensorrt_rtx_is_one_line_naming_the_extra(monkeypatch):
@@ -159,10 +205,11 @@ def test_rtx_engines_without_tensorrt_rtx_is_one_line_naming_the_extra(monkeypat
 @pytest.mark.skipif(not HAVE_RTX, reason=NO_RTX)
 def test_int4_for_tensorrt_targets_is_blocked_int4_dequantize_linear_that_tensorrt_rtx_builds(
         tmp_path_factory, tmp_path):
-    """--quantization int4 on TensorRT targets keeps them on TensorRT: the concat graph with its weights as
-    INT4 initializers behind blocked DequantizeLinear (no MatMulNBits, which TensorRT lacks), the record in
-    the engine key, the quality measured on it, and TensorRT-RTX builds a real plan from it here, with no GPU,
-    smaller than the fp16 graph's plan of the same run (its weights stay 4-bit inside)."""
+    """--quantization int4 on TensorRT targets keeps them on TensorRT: their graph (dgx-spark: the static batched
+    one; a Thor: concat) with its weights as INT4 initializers behind blocked DequantizeLinear (no MatMulNBits,
+    which TensorRT lacks), the record in the engine key, the quality measured on it, and TensorRT-RTX builds a
+    real plan from it here, with no GPU, smaller than the fp16 graph's plan of the same run (its weights stay
+    4-bit inside)."""
     import onnx
     from click.testing import CliRunner
 
@@ -177,6 +224,7 @@ def test_int4_for_tensorrt_targets_is_blocked_int4_dequantize_linear_that_tensor
                                     "--name", "demo", "--version", "1", "--unsigned", "--no-runtime", "--out",
                                     str(out), "--no-progress", "--max-model-len", "256"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
+    assert "tensorrt: dgx-spark: batched graph (cache capacity 320, up to 8 slots a call)" in r.output
     store = Store(tmp_path / "store")
     store.install(out, target="dgx-spark", trusted={}, allow_unsigned=True)
     installed = store.current("demo")
@@ -184,7 +232,11 @@ def test_int4_for_tensorrt_targets_is_blocked_int4_dequantize_linear_that_tensor
     target = manifest.target("dgx-spark")
     assert target.backend == "tensorrt" and target.build["quantization"] == "int4"
     onnx_rec, plan_rec = (e for e in target.engines if e.model == "target")
-    assert onnx_rec.backend == plan_rec.backend == "tensorrt" and onnx_rec.path.startswith("engines/onnx-fp16-int4-qdq/")
+    assert onnx_rec.backend == plan_rec.backend == "tensorrt"
+    assert onnx_rec.path.startswith("engines/onnx-batched-fp16-int4-qdq-c320/")
+    assert plan_rec.build["kv_cache"] == "batched"
+    thor = [e for e in manifest.target("jetson-thor").engines if e.model == "target"]
+    assert [e.path.split("/")[1] for e in thor] == ["onnx-fp16-int4-qdq"]  # JetPack 7: the concat graph
     q = Quantization.from_dict(onnx_rec.build["quantization"])
     assert q.operator == "DequantizeLinear" and q.symmetric and q.bits == 4 and q.quality is not None
     assert plan_rec.key["build_options_sha256"] == onnx_rec.key["build_options_sha256"]  # the record: in both keys

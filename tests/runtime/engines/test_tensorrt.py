@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,3 +95,56 @@ def test_memory_reports_the_plan_as_weights_and_scratch_as_activations(tmp_path)
                                "buffers": 4024}
     engine.engine = SimpleNamespace(device_memory_size=64 << 20)  # TensorRT 8/9 name
     assert engine.memory()["activations"] == 64 << 20
+
+
+def test_a_batched_plan_loads_as_the_batched_engine_and_a_concat_plan_as_the_slot_by_slot_one(tiny_exports, tmp_path,
+                                                                                               monkeypatch):
+    """TensorRTBackend.load picks the engine by the plan's build options (kv_cache); the real TensorRTPlan and
+    CudaMemory (which need a GPU) are swapped for the stand-in plan over ONNX Runtime and host memory."""
+    import runtime.engines.tensorrt as trt
+    from bundler.pack.engines import ServeShape, build_options
+    from manifests.targets import get_profile
+    from runtime.engines.tensorrt_batched import TensorRTBatchedEngine
+    from tests.runtime.engines.host_memory import HostMemory
+    from tests.runtime.engines.standin import OrtPlan
+
+    export = tiny_exports["static-fp16"]
+    options = build_options(get_profile("dgx-spark"), export, ServeShape(128))
+
+    class Plan(OrtPlan):
+        cudart, version = None, "1.7.1.116"
+
+        def __init__(self, plan, flavour):
+            assert (Path(plan).name, flavour) == ("engine.plan", "rtx")
+            super().__init__(export.graph, options)
+
+    monkeypatch.setattr(trt, "TensorRTPlan", Plan)
+    monkeypatch.setattr(trt, "CudaMemory", lambda cudart: HostMemory())
+    engine = trt.TensorRTBackend("rtx").load(tmp_path / "engine.plan", options=options, max_context=100)
+    assert isinstance(engine, TensorRTBatchedEngine) and engine.max_context == 100
+    assert engine.description == "tensorrt-rtx 1.7.1.116 fp16 kv-cache batched"
+    assert engine.forward_one([1, 2, 3]).shape == (3, 512)
+    concat = {**options, "kv_cache": "concat"}
+    monkeypatch.setattr(trt, "TensorRTEngine", lambda plan, **kw: ("concat engine", kw["flavour"]))
+    assert trt.TensorRTBackend("rtx").load(tmp_path / "engine.plan", options=concat) == ("concat engine", "rtx")
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("tensorrt_rtx_bindings"),
+                    reason="TensorRT-RTX is not installed (pip install 'bundle[rtx]')")
+def test_the_thin_tensorrt_layer_calls_only_what_tensorrt_rtx_has():
+    """TensorRTPlan cannot run here (deserializing needs a GPU), but every TensorRT name it calls is checked
+    against TensorRT-RTX's real module (TensorRT 10 has the same API)."""
+    import inspect
+    import re
+
+    import runtime.engines.tensorrt as module
+    from runtime.engines.tensorrt import tensorrt_module
+
+    trt = tensorrt_module("rtx")
+    source = inspect.getsource(module.TensorRTPlan)
+    for owner, cls in (("self.engine", trt.ICudaEngine), ("self._context", trt.IExecutionContext)):
+        called = set(re.findall(re.escape(owner) + r"\.(\w+)", source))
+        assert called and all(hasattr(cls, name) for name in called), (cls, called)
+    assert {"create_execution_context", "get_tensor_mode", "execute_async_v3"} <= set(re.findall(r"\.(\w+)\(", source))
+    assert hasattr(trt.Runtime, "deserialize_cuda_engine") and hasattr(trt.TensorIOMode, "INPUT")
+    assert trt.nptype(trt.DataType.BOOL) == np.bool_ and trt.nptype(trt.DataType.INT64) == np.int64
