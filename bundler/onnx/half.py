@@ -15,6 +15,15 @@ so memory stays at one tensor whatever the model size:
   index on ties, like numpy.argmax): greedy decoding copies one integer per row back to the host
   instead of a vocab-sized row of logits. An engine that does not bind it pays nothing but the op.
 
+Recurrent hybrids (Qwen3.5's Gated DeltaNet, Nemotron-H's Mamba-2 layers) keep their per-slot states in
+float32: com.microsoft GatedDeltaNet types its `initial_state`, `final_state` and `state_update` float32
+whatever the activations' type (its schema's TS), MoEGroupRouter its `expert_bias` (TF), and the runtime's
+rollback by replay (runtime.engines.recurrent) multiplies float32 states. So the graph inputs and outputs
+named in FLOAT32_STATE_PREFIXES stay float32, GatedDeltaNet's state slots read and write them directly, and
+every other use goes through one Cast each way (the conv state and conv inputs are fp16 activations to
+start with, so their float32 round trip is exact). Everything else of those graphs (projections, conv,
+the GatedDeltaNet's q/k/v/decay/beta, the experts) is half precision like a dense model's.
+
 bf16 is for checkpoints trained in bf16 (config torch_dtype bfloat16), whose activations may
 overflow fp16's range; fp16 otherwise (more mantissa, and every CUDA kernel has it).
 """
@@ -34,6 +43,13 @@ log = logging.getLogger(__name__)
 HALF_DTYPES = ("float16", "bfloat16")
 ARGMAX_OUTPUT = "argmax"
 AUX_OUTPUT = "aux_hidden_states"  # EAGLE-3 targets (bundler.onnx.inplace)
+#: graph inputs/outputs of the recurrent hybrids that stay float32 (bundler.onnx.blocks.gated_deltanet names)
+FLOAT32_STATE_PREFIXES = ("past_conv_state.", "past_recurrent_state.", "present_conv_state.",
+                          "present_recurrent_state.", "state_update.", "conv_input.")
+#: (domain, op) -> input / output positions whose type the schema fixes to float32 (GatedDeltaNet's TS,
+#: MoEGroupRouter's TF): they keep float32 tensors in a half-precision graph
+FLOAT32_SLOTS = {("com.microsoft", "GatedDeltaNet"): ({6, 7, 8}, {1, 2}),
+                 ("com.microsoft", "MoEGroupRouter"): ({1}, {1, 2})}
 
 
 def to_bfloat16_bits(array: np.ndarray) -> np.ndarray:
@@ -71,11 +87,12 @@ def convert_graph(src_graph: Path, dst_graph: Path, dtype: str = "float16") -> P
         raise ModelError(f"{src_graph}: expected a float32 in-place KV-cache graph, found kv_cache "
                          f"{meta.get('bundle.kv_cache')!r}, dtype {meta.get('bundle.dtype')!r}")
     g = model.graph
+    keep = _float32_initializers(g)
     sources: dict[str, object] = {}
     with TensorWriter(data_path(dst_graph)) as out:
         try:
             for t in g.initializer:
-                if t.data_type != TP.FLOAT:
+                if t.data_type != TP.FLOAT or t.name in keep:
                     if t.data_location == TP.EXTERNAL:  # int64 constants: copied as they are
                         out.append(t, read_external(src_graph, t, sources))
                     continue
@@ -103,7 +120,7 @@ def _to_half(model, g, src_graph: Path, meta: dict, dtype: str, elem: int) -> No
     from onnx import helper as h
 
     for vi in list(g.input) + list(g.output):
-        if vi.type.tensor_type.elem_type == TP.FLOAT:
+        if vi.type.tensor_type.elem_type == TP.FLOAT and not vi.name.startswith(FLOAT32_STATE_PREFIXES):
             vi.type.tensor_type.elem_type = elem
     del g.value_info[:]
     for n in g.node:
@@ -119,6 +136,7 @@ def _to_half(model, g, src_graph: Path, meta: dict, dtype: str, elem: int) -> No
     g.node.append(h.make_node("ArgMax", ["logits"], [ARGMAX_OUTPUT], name="/argmax", axis=-1, keepdims=0,
                               select_last_index=0))
     _float32_aux_output(g, dtype)
+    _float32_states(g, dtype, elem)
     logits = next(o for o in g.output if o.name == "logits")
     logits.type.tensor_type.elem_type = TP.FLOAT
     dims = [d.dim_param or d.dim_value for d in logits.type.tensor_type.shape.dim][:2]
@@ -145,3 +163,54 @@ def _float32_aux_output(g, dtype: str) -> None:
     g.node.append(h.make_node("Cast", [f"{AUX_OUTPUT}_{dtype}"], [AUX_OUTPUT], name="/aux_float32", to=TP.FLOAT))
     out.type.tensor_type.elem_type = TP.FLOAT
 
+
+
+def _float32_initializers(g) -> set[str]:
+    """Initializers that feed a float32-only slot (FLOAT32_SLOTS): converted, the graph would not load."""
+    out = set()
+    for n in g.node:
+        slots = FLOAT32_SLOTS.get((n.domain, n.op_type))
+        if slots:
+            out.update(n.input[i] for i in slots[0] if i < len(n.input) and n.input[i])
+    return out
+
+
+def _float32_states(g, dtype: str, elem: int) -> None:
+    """Recurrent hybrids: the state inputs and outputs (FLOAT32_STATE_PREFIXES) stay float32. A use of a
+    state input by a half-precision slot reads it through one Cast to `elem`; a state output written by a
+    half-precision slot is a Cast to float32 of it, under the old name. Nothing without states."""
+    from onnx import TensorProto as TP
+    from onnx import helper as h
+
+    inputs = [i.name for i in g.input if i.name.startswith(FLOAT32_STATE_PREFIXES)]
+    outputs = [o.name for o in g.output if o.name.startswith(FLOAT32_STATE_PREFIXES)]
+    if not inputs and not outputs:
+        return
+
+    def float_slot(n, i: int, outs: bool) -> bool:
+        slots = FLOAT32_SLOTS.get((n.domain, n.op_type))
+        return bool(slots) and i in slots[1 if outs else 0]
+
+    first, last = [], []
+    for name in inputs:
+        half = f"{name}/{dtype}"
+        uses = [(n, i) for n in g.node for i, x in enumerate(n.input) if x == name and not float_slot(n, i, False)]
+        for n, i in uses:
+            n.input[i] = half
+        if uses:
+            first.append(h.make_node("Cast", [name], [half], name=f"/{name}/to_{dtype}", to=elem))
+    for name in outputs:
+        producer = next(n for n in g.node if name in n.output)
+        i = list(producer.output).index(name)
+        if float_slot(producer, i, True):
+            continue
+        half = f"{name}/{dtype}"
+        producer.output[i] = half
+        for n in g.node:  # other readers of it inside the graph read the half-precision value
+            for j, x in enumerate(n.input):
+                if x == name:
+                    n.input[j] = half
+        last.append(h.make_node("Cast", [half], [name], name=f"/{name}/to_float32", to=TP.FLOAT))
+    nodes = list(g.node)  # topological order: the input Casts first, the output Casts last
+    del g.node[:]
+    g.node.extend(first + nodes + last)
