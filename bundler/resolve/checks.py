@@ -264,7 +264,8 @@ def device_memory(cfg: Mapping[str, Any], parameters: int, max_model_len: int, p
         per = weight_bytes_per_parameter(int(profile.extra.get("quantization_block_size", DEFAULT_BLOCK_SIZE)), b)
         embed = s["vocab"] * s["hidden"]  # the Gather table stays in the graph's dtype
         block = int(profile.extra.get("quantization_block_size", DEFAULT_BLOCK_SIZE))
-        float_experts = router_parameters(cfg) + (0 if experts_quantizable(cfg, block) else expert_parameters(cfg))
+        half = profile.backend == "onnxruntime-cuda"  # CUDA QMoE's expert-width rule (bundler.onnx.blocks.moe)
+        float_experts = router_parameters(cfg) + (0 if experts_quantizable(cfg, block, half) else expert_parameters(cfg))
         weights = (embed + float_experts) * b + int((parameters + tied_head - embed - float_experts) * per)
     if lay.rotary_tables and cfg.get("model_type") != "nemotron_h":  # Nemotron-H's attention has no rotary
         weights += 2 * (s["positions"] + lay.kv_spare_rows) * (s["head_dim"] // 2) * 4

@@ -95,7 +95,7 @@ def test_routed_experts_match_transformers(moe_export):
 
     checkpoint, result = moe_export
     ops = {n.op_type for n in onnx.load(str(result.graph), load_external_data=False).graph.node}
-    assert {"MoEGroupRouter", "MoE"} <= ops
+    assert {"TopK", "ScatterElements", "MoE"} <= ops and "MoEGroupRouter" not in ops  # onnxruntime-gpu 1.31.1 lacks it
     check_parity(checkpoint, result.graph, result.vocab_size, engine=_engine(result))
 
 
