@@ -177,3 +177,29 @@ def test_new_families_half_graph_keeps_float32_states_and_matches_transformers(f
     rtol = 4 * FP16_RTOL if FAMILY_TABLE[family].routed_experts else FP16_RTOL
     engine = check_parity(exports["checkpoint"], half.graph, half.vocab_size, rtol=rtol)
     assert engine.kv_dtype == np.float16 and engine.recurrent == (family != "qwen3_moe")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_text", "nemotron_h"])
+def test_cuda_memory_preflight_counts_every_expert_and_the_recurrent_states(family, new_family_exports):
+    """bundler.resolve.checks for the cuda target: the weights are the fp16 graph's (every expert of every layer,
+    whatever a token uses), the KV estimate the fp16 cache plus the float32 states and their snapshots, exactly
+    what an engine over the graph allocates (the CUDA engine adds its capture store: tests/runtime/engines)."""
+    from bundler.resolve.checks import estimate_memory
+    from manifests.targets import get_profile
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    exports = new_family_exports[family]
+    half = exports["float16"]
+    est = estimate_memory(exports["checkpoint"], 96, get_profile("cuda"))
+    engine = OnnxRuntimeEngine(half.graph, max_context=96)
+    assert est.kv_cache_bytes == engine.memory()["kv_cache"]
+    import onnx
+
+    model = onnx.load(str(half.graph), load_external_data=False)
+    sizes = {onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.FLOAT: 4}
+    floats = sum(int(np.prod(t.dims)) * sizes[t.data_type] for t in model.graph.initializer if t.data_type in sizes)
+    # the estimate counts the rotary tables in float32 (the graph: fp16), not the graph's scalar constants
+    assert 0.99 * floats <= est.weights_bytes <= 1.1 * floats, (est.weights_bytes, floats)  # and a few scalars
+    cpu = estimate_memory(exports["checkpoint"], 96, get_profile("cpu"))
+    states = engine._states.bytes_per_slot() if engine.recurrent else 0
+    assert 2 * (est.kv_cache_bytes - states) == cpu.kv_cache_bytes - states > 0  # fp16 KV, float32 states on both
