@@ -21,8 +21,11 @@ whatever the activations' type (its schema's TS), and the runtime's rollback by 
 (runtime.engines.recurrent) multiplies float32 states. So the graph inputs and outputs named in
 FLOAT32_STATE_PREFIXES stay float32, and the GatedDeltaNet nodes run in float32 (FLOAT32_SLOTS: its float32
 CUDA kernel is the one seen to run on ONNX Runtime 1.31.1's CUDA provider, whose CPU provider has no
-GatedDeltaNet to fall back on), with one Cast on each half-precision tensor it reads or writes; other uses of a state go through one Cast each way (the conv state and conv inputs are
-half-precision activations to start with, so their float32 round trip is exact). Everything else (the
+GatedDeltaNet to fall back on), with one Cast on each half-precision tensor it reads or writes; other uses
+of a state go through one Cast each way (the conv state and conv inputs are half-precision activations to
+start with, so their float32 round trip is exact). A state input is bound to the same memory as its present
+output, so every reader must read it before the present is written: a reader through the first Cast (a copy)
+does, and GatedDeltaNet reads and writes its state in one kernel. Everything else (the
 projections, which hold nearly all the weights, attention, norms, the experts) is half precision like a
 dense model's. The cost: the recurrence reads and writes float32 activations, a few values per
 channel per token, small beside the weights.
@@ -52,9 +55,11 @@ FLOAT32_STATE_PREFIXES = ("past_conv_state.", "past_recurrent_state.", "present_
 #: (domain, op) -> the float input / output positions that stay float32 in a half-precision graph. GatedDeltaNet
 #: runs wholly in float32 (Casts around it): its float32 CUDA kernel is the one ONNX Runtime 1.31.1 was seen to
 #: run on an H200, that release's CPU provider has no GatedDeltaNet kernel to fall back on, and its schema fixes
-#: the state slots to float32 anyway. CausalConvWithState stays half precision (its state is cast once each
-#: way): made float32 the same way it matched the float32 graph only to 7e-2 on ONNX Runtime 1.32's CPU
-#: provider, for a reason not found, against 6e-4 as it is. MoEGroupRouter's expert bias is float32 by its
+#: the state slots to float32 anyway. CausalConvWithState stays half precision, reading its state through the
+#: Cast at the graph's start: made float32 the same way it would read `past_conv_state` itself, which the
+#: engines bind to the same memory as `present_conv_state`, and the Cast writing the present state may then
+#: run before the conv has read the past one (seen: 7e-2 off the float32 graph on the CPU provider, where a
+#: plain session.run with separate buffers matched to 5e-4). MoEGroupRouter's expert bias is float32 by its
 #: schema.
 FLOAT32_SLOTS = {("com.microsoft", "GatedDeltaNet"): ({0, 1, 2, 4, 5, 6, 7, 8}, {0, 1, 2}),
                  ("com.microsoft", "MoEGroupRouter"): ({1}, {1, 2})}
