@@ -59,10 +59,8 @@ FLOAT32_STATE_PREFIXES = ("past_conv_state.", "past_recurrent_state.", "present_
 #: Cast at the graph's start: made float32 the same way it would read `past_conv_state` itself, which the
 #: engines bind to the same memory as `present_conv_state`, and the Cast writing the present state may then
 #: run before the conv has read the past one (seen: 7e-2 off the float32 graph on the CPU provider, where a
-#: plain session.run with separate buffers matched to 5e-4). MoEGroupRouter's expert bias is float32 by its
-#: schema.
-FLOAT32_SLOTS = {("com.microsoft", "GatedDeltaNet"): ({0, 1, 2, 4, 5, 6, 7, 8}, {0, 1, 2}),
-                 ("com.microsoft", "MoEGroupRouter"): ({1}, {1, 2})}
+#: plain session.run with separate buffers matched to 5e-4).
+FLOAT32_SLOTS = {("com.microsoft", "GatedDeltaNet"): ({0, 1, 2, 4, 5, 6, 7, 8}, {0, 1, 2})}
 
 
 def to_bfloat16_bits(array: np.ndarray) -> np.ndarray:
