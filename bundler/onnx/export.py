@@ -163,11 +163,10 @@ def export_graph(checkpoint_dir: Path, out_dir: Path, spec: GraphSpec, *, opset:
     if any(not 0 <= i < n_layers for i in aux_layer_ids):
         raise UsageError(f"expected aux layer ids in 0..{n_layers - 1}, found {list(aux_layer_ids)}")
     spec.check_fusions()
-    if family in HYBRID_FAMILIES and (kv_cache != "batched" or dtype != "float32"):
+    if family in HYBRID_FAMILIES and kv_cache != "batched":
         raise UsageError(f"{checkpoint_dir}: {arch} mixes recurrent layers ({FAMILIES[family].blocks}) with "
-                         f"attention; expected "
-                         f"kv_cache='batched' in float32 (the cpu target's graph: its recurrent state lives beside "
-                         f"the KV cache), found {kv_cache!r} in {dtype}")
+                         f"attention; expected kv_cache='batched' (the cpu and cuda targets' graph: its recurrent "
+                         f"state lives beside the KV cache), found {kv_cache!r}")
     if kv_cache != "concat" and dtype != "float32":  # the float32 graph, rewritten in half precision
         return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype, fusions, aux_layer_ids,
                               spec.capacity)

@@ -15,6 +15,21 @@ so memory stays at one tensor whatever the model size:
   index on ties, like numpy.argmax): greedy decoding copies one integer per row back to the host
   instead of a vocab-sized row of logits. An engine that does not bind it pays nothing but the op.
 
+Recurrent hybrids (Qwen3.5's Gated DeltaNet, Nemotron-H's Mamba-2 layers) keep their per-slot states in
+float32: com.microsoft GatedDeltaNet types its `initial_state`, `final_state` and `state_update` float32
+whatever the activations' type (its schema's TS), and the runtime's rollback by replay
+(runtime.engines.recurrent) multiplies float32 states. So the graph inputs and outputs named in
+FLOAT32_STATE_PREFIXES stay float32, and the GatedDeltaNet nodes run in float32 (FLOAT32_SLOTS: its float32
+CUDA kernel is the one seen to run on ONNX Runtime 1.31.1's CUDA provider, whose CPU provider has no
+GatedDeltaNet to fall back on), with one Cast on each half-precision tensor it reads or writes; other uses
+of a state go through one Cast each way (the conv state and conv inputs are half-precision activations to
+start with, so their float32 round trip is exact). A state input is bound to the same memory as its present
+output, so every reader must read it before the present is written: a reader through the first Cast (a copy)
+does, and GatedDeltaNet reads and writes its state in one kernel. Everything else (the
+projections, which hold nearly all the weights, attention, norms, the experts) is half precision like a
+dense model's. The cost: the recurrence reads and writes float32 activations, a few values per
+channel per token, small beside the weights.
+
 bf16 is for checkpoints trained in bf16 (config torch_dtype bfloat16), whose activations may
 overflow fp16's range; fp16 otherwise (more mantissa, and every CUDA kernel has it).
 """
@@ -34,6 +49,18 @@ log = logging.getLogger(__name__)
 HALF_DTYPES = ("float16", "bfloat16")
 ARGMAX_OUTPUT = "argmax"
 AUX_OUTPUT = "aux_hidden_states"  # EAGLE-3 targets (bundler.onnx.inplace)
+#: graph inputs/outputs of the recurrent hybrids that stay float32 (bundler.onnx.blocks.gated_deltanet names)
+FLOAT32_STATE_PREFIXES = ("past_conv_state.", "past_recurrent_state.", "present_conv_state.",
+                          "present_recurrent_state.", "state_update.", "conv_input.")
+#: (domain, op) -> the float input / output positions that stay float32 in a half-precision graph. GatedDeltaNet
+#: runs wholly in float32 (Casts around it): its float32 CUDA kernel is the one ONNX Runtime 1.31.1 was seen to
+#: run on an H200, that release's CPU provider has no GatedDeltaNet kernel to fall back on, and its schema fixes
+#: the state slots to float32 anyway. CausalConvWithState stays half precision, reading its state through the
+#: Cast at the graph's start: made float32 the same way it would read `past_conv_state` itself, which the
+#: engines bind to the same memory as `present_conv_state`, and the Cast writing the present state may then
+#: run before the conv has read the past one (seen: 7e-2 off the float32 graph on the CPU provider, where a
+#: plain session.run with separate buffers matched to 5e-4).
+FLOAT32_SLOTS = {("com.microsoft", "GatedDeltaNet"): ({0, 1, 2, 4, 5, 6, 7, 8}, {0, 1, 2})}
 
 
 def to_bfloat16_bits(array: np.ndarray) -> np.ndarray:
@@ -71,11 +98,12 @@ def convert_graph(src_graph: Path, dst_graph: Path, dtype: str = "float16") -> P
         raise ModelError(f"{src_graph}: expected a float32 in-place KV-cache graph, found kv_cache "
                          f"{meta.get('bundle.kv_cache')!r}, dtype {meta.get('bundle.dtype')!r}")
     g = model.graph
+    keep = _float32_initializers(g)
     sources: dict[str, object] = {}
     with TensorWriter(data_path(dst_graph)) as out:
         try:
             for t in g.initializer:
-                if t.data_type != TP.FLOAT:
+                if t.data_type != TP.FLOAT or t.name in keep:
                     if t.data_location == TP.EXTERNAL:  # int64 constants: copied as they are
                         out.append(t, read_external(src_graph, t, sources))
                     continue
@@ -103,7 +131,7 @@ def _to_half(model, g, src_graph: Path, meta: dict, dtype: str, elem: int) -> No
     from onnx import helper as h
 
     for vi in list(g.input) + list(g.output):
-        if vi.type.tensor_type.elem_type == TP.FLOAT:
+        if vi.type.tensor_type.elem_type == TP.FLOAT and not vi.name.startswith(FLOAT32_STATE_PREFIXES):
             vi.type.tensor_type.elem_type = elem
     del g.value_info[:]
     for n in g.node:
@@ -119,6 +147,7 @@ def _to_half(model, g, src_graph: Path, meta: dict, dtype: str, elem: int) -> No
     g.node.append(h.make_node("ArgMax", ["logits"], [ARGMAX_OUTPUT], name="/argmax", axis=-1, keepdims=0,
                               select_last_index=0))
     _float32_aux_output(g, dtype)
+    _float32_states(g, dtype, elem)
     logits = next(o for o in g.output if o.name == "logits")
     logits.type.tensor_type.elem_type = TP.FLOAT
     dims = [d.dim_param or d.dim_value for d in logits.type.tensor_type.shape.dim][:2]
@@ -145,3 +174,69 @@ def _float32_aux_output(g, dtype: str) -> None:
     g.node.append(h.make_node("Cast", [f"{AUX_OUTPUT}_{dtype}"], [AUX_OUTPUT], name="/aux_float32", to=TP.FLOAT))
     out.type.tensor_type.elem_type = TP.FLOAT
 
+
+
+def _float32_initializers(g) -> set[str]:
+    """Initializers read by a float32 slot (FLOAT32_SLOTS): they keep their float32 values."""
+    out = set()
+    for n in g.node:
+        slots = FLOAT32_SLOTS.get((n.domain, n.op_type))
+        if slots:
+            out.update(n.input[i] for i in slots[0] if i < len(n.input) and n.input[i])
+    return out & {t.name for t in g.initializer}
+
+
+def _float32_states(g, dtype: str, elem: int) -> None:
+    """Recurrent hybrids: FLOAT32_SLOTS nodes read and write float32 (a Cast on each half-precision tensor
+    they touch); the state inputs and outputs (FLOAT32_STATE_PREFIXES) stay float32, a half-precision reader
+    of one reads it through a Cast, a half-precision writer of one writes a Cast. Nothing without them."""
+    from onnx import TensorProto as TP
+    from onnx import helper as h
+
+    state_in = {i.name for i in g.input if i.name.startswith(FLOAT32_STATE_PREFIXES)}
+    state_out = {o.name for o in g.output if o.name.startswith(FLOAT32_STATE_PREFIXES)}
+    float32 = state_in | _float32_initializers(g)  # tensors that are float32 already
+    if not state_in and not state_out and not any((n.domain, n.op_type) in FLOAT32_SLOTS for n in g.node):
+        return
+
+    def cast(src: str, dst: str, to: int):
+        return h.make_node("Cast", [src], [dst], name=f"/{dst}/cast", to=to)
+
+    renamed: dict[str, str] = {}  # a half-precision value -> its float32 Cast (made once)
+    nodes = []
+    for n in list(g.node):
+        ins_slots, outs_slots = FLOAT32_SLOTS.get((n.domain, n.op_type), (set(), set()))
+        for i, x in enumerate(n.input):
+            if i in ins_slots and x and x not in float32:
+                if x not in renamed:
+                    renamed[x] = f"{x}/float32"
+                    nodes.append(cast(x, renamed[x], TP.FLOAT))
+                n.input[i] = renamed[x]
+        nodes.append(n)
+        for o, y in enumerate(n.output):
+            if o in outs_slots and y and y not in state_out:  # a float32 result the graph reads in half precision
+                n.output[o] = f"{y}/float32"
+                nodes.append(cast(n.output[o], y, elem))
+    first, last = [], []
+    for name in state_in:  # readers of a state in half precision: through one Cast
+        half = f"{name}/{dtype}"
+        uses = [(n, i) for n in nodes for i, x in enumerate(n.input) if x == name and n.op_type != "Cast"
+                and i not in FLOAT32_SLOTS.get((n.domain, n.op_type), ((), ()))[0]]
+        for n, i in uses:
+            n.input[i] = half
+        if uses:
+            first.append(cast(name, half, elem))
+    for name in state_out:
+        producer = next(n for n in nodes if name in n.output)
+        i = list(producer.output).index(name)
+        if i in FLOAT32_SLOTS.get((producer.domain, producer.op_type), ((), ()))[1]:
+            continue  # written in float32 already
+        half = f"{name}/{dtype}"
+        producer.output[i] = half
+        for n in nodes:  # other readers of it inside the graph read the half-precision value
+            for j, x in enumerate(n.input):
+                if x == name:
+                    n.input[j] = half
+        last.append(cast(half, name, TP.FLOAT))
+    del g.node[:]
+    g.node.extend(first + nodes + last)  # topological order: the input Casts first, the output Casts last

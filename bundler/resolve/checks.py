@@ -264,7 +264,8 @@ def device_memory(cfg: Mapping[str, Any], parameters: int, max_model_len: int, p
         per = weight_bytes_per_parameter(int(profile.extra.get("quantization_block_size", DEFAULT_BLOCK_SIZE)), b)
         embed = s["vocab"] * s["hidden"]  # the Gather table stays in the graph's dtype
         block = int(profile.extra.get("quantization_block_size", DEFAULT_BLOCK_SIZE))
-        float_experts = router_parameters(cfg) + (0 if experts_quantizable(cfg, block) else expert_parameters(cfg))
+        half = profile.backend == "onnxruntime-cuda"  # CUDA QMoE's expert-width rule (bundler.onnx.blocks.moe)
+        float_experts = router_parameters(cfg) + (0 if experts_quantizable(cfg, block, half) else expert_parameters(cfg))
         weights = (embed + float_experts) * b + int((parameters + tied_head - embed - float_experts) * per)
     if lay.rotary_tables and cfg.get("model_type") != "nemotron_h":  # Nemotron-H's attention has no rotary
         weights += 2 * (s["positions"] + lay.kv_spare_rows) * (s["head_dim"] // 2) * 4
@@ -363,24 +364,27 @@ def check_servable(model_dir: Path, name: str | None = None, *, allow_no_chat_te
     return False
 
 
+#: what a TensorRT engine lacks for each kind of layer the in-place graphs hold (com.microsoft operators)
+TENSORRT_MISSING = {"gated_deltanet": "GatedDeltaNet and CausalConvWithState",
+                    "mamba2": "GatedDeltaNet and CausalConvWithState", "routed_experts": "MoE"}
+
+
 def check_layout(family: str, profiles: Iterable[Any], name: str) -> None:
-    """Routed experts run only in the in-place graphs (ONNX Runtime); a target whose engines trace the concat
-    graph (TensorRT without int4) is refused before any download, naming the targets that can serve it.
-    Recurrent layers (Gated DeltaNet, Mamba-2) run only in the cpu target's fp32 batched graph: any other
-    target is refused before any download too (export would refuse it after)."""
-    profiles = list(profiles)
-    if FAMILIES[family].recurrent:
-        other = [p.id for p in profiles if engine_layout(p).value_bytes != 4 or engine_layout(p).kv_copies != 1]
-        if other:
-            raise ModelError(f"{name}: model type {family!r} has recurrent layers ({FAMILIES[family].blocks}), "
-                             f"which only the cpu target's float32 batched graph holds; found targets "
-                             f"{', '.join(other)}; expected --targets cpu")
-    if not FAMILIES[family].routed_experts:
+    """Routed experts (MoE) and recurrent layers (Gated DeltaNet, Mamba-2) run only in the in-place graphs,
+    on ONNX Runtime (the cpu target's fp32 graph, the cuda target's fp16/bf16 one); a TensorRT target is
+    refused before any download, naming it and the operator TensorRT has no layer for (its graph is the
+    traced concat one, which cannot hold them either)."""
+    fam = FAMILIES[family]
+    lacking = [op for kind, op in TENSORRT_MISSING.items() if getattr(fam, kind)]
+    if not lacking:
         return
-    traced = [p.id for p in profiles if engine_layout(p).kv_copies == 2]
-    if traced:
-        raise ModelError(f"{name}: model type {family!r} has routed experts, which the TensorRT graph of "
-                         f"{', '.join(traced)} cannot hold; expected ONNX Runtime targets (cpu, cuda)")
+    trt = [p.id for p in profiles if p.backend == "tensorrt"]
+    if trt:
+        kinds = "routed experts" if fam.routed_experts and not fam.recurrent else \
+            "recurrent layers" + (" and routed experts" if fam.routed_experts else "")
+        raise ModelError(f"{name}: model type {family!r} has {kinds} ({fam.blocks}), which target(s) "
+                         f"{', '.join(trt)} cannot run: TensorRT has no {' / '.join(dict.fromkeys(lacking))} "
+                         f"operator; expected ONNX Runtime targets (cpu, cuda)")
 
 
 def run_preflight_checks(models: Mapping[str, Any], profiles: Iterable[Any], max_model_len: int, *,

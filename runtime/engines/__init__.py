@@ -118,6 +118,10 @@ def _on_cuda(root: Path, manifest: Manifest, onnx: EngineRecord, cache_dir: Path
         return _chose(engine, "onnxruntime-cuda", f"fallback from TensorRT: {fallback_from}" if fallback_from
                       else "the cuda target: onnxruntime-gpu's CUDA provider loads on this GPU", onnx.backend)
     reason = f"{fallback_from}; and {why}" if fallback_from else why
+    if onnx.build.get("dtype") == "bfloat16":  # ONNX Runtime's CPU provider has no bfloat16 MatMul (1.32)
+        raise EnvironmentProblem(f"{onnx.path} is a bfloat16 graph, which only ONNX Runtime's CUDA provider runs "
+                                 f"(its CPU provider has no bfloat16 MatMul); expected onnxruntime-gpu and a GPU, "
+                                 f"found: {reason}")
     cache = EngineCache(cache_dir or settings.default_store() / "engine-cache")
     where = cache.record_fallback({**onnx.key, "onnx_sha256": onnx_sha256_of(manifest, onnx)}, reason,
                                   used="onnxruntime")

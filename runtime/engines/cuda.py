@@ -62,6 +62,7 @@ from manifests.errors import EnvironmentProblem, ModelError
 from manifests.limits import LIMITS
 from runtime.engines.base import Engine, Row
 from runtime.engines.cudalib import D2D, D2H, H2D, Cudart, DeviceBuffer, fetch_rows, onnxruntime_cuda, pack_aligned
+from runtime.engines.device_states import DeviceStates
 from runtime.engines.onnxruntime import OnnxRuntimeEngine, bind_row_inputs, check_capacity, static_capacity
 from runtime.engines.shared_weights import SHARED_WEIGHTS_INDEX, read_shared_weights
 from runtime.engines.slots import SlotTable
@@ -278,6 +279,13 @@ class CudaEngine(Engine):
         self.last_aux_hidden: dict[int, np.ndarray] = {}
         self._has_mask = "attention_mask" in ins
         self._has_positions = "position_ids" in ins
+        # hybrid graphs (Gated DeltaNet, Mamba-2): recurrent states per slot on the device (runtime.engines.device_states)
+        states = DeviceStates.of(ins, outs, self.session.get_modelmeta().custom_metadata_map, self._graph)
+        if states is not None and self.kv_cache != "batched":
+            raise ModelError(f"{self._graph}: expected recurrent states in a batched graph, found {self.kv_cache!r}")
+        self._states = states.attach(self.cudart, self._device, self.device_id, self._scratch_buffer) \
+            if states is not None else None
+        self.recurrent = self._states is not None
         self._total = np.zeros((), np.int32)  # its total_sequence_length: host memory, read by the kernel's host code
 
     @staticmethod
@@ -296,7 +304,8 @@ class CudaEngine(Engine):
         return self.capacity if self.batched else 2 * self.max_context
 
     def kv_bytes_per_slot(self) -> int:
-        return len(self._past) * self.num_kv_heads * self._rows_per_slot() * self.head_dim * self._itemsize
+        kv = len(self._past) * self.num_kv_heads * self._rows_per_slot() * self.head_dim * self._itemsize
+        return kv + (self._states.bytes_per_slot() if self._states else 0)
 
     def allocate_slots(self, num_slots: int, max_context: int | None = None) -> None:
         """(Re)allocate the device caches for `num_slots` empty slots (and a new max_context, if given)."""
@@ -322,6 +331,8 @@ class CudaEngine(Engine):
         for buf in self._flat_buffers():
             self.cudart.memset(buf.ptr, 0, buf.nbytes)
         self.cudart.synchronize()
+        if self._states:
+            self._states.allocate(num_slots)
         self.slots = slots
         self._generation += 1
         self.buckets = batch_buckets(num_slots)
@@ -348,6 +359,8 @@ class CudaEngine(Engine):
         return {"weights": weights, "kv_cache": self.kv_bytes_per_slot() * self.num_slots}
 
     def close(self) -> None:
+        if self._states:
+            self._states.close()
         for buf in self._flat_buffers() + list(self._scratch.values()):
             buf.free()
         self._buffers, self._scratch, self.session = [], {}, None
@@ -432,9 +445,13 @@ class CudaEngine(Engine):
         graph_id = lane.graphs.setdefault((hi, width, window, self._generation), len(lane.graphs) + 1) \
             if use_graph else None
         mask = None if lane.gqa else np.arange(window)[None, None, None, :] <= positions[:, None, :, None]
-        self._bind_inputs(lane, batch, width, window, ids, positions, write, mask)
+        counts = {r.slot: len(r.tokens) for r in group}
+        self._bind_inputs(lane, batch, width, window, ids, positions, write, mask,
+                          self._states.inputs(lo, hi, counts) if self._states else ())
         self._bind_cache(lane, lo, hi)
         logits, argmax, aux = self._bind_outputs(batch, width, lane)
+        captures = self._states.before_run(lane.binding, lo, hi, counts, self.slots.lengths, width) \
+            if self._states else None
         run_options = self._ort.RunOptions()
         if self.cuda_graphs:
             run_options.add_run_config_entry("gpu_graph_id", str(graph_id if graph_id is not None else -1))
@@ -446,16 +463,20 @@ class CudaEngine(Engine):
             if aux is not None:
                 self.last_aux_hidden[r.slot] = self._fetch_aux(aux, width, row, n)
             self.slots.advance(r.slot, n)
+        if self._states:
+            self._states.after_run(lo, {r.slot: r.tokens for r in group}, captures, width)
         return out
 
-    def _bind_inputs(self, lane, batch, width, window, ids, positions, write, mask) -> None:
-        """One host-to-device copy of every small input into a fixed device buffer (what graphs replay)."""
+    def _bind_inputs(self, lane, batch, width, window, ids, positions, write, mask, extra=()) -> None:
+        """One host-to-device copy of every small input into a fixed device buffer (what graphs replay);
+        `extra`: more (name, array, dtype) inputs (the hybrids' new_tokens and capture_count)."""
         if lane.gqa:  # seqlens_k: each row's length after this step - 1 (the spare rows: the capacity's end)
             parts = [("input_ids", ids, np.int64), ("seqlens_k", (write + width - 1).astype(np.int32), np.int32)]
             self._total[()] = self.capacity  # rows attend by seqlens_k; this only bounds the cache
         else:
             parts = [("input_ids", ids, np.int64), ("position_ids", positions, np.int64),
                      ("write_indices", write, np.int64), ("attention_mask", mask, np.bool_)]
+        parts += list(extra)
         host, offsets = pack_aligned([array for _, array, _ in parts])
         total = host.nbytes
         buf = self._scratch_buffer(f"inputs-{lane.name}-{batch}x{width}x{window}", total)
@@ -480,6 +501,8 @@ class CudaEngine(Engine):
                 binding.bind_input(past, self._device, self.device_id, self._kv_element, shape, buf.ptr + lo * per)
                 binding.bind_output(present, self._device, self.device_id, self._kv_element, shape,
                                     buf.ptr + lo * per)
+            if self._states:
+                self._states.bind_states(binding, lo, hi)
             lane.bound = key
 
     def _bind_outputs(self, batch: int, width: int, lane: _Lane | None = None):
@@ -550,10 +573,29 @@ class CudaEngine(Engine):
         self.cudart.synchronize()  # device-to-device copies are asynchronous: done before the next run
 
     def rollback(self, slot: int, length: int) -> None:
+        have = self.slots.lengths[slot]
         self.slots.rollback(slot, length, self._compact)
+        if self._states and length != have:  # the state after `length` tokens: replayed, or run again
+            again = self._states.rewind(slot, length)
+            self.slots.lengths[slot] = length - len(again)
+            if again:
+                self.forward([Row(slot, again, fetch="none")])
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        self.slots.copy_prefix(src, dst, length, self._copy_prefix, self._compact)
+        if not self._states or src == dst:
+            self.slots.copy_prefix(src, dst, length, self._copy_prefix, self._compact)
+            return
+        if not 0 <= length <= self.slots.lengths[src]:
+            raise ValueError(f"copy of {length} tokens from slot {src}: it holds {self.slots.lengths[src]}")
+        if length == self.slots.lengths[src]:  # the whole of it: KV rows and the state as they are
+            self.slots.copy_prefix(src, dst, length, self._copy_prefix, self._compact)
+            self._states.copy(src, dst)
+            return
+        tokens = self._states.tokens[src][:length]  # a state after part of src's tokens exists nowhere: run them
+        self.slots.rollback(dst, 0, self._compact)
+        self._states.clear(dst)
+        if tokens:
+            self.forward([Row(dst, tokens, fetch="none")])
 
     def _compact(self, slot: int, live: int, other: int, have: int, length: int) -> None:
         """concat: the kept prefix of every head into the slot's other buffer, packed."""

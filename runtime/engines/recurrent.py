@@ -142,20 +142,7 @@ class RecurrentStates:
 
     def _replay(self, slot: int, steps: int, captured) -> None:
         _, updates, conv_inputs = captured
-        for la in self.layers:
-            hv, dv, dk = self.shapes[la.delta]
-            hk = (self.width - hv - hv * dv) // dk
-            row, c = updates[la.update], self.capacity  # struct of arrays: all decays, all keys, all deltas
-            decay = row[:c * hv].reshape(c, hv)
-            key = row[c * hv:c * (hv + hk * dk)].reshape(c, hk, dk)
-            delta = row[c * (hv + hk * dk):].reshape(c, hv, dv)
-            state = self.buffers[la.delta][slot]  # [hv, dv, dk], V-major
-            for t in range(steps):  # each q/k head serves hv / hk consecutive value heads
-                state *= decay[t][:, None, None]
-                state += delta[t][:, :, None] * np.repeat(key[t], hv // hk, axis=0)[:, None, :]
-            conv = self.buffers[la.conv][slot]
-            keep = conv.shape[0]
-            conv[:] = np.concatenate([conv, conv_inputs[la.conv_input][:steps]])[-keep:]
+        replay({n: b[slot] for n, b in self.buffers.items()}, self, steps, updates, conv_inputs)
 
     def copy(self, src: int, dst: int) -> None:
         for buf in self.buffers.values():
@@ -171,6 +158,25 @@ class RecurrentStates:
 
     def close(self) -> None:
         self.buffers = self.snapshots = {}
+
+
+def replay(state: dict, states: RecurrentStates, steps: int, updates: dict, conv_inputs: dict) -> None:
+    """Advance one slot's states (`state`: name -> its float32 array, changed in place) by its first `steps`
+    captured transitions (updates: state_update rows; conv_inputs: conv_input rows) of `states`' layers."""
+    for la in states.layers:
+        hv, dv, dk = states.shapes[la.delta]
+        hk = (states.width - hv - hv * dv) // dk
+        row, c = updates[la.update], states.capacity  # struct of arrays: all decays, all keys, all deltas
+        decay = row[:c * hv].reshape(c, hv)
+        key = row[c * hv:c * (hv + hk * dk)].reshape(c, hk, dk)
+        delta = row[c * (hv + hk * dk):].reshape(c, hv, dv)
+        s = state[la.delta]  # [hv, dv, dk], V-major
+        for t in range(steps):  # each q/k head serves hv / hk consecutive value heads
+            s *= decay[t][:, None, None]
+            s += delta[t][:, :, None] * np.repeat(key[t], hv // hk, axis=0)[:, None, :]
+        conv = state[la.conv]
+        keep = conv.shape[0]
+        conv[:] = np.concatenate([conv, conv_inputs[la.conv_input][:steps]])[-keep:]
 
 
 def present(past: str) -> str:

@@ -36,13 +36,14 @@ sigmoid; the choice adds `e_score_correction_bias` and is restricted to the `top
 expert groups with the largest sum of their two best corrected scores; the top `num_experts_per_tok` are
 chosen, their weights are the uncorrected scores, renormalised with norm_topk_prob (+1e-20) and times
 routed_scaling_factor; each expert is down(relu(up(x))^2), plus a shared expert MLP over every token.
-Maintained operators again, no dense fallback: com.microsoft `MoEGroupRouter` (CPU kernel) is exactly
-this router and hands com.microsoft `MoE` log-scores of the chosen experts (-10000 elsewhere), whose
-softmax there is the renormalised weights. MoE's CPU kernel has no squared ReLU (relu2 is CUDA only: relu,
+Maintained operators again, no dense fallback: the router is standard operators (Sigmoid, TopK per group and
+of groups, ScatterElements; group_router) handing com.microsoft `MoE` log-scores of the chosen experts (-10000
+elsewhere), whose softmax there is the renormalised weights. (com.microsoft `MoEGroupRouter` is exactly this
+router, but only from ONNX Runtime 1.32: the cuda target's onnxruntime-gpu 1.31.1 has no such operator.) MoE's CPU kernel has no squared ReLU (relu2 is CUDA only: relu,
 gelu, silu, identity, swiglu here), so fc1 holds up_proj twice as swiglu's gate and up with a large alpha,
 which is relu^2 (RELU2_ALPHA says how close); this costs fc1 twice, where evaluating every expert densely
 in standard ops would cost experts / top_k times (benchmarks/bench_mamba2.py). Ties between equal scores
-follow MoEGroupRouter (torch.topk's choice is unspecified); the -inf masking and +1e-20 are immaterial.
+go to the lower index (ONNX TopK; torch.topk's choice is unspecified); the -inf masking and +1e-20 are immaterial.
 `--quantization int4` turns the MoE node into QMoE with the same attributes (bundler.onnx.blocks.moe).
 """
 
@@ -198,8 +199,8 @@ RELU2_ALPHA = 1e6
 def routed_experts(g, hs: str, m: str, cfg) -> str:
     """Nemotron-H's MoE mixer (`{m}.gate`, `{m}.experts`, `{m}.shared_experts`) over hs [batch, seq, hidden].
 
-    The router is com.microsoft `MoEGroupRouter` (sigmoid, correction bias, group-limited top-k: it writes
-    log(score) at the chosen experts, -10000 elsewhere); the experts com.microsoft `MoE`, whose softmax over
+    The router is group_router (sigmoid, correction bias, group-limited top-k: it writes log(score) at the
+    chosen experts, -10000 elsewhere); the experts com.microsoft `MoE`, whose softmax over
     those logits is the chosen scores renormalised (norm_topk_prob; without it the output is scaled back by
     their sum). Its CPU kernel has no squared ReLU, so fc1 holds up_proj twice (swiglu's gate and up) with
     swiglu alpha RELU2_ALPHA: g * sigmoid(alpha g) * g = relu(g)^2. routed_scaling_factor is folded into fc2.
@@ -218,8 +219,8 @@ def routed_experts(g, hs: str, m: str, cfg) -> str:
     logits = g.node("Gemm", [tokens, g.w.add(f"{m}.gate.weight", g.ckpt.get(f"{m}.gate.weight"))], transB=1)
     name = f"{m}.gate.e_score_correction_bias"
     bias = g.ckpt.get(name) if name in g.ckpt else np.zeros(experts, np.float32)
-    routed = g.node("MoEGroupRouter", [logits, g.w.add(name, bias)], domain=MS_DOMAIN, top_k=top_k,
-                    n_group=n_group, topk_group=topk_group, group_topk=2)
+    routed = group_router(g, logits, g.w.add(name, np.asarray(bias, np.float32)), experts, top_k, n_group,
+                          topk_group)
     latent = getattr(cfg, "moe_latent_size", None)
     x = g.linear(tokens, f"{m}.fc1_latent_proj") if latent else tokens
     up, down = _expert_weights(g, m, experts)
@@ -248,3 +249,32 @@ def _expert_weights(g, m: str, experts: int) -> tuple[np.ndarray, np.ndarray]:
     if up.shape[0] != experts or down.shape[0] != experts:
         raise ModelError(f"{m}: expected {experts} experts, found weights for {up.shape[0]}")
     return np.ascontiguousarray(up, np.float32), np.ascontiguousarray(down, np.float32)
+
+
+def group_router(g, logits: str, bias: str, experts: int, top_k: int, n_group: int, topk_group: int) -> str:
+    """transformers' NemotronHTopkRouter in standard operators: scores = sigmoid(logits); each group of
+    experts is rated by the sum of its two best scores + correction bias; the experts of the best topk_group
+    groups compete on score + bias (the others on 0, transformers' masked_fill), the top_k win; returns
+    [tokens, experts] with log(score) at the winners and -10000 elsewhere (what MoE's softmax over its top k
+    turns into the winners' scores, renormalised). com.microsoft MoEGroupRouter computes the same but exists
+    only from ONNX Runtime 1.32, and the cuda target's onnxruntime-gpu is 1.31.1."""
+    per = experts // n_group
+    scores = g.node("Sigmoid", [logits])
+    choice = g.node("Add", [scores, bias])
+    grouped = g.node("Reshape", [choice, g.const(f"shape_groups_{n_group}_{per}", [0, n_group, per])])
+    best2 = g.node("TopK", [grouped, g.const("k_2", [min(2, per)])], [f"{logits}/group_best", f"{logits}/group_best_i"],
+                   axis=-1)[0]
+    rating = g.node("ReduceSum", [best2, g.const("axes_last", [-1])], keepdims=0)  # [tokens, n_group]
+    groups = g.node("TopK", [rating, g.const(f"k_{topk_group}", [topk_group])],
+                    [f"{logits}/groups", f"{logits}/groups_i"], axis=-1)[1]
+    zero = g.w.add("router_zero", np.zeros(1, np.float32))
+    one = g.w.add("router_one", np.ones(1, np.float32))
+    chosen = g.node("ScatterElements", [g.node("Mul", [rating, zero]), groups,
+                                        g.node("Expand", [one, g.node("Shape", [groups])])], axis=1)
+    mask = g.node("Reshape", [g.node("Expand", [g.node("Unsqueeze", [chosen, g.const("axes_2", [2])]),
+                                                 g.node("Shape", [grouped])]), g.node("Shape", [choice])])
+    winners = g.node("TopK", [g.node("Mul", [choice, mask]), g.const(f"k_{top_k}", [top_k])],
+                     [f"{logits}/experts", f"{logits}/experts_i"], axis=-1)[1]
+    log_scores = g.node("Log", [g.node("GatherElements", [scores, winners], axis=1)])
+    floor = g.node("Expand", [g.w.add("router_floor", np.full(1, -10000.0, np.float32)), g.node("Shape", [logits])])
+    return g.node("ScatterElements", [floor, winners, log_scores], axis=1)

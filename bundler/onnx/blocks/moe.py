@@ -26,6 +26,7 @@ one tensor as for the dense layers: the operator takes them as one tensor each.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -77,14 +78,25 @@ def expert_parameters(cfg: Any) -> int:
     return len(sparse_layers(cfg)) * num_experts(cfg) * 3 * int(_get(cfg, "hidden_size", 0)) * inter
 
 
-def experts_quantizable(cfg: Any, block_size: int) -> bool:
-    """Whether quantize_experts makes this config's experts 4-bit: QMoE needs whole blocks along K."""
+#: ONNX Runtime's CUDA QMoE (4-bit weight-only) needs the expert width to be a multiple of this (its
+#: interleaved-weight K tile; "QMoE int weight-only quantization requires inter_size to be a multiple of 64"
+#: on onnxruntime-gpu 1.31.1): a half-precision graph (the cuda target's) keeps other experts float.
+CUDA_QMOE_INTER_MULTIPLE = 64
+
+
+def experts_quantizable(cfg: Any, block_size: int, half: bool = False) -> bool:
+    """Whether quantize_experts makes this config's experts 4-bit: QMoE needs whole blocks along K, and in a
+    half-precision graph (`half`, the cuda target's) an expert width that is a multiple of 64."""
     inter = int(_get(cfg, "moe_intermediate_size", 0) or 0)
-    return bool(inter) and not int(_get(cfg, "hidden_size", 0)) % block_size and not inter % block_size
+    return bool(inter) and not int(_get(cfg, "hidden_size", 0)) % block_size and not inter % block_size \
+        and not (half and inter % CUDA_QMOE_INTER_MULTIPLE)
 
 
 def router_parameters(cfg: Any) -> int:
     return len(sparse_layers(cfg)) * num_experts(cfg) * int(_get(cfg, "hidden_size", 0))
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -174,7 +186,8 @@ def rtn_int4(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndar
 def quantize_experts(model, block_size: int) -> tuple[str, ...]:
     """Rewrite every MoE node of `model` (an onnx ModelProto with its weights loaded) as QMoE over 4-bit
     experts; returns the expert weights quantized (initializer names, sorted). A node whose hidden or expert
-    width is not a multiple of `block_size` stays float (QMoE needs whole blocks). Scales take the type of
+    width is not a multiple of `block_size` stays float (QMoE needs whole blocks), and so does a float16 node
+whose expert width is not a multiple of CUDA_QMOE_INTER_MULTIPLE. Scales take the type of
     the graph's activations (float32 or float16); a bfloat16 graph keeps float experts."""
     from onnx import helper, numpy_helper
 
@@ -189,6 +202,10 @@ def quantize_experts(model, block_size: int) -> tuple[str, ...]:
             continue
         w1, w2 = numpy_helper.to_array(fc1), numpy_helper.to_array(fc2)
         if w1.dtype not in (np.float32, np.float16) or w1.shape[-1] % block_size or w2.shape[-1] % block_size:
+            continue
+        if w1.dtype == np.float16 and w2.shape[-1] % CUDA_QMOE_INTER_MULTIPLE:  # the cuda target's graph
+            log.info("%s: experts of width %d stay float16 (ONNX Runtime's CUDA QMoE needs a multiple of %d)",
+                     n.name, w2.shape[-1], CUDA_QMOE_INTER_MULTIPLE)
             continue
         names = []
         for name, w in ((fc1.name, w1), (fc2.name, w2)):

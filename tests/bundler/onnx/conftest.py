@@ -82,3 +82,26 @@ def mamba_export(tmp_path_factory):
 def moe_export(tmp_path_factory):
     """The tiny "M*ME" Nemotron-H (tests.models.NEMOTRON_MOE: routed experts too)."""
     return _hybrid_export(tmp_path_factory, "nemotron_h", "export-nemotron_h-moe", seed=6, overrides=NEMOTRON_MOE)
+
+
+#: The new families' tiny checkpoints the cuda target's graphs are made of: routed experts (Qwen3-MoE), Gated
+#: DeltaNet (Qwen3.5) and Mamba-2 with routed experts (Nemotron-H "M*ME").
+NEW_FAMILIES = {"qwen3_moe": ("qwen3_moe", None), "qwen3_5_text": ("qwen3_5_text", None),
+                "nemotron_h": ("nemotron_h", NEMOTRON_MOE)}
+
+
+@pytest.fixture(scope="session")
+def new_family_exports(tmp_path_factory) -> dict:
+    """name -> {"checkpoint": dir, "float32": ExportResult, "float16": ExportResult} of each NEW_FAMILIES
+    checkpoint's batched graph (the cpu target's) and its float16 rewrite (the cuda target's)."""
+    def build(root: Path) -> dict:
+        from bundler.onnx.export import export_onnx
+
+        out = {}
+        for i, (name, (family, overrides)) in enumerate(sorted(NEW_FAMILIES.items())):
+            ckpt = make_tiny_checkpoint(root / name, family=family, seed=20 + i, overrides=overrides)
+            out[name] = {"checkpoint": ckpt, **{dtype: export_onnx(ckpt, root / f"{name}-{dtype}", kv_cache="batched",
+                                                                   dtype=dtype) for dtype in ("float32", "float16")}}
+        return out
+
+    return once_per_run(tmp_path_factory, "export-new-families", build)

@@ -13,6 +13,7 @@ import pytest
 
 from manifests.errors import ModelError
 from tests.bundler.onnx.test_parity import FP16_RTOL, check_parity
+from manifests.families import FAMILIES as FAMILY_TABLE
 from tests.models import FAMILIES
 from tests.runtime.engines.standin import StandInBackend
 
@@ -147,3 +148,58 @@ def test_cuda_cpu_and_thor_bundle_each_graph_once(family_exports, tmp_path):
                                        "engines/onnx-batched-bf16/target/decode.onnx",
                                        "engines/onnx-batched-bf16/target/shared_weights.json"}
     assert targets[0].build["precision"] == "bf16" and targets[0].engines[0].build["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_text", "nemotron_h"])
+def test_new_families_half_graph_keeps_float32_states_and_matches_transformers(family, new_family_exports):
+    """The cuda target's graph of the MoE and recurrent families: half-precision weights and KV cache, the
+    recurrent states (and their captures) float32 as GatedDeltaNet's schema and the runtime's replay want; ONNX
+    Runtime's CPU provider (the fallback without a GPU) runs it, rollback by replay included (check_parity)."""
+    import onnx
+
+    exports = new_family_exports[family]
+    half = exports["float16"]
+    model = onnx.load(str(half.graph), load_external_data=False)
+    T = onnx.TensorProto
+    types = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.input, *model.graph.output)}
+    states = {n for n in types if n.startswith(("past_conv_state.", "past_recurrent_state.", "present_conv_state.",
+                                                "present_recurrent_state.", "state_update.", "conv_input."))}
+    assert bool(states) == (family != "qwen3_moe")
+    assert {types[n] for n in states} <= {T.FLOAT}
+    assert {types[n] for n in types if n.startswith(("past_key_values.", "present."))} == {T.FLOAT16}
+    big = [t for t in model.graph.initializer if t.data_location == T.EXTERNAL and t.data_type != T.INT64]
+    assert sum(t.data_type == T.FLOAT16 for t in big) >= len(big) - 4  # only float32-only slots keep float32
+    assert {n.op_type for n in model.graph.node} >= ({"MoE"} if family != "qwen3_5_text" else {"GatedDeltaNet"})
+    # routed experts: com.microsoft MoE takes its router probabilities in the activations' type, so fp16 rounds
+    # them (the tiny models' routers are redrawn large: logits of several units, fp16 steps of ~4e-3 there) and
+    # a near-tied second expert can swap: up to 1.5e-2 of the largest logit at one position of the tiny
+    # Qwen3-MoE, against fp16's 5e-3 elsewhere
+    rtol = 4 * FP16_RTOL if FAMILY_TABLE[family].routed_experts else FP16_RTOL
+    engine = check_parity(exports["checkpoint"], half.graph, half.vocab_size, rtol=rtol)
+    assert engine.kv_dtype == np.float16 and engine.recurrent == (family != "qwen3_moe")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_text", "nemotron_h"])
+def test_cuda_memory_preflight_counts_every_expert_and_the_recurrent_states(family, new_family_exports):
+    """bundler.resolve.checks for the cuda target: the weights are the fp16 graph's (every expert of every layer,
+    whatever a token uses), the KV estimate the fp16 cache plus the float32 states and their snapshots, exactly
+    what an engine over the graph allocates (the CUDA engine adds its capture store: tests/runtime/engines)."""
+    from bundler.resolve.checks import estimate_memory
+    from manifests.targets import get_profile
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    exports = new_family_exports[family]
+    half = exports["float16"]
+    est = estimate_memory(exports["checkpoint"], 96, get_profile("cuda"))
+    engine = OnnxRuntimeEngine(half.graph, max_context=96)
+    assert est.kv_cache_bytes == engine.memory()["kv_cache"]
+    import onnx
+
+    model = onnx.load(str(half.graph), load_external_data=False)
+    sizes = {onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.FLOAT: 4}
+    floats = sum(int(np.prod(t.dims)) * sizes[t.data_type] for t in model.graph.initializer if t.data_type in sizes)
+    # the estimate counts the rotary tables in float32 (the graph: fp16), not the graph's scalar constants
+    assert 0.99 * floats <= est.weights_bytes <= 1.1 * floats, (est.weights_bytes, floats)  # and a few scalars
+    cpu = estimate_memory(exports["checkpoint"], 96, get_profile("cpu"))
+    states = engine._states.bytes_per_slot() if engine.recurrent else 0
+    assert 2 * (est.kv_cache_bytes - states) == cpu.kv_cache_bytes - states > 0  # fp16 KV, float32 states on both

@@ -160,8 +160,9 @@ def test_routed_experts_for_a_tensorrt_target_are_refused_before_download(tmp_pa
 
     ckpt = make_tiny_checkpoint(tmp_path / "moe", family="qwen3_moe", num_layers=2)
     models = {"target": SimpleNamespace(local_dir=ckpt, name="acme/moe", weight_files=None, weight_bytes=None)}
-    with pytest.raises(ModelError, match=r"acme/moe: model type 'qwen3_moe' has routed experts, which the TensorRT "
-                                         r"graph of jetson-thor cannot hold; expected ONNX Runtime targets") as e:
+    with pytest.raises(ModelError, match=r"acme/moe: model type 'qwen3_moe' has routed experts \(.*\), which "
+                                         r"target\(s\) jetson-thor cannot run: TensorRT has no MoE operator; "
+                                         r"expected ONNX Runtime targets") as e:
         run_preflight_checks(models, [get_profile("cpu"), get_profile("jetson-thor")], 256)
     assert e.value.exit_code == 8
-    run_preflight_checks(models, [get_profile("cpu")], 256)  # the cpu target takes it
+    run_preflight_checks(models, [get_profile("cpu"), get_profile("cuda")], 256)  # ONNX Runtime targets take it

@@ -115,6 +115,24 @@ def test_cuda_target_without_a_gpu_runs_on_the_cpu_recorded_and_logged(tiny_expo
     assert engine.forward_one([1, 2, 3]).shape == (3, 512)
 
 
+def test_a_bf16_cuda_graph_without_a_gpu_is_refused_saying_what_it_needs(tiny_exports, tmp_path):
+    """ONNX Runtime's CPU provider has no bfloat16 MatMul: the fallback would fail to load the graph; the
+    engine says instead that the graph needs the CUDA provider, and why that is absent."""
+    from manifests.errors import EnvironmentProblem
+    from runtime.engines import load_engine
+
+    root, manifest = plan_bundle(tiny_exports, tmp_path, ["cpu"], StandInBackend(None))
+    manifest = _as_cuda_target(manifest)
+    (cuda,) = manifest.targets
+    engines = tuple(dataclasses.replace(e, build={**e.build, "dtype": "bfloat16"}) for e in cuda.engines)
+    manifest = dataclasses.replace(manifest, targets=(dataclasses.replace(cuda, engines=engines),))
+    with pytest.raises(EnvironmentProblem, match=r"is a bfloat16 graph, which only ONNX Runtime's CUDA provider "
+                                                 r"runs .*found: no NVIDIA GPU") as e:
+        load_engine(root, manifest, "cuda", "target", cache_dir=tmp_path / "cache",
+                    cuda=CudaStandIn("no NVIDIA GPU (libcuda.so.1 finds no device)"))
+    assert "\n" not in str(e.value)
+
+
 def test_the_real_cuda_probe_says_why_not_here():
     """On a machine without an NVIDIA GPU the real probe answers with a reason, never an exception."""
     from runtime.engines.cudalib import gpu, onnxruntime_cuda

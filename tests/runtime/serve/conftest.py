@@ -77,6 +77,13 @@ class Bundle:
 def signed_cpu_bundle(root: Path, name: str, target: Path, draft: Path) -> Path:
     """`bundle create` (cpu target, target + draft, signed with root/key) then `bundle install` into
     root/store, through the libraries: the store (root/bundle is the bundle, root/key.pub its key)."""
+    return signed_bundle(root, name, target, draft)
+
+
+def signed_bundle(root: Path, name: str, target: Path, draft: Path, *, targets=("cpu",), install: str = "cpu",
+                  quantization=None) -> Path:
+    """signed_cpu_bundle for `targets` (install: the one installed), `quantization` a
+    manifests.quantization.QuantizeOptions (--quantization and its options) or None."""
     from bundler.pack.create import CreateOptions, create_bundle, local_model
     from bundler.pack.engines import target_files_hook
     from bundler.pack.keys import generate_key, load_private_key
@@ -86,9 +93,9 @@ def signed_cpu_bundle(root: Path, name: str, target: Path, draft: Path) -> Path:
     generate_key(root / "key")
     create_bundle(root / "bundle", CreateOptions(
         name=name, version=1, model=local_model(target, "target"), draft=local_model(draft, "draft"),
-        targets=["cpu"], sign_keys=[load_private_key(root / "key")], target_files=target_files_hook(),
-        progress=False))
-    Store(root / "store").install(root / "bundle", target="cpu",
+        targets=list(targets), sign_keys=[load_private_key(root / "key")],
+        target_files=target_files_hook(quantization=quantization), progress=False))
+    Store(root / "store").install(root / "bundle", target=install,
                                   trusted=trusted_keys([root / "key.pub"], trust_dir=None))
     return root / "store"
 
