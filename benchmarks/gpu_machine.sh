@@ -11,7 +11,8 @@ CODE=$(cd "$(dirname "$0")/.." && pwd)
 SUITE="tests/runtime/engines/test_cuda_engine.py tests/runtime/engines/test_cuda_device.py
   tests/runtime/engines/test_cuda_engine_host.py tests/runtime/engines/test_cuda_dual_host.py
   tests/runtime/engines/test_cuda_eagle3_host.py tests/runtime/engines/test_cuda_selection.py
-  tests/runtime/engines/test_detect.py tests/runtime/engines/test_tensorrt.py"
+  tests/runtime/engines/test_detect.py tests/runtime/engines/test_tensorrt.py
+  tests/runtime/engines/test_cuda_families.py"
 out=${OUT:-/tmp/out}
 work=${WORK:-/tmp/bench}
 mkdir -p "$out" "$work"
