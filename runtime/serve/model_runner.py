@@ -22,10 +22,13 @@ from runtime.serve.eagle3 import ChainProposer
 from runtime.engines.base import Engine, Row, SequenceEngine, SequenceSlots, TreeMask
 from runtime.serve.logits_process import token_logprobs
 from runtime.serve.spec_length import SpeculationLength
-from runtime.serve.spec_tree import Tree, TreeOptions, accept_tree, accept_tree_greedy, grow_level, level_quota
+from runtime.serve.spec_tree import (Tree, TreeOptions, accept_tree, accept_tree_greedy, grow_level, level_quota,
+                                     ngram_tree)
 from runtime.serve.speculative import METHODS, SpecStats, Step, accept, accept_greedy, ngram_lookup, propose_token
 
 log = logging.getLogger(__name__)
+
+TREE_METHODS = ("draft_model", "eagle3", "ngram")  # the methods that propose token trees
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -56,8 +59,8 @@ class ModelRunner:
         only (Engine.forward_greedy); False always fetches logits (the reference in tests).
         `adaptive`: pick each step's number of proposals from measured costs (runtime.serve.spec_length);
         False verifies num_speculative_tokens every step. `disable_by_batch_size`: vLLM's key.
-        `tree`: draft_model proposes token trees (runtime.serve.spec_tree) of depth up to
-        num_speculative_tokens, where both engines run them; None: chains."""
+        `tree`: draft_model, eagle3 and ngram propose token trees (runtime.serve.spec_tree) of depth up to
+        num_speculative_tokens, where the engines (and the EAGLE-3 head) run them; None: chains."""
         if method not in METHODS:
             raise UsageError(f"speculative method must be one of {', '.join(METHODS)}, found {method!r}")
         if method == "draft_model" and draft is None:
@@ -72,12 +75,13 @@ class ModelRunner:
         if draft is not None and method in ("draft_model", "eagle3") and draft.vocab_size != target.vocab_size:
             # Logit rows must index the same tokens; a smaller draft vocabulary would need padding.
             raise UsageError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
-        if tree is not None and method != "draft_model":
-            raise UsageError(f'speculative "tree" needs method draft_model, found {method!r}')
-        if tree is not None and not (target.supports_tree and draft.supports_tree):
-            log.warning("token trees are off: the %s engine cannot run them (they need ONNX Runtime's batched "
-                        "KV-cache graph); speculation proposes chains",
-                        "target" if not target.supports_tree else "draft")
+        if tree is not None and method not in TREE_METHODS:
+            raise UsageError(f'speculative "tree" needs method {", ".join(TREE_METHODS)}, found {method!r}')
+        if tree is not None and not (target.supports_tree and (draft is None or draft.supports_tree)):
+            log.warning("token trees are off: the %s cannot run them (they need a batched KV-cache graph: ONNX "
+                        "Runtime's, the CUDA engine's, an EAGLE-3 head's); speculation proposes chains",
+                        "target engine" if not target.supports_tree else "draft engine" if method == "draft_model"
+                        else "EAGLE-3 head")
             tree = None
         self.tree = tree
         self.target = target
@@ -323,6 +327,22 @@ class ModelRunner:
     def _keep(self, engine: Engine, mirror: list[list[int]], slot: int, past: int, rows: list[int]) -> None:
         engine.keep_rows(slot, past, rows)
         mirror[slot][past:] = [mirror[slot][past + i] for i in rows]
+        if self.eagle is not None and engine is self.target:  # the target's features follow its cache rows
+            features = self.eagle[slot].features
+            features[past:] = [features[past + i] for i in rows]
+
+    def _tree_budget(self, r) -> int:
+        """Nodes a tree may have for request r: the configured budget, less what the context cannot hold
+        (the target holds past + pending + nodes)."""
+        return max(min(self.tree.max_nodes, self.max_context - len(r.tokens)), 0)
+
+    def _grower(self, r, g: int):
+        """grow(tree, frontier, logits_of, level) for an EAGLE-3 head's tree (grow_level with r's sampling)."""
+        def grow(tree, frontier, logits_of, level):
+            return grow_level(tree, frontier, logits_of, r.params, r.rng, self.tree.branching,
+                              level_quota(self._tree_budget(r) - len(tree), g - level), r.logits_processors,
+                              r.output_ids)
+        return grow
 
     def _propose_tree(self, wanting, last) -> dict[int, tuple[Tree, list]]:
         """Grow each wanting slot's tree level by level; one draft forward per level for every slot,
@@ -356,13 +376,22 @@ class ModelRunner:
         out: dict[int, tuple[list[int], list]] = {}
         if self.method == "ngram":
             for r, g in decodes:
-                if g > 0:
+                if g > 0 and self.tree is not None:
+                    tree = ngram_tree(r.tokens, g, self.prompt_lookup_min, self.prompt_lookup_max,
+                                      self.tree.branching, self._tree_budget(r))
+                    out[r.slot] = (tree if len(tree) else [], [])
+                elif g > 0:
                     out[r.slot] = (ngram_lookup(r.tokens, g, self.prompt_lookup_min, self.prompt_lookup_max), [])
             return out
         if self.eagle is not None:
             t0 = self._clock()
             for r, g in decodes:
                 if g > 0 and r.speculative and len(r.tokens) >= 2:
+                    if self.tree is not None:
+                        out[r.slot] = (self.eagle[r.slot].propose_tree(r.tokens, g, self._grower(r, g)), [])
+                        self.stats.draft_forwards += g
+                        continue
+
                     def pick(logits, drafts, r=r):
                         return propose_token(logits, r.params, r.rng, r.logits_processors, r.output_ids + drafts)
                     out[r.slot] = self.eagle[r.slot].propose(r.tokens, g, pick)
