@@ -22,6 +22,7 @@ from runtime.serve.eagle3 import ChainProposer
 from runtime.engines.base import Engine, Row, SequenceEngine, SequenceSlots, TreeMask
 from runtime.serve.logits_process import token_logprobs
 from runtime.serve.spec_length import SpeculationLength
+from runtime.serve.spec_tree_shape import TreeShape
 from runtime.serve.spec_tree import (Tree, TreeOptions, accept_tree, accept_tree_greedy, grow_level, level_quota,
                                      ngram_tree)
 from runtime.serve.speculative import METHODS, SpecStats, Step, accept, accept_greedy, ngram_lookup, propose_token
@@ -84,6 +85,10 @@ class ModelRunner:
                         else "EAGLE-3 head")
             tree = None
         self.tree = tree
+        #: "tree": "auto": nodes per level from measured acceptance (runtime.serve.spec_tree_shape)
+        self.shape = TreeShape(num_speculative_tokens, tree.max_nodes) if tree is not None and tree.auto else None
+        self._shapes: dict[int, tuple[int, ...]] = {}  # this step's shape per depth (auto trees)
+        self._batch = 1  # the latest step's decoding sequences (what a shape's row cost is measured against)
         self.target = target
         self.draft = draft if method == "draft_model" else None
         self.head = draft if method == "eagle3" else None  # runtime.serve.eagle3.Drafter
@@ -126,8 +131,28 @@ class ModelRunner:
         """Target rows the proposals of a step with speculation length g take (a tree: its nodes)."""
         if self.tree is None or g == 0:
             return g
+        if self.shape is not None:
+            return sum(self.tree_shape(g))
         k = self.tree.branching
         return min(self.tree.max_nodes, sum(k ** d for d in range(1, g + 1)))
+
+    def tree_shape(self, g: int) -> tuple[int, ...]:
+        """Auto trees: nodes per level for depth g this step (the same for every slot, chosen once a step)."""
+        if g not in self._shapes:
+            self._shapes[g] = self.shape.choose(g, self.speculation.row_cost_share(self._batch, g))
+        return self._shapes[g]
+
+    def drafts_tree(self, g: int) -> bool:
+        """Whether a proposal of depth g is a tree: fixed trees always; auto ones when a level holds more than
+        one node (an all-ones shape is the chain, proposed as one)."""
+        if self.tree is None or g <= 0:
+            return False
+        return self.shape is None or max(self.tree_shape(g)) > 1
+
+    def shape_snapshot(self) -> dict[int, int]:
+        """Auto trees: {depth: nodes} of the latest shape chosen (/metrics, the periodic log line)."""
+        last = self.shape.last if self.shape is not None else ()
+        return {d + 1: w for d, w in enumerate(last)}
 
     @property
     def num_slots(self) -> int:
@@ -234,6 +259,8 @@ class ModelRunner:
         """
         t0, target0 = self._clock(), self.stats.target_seconds
         self._catch_up = False
+        if decodes:
+            self._batch = len(decodes)
         proposals = self._propose(decodes, prefills)
         propose_s = self._clock() - t0  # the proposer's whole time (its forwards and the Python around them)
         rows, firsts = [], []  # firsts: the prefills whose last chunk this is
@@ -279,6 +306,7 @@ class ModelRunner:
                                       sum(1 for d, _ in proposals.values() if d), propose_s,
                                       self._clock() - t0 - target_s - propose_s, batch=len(decodes),
                                       drafted=max((g for _, g in decodes), default=0))
+        self._shapes.clear()  # the next step chooses again, with what this one measured
 
     def _finish_row(self, r, row_logits, drafts: list[int], qs: list, greedy: bool) -> None:
         """Accept from a row's target output (argmax or logits after [pending, *drafts]); emit the Step."""
@@ -292,6 +320,8 @@ class ModelRunner:
         accepted = len(new) - 1
         self.stats.record(len(drafts), accepted)
         self.speculation.record(r, len(drafts), accepted)
+        if self.shape is not None and drafts:  # a chain: one node per level, each rank 0
+            self.shape.record([1] * len(drafts), [0] * accepted)
         keep = len(r.tokens) + accepted  # target now holds tokens + drafts; keep tokens + accepted
         self._rollback(self.target, self.target_cache, r.slot, keep)
         if self.draft is not None and self.uses_draft(r):
@@ -312,6 +342,12 @@ class ModelRunner:
         accepted = len(path)
         self.stats.record(len(tree), accepted)
         self.speculation.record(r, max(tree.depths, default=0), accepted)
+        if self.shape is not None:
+            levels: dict[int, list[int]] = {}
+            for j, d in enumerate(tree.depths):
+                levels.setdefault(d, []).append(j)
+            self.shape.record([len(levels[d]) for d in sorted(levels)],
+                              [levels[i + 1].index(j) for i, j in enumerate(path)])
         past = len(r.tokens) - 1  # the target holds past + [pending, *nodes]; keep pending and the path
         self._keep(self.target, self.target_cache, r.slot, past, [0] + [1 + j for j in path])
         if self.uses_draft(r):  # the draft holds tokens + the nodes it ran (all but the deepest level's)
@@ -336,11 +372,20 @@ class ModelRunner:
         (the target holds past + pending + nodes)."""
         return max(min(self.tree.max_nodes, self.max_context - len(r.tokens)), 0)
 
+    def _level(self, r, g: int, level: int, tree: Tree) -> tuple[int, int]:
+        """(children per frontier node, nodes) for the level of depth level + 1 of r's tree of depth g:
+        the configured branching with the budget spread evenly, or the auto shape's nodes."""
+        left = self._tree_budget(r) - len(tree)
+        if self.shape is not None:
+            w = self.tree_shape(g)[level]
+            return w, max(min(w, left), 0)
+        return self.tree.branching, level_quota(left, g - level)
+
     def _grower(self, r, g: int):
         """grow(tree, frontier, logits_of, level) for an EAGLE-3 head's tree (grow_level with r's sampling)."""
         def grow(tree, frontier, logits_of, level):
-            return grow_level(tree, frontier, logits_of, r.params, r.rng, self.tree.branching,
-                              level_quota(self._tree_budget(r) - len(tree), g - level), r.logits_processors,
+            k, quota = self._level(r, g, level, tree)
+            return grow_level(tree, frontier, logits_of, r.params, r.rng, k, quota, r.logits_processors,
                               r.output_ids)
         return grow
 
@@ -350,17 +395,15 @@ class ModelRunner:
         trees = {r.slot: Tree() for r, _ in wanting}
         frontier = {r.slot: [-1] for r, _ in wanting}
         logits = {r.slot: {-1: last[r.slot]} for r, _ in wanting}
-        k, budget = self.tree.branching, self.tree.max_nodes
         for level in range(max((g for _, g in wanting), default=0)):
             rows, grown = [], {}
             for r, g in wanting:
                 if level >= g:
                     continue
                 tree = trees[r.slot]
-                # nodes the target (past + pending + nodes) and the draft can still hold
-                left = min(budget, self.max_context - len(r.tokens)) - len(tree)
-                new = grow_level(tree, frontier[r.slot], logits[r.slot], r.params, r.rng, k,
-                                 level_quota(left, g - level), r.logits_processors, r.output_ids)
+                k, quota = self._level(r, g, level, tree)  # within what the target and the draft can hold
+                new = grow_level(tree, frontier[r.slot], logits[r.slot], r.params, r.rng, k, quota,
+                                 r.logits_processors, r.output_ids)
                 frontier[r.slot] = new
                 if new and level < g - 1:
                     base = len(r.tokens)  # the draft holds every token, pending included; node j is at base + j
@@ -376,9 +419,11 @@ class ModelRunner:
         out: dict[int, tuple[list[int], list]] = {}
         if self.method == "ngram":
             for r, g in decodes:
-                if g > 0 and self.tree is not None:
-                    tree = ngram_tree(r.tokens, g, self.prompt_lookup_min, self.prompt_lookup_max,
-                                      self.tree.branching, self._tree_budget(r))
+                if self.drafts_tree(g):
+                    k, budget = self.tree.branching, self._tree_budget(r)
+                    if self.shape is not None:  # the shape's widest level and its nodes
+                        k, budget = max(self.tree_shape(g)), min(sum(self.tree_shape(g)), budget)
+                    tree = ngram_tree(r.tokens, g, self.prompt_lookup_min, self.prompt_lookup_max, k, budget)
                     out[r.slot] = (tree if len(tree) else [], [])
                 elif g > 0:
                     out[r.slot] = (ngram_lookup(r.tokens, g, self.prompt_lookup_min, self.prompt_lookup_max), [])
@@ -387,7 +432,7 @@ class ModelRunner:
             t0 = self._clock()
             for r, g in decodes:
                 if g > 0 and r.speculative and len(r.tokens) >= 2:
-                    if self.tree is not None:
+                    if self.drafts_tree(g):
                         out[r.slot] = (self.eagle[r.slot].propose_tree(r.tokens, g, self._grower(r, g)), [])
                         self.stats.draft_forwards += g
                         continue
@@ -428,13 +473,14 @@ class ModelRunner:
         # Greedy proposals without a logits processor are the draft's argmax: only that comes back.
         # Trees read the draft's logits (top-k children, or draws from q).
         sampled = {r.slot for r, _ in wanting if not (r.params.greedy and not r.logits_processors)}
-        if self.tree is not None:
+        trees = any(self.drafts_tree(g) for _, g in wanting)  # the step drafts trees for every slot, or chains
+        if trees:
             sampled = {r.slot for r, _ in wanting}
         greedy = self.greedy_argmax and len(sampled) < len(wanting) and offers_greedy(self.draft)
         logits = dict(zip((row.slot for row in rows), self._forward(self.draft, self.draft_cache, rows, "draft",
                                                                     greedy=greedy, logits_for=sampled)))
         last = {r.slot: logits[r.slot][-1] for r, _ in wanting}
-        if self.tree is not None:
+        if trees:
             out.update(self._propose_tree(wanting, last))
             return out
         for i in range(max((g for _, g in wanting), default=0)):

@@ -349,6 +349,18 @@ class SpeculationLength:
             g = 0 if turn == 0 else best - 1 if best == self.k or not up else best + 1
         return self._pick(g)
 
+    def row_cost_share(self, n: int, g: int) -> float:
+        """The measured cost of one more verify row per slot, as a share of a step of n decoding slots that
+        verify g proposals each (runtime.serve.spec_tree_shape's lambda). Before any cost is measured rows are
+        taken as the whole cost (1 / (1 + g)), as a fit of one G takes them: more rows never look free."""
+        bucket = self.buckets.get(batch_bucket(n))
+        fits = self._fits(bucket, need_draft=False) if bucket is not None else None
+        if fits is None or n <= 0:
+            return 1.0 / (1 + g)
+        target, draft, other = fits
+        cost = target.predict(n * (1 + g)) + (g * draft.predict(n) if draft.count else 0.0) + other.predict(g)
+        return n * target.line()[1] / cost if cost > 0 else 0.0
+
     def _pick(self, g: int) -> int:
         self.last = g
         return g

@@ -44,22 +44,35 @@ MAX_NODES = 64
 
 @dataclass(frozen=True)
 class TreeOptions:
-    """The speculative config's "tree": {"branching": k, "max_nodes": n}."""
+    """The speculative config's "tree": {"branching": k, "max_nodes": n}; branching None ("tree": "auto",
+    or {"max_nodes": n} alone): nodes per level chosen from measured acceptance (runtime.serve.spec_tree_shape)."""
 
-    branching: int = 2
+    branching: int | None = 2
     max_nodes: int = 8
+
+    @property
+    def auto(self) -> bool:
+        return self.branching is None
+
+    def describe(self) -> str:
+        return (f"tree auto max_nodes={self.max_nodes}" if self.auto else
+                f"tree branching={self.branching} max_nodes={self.max_nodes}")
 
     @classmethod
     def parse(cls, value) -> "TreeOptions | None":
         """None (no "tree" key): chains, as before. A one-line UsageError for anything malformed."""
         if value is None:
             return None
+        if value == "auto":
+            return cls(branching=None)
         if not isinstance(value, dict) or set(value) - {"branching", "max_nodes"}:
-            raise UsageError(f'--speculative-config: expected "tree" as {{"branching": K, "max_nodes": N}}, '
+            raise UsageError(f'--speculative-config: expected "tree" as "auto" or {{"branching": K, "max_nodes": N}}, '
                              f"found {str(value)[:60]!r}")
-        opts = cls(**value)
+        opts = cls(**({"branching": None} if "branching" not in value else {}), **value)
         for name, top in (("branching", MAX_BRANCHING), ("max_nodes", MAX_NODES)):
             v = getattr(opts, name)
+            if v is None and name == "branching":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
                 raise UsageError(f'--speculative-config: expected "tree" {name} an integer in 1..{top}, '
                                  f"found {str(v)[:20]!r}")
