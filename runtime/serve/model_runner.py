@@ -30,6 +30,7 @@ from runtime.serve.speculative import METHODS, SpecStats, Step, accept, accept_g
 log = logging.getLogger(__name__)
 
 TREE_METHODS = ("draft_model", "eagle3", "ngram")  # the methods that propose token trees
+SEEDED_BRANCHING = 2  # auto trees: the fixed branching of seeded sampled requests (reproducible shapes)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -131,10 +132,9 @@ class ModelRunner:
         """Target rows the proposals of a step with speculation length g take (a tree: its nodes)."""
         if self.tree is None or g == 0:
             return g
-        if self.shape is not None:
-            return sum(self.tree_shape(g))
-        k = self.tree.branching
-        return min(self.tree.max_nodes, sum(k ** d for d in range(1, g + 1)))
+        k = self.tree.branching or SEEDED_BRANCHING  # auto: seeded requests' fixed trees may be the larger
+        fixed = min(self.tree.max_nodes, sum(k ** d for d in range(1, g + 1)))
+        return max(fixed, sum(self.tree_shape(g))) if self.shape is not None else fixed
 
     def tree_shape(self, g: int) -> tuple[int, ...]:
         """Auto trees: nodes per level for depth g this step (the same for every slot, chosen once a step)."""
@@ -142,12 +142,12 @@ class ModelRunner:
             self._shapes[g] = self.shape.choose(g, self.speculation.row_cost_share(self._batch, g))
         return self._shapes[g]
 
-    def drafts_tree(self, g: int) -> bool:
-        """Whether a proposal of depth g is a tree: fixed trees always; auto ones when a level holds more than
-        one node (an all-ones shape is the chain, proposed as one)."""
+    def drafts_tree(self, g: int, r) -> bool:
+        """Whether request r's proposal of depth g is a tree: fixed trees always; auto ones when a level holds
+        more than one node (an all-ones shape is the chain, proposed as one) or r is seeded (_level)."""
         if self.tree is None or g <= 0:
             return False
-        return self.shape is None or max(self.tree_shape(g)) > 1
+        return self.shape is None or not r.adaptive or max(self.tree_shape(g)) > 1
 
     def shape_snapshot(self) -> dict[int, int]:
         """Auto trees: {depth: nodes} of the latest shape chosen (/metrics, the periodic log line)."""
@@ -376,10 +376,12 @@ class ModelRunner:
         """(children per frontier node, nodes) for the level of depth level + 1 of r's tree of depth g:
         the configured branching with the budget spread evenly, or the auto shape's nodes."""
         left = self._tree_budget(r) - len(tree)
-        if self.shape is not None:
+        if self.shape is not None and r.adaptive:
             w = self.tree_shape(g)[level]
             return w, max(min(w, left), 0)
-        return self.tree.branching, level_quota(left, g - level)
+        # a seeded request keeps a shape that no other request changes, so it draws the same tokens alone
+        # or in a crowd (as it keeps the fixed K): auto trees give it SEEDED_BRANCHING, spread evenly
+        return self.tree.branching or SEEDED_BRANCHING, level_quota(left, g - level)
 
     def _grower(self, r, g: int):
         """grow(tree, frontier, logits_of, level) for an EAGLE-3 head's tree (grow_level with r's sampling)."""
@@ -419,9 +421,9 @@ class ModelRunner:
         out: dict[int, tuple[list[int], list]] = {}
         if self.method == "ngram":
             for r, g in decodes:
-                if self.drafts_tree(g):
-                    k, budget = self.tree.branching, self._tree_budget(r)
-                    if self.shape is not None:  # the shape's widest level and its nodes
+                if self.drafts_tree(g, r):
+                    k, budget = self.tree.branching or SEEDED_BRANCHING, self._tree_budget(r)
+                    if self.shape is not None and r.adaptive:  # the shape's widest level and its nodes
                         k, budget = max(self.tree_shape(g)), min(sum(self.tree_shape(g)), budget)
                     tree = ngram_tree(r.tokens, g, self.prompt_lookup_min, self.prompt_lookup_max, k, budget)
                     out[r.slot] = (tree if len(tree) else [], [])
@@ -432,7 +434,7 @@ class ModelRunner:
             t0 = self._clock()
             for r, g in decodes:
                 if g > 0 and r.speculative and len(r.tokens) >= 2:
-                    if self.drafts_tree(g):
+                    if self.drafts_tree(g, r):
                         out[r.slot] = (self.eagle[r.slot].propose_tree(r.tokens, g, self._grower(r, g)), [])
                         self.stats.draft_forwards += g
                         continue
@@ -473,7 +475,7 @@ class ModelRunner:
         # Greedy proposals without a logits processor are the draft's argmax: only that comes back.
         # Trees read the draft's logits (top-k children, or draws from q).
         sampled = {r.slot for r, _ in wanting if not (r.params.greedy and not r.logits_processors)}
-        trees = any(self.drafts_tree(g) for _, g in wanting)  # the step drafts trees for every slot, or chains
+        trees = any(self.drafts_tree(g, r) for r, g in wanting)  # the step drafts trees for every slot, or chains
         if trees:
             sampled = {r.slot for r, _ in wanting}
         greedy = self.greedy_argmax and len(sampled) < len(wanting) and offers_greedy(self.draft)

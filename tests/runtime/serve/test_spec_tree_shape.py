@@ -133,3 +133,39 @@ def test_served_with_auto_trees_through_the_openai_client(installed_bundle):
             assert shape and len(levels) == len(shape), (levels, shape)
             assert all(float(ln.split()[-1]) >= 1 for ln in levels)
     assert texts["auto"] == texts["plain"]
+
+
+@pytest.mark.parametrize("tree", ['{"width": 2}', '"wide"', '{"branching": 0}'])
+def test_bundle_create_refuses_a_malformed_tree_in_one_line_before_any_work(tmp_path, capsys, tree):
+    from manifests.errors import UsageError
+    from runtime.cli.main import main
+
+    spec = '{"method": "draft_model", "model": "org/d", "num_speculative_tokens": 3, "tree": %s}' % tree
+    code = main(["create", "--model", "org/m", "--targets", "cpu", "--name", "d", "--version", "1", "--unsigned", "--no-progress",
+                 "--speculative-config", spec, "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert code == UsageError.exit_code and err.count("\n") == 1 and '"tree"' in err, err
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_seeded_request_keeps_a_fixed_tree_whatever_the_measured_shape():
+    """Seeded sampling must draw the same tokens alone or in a crowd: under auto trees its tree is the fixed
+    branching-2 one, not the shape other requests' verifications chose."""
+    target, draft = _tables()
+    params = SamplingParams(temperature=1.0, seed=7)
+
+    def sample(gen):
+        return [t for s in gen.generate([0, 1], params, max_tokens=40) for t in s.tokens]
+
+    fresh = Generator(MarkovSlots(target), MarkovSlots(draft), "draft_model", 3, tree=TreeOptions.parse("auto"))
+    first = sample(fresh)
+    taught = Generator(MarkovSlots(target), MarkovSlots(draft), "draft_model", 3, tree=TreeOptions.parse("auto"))
+    runner = taught.runner
+    for rows in (4, 10) * 4:  # rows measured free, and rank 1 at depth 1 measured often right
+        runner.speculation.observe_step(rows, 0.01, 3, 1, 0.003, 0.001, batch=1, drafted=(rows - 1) // 3)
+    for _ in range(40):
+        runner.shape.record((3, 1, 1), [1, 0])
+    assert max(runner.tree_shape(3)) > 1
+    runner._shapes.clear()
+    assert sample(taught) == first
+    assert taught.stats.num_draft_tokens > 3 * taught.stats.num_drafts, "the fixed tree (up to 8 nodes) verified"
