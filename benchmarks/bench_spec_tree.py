@@ -12,7 +12,7 @@ decode graph) on the CUDA engine (runtime.engines.cuda), the head on ONNX Runtim
 Each row verifies the same number of proposal rows per step (`rows`, the issue's "equal verify cost"): a chain
 of `rows` tokens, a tree of at most `rows` nodes for each depth of --depths below `rows` (--branching children
 per node, the budget spread evenly over the levels), and the measured-acceptance shape ("tree auto", the deepest
-of those depths). The length is fixed (adaptive off), so every step verifies its full proposal. Greedy (output
+of those depths; greedy only: a seeded sampled request keeps a fixed tree under auto). The length is fixed (adaptive off), so every step verifies its full proposal. Greedy (output
 identical either way, checked against plain) and sampled (temperature 1, seeds 0.., the same for every row).
 
 Printed per prompt, sampling and method (the median tokens/s of --repeats passes, plain measured the same way
@@ -156,6 +156,8 @@ def main(argv=None, *, memory=None) -> int:
             for method in methods:
                 for rows in rows_list:
                     for label, depth, tree in configs(rows, depths, args.branching):
+                        if tree is not None and tree.auto and mode == "sampled":
+                            continue  # seeded requests keep a fixed tree under auto (reproducible): nothing new
                         gen = (Generator(target, draft, "draft_model", depth, tree=tree) if method == "draft_model" else
                                Generator(aux, head, "eagle3", depth, tree=tree) if method == "eagle3" else
                                Generator(target, None, "ngram", depth, tree=tree))

@@ -169,3 +169,16 @@ def test_a_seeded_request_keeps_a_fixed_tree_whatever_the_measured_shape():
     runner._shapes.clear()
     assert sample(taught) == first
     assert taught.stats.num_draft_tokens > 3 * taught.stats.num_drafts, "the fixed tree (up to 8 nodes) verified"
+
+
+def test_the_speculation_length_prices_a_tree_by_its_rows():
+    """The same acceptance and costs: chains of G rows pay, trees of 8 rows for any depth do not, and the
+    cost model sees that when given the rows a proposal takes (ModelRunner.proposal_rows)."""
+    from runtime.serve.spec_length import SpeculationLength
+    from tests.runtime.serve.test_spec_length_pays import Req, _observe
+
+    policy = SpeculationLength(3, explore_every=0)
+    _observe(policy, 1, 3, lambda rows: 0.01 + 0.01 * rows, lambda n: 0.0)
+    good = [Req(9, 10)]
+    assert policy.choose(good, 0) > 0
+    assert policy.choose(good, 0, rows=lambda g: 8 if g else 0) == 0
