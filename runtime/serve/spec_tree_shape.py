@@ -98,22 +98,37 @@ def expected_accepted(a: np.ndarray, widths) -> float:
 
 
 def best_shape(a: np.ndarray, max_nodes: int, row_cost: float) -> tuple[int, ...]:
-    """Grow the chain one node at a time where E gains most, while dE / (1 + E) > row_cost and the budget lasts."""
+    """Grow the chain one node at a time where E gains most, while dE / (1 + E) > row_cost and the budget lasts.
+
+    O(depth) per node added: with P_t = C_1 ... C_t, widening level d multiplies P_d.. by C_d' / C_d, so
+    its gain is (C_d' / C_d - 1)(P_d + ... + P_depth) (recomputed from scratch where C_d is 0)."""
     depth, width = a.shape
+    cum = np.cumsum(a, axis=1).tolist()  # cum[d][w - 1] = C_d(w)
     widths = [1] * depth
-    e = expected_accepted(a, widths)
     while sum(widths) < max_nodes:
+        c = [cum[d][widths[d] - 1] for d in range(depth)]
+        prefix, p = [], 1.0
+        for x in c:
+            p *= x
+            prefix.append(p)
+        e = sum(prefix)
+        suffix = [0.0] * (depth + 1)
+        for d in range(depth - 1, -1, -1):
+            suffix[d] = suffix[d + 1] + prefix[d]
         best, gain = -1, 0.0
         for d in range(depth):
             if widths[d] >= width:
                 continue
-            widths[d] += 1
-            de = expected_accepted(a, widths) - e
-            widths[d] -= 1
+            wider = cum[d][widths[d]]
+            if c[d] > 0:
+                de = (wider / c[d] - 1.0) * suffix[d]
+            else:
+                widths[d] += 1
+                de = expected_accepted(a, widths) - e
+                widths[d] -= 1
             if de > gain:
                 best, gain = d, de
         if best < 0 or gain <= row_cost * (1.0 + e):
             break
         widths[best] += 1
-        e += gain
     return tuple(widths)

@@ -182,3 +182,22 @@ def test_the_speculation_length_prices_a_tree_by_its_rows():
     good = [Req(9, 10)]
     assert policy.choose(good, 0) > 0
     assert policy.choose(good, 0, rows=lambda g: 8 if g else 0) == 0
+
+
+def test_best_shape_adds_the_node_of_largest_expected_gain_each_time():
+    """The incremental gains equal recomputing E for every candidate (random acceptance tables)."""
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        depth, width = int(rng.integers(1, 6)), int(rng.integers(1, 6))
+        a = rng.dirichlet(np.ones(width + 1), size=depth)[:, :width]
+        budget, cost = int(rng.integers(depth, 3 * depth + 4)), float(rng.choice([0.0, 0.02, 0.1]))
+        widths = [1] * depth
+        while sum(widths) < budget:
+            e = expected_accepted(a, widths)
+            gains = [expected_accepted(a, widths[:d] + [widths[d] + 1] + widths[d + 1:]) - e
+                     if widths[d] < width else -1.0 for d in range(depth)]
+            d = int(np.argmax(gains))
+            if gains[d] <= 0 or gains[d] <= cost * (1 + e):
+                break
+            widths[d] += 1
+        assert best_shape(a, budget, cost) == tuple(widths), (a, budget, cost)
