@@ -23,7 +23,7 @@ the fraction of the ideal speedup: measured speedup / ideal, where ideal = (toke
 drafting cost and plain's measured step cost. It takes a verification pass to cost one plain step (it costs
 at least that: more rows), so a row reads at most 100 %; for a chain it is bench_eagle3's
 (1 - a^(k+1)) / ((1 - a)(k c + 1)) with a solved from the mean acceptance length.
-`--out PREFIX` writes PREFIX.md (the command line, then the table) and PREFIX.json.
+`--out PREFIX` writes PREFIX.md (the command line, then the table) and PREFIX.json, again after every block.
 """
 
 from __future__ import annotations
@@ -145,6 +145,14 @@ def main(argv=None, *, memory=None) -> int:
              "| tok/s | vs plain | of ideal |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     out = []
+    command = "benchmarks/bench_spec_tree.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+
+    def save():  # after every table block: a run cut short (a time limit) keeps what it measured
+        if args.out:
+            Path(args.out + ".md").write_text(f"`{command}`\n\n" + "\n".join(lines) + "\n")
+            Path(args.out + ".json").write_text(json.dumps({"command": command, "engine": described, "rows": out},
+                                                           indent=1))
+
     modes = ["greedy"] + (["sampled"] if args.seeds else [])
     for pname, prompt in prompts.items():
         for mode in modes:
@@ -194,10 +202,8 @@ def main(argv=None, *, memory=None) -> int:
                         f"{tps / base_tps:.2f}x | {fraction:.0%} |")
                 lines.append(line)
                 print(line, flush=True)
-    if args.out:
-        command = "benchmarks/bench_spec_tree.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-        Path(args.out + ".md").write_text(f"`{command}`\n\n" + "\n".join(lines) + "\n")
-        Path(args.out + ".json").write_text(json.dumps({"command": command, "engine": described, "rows": out}, indent=1))
+            save()
+    save()
     return 0
 
 
