@@ -23,7 +23,8 @@ the fraction of the ideal speedup: measured speedup / ideal, where ideal = (toke
 drafting cost and plain's measured step cost. It takes a verification pass to cost one plain step (it costs
 at least that: more rows), so a row reads at most 100 %; for a chain it is bench_eagle3's
 (1 - a^(k+1)) / ((1 - a)(k c + 1)) with a solved from the mean acceptance length.
-`--out PREFIX` writes PREFIX.md (the command line, then the table) and PREFIX.json, again after every block.
+`--clock cpu` times in this process's CPU seconds (CPU engine only): on a machine other jobs share, wall time
+measures their load as much as this code. `--out PREFIX` writes PREFIX.md (the command line, then the table) and PREFIX.json, again after every block.
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ def main(argv=None, *, memory=None) -> int:
     ap.add_argument("--prompts", default="short,long")
     ap.add_argument("--repeats", type=int, default=3, help="passes per row (tokens/s: their median)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this process's CPU seconds (every thread), steadier than wall time on a shared "
+                         "machine (CPU engine only: a GPU's work is not this process's CPU time)")
     ap.add_argument("--cuda", action="store_true", help="the cuda target's graphs on the CUDA engine (onnxruntime-gpu)")
     ap.add_argument("--out", help="write PREFIX.md and PREFIX.json")
     args = ap.parse_args(argv)
@@ -91,6 +95,9 @@ def main(argv=None, *, memory=None) -> int:
     from runtime.serve.sampling import SamplingParams
     from runtime.serve.tokenizer import Tokenizer
 
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.cuda and args.clock == "cpu":
+        raise SystemExit("--clock cpu: expected the CPU engine, found --cuda (GPU time is no CPU time)")
     work = Path(tempfile.mkdtemp(prefix="bench-spec-tree-"))
     cfg = eagle3.read_head_config(demo.DEMO_EAGLE3_DIR)
     layers = tuple(cfg.resolved_layer_ids(json.loads((demo.DEMO_TARGET_DIR / "config.json").read_text())["num_hidden_layers"]))
@@ -131,16 +138,16 @@ def main(argv=None, *, memory=None) -> int:
         """(outputs, tokens, tokens/s) of one pass: every seed's request (one greedy request) from empty slots."""
         gen.reset()  # generators share engines: each pass starts from empty slots
         seeds = [None] if mode == "greedy" else list(range(args.seeds))
-        outs, t0 = [], time.perf_counter()
+        outs, t0 = [], clock()
         for seed in seeds:
             params = SamplingParams(temperature=0.0) if seed is None else SamplingParams(temperature=1.0, seed=seed)
             outs.append([t for s in gen.generate(prompt, params, max_tokens=args.tokens, eos_ids=()) for t in s.tokens])
         n = sum(len(o) for o in outs)
-        return outs, n, n / (time.perf_counter() - t0)
+        return outs, n, n / (clock() - t0)
 
     lines = [f"engine: {described} ({dtype}); {args.tokens} tokens per request, sampled: {args.seeds} seeds at "
              f"temperature 1; proposal rows per step fixed (adaptive off); tok/s: median of {args.repeats} "
-             f"interleaved passes", "",
+             f"interleaved passes, {'per CPU second of this process' if args.clock == 'cpu' else 'wall clock'}", "",
              "| prompt | sampling | method | rows | proposal | mean accepted length | acceptance | target forwards "
              "| tok/s | vs plain | of ideal |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
@@ -158,17 +165,18 @@ def main(argv=None, *, memory=None) -> int:
         for mode in modes:
             # (key, method, rows, label, depth, Generator): plain first, then every row, passes interleaved so
             # machine load hits them alike
-            gens = [("plain", None, 0, "plain", 0, Generator(target))]
+            gens = [("plain", None, 0, "plain", 0, Generator(target, clock=clock))]
             if aux is not None:
-                gens.append(("aux", None, 0, "plain", 0, Generator(aux)))
+                gens.append(("aux", None, 0, "plain", 0, Generator(aux, clock=clock)))
             for method in methods:
                 for rows in rows_list:
                     for label, depth, tree in configs(rows, depths, args.branching):
                         if tree is not None and tree.auto and mode == "sampled":
                             continue  # seeded requests keep a fixed tree under auto (reproducible): nothing new
-                        gen = (Generator(target, draft, "draft_model", depth, tree=tree) if method == "draft_model" else
-                               Generator(aux, head, "eagle3", depth, tree=tree) if method == "eagle3" else
-                               Generator(target, None, "ngram", depth, tree=tree))
+                        kw = dict(tree=tree, clock=clock)  # the runner's drafting seconds on the same clock
+                        gen = (Generator(target, draft, "draft_model", depth, **kw) if method == "draft_model" else
+                               Generator(aux, head, "eagle3", depth, **kw) if method == "eagle3" else
+                               Generator(target, None, "ngram", depth, **kw))
                         if tree is None or gen.runner.tree is not None:  # else this engine runs no trees (logged)
                             gens.append((f"{method}/{rows}/{label}", method, rows, label, depth, gen))
             for _, _, _, _, _, gen in gens:
