@@ -377,8 +377,9 @@ class ModelRunner:
         the configured branching with the budget spread evenly, or the auto shape's nodes."""
         left = self._tree_budget(r) - len(tree)
         if self.shape is not None and r.adaptive:
-            w = self.tree_shape(g)[level]
-            return w, max(min(w, left), 0)
+            shape = self.tree_shape(g)  # shallower than g when max_nodes < g: no nodes below it
+            w = shape[level] if level < len(shape) else 0
+            return max(w, 1), max(min(w, left), 0)
         # a seeded request keeps a shape that no other request changes, so it draws the same tokens alone
         # or in a crowd (as it keeps the fixed K): auto trees give it SEEDED_BRANCHING, spread evenly
         return self.tree.branching or SEEDED_BRANCHING, level_quota(left, g - level)

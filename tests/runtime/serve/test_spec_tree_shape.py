@@ -201,3 +201,16 @@ def test_best_shape_adds_the_node_of_largest_expected_gain_each_time():
                 break
             widths[d] += 1
         assert best_shape(a, budget, cost) == tuple(widths), (a, budget, cost)
+
+
+def test_an_auto_budget_no_deeper_than_the_depth_keeps_the_chain():
+    """max_nodes <= G leaves no node to widen a level with: the shape is the chain (the depth is spec_length's
+    choice), proposed as a chain, greedy output unchanged."""
+    target, draft = _tables()
+    greedy = SamplingParams(temperature=0.0)
+    plain = [t for s in Generator(MarkovSlots(target)).generate([0, 1], greedy, max_tokens=30) for t in s.tokens]
+    auto = Generator(MarkovSlots(target), MarkovSlots(draft), "draft_model", 5, tree=TreeOptions.parse({"max_nodes": 3}))
+    for rows in (4, 10) * 4:  # rows measured free
+        auto.runner.speculation.observe_step(rows, 0.01, 3, 1, 0.003, 0.001, batch=1, drafted=(rows - 1) // 3)
+    assert [t for s in auto.generate([0, 1], greedy, max_tokens=30) for t in s.tokens] == plain
+    assert auto.runner.tree_shape(5) == (1, 1, 1) and auto.stats.num_drafts > 0
