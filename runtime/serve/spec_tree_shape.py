@@ -11,7 +11,8 @@ rank 0). Then
 
 is the expected number of accepted draft tokens. The shape starts as the chain (w_d = 1 for the depth G
 that spec_length chose) and grows one node at a time where E gains most, while the gain pays for the
-verify row it costs: a node adds dE tokens to T = 1 + E per slot and one row per slot to the step, so it
+verify row it costs (and the same from every shallower depth, the best taken: at equal rows a shallower,
+wider tree beats the chain where a second candidate is right more often than a deep node is reached): a node adds dE tokens to T = 1 + E per slot and one row per slot to the step, so it
 pays when dE / T > lambda, lambda the measured marginal cost of one more verify row per slot as a share
 of the step's cost (SpeculationLength.row_cost_share: about 1/rows on 2 CPU cores, near 0 on an H200).
 The budget is max_nodes. An untried rank is credited half the share of the rank before it (weighing as
@@ -98,7 +99,26 @@ def expected_accepted(a: np.ndarray, widths) -> float:
 
 
 def best_shape(a: np.ndarray, max_nodes: int, row_cost: float) -> tuple[int, ...]:
-    """Grow the chain one node at a time where E gains most, while dE / (1 + E) > row_cost and the budget lasts.
+    """The best of the chain of depth G = len(a) grown by grow_shape and of the trees of every shallower depth
+    grown the same way (a shallower one that stays a chain is left out: the depth of chains is spec_length's
+    call), by tokens per step cost: (1 + E) / (1 + row_cost * (rows - G)), the step's cost relative to the
+    chain's. At equal rows this trades depth for width where a second candidate is right more often than a
+    deep node is reached."""
+    depth = a.shape[0]
+    best, score = None, -1.0
+    for d in range(depth, 0, -1):
+        widths = grow_shape(a[:d], max_nodes, row_cost)
+        if d < depth and max(widths) == 1:
+            continue
+        j = (1.0 + expected_accepted(a, widths)) / max(1.0 + row_cost * (sum(widths) - depth), 1e-9)
+        if j > score * (1 + 1e-9):  # ties keep the deeper shape
+            best, score = widths, j
+    return best
+
+
+def grow_shape(a: np.ndarray, max_nodes: int, row_cost: float) -> tuple[int, ...]:
+    """Grow the chain of a's depth one node at a time where E gains most, while dE / (1 + E) > row_cost and the
+    budget lasts.
 
     O(depth) per node added: with P_t = C_1 ... C_t, widening level d multiplies P_d.. by C_d' / C_d, so
     its gain is (C_d' / C_d - 1)(P_d + ... + P_depth) (recomputed from scratch where C_d is 0)."""

@@ -9,7 +9,7 @@ import pytest
 from runtime.serve.generator import Generator
 from runtime.serve.sampling import SamplingParams
 from runtime.serve.spec_tree import TreeOptions
-from runtime.serve.spec_tree_shape import TreeShape, best_shape, expected_accepted
+from runtime.serve.spec_tree_shape import TreeShape, best_shape, expected_accepted, grow_shape
 from tests.runtime.serve.test_sampling import _tables
 from tests.runtime.serve.toy_engines import MarkovSlots
 
@@ -25,7 +25,10 @@ def test_best_shape_widens_where_it_gains_most_within_budget_and_cost():
     a = np.array([[0.5, 0.4, 0.05], [0.9, 0.05, 0.05], [0.9, 0.05, 0.05]])
     assert best_shape(a, 4, 0.0) == (2, 1, 1), "the second node at depth 1 gains most"
     assert sum(best_shape(a, 7, 0.0)) == 7, "free rows: the whole budget"
-    assert best_shape(a, 3, 0.0) == (1, 1, 1), "a budget of the depth is the chain"
+    assert grow_shape(a, 3, 0.0) == (1, 1, 1), "a budget of the depth leaves the chain nothing to grow"
+    assert best_shape(a, 3, 0.0) == (2, 1), "at equal rows the shallower tree: its second candidate pays more"
+    deep = np.array([[0.9, 0.05], [0.9, 0.05], [0.9, 0.05]])
+    assert best_shape(deep, 3, 0.0) == (1, 1, 1), "a draft right at rank 0: depth wins"
     assert best_shape(a, 8, 0.5) == (1, 1, 1), "rows that cost half a step never pay for a side branch"
 
 
@@ -184,7 +187,7 @@ def test_the_speculation_length_prices_a_tree_by_its_rows():
     assert policy.choose(good, 0, rows=lambda g: 8 if g else 0) == 0
 
 
-def test_best_shape_adds_the_node_of_largest_expected_gain_each_time():
+def test_growing_adds_the_node_of_largest_expected_gain_each_time():
     """The incremental gains equal recomputing E for every candidate (random acceptance tables)."""
     rng = np.random.default_rng(5)
     for _ in range(20):
@@ -200,12 +203,12 @@ def test_best_shape_adds_the_node_of_largest_expected_gain_each_time():
             if gains[d] <= 0 or gains[d] <= cost * (1 + e):
                 break
             widths[d] += 1
-        assert best_shape(a, budget, cost) == tuple(widths), (a, budget, cost)
+        assert grow_shape(a, budget, cost) == tuple(widths), (a, budget, cost)
 
 
-def test_an_auto_budget_no_deeper_than_the_depth_keeps_the_chain():
-    """max_nodes <= G leaves no node to widen a level with: the shape is the chain (the depth is spec_length's
-    choice), proposed as a chain, greedy output unchanged."""
+def test_an_auto_budget_below_the_depth_drafts_within_it():
+    """max_nodes < G: the shape is at most max_nodes deep and wide in all (a shallower tree, or the chain),
+    the levels below it draft nothing, and greedy output is unchanged."""
     target, draft = _tables()
     greedy = SamplingParams(temperature=0.0)
     plain = [t for s in Generator(MarkovSlots(target)).generate([0, 1], greedy, max_tokens=30) for t in s.tokens]
@@ -213,4 +216,5 @@ def test_an_auto_budget_no_deeper_than_the_depth_keeps_the_chain():
     for rows in (4, 10) * 4:  # rows measured free
         auto.runner.speculation.observe_step(rows, 0.01, 3, 1, 0.003, 0.001, batch=1, drafted=(rows - 1) // 3)
     assert [t for s in auto.generate([0, 1], greedy, max_tokens=30) for t in s.tokens] == plain
-    assert auto.runner.tree_shape(5) == (1, 1, 1) and auto.stats.num_drafts > 0
+    shape = auto.runner.tree_shape(5)
+    assert len(shape) <= 3 and sum(shape) <= 3 and auto.stats.num_drafts > 0, shape
