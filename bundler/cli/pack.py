@@ -213,6 +213,8 @@ def create(model_ref, draft_ref, spec_config, include, exclude, lock_path, max_m
             raise UsageError("expected either --draft or --speculative-config, found both")
         parsed = parse_speculative_config(spec_config)
         draft_ref, tokens = parsed.bundled_draft()
+        from runtime.serve.spec_tree import TreeOptions
+        TreeOptions.parse(parsed.extra.get("tree"))  # a serve-time option, but a malformed one is refused here
         num_speculative_tokens = tokens or num_speculative_tokens
         if parsed.method == "eagle3":
             method = "eagle3"

@@ -37,6 +37,12 @@ sequence_length > 1"), so there the decode rows of a step are one call and each 
 carry, run here when TensorRT is absent): rows one by one, batch 1, two device buffers per slot that
 take turns. The "shared" GroupQueryAttention graph is a cpu-target graph and is refused.
 
+Token trees (Row.tree, runtime.engines.base.TreeMask; `supports_tree` on the Attention graph, batched):
+a tree row's mask and position ids are written as the CPU batched engine writes them
+(runtime.engines.onnxruntime.tree_mask) into the same input buffers, so tree rows share calls and CUDA
+graphs with chains; under the dual engine every tree row, a one-token one included, runs on the Attention
+graph. keep_rows moves the accepted path's K/V rows into place with device-to-device copies.
+
 Both graphs at once (`decode_graph`, what `cuda` bundles carry: bundler.onnx.dual): the Attention
 graph and the GroupQueryAttention graph share the cache buffers and the weights. A step's
 single-token rows are one call of the GroupQueryAttention graph (a CUDA graph), its multi-token rows
@@ -63,7 +69,8 @@ from manifests.limits import LIMITS
 from runtime.engines.base import Engine, Row
 from runtime.engines.cudalib import D2D, D2H, H2D, Cudart, DeviceBuffer, fetch_rows, onnxruntime_cuda, pack_aligned
 from runtime.engines.device_states import DeviceStates
-from runtime.engines.onnxruntime import OnnxRuntimeEngine, bind_row_inputs, check_capacity, static_capacity
+from runtime.engines.onnxruntime import (OnnxRuntimeEngine, bind_row_inputs, check_capacity, static_capacity,
+                                         tree_mask)
 from runtime.engines.shared_weights import SHARED_WEIGHTS_INDEX, read_shared_weights
 from runtime.engines.slots import SlotTable
 
@@ -173,6 +180,9 @@ class CudaEngine(Engine):
         if graph_max is not None and limit > graph_max:
             raise ModelError(f"max context {limit} exceeds what the model supports; expected at most {graph_max}")
         self.batched = self.kv_cache == "batched"
+        # token trees: the Attention graph takes any mask and position ids (GroupQueryAttention takes neither);
+        # a recurrent state cannot branch
+        self.supports_tree = self.batched and not self._lane.gqa and self._states is None
         self._headroom = int(meta.get("bundle.kv_headroom", 0)) if self.batched else 0
         self._fixed_capacity = static_capacity(meta, self._headroom, graph)  # the graph TensorRT targets carry
         if self._fixed_capacity and not max_context:
@@ -400,10 +410,11 @@ class CudaEngine(Engine):
         if self.batched:
             lane = self._lane
             if self.dual:  # single-token rows: one GroupQueryAttention call; the others: the Attention graph
-                decode = [r for r in live if len(r.tokens) == 1]
+                # (a tree row of one token too: its node sees its ancestors only, not every cached row)
+                decode = [r for r in live if len(r.tokens) == 1 and r.tree is None]
                 if decode:
                     out.update(self._run_batched(self._decode, decode, wants))
-                groups = self._groups([r for r in live if len(r.tokens) > 1])
+                groups = self._groups([r for r in live if len(r.tokens) > 1 or r.tree is not None])
             elif lane.gqa:  # GroupQueryAttention alone: a multi-token row after a past is a call of its own
                 groups = [[r for r in live if len(r.tokens) == 1]] + [[r] for r in live if len(r.tokens) > 1]
             else:
@@ -445,6 +456,9 @@ class CudaEngine(Engine):
         graph_id = lane.graphs.setdefault((hi, width, window, self._generation), len(lane.graphs) + 1) \
             if use_graph else None
         mask = None if lane.gqa else np.arange(window)[None, None, None, :] <= positions[:, None, :, None]
+        for r in group:
+            if r.tree is not None:  # a token tree: each node sees the past and its ancestors, at its depth
+                tree_mask(mask[r.slot - lo, 0], positions[r.slot - lo], r.tree, int(write[r.slot - lo]))
         counts = {r.slot: len(r.tokens) for r in group}
         self._bind_inputs(lane, batch, width, window, ids, positions, write, mask,
                           self._states.inputs(lo, hi, counts) if self._states else ())
@@ -580,6 +594,27 @@ class CudaEngine(Engine):
             self.slots.lengths[slot] = length - len(again)
             if again:
                 self.forward([Row(slot, again, fetch="none")])
+
+    def keep_rows(self, slot: int, past: int, rows: Sequence[int]) -> None:
+        """Token trees: the rows past + rows[i] move to past + i on the device (one 2-D copy per layer, K or V
+        and row that moves; rows already in place stay), then the slot is past + len(rows) long."""
+        if not self.supports_tree:
+            return super().keep_rows(slot, past, rows)
+        have = self.slots.lengths[slot]
+        idx = past + np.asarray(rows, dtype=np.int64)
+        if not (0 <= past <= have and (len(idx) == 0 or (idx.max() < have and np.all(np.diff(idx) > 0)))):
+            raise ValueError(f"keep rows {list(rows)[:8]} after {past} of slot {slot}: it holds {have}")
+        row = self.head_dim * self._itemsize
+        per = self.num_kv_heads * self.capacity * row
+        moves = [(past + i, int(j)) for i, j in enumerate(idx) if j != past + i]
+        for buf in self._buffers:  # in order: a row's destination is never a later row's source (idx increases)
+            base = buf.ptr + slot * per
+            for dst, src in moves:
+                self.cudart.memcpy2d(base + dst * row, self.capacity * row, base + src * row, self.capacity * row,
+                                     row, self.num_kv_heads, D2D)
+        if moves:
+            self.cudart.synchronize()  # device-to-device copies are asynchronous: done before the next run
+        self.slots.lengths[slot] = past + len(idx)
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         if not self._states or src == dst:

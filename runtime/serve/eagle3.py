@@ -8,6 +8,13 @@ across steps; entries made while chain drafting (feature = the head's own output
 after every proposal, since after verification the target's feature for those positions exists.
 The head's logits cover the target vocabulary with -inf outside the draft vocabulary (d2t applied
 in the graph), so q = 0 there and acceptance is exactly runtime.serve.speculative's.
+
+Token trees (runtime.serve.spec_tree): a level's nodes run as ONE head forward under a tree mask, each
+node's entry made from (its token, its parent's hidden state) at position past + depth - 1 and seeing
+the target-feature entries and its own ancestors' entries only, so every branch continues from its own
+hidden state exactly as a chain along it would. Cost: one head forward per level (as a chain's one per
+token), its rows the level's nodes; the head's cache holds every node drafted until the proposal ends.
+Needs the "batched" head layout (the graph takes a mask and position ids); "concat" heads draft chains.
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ from typing import Sequence
 import numpy as np
 
 from manifests.errors import EnvironmentProblem, ModelError
-from runtime.engines.onnxruntime import open_session
+from runtime.engines.base import TreeMask
+from runtime.engines.onnxruntime import open_session, tree_mask
+from runtime.serve.spec_tree import Tree
 
 FORMAT = "eagle3-head-v1"
 
@@ -32,6 +41,8 @@ class Drafter(ABC):
     target_hidden_size: int
     max_context: int
     description: str = ""
+    #: True when forward_tree runs a level of a token tree under a tree mask
+    supports_tree: bool = False
 
     @property
     @abstractmethod
@@ -43,6 +54,13 @@ class Drafter(ABC):
                 draft_hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Append len(token_ids) entries: first len(target_hidden) rows with target features, then
         len(draft_hidden) with the head's own. Returns (logits [n, vocab] float32, hidden [n, H])."""
+
+    def forward_tree(self, token_ids: Sequence[int], draft_hidden: np.ndarray,
+                     tree: TreeMask) -> tuple[np.ndarray, np.ndarray]:
+        """Append len(token_ids) entries made with the head's own features (draft_hidden [n, H]), entry i
+        seeing the entries before tree.base and those at tree.ancestors[i] (runtime.engines.base.TreeMask),
+        at position tree.base + len(tree.ancestors[i]). Returns (logits [n, vocab], hidden [n, H])."""
+        raise NotImplementedError(f"{type(self).__name__} drafts no token trees")
 
     @abstractmethod
     def rollback(self, length: int) -> None:
@@ -92,6 +110,7 @@ class OnnxDrafter(Drafter):
         self.max_context = min(int(max_context or meta["bundle.max_positions"]), int(meta["bundle.max_positions"]))
         self._kv, self._hd = int(meta["bundle.num_kv_heads"]), int(meta["bundle.head_dim"])
         self._ort = ort
+        self.supports_tree = self.kv_cache == "batched"
         self.device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
         self._new_cache()
         self.description = (f"onnxruntime {ort.__version__} EAGLE-3 head (draft vocab {meta['bundle.draft_vocab_size']},"
@@ -138,14 +157,33 @@ class OnnxDrafter(Drafter):
                 "past_key_values.0.key": self._k, "past_key_values.0.value": self._v})
             self._length = past + n
             return logits[0], hidden[0]
+        # new row i attends to every cached row and to new rows 0..i: the first past + n rows only
+        mask = np.arange(past + n)[None, :] <= positions[0][:, None]
+        return self._run(ids, th, dh, positions, mask)
+
+    def forward_tree(self, token_ids, draft_hidden, tree):
+        if not self.supports_tree:
+            return super().forward_tree(token_ids, draft_hidden, tree)
+        n, past = len(token_ids), self._length
+        if past + n > self.max_context:
+            raise ModelError(f"EAGLE-3 head context full: {past} cached + {n} new > {self.max_context}")
+        dh = np.asarray(draft_hidden, np.float32).reshape(1, n, self.hidden_size)
+        mask = np.zeros((n, past + n), bool)
+        positions = np.zeros(n, np.int64)
+        tree_mask(mask, positions, tree, past)
+        return self._run(np.asarray(token_ids, np.int64).reshape(1, n),
+                         np.zeros((1, 0, 3 * self.target_hidden_size), np.float32), dh, positions[None], mask)
+
+    def _run(self, ids, th, dh, positions, mask):
+        """One run of the batched layout: n new entries written from row `length` on; mask [n, length + n]."""
+        n, past = ids.shape[1], self._length
         b = self._binding
         b.bind_cpu_input("input_ids", ids)
         b.bind_cpu_input("target_hidden_states", np.ascontiguousarray(th))
         b.bind_cpu_input("draft_hidden_states", np.ascontiguousarray(dh))
         b.bind_cpu_input("position_ids", positions)
         b.bind_cpu_input("write_indices", np.array([past], np.int64))
-        # new row i attends to every cached row and to new rows 0..i: the first past + n rows only
-        b.bind_cpu_input("attention_mask", np.arange(past + n)[None, None, None, :] <= positions[:, None, :, None])
+        b.bind_cpu_input("attention_mask", np.ascontiguousarray(mask[None, None]))
         logits = np.empty((1, n, self.vocab_size), np.float32)
         hidden = np.empty((1, n, self.hidden_size), np.float32)
         b.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
@@ -189,8 +227,9 @@ class ChainProposer:
         self._covered.clear()
         self.drafter.reset()
 
-    def propose(self, tokens: Sequence[int], g: int, pick) -> tuple[list[int], list]:
-        """`pick(logits row, drafts so far)` -> (token, q or None). Returns (drafts, qs)."""
+    def _catch_up(self, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Feed the head the target-feature entries it lacks for `tokens`: (logits row, hidden [1, H]) of
+        the last one, the head's view of the token after the pending one."""
         L = len(tokens)
         if len(self.features) < L - 1:
             raise ModelError(f"EAGLE-3: the target's features cover {len(self.features)} positions, "
@@ -206,8 +245,13 @@ class ChainProposer:
         logits, hidden = self.drafter.forward(list(tokens[keep + 1:L]), feats,
                                               np.zeros((0, self.drafter.hidden_size), np.float32))
         self._covered = list(tokens[:L])
+        return logits[-1], hidden[-1:]
+
+    def propose(self, tokens: Sequence[int], g: int, pick) -> tuple[list[int], list]:
+        """`pick(logits row, drafts so far)` -> (token, q or None). Returns (drafts, qs)."""
+        L = len(tokens)
+        row, h = self._catch_up(tokens)
         drafts, qs = [], []
-        row, h = logits[-1], hidden[-1:]
         for i in range(g):
             d, q = pick(row, drafts)
             drafts.append(d)
@@ -218,3 +262,26 @@ class ChainProposer:
                 row, h = lg[-1], hd[-1:]
         self.drafter.rollback(L - 1)  # chain entries read the head's own features: never kept
         return drafts, qs
+
+    def propose_tree(self, tokens: Sequence[int], g: int, grow) -> Tree:
+        """A token tree of depth up to g. `grow(tree, frontier, logits_of, level)` -> the level's new nodes
+        (runtime.serve.spec_tree.grow_level); each level but the deepest runs as one head forward under a
+        tree mask, a node's entry made from its token and its parent's hidden state."""
+        L = len(tokens)
+        row, h = self._catch_up(tokens)
+        base = self.drafter.length  # node j's entry goes to base + j (levels are written in order)
+        tree, frontier = Tree(), [-1]
+        logits_of, hidden_of = {-1: row}, {-1: h[0]}
+        for level in range(g):
+            new = grow(tree, frontier, logits_of, level)
+            if not new:
+                break
+            frontier = new
+            if level < g - 1:
+                mask = TreeMask(base, tuple(tuple(base + a for a in tree.ancestors(j)) for j in new))
+                lg, hd = self.drafter.forward_tree([tree.tokens[j] for j in new],
+                                                   np.stack([hidden_of[tree.parents[j]] for j in new]), mask)
+                logits_of.update(zip(new, lg))
+                hidden_of.update(zip(new, hd))
+        self.drafter.rollback(L - 1)  # tree entries read the head's own features: never kept
+        return tree

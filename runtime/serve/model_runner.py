@@ -22,10 +22,15 @@ from runtime.serve.eagle3 import ChainProposer
 from runtime.engines.base import Engine, Row, SequenceEngine, SequenceSlots, TreeMask
 from runtime.serve.logits_process import token_logprobs
 from runtime.serve.spec_length import SpeculationLength
-from runtime.serve.spec_tree import Tree, TreeOptions, accept_tree, accept_tree_greedy, grow_level, level_quota
+from runtime.serve.spec_tree_shape import TreeShape
+from runtime.serve.spec_tree import (Tree, TreeOptions, accept_tree, accept_tree_greedy, grow_level, level_quota,
+                                     ngram_tree)
 from runtime.serve.speculative import METHODS, SpecStats, Step, accept, accept_greedy, ngram_lookup, propose_token
 
 log = logging.getLogger(__name__)
+
+TREE_METHODS = ("draft_model", "eagle3", "ngram")  # the methods that propose token trees
+SEEDED_BRANCHING = 2  # auto trees: the fixed branching of seeded sampled requests (reproducible shapes)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -56,8 +61,8 @@ class ModelRunner:
         only (Engine.forward_greedy); False always fetches logits (the reference in tests).
         `adaptive`: pick each step's number of proposals from measured costs (runtime.serve.spec_length);
         False verifies num_speculative_tokens every step. `disable_by_batch_size`: vLLM's key.
-        `tree`: draft_model proposes token trees (runtime.serve.spec_tree) of depth up to
-        num_speculative_tokens, where both engines run them; None: chains."""
+        `tree`: draft_model, eagle3 and ngram propose token trees (runtime.serve.spec_tree) of depth up to
+        num_speculative_tokens, where the engines (and the EAGLE-3 head) run them; None: chains."""
         if method not in METHODS:
             raise UsageError(f"speculative method must be one of {', '.join(METHODS)}, found {method!r}")
         if method == "draft_model" and draft is None:
@@ -72,14 +77,19 @@ class ModelRunner:
         if draft is not None and method in ("draft_model", "eagle3") and draft.vocab_size != target.vocab_size:
             # Logit rows must index the same tokens; a smaller draft vocabulary would need padding.
             raise UsageError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
-        if tree is not None and method != "draft_model":
-            raise UsageError(f'speculative "tree" needs method draft_model, found {method!r}')
-        if tree is not None and not (target.supports_tree and draft.supports_tree):
-            log.warning("token trees are off: the %s engine cannot run them (they need ONNX Runtime's batched "
-                        "KV-cache graph); speculation proposes chains",
-                        "target" if not target.supports_tree else "draft")
+        if tree is not None and method not in TREE_METHODS:
+            raise UsageError(f'speculative "tree" needs method {", ".join(TREE_METHODS)}, found {method!r}')
+        if tree is not None and not (target.supports_tree and (draft is None or draft.supports_tree)):
+            log.warning("token trees are off: the %s cannot run them (they need a batched KV-cache graph: ONNX "
+                        "Runtime's, the CUDA engine's, an EAGLE-3 head's); speculation proposes chains",
+                        "target engine" if not target.supports_tree else "draft engine" if method == "draft_model"
+                        else "EAGLE-3 head")
             tree = None
         self.tree = tree
+        #: "tree": "auto": nodes per level from measured acceptance (runtime.serve.spec_tree_shape)
+        self.shape = TreeShape(num_speculative_tokens, tree.max_nodes) if tree is not None and tree.auto else None
+        self._shapes: dict[int, tuple[int, ...]] = {}  # this step's shape per depth (auto trees)
+        self._batch = 1  # the latest step's decoding sequences (what a shape's row cost is measured against)
         self.target = target
         self.draft = draft if method == "draft_model" else None
         self.head = draft if method == "eagle3" else None  # runtime.serve.eagle3.Drafter
@@ -122,8 +132,27 @@ class ModelRunner:
         """Target rows the proposals of a step with speculation length g take (a tree: its nodes)."""
         if self.tree is None or g == 0:
             return g
-        k = self.tree.branching
-        return min(self.tree.max_nodes, sum(k ** d for d in range(1, g + 1)))
+        k = self.tree.branching or SEEDED_BRANCHING  # auto: seeded requests' fixed trees may be the larger
+        fixed = min(self.tree.max_nodes, sum(k ** d for d in range(1, g + 1)))
+        return max(fixed, sum(self.tree_shape(g))) if self.shape is not None else fixed
+
+    def tree_shape(self, g: int) -> tuple[int, ...]:
+        """Auto trees: nodes per level for depth g this step (the same for every slot, chosen once a step)."""
+        if g not in self._shapes:
+            self._shapes[g] = self.shape.choose(g, self.speculation.row_cost_share(self._batch, g))
+        return self._shapes[g]
+
+    def drafts_tree(self, g: int, r) -> bool:
+        """Whether request r's proposal of depth g is a tree: fixed trees always; auto ones when a level holds
+        more than one node (an all-ones shape is the chain, proposed as one) or r is seeded (_level)."""
+        if self.tree is None or g <= 0:
+            return False
+        return self.shape is None or not r.adaptive or max(self.tree_shape(g)) > 1
+
+    def shape_snapshot(self) -> dict[int, int]:
+        """Auto trees: {depth: nodes} of the latest shape chosen (/metrics, the periodic log line)."""
+        last = self.shape.last if self.shape is not None else ()
+        return {d + 1: w for d, w in enumerate(last)}
 
     @property
     def num_slots(self) -> int:
@@ -230,6 +259,8 @@ class ModelRunner:
         """
         t0, target0 = self._clock(), self.stats.target_seconds
         self._catch_up = False
+        if decodes:
+            self._batch = len(decodes)
         proposals = self._propose(decodes, prefills)
         propose_s = self._clock() - t0  # the proposer's whole time (its forwards and the Python around them)
         rows, firsts = [], []  # firsts: the prefills whose last chunk this is
@@ -275,6 +306,7 @@ class ModelRunner:
                                       sum(1 for d, _ in proposals.values() if d), propose_s,
                                       self._clock() - t0 - target_s - propose_s, batch=len(decodes),
                                       drafted=max((g for _, g in decodes), default=0))
+        self._shapes.clear()  # the next step chooses again, with what this one measured
 
     def _finish_row(self, r, row_logits, drafts: list[int], qs: list, greedy: bool) -> None:
         """Accept from a row's target output (argmax or logits after [pending, *drafts]); emit the Step."""
@@ -288,6 +320,8 @@ class ModelRunner:
         accepted = len(new) - 1
         self.stats.record(len(drafts), accepted)
         self.speculation.record(r, len(drafts), accepted)
+        if self.shape is not None and drafts:  # a chain: one node per level, each rank 0
+            self.shape.record([1] * len(drafts), [0] * accepted)
         keep = len(r.tokens) + accepted  # target now holds tokens + drafts; keep tokens + accepted
         self._rollback(self.target, self.target_cache, r.slot, keep)
         if self.draft is not None and self.uses_draft(r):
@@ -308,6 +342,12 @@ class ModelRunner:
         accepted = len(path)
         self.stats.record(len(tree), accepted)
         self.speculation.record(r, max(tree.depths, default=0), accepted)
+        if self.shape is not None:
+            levels: dict[int, list[int]] = {}
+            for j, d in enumerate(tree.depths):
+                levels.setdefault(d, []).append(j)
+            self.shape.record([len(levels[d]) for d in sorted(levels)],
+                              [levels[i + 1].index(j) for i, j in enumerate(path)])
         past = len(r.tokens) - 1  # the target holds past + [pending, *nodes]; keep pending and the path
         self._keep(self.target, self.target_cache, r.slot, past, [0] + [1 + j for j in path])
         if self.uses_draft(r):  # the draft holds tokens + the nodes it ran (all but the deepest level's)
@@ -323,6 +363,34 @@ class ModelRunner:
     def _keep(self, engine: Engine, mirror: list[list[int]], slot: int, past: int, rows: list[int]) -> None:
         engine.keep_rows(slot, past, rows)
         mirror[slot][past:] = [mirror[slot][past + i] for i in rows]
+        if self.eagle is not None and engine is self.target:  # the target's features follow its cache rows
+            features = self.eagle[slot].features
+            features[past:] = [features[past + i] for i in rows]
+
+    def _tree_budget(self, r) -> int:
+        """Nodes a tree may have for request r: the configured budget, less what the context cannot hold
+        (the target holds past + pending + nodes)."""
+        return max(min(self.tree.max_nodes, self.max_context - len(r.tokens)), 0)
+
+    def _level(self, r, g: int, level: int, tree: Tree) -> tuple[int, int]:
+        """(children per frontier node, nodes) for the level of depth level + 1 of r's tree of depth g:
+        the configured branching with the budget spread evenly, or the auto shape's nodes."""
+        left = self._tree_budget(r) - len(tree)
+        if self.shape is not None and r.adaptive:
+            shape = self.tree_shape(g)  # shallower than g when max_nodes < g: no nodes below it
+            w = shape[level] if level < len(shape) else 0
+            return max(w, 1), max(min(w, left), 0)
+        # a seeded request keeps a shape that no other request changes, so it draws the same tokens alone
+        # or in a crowd (as it keeps the fixed K): auto trees give it SEEDED_BRANCHING, spread evenly
+        return self.tree.branching or SEEDED_BRANCHING, level_quota(left, g - level)
+
+    def _grower(self, r, g: int):
+        """grow(tree, frontier, logits_of, level) for an EAGLE-3 head's tree (grow_level with r's sampling)."""
+        def grow(tree, frontier, logits_of, level):
+            k, quota = self._level(r, g, level, tree)
+            return grow_level(tree, frontier, logits_of, r.params, r.rng, k, quota, r.logits_processors,
+                              r.output_ids)
+        return grow
 
     def _propose_tree(self, wanting, last) -> dict[int, tuple[Tree, list]]:
         """Grow each wanting slot's tree level by level; one draft forward per level for every slot,
@@ -330,17 +398,15 @@ class ModelRunner:
         trees = {r.slot: Tree() for r, _ in wanting}
         frontier = {r.slot: [-1] for r, _ in wanting}
         logits = {r.slot: {-1: last[r.slot]} for r, _ in wanting}
-        k, budget = self.tree.branching, self.tree.max_nodes
         for level in range(max((g for _, g in wanting), default=0)):
             rows, grown = [], {}
             for r, g in wanting:
                 if level >= g:
                     continue
                 tree = trees[r.slot]
-                # nodes the target (past + pending + nodes) and the draft can still hold
-                left = min(budget, self.max_context - len(r.tokens)) - len(tree)
-                new = grow_level(tree, frontier[r.slot], logits[r.slot], r.params, r.rng, k,
-                                 level_quota(left, g - level), r.logits_processors, r.output_ids)
+                k, quota = self._level(r, g, level, tree)  # within what the target and the draft can hold
+                new = grow_level(tree, frontier[r.slot], logits[r.slot], r.params, r.rng, k, quota,
+                                 r.logits_processors, r.output_ids)
                 frontier[r.slot] = new
                 if new and level < g - 1:
                     base = len(r.tokens)  # the draft holds every token, pending included; node j is at base + j
@@ -356,13 +422,24 @@ class ModelRunner:
         out: dict[int, tuple[list[int], list]] = {}
         if self.method == "ngram":
             for r, g in decodes:
-                if g > 0:
+                if self.drafts_tree(g, r):
+                    k, budget = self.tree.branching or SEEDED_BRANCHING, self._tree_budget(r)
+                    if self.shape is not None and r.adaptive:  # the shape's widest level and its nodes
+                        k, budget = max(self.tree_shape(g)), min(sum(self.tree_shape(g)), budget)
+                    tree = ngram_tree(r.tokens, g, self.prompt_lookup_min, self.prompt_lookup_max, k, budget)
+                    out[r.slot] = (tree if len(tree) else [], [])
+                elif g > 0:
                     out[r.slot] = (ngram_lookup(r.tokens, g, self.prompt_lookup_min, self.prompt_lookup_max), [])
             return out
         if self.eagle is not None:
             t0 = self._clock()
             for r, g in decodes:
                 if g > 0 and r.speculative and len(r.tokens) >= 2:
+                    if self.drafts_tree(g, r):
+                        out[r.slot] = (self.eagle[r.slot].propose_tree(r.tokens, g, self._grower(r, g)), [])
+                        self.stats.draft_forwards += g
+                        continue
+
                     def pick(logits, drafts, r=r):
                         return propose_token(logits, r.params, r.rng, r.logits_processors, r.output_ids + drafts)
                     out[r.slot] = self.eagle[r.slot].propose(r.tokens, g, pick)
@@ -399,13 +476,14 @@ class ModelRunner:
         # Greedy proposals without a logits processor are the draft's argmax: only that comes back.
         # Trees read the draft's logits (top-k children, or draws from q).
         sampled = {r.slot for r, _ in wanting if not (r.params.greedy and not r.logits_processors)}
-        if self.tree is not None:
+        trees = any(self.drafts_tree(g, r) for r, g in wanting)  # the step drafts trees for every slot, or chains
+        if trees:
             sampled = {r.slot for r, _ in wanting}
         greedy = self.greedy_argmax and len(sampled) < len(wanting) and offers_greedy(self.draft)
         logits = dict(zip((row.slot for row in rows), self._forward(self.draft, self.draft_cache, rows, "draft",
                                                                     greedy=greedy, logits_for=sampled)))
         last = {r.slot: logits[r.slot][-1] for r, _ in wanting}
-        if self.tree is not None:
+        if trees:
             out.update(self._propose_tree(wanting, last))
             return out
         for i in range(max((g for _, g in wanting), default=0)):

@@ -213,7 +213,8 @@ class Scheduler:
         length = self.runner.speculation.choose([r for r in speculating if r.adaptive],
                                                 sum(1 for r in speculating if not r.adaptive),
                                                 free_draft=self.runner.method == "ngram",
-                                                plain=len(decoding) - len(speculating))
+                                                plain=len(decoding) - len(speculating),
+                                                rows=self.runner.proposal_rows if self.runner.tree else None)
         for r in decoding:
             want = (length if r.adaptive else k) if r.speculative else 0
             g = max(min(want, context - len(r.tokens), r.max_tokens - r.produced - 1), 0)

@@ -288,10 +288,12 @@ class SpeculationLength:
         return target, draft, other
 
     # --- the choice ----------------------------------------------------------------------------
-    def choose(self, adaptive: list, fixed: int, *, free_draft: bool = False, plain: int = 0) -> int:
+    def choose(self, adaptive: list, fixed: int, *, free_draft: bool = False, plain: int = 0, rows=None) -> int:
         """G for the `adaptive` requests of this step; `fixed` more requests speculate with K anyway
         (seeded sampling), `plain` more decode without speculating. `free_draft`: proposals need no
-        draft forward (n-gram lookup): their measured cost is used once there is one, else 0."""
+        draft forward (n-gram lookup): their measured cost is used once there is one, else 0.
+        `rows(g)`: the verify rows a proposal of depth g takes beside the pending token (token trees:
+        their nodes; default g, a chain)."""
         n = len(adaptive) + fixed
         if self.k == 0 or not adaptive:
             return self.k
@@ -317,8 +319,9 @@ class SpeculationLength:
         bonus = plain + (fixed * self.expected_tokens([self.rate()], self.k)[self.k] if fixed else 0.0)
         per_round = draft.predict(n) if draft.count else 0.0
         speed = []
+        rows = rows or (lambda g: g)
         for g in range(self.k + 1):
-            tokens = len(adaptive) * (1 + g) + fixed * (1 + self.k) + plain
+            tokens = len(adaptive) * (1 + rows(g)) + fixed * (1 + rows(self.k)) + plain
             rounds = max(g, self.k if fixed else 0)
             cost = (target.predict_at(g, tokens) if target is bucket.target else target.predict(tokens)) \
                 + rounds * per_round + (other.predict_at(g, g) if other is bucket.other else other.predict(g))
@@ -348,6 +351,18 @@ class SpeculationLength:
             up = turn == 1
             g = 0 if turn == 0 else best - 1 if best == self.k or not up else best + 1
         return self._pick(g)
+
+    def row_cost_share(self, n: int, g: int) -> float:
+        """The measured cost of one more verify row per slot, as a share of a step of n decoding slots that
+        verify g proposals each (runtime.serve.spec_tree_shape's lambda). Before any cost is measured rows are
+        taken as the whole cost (1 / (1 + g)), as a fit of one G takes them: more rows never look free."""
+        bucket = self.buckets.get(batch_bucket(n))
+        fits = self._fits(bucket, need_draft=False) if bucket is not None else None
+        if fits is None or n <= 0:
+            return 1.0 / (1 + g)
+        target, draft, other = fits
+        cost = target.predict(n * (1 + g)) + (g * draft.predict(n) if draft.count else 0.0) + other.predict(g)
+        return n * target.line()[1] / cost if cost > 0 else 0.0
 
     def _pick(self, g: int) -> int:
         self.last = g

@@ -18,6 +18,14 @@ How children are chosen, and accepted, keeps the output exact:
   the current p against a fresh draw from q_u, so the token kept at u has the target's
   distribution. A draw equal to an earlier (rejected) one shares that child's node: its p is 0 by
   then, so it is rejected, but it still updates p, as the algorithm says.
+- n-gram trees (ngram_tree: distinct continuations found earlier in the sequence, merged as a trie) are
+  deterministic: node u's children x_1..x_m are distinct, each proposed with a one-hot q. The same rule
+  then reads: accept x_1 with probability p(x_1); else p <- p with x_1 zeroed, renormalised; accept x_2
+  with p(x_2) / (1 - p(x_1)); ...; after all m rejections draw from p with x_1..x_m zeroed. The token kept
+  is x_j with probability p(x_j) and any other x with p(x): exactly one draw from p.
+
+Which methods draft trees: draft_model (the draft engine runs a level's nodes as one tree row), eagle3
+(the head runs a level's nodes under a tree mask: runtime.serve.eagle3) and ngram (no forward at all).
 """
 
 from __future__ import annotations
@@ -36,22 +44,35 @@ MAX_NODES = 64
 
 @dataclass(frozen=True)
 class TreeOptions:
-    """The speculative config's "tree": {"branching": k, "max_nodes": n}."""
+    """The speculative config's "tree": {"branching": k, "max_nodes": n}; branching None ("tree": "auto",
+    or {"max_nodes": n} alone): nodes per level chosen from measured acceptance (runtime.serve.spec_tree_shape)."""
 
-    branching: int = 2
+    branching: int | None = 2
     max_nodes: int = 8
+
+    @property
+    def auto(self) -> bool:
+        return self.branching is None
+
+    def describe(self) -> str:
+        return (f"tree auto max_nodes={self.max_nodes}" if self.auto else
+                f"tree branching={self.branching} max_nodes={self.max_nodes}")
 
     @classmethod
     def parse(cls, value) -> "TreeOptions | None":
         """None (no "tree" key): chains, as before. A one-line UsageError for anything malformed."""
         if value is None:
             return None
+        if value == "auto":
+            return cls(branching=None)
         if not isinstance(value, dict) or set(value) - {"branching", "max_nodes"}:
-            raise UsageError(f'--speculative-config: expected "tree" as {{"branching": K, "max_nodes": N}}, '
+            raise UsageError(f'--speculative-config: expected "tree" as "auto" or {{"branching": K, "max_nodes": N}}, '
                              f"found {str(value)[:60]!r}")
-        opts = cls(**value)
+        opts = cls(**({"branching": None} if "branching" not in value else {}), **value)
         for name, top in (("branching", MAX_BRANCHING), ("max_nodes", MAX_NODES)):
             v = getattr(opts, name)
+            if v is None and name == "branching":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
                 raise UsageError(f'--speculative-config: expected "tree" {name} an integer in 1..{top}, '
                                  f"found {str(v)[:20]!r}")
@@ -182,9 +203,10 @@ def accept_tree(logits: np.ndarray, tree: Tree, params: SamplingParams, rng,
             child = tree.children.get(node, {}).get(t)
         else:
             p = probabilities(row, params)
-            q = tree.qs.get(node)
+            q_node = tree.qs.get(node)  # None: deterministic children, a one-hot q each (n-gram trees)
             t = child = None
             for x in tree.draws.get(node, []):
+                q = q_node if q_node is not None else _one_hot(x, len(p))
                 if rng.random() < min(1.0, p[x] / q[x]):
                     t, child = x, tree.children[node][x]
                     break
@@ -199,3 +221,55 @@ def accept_tree(logits: np.ndarray, tree: Tree, params: SamplingParams, rng,
             return new, path
         path.append(child)
         node = child
+
+
+def _one_hot(token: int, vocab: int) -> np.ndarray:
+    q = np.zeros(vocab)
+    q[token] = 1.0
+    return q
+
+
+#: how many earlier matches an n-gram tree looks at, per node of its budget (bounds the lookup's cost)
+MATCHES_PER_NODE = 4
+
+
+def ngram_tree(tokens: Sequence[int], g: int, lo: int, hi: int, k: int, budget: int) -> Tree:
+    """Prompt lookup as a tree: the continuations (up to g tokens) after earlier occurrences of the
+    sequence's suffix n-grams, longest n first and the most recent first within one n, merged as a trie
+    of at most `budget` nodes and `k` children per node. Children keep the order they were found in
+    (accept_tree tries them in that order). Deterministic: it depends on the tokens only."""
+    tree = Tree()
+    seq = np.asarray(tokens, dtype=np.int64)
+    longest = min(hi, len(seq) - 1)
+    if longest < lo or g < 1 or budget < 1:
+        return tree
+    ends = np.flatnonzero(seq[:-1] == seq[-1])
+    matches = []  # matches[n - 1]: ends of earlier occurrences of the last n tokens
+    for j in range(longest):
+        if j:
+            ends = ends[ends >= j]
+            ends = ends[seq[ends - j] == seq[-1 - j]]
+        matches.append(ends)
+        if not len(ends):
+            break
+    seen: set[int] = set()
+    looked = 0
+    for n in range(min(longest, len(matches)), lo - 1, -1):
+        for end in matches[n - 1][::-1]:
+            end = int(end)
+            if end in seen:
+                continue
+            seen.add(end)
+            looked += 1
+            node = -1
+            for t in seq[end + 1:end + 1 + g].tolist():
+                kids = tree.children.setdefault(node, {})
+                if t in kids:
+                    node = kids[t]
+                    continue
+                if len(kids) >= k or len(tree) >= budget:
+                    break
+                node = tree.add(node, t)
+            if len(tree) >= budget or looked >= MATCHES_PER_NODE * budget:
+                return tree
+    return tree

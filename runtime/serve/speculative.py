@@ -12,6 +12,7 @@ Methods:
   vocabulary, zero outside the head's draft vocabulary).
 - "ngram": prompt lookup. The last n tokens are searched for earlier in the sequence and the
   tokens that followed become the proposal (a one-hot q), so no draft weights are needed.
+With a "tree" in the config, eagle3 and ngram propose token trees too (runtime.serve.spec_tree).
 
 Acceptance follows Leviathan et al. / Chen et al. exactly (arXiv 2211.17192, 2302.01318): greedy accepts
 while the draft token equals the target's argmax, so output is token-identical to plain greedy;

@@ -77,6 +77,8 @@ class OpenAIServer:
                                            runner.stats.target_seconds + runner.stats.draft_seconds))
         if runner.num_speculative_tokens:
             self.metrics.watch_speculation(runner.speculation.snapshot)
+        if runner.shape is not None:
+            self.metrics.watch_tree_shape(runner.shape_snapshot)
         self._preprocess = Preprocess()
         shared = (model, options, self.metrics, self.engine, self._preprocess, Admission())
         compiler = [None]  # the grammar compiler, built once on the first structured request

@@ -135,7 +135,7 @@ def load_serving_model(installed, *, target_id: str | None = None, speculative: 
             "engine": target.description or type(target).__name__,
             "speculative": spec.method if spec.method == "none" else
             f"{spec.method} (num_speculative_tokens={spec.num_speculative_tokens}"
-            + (f", tree branching={runner.tree.branching} max_nodes={runner.tree.max_nodes})" if runner.tree else ")")}
+            + (f", {runner.tree.describe()})" if runner.tree else ")")}
     info.update(engine_info(target, target_id))
     return ServingModel(name=manifest.name, tokenizer=tokenizer, template=ChatTemplate.for_tokenizer(tokenizer),
                         runner=runner, max_model_len=min(wanted or limit, limit), info=info,

@@ -186,6 +186,7 @@ class Metrics:
         self._clock = clock
         self._window = _Window(since=clock())
         self._speculation = None  # read() -> runtime.serve.spec_length.SpeculationLength.snapshot()
+        self._tree_shape = None  # read() -> runtime.serve.model_runner.ModelRunner.shape_snapshot()
         self._skipped_seen: dict = {}
         self._iteration = 0  # this step's tokens so far (engine thread: the steps' callbacks, then scheduler_step)
 
@@ -209,6 +210,12 @@ class Metrics:
         (SpeculationLength.snapshot). The periodic log line says it too."""
         self._speculation = read
         self.registry.register(_SpeculationCollector(read, self._base))
+
+    def watch_tree_shape(self, read) -> None:
+        """Export the auto token tree's shape, read at scrape time: `read()` -> {depth: nodes at that level}
+        (ModelRunner.shape_snapshot), as bundle:spec_decode_tree_level_nodes{depth}; the log line says it too."""
+        self._tree_shape = read
+        self.registry.register(_TreeShapeCollector(read, self._base))
 
     def scheduler_step(self, scheduler) -> None:
         """After each engine step (engine thread): running and waiting requests, slots in use, tokens
@@ -293,6 +300,9 @@ class Metrics:
                      f"mean acceptance length {1 + w.accepted / w.drafts:.2f}")
         if self._speculation is not None:
             line += self._speculation_part()
+        shape = self._tree_shape() if self._tree_shape is not None else None
+        if shape:
+            line += "; tree nodes per level " + "-".join(str(w) for _, w in sorted(shape.items()))
         log.info(line)
         return line
 
@@ -326,6 +336,21 @@ class _EngineCollector:
             family = CounterMetricFamily(name, doc, labels=names)
             family.add_metric(values, value)
             yield family
+
+
+class _TreeShapeCollector:
+    """bundle:spec_decode_tree_level_nodes{depth} (gauge): nodes per level of the auto token tree's latest shape."""
+
+    def __init__(self, read, labels: dict):
+        self._read, self._labels = read, labels
+
+    def collect(self):
+        gauge = GaugeMetricFamily("bundle:spec_decode_tree_level_nodes",
+                                  "Nodes per level of the token tree chosen from measured acceptance, by depth "
+                                  "(1 at every depth: the chain)", labels=list(self._labels) + ["depth"])
+        for depth, nodes in sorted(self._read().items()):
+            gauge.add_metric(list(self._labels.values()) + [str(depth)], nodes)
+        yield gauge
 
 
 class _SpeculationCollector:

@@ -394,3 +394,24 @@ def test_weights_wrap_through_the_binding_where_onnxruntime_has_no_public_from_d
     value = wrap_device_memory(Older, memory.ctypes.data, [2, 3], 10, False, 0)
     assert value.data_ptr() == memory.ctypes.data and value.numpy().tolist() == [[0, 1, 2], [3, 4, 5]]
     ort.SessionOptions().add_initializer("x", value)
+
+
+def test_a_one_token_tree_row_runs_on_the_attention_graph_and_sees_its_ancestors_only(dual):
+    """Siblings b, c then c's child d as a tree row of ONE token: it must not see b (the GroupQueryAttention
+    graph would: it attends to every cached row), so it runs on the Attention graph and equals the chain [c, d]."""
+    from runtime.engines.base import TreeMask
+
+    engine, chain = engine_of(dual, fp32=True, max_context=64), engine_of(dual, fp32=True, max_context=64)
+    assert engine.supports_tree and engine.dual
+    prompt = [5, 17, 42, 9]
+    engine.forward([Row(0, prompt)])
+    chain.forward([Row(0, prompt)])
+    past = len(prompt)
+    engine.forward([Row(0, [23, 37], tree=TreeMask(past, ((), ())))])
+    calls = count_calls(engine)
+    got = engine.forward([Row(0, [51], tree=TreeMask(past, ((past + 1,),)))])[0]
+    assert calls == {"main": 1, "decode": 0}
+    want = chain.forward([Row(0, [37, 51])])[0][-1:]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    engine.keep_rows(0, past, [1, 2])
+    np.testing.assert_allclose(engine.forward([Row(0, [7])])[0], chain.forward([Row(0, [7])])[0], rtol=1e-4, atol=1e-4)

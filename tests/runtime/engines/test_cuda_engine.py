@@ -131,6 +131,32 @@ def test_speculation_is_greedy_token_for_token(gpu_graphs, tmp_path, graph):
                                        for s in steps if s.drafted}
 
 
+@pytest.mark.parametrize("graph", ["fp16", "dual"])
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_tree_speculation_on_the_device_is_greedy_token_for_token(gpu_graphs, tmp_path, graph, cuda_graphs):
+    """draft_model and ngram token trees on the GPU: tree rows (mask and positions in the CUDA graphs' input
+    buffers) and keep_rows' device copies give plain greedy's tokens."""
+    from bundler.onnx.export import export_onnx
+    from runtime.serve.generator import Generator
+    from runtime.serve.sampling import SamplingParams
+    from runtime.serve.spec_tree import TreeOptions
+    from tests.runtime.engines.test_fp16_fallback import noisy_copy
+
+    draft_ckpt = noisy_copy(gpu_graphs["checkpoint"], tmp_path / "draft")
+    draft_graph = export_onnx(draft_ckpt, tmp_path / "d", kv_cache="batched", dtype="float16").graph
+    prompt, greedy = [5, 17, 42, 9, 300, 5, 17, 8, 5, 17], SamplingParams(temperature=0.0)
+    plain = [t for s in Generator(engine_for(gpu_graphs, graph, max_context=128)).generate(prompt, greedy, max_tokens=40)
+             for t in s.tokens]
+    opts = TreeOptions(branching=2, max_nodes=6)
+    for method in ("draft_model", "ngram"):
+        draft = cuda_engine(draft_graph, max_context=128, cuda_graphs=cuda_graphs) if method == "draft_model" else None
+        gen = Generator(engine_for(gpu_graphs, graph, max_context=128, cuda_graphs=cuda_graphs), draft, method, 3,
+                        tree=opts, prompt_lookup_min=1)
+        assert gen.runner.tree == opts
+        assert [t for s in gen.generate(prompt, greedy, max_tokens=40) for t in s.tokens] == plain, method
+        assert gen.stats.num_draft_tokens > gen.stats.num_drafts > 0, method
+
+
 @pytest.mark.parametrize("graph", ["single", "dual"])
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 def test_eagle3_aux_rows_on_the_device_equal_the_cpu_engines(eagle3, cuda_graphs, graph):
@@ -162,6 +188,12 @@ def test_eagle3_speculation_on_the_device_is_greedy_token_for_token(eagle3, grap
                      "eagle3", 3)
     assert [t for s in spec.generate(prompt, greedy, max_tokens=40) for t in s.tokens] == plain and len(plain) == 40
     assert spec.stats.num_drafts > 0
+    from runtime.serve.spec_tree import TreeOptions
+    trees = Generator(cuda_engine(eagle3["graph"], decode_graph=decode, max_context=128), OnnxDrafter(eagle3["head"]),
+                      "eagle3", 3, tree=TreeOptions(branching=2, max_nodes=6))
+    assert trees.runner.tree is not None
+    assert [t for s in trees.generate(prompt, greedy, max_tokens=40) for t in s.tokens] == plain
+    assert trees.stats.num_draft_tokens > trees.stats.num_drafts > 0
 
 
 def test_the_head_on_the_cuda_provider_equals_it_on_the_cpu_provider(eagle3):

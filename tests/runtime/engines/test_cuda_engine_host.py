@@ -248,3 +248,53 @@ def test_a_sampled_row_beside_greedy_rows_gets_its_logits_from_the_same_call(gra
         assert mixed[0].tolist() == full[0].argmax(-1).tolist() and mixed[2].tolist() == full[2].argmax(-1).tolist()
         np.testing.assert_allclose(mixed[1], full[1][-1:], atol=1e-3, err_msg=name)
         assert memory.to_host - before == 8 + engine.vocab_size * 4 + 8, name
+
+
+def test_tree_rows_equal_each_branch_run_as_a_chain_and_keep_rows_compacts(graphs):
+    """Siblings b, c after a and c's child d in ONE call beside another slot's plain row: each node's logits
+    are the chain [a, its path]'s; keeping a, c, d leaves the cache the chain a, c, d leaves (device copies)."""
+    from runtime.engines.base import TreeMask
+    from runtime.engines.onnxruntime import OnnxRuntimeEngine
+
+    engine = host_engine(graphs["batched"], max_context=64, num_slots=2)
+    assert engine.supports_tree
+    chain = OnnxRuntimeEngine(graphs["batched"], max_context=64)
+    prompt, other = [5, 17, 42, 9], [3, 4, 5]
+    engine.forward([Row(0, prompt), Row(1, other)])
+    chain.forward_one(prompt)
+    past = len(prompt)
+    mask = TreeMask(past, ((), (past,), (past,), (past, past + 2)))
+    got, plain = engine.forward([Row(0, [11, 23, 37, 51], tree=mask), Row(1, [6])])
+    tol = dict(rtol=1e-4, atol=1e-4)  # float32 over another window
+    np.testing.assert_allclose(got[:2], chain.forward_one([11, 23]), **tol)
+    chain.rollback(0, past + 1)
+    np.testing.assert_allclose(got[2:], chain.forward_one([37, 51]), **tol)
+    engine.keep_rows(0, past, [0, 2, 3])
+    assert engine.length(0) == chain.length(0) == past + 3 and engine.length(1) == len(other) + 1
+    np.testing.assert_allclose(engine.forward([Row(0, [7])])[0], chain.forward_one([7]), **tol)
+    with pytest.raises(ValueError, match="keep rows"):
+        engine.keep_rows(0, past, [2, 1])
+
+
+@pytest.mark.parametrize("graph", ["batched", "batched-fp16"])
+def test_greedy_trees_on_the_cuda_engine_are_plain_greedy(graphs, graph):
+    """draft_model and ngram token trees with the CUDA engine (host memory) as target, draft and reference."""
+    from runtime.serve.generator import Generator
+    from runtime.serve.sampling import SamplingParams
+    from runtime.serve.spec_tree import TreeOptions
+
+    greedy = SamplingParams(temperature=0.0)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(2, 500, n).tolist() for n in (3, 11)] + [[5, 6, 7, 8, 5, 6, 9, 5, 6]]
+    plain = Generator(host_engine(graphs[graph], max_context=128))
+    opts = TreeOptions(branching=2, max_nodes=6)
+    gens = {"draft_model": Generator(host_engine(graphs[graph], max_context=128),
+                                     host_engine(graphs[graph], max_context=128), "draft_model", 3, tree=opts),
+            "ngram": Generator(host_engine(graphs[graph], max_context=128), None, "ngram", 3, tree=opts,
+                               prompt_lookup_min=1)}
+    for name, gen in gens.items():
+        assert gen.runner.tree == opts, name
+        for p in prompts:
+            want = [t for s in plain.generate(p, greedy, max_tokens=20) for t in s.tokens]
+            assert [t for s in gen.generate(p, greedy, max_tokens=20) for t in s.tokens] == want, (name, p)
+        assert gen.stats.num_draft_tokens > gen.stats.num_drafts > 0, name

@@ -12,10 +12,11 @@ from runtime.serve.eagle3 import Drafter, OnnxDrafter
 from runtime.engines.onnxruntime import OnnxRuntimeEngine
 from runtime.serve.sampling import SamplingParams
 from runtime.serve.generator import Generator
+from runtime.serve.spec_tree import TreeOptions
 from tests.eagle3_models import make_tiny_head
 from tests.models import make_tiny_checkpoint
 from tests.runtime.serve.test_sampling import PROMPT, _exact, _pvalue, _sample, _tables
-from tests.runtime.serve.toy_engines import MarkovEngine
+from tests.runtime.serve.toy_engines import MarkovEngine, MarkovSlots
 
 LAYERS = (0, 1, 2)
 
@@ -81,6 +82,14 @@ class MarkovWithFeatures(MarkovEngine):
         return super().forward(token_ids)
 
 
+class MarkovSlotsWithFeatures(MarkovSlots):
+    """The same, as a slot engine that runs token trees (aux rows per slot, as the batched engines keep them)."""
+
+    def forward(self, rows):
+        self.last_aux_hidden = {r.slot: np.zeros((len(r.tokens), 3), np.float32) for r in rows}
+        return super().forward(rows)
+
+
 class MarkovHead(Drafter):
     """A head whose entry (token t + 1, feature) predicts from a Markov table over a reduced draft vocabulary:
     the ids in `outside` get -inf, as the exported graph writes for ids d2t does not reach."""
@@ -107,6 +116,13 @@ class MarkovHead(Drafter):
     def rollback(self, length):
         assert 0 <= length <= self._n
         self._n = length
+
+    supports_tree = True
+
+    def forward_tree(self, token_ids, draft_hidden, tree):  # an entry's logits depend on its token only
+        assert len(draft_hidden) == len(token_ids) == len(tree.ancestors) and tree.base <= self._n
+        self._n += len(token_ids)
+        return self.table[np.asarray(token_ids)], np.zeros((len(token_ids), 1), np.float32)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4)])
@@ -150,7 +166,18 @@ def test_concurrent_greedy_equals_each_alone_with_prefix_reuse(graphs):
         lambda **kw: OnnxRuntimeEngine(target_graph, max_context=256, **kw), head_graph)
 
 
-def assert_concurrent_greedy_equals_each_alone(make_target, head_graph) -> None:
+def test_concurrent_greedy_trees_equal_each_alone(graphs):
+    """The same with token trees: each slot's tree verified in the shared target forward, its features
+    compacted to the accepted path with the target's cache rows."""
+    target_graph, head_graph = graphs
+    if not OnnxRuntimeEngine(target_graph).supports_tree:
+        pytest.skip("a concat target runs no token trees")
+    assert_concurrent_greedy_equals_each_alone(
+        lambda **kw: OnnxRuntimeEngine(target_graph, max_context=256, **kw), head_graph,
+        tree=TreeOptions(branching=2, max_nodes=6))
+
+
+def assert_concurrent_greedy_equals_each_alone(make_target, head_graph, tree=None) -> None:
     """The scheduler check of test_concurrent_greedy_equals_each_alone_with_prefix_reuse, for any target
     engine (`make_target(**kw)`; `num_slots=3` for the slotted one): ONNX Runtime here, CUDA in
     tests/runtime/engines/test_cuda_eagle3_host.py."""
@@ -162,9 +189,81 @@ def assert_concurrent_greedy_equals_each_alone(make_target, head_graph) -> None:
     prompts = [rng.integers(5, 500, size=n).tolist() for n in (2, 9, 40, 77)]
     plain = Generator(make_target())
     alone = [_tokens(plain, p, SamplingParams(temperature=0.0), 24) for p in prompts]
-    runner = ModelRunner(make_target(num_slots=3), OnnxDrafter(head_graph), "eagle3", 3)
+    runner = ModelRunner(make_target(num_slots=3), OnnxDrafter(head_graph), "eagle3", 3, tree=tree)
+    assert runner.tree == tree
     rec = Recorder()
     requests = [rec.request(p, speculative=(i != 1)) for i, p in enumerate(prompts + prompts[::-1])]
     out = run_together(Scheduler(runner, max_num_seqs=3, max_num_batched_tokens=32), rec, requests, arrive_every=2)
     assert out == alone + alone[::-1]
     assert runner.stats.num_drafts > 0
+    if tree is not None:
+        assert runner.stats.num_draft_tokens > runner.stats.num_drafts, "trees, not chains, were verified"
+
+
+@pytest.mark.parametrize("opts,k", [(TreeOptions(branching=2, max_nodes=8), 3), (TreeOptions(branching=3, max_nodes=6), 2)])
+def test_greedy_trees_token_identical_to_plain(graphs, opts, k):
+    """Token trees from the head (a level per head forward under a tree mask): plain greedy's output, token
+    for token; a concat target cannot branch and drafts chains."""
+    target_graph, head_graph = graphs
+    plain = Generator(OnnxRuntimeEngine(target_graph), method="none")
+    target = OnnxRuntimeEngine(target_graph, max_context=256)
+    spec = Generator(target, OnnxDrafter(head_graph), "eagle3", k, tree=opts)
+    greedy = SamplingParams(temperature=0.0)
+    if not target.supports_tree:
+        assert spec.runner.tree is None
+        return
+    assert spec.runner.tree == opts
+    rng = np.random.default_rng(k)
+    for length in (1, 7, 40):
+        prompt = rng.integers(2, 500, size=int(rng.integers(1, 30))).tolist()
+        assert _tokens(spec, prompt, greedy, length) == _tokens(plain, prompt, greedy, length)
+    assert spec.stats.num_drafts > 0 and spec.stats.num_draft_tokens > 2 * spec.stats.num_drafts
+
+
+def test_tree_branches_continue_their_own_hidden_state(graphs):
+    """A level run under the tree mask gives each node the logits and hidden state a chain along its own
+    branch gives (siblings b, c after a, then c's child d, in two tree forwards)."""
+    from runtime.engines.base import TreeMask
+
+    target_graph, head_graph = graphs
+    head = OnnxDrafter(head_graph)
+    if not head.supports_tree:
+        pytest.skip("a concat head drafts chains only")
+    chain = head.fork()
+    rng = np.random.default_rng(0)
+    feats = rng.standard_normal((4, 3 * head.target_hidden_size)).astype(np.float32)
+    none_t = np.zeros((0, 3 * head.target_hidden_size), np.float32)
+    none_d = np.zeros((0, head.hidden_size), np.float32)
+    _, h0 = head.forward([5, 6, 7, 8], feats, none_d)
+    chain.forward([5, 6, 7, 8], feats, none_d)
+    base = head.length
+    l1, h1 = head.forward_tree([11, 12], np.stack([h0[-1], h0[-1]]), TreeMask(base, ((), ())))
+    l2, _ = head.forward_tree([13], h1[1:2], TreeMask(base, ((base + 1,),)))
+    tol = dict(rtol=1e-4, atol=1e-4)  # float32 graphs over another window
+    for tokens_, got in (([11], l1[0]), ([12, 13], np.stack([l1[1], l2[0]]))):
+        chain.rollback(base)
+        h = h0[-1:]
+        rows = []
+        for t in tokens_:
+            lg, h = chain.forward([t], none_t, h)
+            rows.append(lg[0])
+        np.testing.assert_allclose(got, np.stack(rows).reshape(got.shape), **tol)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4)])
+def test_sampled_trees_keep_target_distribution_with_reduced_draft_vocab(params):
+    """SpecInfer's multi-draft rejection over the head's trees, q = 0 outside its draft vocabulary: the
+    joint law of 4 tokens is the target's."""
+    target, draft = _tables()
+    n = 5000
+    gen = Generator(MarkovSlotsWithFeatures(target), MarkovHead(draft, outside=[3]), "eagle3", 2,
+                    tree=TreeOptions(branching=3, max_nodes=8))
+    assert gen.runner.tree is not None
+    counts = _sample(gen, params, n, 4)
+    assert _pvalue(counts, _exact(target, params, 4), n) > 1e-3
+    s = gen.stats
+    assert 0.1 < s.acceptance_rate < 0.95, "both accepting and rejecting must happen"
+    assert s.num_draft_tokens > 2 * s.num_drafts, "trees, not chains, were verified"
+    assert any(3 in seq for seq in counts), "a token outside the draft vocabulary still comes from the residual"
+    if params.top_k == 0:
+        assert _pvalue(counts, _exact(draft, params, 4), n) < 1e-6

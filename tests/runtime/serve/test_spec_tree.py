@@ -154,8 +154,8 @@ def test_tree_config_is_parsed_and_checked(caplog):
         with pytest.raises(UsageError, match="tree"):
             TreeOptions.parse(bad)
     table = np.zeros((4, 4))
-    with pytest.raises(UsageError, match="needs method draft_model"):
-        Generator(MarkovSlots(table), None, "ngram", 3, tree=TreeOptions())
+    with pytest.raises(UsageError, match="needs method draft_model, eagle3, ngram, found 'none'"):
+        Generator(MarkovSlots(table), None, "none", 3, tree=TreeOptions())
     with caplog.at_level(logging.WARNING, logger="runtime.serve.model_runner"):
         gen = Generator(MarkovEngine(table), MarkovEngine(table), "draft_model", 3, tree=TreeOptions())
     assert gen.runner.tree is None and "token trees are off" in caplog.text
@@ -227,3 +227,68 @@ def test_engines_without_trees_refuse_tree_rows_and_keep_rows(make):
     real = make("target")
     with pytest.raises(ValueError, match="one ancestor list per tree token"):
         real.forward([Row(0, [1, 2], tree=TreeMask(0, ((),)))])
+
+
+def test_ngram_tree_merges_earlier_continuations_as_a_trie():
+    """Suffix [1, 2] occurs three times before, followed by 3 4, 3 5 and 6: one trie, children in the
+    order found (most recent first), capped by branching and the node budget."""
+    from runtime.serve.spec_tree import ngram_tree
+
+    seq = [1, 2, 6, 9, 1, 2, 3, 5, 9, 1, 2, 3, 4, 9, 1, 2]
+    t = ngram_tree(seq, 2, 2, 2, 3, 8)
+    assert t.children[-1] == {3: 0, 6: 3}
+    assert [t.path_tokens(j) for j in range(len(t))] == [[3], [3, 4], [3, 5], [6], [6, 9]]
+    assert t.draws[-1] == [3, 6] and not t.qs, "deterministic children: one-hot q"
+    assert len(ngram_tree(seq, 2, 2, 2, 1, 8)) == 2, "branching 1: the most recent continuation only"
+    assert len(ngram_tree(seq, 2, 2, 2, 3, 3)) == 3
+    assert len(ngram_tree([7, 8, 9], 3, 2, 4, 2, 8)) == 0
+
+
+def _repeating_prompts(prompts):
+    """Prompts that repeat themselves with variations, so prompt lookup finds several continuations."""
+    rng = np.random.default_rng(7)
+    out = []
+    for p in prompts[:4]:
+        base = list(p[:12]) or [5]
+        out.append(base + [int(rng.integers(5, 512))] + base[:6] + [int(rng.integers(5, 512))] + base[:4])
+    return out
+
+
+@pytest.mark.parametrize("opts", [TreeOptions(branching=2, max_nodes=8), TreeOptions(branching=3, max_nodes=12)])
+def test_ngram_greedy_tree_output_identical_to_plain_greedy(make, prompts, opts):
+    plain = Generator(make("target"))
+    tree = Generator(make("target"), None, "ngram", 4, tree=opts)
+    assert tree.runner.tree == opts
+    for i, p in enumerate(_repeating_prompts(prompts)):
+        for n in (1, 24):
+            assert run(tree, p, max_tokens=n) == run(plain, p, max_tokens=n), f"prompt {i}, max_tokens {n}"
+    assert tree.stats.num_draft_tokens > tree.stats.num_drafts > 0
+
+
+def _markov_lookup_tables():
+    """A target whose chain revisits tokens often (prompt lookup finds matches) with uneven rows."""
+    rng = np.random.default_rng(11)
+    return np.log(rng.dirichlet(np.full(5, 0.6), size=5))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3)])
+def test_ngram_sampled_tree_keeps_the_target_distribution(params):
+    """Deterministic multi-draft verification (one-hot q per child: accept x_j with p(x_j) renormalised
+    over the untried tokens): the joint law of 4 tokens after a prompt with several earlier continuations
+    of its last token is the target's."""
+    target = _markov_lookup_tables()
+    prompt = [1, 2, 1, 3, 0, 1, 4, 2, 1]  # ends in PROMPT's last token, 1: three earlier continuations of it
+    assert prompt[-1] == PROMPT[-1]
+    n, length = 6000, 4
+    gen = Generator(MarkovSlots(target), None, "ngram", 3, tree=TreeOptions(branching=3, max_nodes=8),
+                    prompt_lookup_min=1, prompt_lookup_max=2)
+    counts = {}
+    for seed in range(n):
+        p = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
+        seq = tuple(t for s in gen.generate(prompt, p, max_tokens=length) for t in s.tokens)
+        counts[seq] = counts.get(seq, 0) + 1
+    exact = _exact(target, params, length)
+    assert _pvalue(counts, exact, n) > 1e-3
+    s = gen.stats
+    assert 0.1 < s.acceptance_rate < 0.95, "both accepting and rejecting must happen"
+    assert s.num_draft_tokens > 1.5 * s.num_drafts, "trees, not chains, were verified"
