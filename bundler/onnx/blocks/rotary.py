@@ -35,7 +35,13 @@ def rotary_tables(family: str, config, max_positions: int, head_dim: int) -> tup
     rotary = _module(family, config)
     with torch.no_grad():
         pos = torch.arange(max_positions, dtype=torch.int64)[None]
-        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), pos)
+        try:
+            cos, sin = rotary(torch.zeros(1, dtype=torch.float32), pos)
+        except IndexError:
+            # multimodal rotary modules of some transformers releases (Qwen3.5's before 5.24) take one row of
+            # positions per section (temporal, height, width): text gives each the same positions, which is
+            # plain 1-D rotary whatever the mrope sections
+            cos, sin = rotary(torch.zeros(1, dtype=torch.float32), pos[None].expand(3, -1, -1))
     half = cos.shape[-1] // 2
     return cos[0, :, :half].numpy().astype(np.float32), sin[0, :, :half].numpy().astype(np.float32)
 
