@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bundler.onnx.blocks.graph import FLOAT32_REGION
 from bundler.onnx.writer import TensorWriter, data_path, read_external
 from manifests.errors import ModelError
 
@@ -136,8 +137,9 @@ def _to_half(model, g, src_graph: Path, meta: dict, dtype: str, elem: int) -> No
     del g.value_info[:]
     for n in g.node:
         for a in n.attribute:
-            if n.op_type == "Cast" and a.name == "to" and a.i == TP.FLOAT:
+            if n.op_type == "Cast" and a.name == "to" and a.i == TP.FLOAT and not n.name.startswith(FLOAT32_REGION):
                 a.i = elem
+    _float32_regions(g, elem)
     # logits: the graph's last MatMul now yields `dtype`; cast to float32 under the old name.
     producer = next((n for n in g.node if "logits" in n.output), None)
     if producer is None:
@@ -158,6 +160,42 @@ def _to_half(model, g, src_graph: Path, meta: dict, dtype: str, elem: int) -> No
     if "bundle.dtype" not in meta:
         model.metadata_props.add(key="bundle.dtype", value=dtype)
     model.doc_string = f"{model.doc_string} ({dtype}, float32 logits, argmax output)"
+
+
+def _float32_regions(g, elem: int) -> None:
+    """Nodes of a float32 region (bundler.onnx.blocks.graph.FLOAT32_REGION) read half-precision activations
+    from outside through one Cast each (their initializers kept float32: _float32_initializers), and what
+    the rest of the graph reads of theirs through a Cast back. Nothing without them."""
+    from onnx import TensorProto as TP
+    from onnx import helper as h
+
+    region = [n for n in g.node if n.name.startswith(FLOAT32_REGION)]
+    if not region:
+        return
+    inside = {y for n in region for y in n.output}
+    inits = {t.name for t in g.initializer}
+    to_float: dict[str, str] = {}
+    to_half: dict[str, str] = {}
+    nodes = []
+    for n in list(g.node):
+        if n.name.startswith(FLOAT32_REGION):
+            for i, x in enumerate(n.input):
+                if x and x not in inside and x not in inits:  # a half-precision activation from outside
+                    if x not in to_float:
+                        to_float[x] = f"{x}/float32"
+                        nodes.append(h.make_node("Cast", [x], [to_float[x]], name=f"{FLOAT32_REGION}/{x}/cast",
+                                                 to=TP.FLOAT))
+                    n.input[i] = to_float[x]
+        else:
+            for i, x in enumerate(n.input):
+                if x in inside:  # the region's float32 result, read in half precision
+                    if x not in to_half:
+                        to_half[x] = f"{x}/half"
+                        nodes.append(h.make_node("Cast", [x], [to_half[x]], name=f"/{x}/half", to=elem))
+                    n.input[i] = to_half[x]
+        nodes.append(n)
+    del g.node[:]
+    g.node.extend(nodes)
 
 
 def _float32_aux_output(g, dtype: str) -> None:
@@ -183,7 +221,11 @@ def _float32_initializers(g) -> set[str]:
         slots = FLOAT32_SLOTS.get((n.domain, n.op_type))
         if slots:
             out.update(n.input[i] for i in slots[0] if i < len(n.input) and n.input[i])
-    return out & {t.name for t in g.initializer}
+        if n.name.startswith(FLOAT32_REGION):
+            out.update(x for x in n.input if x)
+    from onnx import TensorProto as TP
+
+    return out & {t.name for t in g.initializer if t.data_type == TP.FLOAT}
 
 
 def _float32_states(g, dtype: str, elem: int) -> None:

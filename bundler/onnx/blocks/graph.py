@@ -10,6 +10,17 @@ from __future__ import annotations
 import numpy as np
 
 MS_DOMAIN = "com.microsoft"
+#: node-name prefix of a float32 region: nodes a half-precision graph (bundler.onnx.half) still runs in float32,
+#: reading their float initializers in float32, and half-precision activations from outside through a Cast
+FLOAT32_REGION = "/float32"
+
+
+def float32_region(g, start: int) -> None:
+    """Mark the nodes `g` appended since index `start` as a float32 region (FLOAT32_REGION). What they read
+    from outside the region must be float activations or initializers (half.py casts the activations)."""
+    for n in g.nodes[start:]:
+        if not n.name.startswith(FLOAT32_REGION):
+            n.name = FLOAT32_REGION + n.name
 
 
 class GraphBuilder:

@@ -53,6 +53,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from bundler.onnx.blocks.graph import float32_region
 from bundler.onnx.blocks.gated_deltanet import (CAPTURE_COUNT, CAPTURE_TOKENS, NEW_TOKENS, capture_names,  # noqa: F401
                                                 conv_state_after, conv_state_names, recurrent_state_names,
                                                 valid_rows)
@@ -215,12 +216,16 @@ def routed_experts(g, hs: str, m: str, cfg) -> str:
                          f"by n_group >= topk_group, found {top_k}, {experts}, {n_group}, {topk_group}")
     shared = relu2_mlp(g, hs, f"{m}.shared_experts", cfg)  # checks mlp_hidden_act, the experts' too
     tokens = g.node("Reshape", [hs, g.const(f"shape_tokens_{hidden}", [-1, hidden])])
-    # Gemm, not MatMul: the router stays float32 when the graph's MatMuls are made 4-bit (bundler.onnx.quantize)
+    # Gemm, not MatMul: the router stays float32 when the graph's MatMuls are made 4-bit (bundler.onnx.quantize);
+    # and the whole router is a float32 region (transformers routes in float32: sigmoid scores near 1 are coarse
+    # in fp16, and ties that its rounding makes would pick other experts than the checkpoint's model)
+    start = len(g.nodes)
     logits = g.node("Gemm", [tokens, g.w.add(f"{m}.gate.weight", g.ckpt.get(f"{m}.gate.weight"))], transB=1)
     name = f"{m}.gate.e_score_correction_bias"
     bias = g.ckpt.get(name) if name in g.ckpt else np.zeros(experts, np.float32)
     routed = group_router(g, logits, g.w.add(name, np.asarray(bias, np.float32)), experts, top_k, n_group,
                           topk_group)
+    float32_region(g, start)
     latent = getattr(cfg, "moe_latent_size", None)
     x = g.linear(tokens, f"{m}.fc1_latent_proj") if latent else tokens
     up, down = _expert_weights(g, m, experts)

@@ -27,11 +27,12 @@ one tensor as for the dense layers: the operator takes them as one tensor each.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from bundler.onnx.blocks.graph import float32_region
 from manifests.errors import ModelError
 
 MS_DOMAIN = "com.microsoft"
@@ -107,6 +108,9 @@ class GraphOps:
     add: Callable[[str, np.ndarray], str]  # add(name, array) -> initializer name
     tensor: Callable[[str], np.ndarray]  # float32 numpy of a checkpoint tensor
     has: Callable[[str], bool]  # whether the checkpoint holds a tensor
+    #: the nodes so far, where the builder keeps them (a float32 region renames the router's:
+    #: bundler.onnx.blocks.graph); a builder without it gets no region (float32 graphs need none)
+    nodes: list = field(default_factory=list)
 
 
 def expert_weights(g: GraphOps, prefix: str, experts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -140,7 +144,10 @@ def sparse_moe(g: GraphOps, x: str, prefix: str, cfg: Any) -> str:
         raise ModelError(f"{prefix}: expected silu experts (SwiGLU), found {_get(cfg, 'hidden_act')!r}")
     node = g.node
     tokens = node("Reshape", [x, g.add(f"shape_tokens_{hidden}", np.array([-1, hidden], np.int64))])
-    # Gemm, not MatMul: the router stays float32 when the graph's MatMuls are made 4-bit (bundler.onnx.quantize).
+    # Gemm, not MatMul: the router stays float32 when the graph's MatMuls are made 4-bit (bundler.onnx.quantize);
+    # and it is a float32 region of the half-precision graphs, so that the experts chosen do not depend on how a
+    # provider rounds an fp16 Gemm (CUDA's and the CPU fallback's picked other experts at near ties)
+    start = len(g.nodes)
     logits = node("Gemm", [tokens, g.add(f"{prefix}.gate.weight", g.tensor(f"{prefix}.gate.weight"))], transB=1)
     normalize = bool(_get(cfg, "norm_topk_prob", False))
     if normalize:  # choose with TopK (ties: lower index), then only the chosen logits reach MoE
@@ -151,6 +158,7 @@ def sparse_moe(g: GraphOps, x: str, prefix: str, cfg: Any) -> str:
                      value=helper.make_tensor("neg_inf", TensorProto.FLOAT, [1], [-np.inf]))
         floor = node("CastLike", [floor, logits])  # the half-precision graphs (bundler.onnx.half) too
         logits = node("ScatterElements", [floor, indices, values], axis=1)
+    float32_region(g, start)
     fc1, fc2 = expert_weights(g, prefix, experts)
     y = node("MoE", [tokens, logits, g.add(f"{prefix}.experts.fc1", fc1), "", g.add(f"{prefix}.experts.fc2", fc2)],
              domain=MS_DOMAIN, k=top_k, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0,

@@ -203,3 +203,30 @@ def test_cuda_memory_preflight_counts_every_expert_and_the_recurrent_states(fami
     cpu = estimate_memory(exports["checkpoint"], 96, get_profile("cpu"))
     states = engine._states.bytes_per_slot() if engine.recurrent else 0
     assert 2 * (est.kv_cache_bytes - states) == cpu.kv_cache_bytes - states > 0  # fp16 KV, float32 states on both
+
+
+def test_nemotron_h_routes_in_float32_in_the_half_precision_graph(new_family_exports):
+    """transformers routes Nemotron-H's experts in float32 (sigmoid scores near 1 are coarse in fp16, and a
+    tie its rounding makes picks other experts): the router is a float32 region of the fp16 graph, its
+    weights float32, the activations cast in once and the routing result cast back once, and the graph then
+    matches transformers within fp16's own tolerance, not the looser one of half-precision routing."""
+    import onnx
+
+    from bundler.onnx.blocks.graph import FLOAT32_REGION
+
+    exports = new_family_exports["nemotron_h"]
+    half = exports["float16"]
+    model = onnx.load(str(half.graph), load_external_data=False)
+    T = onnx.TensorProto
+    inits = {t.name: t.data_type for t in model.graph.initializer}
+    region = [n for n in model.graph.node if n.name.startswith(FLOAT32_REGION)]
+    assert {"Gemm", "Sigmoid", "TopK", "ScatterElements"} <= {n.op_type for n in region}
+    assert {inits[x] for n in region for x in n.input if x in inits} <= {T.FLOAT, T.INT64}
+    casts_in = [n for n in region if n.op_type == "Cast"]
+    assert casts_in and all(a.i == T.FLOAT for n in casts_in for a in n.attribute if a.name == "to")
+    producers = {y: n for n in model.graph.node for y in n.output}
+    for moe in (n for n in model.graph.node if n.op_type == "MoE"):
+        back = producers[moe.input[1]]  # the router probabilities: the region's result, cast back once
+        assert back.op_type == "Cast" and back.attribute[0].i == T.FLOAT16
+        assert producers[back.input[0]].name.startswith(FLOAT32_REGION)
+    check_parity(exports["checkpoint"], half.graph, half.vocab_size, rtol=FP16_RTOL)
