@@ -190,10 +190,16 @@ class CudaEngine(Engine):
         self._generation = 0
         self._buffers: list = []
         self._scratch: dict[str, DeviceBuffer] = {}
+        # Recurrent hybrids run without CUDA graph replay: measured on an H200 (onnxruntime-gpu 1.31.1), their
+        # captured graphs left the states after a mixed batch or a rollback off the uncaptured run's (parity with
+        # transformers held only without replay); every call is then an ordinary run (gpu_graph_id -1)
+        self._replay = self.cuda_graphs and self._states is None
+        if self.cuda_graphs and not self._replay:
+            self.cuda_graph_error = "recurrent states: CUDA graph replay is off for hybrid graphs"
         self.description = (f"onnxruntime {ort.__version__} {self._provider} {self.precision} "
                             f"kv-cache {self.kv_cache}{' gqa' if self._lane.gqa else ''}"
                             f"{' + gqa decode' if self.dual else ''}"
-                            f"{' cuda-graphs' if self.cuda_graphs else ''}")
+                            f"{' cuda-graphs' if self._replay else ''}")
         self.allocate_slots(num_slots, max_context=limit)
 
     @property
@@ -434,7 +440,7 @@ class CudaEngine(Engine):
     def _run_batched(self, lane: _Lane, group: list[Row], wants: dict[int, str]) -> dict[int, np.ndarray]:
         width = max(len(r.tokens) for r in group)
         hi = max(r.slot for r in group) + 1
-        use_graph = self.cuda_graphs and (width == 1 if lane.gqa else width <= GRAPH_MAX_WIDTH)
+        use_graph = self._replay and (width == 1 if lane.gqa else width <= GRAPH_MAX_WIDTH)
         if use_graph:  # decode, verify: a bucket of slots 0..bucket-1
             lo, hi = 0, next(b for b in self.buckets if b >= hi)
         else:

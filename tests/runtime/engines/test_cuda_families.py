@@ -50,6 +50,10 @@ FAMILIES = {"qwen3": ("qwen3", {"head_dim": 16}), "qwen3_moe": ("qwen3_moe", {"m
             "nemotron_h_moe": ("nemotron_h", {**NEMOTRON_MOE, "moe_intermediate_size": 64})}
 #: fp16 router probabilities can swap a near-tied expert (tests/bundler/onnx/test_half.py says why)
 RTOL = {"qwen3_moe": 4 * FP16_RTOL, "nemotron_h_moe": 4 * FP16_RTOL}
+#: CUDA's QMoE (4-bit experts) against the CPU provider's over the same graph: the CUDA kernel dequantizes and
+#: accumulates in fp16, the CPU one in float32; measured on an H200: 2.1% of the largest logit at 4 of 2048
+#: logits of the tiny Qwen3-MoE (the routers are float32, so both choose the same experts)
+CPU_INT4_RTOL = 6 * FP16_RTOL
 #: ops with a CUDA kernel in onnxruntime-gpu 1.31.1 (the probe): none may fall to the CPU provider
 ON_CUDA = {"MoE", "QMoE", "GatedDeltaNet", "MatMulNBits"}
 
@@ -83,8 +87,8 @@ def _graph(family, dtype: str) -> Path:
     return family["fp16"].graph if dtype == "fp16" else family["int4"]
 
 
-def _close(actual, expected, name: str, what: str) -> None:
-    atol = RTOL.get(name, FP16_RTOL) * float(np.abs(expected).max())
+def _close(actual, expected, name: str, what: str, rtol: float | None = None) -> None:
+    atol = (rtol or RTOL.get(name, FP16_RTOL)) * float(np.abs(expected).max())
     np.testing.assert_allclose(actual, expected, rtol=0, atol=atol, err_msg=what)
 
 
@@ -216,7 +220,8 @@ def test_cuda_engine_equals_the_cpu_engine_over_the_same_graph(family, dtype):
     for i, step in enumerate(steps):
         rows = [Row(s, t) for s, t in step.items()]
         for slot, a, b in zip(step, cuda.forward(rows), cpu.forward(rows)):
-            _close(a, b, family["name"], f"{dtype} step {i} slot {slot}")
+            _close(a, b, family["name"], f"{dtype} step {i} slot {slot}",
+                   CPU_INT4_RTOL if dtype == "int4" and family["name"] in RTOL else None)
         if i == 1:
             for engine in (cuda, cpu):
                 engine.rollback(1, engine.length(1) - 3)  # three of the four verified tokens rejected
