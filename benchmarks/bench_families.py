@@ -260,7 +260,8 @@ def steps(engine, batch: int, context: int, n: int) -> dict:
 
 def bench(make, graph: Path, contexts, batches, n: int, bandwidth: float | None) -> dict:
     split = weight_split(graph)
-    engine = make(graph, max(contexts) + VERIFY_WIDTH + 8, max(batches))
+    # the decode steps run n + 3 tokens past the context
+    engine = make(graph, max(contexts) + max(n + 3, VERIFY_WIDTH) + 8, max(batches))
     out = {"description": engine.description, "weight_bytes": graph_bytes(graph), "split": split,
            "memory_at_load": getattr(engine, "memory_at_load", None), "num_layers_kv": engine.num_layers}
     for ctx in contexts:
