@@ -373,7 +373,7 @@ def check_layout(family: str, profiles: Iterable[Any], name: str) -> None:
     """Routed experts (MoE) and recurrent layers (Gated DeltaNet, Mamba-2) run only in the in-place graphs,
     on ONNX Runtime (the cpu target's fp32 graph, the cuda target's fp16/bf16 one); a TensorRT target is
     refused before any download, naming it and the operator TensorRT has no layer for (its graph is the
-    traced concat one, which cannot hold them either)."""
+    concat or static batched one, of elementary and standard operators, which cannot hold them either)."""
     fam = FAMILIES[family]
     lacking = [op for kind, op in TENSORRT_MISSING.items() if getattr(fam, kind)]
     if not lacking:

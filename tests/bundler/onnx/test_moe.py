@@ -172,7 +172,7 @@ def test_fused_and_per_expert_checkpoint_layouts_give_the_same_operator_weights(
     np.testing.assert_array_equal(a[0][:, 1::2], up)
 
 
-def test_the_traced_concat_graph_is_refused_for_routed_experts(moe_exports, tmp_path):
+def test_the_concat_graph_is_refused_for_routed_experts(moe_exports, tmp_path):
     from bundler.onnx.export import export_onnx
     from manifests.errors import ModelError
 
