@@ -112,7 +112,9 @@ class Server:
             m = re.match(r"^((?:vllm:spec_decode|bundle:spec_decode)\w*)\{([^}]*)\} (\S+)$", line)
             if m:
                 batch = re.search(r'batch="(\d+)"', m.group(2))
-                out[m.group(1) + (f"[{batch.group(1)}]" if batch else "")] = float(m.group(3))
+                g = re.search(r'draft_tokens="(\d+)"', m.group(2))
+                out[m.group(1) + (f"[{batch.group(1)}]" if batch else "") + (f"[{g.group(1)}]" if g else "")] = \
+                    float(m.group(3))
         return out
 
     def stop(self) -> None:
@@ -173,6 +175,14 @@ def run_once(server: Server, prompt: str, streams: int, requests: int, tokens: i
                      if k.startswith("bundle:spec_decode_num_speculative_tokens[")}
     row["skipped_steps"] = sum(v - before.get(k, 0.0) for k, v in after.items()
                                if k.startswith("bundle:spec_decode_skipped_steps_total["))
+    # what the cost model predicted at its latest decision, per bucket and G: against the measured tok/s of
+    # the plain and speculative rows it shows where the model is off (JSON only)
+    predicted: dict = {}
+    for k, v in after.items():
+        if k.startswith("bundle:spec_decode_predicted_tokens_per_second["):
+            bucket, g = (int(x) for x in k[k.index("[") + 1:-1].split("]["))
+            predicted.setdefault(bucket, {})[g] = round(v, 1)
+    row["predicted_tok_s"] = predicted
     return row
 
 

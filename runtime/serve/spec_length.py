@@ -180,6 +180,8 @@ class Bucket:
     plain_run: int = 0  # plain steps since the last probe
     probe_wait: int = PROBE_EVERY
     recheck: bool = False  # decide again at the next step (after a probe, or while a slope is assumed)
+    #: at the latest evaluation, per G = 0..K: (predicted tokens per second, predicted step seconds)
+    predicted: tuple = ()
 
     @classmethod
     def empty(cls) -> "Bucket":
@@ -318,7 +320,7 @@ class SpeculationLength:
         kept = self.expected_tokens(rates, self.k)
         bonus = plain + (fixed * self.expected_tokens([self.rate()], self.k)[self.k] if fixed else 0.0)
         per_round = draft.predict(n) if draft.count else 0.0
-        speed = []
+        speed, costs = [], []
         rows = rows or (lambda g: g)
         for g in range(self.k + 1):
             tokens = len(adaptive) * (1 + rows(g)) + fixed * (1 + rows(self.k)) + plain
@@ -326,6 +328,8 @@ class SpeculationLength:
             cost = (target.predict_at(g, tokens) if target is bucket.target else target.predict(tokens)) \
                 + rounds * per_round + (other.predict_at(g, g) if other is bucket.other else other.predict(g))
             speed.append((kept[g] + bonus) / max(cost, 1e-12))
+            costs.append(cost)
+        bucket.predicted = tuple(zip(speed, costs))
         best = max(range(1, self.k + 1), key=speed.__getitem__)  # the best G that drafts
         pays = speed[best] > speed[0] * (1.0 + self.min_gain)
         bucket.steps += 1
@@ -367,6 +371,12 @@ class SpeculationLength:
     def _pick(self, g: int) -> int:
         self.last = g
         return g
+
+    def predictions(self) -> dict[int, tuple[tuple[float, float], ...]]:
+        """Per bucket (its label): the latest evaluation's (predicted tokens/s, predicted step seconds) for each
+        G = 0..K, what the decision compared: with the measured tokens/s of plain and speculative serving it
+        shows where the cost model is off."""
+        return {b: s.predicted for b, s in sorted(list(self.buckets.items())) if s.predicted}
 
     def snapshot(self) -> dict[int, tuple[int, int, int]]:
         """Per bucket (its label): (decided G, steps skipped because drafting did not pay, probes)."""

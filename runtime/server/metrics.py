@@ -204,12 +204,13 @@ class Metrics:
         waiting for the GIL while the event loop holds it)."""
         self.registry.register(_EngineCollector(read, self._base))
 
-    def watch_speculation(self, read) -> None:
+    def watch_speculation(self, read, predicted=None) -> None:
         """Export the adaptive speculation length's decision per batch-size bucket, read at scrape time:
         `read()` -> {bucket: (G decided, steps skipped because drafting did not pay, probe steps)}
-        (SpeculationLength.snapshot). The periodic log line says it too."""
+        (SpeculationLength.snapshot), and `predicted()` -> {bucket: ((tokens/s, step seconds) per G)}
+        (SpeculationLength.predictions). The periodic log line says the decision too."""
         self._speculation = read
-        self.registry.register(_SpeculationCollector(read, self._base))
+        self.registry.register(_SpeculationCollector(read, self._base, predicted))
 
     def watch_tree_shape(self, read) -> None:
         """Export the auto token tree's shape, read at scrape time: `read()` -> {depth: nodes at that level}
@@ -357,8 +358,8 @@ class _SpeculationCollector:
     """bundle:spec_decode_num_speculative_tokens{batch} (gauge), bundle:spec_decode_skipped_steps{batch}
     and bundle:spec_decode_probe_steps{batch} (counters); `batch` is the bucket's upper bound (1, 2, 4, 8...)."""
 
-    def __init__(self, read, labels: dict):
-        self._read, self._labels = read, labels
+    def __init__(self, read, labels: dict, predicted=None):
+        self._read, self._labels, self._predicted = read, labels, predicted
 
     def collect(self):
         names = list(self._labels) + ["batch"]
@@ -378,3 +379,17 @@ class _SpeculationCollector:
         yield gauge
         yield skipped
         yield probes
+        if self._predicted is None:
+            return
+        speed = GaugeMetricFamily("bundle:spec_decode_predicted_tokens_per_second",
+                                  "Tokens per second the adaptive length predicted for each number of draft tokens "
+                                  "at its latest decision, by running batch size bucket", labels=names + ["draft_tokens"])
+        step = GaugeMetricFamily("bundle:spec_decode_predicted_step_seconds",
+                                 "Step seconds the adaptive length predicted for each number of draft tokens at its "
+                                 "latest decision, by running batch size bucket", labels=names + ["draft_tokens"])
+        for bucket, per_g in self._predicted().items():
+            for g, (tok_s, seconds) in enumerate(per_g):
+                speed.add_metric(values + [str(bucket), str(g)], tok_s)
+                step.add_metric(values + [str(bucket), str(g)], seconds)
+        yield speed
+        yield step

@@ -252,3 +252,26 @@ def test_a_plain_step_on_a_faster_path_is_measured_not_extrapolated_and_drafting
     assert outs == [_greedy(target_table, p, 60) for p in _prompts(16, seed=9)]
     late = drafted[len(drafted) // 2:]  # once it has seen the new acceptance
     assert sum(1 for d in late if d) < 0.2 * len(late), (sum(1 for d in late if d), len(late))
+
+
+def test_metrics_show_what_the_cost_model_predicted_for_each_length():
+    """The decision's inputs, for telling where the cost model is off: per bucket and G, the tokens/s and
+    step seconds it predicted at its latest evaluation (SpeculationLength.predictions)."""
+    from runtime.server.metrics import Metrics
+
+    policy = SpeculationLength(3, explore_every=0)
+    _observe(policy, 1, 3, lambda rows: 0.01 + 1e-6 * rows, lambda n: 0.003)
+    _observe(policy, 1, 0, lambda rows: 0.01 + 1e-6 * rows, lambda n: 0.003)
+    g = policy.choose([Req(9, 10)], 0)
+    predicted = policy.predictions()
+    assert list(predicted) == [1] and len(predicted[1]) == 4
+    speeds = [s for s, _ in predicted[1]]
+    assert g == (0 if max(speeds[1:]) <= speeds[0] * 1.03 else max(range(1, 4), key=speeds.__getitem__))
+    assert all(seconds > 0 for _, seconds in predicted[1])
+    metrics = Metrics(3, model_name="m")
+    metrics.watch_speculation(policy.snapshot, policy.predictions)
+    text = metrics.render().decode()
+    for d, (tok_s, seconds) in enumerate(predicted[1]):
+        assert (f'bundle:spec_decode_predicted_tokens_per_second{{batch="1",draft_tokens="{d}",engine="0",'
+                f'model_name="m"}} {tok_s!r}') in text
+        assert f'bundle:spec_decode_predicted_step_seconds{{batch="1",draft_tokens="{d}"' in text
