@@ -30,8 +30,10 @@ deterministic schedule), so acceptance and costs keep being measured and the buc
 when drafting starts to pay (better acceptance, a lighter load); between probes its plain steps skip the
 evaluation (nothing it depends on but plain costs is measured there). While it speculates, every
 `EXPLORE_EVERY`-th step tries another G so the fits see more than one: a neighbouring G, and every
-third time none at all, so that plain decoding's own cost is measured rather than extrapolated from
-drafted steps. That matters on a GPU, where a plain step may run another path than a verification
+third time none at all for PLAIN_BURST steps, so that plain decoding's own cost is measured rather than
+extrapolated from drafted steps (a burst, and each group's cost a median of its recent steps, because a
+rarely run path nearly always meets a context window it has not run at, and its first run there captures
+a CUDA graph or plans a new shape). That matters on a GPU, where a plain step may run another path than a verification
 (the CUDA engine's single-token decode graph under CUDA graphs): a G measured in the bucket is
 predicted from its own mean (moved along the fit's slope), not from the line through the others.
 
@@ -53,7 +55,8 @@ PROBE_EVERY = 16  # plain steps in a bucket before its first probe
 PROBE_MAX = 256  # the longest wait between probes
 MIN_GAIN = 0.03  # drafting must promise this much more tokens/s than plain decoding
 DECAY = 0.98  # weight of the past per observation in the cost fits
-GROUP_DECAY = 0.9  # weight of a cost group's past per observation of that group
+GROUP_WINDOW = 9  # a cost group's cost: the median of its last this many observations
+PLAIN_BURST = 4  # consecutive plain steps a drafting bucket explores (its first may pay a first run)
 ACCEPT_DECAY = 0.9  # per slot: weight of the past per verification
 PRIOR_WEIGHT = 2.0  # the server-wide rate counts as this many proposals in a new slot's estimate
 
@@ -107,29 +110,32 @@ def _line(w, sx, sy, sxx, sxy) -> tuple[float, float]:
 
 
 class GroupedCost:
-    """seconds ~ a + b * x fitted through per-group running means (a group: one G, or one batch size).
+    """seconds ~ a + b * x fitted through per-group costs (a group: one G, or one batch size).
 
-    A group's mean follows its own observations only, and its weight in the fit is bounded, so a
-    group seen rarely (the probe steps of a bucket that decodes plainly) keeps its say next to one seen
-    every step. One group alone: proportional (LinearCost's rule)."""
+    A group's cost is the median of its last GROUP_WINDOW observations (x: their mean), and its weight in the
+    fit is bounded, so a group seen rarely (the probe steps of a bucket that decodes plainly, the plain steps
+    a drafting bucket explores) keeps its say next to one seen every step, and a first run does not: a path
+    meeting a new shape (a CUDA graph captured, ONNX Runtime planning a new window) costs several steps once.
+    One group alone: proportional (LinearCost's rule)."""
 
-    def __init__(self, decay: float = GROUP_DECAY):
-        self.decay = decay
-        self.groups: dict = {}  # key -> [x mean, seconds mean, weight]
+    def __init__(self, window: int = GROUP_WINDOW):
+        self.window = window
+        self.groups: dict = {}  # key -> [x mean, seconds median, weight]
+        self._seen: dict = {}  # key -> its recent (x, seconds), at most `window`
         self.count = 0
         self._line: tuple[float, float] | None = None  # cached until the next observation
         self._spread = 0
 
     def observe(self, key, x: float, seconds: float) -> None:
         self._line = None
-        g = self.groups.get(key)
-        if g is None:
-            self.groups[key] = [float(x), float(seconds), 1.0]
-        else:
-            d = self.decay
-            g[0] = d * g[0] + (1 - d) * x
-            g[1] = d * g[1] + (1 - d) * seconds
-            g[2] = min(g[2] + 1.0, 1.0 / (1.0 - d))
+        recent = self._seen.setdefault(key, [])
+        recent.append((float(x), float(seconds)))
+        if len(recent) > self.window:
+            del recent[0]
+        ys = sorted(r[1] for r in recent)
+        mid = len(ys) // 2
+        median = ys[mid] if len(ys) % 2 else 0.5 * (ys[mid - 1] + ys[mid])
+        self.groups[key] = [sum(r[0] for r in recent) / len(recent), median, float(len(recent))]
         self.count += 1
 
     def line(self) -> tuple[float, float]:
@@ -180,6 +186,7 @@ class Bucket:
     plain_run: int = 0  # plain steps since the last probe
     probe_wait: int = PROBE_EVERY
     recheck: bool = False  # decide again at the next step (after a probe, or while a slope is assumed)
+    burst: int = 0  # plain steps left of an exploration burst
     #: at the latest evaluation, per G = 0..K: (predicted tokens per second, predicted step seconds)
     predicted: tuple = ()
 
@@ -304,6 +311,10 @@ class SpeculationLength:
         if not self.adaptive:
             return self._pick(self.k)
         bucket = self.buckets.setdefault(batch_bucket(n + plain), Bucket.empty())
+        if bucket.burst > 0:  # the rest of an exploration's plain burst
+            bucket.burst -= 1
+            bucket.steps += 1
+            return self._pick(0)
         if bucket.decision == 0 and not bucket.recheck and bucket.plain_run + 1 < bucket.probe_wait:
             # decided 0 here: nothing that could change it (acceptance, drafted steps' costs) is measured
             # before the next probe, so plain steps cost no evaluation
@@ -354,6 +365,8 @@ class SpeculationLength:
             turn = (bucket.steps // self.explore_every) % 3
             up = turn == 1
             g = 0 if turn == 0 else best - 1 if best == self.k or not up else best + 1
+            if g == 0:
+                bucket.burst = PLAIN_BURST - 1
         return self._pick(g)
 
     def row_cost_share(self, n: int, g: int) -> float:

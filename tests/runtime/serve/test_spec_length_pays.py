@@ -275,3 +275,40 @@ def test_metrics_show_what_the_cost_model_predicted_for_each_length():
         assert (f'bundle:spec_decode_predicted_tokens_per_second{{batch="1",draft_tokens="{d}",engine="0",'
                 f'model_name="m"}} {tok_s!r}') in text
         assert f'bundle:spec_decode_predicted_step_seconds{{batch="1",draft_tokens="{d}"' in text
+
+
+class _FirstRunPerWindow:
+    """_fast_plain_path, plus a first-run cost (a CUDA graph captured, ONNX Runtime planning a new shape)
+    whenever a path meets a context window it has not run at: windows of 16 tokens, one cache per path
+    (single-token rows, verification rows). Plain steps that a drafting bucket explores now and then nearly
+    always meet a new window, so each of them pays that cost while plain decoding itself would pay it once
+    per window."""
+
+    def __init__(self, engine):
+        self.engine, self.seen = engine, set()
+
+    def __call__(self, rows, tokens):
+        key = (tokens == rows, max(self.engine.length(s) for s in range(len(self.engine.sequences))) // 16)
+        first = key not in self.seen
+        self.seen.add(key)
+        return _fast_plain_path(rows, tokens) + (0.040 if first else 0.0)
+
+
+def test_plain_steps_explored_at_new_context_windows_do_not_keep_drafting_that_loses():
+    target_table, unrelated = _tables()
+    half = target_table.copy()
+    half[::2] = unrelated[::2]  # about half of the proposals accepted: drafting loses against 1 token per 4 ms
+    clock = FakeClock()
+    target = TimedSlots(target_table, 1, clock, None)
+    target.cost = _FirstRunPerWindow(target)
+    draft = TimedSlots(target_table, 1, clock, lambda rows, tokens: 0.0005)
+    runner = ModelRunner(target, draft, "draft_model", 3, clock=clock)
+    prompts = _prompts(3, seed=13)
+    outs, drafted = _serve(runner, prompts, max_tokens=200, slots=1)  # the draft agrees: drafting pays
+    assert outs == [_greedy(target_table, p, 200) for p in prompts]
+    draft.set_table(half)  # now it loses
+    prompts = _prompts(3, seed=14)
+    outs, drafted = _serve(runner, prompts, max_tokens=400, slots=1)
+    assert outs == [_greedy(target_table, p, 400) for p in prompts]
+    late = drafted[len(drafted) // 2:]
+    assert sum(1 for d in late if d) < 0.25 * len(late), (sum(1 for d in late if d), len(late))
