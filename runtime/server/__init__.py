@@ -142,6 +142,9 @@ def serve(name_or_dir, config: ServeConfig | None = None, *, echo: Callable[[str
                                     timeout_graceful_shutdown=5, access_log=False, **setup.ssl)
             echo(f"connections: {config.http.book.describe()}")
             scheme = "https" if setup.ssl else "http"
+            # listening before the line that says so: a client that connects as soon as it reads the URL
+            # waits in the backlog for the first accept instead of being refused (uvicorn listens again, a no-op)
+            sock.listen(config.backlog)
             echo(f"serving at   {scheme}://{bound_host}:{bound_port}/v1  (Ctrl-C to stop)")
             sys.stdout.flush()
             uvicorn.Server(config).run(sockets=[sock])

@@ -3,6 +3,7 @@ says so loudly (a WARNING line in the banner, engine_warning in /health). Throug
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -60,3 +61,27 @@ def test_a_tensorrt_target_on_the_cpu_warns_in_the_banner_and_health(thor_store,
         reply = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60).chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
         assert reply.usage.completion_tokens > 0  # it does serve, on the CPU
+
+
+def test_the_url_line_comes_once_the_port_accepts_connections(installed_bundle, monkeypatch):
+    """A client (a script reading the banner, a test) may connect the moment it reads "serving at": the port
+    listens by then, so the connection waits for the server's first accept instead of being refused."""
+    import socket
+
+    import uvicorn
+
+    from runtime.server import serve
+    from runtime.server.options import ServeConfig
+
+    connected = []
+
+    def echo(line: str) -> None:
+        m = re.search(r"serving at\s+https?://([^:/]+):(\d+)/v1", line)
+        if m:  # uvicorn has not run yet: only the socket the banner names exists
+            with socket.create_connection((m.group(1), int(m.group(2))), timeout=5):
+                connected.append(line)
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
+    serve(installed_bundle.name, ServeConfig(args={"host": "127.0.0.1", "port": 0}, store=installed_bundle.store),
+          echo=echo)
+    assert len(connected) == 1
