@@ -593,13 +593,10 @@ class CudaEngine(Engine):
         self.cudart.synchronize()  # device-to-device copies are asynchronous: done before the next run
 
     def rollback(self, slot: int, length: int) -> None:
-        have = self.slots.lengths[slot]
-        self.slots.rollback(slot, length, self._compact)
-        if self._states and length != have:  # the state after `length` tokens: replayed, or run again
-            again = self._states.rewind(slot, length)
-            self.slots.lengths[slot] = length - len(again)
-            if again:
-                self.forward([Row(slot, again, fetch="none")])
+        if self._states:  # the state after `length` tokens: replayed, or run again
+            self._states.roll_back_slot(self.slots, slot, length, self._compact, self._run_again)
+        else:
+            self.slots.rollback(slot, length, self._compact)
 
     def keep_rows(self, slot: int, past: int, rows: Sequence[int]) -> None:
         """Token trees: the rows past + rows[i] move to past + i on the device (one 2-D copy per layer, K or V
@@ -623,20 +620,14 @@ class CudaEngine(Engine):
         self.slots.lengths[slot] = past + len(idx)
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        if not self._states or src == dst:
+        if self._states:
+            self._states.copy_slot_prefix(self.slots, src, dst, length, self._copy_prefix, self._compact,
+                                          self._run_again)
+        else:
             self.slots.copy_prefix(src, dst, length, self._copy_prefix, self._compact)
-            return
-        if not 0 <= length <= self.slots.lengths[src]:
-            raise ValueError(f"copy of {length} tokens from slot {src}: it holds {self.slots.lengths[src]}")
-        if length == self.slots.lengths[src]:  # the whole of it: KV rows and the state as they are
-            self.slots.copy_prefix(src, dst, length, self._copy_prefix, self._compact)
-            self._states.copy(src, dst)
-            return
-        tokens = self._states.tokens[src][:length]  # a state after part of src's tokens exists nowhere: run them
-        self.slots.rollback(dst, 0, self._compact)
-        self._states.clear(dst)
-        if tokens:
-            self.forward([Row(dst, tokens, fetch="none")])
+
+    def _run_again(self, slot: int, tokens: list[int]) -> None:
+        self.forward([Row(slot, tokens, fetch="none")])
 
     def _compact(self, slot: int, live: int, other: int, have: int, length: int) -> None:
         """concat: the kept prefix of every head into the slot's other buffer, packed."""

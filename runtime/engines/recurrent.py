@@ -144,6 +144,36 @@ class RecurrentStates:
         _, updates, conv_inputs = captured
         replay({n: b[slot] for n, b in self.buffers.items()}, self, steps, updates, conv_inputs)
 
+    # --- what an engine's rollback and copy_prefix do with its slot table -------------------------
+    def roll_back_slot(self, slots, slot: int, length: int, compact, run) -> None:
+        """An engine's rollback: the slot table shortens the KV rows, the state is rewound (replayed), and
+        the tokens nothing kept are run again with `run(slot, tokens)`."""
+        have = slots.lengths[slot]
+        slots.rollback(slot, length, compact)
+        if length != have:
+            again = self.rewind(slot, length)
+            slots.lengths[slot] = length - len(again)
+            if again:
+                run(slot, again)
+
+    def copy_slot_prefix(self, slots, src: int, dst: int, length: int, copy_rows, compact, run) -> None:
+        """An engine's copy_prefix: a whole slot's KV rows and state are copied; a state after only part of
+        src's tokens exists nowhere, so dst is emptied and those tokens run there with `run(dst, tokens)`."""
+        if src == dst:
+            slots.copy_prefix(src, dst, length, copy_rows, compact)
+            return
+        if not 0 <= length <= slots.lengths[src]:
+            raise ValueError(f"copy of {length} tokens from slot {src}: it holds {slots.lengths[src]}")
+        if length == slots.lengths[src]:
+            slots.copy_prefix(src, dst, length, copy_rows, compact)
+            self.copy(src, dst)
+            return
+        tokens = self.tokens[src][:length]
+        slots.rollback(dst, 0, compact)
+        self.clear(dst)
+        if tokens:
+            run(dst, tokens)
+
     def copy(self, src: int, dst: int) -> None:
         for buf in self.buffers.values():
             buf[dst] = buf[src]
