@@ -37,6 +37,7 @@ import numpy as np
 
 from manifests.errors import UsageError
 from runtime.serve.sampling import LogitsProcessor, SamplingParams, apply_processors, draw, probabilities
+from runtime.serve.speculative import ngram_matches
 
 MAX_BRANCHING = 8
 MAX_NODES = 64
@@ -243,15 +244,7 @@ def ngram_tree(tokens: Sequence[int], g: int, lo: int, hi: int, k: int, budget: 
     longest = min(hi, len(seq) - 1)
     if longest < lo or g < 1 or budget < 1:
         return tree
-    ends = np.flatnonzero(seq[:-1] == seq[-1])
-    matches = []  # matches[n - 1]: ends of earlier occurrences of the last n tokens
-    for j in range(longest):
-        if j:
-            ends = ends[ends >= j]
-            ends = ends[seq[ends - j] == seq[-1 - j]]
-        matches.append(ends)
-        if not len(ends):
-            break
+    matches = ngram_matches(seq, longest)  # matches[n - 1]: ends of earlier occurrences of the last n tokens
     seen: set[int] = set()
     looked = 0
     for n in range(min(longest, len(matches)), lo - 1, -1):

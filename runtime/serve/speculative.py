@@ -144,18 +144,12 @@ def accept_greedy(best: Sequence[int], drafts: Sequence[int]) -> list[int]:
     return new
 
 
-def ngram_lookup(tokens: Sequence[int], g: int, lo: int, hi: int) -> list[int]:
-    """Most recent earlier occurrence of the longest suffix n-gram (lo <= n <= hi); the g tokens after it.
-
-    Candidates are the earlier positions of the last token (one vectorised compare), narrowed
-    one token further back per n-gram length: far cheaper than comparing every window.
-    """
-    seq = np.asarray(tokens, dtype=np.int64)
-    longest = min(hi, len(seq) - 1)
-    if longest < lo:
-        return []
+def ngram_matches(seq: np.ndarray, longest: int) -> list[np.ndarray]:
+    """matches[n - 1]: the end positions of earlier occurrences of seq's last n tokens, n = 1..longest (fewer
+    when a length has none). Candidates are the earlier positions of the last token (one vectorised
+    compare), narrowed one token further back per length: far cheaper than comparing every window."""
     ends = np.flatnonzero(seq[:-1] == seq[-1])  # where an earlier match would end
-    matches = []  # matches[n - 1]: ends of earlier occurrences of the last n tokens
+    matches = []
     for j in range(longest):
         if j:
             ends = ends[ends >= j]
@@ -163,6 +157,17 @@ def ngram_lookup(tokens: Sequence[int], g: int, lo: int, hi: int) -> list[int]:
         matches.append(ends)
         if not len(ends):
             break
+    return matches
+
+
+def ngram_lookup(tokens: Sequence[int], g: int, lo: int, hi: int) -> list[int]:
+    """Most recent earlier occurrence of the longest suffix n-gram (lo <= n <= hi); the g tokens after it
+    (its occurrences: ngram_matches)."""
+    seq = np.asarray(tokens, dtype=np.int64)
+    longest = min(hi, len(seq) - 1)
+    if longest < lo:
+        return []
+    matches = ngram_matches(seq, longest)
     for n in range(min(longest, len(matches)), lo - 1, -1):
         if len(matches[n - 1]):
             start = int(matches[n - 1][-1]) + 1
