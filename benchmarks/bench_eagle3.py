@@ -119,6 +119,19 @@ def export_graphs(work: Path, layers: tuple[int, ...], cuda: bool) -> tuple[str,
     return dtype, graphs
 
 
+def head_providers(cuda: bool) -> list[str]:
+    """ONNX Runtime providers for the EAGLE-3 head (and the CPU engine's graphs): CUDA first when `cuda`, else
+    the CPU; SystemExit saying why when the CUDA provider cannot run here."""
+    if not cuda:
+        return ["CPUExecutionProvider"]
+    from runtime.engines.cudalib import onnxruntime_cuda  # preloads the pip CUDA libraries, as the CUDA engine does
+
+    ort, why_not = onnxruntime_cuda()
+    if ort is None:
+        raise SystemExit(f"--cuda: {why_not}")
+    return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
 def main(argv=None, *, memory=None) -> int:
     """`memory`: with --cuda, a host-memory object for the CUDA engine (tests: the --cuda path on the CPU, as
     tests/runtime/engines/test_cuda_engine_host.py does; the head then runs on the CPU provider)."""
@@ -147,14 +160,7 @@ def main(argv=None, *, memory=None) -> int:
     cfg = eagle3.read_head_config(head_dir)
     layers = tuple(cfg.resolved_layer_ids(json.loads((demo.DEMO_TARGET_DIR / "config.json").read_text())["num_hidden_layers"]))
     cpu_head = ["CPUExecutionProvider"]
-    providers = cpu_head
-    if args.cuda and memory is None:
-        from runtime.engines.cudalib import onnxruntime_cuda  # preloads the pip CUDA libraries, as the CUDA engine does
-
-        ort, why_not = onnxruntime_cuda()
-        if ort is None:
-            raise SystemExit(f"--cuda: {why_not}")
-        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    providers = head_providers(args.cuda and memory is None)
     dtype, graphs = export_graphs(work, layers, args.cuda)
     heads = {}
     for layout in ("batched", "concat"):

@@ -87,7 +87,7 @@ def main(argv=None, *, memory=None) -> int:
     if set(methods) - set(METHODS):
         raise SystemExit(f"--methods: expected some of {', '.join(METHODS)}, found {args.methods!r}")
 
-    from benchmarks.bench_eagle3 import export_graphs
+    from benchmarks.bench_eagle3 import export_graphs, head_providers
     from benchmarks.bench_serve import _prompts
     from bundler import demo
     from bundler.onnx import eagle3
@@ -102,14 +102,7 @@ def main(argv=None, *, memory=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-spec-tree-"))
     cfg = eagle3.read_head_config(demo.DEMO_EAGLE3_DIR)
     layers = tuple(cfg.resolved_layer_ids(json.loads((demo.DEMO_TARGET_DIR / "config.json").read_text())["num_hidden_layers"]))
-    providers = ["CPUExecutionProvider"]
-    if args.cuda and memory is None:
-        from runtime.engines.cudalib import onnxruntime_cuda
-
-        ort, why_not = onnxruntime_cuda()
-        if ort is None:
-            raise SystemExit(f"--cuda: {why_not}")
-        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    providers = head_providers(args.cuda and memory is None)
     dtype, graphs = export_graphs(work, layers, args.cuda)
     eagle3.export_head_onnx(demo.DEMO_EAGLE3_DIR, demo.DEMO_TARGET_DIR, work / "head", kv_cache="batched")
     head_graph = work / "head" / eagle3.GRAPH_NAME
