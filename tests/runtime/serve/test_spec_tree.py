@@ -161,40 +161,48 @@ def test_tree_config_is_parsed_and_checked(caplog):
     assert gen.runner.tree is None and "token trees are off" in caplog.text
 
 
-def test_served_with_trees_through_the_openai_client(installed_bundle):
-    """`bundle serve --speculative-config '{..., "tree": ...}'` as the server loads it: the same greedy
-    text as without speculation, from the real server driven by the openai client; /metrics counts the
-    tree steps' proposals."""
+def served_greedy_texts(installed_bundle, speculative, *, adaptive: bool = True):
+    """(model, first two TEXTS' greedy 16-token completions, /metrics) from a real server over the tiny bundle
+    (driven by the openai client): `speculative` a parsed config, or None for --no-speculation."""
     import httpx
     import openai
 
     from runtime.server.app import OpenAIServer
     from runtime.server.loader import load_serving_model
-    from runtime.server.loader import parse_speculative_config as serve_parse
     from runtime.server.serving_engine import ServeOptions
     from runtime.store.store import Store
     from tests.runtime.serve.conftest import RunningServer
 
     installed = Store(installed_bundle.store).current("tiny")
-    spec = serve_parse('{"method": "draft_model", "num_speculative_tokens": 3, "tree": {"branching": 2, "max_nodes": 6}}')
-    texts = {}
-    for name, kw in (("plain", {"no_speculation": True}), ("tree", {"speculative": spec})):
-        model = load_serving_model(installed, **kw)
-        assert (model.runner.tree == TreeOptions(2, 6)) == (name == "tree")
+    model = load_serving_model(installed, **({"speculative": speculative} if speculative else {"no_speculation": True}))
+    if not adaptive:
         model.runner.speculation.adaptive = False  # verify every step, whatever this machine's costs
-        server = RunningServer(OpenAIServer(model, ServeOptions(max_num_seqs=2)))
-        try:
-            client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
-            texts[name] = [client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
-                           for p in TEXTS[:2]]
-            metrics = httpx.get(server.url + "/metrics").text
-        finally:
-            server.stop()
-        if name == "tree":
-            assert "tree branching=2 max_nodes=6" in model.info["speculative"]
-            drafted = [ln for ln in metrics.splitlines() if ln.startswith("vllm:spec_decode_num_draft_tokens")]
-            assert drafted and float(drafted[0].split()[-1]) > 0
-    assert texts["tree"] == texts["plain"]
+    server = RunningServer(OpenAIServer(model, ServeOptions(max_num_seqs=2)))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        texts = [client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
+                 for p in TEXTS[:2]]
+        metrics = httpx.get(server.url + "/metrics").text
+    finally:
+        server.stop()
+    return model, texts, metrics
+
+
+def test_served_with_trees_through_the_openai_client(installed_bundle):
+    """`bundle serve --speculative-config '{..., "tree": ...}'` as the server loads it: the same greedy
+    text as without speculation, from the real server driven by the openai client; /metrics counts the
+    tree steps' proposals."""
+    from runtime.server.loader import parse_speculative_config as serve_parse
+
+    spec = serve_parse('{"method": "draft_model", "num_speculative_tokens": 3, "tree": {"branching": 2, "max_nodes": 6}}')
+    plain, plain_texts, _ = served_greedy_texts(installed_bundle, None, adaptive=False)
+    assert plain.runner.tree != TreeOptions(2, 6)
+    model, texts, metrics = served_greedy_texts(installed_bundle, spec, adaptive=False)
+    assert model.runner.tree == TreeOptions(2, 6)
+    assert "tree branching=2 max_nodes=6" in model.info["speculative"]
+    drafted = [ln for ln in metrics.splitlines() if ln.startswith("vllm:spec_decode_num_draft_tokens")]
+    assert drafted and float(drafted[0].split()[-1]) > 0
+    assert texts == plain_texts
 
 
 def test_sampled_trees_under_concurrency_keep_the_target_distribution_per_slot():

@@ -105,37 +105,18 @@ def test_metrics_and_the_log_line_show_the_shape():
 def test_served_with_auto_trees_through_the_openai_client(installed_bundle):
     """`bundle serve --speculative-config '{..., "tree": "auto"}'`: plain greedy's text from the real server
     driven by the openai client, the chosen shape in /metrics and in the banner's speculation line."""
-    import httpx
-    import openai
+    from runtime.server.loader import parse_speculative_config
+    from tests.runtime.serve.test_spec_tree import served_greedy_texts
 
-    from runtime.server.app import OpenAIServer
-    from runtime.server.loader import load_serving_model, parse_speculative_config
-    from runtime.server.serving_engine import ServeOptions
-    from runtime.store.store import Store
-    from tests.runtime.serve.conftest import RunningServer
-    from tests.runtime.serve.test_spec_tree import TEXTS
-
-    installed = Store(installed_bundle.store).current("tiny")
-    texts = {}
-    for name, kw in (("plain", {"no_speculation": True}),
-                     ("auto", {"speculative": parse_speculative_config(
-                         '{"method": "draft_model", "num_speculative_tokens": 3, "tree": "auto"}')})):
-        model = load_serving_model(installed, **kw)
-        server = RunningServer(OpenAIServer(model, ServeOptions(max_num_seqs=2)))
-        try:
-            client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
-            texts[name] = [client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
-                           for p in TEXTS[:2]]
-            metrics = httpx.get(server.url + "/metrics").text
-        finally:
-            server.stop()
-        if name == "auto":
-            assert "tree auto max_nodes=8" in model.info["speculative"]
-            levels = [ln for ln in metrics.splitlines() if ln.startswith("bundle:spec_decode_tree_level_nodes{")]
-            shape = model.runner.shape_snapshot()
-            assert shape and len(levels) == len(shape), (levels, shape)
-            assert all(float(ln.split()[-1]) >= 1 for ln in levels)
-    assert texts["auto"] == texts["plain"]
+    _, plain_texts, _ = served_greedy_texts(installed_bundle, None)
+    model, texts, metrics = served_greedy_texts(installed_bundle, parse_speculative_config(
+        '{"method": "draft_model", "num_speculative_tokens": 3, "tree": "auto"}'))
+    assert "tree auto max_nodes=8" in model.info["speculative"]
+    levels = [ln for ln in metrics.splitlines() if ln.startswith("bundle:spec_decode_tree_level_nodes{")]
+    shape = model.runner.shape_snapshot()
+    assert shape and len(levels) == len(shape), (levels, shape)
+    assert all(float(ln.split()[-1]) >= 1 for ln in levels)
+    assert texts == plain_texts
 
 
 @pytest.mark.parametrize("tree", ['{"width": 2}', '"wide"', '{"branching": 0}'])
