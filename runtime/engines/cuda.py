@@ -69,8 +69,8 @@ from manifests.limits import LIMITS
 from runtime.engines.base import Engine, Row
 from runtime.engines.cudalib import D2D, D2H, H2D, Cudart, DeviceBuffer, fetch_rows, onnxruntime_cuda, pack_aligned
 from runtime.engines.device_states import DeviceStates
-from runtime.engines.onnxruntime import (OnnxRuntimeEngine, bind_row_inputs, check_capacity, static_capacity,
-                                         tree_mask)
+from runtime.engines.onnxruntime import (OnnxRuntimeEngine, batched_inputs, batched_mask, bind_row_inputs,
+                                         check_capacity, static_capacity)
 from runtime.engines.shared_weights import SHARED_WEIGHTS_INDEX, read_shared_weights
 from runtime.engines.slots import SlotTable
 
@@ -446,12 +446,7 @@ class CudaEngine(Engine):
         else:
             lo = min(r.slot for r in group)
         batch, cap = hi - lo, self.capacity
-        ids = np.zeros((batch, width), np.int64)
-        write = np.full(batch, cap - width, np.int64)  # slots without a row: the spare rows at the end
-        for r in group:
-            ids[r.slot - lo, :len(r.tokens)] = r.tokens
-            write[r.slot - lo] = self.slots.lengths[r.slot]
-        positions = write[:, None] + np.arange(width, dtype=np.int64)[None, :]
+        ids, write, positions = batched_inputs(group, lo, hi, self.slots.lengths, cap)
         # Attention runs over the first `window` cache rows (windowed graphs): every real row's past and
         # new tokens. A graph's shapes are fixed, so graph steps round it up to a power of two (>= 256).
         window = cap
@@ -461,10 +456,7 @@ class CudaEngine(Engine):
                 window = min(cap, max(256, 1 << (window - 1).bit_length()))
         graph_id = lane.graphs.setdefault((hi, width, window, self._generation), len(lane.graphs) + 1) \
             if use_graph else None
-        mask = None if lane.gqa else np.arange(window)[None, None, None, :] <= positions[:, None, :, None]
-        for r in group:
-            if r.tree is not None:  # a token tree: each node sees the past and its ancestors, at its depth
-                tree_mask(mask[r.slot - lo, 0], positions[r.slot - lo], r.tree, int(write[r.slot - lo]))
+        mask = None if lane.gqa else batched_mask(group, lo, positions, write, window)
         counts = {r.slot: len(r.tokens) for r in group}
         self._bind_inputs(lane, batch, width, window, ids, positions, write, mask,
                           self._states.inputs(lo, hi, counts) if self._states else ())

@@ -117,6 +117,30 @@ def tree_mask(mask: np.ndarray, positions: np.ndarray, tree, write: int) -> None
         positions[i] = tree.base + len(anc)
 
 
+def batched_inputs(group, lo: int, hi: int, lengths, capacity: int):
+    """(input_ids, write_indices, position_ids) of one call of the batched graph over slots lo..hi-1: each row
+    padded to the longest, written at its slot's length; slots in the range without a row write into the
+    spare rows at the end (capacity - width), which nobody attends to. Shared by the batched engines."""
+    width = max(len(r.tokens) for r in group)
+    ids = np.zeros((hi - lo, width), np.int64)
+    write = np.full(hi - lo, capacity - width, np.int64)
+    for r in group:
+        ids[r.slot - lo, :len(r.tokens)] = r.tokens
+        write[r.slot - lo] = lengths[r.slot]
+    return ids, write, write[:, None] + np.arange(width, dtype=np.int64)[None, :]
+
+
+def batched_mask(group, lo: int, positions: np.ndarray, write: np.ndarray, window: int) -> np.ndarray:
+    """The boolean mask [batch, 1, width, window]: new token i of a row attends to every cached row before it
+    and to new tokens 0..i; a token tree's nodes to the past and their ancestors only (tree_mask, which
+    also sets their positions to their depth)."""
+    mask = np.arange(window)[None, None, None, :] <= positions[:, None, :, None]
+    for r in group:
+        if r.tree is not None:
+            tree_mask(mask[r.slot - lo, 0], positions[r.slot - lo], r.tree, int(write[r.slot - lo]))
+    return mask
+
+
 class OnnxRuntimeEngine(Engine):
     def __init__(self, graph: Path, *, max_context: int | None = None, num_slots: int = 1,
                  threads: int | None = None, providers: Sequence[str] = ("CPUExecutionProvider",),
@@ -295,22 +319,12 @@ class OnnxRuntimeEngine(Engine):
         width = max(len(r.tokens) for r in group)
         batch, cap = hi - lo, self.capacity
         by_slot = {r.slot: r for r in group}
-        ids = np.zeros((batch, width), np.int64)
-        write = np.full(batch, cap - width, np.int64)  # slots without a row: spare rows at the end
-        for r in group:
-            ids[r.slot - lo, :len(r.tokens)] = r.tokens
-            write[r.slot - lo] = self.slots.lengths[r.slot]
-        steps = np.arange(width, dtype=np.int64)
-        positions = write[:, None] + steps[None, :]
+        ids, write, positions = batched_inputs(group, lo, hi, self.slots.lengths, cap)
         # Attention runs over the first `window` rows: every real row's past and new (padded) tokens.
         # Slots without a row write past max_context, outside it: their rows attend to nothing
         # (their outputs are thrown away).
         window = max(self.slots.lengths[r.slot] for r in group) + width if self._windowed else cap
-        # Row b, new token i attends to every cached row before it and to new tokens 0..i.
-        mask = np.arange(window)[None, None, None, :] <= positions[:, None, :, None]
-        for r in group:
-            if r.tree is not None:
-                tree_mask(mask[r.slot - lo, 0], positions[r.slot - lo], r.tree, int(write[r.slot - lo]))
+        mask = batched_mask(group, lo, positions, write, window)
         b = self._binding
         b.bind_cpu_input("input_ids", ids)
         b.bind_cpu_input("position_ids", positions)

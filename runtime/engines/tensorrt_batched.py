@@ -31,7 +31,7 @@ import numpy as np
 from manifests.errors import ModelError
 from runtime.engines.base import Engine, Row
 from runtime.engines.cudalib import H2D, DeviceBuffer, fetch_rows, pack_aligned
-from runtime.engines.onnxruntime import OnnxRuntimeEngine, tree_mask
+from runtime.engines.onnxruntime import OnnxRuntimeEngine, batched_inputs, batched_mask
 from runtime.engines.slots import SlotTable
 
 __all__ = ["ExecutionContext", "Plan", "PlanTensor", "TensorRTBatchedEngine"]
@@ -213,17 +213,9 @@ class TensorRTBatchedEngine(Engine):
         lo, hi = group[0].slot, group[-1].slot + 1
         width = max(len(r.tokens) for r in group)
         batch, cap = hi - lo, self.capacity
-        ids = np.zeros((batch, width), np.int64)
-        write = np.full(batch, cap - width, np.int64)  # slots in the range without a row: the spare rows
-        for r in group:
-            ids[r.slot - lo, :len(r.tokens)] = r.tokens
-            write[r.slot - lo] = self.slots.lengths[r.slot]
-        positions = write[:, None] + np.arange(width, dtype=np.int64)[None, :]
+        ids, write, positions = batched_inputs(group, lo, hi, self.slots.lengths, cap)
         window = max(self.slots.lengths[r.slot] for r in group) + width  # attention over these rows only
-        mask = np.arange(window)[None, None, None, :] <= positions[:, None, :, None]
-        for r in group:  # a token tree: each node sees the prefix and its ancestors; its position is its depth
-            if r.tree is not None:
-                tree_mask(mask[r.slot - lo, 0], positions[r.slot - lo], r.tree, int(write[r.slot - lo]))
+        mask = batched_mask(group, lo, positions, write, window)
         profile = self._pick_profile(batch, width)
         ctx = self.context
         if profile != self._profile:
