@@ -15,7 +15,8 @@ to back, --tokens tokens each (ignore_eos), greedy. Rows run interleaved over th
 count x prompt x repeat visits each method in turn) so other load on the machine hits them alike; tok/s is
 all completion tokens / wall time, the median of --repeats. From each server's /metrics: mean accepted
 length (1 + accepted / drafts, vLLM's spec_decode counters) and the adaptive length's choice per batch
-bucket (bundle:spec_decode_num_speculative_tokens) with the steps it skipped because drafting did not pay.
+bucket (bundle:spec_decode_num_speculative_tokens) and the share of the row's decode steps that drafted
+(bundle:spec_decode_steps, per bucket and length; the JSON keeps the counts).
 
 Prints a markdown table (streams, prompt, method, tok/s, vs plain, mean accepted length, ...) and writes
 it, with the command that made it and the machine's load, to --out (default benchmarks/results/) as
@@ -183,6 +184,13 @@ def run_once(server: Server, prompt: str, streams: int, requests: int, tokens: i
             bucket, g = (int(x) for x in k[k.index("[") + 1:-1].split("]["))
             predicted.setdefault(bucket, {})[g] = round(v, 1)
     row["predicted_tok_s"] = predicted
+    # how often each length ran in this row, per bucket: {bucket: {G: steps}}
+    ran: dict = {}
+    for k, v in after.items():
+        if k.startswith("bundle:spec_decode_steps_total[") and v - before.get(k, 0.0) > 0:
+            bucket, g = (int(x) for x in k[k.index("[") + 1:-1].split("]["))
+            ran.setdefault(bucket, {})[g] = int(v - before.get(k, 0.0))
+    row["steps_by_length"] = ran
     return row
 
 
@@ -206,14 +214,16 @@ def install_demo_cpu(root: Path) -> tuple[str, Path]:
 # --- report ----------------------------------------------------------------------------------------
 def table(rows: list[dict]) -> str:
     head = ("| streams | prompt | method | tok/s | runs (min-max) | vs plain | mean accepted length | draft tokens "
-            "chosen (batch: k) | steps skipped | TTFT p50 ms |")
+            "chosen (batch: k) | steps drafting | TTFT p50 ms |")
     lines = [head, "|---|---|---|---:|---|---:|---:|---|---:|---:|"]
     for r in rows:
         base = next(b for b in rows if b["streams"] == r["streams"] and b["prompt"] == r["prompt"]
                     and b["method"] == "plain")
         mal = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
         chosen = " ".join(f"{b}:{g}" for b, g in sorted(r["chosen"].items())) or "-"
-        skipped = f"{r['skipped_steps']:.0f}" if r["method"] != "plain" else "-"
+        ran = [n for per_g in r.get("steps_by_length", {}).values() for n in per_g.values()]
+        drafting = sum(n for per_g in r.get("steps_by_length", {}).values() for g, n in per_g.items() if g)
+        skipped = f"{100 * drafting / sum(ran):.0f}%" if r["method"] != "plain" and ran else "-"
         spread = f"{min(r['tok_s_all']):.0f}-{max(r['tok_s_all']):.0f}"
         lines.append(f"| {r['streams']} | {r['prompt']} | {r['method']} | {r['tok_s']:.1f} | {spread} | "
                      f"{r['tok_s'] / base['tok_s']:.2f}x | {mal} | {chosen} | {skipped} | {r['ttft_p50'] * 1e3:.0f} |")
@@ -240,6 +250,7 @@ def main(argv=None) -> int:
                     help="a --speculative-config JSON for one more speculative server (repeatable)")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="one more flag for every server, e.g. --serve-arg=--target=cuda (repeatable)")
+    ap.add_argument("--log-dir", help="keep each server's log here (default: a temp folder, removed)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the results files")
     args = ap.parse_args(argv)
     if args.demo_cpu == bool(args.bundle):
@@ -254,10 +265,12 @@ def main(argv=None) -> int:
               "--max-queued-requests", str(max(streams) * 2), "--disable-log-requests", *args.serve_arg]
     configs = [("plain", ["--no-speculation"]), ("speculative", [])]
     configs += [(f"spec {json.loads(c).get('method', '?')}", ["--speculative-config", c]) for c in args.spec_config]
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     servers = []
     try:
         for label, flags in configs:
-            servers.append(Server(label, bundle, common + flags, work))
+            servers.append(Server(label, bundle, common + flags, Path(args.log_dir) if args.log_dir else work))
         prompts = {"short": SHORT, "long": servers[0].fit_prompt(args.long_words, args.tokens)}
         prompts = {k: v for k, v in prompts.items() if k in args.prompts.split(",")}
         runs: dict = {}

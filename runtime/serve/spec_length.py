@@ -214,6 +214,10 @@ class SpeculationLength:
         self._reached = [0.0] * k  # per position: decayed verifications that reached it
         self._kept = [0.0] * k  # ... and accepted it
         self.last = k  # the G of the latest step
+        #: (bucket label, G) -> decode steps that verified G proposals per adaptive slot (/metrics: how often
+        #: each length ran, which the latest decision alone does not say)
+        self.ran: dict[tuple[int, int], int] = {}
+        self._bucket = 1  # the current step's bucket label
 
     # --- acceptance ----------------------------------------------------------------------------
     def rate(self) -> float:
@@ -306,6 +310,7 @@ class SpeculationLength:
         n = len(adaptive) + fixed
         if self.k == 0 or not adaptive:
             return self.k
+        self._bucket = batch_bucket(n + plain)
         if self.disable_by_batch_size is not None and n > self.disable_by_batch_size:
             return self._pick(0)
         if not self.adaptive:
@@ -383,7 +388,13 @@ class SpeculationLength:
 
     def _pick(self, g: int) -> int:
         self.last = g
+        key = (self._bucket, g)
+        self.ran[key] = self.ran.get(key, 0) + 1
         return g
+
+    def steps_run(self) -> dict[tuple[int, int], int]:
+        """(bucket label, G) -> steps that drafted G per adaptive slot, since start."""
+        return dict(self.ran)
 
     def predictions(self) -> dict[int, tuple[tuple[float, float], ...]]:
         """Per bucket (its label): the latest evaluation's (predicted tokens/s, predicted step seconds) for each

@@ -204,13 +204,14 @@ class Metrics:
         waiting for the GIL while the event loop holds it)."""
         self.registry.register(_EngineCollector(read, self._base))
 
-    def watch_speculation(self, read, predicted=None) -> None:
+    def watch_speculation(self, read, predicted=None, ran=None) -> None:
         """Export the adaptive speculation length's decision per batch-size bucket, read at scrape time:
         `read()` -> {bucket: (G decided, steps skipped because drafting did not pay, probe steps)}
-        (SpeculationLength.snapshot), and `predicted()` -> {bucket: ((tokens/s, step seconds) per G)}
-        (SpeculationLength.predictions). The periodic log line says the decision too."""
+        (SpeculationLength.snapshot), `predicted()` -> {bucket: ((tokens/s, step seconds) per G)}
+        (SpeculationLength.predictions) and `ran()` -> {(bucket, G): steps} (SpeculationLength.steps_run).
+        The periodic log line says the decision too."""
         self._speculation = read
-        self.registry.register(_SpeculationCollector(read, self._base, predicted))
+        self.registry.register(_SpeculationCollector(read, self._base, predicted, ran))
 
     def watch_tree_shape(self, read) -> None:
         """Export the auto token tree's shape, read at scrape time: `read()` -> {depth: nodes at that level}
@@ -358,8 +359,8 @@ class _SpeculationCollector:
     """bundle:spec_decode_num_speculative_tokens{batch} (gauge), bundle:spec_decode_skipped_steps{batch}
     and bundle:spec_decode_probe_steps{batch} (counters); `batch` is the bucket's upper bound (1, 2, 4, 8...)."""
 
-    def __init__(self, read, labels: dict, predicted=None):
-        self._read, self._labels, self._predicted = read, labels, predicted
+    def __init__(self, read, labels: dict, predicted=None, ran=None):
+        self._read, self._labels, self._predicted, self._ran = read, labels, predicted, ran
 
     def collect(self):
         names = list(self._labels) + ["batch"]
@@ -379,6 +380,13 @@ class _SpeculationCollector:
         yield gauge
         yield skipped
         yield probes
+        if self._ran is not None:
+            ran = CounterMetricFamily("bundle:spec_decode_steps",
+                                      "Decode steps by running batch size bucket and the draft tokens per slot they "
+                                      "verified (0: plain), as the adaptive length chose", labels=names + ["draft_tokens"])
+            for (bucket, g), count in sorted(self._ran().items()):
+                ran.add_metric(values + [str(bucket), str(g)], count)
+            yield ran
         if self._predicted is None:
             return
         speed = GaugeMetricFamily("bundle:spec_decode_predicted_tokens_per_second",

@@ -268,9 +268,14 @@ def test_metrics_show_what_the_cost_model_predicted_for_each_length():
     speeds = [s for s, _ in predicted[1]]
     assert g == (0 if max(speeds[1:]) <= speeds[0] * 1.03 else max(range(1, 4), key=speeds.__getitem__))
     assert all(seconds > 0 for _, seconds in predicted[1])
+    policy.choose([Req(9, 10)], 0)
+    assert sum(policy.steps_run().values()) == 2 and {b for b, _ in policy.steps_run()} == {1}
     metrics = Metrics(3, model_name="m")
-    metrics.watch_speculation(policy.snapshot, policy.predictions)
+    metrics.watch_speculation(policy.snapshot, policy.predictions, policy.steps_run)
     text = metrics.render().decode()
+    for (bucket, d), count in policy.steps_run().items():
+        assert (f'bundle:spec_decode_steps_total{{batch="{bucket}",draft_tokens="{d}",engine="0",'
+                f'model_name="m"}} {float(count)!r}') in text
     for d, (tok_s, seconds) in enumerate(predicted[1]):
         assert (f'bundle:spec_decode_predicted_tokens_per_second{{batch="1",draft_tokens="{d}",engine="0",'
                 f'model_name="m"}} {tok_s!r}') in text
