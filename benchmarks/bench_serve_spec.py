@@ -4,16 +4,20 @@ same run.
 
 Run by hand (not a test):
     python benchmarks/bench_serve_spec.py NAME|DIR [--store DIR] [--streams 1,8,32] [--tokens 128]
-        [--requests 2] [--repeats 3] [--spec-config JSON ...] [--serve-arg=--allow-unsigned ...]
+        [--requests 2] [--run-tokens 0] [--repeats 3] [--control] [--spec-config JSON ...]
+        [--serve-arg=--allow-unsigned ...]
     python benchmarks/bench_serve_spec.py --demo-cpu ...   # makes and installs the demo pair (cpu) first
 
 Each method's server is `bundle serve` started once as a subprocess on 127.0.0.1 (its own process, so client
-and server share no GIL): "plain" with --no-speculation, "speculative" with the bundle's own speculative
+and server share no GIL): "plain" with --no-speculation, "plain (control)" a second such server when --control
+is given (the noise floor: two identical servers' ratio), "speculative" with the bundle's own speculative
 config (the adaptive length, runtime.serve.spec_length), and one per --spec-config. The client is the
 official `openai` package (AsyncOpenAI): each of N streams sends --requests streamed chat completions back
-to back, --tokens tokens each (ignore_eos), greedy. Rows run interleaved over the servers (every stream
-count x prompt x repeat visits each method in turn) so other load on the machine hits them alike; tok/s is
-all completion tokens / wall time, the median of --repeats. From each server's /metrics: mean accepted
+to back (more where --run-tokens asks for more tokens per run), --tokens tokens each (ignore_eos), greedy.
+Rows run interleaved over the servers (every stream count x prompt x repeat visits each method in turn) so
+other load on the machine hits them alike; tok/s is all completion tokens / wall time, the median of
+--repeats, and "vs plain" is the median of the paired ratios (each run against the plain run of the same
+round), which cancels drifts that hit one round. From each server's /metrics: mean accepted
 length (1 + accepted / drafts, vLLM's spec_decode counters) and the adaptive length's choice per batch
 bucket (bundle:spec_decode_num_speculative_tokens) and the share of the row's decode steps that drafted
 (bundle:spec_decode_steps, per bucket and length; the JSON keeps the counts).
@@ -213,21 +217,35 @@ def install_demo_cpu(root: Path) -> tuple[str, Path]:
 
 # --- report ----------------------------------------------------------------------------------------
 def table(rows: list[dict]) -> str:
-    head = ("| streams | prompt | method | tok/s | runs (min-max) | vs plain | mean accepted length | draft tokens "
-            "chosen (batch: k) | steps drafting | TTFT p50 ms |")
+    head = ("| streams | prompt | method | tok/s | runs (min-max) | vs plain (paired runs min-max) | mean accepted "
+            "length | draft tokens chosen (batch: k) | steps drafting | TTFT p50 ms |")
     lines = [head, "|---|---|---|---:|---|---:|---:|---|---:|---:|"]
     for r in rows:
-        base = next(b for b in rows if b["streams"] == r["streams"] and b["prompt"] == r["prompt"]
-                    and b["method"] == "plain")
         mal = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
         chosen = " ".join(f"{b}:{g}" for b, g in sorted(r["chosen"].items())) or "-"
         ran = [n for per_g in r.get("steps_by_length", {}).values() for n in per_g.values()]
         drafting = sum(n for per_g in r.get("steps_by_length", {}).values() for g, n in per_g.items() if g)
-        skipped = f"{100 * drafting / sum(ran):.0f}%" if r["method"] != "plain" and ran else "-"
+        skipped = f"{100 * drafting / sum(ran):.0f}%" if not r["method"].startswith("plain") and ran else "-"
         spread = f"{min(r['tok_s_all']):.0f}-{max(r['tok_s_all']):.0f}"
-        lines.append(f"| {r['streams']} | {r['prompt']} | {r['method']} | {r['tok_s']:.1f} | {spread} | "
-                     f"{r['tok_s'] / base['tok_s']:.2f}x | {mal} | {chosen} | {skipped} | {r['ttft_p50'] * 1e3:.0f} |")
+        ratios = r["vs_plain_all"]
+        vs = f"{r['vs_plain']:.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if r["method"] != "plain" else "1.00x"
+        lines.append(f"| {r['streams']} | {r['prompt']} | {r['method']} | {r['tok_s']:.1f} | {spread} | {vs} | "
+                     f"{mal} | {chosen} | {skipped} | {r['ttft_p50'] * 1e3:.0f} |")
     return "\n".join(lines)
+
+
+def paired(rows: list[dict]) -> None:
+    """Each row's "vs plain": the median over rounds of its run / the plain run of the same round."""
+    for r in rows:
+        base = next(b for b in rows if b["streams"] == r["streams"] and b["prompt"] == r["prompt"]
+                    and b["method"] == "plain")
+        r["vs_plain_all"] = [a / b for a, b in zip(r["tok_s_all"], base["tok_s_all"])]
+        r["vs_plain"] = statistics.median(r["vs_plain_all"])
+
+
+def requests_for(streams: int, requests: int, tokens: int, run_tokens: int) -> int:
+    """Requests per stream: --requests, or more so that a run makes at least --run-tokens tokens."""
+    return max(requests, -(-run_tokens // (streams * tokens)) if run_tokens else 0)
 
 
 def machine() -> str:
@@ -243,6 +261,10 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", default="1,8,32", help="comma-separated concurrent stream counts")
     ap.add_argument("--tokens", type=int, default=128, help="completion tokens per request (ignore_eos)")
     ap.add_argument("--requests", type=int, default=2, help="requests per stream, back to back")
+    ap.add_argument("--run-tokens", type=int, default=0,
+                    help="at least this many completion tokens per run (more requests per stream at few streams)")
+    ap.add_argument("--control", action="store_true",
+                    help="a second --no-speculation server, 'plain (control)': the noise floor of 'vs plain'")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (median reported), after a warm-up")
     ap.add_argument("--long-words", type=int, default=300, help="about how many words the long prompt has")
     ap.add_argument("--prompts", default="short,long", help="which prompts: short,long")
@@ -263,7 +285,8 @@ def main(argv=None) -> int:
         store = str(store_path)
     common = [*(["--store", store] if store else []), "--max-num-seqs", str(max(streams)),
               "--max-queued-requests", str(max(streams) * 2), "--disable-log-requests", *args.serve_arg]
-    configs = [("plain", ["--no-speculation"]), ("speculative", [])]
+    configs = [("plain", ["--no-speculation"])] + ([("plain (control)", ["--no-speculation"])] if args.control else [])
+    configs += [("speculative", [])]
     configs += [(f"spec {json.loads(c).get('method', '?')}", ["--speculative-config", c]) for c in args.spec_config]
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
@@ -278,7 +301,8 @@ def main(argv=None) -> int:
             for pname, prompt in prompts.items():
                 for rep in range(args.repeats + 1):
                     for server in servers:  # interleaved, so load from elsewhere hits every method alike
-                        row = run_once(server, prompt, n, args.requests, args.tokens)
+                        row = run_once(server, prompt, n, requests_for(n, args.requests, args.tokens,
+                                                                       args.run_tokens), args.tokens)
                         if rep:  # the first round warms every server up at this stream count
                             runs.setdefault((n, pname, server.label), []).append(row)
                         print(f"  {n} streams, {pname}, {server.label}, run {rep}: {row['tok_s']:.1f} tok/s",
@@ -292,10 +316,12 @@ def main(argv=None) -> int:
         med = sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2]
         rows.append({"streams": n, "prompt": pname, "method": label, **med,
                      "tok_s_all": [r["tok_s"] for r in rs]})
+    paired(rows)
     md = table(rows)
     command = "python benchmarks/bench_serve_spec.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     header = (f"`{command}`\n\n{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}; bundle "
-              f"{bundle}; {args.tokens} tokens per request, {args.requests} requests per stream, greedy, median of "
+              f"{bundle}; {args.tokens} tokens per request, {args.requests} requests per stream (at least "
+              f"{args.run_tokens} tokens a run), greedy, median of "
               f"{args.repeats} after a warm-up; servers: " + "; ".join(f"{s.label}: `{shlex.join(s.cmd[3:])}`"
                                                                          for s in servers))
     print(header + "\n\n" + md)
