@@ -75,6 +75,7 @@ class EngineRequest:
     finish_reason: str | None = None
     spec_hits: float = 0.0  # decayed accepted proposals, and proposals scored (runtime.serve.spec_length)
     spec_trials: float = 0.0
+    spec_idle: int = 0  # steps in a row this slot drafted nothing while others drafted (spec_length._per_slot)
     prompt_logprob_rows: list = field(default_factory=list)  # filled by the runner while prefilling
 
     def __post_init__(self):
@@ -216,7 +217,7 @@ class Scheduler:
                                                 plain=len(decoding) - len(speculating),
                                                 rows=self.runner.proposal_rows if self.runner.tree else None)
         for r in decoding:
-            want = (length if r.adaptive else k) if r.speculative else 0
+            want = (self.runner.speculation.length_of(r, length) if r.adaptive else k) if r.speculative else 0
             g = max(min(want, context - len(r.tokens), r.max_tokens - r.produced - 1), 0)
             decodes.append((r, g))
             budget -= 1 + self.runner.proposal_rows(g)

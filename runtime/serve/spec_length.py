@@ -24,6 +24,8 @@ plainly are not forgotten under many plain ones. A bucket that has not measured 
 fit over all buckets.
 
 G = 0 unless the best G > 0 beats plain decoding by `MIN_GAIN`: speculation is meant never to lose.
+Per slot, a step may give a slot fewer proposals than its G (none at all) where that slot's own acceptance
+does not pay for its verify rows and draft work (`_per_slot`), when the cost model predicts the step faster so.
 While a bucket decodes plainly, a probe step drafts the best G > 0 after `PROBE_EVERY` plain steps,
 the wait doubling after each probe that confirms 0, up to `PROBE_MAX` (bounded exploration, a
 deterministic schedule), so acceptance and costs keep being measured and the bucket switches back
@@ -59,6 +61,7 @@ GROUP_WINDOW = 9  # a cost group's cost: the median of its last this many observ
 PLAIN_BURST = 4  # consecutive plain steps a drafting bucket explores (its first may pay a first run)
 ACCEPT_DECAY = 0.9  # per slot: weight of the past per verification
 PRIOR_WEIGHT = 2.0  # the server-wide rate counts as this many proposals in a new slot's estimate
+SLOT_PROBE_EVERY = 16  # a slot held at 0 while others draft drafts again after this many steps (re-measure it)
 
 
 def batch_bucket(n: int) -> int:
@@ -218,6 +221,7 @@ class SpeculationLength:
         #: each length ran, which the latest decision alone does not say)
         self.ran: dict[tuple[int, int], int] = {}
         self._bucket = 1  # the current step's bucket label
+        self._slot_lengths: dict[int, int] = {}  # id(request) -> its own G this step, where it differs
 
     # --- acceptance ----------------------------------------------------------------------------
     def rate(self) -> float:
@@ -308,6 +312,7 @@ class SpeculationLength:
         `rows(g)`: the verify rows a proposal of depth g takes beside the pending token (token trees:
         their nodes; default g, a chain)."""
         n = len(adaptive) + fixed
+        self._slot_lengths = {}
         if self.k == 0 or not adaptive:
             return self.k
         self._bucket = batch_bucket(n + plain)
@@ -347,7 +352,13 @@ class SpeculationLength:
             costs.append(cost)
         bucket.predicted = tuple(zip(speed, costs))
         best = max(range(1, self.k + 1), key=speed.__getitem__)  # the best G that drafts
-        pays = speed[best] > speed[0] * (1.0 + self.min_gain)
+        slots = self._per_slot(rates, max(speed), fits, bucket, fixed, plain, bonus, rows) \
+            if len(adaptive) > 1 else None
+        if slots is not None and slots[1] > speed[best]:  # some slots drafting less beats every slot alike
+            best, vector = slots[0], slots[2]
+        else:
+            vector = None
+        pays = max(speed[best], slots[1] if vector else 0.0) > speed[0] * (1.0 + self.min_gain)
         bucket.steps += 1
         bucket.decision = best if pays else 0
         # a slope assumed, not measured (one G seen so far): this step's plain costs will measure it
@@ -372,7 +383,52 @@ class SpeculationLength:
             g = 0 if turn == 0 else best - 1 if best == self.k or not up else best + 1
             if g == 0:
                 bucket.burst = PLAIN_BURST - 1
+        elif vector is not None:
+            for r, h in zip(adaptive, vector):
+                idle = getattr(r, "spec_idle", 0)
+                if h == 0 and idle + 1 >= SLOT_PROBE_EVERY:  # a slot held at 0 while others draft: re-measure it
+                    r.spec_idle = 0
+                    continue
+                r.spec_idle = idle + 1 if h == 0 else 0
+                if h != g:
+                    self._slot_lengths[id(r)] = h
         return self._pick(g)
+
+    def _per_slot(self, rates, speed, fits, bucket, fixed, plain, bonus, rows):
+        """(G, predicted tokens/s, per-slot lengths) of the best step where slots draft different lengths, or None.
+
+        At the best tokens/s s of a ratio tokens / cost, each slot's share is best chosen by maximising its
+        expected tokens - s x its marginal cost (Dinkelbach's step for fractional programs): a slot whose drafts
+        are rarely accepted keeps 1 token a step for no verify rows and no draft work, while the others draft
+        up to G (choose() lets a slot held at 0 draft G every SLOT_PROBE_EVERY steps, so that its acceptance
+        keeps being measured)."""
+        target, draft, other = fits
+        row_s = target.line()[1]  # seconds per verify row
+        slot_s = draft.line()[1] if draft.count else 0.0  # seconds per drafting slot per round
+        kept_by_slot = [self.expected_tokens([rate], self.k) for rate in rates]
+        found = None
+        for g in range(1, self.k + 1):
+            lengths, kept_total = [], 0.0
+            for kept in kept_by_slot:
+                h = max(range(g + 1), key=lambda h: kept[h] - speed * (row_s * rows(h) + slot_s * h))
+                lengths.append(h)
+                kept_total += kept[h]
+            if min(lengths) == max(lengths) or max(lengths) < g:  # every slot alike, or another G's vector
+                continue
+            drafting = sum(1 for h in lengths if h) + fixed
+            tokens = sum(1 + rows(h) for h in lengths) + fixed * (1 + rows(self.k)) + plain
+            rounds = max(g, self.k if fixed else 0)
+            cost = (target.predict_at(g, tokens) if target is bucket.target else target.predict(tokens)) \
+                + (rounds * draft.predict(drafting) if draft.count else 0.0) \
+                + (other.predict_at(g, g) if other is bucket.other else other.predict(g))
+            tok_s = (kept_total + bonus) / max(cost, 1e-12)
+            if found is None or tok_s > found[1]:
+                found = (g, tok_s, lengths)
+        return found
+
+    def length_of(self, request, g: int) -> int:
+        """The G this step gives an adaptive request: the step's, or its own where _per_slot lowered it."""
+        return self._slot_lengths.get(id(request), g)
 
     def row_cost_share(self, n: int, g: int) -> float:
         """The measured cost of one more verify row per slot, as a share of a step of n decoding slots that

@@ -317,3 +317,51 @@ def test_plain_steps_explored_at_new_context_windows_do_not_keep_drafting_that_l
     assert outs == [_greedy(target_table, p, 400) for p in prompts]
     late = drafted[len(drafted) // 2:]
     assert sum(1 for d in late if d) < 0.25 * len(late), (sum(1 for d in late if d), len(late))
+
+
+def _split_tables(seed=7):
+    """A target whose greedy chain stays in the half of the states it starts in, and a draft that agrees with
+    it on the lower half only: a prompt ending in the lower half is always accepted, one in the upper never."""
+    rng = np.random.default_rng(seed)
+    half = VOCAB // 2
+    target = rng.normal(0, 1.0, size=(VOCAB, VOCAB)).astype(np.float32)
+    for s in range(VOCAB):
+        lo = 0 if s < half else half
+        target[s, lo + (s * 7 + 3) % half] += 20.0  # the next state, in the same half
+    draft = target.copy()
+    for s in range(half, VOCAB):
+        draft[s] = np.roll(target[s], 1)  # its argmax is one state off
+    return target, draft
+
+
+def test_a_slot_whose_drafts_are_rejected_stops_drafting_while_the_others_draft():
+    """Per slot: in one batch, two requests whose drafts are always accepted and two whose drafts never are;
+    rows and draft work cost, so the rejected slots drop to no proposals (their verify rows bought nothing)
+    while the accepted ones keep drafting, and greedy output is plain greedy output for all four."""
+    target_table, draft_table = _split_tables()
+    clock = FakeClock()
+    # every slot drafting 3 gains 2% (below MIN_GAIN: uniform lengths do not pay); the accepted ones alone, 30%
+    target = TimedSlots(target_table, 4, clock, lambda rows, tokens: 0.010 + 0.001 * tokens)
+    draft = TimedSlots(draft_table, 4, clock, lambda rows, tokens: 0.0002 + 0.0002 * tokens)
+    runner = ModelRunner(target, draft, "draft_model", 3, clock=clock)
+    half = VOCAB // 2
+    prompts = [[1, 2], [half + 1, half + 2], [3, 4], [half + 3, half + 4]]  # lower, upper, lower, upper
+    scheduler = Scheduler(runner, max_num_seqs=4, max_num_batched_tokens=256)
+    steps: dict = {}
+    requests = []
+    for p in prompts:
+        r = EngineRequest(list(p), GREEDY, 300)
+        steps[r.id] = []
+        r.on_step = steps[r.id].append
+        requests.append(r)
+        scheduler.add(r)
+    while scheduler.has_work():
+        scheduler.step()
+    outs = [[t for s in steps[r.id] for t in s.tokens] for r in requests]
+    assert outs == [_greedy(target_table, p, 300) for p in prompts]
+    together = min(len(steps[r.id]) for r in requests)  # steps while all four decode (one Step each a step)
+    late = [[s.drafted for s in steps[r.id][together // 2:together]] for r in requests]
+    share = [sum(1 for d in lane if d) / len(lane) for lane in late]
+    assert share[0] > 0.8 and share[2] > 0.8, share  # accepted: they draft
+    assert share[1] < 0.25 and share[3] < 0.25, share  # rejected: no proposals, but for the re-measuring probes
+    assert share[1] > 0 and share[3] > 0, share  # ... which they do get
