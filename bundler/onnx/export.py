@@ -167,9 +167,6 @@ def export_graph(checkpoint_dir: Path, out_dir: Path, spec: GraphSpec, *, opset:
         raise UsageError(f"{checkpoint_dir}: {arch} mixes recurrent layers ({FAMILIES[family].blocks}) with "
                          f"attention; expected kv_cache='batched' (the cpu and cuda targets' graph: its recurrent "
                          f"state lives beside the KV cache), found {kv_cache!r}")
-    if kv_cache != "concat" and dtype != "float32":  # the float32 graph, rewritten in half precision
-        return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype, fusions, aux_layer_ids,
-                              spec.capacity)
     result = _export_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, fusions, aux_layer_ids, dtype,
                               spec.capacity)
     log.info("exported %s (%s, %d layers, %s %s) to %s", checkpoint_dir, arch, result.num_layers, kv_cache, dtype,
@@ -177,30 +174,11 @@ def export_graph(checkpoint_dir: Path, out_dir: Path, spec: GraphSpec, *, opset:
     return result
 
 
-def _half_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int, layout: str,
-                   dtype: str, fusions: frozenset[str] | None = None,
-                   aux_layer_ids: tuple[int, ...] = (), capacity: int | None = None) -> ExportResult:
-    import dataclasses
-    import shutil
-
-    from bundler.onnx.half import convert_graph
-
-    work = out_dir / ".float32"
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        full = _export_in_place(checkpoint_dir, work, family, arch, opset, layout, fusions, aux_layer_ids,
-                                capacity=capacity)
-        graph = convert_graph(full.graph, out_dir / full.graph.name, dtype)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return dataclasses.replace(full, graph=graph, weights=graph.with_name(graph.name + ".data"), dtype=dtype)
-
-
 def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int,
                      layout: str, fusions: frozenset[str] | None = None,
                      aux_layer_ids: tuple[int, ...] = (), dtype: str = "float32",
                      capacity: int | None = None) -> ExportResult:
-    """The graph of `layout` written from bundler.onnx.blocks (in `dtype`: concat only; `capacity`: batched only)."""
+    """The graph of `layout` in `dtype` written from bundler.onnx.blocks (`capacity`: batched only)."""
     from transformers import AutoConfig
 
     from bundler.onnx.inplace import (BATCHED_OPSET, build_batched_kv_graph, build_concat_graph,
