@@ -8,10 +8,13 @@ it; the "shared" one uses the com.microsoft GroupQueryAttention operator:
 
     inputs   input_ids [batch, sequence_length] int64
              attention_mask [batch, total_sequence_length] int64   (ones; past + new)
-             past_key_values.<i>.key / .value [batch, kv_heads, max_sequence_length, head_dim] float32
+             past_key_values.<i>.key / .value [batch, kv_heads, max_sequence_length, head_dim] DTYPE
     outputs  logits [batch, sequence_length, vocab] float32
-             present.<i>.key / .value [batch, kv_heads, max_sequence_length, head_dim] float32
+             present.<i>.key / .value [batch, kv_heads, max_sequence_length, head_dim] DTYPE
              aux_hidden_states [batch, sequence_length, 3 * hidden] float32   (EAGLE-3 targets only)
+             argmax [batch, sequence_length] int64   (DTYPE float16 or bfloat16 only)
+
+DTYPE is result.dtype (metadata bundle.dtype; "Half precision" below).
 
 aux_hidden_states (result.aux_layer_ids) is the inputs of those decoder layers, concatenated, for
 the new rows only: what an EAGLE-3 head's fc reads, in either in-place layout.
@@ -35,6 +38,27 @@ The graph is composed from bundler.onnx.blocks (norm, rotary, attention, mlp, mo
 each writing into one blocks.graph.GraphBuilder. Weights are streamed tensor by tensor from the safetensors
 files into one external-data file (bundler.onnx.writer.TensorWriter), so memory stays at one tensor whatever
 the model size.
+
+Half precision (result.dtype float16 or bfloat16: every layout in fp16, the in-place ones in bf16 too) is
+the same composition in that dtype: the writer stores the weights (and rotary tables, norms) in it, the
+activations and the KV cache (DTYPE above) follow, and the blocks cast only around what runs in float32
+whatever the dtype (their to_float32 / to_graph_dtype, no-ops in a float32 graph, which gets no Cast):
+
+- logits are float32, one Cast after the lm_head: sampling and the speculative p/q test see exact
+  probabilities of what the graph computed; EAGLE-3 targets' aux_hidden_states too (in-place layouts);
+- the in-place graphs add an output ARGMAX_OUTPUT [batch, sequence_length] int64 (ArgMax of the float32
+  logits, first index on ties, like numpy.argmax): greedy decoding copies one integer per row back to the
+  host instead of a vocab-sized row of logits;
+- norms and softmax compute in float32 (the normalization ops' stash_type; the concat graph's elementary
+  ones between Casts);
+- routers of routed experts are float32 regions (blocks.graph.GraphBuilder.float32_region: float32
+  weights, one Cast in and one out), so the experts chosen do not depend on a provider's fp16 rounding;
+- the recurrent hybrids' states (conv and delta-rule/SSM, and their captures) are float32 graph inputs and
+  outputs, and GatedDeltaNet runs in float32 with a Cast on each half-precision tensor it reads or writes
+  (blocks.gated_deltanet says why, and how a state bound to the same memory as its present is read first).
+
+bf16 is for checkpoints trained in bf16 (config torch_dtype bfloat16), whose activations may overflow
+fp16's range; fp16 otherwise (more mantissa, and every CUDA kernel has it).
 """
 
 from __future__ import annotations
