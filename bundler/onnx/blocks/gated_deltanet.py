@@ -161,9 +161,10 @@ def conv_state_after(g, past_conv: str, inputs: str, kernel: int, present_conv: 
 # The recurrent states are float32 at the graph's boundary whatever the graph's dtype: com.microsoft GatedDeltaNet
 # types its initial_state, final_state and state_update float32 (its schema's TS), and the runtime's rollback by
 # replay (runtime.engines.recurrent) multiplies float32 states. A half-precision graph computes the rest as a
-# dense model does (the projections, which hold nearly all the weights, the conv, norms, experts), so these
-# three are all the casts there are. The conv state and conv inputs are half-precision activations to start
-# with: their float32 round trip is exact.
+# dense model does (the projections, which hold nearly all the weights, the conv, norms, experts): the casts
+# below are all there are. The conv state and conv inputs are half-precision activations to start with: their
+# float32 round trip is exact. The cost: the recurrence reads and writes float32, a few values per channel per
+# token, small beside the weights.
 
 def read_conv_state(g, past_conv: str) -> str:
     """The conv state input as the conv and conv_state_after read it: in the graph's dtype, through one Cast
