@@ -3,8 +3,8 @@
     python benchmarks/cuda_variants.py --work /tmp/variants --out OUT [--shape llama-1b] [--device cpu]
 
 Exports the random-weight model once per variant of bundler.onnx.inplace's FUSIONS, and of the two ways to attend
-only this benchmark builds (Q3D, BSNH below, passed to the builder as its `variant`) (in parallel, fp16 via
-bundler.onnx.half), then for each variant, in the same process:
+only this benchmark builds (Q3D, BSNH below, passed to the builder as its `variant`) (in parallel, in fp16 as
+the cuda target's graph), then for each variant, in the same process:
 
 - ms per decode step as ONNX Runtime runs it (session.run_with_iobinding on device buffers, CUDA graphs),
   batch 1 and 8, context 128 and 1024: the graph's own cost, without the engine's host bookkeeping;
@@ -122,26 +122,20 @@ def make_checkpoint(work: Path, shape: str, device: str) -> Path:
 def export_one(ckpt: Path, out: Path, fusions: tuple[str, ...]) -> None:
     """The fp16 batched graph with `fusions` (bundler.onnx.export's in-place path with one more argument; a
     BENCH_ATTENTION name among them is passed as the builder's variant)."""
-    import shutil
-
     from transformers import AutoConfig
 
     from bundler.model_config import read_config
     from bundler.onnx.export import _result
     from manifests.families import check_family
     from bundler.onnx.inplace import BATCHED_OPSET, build_batched_kv_graph
-    from bundler.onnx.half import convert_graph
 
     family, arch = check_family(read_config(ckpt), str(ckpt))
     cfg = AutoConfig.from_pretrained(ckpt)
-    tmp = out / ".float32"
-    tmp.mkdir(parents=True, exist_ok=True)
-    result = _result(cfg, family, arch, tmp, BATCHED_OPSET, "batched")
+    out.mkdir(parents=True, exist_ok=True)
+    result = _result(cfg, family, arch, out, BATCHED_OPSET, "batched", "float16")
     variant = next((BENCH_ATTENTION[f] for f in fusions if f in BENCH_ATTENTION), None)
     build_batched_kv_graph(ckpt, result, cfg, has_q_k_norm=False,
                            fusions=frozenset(fusions) - set(BENCH_ATTENTION), variant=variant)
-    convert_graph(result.graph, out / "model.onnx", "float16")
-    shutil.rmtree(tmp)
 
 
 def export_all(work: Path, ckpt: Path, names) -> dict:

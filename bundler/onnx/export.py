@@ -10,8 +10,8 @@ sequence axis is dynamic. Names follow ONNX Runtime GenAI / Optimum so other too
     outputs  logits [batch, sequence_length, vocab] float32
              present.<i>.key / .value [batch, kv_heads, total_sequence_length, head_dim] DTYPE
 
-DTYPE (metadata `bundle.dtype`) is float32, or float16 for GPU targets (`dtype="float16"`, concat
-layout only): weights, activations and KV cache in fp16, half the bytes to ship and to read per
+DTYPE (metadata `bundle.dtype`) is float32, or float16 for GPU targets (`dtype="float16"`; the in-place
+layouts also bfloat16): weights, activations and KV cache in fp16, half the bytes to ship and to read per
 token. Logits stay float32 in both (one Cast after the fp16 lm_head): sampling and the
 speculative acceptance test p/q compare probabilities, and fp16 logits would round them for no
 saving worth having ([new, vocab] per step). Norms and softmax run in fp32 inside the graph where
@@ -24,7 +24,8 @@ That is the "concat" layout: present = Concat(past, new) copies the cache every 
 from the same blocks as the other layouts (bundler.onnx.blocks, by bundler.onnx.inplace), in opset 17 and
 elementary ops only (MatMul/Softmax attention with an additive causal + padding mask, rotate_half rotary,
 Pow/ReduceMean RMSNorm): TensorRT 10.13 (JetPack 7) has no ONNX Attention, RotaryEmbedding or
-RMSNormalization parser, and ONNX Runtime runs it too. The float16 graph is written in float16 directly.
+RMSNormalization parser, and ONNX Runtime runs it too. Every layout's graph is written in its dtype directly,
+by one writer (bundler.onnx.writer) from one block library: there is no rewrite of a float32 graph.
 Torch is still needed, but only to read safetensors (bf16 included) and for transformers' rotary module
 (inv_freq and attention_scaling under rope scaling, bundler.onnx.blocks.rotary); no model is loaded or traced.
 `kv_cache="shared"` instead writes the in-place GroupQueryAttention graph of bundler.onnx.inplace
@@ -132,8 +133,9 @@ def export_onnx(checkpoint_dir: Path, out_dir: Path, *, opset: int | None = None
     GroupQueryAttention graph of bundler.onnx.inplace (ONNX Runtime only, no per-step cache copy).
     dtype="float16" (concat) writes it in fp16 (norms and softmax in fp32): the graph TensorRT
     builds from on fp16 targets (TensorRT 11 takes the graph's types, there is no FP16 flag).
-    dtype="float16"/"bfloat16" with an in-place layout writes the float32 graph and rewrites it in half
-    precision (bundler.onnx.half): what ONNX Runtime's CUDA provider runs (the `cuda` target).
+    dtype="float16"/"bfloat16" with an in-place layout writes that graph in half precision from the same
+    blocks (bundler.onnx.inplace's module doc says what stays float32, and the extra `argmax` output): what
+    ONNX Runtime's CUDA provider runs (the `cuda` target).
     fusions (batched only; bundler.onnx.inplace.FUSIONS, default DEFAULT_FUSIONS): graph variants, such as
     GQA_FUSIONS, the GroupQueryAttention decode graph of the CUDA engine.
     aux_layer_ids (EAGLE-3 targets) adds the output aux_hidden_states [batch, sequence_length,
@@ -167,9 +169,6 @@ def export_graph(checkpoint_dir: Path, out_dir: Path, spec: GraphSpec, *, opset:
         raise UsageError(f"{checkpoint_dir}: {arch} mixes recurrent layers ({FAMILIES[family].blocks}) with "
                          f"attention; expected kv_cache='batched' (the cpu and cuda targets' graph: its recurrent "
                          f"state lives beside the KV cache), found {kv_cache!r}")
-    if kv_cache != "concat" and dtype != "float32":  # the float32 graph, rewritten in half precision
-        return _half_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, dtype, fusions, aux_layer_ids,
-                              spec.capacity)
     result = _export_in_place(checkpoint_dir, out_dir, family, arch, opset, kv_cache, fusions, aux_layer_ids, dtype,
                               spec.capacity)
     log.info("exported %s (%s, %d layers, %s %s) to %s", checkpoint_dir, arch, result.num_layers, kv_cache, dtype,
@@ -177,30 +176,11 @@ def export_graph(checkpoint_dir: Path, out_dir: Path, spec: GraphSpec, *, opset:
     return result
 
 
-def _half_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int, layout: str,
-                   dtype: str, fusions: frozenset[str] | None = None,
-                   aux_layer_ids: tuple[int, ...] = (), capacity: int | None = None) -> ExportResult:
-    import dataclasses
-    import shutil
-
-    from bundler.onnx.half import convert_graph
-
-    work = out_dir / ".float32"
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        full = _export_in_place(checkpoint_dir, work, family, arch, opset, layout, fusions, aux_layer_ids,
-                                capacity=capacity)
-        graph = convert_graph(full.graph, out_dir / full.graph.name, dtype)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return dataclasses.replace(full, graph=graph, weights=graph.with_name(graph.name + ".data"), dtype=dtype)
-
-
 def _export_in_place(checkpoint_dir: Path, out_dir: Path, family: str, arch: str, opset: int,
                      layout: str, fusions: frozenset[str] | None = None,
                      aux_layer_ids: tuple[int, ...] = (), dtype: str = "float32",
                      capacity: int | None = None) -> ExportResult:
-    """The graph of `layout` written from bundler.onnx.blocks (in `dtype`: concat only; `capacity`: batched only)."""
+    """The graph of `layout` in `dtype` written from bundler.onnx.blocks (`capacity`: batched only)."""
     from transformers import AutoConfig
 
     from bundler.onnx.inplace import (BATCHED_OPSET, build_batched_kv_graph, build_concat_graph,

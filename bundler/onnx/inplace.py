@@ -8,10 +8,13 @@ it; the "shared" one uses the com.microsoft GroupQueryAttention operator:
 
     inputs   input_ids [batch, sequence_length] int64
              attention_mask [batch, total_sequence_length] int64   (ones; past + new)
-             past_key_values.<i>.key / .value [batch, kv_heads, max_sequence_length, head_dim] float32
+             past_key_values.<i>.key / .value [batch, kv_heads, max_sequence_length, head_dim] DTYPE
     outputs  logits [batch, sequence_length, vocab] float32
-             present.<i>.key / .value [batch, kv_heads, max_sequence_length, head_dim] float32
+             present.<i>.key / .value [batch, kv_heads, max_sequence_length, head_dim] DTYPE
              aux_hidden_states [batch, sequence_length, 3 * hidden] float32   (EAGLE-3 targets only)
+             argmax [batch, sequence_length] int64   (DTYPE float16 or bfloat16 only)
+
+DTYPE is result.dtype (metadata bundle.dtype; "Half precision" below).
 
 aux_hidden_states (result.aux_layer_ids) is the inputs of those decoder layers, concatenated, for
 the new rows only: what an EAGLE-3 head's fc reads, in either in-place layout.
@@ -35,6 +38,27 @@ The graph is composed from bundler.onnx.blocks (norm, rotary, attention, mlp, mo
 each writing into one blocks.graph.GraphBuilder. Weights are streamed tensor by tensor from the safetensors
 files into one external-data file (bundler.onnx.writer.TensorWriter), so memory stays at one tensor whatever
 the model size.
+
+Half precision (result.dtype float16 or bfloat16: every layout in fp16, the in-place ones in bf16 too) is
+the same composition in that dtype: the writer stores the weights (and rotary tables, norms) in it, the
+activations and the KV cache (DTYPE above) follow, and the blocks cast only around what runs in float32
+whatever the dtype (their to_float32 / to_graph_dtype, no-ops in a float32 graph, which gets no Cast):
+
+- logits are float32, one Cast after the lm_head: sampling and the speculative p/q test see exact
+  probabilities of what the graph computed; EAGLE-3 targets' aux_hidden_states too (in-place layouts);
+- the in-place graphs add an output ARGMAX_OUTPUT [batch, sequence_length] int64 (ArgMax of the float32
+  logits, first index on ties, like numpy.argmax): greedy decoding copies one integer per row back to the
+  host instead of a vocab-sized row of logits;
+- norms and softmax compute in float32 (the normalization ops' stash_type; the concat graph's elementary
+  ones between Casts);
+- routers of routed experts are float32 regions (blocks.graph.GraphBuilder.float32_region: float32
+  weights, one Cast in and one out), so the experts chosen do not depend on a provider's fp16 rounding;
+- the recurrent hybrids' states (conv and delta-rule/SSM, and their captures) are float32 graph inputs and
+  outputs, and GatedDeltaNet runs in float32 with a Cast on each half-precision tensor it reads or writes
+  (blocks.gated_deltanet says why, and how a state bound to the same memory as its present is read first).
+
+bf16 is for checkpoints trained in bf16 (config torch_dtype bfloat16), whose activations may overflow
+fp16's range; fp16 otherwise (more mantissa, and every CUDA kernel has it).
 """
 
 from __future__ import annotations
@@ -67,6 +91,9 @@ BATCHED_IR_VERSION = 11
 BATCHED_HEADROOM = 64
 #: EAGLE-3 targets: the inputs of the head's aux layers, concatenated (bundler.onnx.export's name too).
 AUX_OUTPUT = "aux_hidden_states"
+#: Half-precision in-place graphs: ArgMax of the float32 logits, [batch, sequence_length] int64 (first index on
+#: ties, like numpy.argmax). An engine that does not bind it pays nothing but the op.
+ARGMAX_OUTPUT = "argmax"
 IR_VERSION = 9
 
 #: Families whose layers mix attention with recurrent ones (Gated DeltaNet: bundler.onnx.blocks.gated_deltanet;
@@ -80,10 +107,10 @@ _BACKBONE_PREFIX = "backbone."
 
 
 class _Checkpoint:
-    """Reads one tensor at a time as float32 numpy from (possibly sharded) safetensors (float16 for the
-    float16 concat graph, which is written in its dtype: bundler.onnx.half rewrites the in-place ones)."""
+    """Reads one tensor at a time as float32 numpy from (possibly sharded) safetensors (the writer stores it in
+    the graph's dtype: bundler.onnx.writer.TensorWriter)."""
 
-    def __init__(self, checkpoint_dir: Path, dtype: str = "float32"):
+    def __init__(self, checkpoint_dir: Path):
         from safetensors import safe_open
 
         index = checkpoint_dir / "model.safetensors.index.json"
@@ -98,7 +125,6 @@ class _Checkpoint:
         # a multimodal checkpoint's text model: model.language_model.X is read as model.X
         self._text = any(k.startswith(_TEXT_MODEL_PREFIX) for k in self._where)
         self._backbone = any(k.startswith(_BACKBONE_PREFIX) for k in self._where)
-        self._dtype = np.dtype(dtype)
 
     def _stored(self, name: str) -> str:
         if not name.startswith("model.") or not (self._text or self._backbone):
@@ -112,17 +138,7 @@ class _Checkpoint:
         stored = self._stored(name)
         if stored not in self._where:
             raise ModelError(f"checkpoint has no tensor {stored!r}; expected the standard layout of its family")
-        array = self._where[stored].get_tensor(stored).float().numpy()
-        return array if self._dtype == np.float32 else _narrow(array, self._dtype, stored)
-
-
-def _narrow(array: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        half = array.astype(dtype)
-    if not np.isfinite(half[np.isfinite(array)]).all():
-        raise ModelError(f"{name}: a weight of magnitude {np.abs(array).max():.3g} overflows {dtype}; "
-                         f"expected weights within its range")
-    return half
+        return self._where[stored].get_tensor(stored).float().numpy()
 
 
 #: ONNX Runtime's CPU GroupQueryAttention kernel refuses other head sizes at run time (not at load time).
@@ -219,7 +235,7 @@ def _build(checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, layout: 
            capacity: int | None = None) -> None:
     from bundler.onnx.writer import TensorWriter
 
-    with TensorWriter(result.weights) as w:
+    with TensorWriter(result.weights, result.dtype) as w:
         model, layers = _compose(w, checkpoint_dir, result, config, has_q_k_norm=has_q_k_norm, layout=layout,
                                  fusions=fusions, variant=variant, capacity=capacity)
         w.commit(model, result.graph)
@@ -241,8 +257,7 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
     cfg = config
     batched = layout == BATCHED_LAYOUT
     concat = layout == CONCAT_LAYOUT
-    dtype = result.dtype if concat else "float32"  # the in-place graphs are halved by bundler.onnx.half
-    elem = TP.FLOAT16 if dtype == "float16" else TP.FLOAT
+    dtype = result.dtype  # weights, activations, KV cache; float32 where the blocks say (bundler.onnx.blocks.graph)
     family = result.family
     hybrid = FAMILIES[family].gated_deltanet  # Qwen3.5: Gated DeltaNet + gated attention
     mamba = FAMILIES[family].mamba2  # Nemotron-H: one mixer per layer, no rotary
@@ -260,15 +275,15 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
     layers = len(types)
     heads, kv, hd = int(cfg.num_attention_heads), result.num_kv_heads, result.head_dim
     eps = float(cfg.layer_norm_epsilon if mamba else cfg.rms_norm_eps)
-    ckpt = _Checkpoint(Path(checkpoint_dir), dtype)
+    ckpt = _Checkpoint(Path(checkpoint_dir))
     if concat:  # cos/sin computed in the graph from the positions (blocks.rotary.position_tables)
         inv_freq, rotary_scaling = frequencies(family, cfg)
     elif not mamba:  # Nemotron-H has no rotary (no tables, no RotaryEmbedding)
         cos, sin = rotary_tables(family, cfg, result.max_positions + (BATCHED_HEADROOM if batched else 0), hd)
-    g = GraphBuilder(w, ckpt)
+    g = GraphBuilder(w, ckpt, dtype)
+    elem = g.elem
     gqa = "gqa" in fusions
-    norm = Norm(eps, standard=batched and "skip_norm" not in fusions, plus_one=hybrid, elementary=concat,
-                dtype=dtype)
+    norm = Norm(eps, standard=batched and "skip_norm" not in fusions, plus_one=hybrid, elementary=concat)
 
     def mlp_block(x, attn, p, out_proj="self_attn.o_proj"):  # o_proj + residual, norm, SwiGLU MLP + residual
         x = g.node("Add", [x, g.linear(attn, f"{p}.{out_proj}")])
@@ -286,8 +301,7 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
     spec = attention.AttentionSpec(heads, kv, hd, batched, frozenset(fusions), norm, cos_name, sin_name,
                                    q_k_norm=has_q_k_norm, gated=hybrid, rotary=not mamba,
                                    module="mixer" if mamba else "self_attn",
-                                   rotary_dim=gdn.rotary_dim(cfg, hd) if partial else 0, concat=concat, dtype=dtype,
-                                   variant=variant,
+                                   rotary_dim=gdn.rotary_dim(cfg, hd) if partial else 0, concat=concat, variant=variant,
                                    **({"inv_freq": inv_freq, "rotary_scaling": rotary_scaling} if concat else {}))
     io = attention.graph_inputs(g, spec)
     if hybrid or mamba:
@@ -322,12 +336,16 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
         x = g.node("Add", [x, g.linear(attn, f"{p}.mixer.o_proj")]) if mamba else mlp_block(x, attn, p)
     x = rms(g, x, "model.norm_f.weight" if mamba else "model.norm.weight", norm)
     head = "lm_head.weight" if "lm_head.weight" in ckpt else embed  # tied embeddings
-    if elem == TP.FLOAT:
-        g.node("MatMul", [x, w.add("lm_head.weight.T", ckpt.get(head).T)], ["logits"])
-    else:  # float32 logits after the half-precision lm_head (bundler.onnx.export's module doc says why)
-        g.node("Cast", [g.node("MatMul", [x, w.add("lm_head.weight.T", ckpt.get(head).T)])], ["logits"], to=TP.FLOAT)
+    # float32 logits after the half-precision lm_head: sampling and the speculative p/q test see exact
+    # probabilities of what the graph computed
+    g.to_float32(g.node("MatMul", [x, w.add("lm_head.weight.T", ckpt.get(head).T)]), "logits")
+    argmax = g.half and not concat
+    if argmax:  # greedy decoding copies one integer per row back to the host, not a vocab-sized row of logits
+        g.node("ArgMax", ["logits"], [ARGMAX_OUTPUT], axis=-1, keepdims=0, select_last_index=0)
     if result.aux_layer_ids:  # only the new rows, only these layers: [batch, sequence_length, len(ids) * H]
-        g.node("Concat", [aux[i] for i in result.aux_layer_ids], [AUX_OUTPUT], axis=-1)
+        layers_in = g.node("Concat", [aux[i] for i in result.aux_layer_ids], [AUX_OUTPUT] if concat else None, axis=-1)
+        if not concat:  # float32 like the logits: the head runs in float32, numpy holds no bf16
+            g.to_float32(layers_in, AUX_OUTPUT)
 
     inputs = [h.make_tensor_value_info("input_ids", TP.INT64, ["batch", "sequence_length"])]
     rows = "capacity" if capacity is None else int(capacity)  # static: TensorRT's KV-cache update layer
@@ -350,7 +368,8 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
     outputs = [h.make_tensor_value_info("logits", TP.FLOAT, ["batch", "sequence_length", result.vocab_size])]
     if result.aux_layer_ids:
         width = len(result.aux_layer_ids) * int(cfg.hidden_size)
-        outputs.append(h.make_tensor_value_info(AUX_OUTPUT, elem, ["batch", "sequence_length", width]))
+        outputs.append(h.make_tensor_value_info(AUX_OUTPUT, elem if concat else TP.FLOAT,
+                                                ["batch", "sequence_length", width]))
     present = [*cache[:2], "total_sequence_length", *cache[3:]] if concat else cache
     for i in range(kv_index):
         for part in ("key", "value"):
@@ -367,6 +386,8 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
             update, conv_input = gdn.capture_names(i)
             outputs += [h.make_tensor_value_info(update, TP.FLOAT, ["batch", states.capture_width(cfg)]),
                         h.make_tensor_value_info(conv_input, TP.FLOAT, ["batch", "sequence_length", conv_shape[1]])]
+    if argmax:
+        outputs.append(h.make_tensor_value_info(ARGMAX_OUTPUT, TP.INT64, ["batch", "sequence_length"]))
     graph = h.make_graph(g.nodes, "decoder", inputs, outputs, w.initializers)
     if batched:
         contrib = (fusions & {"skip_norm", "gqa"}) or sparse or hybrid or mamba  # MoE, GatedDeltaNet: com.microsoft
@@ -378,6 +399,8 @@ def _compose(w, checkpoint_dir: Path, result, config, *, has_q_k_norm: bool, lay
     else:
         opsets = [h.make_opsetid("", result.opset), h.make_opsetid(MS_DOMAIN, 1)]
         doc = "in-place KV-cache decoding (GroupQueryAttention, shared past/present buffers)"
+    if argmax:
+        doc += f" ({dtype}, float32 logits, argmax output)"
     model = h.make_model(graph, opset_imports=opsets, producer_name="bundle",
                          doc_string=f"{result.architecture} {'exported' if concat else 'built'} by bundle for {doc}")
     model.ir_version = BATCHED_IR_VERSION if batched else CONCAT_IR_VERSION if concat else IR_VERSION

@@ -5,8 +5,10 @@ each at a 64-byte-aligned offset (what ONNX Runtime and TensorRT map straight fr
 written under `.tmp` names and renamed into place, the data file first: a crash leaves the previous
 pair or no graph, never a graph pointing at a half-written data file.
 
-- TensorWriter streams tensors one at a time (bundler.onnx.inplace, eagle3_graph, half): memory stays at
-  one tensor whatever the model size;
+- TensorWriter streams tensors one at a time (bundler.onnx.inplace, eagle3_graph): memory stays at one
+  tensor whatever the model size. It stores float tensors in the graph's dtype (float32, float16 or
+  bfloat16), so a half-precision graph is written from the same float32 arrays as a float32 one, except
+  what a block adds inside TensorWriter.float32 (the float32 computations of a half-precision graph);
 - save_model writes an in-memory onnx.ModelProto with onnx's own external-data writer (quantize, gptq_pack);
 - read_external reads one tensor's bytes back; write_atomic writes any small file (the dual graph's index).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +28,31 @@ from manifests.errors import ModelError
 ALIGN = 64
 #: Tensors smaller than this stay inline in the graph (onnx.save's size_threshold).
 INLINE_BELOW = 1024
+#: The dtypes a graph's float tensors are stored in (bundler.onnx.spec.DTYPES).
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def to_bfloat16_bits(array: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even; NaN stays NaN (numpy has no bfloat16)."""
+    bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(array)
+    if nan.any():
+        rounded[nan] = 0x7FC0
+    return rounded
+
+
+def narrow(array: np.ndarray, dtype: str, name: str = "a weight") -> np.ndarray:
+    """A float32 array in `dtype`: float16 (refused where a finite value overflows it), or bfloat16 bit
+    patterns (uint16)."""
+    if dtype == "bfloat16":
+        return to_bfloat16_bits(array)
+    with np.errstate(over="ignore"):
+        half = np.asarray(array).astype(np.float16)
+    if not np.isfinite(half[np.isfinite(array)]).all():
+        raise ModelError(f"{name}: a weight of magnitude {np.abs(array).max():.3g} overflows float16; "
+                         f"export bfloat16")
+    return half
 
 
 def data_path(graph: Path) -> Path:
@@ -51,9 +79,15 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 class TensorWriter:
     """Appends tensors to one external-data file (written as `<data>.tmp` until commit) and keeps only
-    their TensorProto headers. Use as a context manager: leaving it by an exception removes the tmp file."""
+    their TensorProto headers. Use as a context manager: leaving it by an exception removes the tmp file.
 
-    def __init__(self, data: Path):
+    `dtype` (FLOAT_DTYPES): what float32 arrays are stored as, outside a `float32()` block."""
+
+    def __init__(self, data: Path, dtype: str = "float32"):
+        if dtype not in FLOAT_DTYPES:
+            raise ModelError(f"expected a graph dtype among {', '.join(FLOAT_DTYPES)}, found {dtype!r}")
+        self.dtype = dtype
+        self._float32 = 0
         self.path = Path(data)
         self.location = self.path.name
         self._tmp = _tmp(self.path)
@@ -80,9 +114,20 @@ class TensorWriter:
         for k, v in (("location", self.location), ("offset", str(offset)), ("length", str(len(raw)))):
             tensor.external_data.add(key=k, value=v)
 
+    @contextmanager
+    def float32(self):
+        """Float arrays added inside stay float32 whatever the dtype: a float32 computation of a half-precision
+        graph (bundler.onnx.blocks.graph.GraphBuilder.float32_region)."""
+        self._float32 += 1
+        try:
+            yield
+        finally:
+            self._float32 -= 1
+
     def add(self, name: str, array: np.ndarray) -> str:
         """Store `array` (float32, float16 or int64) as initializer `name` (once: a second add of the same name
-        reuses it); arrays under INLINE_BELOW bytes stay inline."""
+        reuses it), float32 in the writer's dtype (but in `float32()`); arrays under INLINE_BELOW bytes (as
+        stored) stay inline."""
         from onnx import TensorProto, helper
 
         if name in self._names:
@@ -91,6 +136,9 @@ class TensorWriter:
         array = np.ascontiguousarray(array)
         dtype = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
                  np.dtype(np.int64): TensorProto.INT64}[array.dtype]
+        if dtype == TensorProto.FLOAT and self.dtype != "float32" and not self._float32:
+            array = narrow(array, self.dtype, name)
+            dtype = TensorProto.FLOAT16 if self.dtype == "float16" else TensorProto.BFLOAT16
         if array.nbytes < INLINE_BELOW:
             self.initializers.append(helper.make_tensor(name, dtype, array.shape, array.tobytes(), raw=True))
             return name

@@ -14,7 +14,7 @@ get the concat graph exported in fp16 (engines/onnx-fp16/<role>/, half the bytes
 no FP16 builder flag and takes the graph's types), the others the fp32 one; build["dtype"] names it
 and, being in the build options, in the engine key. The `cuda` target (ONNX Runtime's CUDA provider)
 gets the batched graph in fp16, or bf16 when the checkpoint was trained in bf16
-(engines/onnx-batched-fp16/<role>/, bundler.onnx.half; logits fp32), stored once for every target
+(engines/onnx-batched-fp16/<role>/, written in its dtype by bundler.onnx.inplace; logits fp32), stored once for every target
 that runs it. A TensorRT target gets the exact build options
 (precision, optimisation profiles from max context, prefill chunk and draft tokens + 1) and the
 key the engine will have on a matching device; the plan itself is built here only when this

@@ -26,8 +26,8 @@ both graphs of the dual engine (each must have it, same width), and after every 
 whether or not logits are fetched (forward_greedy too). Not yet run on a GPU (tests/runtime/engines/
 test_cuda_engine.py has the device tests; test_cuda_eagle3_host.py runs the same code on host memory).
 
-Layouts: "batched" (TensorScatter + Attention; the `cuda` target's graph, fp16 or bf16 from
-bundler.onnx.half): one call for every row of a step. Its GroupQueryAttention variant
+Layouts: "batched" (TensorScatter + Attention; the `cuda` target's graph, written in fp16 or bf16 by
+bundler.onnx.inplace): one call for every row of a step. Its GroupQueryAttention variant
 (bundler.onnx.inplace.GQA_FUSIONS: inputs seqlens_k and total_sequence_length instead of positions,
 write offsets and a mask; fused rotary, packed QKV, one flash-decoding kernel that reads only each
 row's own length) uses the same cache layout; ONNX Runtime's GroupQueryAttention takes a batch of

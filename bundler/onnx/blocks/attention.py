@@ -36,8 +36,7 @@ class AttentionSpec:
     rotary: bool = True  # Nemotron-H's attention has none
     module: str = "self_attn"  # the projections' module in the layer ("mixer": Nemotron-H)
     rotary_dim: int = 0  # partial rotary: the rotated part of each head (0: all of it)
-    concat: bool = False  # the "concat" layout (batched False)
-    dtype: str = "float32"  # concat: the activations' and cache's dtype (softmax runs in float32)
+    concat: bool = False  # the "concat" layout (batched False); its softmax runs in float32 whatever the dtype
     #: concat: transformers' rotary inv_freq and attention_scaling (bundler.onnx.blocks.rotary.frequencies)
     inv_freq: object = None
     rotary_scaling: float = 1.0
@@ -184,9 +183,11 @@ def _concat_inputs(g: GraphBuilder, spec: AttentionSpec) -> Inputs:
         seen = g.node("And", [causal, padding])  # [batch, 1, new, total]
     else:
         seen = causal
-    mask = g.node("Where", [seen, g.w.add("zero_f32", np.array(0.0, np.float32)),
-                            g.w.add("min_f32", np.array(np.finfo(np.float32).min, np.float32))])
-    cos, sin = position_tables(g, spec.inv_freq, spec.rotary_scaling, spec.dtype) if spec.rotary else ("", "")
+    with g.w.float32():  # added to the float32 scores
+        zero_f32 = g.w.add("zero_f32", np.array(0.0, np.float32))
+        min_f32 = g.w.add("min_f32", np.array(np.finfo(np.float32).min, np.float32))
+    mask = g.node("Where", [seen, zero_f32, min_f32])
+    cos, sin = position_tables(g, spec.inv_freq, spec.rotary_scaling) if spec.rotary else ("", "")
     return Inputs(mask=mask, cos=cos, sin=sin)
 
 
@@ -204,7 +205,6 @@ def _repeat_kv(g: GraphBuilder, x: str, spec: AttentionSpec) -> str:
 def _concat(g: GraphBuilder, q, k, v, i: int, spec: AttentionSpec, io: Inputs) -> str:
     """transformers' eager attention: softmax(q k^T * scale + mask) v, the softmax in float32."""
     import numpy as np
-    from onnx import TensorProto as TP
 
     from bundler.onnx.blocks.rotary import rotate
 
@@ -216,14 +216,10 @@ def _concat(g: GraphBuilder, q, k, v, i: int, spec: AttentionSpec, io: Inputs) -
     present_v = g.node("Concat", [f"past_key_values.{i}.value", heads_first(g, v, kv, hd)],
                        [f"present.{i}.value"], axis=2)
     keys_t = g.node("Transpose", [_repeat_kv(g, present_k, spec)], perm=[0, 1, 3, 2])
-    scores = g.node("MatMul", [q4, keys_t])
-    half = spec.dtype != "float32"
-    if half:
-        scores = g.node("Cast", [scores], to=TP.FLOAT)
-    scale = g.w.add(f"scale_{hd}", np.array(float(hd) ** -0.5, np.float32))
-    probs = g.node("Softmax", [g.node("Add", [g.node("Mul", [scores, scale]), io.mask])], axis=-1)
-    if half:
-        probs = g.node("Cast", [probs], to=TP.FLOAT16)
+    scores = g.to_float32(g.node("MatMul", [q4, keys_t]))
+    with g.w.float32():
+        scale = g.w.add(f"scale_{hd}", np.array(float(hd) ** -0.5, np.float32))
+    probs = g.to_graph_dtype(g.node("Softmax", [g.node("Add", [g.node("Mul", [scores, scale]), io.mask])], axis=-1))
     y4 = g.node("MatMul", [probs, _repeat_kv(g, present_v, spec)])
     return g.node("Reshape", [g.node("Transpose", [y4], perm=[0, 2, 1, 3]),
                               g.const(f"shape_{heads * hd}", [0, 0, heads * hd])])

@@ -103,7 +103,7 @@ def valid_rows(g) -> str:
                              g.scalar("one_scalar", 1)])
     counts = g.node("Unsqueeze", [NEW_TOKENS, g.const("axes_1", [1])])
     real = g.node("Less", [g.node("Unsqueeze", [steps, g.const("axes_0", [0])]), counts])
-    return g.node("Unsqueeze", [g.node("Cast", [real], to=1), g.const("axes_2", [2])])
+    return g.node("Unsqueeze", [g.node("Cast", [real], to=g.elem), g.const("axes_2", [2])])
 
 
 def deltanet_mixer(g, hs: str, p: str, index: int, cfg, valid: str) -> str:
@@ -118,14 +118,15 @@ def deltanet_mixer(g, hs: str, p: str, index: int, cfg, valid: str) -> str:
 
     update_name, conv_input = capture_names(index)
     mixed = g.linear(hs, f"{a_}.in_proj_qkv")  # [batch, seq, conv_dim], the conv's (and its state's) input
-    g.node("Identity", [mixed], [conv_input])
+    capture_conv_input(g, mixed, conv_input)
     z = g.linear(hs, f"{a_}.in_proj_z")
     b = g.linear(hs, f"{a_}.in_proj_b")
     a = g.linear(hs, f"{a_}.in_proj_a")
     weight = g.w.add(f"{a_}.conv1d.weight", g.ckpt.get(f"{a_}.conv1d.weight"))  # [conv_dim, 1, kernel]
-    conv = g.node("CausalConvWithState", [mixed, weight, "", past_conv], [f"{a_}/conv", f"{a_}/conv_carry"],
+    past = read_conv_state(g, past_conv)
+    conv = g.node("CausalConvWithState", [mixed, weight, "", past], [f"{a_}/conv", f"{a_}/conv_carry"],
                   domain=g.MS, channels_last=1, activation="silu")[0]
-    conv_state_after(g, past_conv, mixed, kernel, present_conv)
+    conv_state_after(g, past, mixed, kernel, present_conv)
 
     sizes = g.const(f"split_{hk * dk}_{hk * dk}_{hv * dv}", [hk * dk, hk * dk, hv * dv])
     q, k, v = g.node("Split", [conv, sizes], [f"{a_}/q", f"{a_}/k", f"{a_}/v"], axis=-1)
@@ -137,9 +138,8 @@ def deltanet_mixer(g, hs: str, p: str, index: int, cfg, valid: str) -> str:
     dt_bias = g.w.add(f"{a_}.dt_bias", g.ckpt.get(f"{a_}.dt_bias"))
     decay = g.node("Mul", [g.node("Mul", [g.node("Softplus", [g.node("Add", [a, dt_bias])]), neg_a]), valid])
     q, k = _l2norm(g, q), _l2norm(g, k)
-    out = g.node("GatedDeltaNet", [q, k, v, "", decay, beta, past_rec, "", "", CAPTURE_COUNT],
-                 [f"{a_}/core", present_rec, update_name], domain=g.MS, qk_l2_norm=0, update_rule="gated_delta",
-                 state_update_capacity=CAPTURE_TOKENS)[0]  # [batch, seq, hv, dv]
+    out = gated_deltanet(g, [q, k, v, "", decay, beta, past_rec, "", "", CAPTURE_COUNT], f"{a_}/core", present_rec,
+                         update_name, qk_l2_norm=0, update_rule="gated_delta")  # [batch, seq, hv, dv]
     normed = g.node("RMSNormalization", [out, g.w.add(f"{a_}.norm.weight", g.ckpt.get(f"{a_}.norm.weight"))],
                     axis=-1, epsilon=float(cfg.rms_norm_eps), stash_type=1)
     z4 = g.node("Reshape", [z, g.const(f"shape_{hv}_{dv}", [0, 0, hv, dv])])
@@ -149,12 +149,51 @@ def deltanet_mixer(g, hs: str, p: str, index: int, cfg, valid: str) -> str:
 
 def conv_state_after(g, past_conv: str, inputs: str, kernel: int, present_conv: str) -> None:
     """present_conv = the conv state after each row's last real token: its last kernel-1 inputs, padding
-    excluded (rows new_tokens[row] .. +kernel-2 of Concat(past state, inputs)). Mamba-2 uses it too."""
+    excluded (rows new_tokens[row] .. +kernel-2 of Concat(past state, inputs)), in float32 (the state's type
+    at the graph's boundary; computed in the graph's dtype, past_conv read_conv_state's). Mamba-2 uses it too."""
     joined = g.node("Concat", [past_conv, inputs], axis=1)  # [batch, kernel-1+seq, conv_dim]
     rows = g.node("Add", [g.node("Unsqueeze", [NEW_TOKENS, g.const("axes_1", [1])]),
                           g.const(f"steps_{kernel - 1}", [list(range(kernel - 1))])])  # [batch, kernel-1]
     rows = g.node("Expand", [g.node("Unsqueeze", [rows, g.const("axes_2", [2])]), g.node("Shape", [past_conv])])
-    g.node("GatherElements", [joined, rows], [present_conv], axis=1)
+    g.to_float32(g.node("GatherElements", [joined, rows], axis=1), present_conv)
+
+
+# The recurrent states are float32 at the graph's boundary whatever the graph's dtype: com.microsoft GatedDeltaNet
+# types its initial_state, final_state and state_update float32 (its schema's TS), and the runtime's rollback by
+# replay (runtime.engines.recurrent) multiplies float32 states. A half-precision graph computes the rest as a
+# dense model does (the projections, which hold nearly all the weights, the conv, norms, experts): the casts
+# below are all there are. The conv state and conv inputs are half-precision activations to start with: their
+# float32 round trip is exact. The cost: the recurrence reads and writes float32, a few values per channel per
+# token, small beside the weights.
+
+def read_conv_state(g, past_conv: str) -> str:
+    """The conv state input as the conv and conv_state_after read it: in the graph's dtype, through one Cast
+    (none in a float32 graph). The engines bind a state input to the same memory as its present output, so
+    every reader must read it before the present is written: the Cast (a copy) is its only reader, and the
+    present's writer depends on it. (CausalConvWithState reading a float32 past state through its own Cast
+    would not: that Cast could run after the present's was written; seen on the CPU provider, 7e-2 off.)"""
+    return g.to_graph_dtype(past_conv)
+
+
+def capture_conv_input(g, x: str, name: str) -> None:
+    """Graph output `name` (float32): the conv's inputs x of the call's rows, for rollback by replay."""
+    if g.half:
+        g.to_float32(x, name)
+    else:
+        g.node("Identity", [x], [name])
+
+
+def gated_deltanet(g, inputs: list, output: str, present_state: str, state_update: str, **attrs) -> str:
+    """com.microsoft GatedDeltaNet over `inputs` (its slots; the past state at 6, float32) writing the present
+    state and the state updates (graph outputs, float32); returns its output [batch, seq, heads, dim] in the
+    graph's dtype. It runs in float32 in every graph: the float32 CUDA kernel is the one ONNX Runtime 1.31.1
+    was seen to run on an H200, that release's CPU provider has no GatedDeltaNet to fall back on, and its
+    schema fixes the state slots to float32 anyway; a half-precision graph casts each activation it reads
+    (one Cast each) and its output back."""
+    ins = [x if i == 6 or not x or x == CAPTURE_COUNT else g.to_float32(x) for i, x in enumerate(inputs)]
+    out = g.node("GatedDeltaNet", ins, [output, present_state, state_update], domain=g.MS,
+                 state_update_capacity=CAPTURE_TOKENS, **attrs)[0]
+    return g.to_graph_dtype(out)
 
 
 def _l2norm(g, x: str) -> str:

@@ -53,10 +53,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from bundler.onnx.blocks.graph import float32_region
-from bundler.onnx.blocks.gated_deltanet import (CAPTURE_COUNT, CAPTURE_TOKENS, NEW_TOKENS, capture_names,  # noqa: F401
-                                                conv_state_after, conv_state_names, recurrent_state_names,
-                                                valid_rows)
+from bundler.onnx.blocks.gated_deltanet import (CAPTURE_COUNT, CAPTURE_TOKENS, NEW_TOKENS,  # noqa: F401
+                                                capture_conv_input, capture_names, conv_state_after,
+                                                conv_state_names, gated_deltanet, read_conv_state,
+                                                recurrent_state_names, valid_rows)
 from manifests.errors import ModelError
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
@@ -146,12 +146,13 @@ def mamba2_mixer(g, hs: str, m: str, index: int, cfg, valid: str) -> str:
     proj = g.linear(hs, f"{m}.in_proj")
     gate, xbc, dt = g.node("Split", [proj, g.const(f"split_{inner}_{conv_dim}_{heads}", [inner, conv_dim, heads])],
                            [f"{m}/gate", f"{m}/xbc", f"{m}/dt"], axis=-1)
-    g.node("Identity", [xbc], [conv_input])
+    capture_conv_input(g, xbc, conv_input)
     weight = g.w.add(f"{m}.conv1d.weight", g.ckpt.get(f"{m}.conv1d.weight"))  # [conv_dim, 1, kernel]
     bias = g.w.add(f"{m}.conv1d.bias", g.ckpt.get(f"{m}.conv1d.bias")) if f"{m}.conv1d.bias" in g.ckpt else ""
-    conv = g.node("CausalConvWithState", [xbc, weight, bias, past_conv], [f"{m}/conv", f"{m}/conv_carry"],
+    past = read_conv_state(g, past_conv)
+    conv = g.node("CausalConvWithState", [xbc, weight, bias, past], [f"{m}/conv", f"{m}/conv_carry"],
                   domain=g.MS, channels_last=1, activation="silu")[0]
-    conv_state_after(g, past_conv, xbc, kernel, present_conv)
+    conv_state_after(g, past, xbc, kernel, present_conv)
 
     x, b, c = g.node("Split", [conv, g.const(f"split_{inner}_{groups * state}_{groups * state}",
                                              [inner, groups * state, groups * state])],
@@ -166,9 +167,8 @@ def mamba2_mixer(g, hs: str, m: str, index: int, cfg, valid: str) -> str:
     neg_a = g.w.add(f"{m}.neg_A", -np.exp(g.ckpt.get(f"{m}.A_log").astype(np.float32)))
     decay = g.node("Mul", [dt, neg_a])
     value = g.node("Mul", [x, g.node("Unsqueeze", [dt, g.const("axes_3", [3])])])
-    out = g.node("GatedDeltaNet", [c, b, value, "", decay, "", past_rec, "", "", CAPTURE_COUNT],
-                 [f"{m}/ssd", present_rec, update_name], domain=g.MS, update_rule="gated", scale=1.0,
-                 qk_l2_norm=0, state_update_capacity=CAPTURE_TOKENS)[0]  # [batch, seq, heads, head_dim]
+    out = gated_deltanet(g, [c, b, value, "", decay, "", past_rec, "", "", CAPTURE_COUNT], f"{m}/ssd", present_rec,
+                         update_name, update_rule="gated", scale=1.0, qk_l2_norm=0)  # [batch, seq, heads, head_dim]
     skip = g.w.add(f"{m}.D", g.ckpt.get(f"{m}.D").reshape(heads, 1))
     y = g.node("Add", [out, g.node("Mul", [x, skip])])
     y = g.node("Reshape", [y, g.const(f"shape_{inner}", [0, 0, inner])])
@@ -219,13 +219,14 @@ def routed_experts(g, hs: str, m: str, cfg) -> str:
     # Gemm, not MatMul: the router stays float32 when the graph's MatMuls are made 4-bit (bundler.onnx.quantize);
     # and the whole router is a float32 region (transformers routes in float32: sigmoid scores near 1 are coarse
     # in fp16, and ties that its rounding makes would pick other experts than the checkpoint's model)
-    start = len(g.nodes)
-    logits = g.node("Gemm", [tokens, g.w.add(f"{m}.gate.weight", g.ckpt.get(f"{m}.gate.weight"))], transB=1)
-    name = f"{m}.gate.e_score_correction_bias"
-    bias = g.ckpt.get(name) if name in g.ckpt else np.zeros(experts, np.float32)
-    routed = group_router(g, logits, g.w.add(name, np.asarray(bias, np.float32)), experts, top_k, n_group,
-                          topk_group)
-    float32_region(g, start)
+    with g.float32_region():
+        logits = g.node("Gemm", [g.to_float32(tokens), g.w.add(f"{m}.gate.weight", g.ckpt.get(f"{m}.gate.weight"))],
+                        transB=1)
+        name = f"{m}.gate.e_score_correction_bias"
+        bias = g.ckpt.get(name) if name in g.ckpt else np.zeros(experts, np.float32)
+        routed = group_router(g, logits, g.w.add(name, np.asarray(bias, np.float32)), experts, top_k, n_group,
+                              topk_group)
+    routed = g.to_graph_dtype(routed)
     latent = getattr(cfg, "moe_latent_size", None)
     x = g.linear(tokens, f"{m}.fc1_latent_proj") if latent else tokens
     up, down = _expert_weights(g, m, experts)

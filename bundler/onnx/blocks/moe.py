@@ -27,12 +27,11 @@ one tensor as for the dense layers: the operator takes them as one tensor each.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
-from bundler.onnx.blocks.graph import float32_region
+from bundler.onnx.blocks.graph import GraphBuilder
 from manifests.errors import ModelError
 
 MS_DOMAIN = "com.microsoft"
@@ -100,20 +99,7 @@ def router_parameters(cfg: Any) -> int:
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class GraphOps:
-    """What a block needs from the graph builder: add a node, add an initializer, read a checkpoint tensor."""
-
-    node: Callable[..., Any]  # node(op, inputs, outputs=None, domain="", **attrs) -> output name(s)
-    add: Callable[[str, np.ndarray], str]  # add(name, array) -> initializer name
-    tensor: Callable[[str], np.ndarray]  # float32 numpy of a checkpoint tensor
-    has: Callable[[str], bool]  # whether the checkpoint holds a tensor
-    #: the nodes so far, where the builder keeps them (a float32 region renames the router's:
-    #: bundler.onnx.blocks.graph); a builder without it gets no region (float32 graphs need none)
-    nodes: list = field(default_factory=list)
-
-
-def expert_weights(g: GraphOps, prefix: str, experts: int) -> tuple[np.ndarray, np.ndarray]:
+def expert_weights(g: GraphBuilder, prefix: str, experts: int) -> tuple[np.ndarray, np.ndarray]:
     """(fc1 [experts, 2*inter, hidden] with gate/up interleaved, fc2 [experts, hidden, inter]) from either
     checkpoint layout: one tensor per expert (the Hub's) or transformers 5's fused 3D gate_up_proj/down_proj."""
     if g.has(f"{prefix}.experts.gate_up_proj"):
@@ -132,7 +118,7 @@ def expert_weights(g: GraphOps, prefix: str, experts: int) -> tuple[np.ndarray, 
     return fc1, np.ascontiguousarray(down, np.float32)
 
 
-def sparse_moe(g: GraphOps, x: str, prefix: str, cfg: Any) -> str:
+def sparse_moe(g: GraphBuilder, x: str, prefix: str, cfg: Any) -> str:
     """The routed-experts MLP of x [batch, seq, hidden] (layer prefix `model.layers.<i>.mlp`): [batch, seq, hidden]."""
     from onnx import TensorProto, helper
 
@@ -147,18 +133,19 @@ def sparse_moe(g: GraphOps, x: str, prefix: str, cfg: Any) -> str:
     # Gemm, not MatMul: the router stays float32 when the graph's MatMuls are made 4-bit (bundler.onnx.quantize);
     # and it is a float32 region of the half-precision graphs, so that the experts chosen do not depend on how a
     # provider rounds an fp16 Gemm (CUDA's and the CPU fallback's picked other experts at near ties)
-    start = len(g.nodes)
-    logits = node("Gemm", [tokens, g.add(f"{prefix}.gate.weight", g.tensor(f"{prefix}.gate.weight"))], transB=1)
     normalize = bool(_get(cfg, "norm_topk_prob", False))
-    if normalize:  # choose with TopK (ties: lower index), then only the chosen logits reach MoE
-        k = g.add(f"top_k_{top_k}", np.array([top_k], np.int64))
-        values, indices = node("TopK", [logits, k], [f"{prefix}/top_values", f"{prefix}/top_indices"],
-                               axis=-1, largest=1, sorted=1)
-        floor = node("ConstantOfShape", [node("Shape", [logits])],
-                     value=helper.make_tensor("neg_inf", TensorProto.FLOAT, [1], [-np.inf]))
-        floor = node("CastLike", [floor, logits])  # the half-precision graphs (bundler.onnx.half) too
-        logits = node("ScatterElements", [floor, indices, values], axis=1)
-    float32_region(g, start)
+    with g.float32_region():
+        gate = g.add(f"{prefix}.gate.weight", g.tensor(f"{prefix}.gate.weight"))
+        logits = node("Gemm", [g.to_float32(tokens), gate], transB=1)
+        if normalize:  # choose with TopK (ties: lower index), then only the chosen logits reach MoE
+            k = g.add(f"top_k_{top_k}", np.array([top_k], np.int64))
+            values, indices = node("TopK", [logits, k], [f"{prefix}/top_values", f"{prefix}/top_indices"],
+                                   axis=-1, largest=1, sorted=1)
+            floor = node("ConstantOfShape", [node("Shape", [logits])],
+                         value=helper.make_tensor("neg_inf", TensorProto.FLOAT, [1], [-np.inf]))
+            floor = node("CastLike", [floor, logits])
+            logits = node("ScatterElements", [floor, indices, values], axis=1)
+    logits = g.to_graph_dtype(logits)  # MoE takes its router logits in the activations' type
     fc1, fc2 = expert_weights(g, prefix, experts)
     y = node("MoE", [tokens, logits, g.add(f"{prefix}.experts.fc1", fc1), "", g.add(f"{prefix}.experts.fc2", fc2)],
              domain=MS_DOMAIN, k=top_k, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0,

@@ -1,6 +1,6 @@
 """RMSNorm: the standard RMSNormalization (opset 23), com.microsoft SimplifiedLayerNormalization, or (the
 concat graph, opset 17: TensorRT 10.13's parser has neither) elementary ops computed in float32 as transformers
-does, whatever the graph's dtype."""
+does, whatever the graph's dtype (the normalization ops compute in float32 too: stash_type 1)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,6 @@ class Norm:
     plus_one: bool = False
     #: Pow/ReduceMean/Sqrt ops instead of one normalization op (the concat graph)
     elementary: bool = False
-    #: elementary only: the graph's activations ("float16": cast to float32 and back around the norm)
-    dtype: str = "float32"
 
 
 def rms(g: GraphBuilder, x: str, weight_name: str, norm: Norm) -> str:
@@ -42,14 +40,10 @@ def head_norm(g: GraphBuilder, x: str, n_heads: int, head_dim: int, weight_name:
 
 def _elementary(g: GraphBuilder, x: str, weight: str, norm: Norm) -> str:
     """transformers' RMSNorm: weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype), x32 = x in float32."""
-    from onnx import TensorProto as TP
-
-    half = norm.dtype != "float32"
-    x32 = g.node("Cast", [x], to=TP.FLOAT) if half else x
-    mean = g.node("ReduceMean", [g.node("Pow", [x32, g.w.add("two_f32", np.array(2.0, np.float32))])],
-                  axes=[-1], keepdims=1)
-    eps = g.w.add(f"rms_eps_{norm.eps:g}", np.array(norm.eps, np.float32))
+    x32 = g.to_float32(x)
+    with g.w.float32():
+        two, eps = g.w.add("two_f32", np.array(2.0, np.float32)), g.w.add(f"rms_eps_{norm.eps:g}", np.array(norm.eps,
+                                                                                                           np.float32))
+    mean = g.node("ReduceMean", [g.node("Pow", [x32, two])], axes=[-1], keepdims=1)
     y = g.node("Mul", [x32, g.node("Reciprocal", [g.node("Sqrt", [g.node("Add", [mean, eps])])])])
-    if half:
-        y = g.node("Cast", [y], to=TP.FLOAT16)
-    return g.node("Mul", [weight, y])
+    return g.node("Mul", [weight, g.to_graph_dtype(y)])

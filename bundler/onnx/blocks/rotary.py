@@ -53,23 +53,22 @@ def frequencies(family: str, config) -> tuple[np.ndarray, float]:
     return rotary.inv_freq.float().numpy().astype(np.float32), float(getattr(rotary, "attention_scaling", 1.0))
 
 
-def position_tables(g, inv_freq: np.ndarray, scaling: float, dtype: str) -> tuple[str, str]:
-    """cos/sin of each new token's position, [batch, 1, sequence_length, rotary_dim/2] in `dtype`, computed
+def position_tables(g, inv_freq: np.ndarray, scaling: float) -> tuple[str, str]:
+    """cos/sin of each new token's position, [batch, 1, sequence_length, rotary_dim/2] in the graph's dtype, computed
     as transformers' rotary forward does (float32 angles position x inv_freq, times attention_scaling): no
     table, so no limit on positions. What `rotate` reads."""
     from onnx import TensorProto as TP
 
-    angles = g.node("Mul", [g.node("Unsqueeze", [g.node("Cast", ["position_ids"], to=TP.FLOAT), g.const("axes_last",
-                                                                                                        [-1])]),
-                            g.w.add("rotary_inv_freq", inv_freq)])  # [batch, seq, rotary_dim/2]
+    positions = g.node("Unsqueeze", [g.node("Cast", ["position_ids"], to=TP.FLOAT), g.const("axes_last", [-1])])
+    with g.w.float32():  # the angles and tables are computed in float32
+        angles = g.node("Mul", [positions, g.w.add("rotary_inv_freq", inv_freq)])  # [batch, seq, rotary_dim/2]
     out = []
     for op in ("Cos", "Sin"):
         t = g.node(op, [angles])
         if scaling != 1.0:
-            t = g.node("Mul", [t, g.w.add("rotary_scaling", np.array(scaling, np.float32))])
-        if dtype != "float32":
-            t = g.node("Cast", [t], to=TP.FLOAT16)
-        out.append(g.node("Unsqueeze", [t, g.const("axes_1", [1])]))
+            with g.w.float32():
+                t = g.node("Mul", [t, g.w.add("rotary_scaling", np.array(scaling, np.float32))])
+        out.append(g.node("Unsqueeze", [g.to_graph_dtype(t), g.const("axes_1", [1])]))
     return out[0], out[1]
 
 

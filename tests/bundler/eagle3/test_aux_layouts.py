@@ -1,5 +1,5 @@
 """EAGLE-3 aux hidden states in every layout and dtype the targets run: the in-place GroupQueryAttention
-("shared") graph, the batched TensorScatter + Attention graph in float32 and its float16 rewrite (the
+("shared") graph, the batched TensorScatter + Attention graph in float32 and in float16 (the
 `cuda` target's graph; ONNX Runtime's CPU provider runs it too), each against transformers'
 `output_hidden_states` through the engine that serves it (prefill, then a verification-sized chunk,
 then a batch of two slots of different lengths: only the real rows come back, never the padding).
@@ -90,7 +90,7 @@ def test_graph_without_aux_layers_has_no_aux_output(target, tmp_path):
 
 
 def test_bfloat16_graph_keeps_a_float32_aux_output(target, tmp_path):
-    """The bf16 rewrite (cuda targets of bf16 checkpoints) keeps aux_hidden_states float32, fed from the
+    """The bf16 graph (cuda targets of bf16 checkpoints) keeps aux_hidden_states float32, fed from the
     three layers' inputs. Structure only: ONNX Runtime's CPU provider has no bf16 MatMul, so its numbers are
     checked nowhere here (the H200 runs were float16)."""
     import onnx

@@ -93,7 +93,7 @@ NEW_FAMILIES = {"qwen3_moe": ("qwen3_moe", None), "qwen3_5_text": ("qwen3_5_text
 @pytest.fixture(scope="session")
 def new_family_exports(tmp_path_factory) -> dict:
     """name -> {"checkpoint": dir, "float32": ExportResult, "float16": ExportResult} of each NEW_FAMILIES
-    checkpoint's batched graph (the cpu target's) and its float16 rewrite (the cuda target's)."""
+    checkpoint's batched graph in float32 (the cpu target's) and in float16 (the cuda target's)."""
     def build(root: Path) -> dict:
         from bundler.onnx.export import export_onnx
 

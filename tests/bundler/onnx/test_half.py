@@ -1,4 +1,5 @@
-"""The half-precision in-place graph of the `cuda` target (bundler.onnx.half): types, argmax, size, parity, plan.
+"""The half-precision in-place graphs of the `cuda` target (written in fp16/bf16 from bundler.onnx.blocks, as
+every graph is): types at the boundary, float32 regions and recurrences, argmax, size, parity, plan.
 
 ONNX Runtime's CPU provider runs the fp16 batched graph too, so its parity with transformers is checked
 here; bf16 runs only on a GPU (tests/runtime/engines/test_cuda_engine.py).
@@ -28,11 +29,16 @@ def family_half_exports(family_exports, tmp_path_factory) -> dict:
             for family, (ckpt, _) in family_exports.items()}
 
 
-def test_half_graph_types_outputs_and_metadata(family_half_exports):
+@pytest.mark.parametrize("layout", ["batched", "shared"])
+def test_half_graph_types_outputs_and_metadata(layout, family_half_exports, tmp_path):
     import onnx
 
-    _, result = family_half_exports["qwen3"]
-    assert result.dtype == "float16" and result.kv_cache == "batched"
+    from bundler.onnx.export import export_onnx
+
+    checkpoint, result = family_half_exports["qwen3"]
+    if layout == "shared":
+        result = export_onnx(checkpoint, tmp_path / "shared", kv_cache="shared", dtype="float16")
+    assert result.dtype == "float16" and result.kv_cache == layout
     assert sorted(p.name for p in result.graph.parent.iterdir()) == ["model.onnx", "model.onnx.data"]  # no leftovers
     model = onnx.load(str(result.graph), load_external_data=False)
     T = onnx.TensorProto
@@ -40,10 +46,13 @@ def test_half_graph_types_outputs_and_metadata(family_half_exports):
     outputs = {v.name: v.type.tensor_type.elem_type for v in model.graph.output}
     assert {inputs[n] for n in inputs if n.startswith("past_key_values.")} == {T.FLOAT16}
     assert {outputs[n] for n in outputs if n.startswith("present.")} == {T.FLOAT16}
-    assert outputs["logits"] == T.FLOAT and outputs["argmax"] == T.INT64
+    assert outputs["logits"] == T.FLOAT and outputs["argmax"] == T.INT64 and list(outputs)[-1] == "argmax"
     assert {t.data_type for t in model.graph.initializer if t.data_location == T.EXTERNAL} <= {T.FLOAT16, T.INT64}
+    producers = {y: n for n in model.graph.node for y in n.output}
+    assert producers["logits"].op_type == "Cast" and producers[producers["logits"].input[0]].op_type == "MatMul"
+    assert producers["argmax"].op_type == "ArgMax" and list(producers["argmax"].input) == ["logits"]
     meta = {p.key: p.value for p in model.metadata_props}
-    assert meta["bundle.dtype"] == "float16" and meta["bundle.kv_cache"] == "batched"
+    assert meta["bundle.dtype"] == "float16" and meta["bundle.kv_cache"] == layout
 
 
 def test_half_weights_are_half_the_float32_ones(family_half_exports, family_batched_exports):
@@ -76,7 +85,7 @@ def test_argmax_output_is_numpys_argmax_of_the_logits(family_half_exports):
 
 
 def test_bfloat16_bits_round_to_nearest_even():
-    from bundler.onnx.half import to_bfloat16_bits
+    from bundler.onnx.writer import to_bfloat16_bits
 
     values = np.array([1.0, -2.0, 1 + 2**-8, 1 + 3 * 2**-8, 3.4e38, np.nan, 0.0], np.float32)
     bits = to_bfloat16_bits(values).tolist()
@@ -86,31 +95,38 @@ def test_bfloat16_bits_round_to_nearest_even():
     assert bits[5] == 0x7FC0 and bits[6] == 0
 
 
-def test_bf16_export_and_refusals(family_exports, family_batched_exports, tmp_path):
+def test_bf16_export_and_refusals(family_exports, tmp_path):
     import onnx
 
     from bundler.onnx.export import export_onnx
-    from bundler.onnx.half import convert_graph
+    from bundler.onnx.writer import TensorWriter, to_bfloat16_bits
 
     checkpoint = family_exports["llama"][0]
     bf16 = export_onnx(checkpoint, tmp_path / "bf16", kv_cache="batched", dtype="bfloat16")
-    model = onnx.load(str(bf16.graph), load_external_data=False)
-    assert {v.type.tensor_type.elem_type for v in model.graph.input if v.name.startswith("past_")} == {
-        onnx.TensorProto.BFLOAT16}
-    with pytest.raises(ModelError, match="expected a float32 in-place KV-cache graph, found kv_cache 'concat'"):
-        convert_graph(family_exports["llama"][1].graph, tmp_path / "x.onnx")
-    with pytest.raises(ModelError, match="expected a float32 in-place KV-cache graph, found .*'bfloat16'"):
-        convert_graph(bf16.graph, tmp_path / "y.onnx")  # already half
-    with pytest.raises(ModelError, match="expected dtype one of float16, bfloat16, found 'int8'"):
-        convert_graph(family_batched_exports["llama"][1].graph, tmp_path / "z.onnx", "int8")
-    assert not (tmp_path / "x.onnx").exists() and not (tmp_path / "z.onnx").exists()
+    model = onnx.load(str(bf16.graph))
+    T = onnx.TensorProto
+    assert {v.type.tensor_type.elem_type for v in model.graph.input if v.name.startswith("past_")} == {T.BFLOAT16}
+    outputs = {v.name: v.type.tensor_type.elem_type for v in model.graph.output}
+    assert outputs["logits"] == T.FLOAT and outputs["argmax"] == T.INT64
+    assert {p.key: p.value for p in model.metadata_props}["bundle.dtype"] == "bfloat16"
+    embed = next(t for t in model.graph.initializer if t.name == "model.embed_tokens.weight")
+    assert embed.data_type == T.BFLOAT16
+    from safetensors.numpy import load_file
+
+    want = load_file(str(checkpoint / "model.safetensors"))["model.embed_tokens.weight"].astype(np.float32)
+    assert np.frombuffer(embed.raw_data, np.uint16).tolist() == to_bfloat16_bits(want).ravel().tolist()
+    with pytest.raises(ModelError, match="expected a graph dtype among float32, float16, bfloat16, found 'int8'"):
+        TensorWriter(tmp_path / "z.onnx.data", "int8")
+    assert not (tmp_path / "z.onnx.data.tmp").exists()
 
 
-def test_an_fp16_overflow_is_refused_by_name(family_batched_exports, tmp_path):
-    from bundler.onnx.half import _half_bytes
+def test_an_fp16_overflow_is_refused_by_name(tmp_path):
+    from bundler.onnx.writer import TensorWriter
 
-    with pytest.raises(ModelError, match="overflows float16; export bfloat16"):
-        _half_bytes(np.array([1.0, 7e4], np.float32), "float16")
+    with pytest.raises(ModelError, match="lm_head.weight: .* overflows float16; export bfloat16"):
+        with TensorWriter(tmp_path / "model.onnx.data", "float16") as w:
+            w.add("lm_head.weight", np.array([1.0, 7e4], np.float32))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cuda_cpu_and_thor_bundle_each_graph_once(family_exports, tmp_path):
@@ -205,28 +221,86 @@ def test_cuda_memory_preflight_counts_every_expert_and_the_recurrent_states(fami
     assert 2 * (est.kv_cache_bytes - states) == cpu.kv_cache_bytes - states > 0  # fp16 KV, float32 states on both
 
 
-def test_nemotron_h_routes_in_float32_in_the_half_precision_graph(new_family_exports):
+@pytest.mark.parametrize("family", ["qwen3_moe", "nemotron_h"])
+def test_routers_are_float32_regions_of_the_half_precision_graph(family, new_family_exports):
     """transformers routes Nemotron-H's experts in float32 (sigmoid scores near 1 are coarse in fp16, and a
-    tie its rounding makes picks other experts): the router is a float32 region of the fp16 graph, its
-    weights float32, the activations cast in once and the routing result cast back once, and the graph then
-    matches transformers within fp16's own tolerance, not the looser one of half-precision routing."""
+    tie its rounding makes picks other experts), and a provider's fp16 Gemm rounding would pick other
+    Qwen3-MoE experts at near ties: the router is a float32 region of the fp16 graph, its weights float32, the
+    activations cast in once and the routing result cast back once. Nemotron-H's graph then matches
+    transformers within fp16's own tolerance, not the looser one of half-precision routing."""
     import onnx
 
     from bundler.onnx.blocks.graph import FLOAT32_REGION
 
-    exports = new_family_exports["nemotron_h"]
+    exports = new_family_exports[family]
     half = exports["float16"]
     model = onnx.load(str(half.graph), load_external_data=False)
     T = onnx.TensorProto
     inits = {t.name: t.data_type for t in model.graph.initializer}
     region = [n for n in model.graph.node if n.name.startswith(FLOAT32_REGION)]
-    assert {"Gemm", "Sigmoid", "TopK", "ScatterElements"} <= {n.op_type for n in region}
+    assert {"Gemm", "TopK", "ScatterElements"} <= {n.op_type for n in region}
     assert {inits[x] for n in region for x in n.input if x in inits} <= {T.FLOAT, T.INT64}
     casts_in = [n for n in region if n.op_type == "Cast"]
-    assert casts_in and all(a.i == T.FLOAT for n in casts_in for a in n.attribute if a.name == "to")
+    moes = [n for n in model.graph.node if n.op_type == "MoE"]
+    assert len(casts_in) == len(moes) > 0  # one Cast into each router
+    assert all(a.i == T.FLOAT for n in casts_in for a in n.attribute if a.name == "to")
     producers = {y: n for n in model.graph.node for y in n.output}
-    for moe in (n for n in model.graph.node if n.op_type == "MoE"):
-        back = producers[moe.input[1]]  # the router probabilities: the region's result, cast back once
+    for moe in moes:
+        back = producers[moe.input[1]]  # the router logits: the region's result, cast back once
         assert back.op_type == "Cast" and back.attribute[0].i == T.FLOAT16
         assert producers[back.input[0]].name.startswith(FLOAT32_REGION)
-    check_parity(exports["checkpoint"], half.graph, half.vocab_size, rtol=FP16_RTOL)
+        assert not back.name.startswith(FLOAT32_REGION)
+    if family == "nemotron_h":
+        check_parity(exports["checkpoint"], half.graph, half.vocab_size, rtol=FP16_RTOL)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
+def test_recurrences_run_in_float32_and_read_their_states_before_writing_them(family, new_family_exports):
+    """GatedDeltaNet runs in float32 in the fp16 graph (each half-precision input through a Cast, its output
+    cast back), its state slots float32 graph inputs and outputs. A state input is bound to the same memory as
+    its present output: its only readers are the GatedDeltaNet that writes the present (one kernel), or one
+    Cast (a copy) that the present's writer depends on, so it is read before it is overwritten."""
+    import onnx
+
+    model = onnx.load(str(new_family_exports[family]["float16"].graph), load_external_data=False)
+    T = onnx.TensorProto
+    graph_inputs = {v.name: v.type.tensor_type.elem_type for v in model.graph.input}
+    producers = {y: n for n in model.graph.node for y in n.output}
+    readers: dict[str, list] = {}
+    for n in model.graph.node:
+        for x in n.input:
+            readers.setdefault(x, []).append(n)
+    gdn = [n for n in model.graph.node if n.op_type == "GatedDeltaNet"]
+    assert gdn
+    for n in gdn:
+        for slot, x in enumerate(n.input):
+            if not x or x == "capture_count":
+                continue
+            if slot == 6:  # the past state: a float32 graph input
+                assert graph_inputs[x] == T.FLOAT and x.startswith("past_recurrent_state.")
+            else:
+                assert producers[x].op_type == "Cast" and producers[x].attribute[0].i == T.FLOAT, (n.name, slot)
+        out = readers[n.output[0]]
+        assert [r.op_type for r in out] == ["Cast"] and out[0].attribute[0].i == T.FLOAT16
+        assert n.output[1].startswith("present_recurrent_state.") and n.output[2].startswith("state_update.")
+
+    def depends_on(name: str, node) -> bool:
+        todo, seen = list(node.input), set()
+        while todo:
+            x = todo.pop()
+            if x == name:
+                return True
+            if x in producers and x not in seen:
+                seen.add(x)
+                todo.extend(producers[x].input)
+        return False
+
+    for past in (x for x in graph_inputs if x.startswith(("past_conv_state.", "past_recurrent_state."))):
+        present = producers["present" + past[len("past"):]]
+        for r in readers[past]:
+            if r is present:  # GatedDeltaNet: reads and writes its state in one kernel
+                assert r.op_type == "GatedDeltaNet"
+            else:
+                assert r.op_type == "Cast" and depends_on(r.output[0], present), (past, r.name)
+    outputs = {v.name: v.type.tensor_type.elem_type for v in model.graph.output}
+    assert {outputs[n] for n in outputs if n.startswith(("present_", "state_update.", "conv_input."))} == {T.FLOAT}

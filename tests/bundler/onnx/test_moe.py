@@ -88,34 +88,27 @@ def test_without_norm_topk_prob_the_weights_are_the_probabilities_over_all_exper
 
 # --- routing on tied router scores ----------------------------------------------------------------------------
 
-def _block_session(cfg: dict, weights: dict[str, np.ndarray]):
+def _block_session(cfg: dict, weights: dict[str, np.ndarray], folder):
     """The MoE block alone (bundler.onnx.blocks.moe.sparse_moe) as an ONNX Runtime session: x [1, T, H] -> y."""
     import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
-    from bundler.onnx.blocks.moe import GraphOps, sparse_moe
+    from bundler.onnx.blocks.graph import GraphBuilder
+    from bundler.onnx.blocks.moe import sparse_moe
+    from bundler.onnx.writer import TensorWriter
 
-    nodes, inits = [], {}
-
-    def node(op, inputs, outputs=None, domain="", **attrs):
-        outputs = outputs or [f"/{op}_{len(nodes)}/out"]
-        nodes.append(helper.make_node(op, inputs, outputs, name=f"/{op}_{len(nodes)}", domain=domain, **attrs))
-        return outputs[0] if len(outputs) == 1 else outputs
-
-    def add(name, array):
-        inits.setdefault(name, numpy_helper.from_array(np.ascontiguousarray(array), name))
-        return name
-
-    y = sparse_moe(GraphOps(node, add, weights.__getitem__, weights.__contains__), "x", "mlp", cfg)
-    node("Identity", [y], ["y"])
-    h = cfg["hidden_size"]
-    graph = helper.make_graph(nodes, "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", h])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", h])],
-                              list(inits.values()))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24),
-                                                    helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 11
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    with TensorWriter(folder / "moe.onnx.data") as w:
+        g = GraphBuilder(w, weights)  # a dict of arrays reads like a checkpoint
+        y = sparse_moe(g, "x", "mlp", cfg)
+        g.node("Identity", [y], ["y"])
+        h = cfg["hidden_size"]
+        graph = helper.make_graph(g.nodes, "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", h])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", h])], w.initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        model.ir_version = 11
+        w.commit(model, folder / "moe.onnx")
+    return ort.InferenceSession(str(folder / "moe.onnx"), providers=["CPUExecutionProvider"])
 
 
 def _experts_output(x, weights, chosen, probs):
@@ -128,7 +121,7 @@ def _experts_output(x, weights, chosen, probs):
     return out
 
 
-def test_tied_router_scores_choose_the_lower_expert_index():
+def test_tied_router_scores_choose_the_lower_expert_index(tmp_path):
     """Experts 1 and 2 have the same router row, expert 0 scores highest: with top 2 the tie for the second
     place goes to expert 1 (ONNX TopK's rule), and the weights are the renormalised pair's probabilities."""
     hidden, inter, experts = 16, 8, 4
@@ -142,7 +135,7 @@ def test_tied_router_scores_choose_the_lower_expert_index():
             weights[f"mlp.experts.{e}.{name}.weight"] = (0.5 * rng.standard_normal(shape)).astype(np.float32)
     cfg = {"hidden_size": hidden, "num_experts": experts, "num_experts_per_tok": 2, "norm_topk_prob": True,
            "moe_intermediate_size": inter, "hidden_act": "silu"}
-    got = _block_session(cfg, weights).run(None, {"x": x[None, None]})[0][0, 0]
+    got = _block_session(cfg, weights, tmp_path).run(None, {"x": x[None, None]})[0][0, 0]
 
     logits = weights["mlp.gate.weight"].astype(np.float64) @ x
     assert logits[1] == logits[2] and logits[0] > logits[1] > logits[3]
@@ -155,7 +148,8 @@ def test_tied_router_scores_choose_the_lower_expert_index():
 
 def test_fused_and_per_expert_checkpoint_layouts_give_the_same_operator_weights():
     """The Hub's one tensor per expert and transformers 5's fused gate_up_proj/down_proj: one fc1/fc2."""
-    from bundler.onnx.blocks.moe import GraphOps, expert_weights
+    from bundler.onnx.blocks.graph import GraphBuilder
+    from bundler.onnx.blocks.moe import expert_weights
 
     rng = np.random.default_rng(1)
     experts, inter, hidden = 3, 4, 8
@@ -164,8 +158,8 @@ def test_fused_and_per_expert_checkpoint_layouts_give_the_same_operator_weights(
     per = {f"p.experts.{e}.{n}.weight": a[e] for e in range(experts)
            for n, a in (("gate_proj", gate), ("up_proj", up), ("down_proj", down))}
     fused = {"p.experts.gate_up_proj": np.concatenate([gate, up], axis=1), "p.experts.down_proj": down}
-    a = expert_weights(GraphOps(None, None, per.__getitem__, per.__contains__), "p", experts)
-    b = expert_weights(GraphOps(None, None, fused.__getitem__, fused.__contains__), "p", experts)
+    a = expert_weights(GraphBuilder(None, per), "p", experts)
+    b = expert_weights(GraphBuilder(None, fused), "p", experts)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
     np.testing.assert_array_equal(a[0][:, 0::2], gate)  # interleaved: gate rows even, up rows odd

@@ -101,3 +101,56 @@ def test_graph_spec_names_the_bundle_folders_bundles_already_use():
     # the folder and the target match by layout, dtype and quantization only
     assert GraphSpec.of_variant(("batched", "float16")) == GraphSpec("batched", "float16")
     assert GraphSpec("batched", "float16", capacity=320).folder == "engines/onnx-batched-fp16-c320"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tensor_writer_stores_floats_in_the_graph_dtype_but_inside_float32(dtype, tmp_path):
+    """One writer for every dtype: float32 arrays are stored as the graph's dtype (inline or external by their
+    stored size), int64 as they are, and what a block adds inside float32() (a float32 computation) stays
+    float32."""
+    import onnx
+    from onnx import numpy_helper
+
+    from bundler.onnx.writer import TensorWriter, data_path, to_bfloat16_bits
+
+    graph = tmp_path / "model.onnx"
+    weight = np.linspace(-3, 3, 400, dtype=np.float32)  # 1600 bytes in float32, 800 in half: inline
+    big = np.linspace(-3, 3, 1000, dtype=np.float32)
+    with TensorWriter(data_path(graph), dtype) as w:
+        w.add("weight", weight)
+        w.add("big", big)
+        w.add("shape", np.array([2, 3], np.int64))
+        with w.float32():
+            w.add("router", big)
+        w.commit(_model(w.initializers), graph)
+    by_name = {t.name: t for t in onnx.load(str(graph)).graph.initializer}
+    T = onnx.TensorProto
+    half = T.FLOAT16 if dtype == "float16" else T.BFLOAT16
+    assert {n: t.data_type for n, t in by_name.items()} == {"weight": half, "big": half, "shape": T.INT64,
+                                                             "router": T.FLOAT}
+    assert onnx.load(str(graph), load_external_data=False).graph.initializer[0].data_location == T.DEFAULT
+    want = big.astype(np.float16).view(np.uint16) if dtype == "float16" else to_bfloat16_bits(big)
+    assert np.frombuffer(by_name["big"].raw_data, np.uint16).tolist() == want.tolist()
+    assert np.array_equal(numpy_helper.to_array(by_name["router"]), big)
+
+
+def test_a_float32_graph_gets_no_casts_and_a_half_one_one_each(tmp_path):
+    """The blocks write one graph for every dtype: GraphBuilder's casts are Casts in a half-precision graph and
+    nothing in a float32 one, where a named output is the producer's own (the float32 graphs stay as they were)."""
+    from bundler.onnx.blocks.graph import FLOAT32_REGION, GraphBuilder
+    from bundler.onnx.writer import TensorWriter
+
+    built = {}
+    for dtype in ("float32", "float16"):
+        with TensorWriter(tmp_path / f"{dtype}.onnx.data", dtype) as w:
+            g = GraphBuilder(w, {}, dtype)
+            with g.float32_region():
+                y = g.node("Relu", [g.to_float32("x")])
+            g.to_float32(g.node("Neg", [g.to_graph_dtype(y)]), "out")
+            w.abort()
+        built[dtype] = [(n.op_type, list(n.input), list(n.output), n.name.startswith(FLOAT32_REGION))
+                        for n in g.nodes]
+    assert built["float32"] == [("Relu", ["x"], ["/Relu_0/out"], True), ("Neg", ["/Relu_0/out"], ["out"], False)]
+    assert [(op, region) for op, _, _, region in built["float16"]] == [
+        ("Cast", True), ("Relu", True), ("Cast", False), ("Neg", False), ("Cast", False)]
+    assert built["float16"][-1][2] == ["out"]
