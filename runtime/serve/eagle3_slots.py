@@ -207,9 +207,9 @@ def open_head(graph: Path, *, max_context: int | None = None, threads: int | Non
     session, meta = open_head_graph(graph, providers, threads)
     if meta.get("bundle.head_batch") == HEAD_BATCH and meta.get("bundle.kv_cache") == "batched":
         return OnnxSlotsDrafter(graph, max_context=max_context, session=session)
-    log.info("EAGLE-3 head %s drafts slot by slot (one head run per slot and token): its graph fixes the batch "
-             "at 1 (exported before bundle.head_batch %r); re-create the bundle for one run for all slots",
-             Path(graph).name, HEAD_BATCH)
+    log.info("EAGLE-3 head %s drafts slot by slot (one head run per slot and token): its graph runs one "
+             "sequence (no bundle.head_batch %r: exported before it, or a concat head); re-create the bundle "
+             "for one head run for all slots", Path(graph).name, HEAD_BATCH)
     return OnnxDrafter(graph, max_context=max_context, session=session)
 
 
