@@ -188,3 +188,29 @@ def test_batch_one_heads_still_serve_slot_by_slot(graphs, caplog):
     want = [t for s in plain.generate(prompt, greedy, max_tokens=12) for t in s.tokens]
     assert [t for s in spec.generate(prompt, greedy, max_tokens=12) for t in s.tokens] == want
     assert spec.stats.num_drafts > 0
+
+
+def test_head_runs_where_the_target_runs(monkeypatch):
+    """`serve` puts the head on the CUDA provider beside a GPU target when that provider loads, else on the
+    CPU; BUNDLE_EAGLE3_HEAD_DEVICE overrides, and "cuda" without the provider is a one-line error."""
+    from types import SimpleNamespace
+
+    from manifests.errors import EnvironmentProblem
+    from runtime.engines.base import EngineChoice
+    from runtime.server.loader import head_providers
+
+    monkeypatch.delenv("BUNDLE_EAGLE3_HEAD_DEVICE", raising=False)
+    gpu = SimpleNamespace(choice=EngineChoice("onnxruntime-cuda", "the CUDA provider loads", "onnxruntime-cuda"))
+    cpu = SimpleNamespace(choice=EngineChoice("onnxruntime-cpu", "a cpu target", "onnxruntime"))
+    loads, missing = (lambda: (object(), None)), (lambda: (None, "no NVIDIA GPU"))
+    cuda = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert head_providers(gpu, cuda_check=loads) == cuda
+    assert head_providers(gpu, cuda_check=missing) == ["CPUExecutionProvider"]
+    assert head_providers(cpu, cuda_check=loads) == ["CPUExecutionProvider"]
+    assert head_providers(object(), cuda_check=loads) == ["CPUExecutionProvider"]  # a test's own engine
+    monkeypatch.setenv("BUNDLE_EAGLE3_HEAD_DEVICE", "cpu")
+    assert head_providers(gpu, cuda_check=loads) == ["CPUExecutionProvider"]
+    monkeypatch.setenv("BUNDLE_EAGLE3_HEAD_DEVICE", "cuda")
+    assert head_providers(cpu, cuda_check=loads) == cuda
+    with pytest.raises(EnvironmentProblem, match="BUNDLE_EAGLE3_HEAD_DEVICE=cuda.*no NVIDIA GPU"):
+        head_providers(cpu, cuda_check=missing)
