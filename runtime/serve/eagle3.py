@@ -15,6 +15,10 @@ the target-feature entries and its own ancestors' entries only, so every branch 
 hidden state exactly as a chain along it would. Cost: one head forward per level (as a chain's one per
 token), its rows the level's nodes; the head's cache holds every node drafted until the proposal ends.
 Needs the "batched" head layout (the graph takes a mask and position ids); "concat" heads draft chains.
+
+This module drafts one sequence per head run (OnnxDrafter, fork() per slot): heads whose batch carries slots
+run every slot's round in one head run instead (runtime.serve.eagle3_slots, eagle3_rounds), ChainProposer
+keeping each slot's features and bookkeeping in both cases.
 """
 
 from __future__ import annotations
