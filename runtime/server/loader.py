@@ -7,11 +7,10 @@ The speculative configuration is resolved in one place, in this order: --no-spec
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from manifests import speculative as speculative_config
-from manifests.errors import EnvironmentProblem, ModelError, UsageError
+from manifests.errors import ModelError, UsageError
 from manifests.families import EAGLE3_ARCHITECTURES
 from manifests.schema import Manifest, Speculative
 from runtime.serve.chat_template import ChatTemplate
@@ -19,8 +18,6 @@ from runtime.server.serving_engine import ServingModel
 from runtime.serve.model_runner import ModelRunner, as_slots
 from runtime.serve.spec_tree import TreeOptions
 from runtime.serve.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
 
 
 def parse_speculative_config(text: str | None) -> Speculative | None:
@@ -80,34 +77,13 @@ def disable_by_batch_size(spec: Speculative) -> int | None:
 
 
 def _eagle3_head(root: Path, manifest: Manifest, target_id: str, max_context: int | None, target):
+    from runtime.engines import head_providers
     from runtime.serve.eagle3_slots import open_head
 
     record = next((e for e in manifest.target(target_id).engines if e.model == "draft" and e.format == "onnx"), None)
     if record is None:
         raise ModelError(f"bundle {manifest.name} v{manifest.version} has no EAGLE-3 head graph for {target_id!r}")
     return open_head(root / record.path, max_context=max_context, providers=head_providers(target))
-
-
-def head_providers(target, device: str | None = None, cuda_check=None) -> list[str]:
-    """ONNX Runtime providers for the EAGLE-3 head: where the target runs (the CUDA provider beside a TensorRT
-    or CUDA-provider target, when it loads here; else the CPU), or what BUNDLE_EAGLE3_HEAD_DEVICE says.
-    `cuda_check`: runtime.engines.cudalib.onnxruntime_cuda (tests pass their own)."""
-    from runtime import settings
-
-    device = device or settings.eagle3_head_device()
-    choice = getattr(target, "choice", None)
-    if device == "cpu" or device == "auto" and (choice is None or choice.runs == "onnxruntime-cpu"):
-        return ["CPUExecutionProvider"]
-    if cuda_check is None:
-        from runtime.engines.cudalib import onnxruntime_cuda as cuda_check
-    ort, why = cuda_check()
-    if ort is None:
-        if device == "cuda":
-            raise EnvironmentProblem(f"BUNDLE_EAGLE3_HEAD_DEVICE=cuda: expected ONNX Runtime's CUDA provider, "
-                                     f"found none: {why}")
-        log.info("EAGLE-3 head on the CPU provider: %s", why)
-        return ["CPUExecutionProvider"]
-    return ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
 def engine_info(engine, target_id: str) -> dict:

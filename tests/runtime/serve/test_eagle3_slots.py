@@ -197,7 +197,7 @@ def test_head_runs_where_the_target_runs(monkeypatch):
 
     from manifests.errors import EnvironmentProblem
     from runtime.engines.base import EngineChoice
-    from runtime.server.loader import head_providers
+    from runtime.engines import head_providers
 
     monkeypatch.delenv("BUNDLE_EAGLE3_HEAD_DEVICE", raising=False)
     gpu = SimpleNamespace(choice=EngineChoice("onnxruntime-cuda", "the CUDA provider loads", "onnxruntime-cuda"))
