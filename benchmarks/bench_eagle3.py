@@ -22,8 +22,9 @@ step, so measured rows stay at or below 100 %. The step-cost line shows the engi
 graphs), as bundler.pack.engines exports them: float16 (bfloat16 when the pair was trained in it) batched Attention
 graphs of target and draft, each with its GroupQueryAttention decode graph over the same weights
 (bundler.onnx.dual; both graphs of the EAGLE-3 target return the aux hidden states). The head (float32, its
-own cache) runs on OnnxDrafter with ONNX Runtime's CUDAExecutionProvider, and at k=3 also on the CPU provider
-(what runtime.server.loader gives a `cuda` bundle today); --threads then sets only the head's threads. Needs
+own cache) runs on OnnxDrafter with ONNX Runtime's CUDAExecutionProvider (what runtime.server.loader gives a
+`cuda` bundle), and at k=3 also on the CPU provider (BUNDLE_EAGLE3_HEAD_DEVICE=cpu); one stream here, so one
+slot: bench_eagle3_slots.py measures the head's rounds over many slots; --threads then sets only the head's threads. Needs
 onnxruntime-gpu. The step-cost line adds the target's (k+1)-token verification step (the Attention graph,
 not the decode graph), and every method's greedy output is compared with plain's (the two graphs round fp16
 differently, so a near-tie may flip: printed, not fatal).

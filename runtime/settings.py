@@ -118,6 +118,19 @@ def pause_at() -> tuple[str, float] | None:
     return stage, delay
 
 
+#: BUNDLE_EAGLE3_HEAD_DEVICE's values: where `bundle serve` runs an EAGLE-3 head
+EAGLE3_HEAD_DEVICES = ("auto", "cpu", "cuda")
+
+
+def eagle3_head_device() -> str:
+    """BUNDLE_EAGLE3_HEAD_DEVICE: "auto" (unset: the CUDA provider beside a target on the GPU, else the CPU),
+    "cpu" or "cuda" (ONNX Runtime's provider for the head, whatever runs the target)."""
+    value = (_get("BUNDLE_EAGLE3_HEAD_DEVICE") or "auto").strip().lower()
+    if value not in EAGLE3_HEAD_DEVICES:
+        raise SettingError(f"BUNDLE_EAGLE3_HEAD_DEVICE={value!r}: expected one of {', '.join(EAGLE3_HEAD_DEVICES)}")
+    return value
+
+
 def hf_token_in_env() -> bool:
     """Whether HF_TOKEN is set (huggingface_hub reads it itself; we only name it in error messages)."""
     return bool(os.environ.get("HF_TOKEN"))

@@ -325,13 +325,16 @@ def target_aux_hidden(model, input_ids, layer_ids):
 #: The head graph's KV-cache layouts: "batched" (bundler.onnx.eagle3_graph: in place, what bundles ship)
 #: or "concat" (present = Concat(past, new), a copy of the cache each step: older bundles' head, benchmarks).
 HEAD_LAYOUTS = ("batched", "concat")
+#: bundle.head_batch of a batched head whose batch axis carries slots (heads made before it fix batch 1)
+HEAD_BATCH = "slots"
 
 
 def export_head_onnx(head_dir: Path, target_dir: Path, out_dir: Path, *, kv_cache: str = "batched") -> dict:
     """Write out_dir/eagle3.onnx(+.data): one step of the head with its own KV cache.
 
-    kv_cache="batched": the in-place graph of bundler.onnx.eagle3_graph (a fixed [1, kv, capacity, hd]
-    buffer bound as past and present, plus write_indices and a boolean attention_mask); "concat"
+    kv_cache="batched": the in-place graph of bundler.onnx.eagle3_graph (a fixed [slots, kv, capacity, hd]
+    buffer bound as past and present, plus write_indices and a boolean attention_mask, every batch row a
+    slot: metadata bundle.head_batch "slots"); "concat"
     (the same module's other layout, elementary ops) one whose cache grows by a copy each step:
 
         inputs   input_ids [1, s] int64            tokens t + 1 for each row
@@ -370,6 +373,10 @@ def export_head_onnx(head_dir: Path, target_dir: Path, out_dir: Path, *, kv_cach
             "bundle.vocab_size": str(cfg.vocab_size), "bundle.draft_vocab_size": str(cfg.draft_vocab_size),
             "bundle.max_positions": str(cfg.max_positions),
             "bundle.aux_hidden_state_layer_ids": ",".join(map(str, layer_ids))}
+    if kv_cache == "batched":  # rows are slots: one head run drafts for all (runtime.serve.eagle3_slots)
+        from bundler.onnx.inplace import BATCHED_HEADROOM
+
+        meta.update({"bundle.head_batch": HEAD_BATCH, "bundle.kv_headroom": str(BATCHED_HEADROOM)})
     from bundler.onnx.eagle3_graph import build_head_graph
 
     graph, weights = out_dir / GRAPH_NAME, out_dir / WEIGHTS_NAME

@@ -3,15 +3,17 @@
 Two KV-cache layouts, as for the target (bundler.onnx.inplace):
 
 - "batched" (what bundles ship): the standard ops the target's "batched" graph uses. TensorScatter writes
-  the new K/V rows into a fixed [1, kv_heads, capacity, head_dim] buffer that the runtime binds as both
-  past and present (updated in place, nothing copied), and Attention reads the first `window` rows (the
-  mask's last axis). A draft step then costs its matmuls and its attention over the rows so far, not a
-  cache copy; a rollback is a length change.
+  the new K/V rows into a fixed [slots, kv_heads, capacity, head_dim] buffer that the runtime binds as both
+  past and present (updated in place, nothing copied), each batch row (a slot) at its own write index, and
+  Attention reads the first `window` rows (the mask's last axis). One run drafts for every slot; a draft
+  step costs its matmuls and its attention over the rows so far, not a cache copy; a rollback is a length
+  change. The batch axis is dynamic (metadata bundle.head_batch "slots"; heads made before it fix it at 1)
+  and the rotary tables cover max_positions + bundle.kv_headroom rows, the spare rows padding writes into.
 
-      inputs   input_ids [1, s] int64, target_hidden_states [1, st, 3H], draft_hidden_states [1, sd, H],
-               position_ids [1, s] int64, write_indices [1] int64 (the cache row of the first new token),
-               attention_mask [1, 1, s, window] bool, past_key_values.0.key / .value [1, kv, capacity, hd]
-      outputs  logits [1, s, vocab] float32 (-inf outside the draft vocabulary), hidden_states [1, s, H],
+      inputs   input_ids [b, s] int64, target_hidden_states [b, st, 3H], draft_hidden_states [b, sd, H],
+               position_ids [b, s] int64, write_indices [b] int64 (each row's cache row of its first new
+               token), attention_mask [b, 1, s, window] bool, past_key_values.0.key / .value [b, kv, capacity, hd]
+      outputs  logits [b, s, vocab] float32 (-inf outside the draft vocabulary), hidden_states [b, s, H],
                present.0.key / .value (the same buffer as past)
 
 - "concat" (older bundles' head, kept for them and for benchmarks): present = Concat(past, new), so every
@@ -68,7 +70,9 @@ def _compose(w, head, embed: np.ndarray, graph: Path, metadata: dict[str, str], 
         spec = attention.AttentionSpec(heads, kv, hd, False, frozenset(), norm, concat=True, inv_freq=inv_freq,
                                        padding_mask=False)
     else:
-        angles = np.arange(c.max_positions, dtype=np.float64)[:, None] * inv_freq.astype(np.float64)[None]
+        from bundler.onnx.inplace import BATCHED_HEADROOM
+
+        angles = np.arange(c.max_positions + BATCHED_HEADROOM, dtype=np.float64)[:, None] * inv_freq.astype(np.float64)[None]
         cos = w.add("cos_cache", np.cos(angles).astype(np.float32))
         sin = w.add("sin_cache", np.sin(angles).astype(np.float32))
         spec = attention.AttentionSpec(heads, kv, hd, True, frozenset(), norm, cos, sin)
@@ -92,19 +96,20 @@ def _compose(w, head, embed: np.ndarray, graph: Path, metadata: dict[str, str], 
     g.node("Gather", [g.node("Concat", [draft_logits, pad], axis=-1), w.add("vocab_gather", full)], ["logits"],
            axis=2)
 
+    b = 1 if concat else "batch"  # the batched head's rows are slots
     past, present = ([1, kv, "past_sequence_length", hd], [1, kv, "total_sequence_length", hd]) if concat else \
-        ([1, kv, "capacity", hd],) * 2
-    inputs = [h.make_tensor_value_info("input_ids", TP.INT64, [1, "sequence_length"]),
-              h.make_tensor_value_info("target_hidden_states", TP.FLOAT, [1, "target_length", 3 * c.target_hidden_size]),
-              h.make_tensor_value_info("draft_hidden_states", TP.FLOAT, [1, "draft_length", H]),
-              h.make_tensor_value_info("position_ids", TP.INT64, [1, "sequence_length"])]
+        ([b, kv, "capacity", hd],) * 2
+    inputs = [h.make_tensor_value_info("input_ids", TP.INT64, [b, "sequence_length"]),
+              h.make_tensor_value_info("target_hidden_states", TP.FLOAT, [b, "target_length", 3 * c.target_hidden_size]),
+              h.make_tensor_value_info("draft_hidden_states", TP.FLOAT, [b, "draft_length", H]),
+              h.make_tensor_value_info("position_ids", TP.INT64, [b, "sequence_length"])]
     if not concat:
-        inputs += [h.make_tensor_value_info("write_indices", TP.INT64, [1]),
-                   h.make_tensor_value_info("attention_mask", TP.BOOL, [1, 1, "sequence_length", "window"])]
+        inputs += [h.make_tensor_value_info("write_indices", TP.INT64, [b]),
+                   h.make_tensor_value_info("attention_mask", TP.BOOL, [b, 1, "sequence_length", "window"])]
     inputs += [h.make_tensor_value_info("past_key_values.0.key", TP.FLOAT, past),
                h.make_tensor_value_info("past_key_values.0.value", TP.FLOAT, past)]
-    outputs = [h.make_tensor_value_info("logits", TP.FLOAT, [1, "sequence_length", c.vocab_size]),
-               h.make_tensor_value_info("hidden_states", TP.FLOAT, [1, "sequence_length", H]),
+    outputs = [h.make_tensor_value_info("logits", TP.FLOAT, [b, "sequence_length", c.vocab_size]),
+               h.make_tensor_value_info("hidden_states", TP.FLOAT, [b, "sequence_length", H]),
                h.make_tensor_value_info("present.0.key", TP.FLOAT, present),
                h.make_tensor_value_info("present.0.value", TP.FLOAT, present)]
     doc = ("EAGLE-3 head step with a Concat(past, new) KV cache" if concat else

@@ -237,3 +237,23 @@ def _tensorrt(root: Path, manifest: Manifest, records: list[EngineRecord], onnx:
     return _chose(backend.load(plan_path, options=onnx.build, max_context=max_context), "tensorrt",
                   f"{reason}; TensorRT {device.tensorrt_version}, compute capability {device.compute_capability}",
                   "tensorrt")
+
+
+def head_providers(target, device: str | None = None, cuda_check=None) -> list[str]:
+    """ONNX Runtime providers for the EAGLE-3 head: where the target runs (the CUDA provider beside a TensorRT
+    or CUDA-provider target, when it loads here; else the CPU), or what BUNDLE_EAGLE3_HEAD_DEVICE says.
+    `cuda_check`: runtime.engines.cudalib.onnxruntime_cuda (tests pass their own)."""
+    device = device or settings.eagle3_head_device()
+    choice = getattr(target, "choice", None)
+    if device == "cpu" or device == "auto" and (choice is None or choice.runs == "onnxruntime-cpu"):
+        return ["CPUExecutionProvider"]
+    if cuda_check is None:
+        from runtime.engines.cudalib import onnxruntime_cuda as cuda_check
+    ort, why = cuda_check()
+    if ort is None:
+        if device == "cuda":
+            raise EnvironmentProblem(f"BUNDLE_EAGLE3_HEAD_DEVICE=cuda: expected ONNX Runtime's CUDA provider, "
+                                     f"found none: {why}")
+        log.info("EAGLE-3 head on the CPU provider: %s", why)
+        return ["CPUExecutionProvider"]
+    return ["CUDAExecutionProvider", "CPUExecutionProvider"]

@@ -130,6 +130,29 @@ def batched_inputs(group, lo: int, hi: int, lengths, capacity: int):
     return ids, write, write[:, None] + np.arange(width, dtype=np.int64)[None, :]
 
 
+def pad_groups(rows: list, headroom: int) -> list[list]:
+    """Rows that go into one call each of a batched graph: similar lengths together, so padding costs at most
+    about PAD_LIMIT_FACTOR times the real tokens; a row longer than the headroom goes alone (no padding).
+    Shared by the batched engines and the EAGLE-3 head over slots."""
+    groups: list[list] = []
+    current: list = []
+    for r in sorted(rows, key=lambda r: -len(r.tokens)):
+        n = len(r.tokens)
+        if n > headroom:
+            groups.append([r])
+            continue
+        if current:
+            width = len(current[0].tokens)
+            real = sum(len(x.tokens) for x in current) + n
+            if (len(current) + 1) * width > PAD_LIMIT_FACTOR * real and width > 4:
+                groups.append(current)
+                current = []
+        current.append(r)
+    if current:
+        groups.append(current)
+    return groups
+
+
 def batched_mask(group, lo: int, positions: np.ndarray, write: np.ndarray, window: int) -> np.ndarray:
     """The boolean mask [batch, 1, width, window]: new token i of a row attends to every cached row before it
     and to new tokens 0..i; a token tree's nodes to the past and their ancestors only (tree_mask, which
@@ -285,25 +308,7 @@ class OnnxRuntimeEngine(Engine):
         return [out[r.slot] for r in rows]
 
     def _groups(self, rows: list[Row]) -> list[list[Row]]:
-        """Rows that go into one call each: similar lengths together, so padding costs at most about
-        PAD_LIMIT_FACTOR times the real tokens; a row longer than the headroom goes alone (no padding)."""
-        groups: list[list[Row]] = []
-        current: list[Row] = []
-        for r in sorted(rows, key=lambda r: -len(r.tokens)):
-            n = len(r.tokens)
-            if n > self._headroom:
-                groups.append([r])
-                continue
-            if current:
-                width = len(current[0].tokens)
-                real = sum(len(x.tokens) for x in current) + n
-                if (len(current) + 1) * width > PAD_LIMIT_FACTOR * real and width > 4:
-                    groups.append(current)
-                    current = []
-            current.append(r)
-        if current:
-            groups.append(current)
-        return groups
+        return pad_groups(rows, self._headroom)
 
     def _logits_buffer(self, shape: tuple) -> np.ndarray:
         size = int(np.prod(shape))

@@ -15,11 +15,16 @@ the target-feature entries and its own ancestors' entries only, so every branch 
 hidden state exactly as a chain along it would. Cost: one head forward per level (as a chain's one per
 token), its rows the level's nodes; the head's cache holds every node drafted until the proposal ends.
 Needs the "batched" head layout (the graph takes a mask and position ids); "concat" heads draft chains.
+
+This module drafts one sequence per head run (OnnxDrafter, fork() per slot): heads whose batch carries slots
+run every slot's round in one head run instead (runtime.serve.eagle3_slots, eagle3_rounds), ChainProposer
+keeping each slot's features and bookkeeping in both cases.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -31,6 +36,52 @@ from runtime.engines.onnxruntime import open_session, tree_mask
 from runtime.serve.spec_tree import Tree
 
 FORMAT = "eagle3-head-v1"
+#: bundle.head_batch of a batched head whose batch axis carries slots (runtime.serve.eagle3_slots);
+#: heads made before it fix the batch at 1 and draft slot by slot
+HEAD_BATCH = "slots"
+
+
+@dataclass(frozen=True)
+class HeadRow:
+    """New entries for one slot's head cache in a run over slots (runtime.serve.eagle3_slots): `features`
+    [n, 3H] target aux rows (from_target) or [n, H] the head's own hidden states; `tree` as Row.tree."""
+
+    slot: int
+    tokens: Sequence[int]
+    features: np.ndarray
+    from_target: bool
+    tree: TreeMask | None = None
+
+
+def open_head_graph(graph: Path, providers: Sequence[str], threads: int | None):
+    """(session, metadata) of an EAGLE-3 head graph, or a one-line error naming what was expected."""
+    import onnxruntime as ort
+
+    graph = Path(graph)
+    if not graph.is_file():
+        raise EnvironmentProblem(f"expected the EAGLE-3 head graph at {graph}, found nothing")
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = open_session(graph, so, providers, threads)
+    meta = session.get_modelmeta().custom_metadata_map
+    if meta.get("bundle.format") != FORMAT:
+        raise ModelError(f"{graph}: expected an EAGLE-3 head graph (bundle.format {FORMAT}), "
+                         f"found {meta.get('bundle.format')!r}")
+    kv_cache = meta.get("bundle.kv_cache", "concat")
+    if kv_cache not in ("batched", "concat"):
+        raise ModelError(f"{graph}: expected an EAGLE-3 head KV cache 'batched' or 'concat', found {kv_cache!r}")
+    return session, meta
+
+
+def read_head_meta(obj, meta: dict, max_context: int | None) -> None:
+    """Set the head's sizes on `obj` (a Drafter or runtime.serve.eagle3_slots.SlotsDrafter) from its metadata."""
+    obj.kv_cache = meta.get("bundle.kv_cache", "concat")
+    obj.vocab_size = int(meta["bundle.vocab_size"])
+    obj.hidden_size = int(meta["bundle.hidden_size"])
+    obj.target_hidden_size = int(meta["bundle.target_hidden_size"])
+    obj.layer_ids = [int(i) for i in meta["bundle.aux_hidden_state_layer_ids"].split(",")]
+    obj.max_context = min(int(max_context or meta["bundle.max_positions"]), int(meta["bundle.max_positions"]))
+    obj._kv, obj._hd = int(meta["bundle.num_kv_heads"]), int(meta["bundle.head_dim"])
 
 
 class Drafter(ABC):
@@ -87,28 +138,13 @@ class OnnxDrafter(Drafter):
     """
 
     def __init__(self, graph: Path, *, max_context: int | None = None, threads: int | None = None,
-                 providers: Sequence[str] = ("CPUExecutionProvider",)):
+                 providers: Sequence[str] = ("CPUExecutionProvider",), session=None):
+        """`session`: one open_head_graph already opened for `graph`."""
         import onnxruntime as ort
 
-        graph = Path(graph)
-        if not graph.is_file():
-            raise EnvironmentProblem(f"expected the EAGLE-3 head graph at {graph}, found nothing")
-        so = ort.SessionOptions()
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = open_session(graph, so, providers, threads)
-        meta = self.session.get_modelmeta().custom_metadata_map
-        if meta.get("bundle.format") != FORMAT:
-            raise ModelError(f"{graph}: expected an EAGLE-3 head graph (bundle.format {FORMAT}), "
-                             f"found {meta.get('bundle.format')!r}")
-        self.kv_cache = meta.get("bundle.kv_cache", "concat")
-        if self.kv_cache not in ("batched", "concat"):
-            raise ModelError(f"{graph}: expected an EAGLE-3 head KV cache 'batched' or 'concat', found {self.kv_cache!r}")
-        self.vocab_size = int(meta["bundle.vocab_size"])
-        self.hidden_size = int(meta["bundle.hidden_size"])
-        self.target_hidden_size = int(meta["bundle.target_hidden_size"])
-        self.layer_ids = [int(i) for i in meta["bundle.aux_hidden_state_layer_ids"].split(",")]
-        self.max_context = min(int(max_context or meta["bundle.max_positions"]), int(meta["bundle.max_positions"]))
-        self._kv, self._hd = int(meta["bundle.num_kv_heads"]), int(meta["bundle.head_dim"])
+        self.session, meta = (session, session.get_modelmeta().custom_metadata_map) if session is not None \
+            else open_head_graph(graph, providers, threads)
+        read_head_meta(self, meta, max_context)
         self._ort = ort
         self.supports_tree = self.kv_cache == "batched"
         self.device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
@@ -230,6 +266,13 @@ class ChainProposer:
     def _catch_up(self, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Feed the head the target-feature entries it lacks for `tokens`: (logits row, hidden [1, H]) of
         the last one, the head's view of the token after the pending one."""
+        ids, feats = self.catch_up_rows(tokens)
+        logits, hidden = self.drafter.forward(ids, feats, np.zeros((0, self.drafter.hidden_size), np.float32))
+        return logits[-1], hidden[-1:]
+
+    def catch_up_rows(self, tokens: Sequence[int]) -> tuple[list[int], np.ndarray]:
+        """Roll the head back to the target-feature entries it keeps for `tokens`; return the (token ids,
+        target features [n, 3H]) of the entries it lacks (n >= 1), to run next."""
         L = len(tokens)
         if len(self.features) < L - 1:
             raise ModelError(f"EAGLE-3: the target's features cover {len(self.features)} positions, "
@@ -242,10 +285,8 @@ class ChainProposer:
         keep = min(self.drafter.length, max(0, same - 1), L - 2)
         self.drafter.rollback(keep)
         feats = np.stack(self.features[keep:L - 1])  # keep <= L - 2: at least one row
-        logits, hidden = self.drafter.forward(list(tokens[keep + 1:L]), feats,
-                                              np.zeros((0, self.drafter.hidden_size), np.float32))
         self._covered = list(tokens[:L])
-        return logits[-1], hidden[-1:]
+        return list(tokens[keep + 1:L]), feats
 
     def propose(self, tokens: Sequence[int], g: int, pick) -> tuple[list[int], list]:
         """`pick(logits row, drafts so far)` -> (token, q or None). Returns (drafts, qs)."""

@@ -18,7 +18,8 @@ from typing import Collection, Sequence
 import numpy as np
 
 from manifests.errors import UsageError
-from runtime.serve.eagle3 import ChainProposer
+from runtime.serve.eagle3_rounds import ChainJob, TreeJob, propose_all
+from runtime.serve.eagle3_slots import SlotsDrafter, slot_proposers
 from runtime.engines.base import Engine, Row, SequenceEngine, SequenceSlots, TreeMask
 from runtime.serve.logits_process import token_logprobs
 from runtime.serve.spec_length import SpeculationLength
@@ -119,9 +120,9 @@ class ModelRunner:
                     engine.release(slot)
         self.target_cache: list[list[int]] = [[] for _ in range(self.num_slots)]
         self.draft_cache: list[list[int]] = [[] for _ in range(self.num_slots)]
-        # EAGLE-3: per slot, the target's features and a head cache of its own
-        self.eagle = ([ChainProposer(self.head if i == 0 else self.head.fork()) for i in range(self.num_slots)]
-                      if self.head is not None else None)
+        # EAGLE-3: per slot, the target's features and a head cache of its own (one buffer for all slots
+        # when the head runs them together)
+        self.eagle = slot_proposers(self.head, self.num_slots) if self.head is not None else None
 
     @property
     def rows_per_decode(self) -> int:
@@ -392,6 +393,33 @@ class ModelRunner:
                               r.output_ids)
         return grow
 
+    def _propose_eagle(self, wanting) -> dict:
+        """EAGLE-3 chains and trees for the wanting (request, g): a head over slots drafts them all in one
+        head run per round (runtime.serve.eagle3_rounds); a single-sequence head (made before it) slot by slot."""
+        if isinstance(self.head, SlotsDrafter):
+            jobs = {r.slot: TreeJob(self.eagle[r.slot], r.tokens, g, self._grower(r, g)) if self.drafts_tree(g, r)
+                    else ChainJob(self.eagle[r.slot], r.tokens, g, self._picker(r)) for r, g in wanting}
+            runs = self.head.runs
+            propose_all(self.head, list(jobs.values()))
+            self.stats.draft_forwards += self.head.runs - runs
+            return {slot: (job.result(), []) if isinstance(job, TreeJob) else job.result()
+                    for slot, job in jobs.items()}
+        out = {}
+        for r, g in wanting:
+            if self.drafts_tree(g, r):
+                out[r.slot] = (self.eagle[r.slot].propose_tree(r.tokens, g, self._grower(r, g)), [])
+            else:
+                out[r.slot] = self.eagle[r.slot].propose(r.tokens, g, self._picker(r))
+            self.stats.draft_forwards += g
+        return out
+
+    @staticmethod
+    def _picker(r):
+        """pick(logits, drafts) for an EAGLE-3 chain: r's sampling, its logits processors seeing the drafts."""
+        def pick(logits, drafts):
+            return propose_token(logits, r.params, r.rng, r.logits_processors, r.output_ids + drafts)
+        return pick
+
     def _propose_tree(self, wanting, last) -> dict[int, tuple[Tree, list]]:
         """Grow each wanting slot's tree level by level; one draft forward per level for every slot,
         each node seeing the past and its ancestors (the deepest level is not run)."""
@@ -433,17 +461,7 @@ class ModelRunner:
             return out
         if self.eagle is not None:
             t0 = self._clock()
-            for r, g in decodes:
-                if g > 0 and r.speculative and len(r.tokens) >= 2:
-                    if self.drafts_tree(g, r):
-                        out[r.slot] = (self.eagle[r.slot].propose_tree(r.tokens, g, self._grower(r, g)), [])
-                        self.stats.draft_forwards += g
-                        continue
-
-                    def pick(logits, drafts, r=r):
-                        return propose_token(logits, r.params, r.rng, r.logits_processors, r.output_ids + drafts)
-                    out[r.slot] = self.eagle[r.slot].propose(r.tokens, g, pick)
-                    self.stats.draft_forwards += g
+            out = self._propose_eagle([(r, g) for r, g in decodes if g > 0 and r.speculative and len(r.tokens) >= 2])
             self.stats.draft_seconds += self._clock() - t0
             return out
         if self.draft is None:

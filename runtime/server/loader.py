@@ -20,7 +20,6 @@ from runtime.serve.spec_tree import TreeOptions
 from runtime.serve.tokenizer import Tokenizer
 
 
-
 def parse_speculative_config(text: str | None) -> Speculative | None:
     """--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}':
     the one parser (manifests.speculative), also used by `bundle create`."""
@@ -77,13 +76,14 @@ def disable_by_batch_size(spec: Speculative) -> int | None:
     return value
 
 
-def _eagle3_head(root: Path, manifest: Manifest, target_id: str, max_context: int | None):
-    from runtime.serve.eagle3 import OnnxDrafter
+def _eagle3_head(root: Path, manifest: Manifest, target_id: str, max_context: int | None, target):
+    from runtime.engines import head_providers
+    from runtime.serve.eagle3_slots import open_head
 
     record = next((e for e in manifest.target(target_id).engines if e.model == "draft" and e.format == "onnx"), None)
     if record is None:
         raise ModelError(f"bundle {manifest.name} v{manifest.version} has no EAGLE-3 head graph for {target_id!r}")
-    return OnnxDrafter(root / record.path, max_context=max_context)
+    return open_head(root / record.path, max_context=max_context, providers=head_providers(target))
 
 
 def engine_info(engine, target_id: str) -> dict:
@@ -119,7 +119,7 @@ def load_serving_model(installed, *, target_id: str | None = None, speculative: 
     target = load_engine(root, manifest, target_id, "target", cache_dir=cache_dir, max_context=wanted)
     draft = None
     if spec.method == "eagle3":
-        draft = _eagle3_head(root, manifest, target_id, wanted)
+        draft = _eagle3_head(root, manifest, target_id, wanted, target)
     if spec.method == "draft_model":
         draft = load_engine(root, manifest, target_id, "draft", cache_dir=cache_dir, max_context=wanted)
         draft_tok = root / manifest.model("draft").root / "tokenizer.json"

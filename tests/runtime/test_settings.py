@@ -59,6 +59,7 @@ def test_settings_are_read_at_call_time(monkeypatch, tmp_path):
     ("BUNDLE_PAUSE_AT", "staged:soon", settings.pause_at),
     ("BUNDLE_PAUSE_AT", ":3", settings.pause_at),
     ("BUNDLE_STORE", "a\x00b", settings.default_store),
+    ("BUNDLE_EAGLE3_HEAD_DEVICE", "gpu", settings.eagle3_head_device),
 ])
 def test_other_bad_values_name_the_variable(monkeypatch, name, value, call):
     monkeypatch.setattr(os, "environ", {**os.environ, name: value})  # setenv refuses a NUL byte
@@ -73,3 +74,10 @@ def test_bundle_debug_never_fails(monkeypatch):
         monkeypatch.setenv("BUNDLE_DEBUG", value)
         assert settings.debug() is on
 
+
+
+def test_eagle3_head_device(monkeypatch):
+    monkeypatch.delenv("BUNDLE_EAGLE3_HEAD_DEVICE", raising=False)
+    assert settings.eagle3_head_device() == "auto"
+    monkeypatch.setenv("BUNDLE_EAGLE3_HEAD_DEVICE", "CUDA")
+    assert settings.eagle3_head_device() == "cuda"

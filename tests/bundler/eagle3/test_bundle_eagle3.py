@@ -65,6 +65,8 @@ def test_tiny_random_head_resolve_pack_install_serve(tmp_path, keys, capsys):
     assert served.runner.method == "eagle3" and served.info["speculative"].startswith("eagle3")
     assert served.runner.target.kv_cache == "batched" and served.runner.target.aux_width == 3 * 64
     assert served.runner.head.kv_cache == "batched"
+    assert type(served.runner.head).__name__ == "OnnxSlotsDrafter"  # every slot in one head run
+    assert served.runner.head.device == "cpu"
     plain = _install_and_load(tmp_path / "b", keys, tmp_path / "store", no_speculation=True)
     prompt = list(range(5, 40, 3))
     assert _greedy(served, prompt) == _greedy(plain, prompt)
@@ -128,6 +130,7 @@ def test_cuda_target_create_install_serve_through_the_cuda_engine(tmp_path, keys
     engine = served.runner.target
     assert type(engine).__name__ == "CudaEngine" and engine.dual and engine.aux_width == 3 * 64
     assert engine.precision == "fp16" and served.runner.method == "eagle3"
+    assert served.runner.head.device == "cpu"  # beside a GPU target the CUDA provider's, which is absent here
     for graph in (engine._graph, engine._decode_graph):
         outputs = [o.name for o in onnx.load(str(graph), load_external_data=False).graph.output]
         assert "aux_hidden_states" in outputs, graph

@@ -160,10 +160,49 @@ def test_eagle3_speculation_greedy_token_identical_to_plain(eagle3, variant, k):
     assert spec.stats.num_drafts > 0 and spec.stats.num_draft_tokens >= spec.stats.num_drafts
 
 
-def test_concurrent_greedy_equals_each_alone_with_prefix_reuse(eagle3):
+@pytest.mark.parametrize("head", ["per-slot", "slots"])
+def test_concurrent_greedy_equals_each_alone_with_prefix_reuse(eagle3, head):
     """Under the scheduler on the dual engine: more requests than slots, staggered, chunked prefill, repeated
-    prompts (prefix reuse copies the target's cache and features across slots), one without speculation."""
-    from tests.runtime.serve.test_eagle3 import assert_concurrent_greedy_equals_each_alone
+    prompts (prefix reuse copies the target's cache and features across slots), one without speculation; the
+    head slot by slot and over slots."""
+    from tests.runtime.serve.test_eagle3 import OPENERS, assert_concurrent_greedy_equals_each_alone
 
     assert_concurrent_greedy_equals_each_alone(
-        lambda **kw: cuda_engine(eagle3, fp32=True, max_context=256, **kw), eagle3["head"])
+        lambda **kw: cuda_engine(eagle3, fp32=True, max_context=256, **kw), eagle3["head"], open_=OPENERS[head])
+
+
+def check_head_over_slots(graph, providers, device) -> None:
+    """The head over slots on `providers` against the CPU provider, run by run (test_cuda_engine.py: the CUDA
+    provider on the GPU machine; here the CPU provider on both sides, checking the check)."""
+    from runtime.serve.eagle3 import HeadRow
+    from runtime.serve.eagle3_slots import OnnxSlotsDrafter
+
+    heads = [OnnxSlotsDrafter(graph, max_context=64, num_slots=3),
+             OnnxSlotsDrafter(graph, max_context=64, num_slots=3, providers=providers)]
+    assert heads[1].device == device and heads[0].device == "cpu"
+    th = np.random.default_rng(7).standard_normal((9, 3 * heads[0].target_hidden_size)).astype(np.float32)
+    catch_up = [HeadRow(0, [3, 9, 27, 81, 5], th[:5], True), HeadRow(1, [4, 8], th[5:7], True),
+                HeadRow(2, [6, 7, 8, 9, 10, 11, 12, 13, 14], th, True)]
+    hidden = [{}, {}]  # per head: slot -> its last hidden row
+    for step in ("catch-up", (0, 1, 2), (0, 1, 2), "rollback", (0, 1, 2), (1, 2)):
+        if step == "rollback":  # drop the chain entries, as the proposals do
+            for head in heads:
+                head.rollback(0, 5)
+                head.rollback(2, 9)
+            continue
+        outs = []
+        for head, h in zip(heads, hidden):
+            rows = catch_up if step == "catch-up" else [HeadRow(s, [11 + s], h[s], False) for s in step]
+            outs.append(head.forward(rows))
+            h.update((r.slot, o[1][-1:]) for r, o in zip(rows, outs[-1]))
+        for (lc, hc), (lg, hg) in zip(*outs):
+            finite = np.isfinite(lc)
+            assert (np.isfinite(lg) == finite).all(), step
+            np.testing.assert_allclose(lg[finite], lc[finite], atol=1e-3, rtol=1e-3)
+            np.testing.assert_allclose(hg, hc, atol=1e-3, rtol=1e-3)
+            assert (lg.argmax(-1) == lc.argmax(-1)).all(), step
+    assert heads[0]._lengths == heads[1]._lengths == [6, 6, 11]
+
+
+def test_check_head_over_slots_passes_on_the_cpu_provider(eagle3):
+    check_head_over_slots(eagle3["head"], ["CPUExecutionProvider"], "cpu")

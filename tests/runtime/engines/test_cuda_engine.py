@@ -15,7 +15,7 @@ import pytest
 
 from runtime.engines.base import Row
 from tests.bundler.onnx.test_parity import FP16_RTOL, check_parity
-from tests.runtime.engines.test_cuda_eagle3_host import check_aux_rows, fp16_close
+from tests.runtime.engines.test_cuda_eagle3_host import check_aux_rows, check_head_over_slots, fp16_close
 from tests.runtime.engines.test_cuda_eagle3_host import eagle3  # noqa: F401 (the fixture)
 
 
@@ -226,6 +226,29 @@ def test_the_head_on_the_cuda_provider_equals_it_on_the_cpu_provider(eagle3):
         np.testing.assert_allclose(hg, hc, atol=1e-3, rtol=1e-3)
         assert (lg.argmax(-1) == lc.argmax(-1)).all(), i
         h_cpu, h_gpu = hc[-1:], hg[-1:]
+
+
+def test_the_head_over_slots_on_the_cuda_provider_equals_it_on_the_cpu_provider(eagle3):
+    """One head run over slots on the CUDA provider (one [slots, kv, capacity, hd] OrtValue in GPU memory, bound
+    by range): catch-ups of different lengths padded in one run, chain rows for every slot, a rollback, a
+    run over a sub-range of slots; logits and hidden rows equal the CPU provider's."""
+    check_head_over_slots(eagle3["head"], ["CUDAExecutionProvider", "CPUExecutionProvider"], "cuda")
+
+
+def test_eagle3_over_slots_on_the_device_is_greedy_token_for_token(eagle3):
+    """`bundle serve`'s head beside a GPU target: over slots, on the CUDA provider; greedy output is plain's."""
+    from runtime.serve.eagle3_slots import SlotsDrafter, open_head
+    from runtime.serve.generator import Generator
+    from runtime.serve.sampling import SamplingParams
+
+    prompt, greedy = [5, 17, 42, 9, 300], SamplingParams(temperature=0.0)
+    plain = [t for s in Generator(cuda_engine(eagle3["graph"], max_context=128)).generate(
+        prompt, greedy, max_tokens=40) for t in s.tokens]
+    head = open_head(eagle3["head"], providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert isinstance(head, SlotsDrafter) and head.device == "cuda"
+    spec = Generator(cuda_engine(eagle3["graph"], max_context=128), head, "eagle3", 3)
+    assert [t for s in spec.generate(prompt, greedy, max_tokens=40) for t in s.tokens] == plain
+    assert spec.stats.num_drafts > 0
 
 
 def test_the_dual_engines_sessions_read_its_one_copy_of_the_weights(gpu_graphs):

@@ -9,6 +9,7 @@ import pytest
 
 from manifests.errors import UsageError
 from runtime.serve.eagle3 import Drafter, OnnxDrafter
+from runtime.serve.eagle3_slots import SlotsDrafter, open_head
 from runtime.engines.onnxruntime import OnnxRuntimeEngine
 from runtime.serve.sampling import SamplingParams
 from runtime.serve.generator import Generator
@@ -19,6 +20,8 @@ from tests.runtime.serve.test_sampling import PROMPT, _exact, _pvalue, _sample, 
 from tests.runtime.serve.toy_engines import MarkovEngine, MarkovSlots
 
 LAYERS = (0, 1, 2)
+#: the head drafting slot by slot (a single-sequence OnnxDrafter per slot) or every slot in one head run
+OPENERS = {"per-slot": OnnxDrafter, "slots": open_head}
 
 
 @pytest.fixture(scope="module", params=["batched", "concat"])
@@ -39,11 +42,12 @@ def _tokens(gen, prompt, params, n):
     return [t for s in gen.generate(prompt, params, max_tokens=n) for t in s.tokens]
 
 
+@pytest.mark.parametrize("head", ["per-slot", "slots"])
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_token_identical_to_plain(graphs, k):
+def test_greedy_token_identical_to_plain(graphs, k, head):
     target_graph, head_graph = graphs
     plain = Generator(OnnxRuntimeEngine(target_graph), method="none")
-    spec = Generator(OnnxRuntimeEngine(target_graph), OnnxDrafter(head_graph), "eagle3", k)
+    spec = Generator(OnnxRuntimeEngine(target_graph), OPENERS[head](head_graph), "eagle3", k)
     rng = np.random.default_rng(k)
     greedy = SamplingParams(temperature=0.0)
     for length in (1, 7, 40):
@@ -125,11 +129,47 @@ class MarkovHead(Drafter):
         return self.table[np.asarray(token_ids)], np.zeros((len(token_ids), 1), np.float32)
 
 
+class MarkovSlotsHead(SlotsDrafter):
+    """MarkovHead as a head over slots: every draft round of every slot in one forward (the batched path)."""
+
+    hidden_size = 1
+    target_hidden_size = 1
+    max_context = 4096
+
+    def __init__(self, table, outside):
+        self.table = MarkovHead(table, outside).table
+        self.vocab_size = self.table.shape[1]
+        self.allocate_slots(1)
+
+    def allocate_slots(self, num_slots):
+        self.num_slots, self._n = num_slots, [0] * num_slots
+
+    def length(self, slot):
+        return self._n[slot]
+
+    def forward(self, rows):
+        assert len({r.slot for r in rows}) == len(rows)
+        self.runs += 1
+        for r in rows:
+            assert len(r.features) == len(r.tokens) and (r.tree is None or r.tree.base <= self._n[r.slot])
+            self._n[r.slot] += len(r.tokens)
+        return [(self.table[np.asarray(r.tokens)], np.zeros((len(r.tokens), 1), np.float32)) for r in rows]
+
+    def rollback(self, slot, length):
+        assert 0 <= length <= self._n[slot]
+        self._n[slot] = length
+
+
+HEADS = {"per-slot": MarkovHead, "slots": MarkovSlotsHead}
+
+
+@pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4)])
-def test_sampling_matches_target_distribution_with_reduced_draft_vocab(params):
+def test_sampling_matches_target_distribution_with_reduced_draft_vocab(params, head):
+    """Both ways of drafting: slot by slot (a single-sequence head) and every slot in one head run."""
     target, draft = _tables()
     n = 4000
-    gen = Generator(MarkovWithFeatures(target), MarkovHead(draft, outside=[3]), "eagle3", 2)
+    gen = Generator(MarkovWithFeatures(target), HEADS[head](draft, outside=[3]), "eagle3", 2)
     counts = _sample(gen, params, n)
     assert sum(counts.values()) == n
     assert _pvalue(counts, _exact(target, params), n) > 1e-3
@@ -158,15 +198,18 @@ def test_serve_eagle3_on_a_draft_model_bundle_refused(installed_bundle):
                            speculative=parse_speculative_config('{"method": "eagle3"}'))
 
 
-def test_concurrent_greedy_equals_each_alone_with_prefix_reuse(graphs):
+@pytest.mark.parametrize("head", OPENERS)
+def test_concurrent_greedy_equals_each_alone_with_prefix_reuse(graphs, head):
     """Under the scheduler: more requests than slots, staggered, chunked prefill, repeated prompts (prefix
-    reuse across slots copies the target's features), one opting out of speculation."""
+    reuse across slots copies the target's features), one opting out of speculation; the head drafting slot
+    by slot, and every slot in one head run."""
     target_graph, head_graph = graphs
     assert_concurrent_greedy_equals_each_alone(
-        lambda **kw: OnnxRuntimeEngine(target_graph, max_context=256, **kw), head_graph)
+        lambda **kw: OnnxRuntimeEngine(target_graph, max_context=256, **kw), head_graph, open_=OPENERS[head])
 
 
-def test_concurrent_greedy_trees_equal_each_alone(graphs):
+@pytest.mark.parametrize("head", OPENERS)
+def test_concurrent_greedy_trees_equal_each_alone(graphs, head):
     """The same with token trees: each slot's tree verified in the shared target forward, its features
     compacted to the accepted path with the target's cache rows."""
     target_graph, head_graph = graphs
@@ -174,13 +217,14 @@ def test_concurrent_greedy_trees_equal_each_alone(graphs):
         pytest.skip("a concat target runs no token trees")
     assert_concurrent_greedy_equals_each_alone(
         lambda **kw: OnnxRuntimeEngine(target_graph, max_context=256, **kw), head_graph,
-        tree=TreeOptions(branching=2, max_nodes=6))
+        tree=TreeOptions(branching=2, max_nodes=6), open_=OPENERS[head])
 
 
-def assert_concurrent_greedy_equals_each_alone(make_target, head_graph, tree=None) -> None:
+def assert_concurrent_greedy_equals_each_alone(make_target, head_graph, tree=None, open_=OnnxDrafter) -> None:
     """The scheduler check of test_concurrent_greedy_equals_each_alone_with_prefix_reuse, for any target
     engine (`make_target(**kw)`; `num_slots=3` for the slotted one): ONNX Runtime here, CUDA in
-    tests/runtime/engines/test_cuda_eagle3_host.py."""
+    tests/runtime/engines/test_cuda_eagle3_host.py; `open_(head_graph)` the head (slot by slot, or
+    runtime.serve.eagle3_slots.open_head: every slot in one head run)."""
     from runtime.serve.model_runner import ModelRunner
     from runtime.serve.scheduler import Scheduler
     from tests.runtime.serve.test_scheduler import Recorder, run_together
@@ -189,7 +233,8 @@ def assert_concurrent_greedy_equals_each_alone(make_target, head_graph, tree=Non
     prompts = [rng.integers(5, 500, size=n).tolist() for n in (2, 9, 40, 77)]
     plain = Generator(make_target())
     alone = [_tokens(plain, p, SamplingParams(temperature=0.0), 24) for p in prompts]
-    runner = ModelRunner(make_target(num_slots=3), OnnxDrafter(head_graph), "eagle3", 3, tree=tree)
+    runner = ModelRunner(make_target(num_slots=3), open_(head_graph), "eagle3", 3, tree=tree)
+    assert isinstance(runner.head, SlotsDrafter) == (open_ is open_head)
     assert runner.tree == tree
     rec = Recorder()
     requests = [rec.request(p, speculative=(i != 1)) for i, p in enumerate(prompts + prompts[::-1])]
@@ -250,13 +295,14 @@ def test_tree_branches_continue_their_own_hidden_state(graphs):
         np.testing.assert_allclose(got, np.stack(rows).reshape(got.shape), **tol)
 
 
+@pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4)])
-def test_sampled_trees_keep_target_distribution_with_reduced_draft_vocab(params):
+def test_sampled_trees_keep_target_distribution_with_reduced_draft_vocab(params, head):
     """SpecInfer's multi-draft rejection over the head's trees, q = 0 outside its draft vocabulary: the
-    joint law of 4 tokens is the target's."""
+    joint law of 4 tokens is the target's (slot by slot and over slots)."""
     target, draft = _tables()
     n = 5000
-    gen = Generator(MarkovSlotsWithFeatures(target), MarkovHead(draft, outside=[3]), "eagle3", 2,
+    gen = Generator(MarkovSlotsWithFeatures(target), HEADS[head](draft, outside=[3]), "eagle3", 2,
                     tree=TreeOptions(branching=3, max_nodes=8))
     assert gen.runner.tree is not None
     counts = _sample(gen, params, n, 4)
