@@ -1,5 +1,5 @@
 """benchmarks/bench_serve_spec.py on the tiny installed bundle with tiny settings: two real `bundle serve`
-subprocesses (speculative and --no-speculation) driven by the openai client; the table has the baseline
+subprocesses (speculative, --no-speculation and a --no-speculation control) driven by the openai client; the table has the baseline
 row for every stream count and a results file records the command. Nothing about timing is checked."""
 
 from __future__ import annotations
@@ -16,13 +16,16 @@ def test_the_table_has_the_plain_baseline_and_a_results_file(installed_bundle, t
     from benchmarks import bench_serve_spec
 
     argv = ["tiny", "--store", str(installed_bundle.store), "--streams", "1,2", "--tokens", "4", "--requests", "1",
-            "--repeats", "1", "--prompts", "short", "--out", str(tmp_path)]
+            "--repeats", "2", "--prompts", "short", "--control", "--run-tokens", "8", "--out", str(tmp_path)]
     assert bench_serve_spec.main(argv) == 0
     out = capsys.readouterr().out
-    rows = re.findall(r"^\| (\d+) \| short \| (\w+) \| [\d.]+ \| [\d-]+ \| ([\d.]+)x \|", out, re.M)
-    assert sorted((n, m) for n, m, _ in rows) == [("1", "plain"), ("1", "speculative"), ("2", "plain"),
-                                                  ("2", "speculative")]
-    assert all(ratio == "1.00" for _, m, ratio in rows if m == "plain")
+    rows = re.findall(r"^\| (\d+) \| short \| (plain|plain \(control\)|speculative) \| [\d.]+ \| [\d-]+ \| "
+                      r"([\d.]+)x(?: \(([\d.]+)-([\d.]+)\))? \|", out, re.M)
+    assert sorted((n, m) for n, m, *_ in rows) == [("1", "plain"), ("1", "plain (control)"), ("1", "speculative"),
+                                                   ("2", "plain"), ("2", "plain (control)"), ("2", "speculative")]
+    assert all(ratio == "1.00" for _, m, ratio, *_ in rows if m == "plain")
+    # every other row: the median of its paired ratios, within their range
+    assert all(float(lo) <= float(ratio) <= float(hi) for _, m, ratio, lo, hi in rows if m != "plain")
     [md] = list(tmp_path.glob("bench_serve_spec_*.md"))
     assert "python benchmarks/bench_serve_spec.py tiny --store" in md.read_text()
     assert list(tmp_path.glob("bench_serve_spec_*.json"))
