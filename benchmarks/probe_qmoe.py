@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 U16, U32 = 2.0 ** -11, 2.0 ** -24
+#: the quantizer's default block (manifests.quantization.DEFAULT_BLOCK_SIZE); --blocks tries others
 BLOCK = 32
 #: error over fp16 accumulation's (emulate_fp16) past which a row gets a diagnosis: a kernel accumulating in
 #: fp32 stays well under 1, one accumulating in fp16 near 1
@@ -62,9 +63,9 @@ class Shape:
 #: small-moe; qwen3-30b-a3b: one layer of Qwen3-30B-A3B
 SHAPES = {s.name: s for s in (Shape("tiny", 64, 64, 8, 2), Shape("small", 512, 256, 32, 8),
                               Shape("qwen3-30b-a3b", 2048, 768, 128, 8))}
-#: 14 and 19: the token counts of test_cuda_families.py's mixed steps (its 12-token prefill row beside two decodes;
-#: three prefills)
-TOKENS = (1, 4, 12, 14, 19, 64)
+#: 16, 36 and 48: the tokens the node sees in test_cuda_families.py's CPU-against-CUDA steps (4 slots, each row
+#: padded to the widest: 4, 9 and 12 wide; its off 12-token prefill row is in the 48)
+TOKENS = (1, 4, 12, 16, 36, 48, 64)
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ class Case:
     dtype: type
     fc1: tuple  # (packed, scales in dtype, zero points)
     fc2: tuple
+    block: int = BLOCK
     _experts: dict = field(default_factory=dict, repr=False)
 
     def expert(self, e: int, reading: Reading = Reading()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -137,18 +139,18 @@ class Case:
         return got
 
 
-def make_case(shape: Shape, dtype, seed: int = 0) -> Case:
+def make_case(shape: Shape, dtype, seed: int = 0, block: int = BLOCK) -> Case:
     """Random float experts (fc1 rows gate/up interleaved) quantized as the quantizer does, one expert at a time."""
     rng = np.random.default_rng(seed)
     parts1, parts2 = [], []
     for _ in range(shape.experts):
         w1 = rng.standard_normal((2 * shape.inter, shape.hidden), np.float32) / np.sqrt(shape.hidden)
         w2 = rng.standard_normal((shape.hidden, shape.inter), np.float32) / np.sqrt(shape.inter)
-        parts1.append(rtn_int4(w1.astype(dtype).astype(np.float32)))
-        parts2.append(rtn_int4(w2.astype(dtype).astype(np.float32)))
+        parts1.append(rtn_int4(w1.astype(dtype).astype(np.float32), block))
+        parts2.append(rtn_int4(w2.astype(dtype).astype(np.float32), block))
     stack = lambda parts: tuple(np.stack(p) for p in zip(*parts))  # noqa: E731
     fc1, fc2 = stack(parts1), stack(parts2)
-    return Case(shape, dtype, (fc1[0], fc1[1].astype(dtype), fc1[2]), (fc2[0], fc2[1].astype(dtype), fc2[2]))
+    return Case(shape, dtype, (fc1[0], fc1[1].astype(dtype), fc1[2]), (fc2[0], fc2[1].astype(dtype), fc2[2]), block)
 
 
 def inputs(shape: Shape, tokens: int, routing: str, dtype, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -164,10 +166,10 @@ def inputs(shape: Shape, tokens: int, routing: str, dtype, seed: int = 1) -> tup
     return x, logits
 
 
-def attributes(top_k: int) -> dict:
+def attributes(top_k: int, block: int = BLOCK) -> dict:
     """quantize_experts' QMoE attributes over sparse_moe's MoE ones (norm_topk_prob)."""
     return dict(k=top_k, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
-                normalize_routing_weights=1, expert_weight_bits=4, block_size=BLOCK, weights_prepacked=0,
+                normalize_routing_weights=1, expert_weight_bits=4, block_size=block, weights_prepacked=0,
                 accuracy_level=0)
 
 
@@ -176,7 +178,7 @@ def model(case: Case, op: str):
     from onnx import TensorProto, helper, numpy_helper
 
     s, elem = case.shape, {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}[case.dtype]
-    attrs = attributes(s.top_k)
+    attrs = attributes(s.top_k, case.block)
     if op == "QMoE":
         inits = {"fc1": case.fc1[0], "fc1_scales": case.fc1[1], "fc2": case.fc2[0], "fc2_scales": case.fc2[1],
                  "fc1_zp": case.fc1[2], "fc2_zp": case.fc2[2]}
@@ -314,53 +316,54 @@ def diagnose(case: Case, x, logits, y, nominal: float) -> str:
     return name
 
 
-def probe(shapes, dtypes, tokens, routings, ops=("QMoE", "MoE"), where=None) -> list[dict]:
+def probe(shapes, dtypes, tokens, routings, ops=("QMoE", "MoE"), where=None, blocks=(BLOCK,)) -> list[dict]:
     """A row per shape, dtype, op, provider, router input and token count. The reference and the fp16 emulation
     are computed once per token count: both router inputs choose the same experts with the same weights."""
     rows = []
     where = where or providers()
-    for shape in shapes:
-        for dtype in dtypes:
-            case = make_case(shape, dtype)
-            sessions = {}
-            for op in ops:
-                proto = model(case, op)
-                for provider in where:
+    for shape, dtype, block in ((s, d, b) for s in shapes for d in dtypes for b in blocks):
+        if shape.hidden % block or shape.inter % block:
+            continue
+        case = make_case(shape, dtype, block=block)
+        sessions = {}
+        for op in ops:
+            proto = model(case, op)
+            for provider in where:
+                try:
+                    sessions[op, provider] = session(proto, provider)
+                except Exception as e:  # noqa: BLE001  (reported: this provider has no such kernel)
+                    sessions[op, provider] = str(e).strip().splitlines()[0][:160]
+        for t in tokens:
+            x, masked = inputs(shape, t, "masked", dtype)
+            ref, bound = reference(case, x, masked)
+            emulated = emulate_fp16(case, x, masked)
+            for routing in routings:
+                logits = masked if routing == "masked" else inputs(shape, t, routing, dtype)[1]
+                for (op, provider), sess in sessions.items():
+                    row = {"shape": shape.name, "dtype": np.dtype(dtype).name, "block": block, "op": op,
+                           "provider": provider, "routing": routing, "tokens": t}
+                    if isinstance(sess, str):
+                        rows.append({**row, "error": sess})
+                        continue
                     try:
-                        sessions[op, provider] = session(proto, provider)
-                    except Exception as e:  # noqa: BLE001  (reported: this provider has no such kernel)
-                        sessions[op, provider] = str(e).strip().splitlines()[0][:160]
-            for t in tokens:
-                x, masked = inputs(shape, t, "masked", dtype)
-                ref, bound = reference(case, x, masked)
-                emulated = emulate_fp16(case, x, masked)
-                for routing in routings:
-                    logits = masked if routing == "masked" else inputs(shape, t, routing, dtype)[1]
-                    for (op, provider), sess in sessions.items():
-                        row = {"shape": shape.name, "dtype": np.dtype(dtype).name, "op": op, "provider": provider,
-                               "routing": routing, "tokens": t}
-                        if isinstance(sess, str):
-                            rows.append({**row, "error": sess})
-                            continue
-                        try:
-                            (y,) = sess.run(None, {"x": x, "router": logits})
-                        except Exception as e:  # noqa: BLE001
-                            rows.append({**row, "error": str(e).strip().splitlines()[0][:160]})
-                            continue
-                        row.update(errors(y, ref, bound, emulated))
-                        row["nearest_variant"] = diagnose(case, x, logits, y, row["max_abs"]) \
-                            if row["over_fp16_bound"] > 1 or row["over_fp16_accumulation"] > SUSPECT else "-"
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+                        (y,) = sess.run(None, {"x": x, "router": logits})
+                    except Exception as e:  # noqa: BLE001
+                        rows.append({**row, "error": str(e).strip().splitlines()[0][:160]})
+                        continue
+                    row.update(errors(y, ref, bound, emulated))
+                    row["nearest_variant"] = diagnose(case, x, logits, y, row["max_abs"]) \
+                        if row["over_fp16_bound"] > 1 or row["over_fp16_accumulation"] > SUSPECT else "-"
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    head = ["| shape | dtype | op | provider | routing | tokens | max abs err | / max abs out | / fp16 accumulation's | / fp16 worst case | "
-            "elements off by > 1% of max | max abs out | worst token | nearest variant |", "|" + "---|" * 14]
+    head = ["| shape | dtype | block | op | provider | routing | tokens | max abs err | / max abs out | / fp16 accumulation's | / fp16 worst case | "
+            "elements off by > 1% of max | max abs out | worst token | nearest variant |", "|" + "---|" * 15]
     lines = []
     for r in rows:
-        cells = [r["shape"], r["dtype"], r["op"], r["provider"].replace("ExecutionProvider", ""), r["routing"],
+        cells = [r["shape"], r["dtype"], r["block"] if r["op"] == "QMoE" else "-", r["op"], r["provider"].replace("ExecutionProvider", ""), r["routing"],
                  r["tokens"]]
         if "error" in r:
             cells += [f"not run: {r['error']}", "", "", "", "", "", "", ""]
@@ -379,6 +382,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="tiny,small", help="comma-separated of " + ", ".join(SHAPES))
     ap.add_argument("--dtypes", default="float32,float16")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--blocks", default=str(BLOCK), help="comma-separated block sizes (the quantizer's: 32)")
     ap.add_argument("--routing", default="masked,logits", help="masked (the exported graph's), logits")
     ap.add_argument("--out", type=Path, default=None, help="folder for probe_qmoe.md and .json")
     a = ap.parse_args()
@@ -387,7 +391,7 @@ def main() -> None:
         ap.error(f"expected shapes among {', '.join(SHAPES)}, found {', '.join(unknown)}")
     dtypes = [{"float32": np.float32, "float16": np.float16}[d] for d in a.dtypes.split(",")]
     rows = probe([SHAPES[s] for s in a.shapes.split(",")], dtypes, [int(t) for t in a.tokens.split(",")],
-                 a.routing.split(","))
+                 a.routing.split(","), blocks=[int(b) for b in a.blocks.split(",")])
     date = datetime.datetime.now(datetime.timezone.utc).isoformat()
     text = (f"`{' '.join(sys.argv)}` ({date}), onnxruntime {ort.__version__}, providers {', '.join(providers())}\n\n"
             f"Error against the float64 reference over the dequantized weights; / fp16 bound > 1: more than fp16 "

@@ -88,8 +88,10 @@ def test_each_misreading_is_told_apart_and_named(case32):
 
 
 def test_the_probe_writes_a_row_per_case_and_a_table(tmp_path):
-    rows = p.probe([TINY], [np.float32, np.float16], [1, 4], ["masked"], where=["CPUExecutionProvider"])
-    assert len(rows) == 2 * 2 * 2 and all("error" not in r for r in rows)
+    rows = p.probe([TINY], [np.float32, np.float16], [1, 4], ["masked"], where=["CPUExecutionProvider"],
+                   blocks=(32, 64, 128))  # 128: wider than the tiny shape's 64, left out
+    assert len(rows) == 2 * 2 * 2 * 2 and all("error" not in r for r in rows)
     assert max(r["over_fp16_bound"] for r in rows) < 1 and max(r["over_fp16_accumulation"] for r in rows) < 1
     text = p.table(rows)
-    assert text.count("\n") == len(rows) + 1 and "| tiny | float16 | QMoE | CPU | masked | 4 |" in text
+    assert text.count("\n") == len(rows) + 1
+    assert "| tiny | float16 | 64 | QMoE | CPU | masked | 4 |" in text and "| tiny | float32 | - | MoE | CPU |" in text
