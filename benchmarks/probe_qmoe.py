@@ -394,8 +394,10 @@ def main() -> None:
                  a.routing.split(","), blocks=[int(b) for b in a.blocks.split(",")])
     date = datetime.datetime.now(datetime.timezone.utc).isoformat()
     text = (f"`{' '.join(sys.argv)}` ({date}), onnxruntime {ort.__version__}, providers {', '.join(providers())}\n\n"
-            f"Error against the float64 reference over the dequantized weights; / fp16 bound > 1: more than fp16 "
-            f"arithmetic can explain.\n\n{table(rows)}\n")
+            f"Error against the float64 reference over the dequantized weights. / fp16 accumulation's: over the "
+            f"error of fp16 products and running sums on the same numbers (fp32 accumulation: well under 1; "
+            f"past {SUSPECT:g} a row is diagnosed). / fp16 worst case: over the worst-case fp16 rounding bound "
+            f"(above 1: no order of fp16 arithmetic explains it).\n\n{table(rows)}\n")
     print(text)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
