@@ -386,7 +386,7 @@ def table(r: dict, plain: str) -> str:
             lines.append(f"| {s} | weights | {plain if name == 'plain' else 'int4'} | "
                          f"{g[name]['weight_bytes'] / 2**30:.2f} GiB"
                          f"{f', {mem / 2**30:.2f} GiB at load' if mem else ''}"
-                         f"{f', {after / 2**30:.2f} GiB after the steps' if after else ''} | | | | | | | | | | |")
+                         f"{f', {after / 2**30:.2f} GiB after the steps' if after else ''} |" + " |" * 8)
     if "cores" in r:
         lines += ["", "memory: resident memory the engine added at load (external weights are mapped, not yet read) "
                       "and after the steps."]

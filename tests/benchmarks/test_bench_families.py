@@ -66,6 +66,8 @@ def test_cpu_mode_measures_both_graphs_and_the_floor_counts_chosen_experts(tmp_p
     text = (tmp_path / "out" / "bench_families_cpu.md").read_text()
     assert "| tiny-moe (1 of 2) | 8x1 | fp32 |" in text and "CPU cores, host copy bandwidth" in text
     assert saved["bandwidth_bytes_s"] > 0 and saved["cores"] >= 1
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(rows) == 2 + 2 * 3 and {line.count("|") for line in rows} == {13}  # 12 columns in every row
     for name in ("plain", "int4"):  # against the floor, per token, with the memory the engine holds
         for key, batch in (("8x1", 1), ("8x8", 8)):
             row = g[name][key]
