@@ -3,7 +3,7 @@ reference, on every ONNX Runtime provider that runs them.
 
 Run by hand; needs only numpy, onnx and onnxruntime (or onnxruntime-gpu), so it runs from a bare checkout:
 
-    python benchmarks/probe_qmoe.py --out OUT            # tiny and small, float32 and float16, tokens 1 to 64
+    python benchmarks/probe_qmoe.py --out OUT            # tiny, tiny-relu2, small; float32 and float16; 1 to 64 tokens
 
 The node is the one bundler.onnx.blocks.moe.quantize_experts writes for `bundle create --quantization int4`:
 weights_prepacked=0 raw layout (fc1 [E, 2*inter, hidden/2], fc2 [E, hidden, inter/2] uint8, low nibble first),
@@ -57,12 +57,16 @@ class Shape:
     inter: int
     experts: int
     top_k: int
+    #: SwiGLU's alpha; Nemotron-H's squared-ReLU experts: 1e6 with up_proj as both gate and up (`tied`)
+    #: (bundler.onnx.blocks.mamba2: g sigmoid(1e6 g) g is relu(g)^2)
+    alpha: float = 1.0
+    tied: bool = False
 
 
-#: tiny: test_cuda_families.py's tiny Qwen3-MoE (experts 64 wide, as CUDA's QMoE needs); small: bench_families'
-#: small-moe; qwen3-30b-a3b: one layer of Qwen3-30B-A3B
-SHAPES = {s.name: s for s in (Shape("tiny", 64, 64, 8, 2), Shape("small", 512, 256, 32, 8),
-                              Shape("qwen3-30b-a3b", 2048, 768, 128, 8))}
+#: tiny: test_cuda_families.py's tiny Qwen3-MoE (experts 64 wide, as CUDA's QMoE needs); tiny-relu2: its tiny
+#: Nemotron-H's experts; small: bench_families' small-moe; qwen3-30b-a3b: one layer of Qwen3-30B-A3B
+SHAPES = {s.name: s for s in (Shape("tiny", 64, 64, 8, 2), Shape("tiny-relu2", 64, 64, 8, 2, alpha=1e6, tied=True),
+                              Shape("small", 512, 256, 32, 8), Shape("qwen3-30b-a3b", 2048, 768, 128, 8))}
 #: 16, 36 and 48: the tokens the node sees in test_cuda_families.py's CPU-against-CUDA steps (4 slots, each row
 #: padded to the widest: 4, 9 and 12 wide; its off 12-token prefill row is in the 48)
 TOKENS = (1, 4, 12, 16, 36, 48, 64)
@@ -145,6 +149,8 @@ def make_case(shape: Shape, dtype, seed: int = 0, block: int = BLOCK) -> Case:
     parts1, parts2 = [], []
     for _ in range(shape.experts):
         w1 = rng.standard_normal((2 * shape.inter, shape.hidden), np.float32) / np.sqrt(shape.hidden)
+        if shape.tied:
+            w1[0::2] = w1[1::2]
         w2 = rng.standard_normal((shape.hidden, shape.inter), np.float32) / np.sqrt(shape.inter)
         parts1.append(rtn_int4(w1.astype(dtype).astype(np.float32), block))
         parts2.append(rtn_int4(w2.astype(dtype).astype(np.float32), block))
@@ -166,9 +172,9 @@ def inputs(shape: Shape, tokens: int, routing: str, dtype, seed: int = 1) -> tup
     return x, logits
 
 
-def attributes(top_k: int, block: int = BLOCK) -> dict:
-    """quantize_experts' QMoE attributes over sparse_moe's MoE ones (norm_topk_prob)."""
-    return dict(k=top_k, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+def attributes(top_k: int, block: int = BLOCK, alpha: float = 1.0) -> dict:
+    """quantize_experts' QMoE attributes over sparse_moe's MoE ones (norm_topk_prob; Nemotron-H's: alpha 1e6)."""
+    return dict(k=top_k, activation_type="swiglu", swiglu_fusion=1, activation_alpha=alpha, activation_beta=0.0,
                 normalize_routing_weights=1, expert_weight_bits=4, block_size=block, weights_prepacked=0,
                 accuracy_level=0)
 
@@ -178,7 +184,7 @@ def model(case: Case, op: str):
     from onnx import TensorProto, helper, numpy_helper
 
     s, elem = case.shape, {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}[case.dtype]
-    attrs = attributes(s.top_k, case.block)
+    attrs = attributes(s.top_k, case.block, s.alpha)
     if op == "QMoE":
         inits = {"fc1": case.fc1[0], "fc1_scales": case.fc1[1], "fc2": case.fc2[0], "fc2_scales": case.fc2[1],
                  "fc1_zp": case.fc1[2], "fc2_zp": case.fc2[2]}
@@ -248,10 +254,10 @@ def reference(case: Case, x: np.ndarray, logits: np.ndarray, reading: Reading = 
         xe = x64[tok]
         g, l = xe @ gw.T, xe @ uw.T
         dg, dl = g1 * (np.abs(xe) @ np.abs(gw).T), g1 * (np.abs(xe) @ np.abs(uw).T)
-        sig = 1.0 / (1.0 + np.exp(-g))
+        sig = 0.5 * (1.0 + np.tanh(0.5 * s.alpha * g))  # sigmoid(alpha g), without overflow
         silu = g * sig
         a = silu * l
-        dsilu = np.abs(sig * (1 + g * (1 - sig)))
+        dsilu = np.abs(sig * (1 + s.alpha * g * (1 - sig)))
         da = dsilu * np.abs(l) * dg + np.abs(silu) * dl + 4 * u * np.abs(a)
         y = a @ w2.T
         dy = g2 * (np.abs(a) @ np.abs(w2).T) + da @ np.abs(w2).T
@@ -279,7 +285,7 @@ def emulate_fp16(case: Case, x: np.ndarray, logits: np.ndarray) -> np.ndarray:
             tok = np.nonzero(idx[:, slot] == e)[0]
             gw, uw, w2 = (w.astype(f16) for w in case.expert(e))
             g, l = dot(x16[tok], gw), dot(x16[tok], uw)
-            sig = (1.0 / (1.0 + np.exp(-g.astype(np.float32)))).astype(f16)
+            sig = (0.5 * (1.0 + np.tanh(0.5 * s.alpha * g.astype(np.float32)))).astype(f16)
             a = ((g * sig).astype(f16) * l).astype(f16)
             y = dot(a, w2)
             out[tok] = (out[tok] + (w[tok, slot].astype(f16)[:, None] * y).astype(f16)).astype(f16)
@@ -379,7 +385,7 @@ def main() -> None:
     import onnxruntime as ort
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="tiny,small", help="comma-separated of " + ", ".join(SHAPES))
+    ap.add_argument("--shapes", default="tiny,tiny-relu2,small", help="comma-separated of " + ", ".join(SHAPES))
     ap.add_argument("--dtypes", default="float32,float16")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--blocks", default=str(BLOCK), help="comma-separated block sizes (the quantizer's: 32)")

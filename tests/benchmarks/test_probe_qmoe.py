@@ -61,6 +61,30 @@ def test_the_cpu_provider_agrees_with_the_reference_within_float32_rounding(case
         assert np.abs(ref).max() > 0.5  # outputs of order 1: the bound is not met by a vanishing output
 
 
+@pytest.mark.parametrize("op", ["QMoE", "MoE"])
+def test_nemotron_hs_squared_relu_experts_too(op):
+    """alpha 1e6 over a doubled up_proj: the reference is relu(up x)^2 through fc2, as the CPU provider's."""
+    shape = p.SHAPES["tiny-relu2"]
+    case = p.make_case(shape, np.float32)
+    gate, up, _ = case.expert(0)
+    np.testing.assert_array_equal(gate, up)
+    sess = p.session(p.model(case, op), "CPUExecutionProvider")
+    for tokens in (1, 12):
+        x, logits = p.inputs(shape, tokens, "masked", np.float32)
+        (y,) = sess.run(None, {"x": x, "router": logits})
+        ref, bound = p.reference(case, x, logits, u=p.U32)
+        idx, w = p.routing_weights(logits, shape.top_k)
+        relu2 = np.zeros_like(ref)
+        for t in range(tokens):
+            for e, we in zip(idx[t], w[t]):
+                g, _, down = case.expert(e)
+                relu2[t] += we * down @ np.maximum(g @ x[t].astype(np.float64), 0) ** 2
+        np.testing.assert_allclose(ref, relu2, rtol=0, atol=1e-9 * np.abs(relu2).max())
+        assert np.all(np.abs(y - ref) <= bound) and np.abs(y - ref).max() < 1e-5 * np.abs(ref).max(), (op, tokens)
+        assert np.all(np.abs(y - ref) <= bound), (op, routing, tokens)
+        assert np.abs(ref).max() > 0.5  # outputs of order 1: the bound is not met by a vanishing output
+
+
 def test_the_masked_and_plain_router_inputs_choose_the_same_experts():
     for tokens in (1, 12):
         xm, masked = p.inputs(TINY, tokens, "masked", np.float32)
