@@ -4,6 +4,7 @@ reference, on every ONNX Runtime provider that runs them.
 Run by hand; needs only numpy, onnx and onnxruntime (or onnxruntime-gpu), so it runs from a bare checkout:
 
     python benchmarks/probe_qmoe.py --out OUT            # tiny, tiny-relu2, small; float32 and float16; 1 to 64 tokens
+    python benchmarks/probe_qmoe.py --graph G --out OUT  # each QMoE node of an exported 4-bit graph, its own weights
 
 The node is the one bundler.onnx.blocks.moe.quantize_experts writes for `bundle create --quantization int4`:
 weights_prepacked=0 raw layout (fc1 [E, 2*inter, hidden/2], fc2 [E, hidden, inter/2] uint8, low nibble first),
@@ -129,6 +130,7 @@ class Case:
     fc1: tuple  # (packed, scales in dtype, zero points)
     fc2: tuple
     block: int = BLOCK
+    normalize: bool = True  # normalize_routing_weights
     _experts: dict = field(default_factory=dict, repr=False)
 
     def expert(self, e: int, reading: Reading = Reading()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -172,10 +174,10 @@ def inputs(shape: Shape, tokens: int, routing: str, dtype, seed: int = 1) -> tup
     return x, logits
 
 
-def attributes(top_k: int, block: int = BLOCK, alpha: float = 1.0) -> dict:
+def attributes(top_k: int, block: int = BLOCK, alpha: float = 1.0, normalize: bool = True) -> dict:
     """quantize_experts' QMoE attributes over sparse_moe's MoE ones (norm_topk_prob; Nemotron-H's: alpha 1e6)."""
     return dict(k=top_k, activation_type="swiglu", swiglu_fusion=1, activation_alpha=alpha, activation_beta=0.0,
-                normalize_routing_weights=1, expert_weight_bits=4, block_size=block, weights_prepacked=0,
+                normalize_routing_weights=int(normalize), expert_weight_bits=4, block_size=block, weights_prepacked=0,
                 accuracy_level=0)
 
 
@@ -184,7 +186,7 @@ def model(case: Case, op: str):
     from onnx import TensorProto, helper, numpy_helper
 
     s, elem = case.shape, {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}[case.dtype]
-    attrs = attributes(s.top_k, case.block, s.alpha)
+    attrs = attributes(s.top_k, case.block, s.alpha, case.normalize)
     if op == "QMoE":
         inits = {"fc1": case.fc1[0], "fc1_scales": case.fc1[1], "fc2": case.fc2[0], "fc2_scales": case.fc2[1],
                  "fc1_zp": case.fc1[2], "fc2_zp": case.fc2[2]}
@@ -244,7 +246,7 @@ def reference(case: Case, x: np.ndarray, logits: np.ndarray, reading: Reading = 
     do not fit float64 all at once)."""
     s = case.shape
     x64 = x.astype(np.float64)
-    idx, w = routing_weights(logits, s.top_k, reading.normalize)
+    idx, w = routing_weights(logits, s.top_k, reading.normalize and case.normalize)
     out, bound = np.zeros_like(x64), np.zeros_like(x64)
     g1, g2 = (n * u / (1 - n * u) for n in (s.hidden + 2, s.inter + 2))
     for e in np.unique(idx):
@@ -273,7 +275,7 @@ def emulate_fp16(case: Case, x: np.ndarray, logits: np.ndarray) -> np.ndarray:
     f16 = np.float16
     s = case.shape
     x16 = x.astype(f16)
-    idx, w = routing_weights(logits, s.top_k)
+    idx, w = routing_weights(logits, s.top_k, case.normalize)
     out = np.zeros(x.shape, f16)
 
     def dot(a, w):  # [t, K] x [N, K] -> [t, N], accumulated in fp16 left to right
@@ -322,15 +324,46 @@ def diagnose(case: Case, x, logits, y, nominal: float) -> str:
     return name
 
 
+def graph_cases(graph: Path) -> list[Case]:
+    """A Case per QMoE node of an exported graph (its very weights, scales and zero points), e.g. the int4 graph
+    of the GPU suite's tiny Qwen3-MoE; nodes in another form than quantize_experts writes are said and left out."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(graph))
+    inits = {t.name: t for t in model.graph.initializer}
+    cases = []
+    for n in (n for n in model.graph.node if n.op_type == "QMoE"):
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        names = [n.input[i] if len(n.input) > i else "" for i in (2, 3, 11, 5, 6, 12)]
+        expected = {"activation_type": b"swiglu", "swiglu_fusion": 1, "expert_weight_bits": 4, "weights_prepacked": 0}
+        wrong = {k: attrs.get(k) for k, v in expected.items() if attrs.get(k) != v}
+        if wrong or not all(x in inits for x in names) or attrs.get("activation_beta", 0.0) != 0.0:
+            print(f"{n.name}: not in quantize_experts' form ({wrong or 'inputs'}), left out", flush=True)
+            continue
+        fc1, fc2 = (tuple(numpy_helper.to_array(inits[x]) for x in names[i:i + 3]) for i in (0, 3))
+        experts, _, half_hidden = fc1[0].shape
+        shape = Shape(f"{graph.parent.name}/{n.name}", 2 * half_hidden, 2 * fc2[0].shape[-1], experts, int(attrs["k"]),
+                      alpha=float(attrs.get("activation_alpha", 1.0)))
+        cases.append(Case(shape, fc1[1].dtype.type, fc1, fc2, int(attrs["block_size"]),
+                          bool(attrs.get("normalize_routing_weights", 0))))
+    return cases
+
+
 def probe(shapes, dtypes, tokens, routings, ops=("QMoE", "MoE"), where=None, blocks=(BLOCK,)) -> list[dict]:
-    """A row per shape, dtype, op, provider, router input and token count. The reference and the fp16 emulation
-    are computed once per token count: both router inputs choose the same experts with the same weights."""
+    """A row per shape, dtype, block, op, provider, router input and token count."""
+    cases = [make_case(s, d, block=b) for s in shapes for d in dtypes for b in blocks
+             if not (s.hidden % b or s.inter % b)]
+    return probe_cases(cases, tokens, routings, ops, where)
+
+
+def probe_cases(cases, tokens, routings, ops=("QMoE", "MoE"), where=None) -> list[dict]:
+    """probe's rows for these cases. The reference and the fp16 emulation are computed once per token count:
+    both router inputs choose the same experts with the same weights."""
     rows = []
     where = where or providers()
-    for shape, dtype, block in ((s, d, b) for s in shapes for d in dtypes for b in blocks):
-        if shape.hidden % block or shape.inter % block:
-            continue
-        case = make_case(shape, dtype, block=block)
+    for case in cases:
+        shape, dtype, block = case.shape, case.dtype, case.block
         sessions = {}
         for op in ops:
             proto = model(case, op)
@@ -345,6 +378,9 @@ def probe(shapes, dtypes, tokens, routings, ops=("QMoE", "MoE"), where=None, blo
             emulated = emulate_fp16(case, x, masked)
             for routing in routings:
                 logits = masked if routing == "masked" else inputs(shape, t, routing, dtype)[1]
+                if routing != "masked" and not case.normalize:  # then masking changes the weights
+                    ref, bound = reference(case, x, logits)
+                    emulated = emulate_fp16(case, x, logits)
                 for (op, provider), sess in sessions.items():
                     row = {"shape": shape.name, "dtype": np.dtype(dtype).name, "block": block, "op": op,
                            "provider": provider, "routing": routing, "tokens": t}
@@ -390,14 +426,23 @@ def main() -> None:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--blocks", default=str(BLOCK), help="comma-separated block sizes (the quantizer's: 32)")
     ap.add_argument("--routing", default="masked,logits", help="masked (the exported graph's), logits")
+    ap.add_argument("--graph", type=Path, default=None,
+                    help="an exported 4-bit graph: probe each of its QMoE nodes (its weights; not --shapes, "
+                         "--dtypes, --blocks)")
     ap.add_argument("--out", type=Path, default=None, help="folder for probe_qmoe.md and .json")
     a = ap.parse_args()
     unknown = [s for s in a.shapes.split(",") if s not in SHAPES]
     if unknown:
         ap.error(f"expected shapes among {', '.join(SHAPES)}, found {', '.join(unknown)}")
     dtypes = [{"float32": np.float32, "float16": np.float16}[d] for d in a.dtypes.split(",")]
-    rows = probe([SHAPES[s] for s in a.shapes.split(",")], dtypes, [int(t) for t in a.tokens.split(",")],
-                 a.routing.split(","), blocks=[int(b) for b in a.blocks.split(",")])
+    tokens = [int(t) for t in a.tokens.split(",")]
+    if a.graph:
+        if not a.graph.is_file():
+            ap.error(f"expected an ONNX graph at --graph, found nothing at {a.graph}")
+        rows = probe_cases(graph_cases(a.graph), tokens, a.routing.split(","))
+    else:
+        rows = probe([SHAPES[s] for s in a.shapes.split(",")], dtypes, tokens, a.routing.split(","),
+                     blocks=[int(b) for b in a.blocks.split(",")])
     date = datetime.datetime.now(datetime.timezone.utc).isoformat()
     text = (f"`{' '.join(sys.argv)}` ({date}), onnxruntime {ort.__version__}, providers {', '.join(providers())}\n\n"
             f"Error against the float64 reference over the dequantized weights. / fp16 accumulation's: over the "

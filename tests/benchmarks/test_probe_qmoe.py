@@ -119,3 +119,23 @@ def test_the_probe_writes_a_row_per_case_and_a_table(tmp_path):
     text = p.table(rows)
     assert text.count("\n") == len(rows) + 1
     assert "| tiny | float16 | 64 | QMoE | CPU | masked | 4 |" in text and "| tiny | float32 | - | MoE | CPU |" in text
+
+
+def test_an_exported_graphs_qmoe_nodes_are_probed_with_their_own_weights(tmp_path_factory):
+    """--graph: the GPU suite's tiny Qwen3-MoE in the cuda target's 4-bit graph (fp16, experts 64 wide): a case
+    per QMoE node with its tensors and attributes; on the CPU provider every row within fp16 accumulation."""
+    pytest.importorskip("onnx_ir", reason="the 4-bit pass needs onnx-ir (the [build] extra)")
+    from tests.conftest import once_per_run
+    from tests.runtime.engines.test_cuda_families import build_family
+
+    graph = once_per_run(tmp_path_factory, "probe-qmoe-qwen3_moe",
+                         lambda root: build_family("qwen3_moe", root)["int4"])
+    cases = p.graph_cases(graph)
+    assert len(cases) == 2  # layers 0 and 1 route experts, layer 2 is dense (tests.models)
+    for case in cases:
+        s = case.shape
+        assert (s.hidden, s.inter, s.experts, s.top_k, s.alpha, case.block, case.normalize, case.dtype) == \
+            (64, 64, 8, 2, 1.0, 32, True, np.float16)
+    rows = p.probe_cases(cases[:1], [1, 12], ["masked"], where=["CPUExecutionProvider"])
+    assert len(rows) == 4 and all("error" not in r for r in rows)
+    assert max(r["over_fp16_accumulation"] for r in rows) < 1 and all(r["peak"] > 0.01 for r in rows)
