@@ -4,7 +4,11 @@ Run by hand. On an NVIDIA GPU host (onnxruntime-gpu importable: docs/offline-gpu
 
     python benchmarks/bench_families.py prepare --work /tmp/bf --shapes qwen3-30b-a3b,nemotron-3-nano-30b-a3b --layers 2
     python benchmarks/bench_families.py gpu --work /tmp/bf --out OUT --shapes qwen3-30b-a3b,nemotron-3-nano-30b-a3b
-    python benchmarks/bench_families.py cpu --work /tmp/bf --out OUT --shapes small-moe,small-nemotron,small-qwen3_5
+
+On the CPU (the small shapes at their full depth of 4 layers, unless --shapes/--layers say otherwise):
+
+    python benchmarks/bench_families.py prepare --for cpu --work /tmp/bfc
+    python benchmarks/bench_families.py cpu --work /tmp/bfc --out OUT
 
 Shapes (random weights; config values below, SHAPES):
 - qwen3-30b-a3b: Qwen3-30B-A3B's config (hidden 2048, 48 layers, 32 q / 4 kv heads of 128, 128 experts top 8 of
@@ -30,8 +34,13 @@ decode step must read (every weight but the embedding table and the experts, plu
 tokens choose: the expected distinct experts of b tokens routed uniformly, E (1 - (1 - k/E)^b); plus the KV
 cache and the recurrent states read and written) over the device-to-device copy bandwidth measured in the same
 run; device memory at load.
-`cpu`: the CPU engine (fp32 graph and its 4-bit twin) over small shapes, on every core.
-Each mode writes bench_families_<mode>.json and .md to --out, with the command line and the date.
+`cpu`: the CPU engine (the `cpu` target's fp32 graph and its 4-bit twin; exported here when `prepare --for cpu`
+has not made them) on every core, batch 1 and 8, the same steps, against the same floor over the host's memory
+copy bandwidth (every core copying, measured in the same run); resident memory the engine adds at load.
+Each mode writes bench_families_<mode>.json and .md to --out, with the command line and the date, after every
+shape (a run cut short keeps the shapes it measured). Defaults: the 30B shapes cut to 3 layers for prepare and
+gpu, the three small shapes at full depth for `prepare --for cpu` and cpu (the 30B shapes in float32 take tens
+of GB and most of an hour to export on a CPU host).
 """
 
 from __future__ import annotations
@@ -85,6 +94,10 @@ CLASSES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
            "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM")}
 BATCHES = (1, 8)
 VERIFY_WIDTH = 4
+#: what each engine's graphs are exported in, and the shapes and depth it runs when not told
+DTYPES = {"gpu": "float16", "cpu": "float32"}
+DEFAULT_SHAPES = {"gpu": "qwen3-30b-a3b,nemotron-3-nano-30b-a3b", "cpu": "small-moe,small-nemotron,small-qwen3_5"}
+DEFAULT_LAYERS = {"gpu": 3, "cpu": 0}
 
 
 def cut_pattern(pattern: str, layers: int) -> str:
@@ -171,11 +184,15 @@ def threads() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
 
 
+def graph_folder(work: Path, name: str, cfg: dict, dtype: str) -> Path:
+    return work / "graphs" / f"{name}-{cfg['num_hidden_layers']}l-{dtype}"
+
+
 def prepare(work: Path, shapes, dtype: str = "float16") -> None:
     threads()
     for s, layers in shapes:
         cfg = shape_config(s, layers)
-        export(checkpoint(work, s, cfg), work / "graphs" / f"{s}-{cfg['num_hidden_layers']}l-{dtype}", dtype)
+        export(checkpoint(work, s, cfg), graph_folder(work, s, cfg, dtype), dtype)
 
 
 def graph_bytes(graph: Path) -> int:
@@ -273,6 +290,8 @@ def bench(make, graph: Path, contexts, batches, n: int, bandwidth: float | None)
                 row["over_floor"] = round(row["ms"] / row["floor_ms"], 2)
             out[f"{ctx}x{b}"] = row
             print(f"  {graph.parent.parent.name}/{graph.parent.name} ctx {ctx} batch {b}: {row}", flush=True)
+    if hasattr(engine, "memory_in_use"):
+        out["memory_after_steps"] = engine.memory_in_use()
     engine.close()
     return out
 
@@ -292,11 +311,11 @@ def gpu(work: Path, out: Path, shapes, contexts, n: int) -> None:
     bw = copy_bandwidth()
     results = {"bandwidth_bytes_s": bw, "shapes": {}}
     for s, layers in shapes:
-        folder = work / "graphs" / f"{s}-{shape_config(s, layers)['num_hidden_layers']}l-float16"
+        folder = graph_folder(work, s, shape_config(s, layers), "float16")
         results["shapes"][s] = {"layers": int(shape_config(s, layers)["num_hidden_layers"]), "of": full_layers(s),
                                 **{name: bench(make, folder / name / "model.onnx", contexts, BATCHES, n, bw)
                                    for name in ("plain", "int4")}}
-    write(out, "gpu", results, table(results, "fp16"))
+        write(out, "gpu", results, table(results, "fp16"))
 
 
 def cpu(work: Path, out: Path, shapes, contexts, n: int) -> None:
@@ -305,38 +324,75 @@ def cpu(work: Path, out: Path, shapes, contexts, n: int) -> None:
     threads()
 
     def make(graph, limit, slots):
-        return OnnxRuntimeEngine(graph, max_context=limit, num_slots=slots, allow_spinning=True)
+        before = resident_bytes()
+        engine = OnnxRuntimeEngine(graph, max_context=limit, num_slots=slots, allow_spinning=True)
+        engine.memory_at_load = resident_bytes() - before
+        engine.memory_in_use = lambda: resident_bytes() - before  # the weights' pages, once the steps touched them
+        return engine
 
-    results = {"cores": os.cpu_count(), "shapes": {}}
+    bw = host_copy_bandwidth()
+    results = {"cores": os.cpu_count(), "bandwidth_bytes_s": bw, "shapes": {}}
     for s, layers in shapes:
         cfg = shape_config(s, layers)
-        graphs = export(checkpoint(work, s, cfg), work / "graphs" / f"{s}-{cfg['num_hidden_layers']}l-float32",
-                        "float32")
+        graphs = export(checkpoint(work, s, cfg), graph_folder(work, s, cfg, "float32"), "float32")
         results["shapes"][s] = {"layers": int(cfg["num_hidden_layers"]), "of": full_layers(s),
-                                **{name: bench(make, graphs[name], contexts, BATCHES, n, None)
+                                **{name: bench(make, graphs[name], contexts, BATCHES, n, bw)
                                    for name in ("plain", "int4")}}
-    write(out, "cpu", results, table(results, "fp32"))
+        write(out, "cpu", results, table(results, "fp32"))
+
+
+def host_copy_bandwidth() -> float:
+    """Bytes read + written per second by a 1 GiB host copy on every core (torch's parallel copy), the CPU's
+    counterpart of bench_cuda.copy_bandwidth."""
+    import torch
+
+    n = 1 << 30
+    x = torch.ones(n, dtype=torch.uint8)
+    y = torch.empty_like(x)
+    for _ in range(2):
+        y.copy_(x)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        y.copy_(x)
+        times.append(time.perf_counter() - t)
+    return 2 * n / min(times)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere, and the table then shows none)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def table(r: dict, plain: str) -> str:
-    lines = [f"copy bandwidth {r['bandwidth_bytes_s'] / 1e9:.0f} GB/s" if "bandwidth_bytes_s" in r
-             else f"{r['cores']} CPU cores", "",
-             f"| shape (layers of full) | ctx x batch | graph | ms/step | tokens/s | x floor | verify ms | "
-             f"rollback ms | ms/layer | full depth ms (extrapolated) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    where = f"{r['cores']} CPU cores, host " if "cores" in r else ""
+    lines = [f"{where}copy bandwidth {r['bandwidth_bytes_s'] / 1e9:.0f} GB/s (read + written)", "",
+             f"| shape (layers of full) | ctx x batch | graph | ms/step | ms/token | tokens/s | floor ms | x floor | "
+             f"verify ms | rollback ms | ms/layer | full depth ms (extrapolated) |", "|" + "---|" * 12]
     for s, g in r["shapes"].items():
         for name in ("plain", "int4"):
             for key in (k for k in g[name] if k[0].isdigit()):
                 row = g[name][key]
                 per = row["ms"] / g["layers"]
+                batch = int(key.split("x")[1])
                 lines.append(f"| {s} ({g['layers']} of {g['of']}) | {key} | {plain if name == 'plain' else 'int4'} | "
-                             f"{row['ms']} | {row['tokens_s']} | {row.get('over_floor', '-')} | {row['verify_ms']} | "
-                             f"{row['rollback_ms']} | {per:.3f} | {per * g['of']:.1f} |")
-            mem = g[name]["memory_at_load"]
+                             f"{row['ms']} | {row['ms'] / batch:.3f} | {row['tokens_s']} | {row.get('floor_ms', '-')} | "
+                             f"{row.get('over_floor', '-')} | {row['verify_ms']} | {row['rollback_ms']} | {per:.3f} | "
+                             f"{per * g['of']:.1f} |")
+            mem, after = g[name]["memory_at_load"], g[name].get("memory_after_steps")
             lines.append(f"| {s} | weights | {plain if name == 'plain' else 'int4'} | "
                          f"{g[name]['weight_bytes'] / 2**30:.2f} GiB"
-                         f"{f', {mem / 2**30:.2f} GiB at load' if mem else ''} | | | | | | |")
-    lines += ["", "ms/layer: the cut model's step over its layers (the lm_head's share included); full depth: "
-                  "ms/layer x the full model's layers, an upper bound."]
+                         f"{f', {mem / 2**30:.2f} GiB at load' if mem else ''}"
+                         f"{f', {after / 2**30:.2f} GiB after the steps' if after else ''} |" + " |" * 8)
+    if "cores" in r:
+        lines += ["", "memory: resident memory the engine added at load (external weights are mapped, not yet read) "
+                      "and after the steps."]
+    lines += ["", "floor: the bytes one decode step must read (active experts only) over the copy bandwidth. "
+                  "ms/layer: the model's step over its layers (the lm_head's share included); full depth: "
+                  "ms/layer x the full model's layers, an upper bound (extrapolated where the model is cut)."]
     return "\n".join(lines)
 
 
@@ -355,19 +411,24 @@ def main() -> None:
     ap.add_argument("mode", choices=("prepare", "gpu", "cpu"))
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench-families"))
     ap.add_argument("--out", type=Path, default=Path("."))
-    ap.add_argument("--shapes", default="qwen3-30b-a3b,nemotron-3-nano-30b-a3b",
-                    help="comma-separated of " + ", ".join(SHAPES) + " (NAME:LAYERS: that shape's own depth)")
-    ap.add_argument("--layers", type=int, default=3, help="decoder layers of each shape (0: the full depth)")
+    ap.add_argument("--for", dest="engine", choices=("gpu", "cpu"), default="gpu",
+                    help="prepare: the graphs of which mode (gpu: fp16, cpu: fp32)")
+    ap.add_argument("--shapes", default=None, help="comma-separated of " + ", ".join(SHAPES) + " (NAME:LAYERS: "
+                    f"that shape's own depth; default gpu: {DEFAULT_SHAPES['gpu']}, cpu: {DEFAULT_SHAPES['cpu']})")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers of each shape (0: the full depth; default gpu: 3, cpu: 0)")
     ap.add_argument("--contexts", default="128", help="comma-separated contexts")
     ap.add_argument("--steps", type=int, default=20)
     a = ap.parse_args()
-    shapes = [parse_shape(s, a.layers or None) for s in a.shapes.split(",") if s]
+    engine = a.engine if a.mode == "prepare" else a.mode
+    layers = DEFAULT_LAYERS[engine] if a.layers is None else a.layers
+    shapes = [parse_shape(s, layers or None) for s in (a.shapes or DEFAULT_SHAPES[engine]).split(",") if s]
     unknown = [s for s, _ in shapes if s not in SHAPES]
     if unknown:
         ap.error(f"expected shapes among {', '.join(SHAPES)}, found {', '.join(unknown)}")
     contexts = [int(c) for c in a.contexts.split(",") if c]
     if a.mode == "prepare":
-        prepare(a.work, shapes)
+        prepare(a.work, shapes, DTYPES[engine])
     elif a.mode == "gpu":
         gpu(a.work, a.out, shapes, contexts, a.steps)
     else:

@@ -28,6 +28,28 @@ def test_the_nemotron_cut_keeps_attention_and_the_full_pattern_its_mix():
     assert b.parse_shape("qwen3-30b-a3b:2", 5) == ("qwen3-30b-a3b", 2)
 
 
+@pytest.mark.parametrize("argv, called", [
+    (["cpu"], ("cpu", ["small-moe", "small-nemotron", "small-qwen3_5"], None)),
+    (["prepare", "--for", "cpu"], ("prepare", ["small-moe", "small-nemotron", "small-qwen3_5"], None, "float32")),
+    (["prepare"], ("prepare", ["qwen3-30b-a3b", "nemotron-3-nano-30b-a3b"], 3, "float16")),
+    (["gpu", "--layers", "2"], ("gpu", ["qwen3-30b-a3b", "nemotron-3-nano-30b-a3b"], 2)),
+    (["cpu", "--shapes", "small-moe:2"], ("cpu", ["small-moe"], 2)),
+])
+def test_each_mode_defaults_to_the_shapes_and_graphs_its_engine_runs(monkeypatch, argv, called):
+    """cpu (and prepare --for cpu) default to the small shapes at full depth in float32, the cpu mode's graphs;
+    a 30B shape's float32 export is what kept the CPU run from reaching its table."""
+    import bench_families as b
+
+    seen = []
+    monkeypatch.setattr(b, "prepare", lambda work, shapes, dtype: seen.append(("prepare", shapes, dtype)))
+    for mode in ("gpu", "cpu"):
+        monkeypatch.setattr(b, mode, lambda work, out, shapes, contexts, n, mode=mode: seen.append((mode, shapes)))
+    monkeypatch.setattr(sys, "argv", ["bench_families.py", *argv])
+    b.main()
+    ((mode, shapes, *dtype),) = seen
+    assert (mode, [s for s, _ in shapes], *{layers for _, layers in shapes}, *dtype) == called
+
+
 def test_cpu_mode_measures_both_graphs_and_the_floor_counts_chosen_experts(tmp_path, monkeypatch):
     import bench_families as b
 
@@ -41,7 +63,17 @@ def test_cpu_mode_measures_both_graphs_and_the_floor_counts_chosen_experts(tmp_p
     g = saved["shapes"]["tiny-moe"]
     assert g["layers"] == 1 and g["of"] == 2 and g["int4"]["weight_bytes"] < g["plain"]["weight_bytes"]
     assert g["plain"]["8x1"]["tokens_s"] > 0 and g["int4"]["8x8"]["verify_ms"] > 0
-    assert "| tiny-moe (1 of 2) | 8x1 | fp32 |" in (tmp_path / "out" / "bench_families_cpu.md").read_text()
+    text = (tmp_path / "out" / "bench_families_cpu.md").read_text()
+    assert "| tiny-moe (1 of 2) | 8x1 | fp32 |" in text and "CPU cores, host copy bandwidth" in text
+    assert saved["bandwidth_bytes_s"] > 0 and saved["cores"] >= 1
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(rows) == 2 + 2 * 3 and {line.count("|") for line in rows} == {13}  # 12 columns in every row
+    for name in ("plain", "int4"):  # against the floor, per token, with the memory the engine holds
+        for key, batch in (("8x1", 1), ("8x8", 8)):
+            row = g[name][key]
+            assert 0 < row["floor_ms"] and row["over_floor"] == round(row["ms"] / row["floor_ms"], 2)
+            assert f"| {row['ms']} | {row['ms'] / batch:.3f} | {row['tokens_s']} | {row['floor_ms']} |" in text
+        assert g[name]["memory_after_steps"] > 0
 
     graph = tmp_path / "work" / "graphs" / "tiny-moe-1l-float32" / "plain" / "model.onnx"
     split = b.weight_split(graph)

@@ -88,6 +88,30 @@ def test_other_layouts_are_refused(mamba_export, tmp_path, layout, dtype):
         export_onnx(checkpoint, tmp_path, kv_cache=layout, dtype=dtype)
 
 
+def test_the_cuda_targets_half_graph_without_experts_matches_transformers(mamba_export, tmp_path):
+    """"M*M-" in half precision (the cuda target's graph: what the GPU suite runs as its nemotron_h): fp16 dense
+    squared-ReLU MLP and attention, float32 recurrent states, on ONNX Runtime's CPU provider (the fallback
+    without a GPU), prefill, decode and rollback within fp16's tolerance; and its 4-bit twin is MatMulNBits
+    only (no experts to make QMoE)."""
+    import onnx
+
+    from bundler.onnx.export import export_onnx
+    from bundler.onnx.quantize import quantize_graph
+    from manifests.quantization import QuantizeOptions
+    from tests.bundler.onnx.test_parity import FP16_RTOL
+
+    checkpoint, _ = mamba_export
+    half = export_onnx(checkpoint, tmp_path / "fp16", kv_cache="batched", dtype="float16")
+    ops = {n.op_type for n in onnx.load(str(half.graph), load_external_data=False).graph.node}
+    assert {"GatedDeltaNet", "CausalConvWithState", "Attention"} <= ops and not ops & {"MoE", "QMoE"}
+    engine = check_parity(checkpoint, half.graph, half.vocab_size, rtol=FP16_RTOL, engine=_engine(half))
+    assert engine.recurrent and engine.kv_dtype == np.float16
+    (tmp_path / "int4").mkdir()
+    quantize_graph(half.graph, tmp_path / "int4" / "model.onnx", QuantizeOptions(mode="int4"), dtype="float16")
+    q = {n.op_type for n in onnx.load(str(tmp_path / "int4" / "model.onnx"), load_external_data=False).graph.node}
+    assert "MatMulNBits" in q and not q & {"MoE", "QMoE"}
+
+
 def test_routed_experts_match_transformers(moe_export):
     """Sigmoid router with correction bias, grouped top-k, renormalised and scaled weights, squared-ReLU
     experts and the shared expert: prefill, decode and rollback."""

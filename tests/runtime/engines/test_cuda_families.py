@@ -1,5 +1,5 @@
 """The new families on a real GPU: Qwen3-MoE (routed experts), Qwen3.5 (Gated DeltaNet) and Nemotron-H (Mamba-2 +
-routed experts) in the `cuda` target's graphs (fp16, and 4-bit: MatMulNBits + QMoE), on the CUDA engine
+attention + routed experts, "M*ME", and without experts, "M*M-": a dense squared-ReLU MLP) in the `cuda` target's graphs (fp16, and 4-bit: MatMulNBits + QMoE), on the CUDA engine
 (runtime.engines.cuda: KV cache and recurrent states in device buffers), with a dense Qwen3 as the control
 (the same engine path without experts or states: a failure only of the new families points at their ops).
 
@@ -44,10 +44,13 @@ WHY_NOT = _why_not()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"needs an NVIDIA GPU with onnxruntime-gpu "
                                                             f"(run on the GPU machine): {WHY_NOT}")
 
-#: name -> (family, config overrides): experts 64 wide, which ONNX Runtime's CUDA QMoE takes
+#: name -> (family, config overrides): experts 64 wide, which ONNX Runtime's CUDA QMoE takes; nemotron_h is
+#: tests.models' "M*M-" (Mamba-2, attention, Mamba-2, dense MLP: no experts)
 FAMILIES = {"qwen3": ("qwen3", {"head_dim": 16}), "qwen3_moe": ("qwen3_moe", {"moe_intermediate_size": 64}),
-            "qwen3_5_text": ("qwen3_5_text", None),
+            "qwen3_5_text": ("qwen3_5_text", None), "nemotron_h": ("nemotron_h", None),
             "nemotron_h_moe": ("nemotron_h", {**NEMOTRON_MOE, "moe_intermediate_size": 64})}
+#: the families whose layers hold recurrent states
+RECURRENT = {"qwen3_5_text", "nemotron_h", "nemotron_h_moe"}
 #: fp16 router probabilities can swap a near-tied expert (tests/bundler/onnx/test_half.py says why)
 RTOL = {"qwen3_moe": 4 * FP16_RTOL, "nemotron_h_moe": 4 * FP16_RTOL}
 #: CUDA's QMoE (4-bit experts) against the CPU provider's over the same graph: the CUDA kernel dequantizes and
@@ -97,7 +100,7 @@ def test_fp16_parity_with_transformers_prefill_decode_verify_rollback(family, cu
     result = family["fp16"]
     engine = _engine(result.graph, max_context=128, cuda_graphs=cuda_graphs)
     assert "CUDAExecutionProvider fp16 kv-cache batched" in engine.description
-    assert engine.recurrent == (family["name"] in ("qwen3_5_text", "nemotron_h_moe"))
+    assert engine.recurrent == (family["name"] in RECURRENT)
     check_parity(family["checkpoint"], result.graph, result.vocab_size, rtol=RTOL.get(family["name"], FP16_RTOL),
                  engine=engine)
 
