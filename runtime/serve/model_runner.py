@@ -185,6 +185,15 @@ class ModelRunner:
         if len(request.prompt) >= self.max_context:
             raise UsageError(f"prompt has {len(request.prompt)} tokens, the context holds {self.max_context}")
 
+    def catch_up_tokens(self, requests) -> int:
+        """Tokens the draft model would read before proposing for these requests (what its caches lack): a
+        probe's price after plain steps. 0 for n-gram and EAGLE-3 (whose head catches up on the target's
+        features, one cheap layer)."""
+        if self.draft is None:
+            return 0
+        return sum(len(r.tokens) - min(common_prefix(self.draft_cache[r.slot], r.tokens), len(r.tokens) - 1)
+                   for r in requests if r.slot is not None and self.uses_draft(r))
+
     def uses_draft(self, request) -> bool:
         return self.draft is not None and request.speculative
 
@@ -498,8 +507,11 @@ class ModelRunner:
         if trees:
             sampled = {r.slot for r, _ in wanting}
         greedy = self.greedy_argmax and len(sampled) < len(wanting) and offers_greedy(self.draft)
+        t0 = self._clock()
         logits = dict(zip((row.slot for row in rows), self._forward(self.draft, self.draft_cache, rows, "draft",
                                                                     greedy=greedy, logits_for=sampled)))
+        if self._catch_up and not prefills:  # what reading the tokens decoded plainly cost (a probe's price)
+            self.speculation.observe_catch_up(sum(len(row.tokens) for row in rows), self._clock() - t0)
         last = {r.slot: logits[r.slot][-1] for r, _ in wanting}
         if trees:
             out.update(self._propose_tree(wanting, last))

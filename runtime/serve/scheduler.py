@@ -215,7 +215,8 @@ class Scheduler:
                                                 sum(1 for r in speculating if not r.adaptive),
                                                 free_draft=self.runner.method == "ngram",
                                                 plain=len(decoding) - len(speculating),
-                                                rows=self.runner.proposal_rows if self.runner.tree else None)
+                                                rows=self.runner.proposal_rows if self.runner.tree else None,
+                                                catch_up=self.runner.catch_up_tokens(speculating))
         for r in decoding:
             want = (self.runner.speculation.length_of(r, length) if r.adaptive else k) if r.speculative else 0
             g = max(min(want, context - len(r.tokens), r.max_tokens - r.produced - 1), 0)

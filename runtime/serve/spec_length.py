@@ -30,7 +30,11 @@ While a bucket decodes plainly, a probe step drafts the best G > 0 after `PROBE_
 the wait doubling after each probe that confirms 0, up to `PROBE_MAX` (bounded exploration, a
 deterministic schedule), so acceptance and costs keep being measured and the bucket switches back
 when drafting starts to pay (better acceptance, a lighter load); between probes its plain steps skip the
-evaluation (nothing it depends on but plain costs is measured there). While it speculates, every
+evaluation (nothing it depends on but plain costs is measured there). A draft model must first read every
+token decoded plainly since it last ran, so a probe costs that catch-up (measured: `catch_up`), whose share of
+the plain decoding it follows does not shrink with the wait; a probe is therefore put off until its catch-up
+is within PROBE_BUDGET of the plain seconds since the last probe (a new request, whose draft reads only its
+prompt, or a draft that reads tokens cheaply), which bounds exploration's cost where drafting does not pay. While it speculates, every
 `EXPLORE_EVERY`-th step tries another G so the fits see more than one: a neighbouring G, and every
 third time none at all for PLAIN_BURST steps, so that plain decoding's own cost is measured rather than
 extrapolated from drafted steps (a burst, and each group's cost a median of its recent steps, because a
@@ -62,6 +66,7 @@ PLAIN_BURST = 4  # consecutive plain steps a drafting bucket explores (its first
 ACCEPT_DECAY = 0.9  # per slot: weight of the past per verification
 PRIOR_WEIGHT = 2.0  # the server-wide rate counts as this many proposals in a new slot's estimate
 SLOT_PROBE_EVERY = 16  # a slot held at 0 while others draft drafts again after this many steps (re-measure it)
+PROBE_BUDGET = 0.01  # a probe's catch-up may cost at most this share of the plain decoding since the last probe
 
 
 def batch_bucket(n: int) -> int:
@@ -190,6 +195,8 @@ class Bucket:
     probe_wait: int = PROBE_EVERY
     recheck: bool = False  # decide again at the next step (after a probe, or while a slope is assumed)
     burst: int = 0  # plain steps left of an exploration burst
+    plain_seconds: float = 0.0  # plain steps' measured seconds since the last probe (what a probe's catch-up spends)
+    deferred: int = 0  # probes put off because their catch-up would cost more than PROBE_BUDGET of that
     #: at the latest evaluation, per G = 0..K: (predicted tokens per second, predicted step seconds)
     predicted: tuple = ()
 
@@ -222,6 +229,9 @@ class SpeculationLength:
         self.ran: dict[tuple[int, int], int] = {}
         self._bucket = 1  # the current step's bucket label
         self._slot_lengths: dict[int, int] = {}  # id(request) -> its own G this step, where it differs
+        #: seconds a draft takes to catch up on tokens it has not seen (after plain steps: a prefill's cost, which
+        #: the step fits leave out), against those tokens
+        self.catch_up = LinearCost()
 
     # --- acceptance ----------------------------------------------------------------------------
     def rate(self) -> float:
@@ -287,6 +297,22 @@ class SpeculationLength:
             self.all.draft.observe(draft_rows, draft_rows, draft_seconds / draft_rounds)
         bucket.other.observe(g, g, max(other_seconds, 0.0))
         self.all.other.observe((b, g), g, max(other_seconds, 0.0))
+        if g == 0:
+            bucket.plain_seconds += target_seconds + max(other_seconds, 0.0)
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """A draft's forward that caught up on `tokens` tokens it had not seen (a proposer's first forward)."""
+        if tokens > 0:
+            self.catch_up.observe(tokens, seconds)
+
+    def _probe_affordable(self, bucket: Bucket, catch_up: int) -> bool:
+        """Whether a probe now keeps exploration within PROBE_BUDGET: the draft must first catch up on every token
+        decoded plainly since it last ran (`catch_up`), a cost that grows with the wait itself, so waiting longer
+        alone never makes probing cheaper where a token costs the draft a share of a plain step; a new request
+        (whose draft has only its prompt to read) or a cheap draft makes it affordable."""
+        if catch_up <= 0 or not self.catch_up.count:
+            return True  # nothing to catch up, or its cost not measured yet (the first probe measures it)
+        return float(self.catch_up.predict(catch_up)) <= PROBE_BUDGET * bucket.plain_seconds
 
     def _fits(self, bucket: Bucket, need_draft: bool):
         """(target, draft, other) fits to predict with: the bucket's own where its slope is measured, else
@@ -305,12 +331,14 @@ class SpeculationLength:
         return target, draft, other
 
     # --- the choice ----------------------------------------------------------------------------
-    def choose(self, adaptive: list, fixed: int, *, free_draft: bool = False, plain: int = 0, rows=None) -> int:
+    def choose(self, adaptive: list, fixed: int, *, free_draft: bool = False, plain: int = 0, rows=None,
+               catch_up: int = 0) -> int:
         """G for the `adaptive` requests of this step; `fixed` more requests speculate with K anyway
         (seeded sampling), `plain` more decode without speculating. `free_draft`: proposals need no
         draft forward (n-gram lookup): their measured cost is used once there is one, else 0.
         `rows(g)`: the verify rows a proposal of depth g takes beside the pending token (token trees:
-        their nodes; default g, a chain)."""
+        their nodes; default g, a chain). `catch_up`: tokens the proposer would read before drafting (what the
+        adaptive slots' drafts have not seen), which decides whether a probe is affordable."""
         n = len(adaptive) + fixed
         self._slot_lengths = {}
         if self.k == 0 or not adaptive:
@@ -325,9 +353,11 @@ class SpeculationLength:
             bucket.burst -= 1
             bucket.steps += 1
             return self._pick(0)
-        if bucket.decision == 0 and not bucket.recheck and bucket.plain_run + 1 < bucket.probe_wait:
+        due = bucket.plain_run + 1 >= bucket.probe_wait
+        if bucket.decision == 0 and not bucket.recheck and (not due or not self._probe_affordable(bucket, catch_up)):
             # decided 0 here: nothing that could change it (acceptance, drafted steps' costs) is measured
             # before the next probe, so plain steps cost no evaluation
+            bucket.deferred += due
             bucket.steps += 1
             bucket.plain_run += 1
             bucket.skipped += 1
@@ -365,8 +395,11 @@ class SpeculationLength:
         bucket.recheck = target.spread < 2 or other.spread < 2
         if not pays:
             bucket.plain_run += 1
-            if bucket.plain_run >= bucket.probe_wait:  # re-measure now and then, waiting longer each time
+            if bucket.plain_run >= bucket.probe_wait and not self._probe_affordable(bucket, catch_up):
+                bucket.deferred += 1  # until a new request, or enough plain decoding, makes its catch-up cheap
+            elif bucket.plain_run >= bucket.probe_wait:  # re-measure now and then, waiting longer each time
                 bucket.plain_run = 0
+                bucket.plain_seconds = 0.0
                 bucket.probe_wait = min(2 * bucket.probe_wait, self.probe_max)
                 bucket.probes += 1
                 bucket.recheck = True  # the next step decides again, with what the probe measured

@@ -365,3 +365,40 @@ def test_a_slot_whose_drafts_are_rejected_stops_drafting_while_the_others_draft(
     assert share[0] > 0.8 and share[2] > 0.8, share  # accepted: they draft
     assert share[1] < 0.25 and share[3] < 0.25, share  # rejected: no proposals, but for the re-measuring probes
     assert share[1] > 0 and share[3] > 0, share  # ... which they do get
+
+
+def _against_plain(draft_table, draft_cost, prompts, max_tokens):
+    """(speculative runner, its fake seconds, plain decoding's fake seconds) for the same prompts and costs."""
+    target_table, _ = _tables()
+    clock = FakeClock()
+    target = TimedSlots(target_table, 1, clock, _fast_plain_path)
+    runner = ModelRunner(target, TimedSlots(draft_table, 1, clock, draft_cost), "draft_model", 3, clock=clock)
+    outs, _ = _serve(runner, prompts, max_tokens=max_tokens, slots=1)
+    assert outs == [_greedy(target_table, p, max_tokens) for p in prompts]
+    plain_clock = FakeClock()
+    plain = ModelRunner(TimedSlots(target_table, 1, plain_clock, _fast_plain_path), None, "none", clock=plain_clock)
+    _serve(plain, prompts, max_tokens=max_tokens, slots=1)
+    return runner, clock.now, plain_clock.now
+
+
+@pytest.mark.parametrize("per_token", [0.0004, 0.001])
+def test_probes_whose_catch_up_costs_a_share_of_every_plain_token_are_put_off(per_token):
+    """A draft that reads each token it missed for 10% (25%) of a plain step: every probe after plain steps pays
+    that for each of them, so probing on a schedule of steps costs that share of all plain decoding however long
+    it waits (measured before: 0.93x and 0.85x of plain). Probes wait until their catch-up is within 1% of the
+    plain decoding since the last one (a new request's draft reads only its prompt): within 3% of plain."""
+    target_table, unrelated = _tables()
+    half = target_table.copy()
+    half[::2] = unrelated[::2]  # about half of the proposals accepted: drafting loses
+    runner, spent, plain = _against_plain(half, lambda rows, tokens: 0.0005 + per_token * max(tokens - 1, 0),
+                                          _prompts(6, seed=31), 400)
+    assert spent <= plain / 0.97, (spent, plain)
+    assert runner.speculation.buckets[1].deferred > 0
+
+
+def test_a_draft_that_pays_still_drafts_when_catching_up_is_dear():
+    """The same catch-up price with a draft that always agrees: drafting pays and is kept (1.07x plain measured)."""
+    target_table, _ = _tables()
+    runner, spent, plain = _against_plain(target_table, lambda rows, tokens: 0.0005 + 0.001 * max(tokens - 1, 0),
+                                          _prompts(6, seed=31), 400)
+    assert spent < plain / 1.03, (spent, plain)
