@@ -132,19 +132,28 @@ class EngineRequest:
         self.finish_reason = step.finish_reason or override
 
 
+DEFAULT_BATCHED_TOKENS = 256  # rows a step may run when --max-num-batched-tokens is not given (at least)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 8
-    max_num_batched_tokens: int = 256
+    max_num_batched_tokens: int | None = None  # None: DEFAULT_BATCHED_TOKENS, or twice one decode step's rows
     enable_prefix_caching: bool = True
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
+    def __init__(self, runner: ModelRunner, *, max_num_seqs: int = 8, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True):
+        """`max_num_batched_tokens` None (not given): DEFAULT_BATCHED_TOKENS, or twice the rows of one decode step
+        of every slot where that is more (32 sequences verifying 3 proposals each take 128), so that no
+        combination of --max-num-seqs and a speculative config is refused for the default; given, it must hold
+        one such step."""
         self.runner = runner
         self.num_slots = min(runner.num_slots, max_num_seqs)
         per_step = self.num_slots * runner.rows_per_decode
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(DEFAULT_BATCHED_TOKENS, 2 * per_step)
         if max_num_batched_tokens < per_step:
             raise UsageError(f"--max-num-batched-tokens {max_num_batched_tokens} is less than one step of "
                              f"{self.num_slots} sequences with {runner.num_speculative_tokens} speculative "

@@ -152,7 +152,8 @@ def apply_serve_config(installed, serve: ServeConfig, *, cache_dir: Path | None 
                            log_interval_s=log_interval_s, log_requests=not config.get("disable_log_requests"),
                            log_stats=not config.get("disable_log_stats"), features=features,
                            max_num_seqs=int(config.get("max_num_seqs", 8)),
-                           max_num_batched_tokens=int(config.get("max_num_batched_tokens", 256)),
+                           max_num_batched_tokens=(int(config["max_num_batched_tokens"])
+                                                   if config.get("max_num_batched_tokens") is not None else None),
                            enable_prefix_caching=bool(config.get("enable_prefix_caching", True)),
                            kv_cache_memory_bytes=config.get("kv_cache_memory_bytes"),
                            http=http_limits(http, config))
@@ -172,7 +173,7 @@ def apply_serve_config(installed, serve: ServeConfig, *, cache_dir: Path | None 
         ssl = {"ssl_keyfile": config["ssl_keyfile"], "ssl_certfile": config["ssl_certfile"]}
     server = OpenAIServer(model, options)
     lines.insert(0, f"batching:    {server.slot_plan.describe()}; max_num_batched_tokens "
-                    f"{options.max_num_batched_tokens}; prefix caching "
+                    f"{server.engine.scheduler.max_num_batched_tokens}; prefix caching "
                     f"{'on' if server.enable_prefix_caching else 'off'}")
     return Setup(serving=server, host=config.get("host", "127.0.0.1"),
                  port=int(config.get("port", 8000)), uvicorn_log_level=config.get("uvicorn_log_level", "info"),

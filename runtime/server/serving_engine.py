@@ -77,7 +77,7 @@ class ServeOptions:
     api_key: str | None = None
     log_interval_s: float = 10.0
     max_num_seqs: int = 8
-    max_num_batched_tokens: int = 256
+    max_num_batched_tokens: int | None = None  # None: runtime.serve.scheduler's default for the slots
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None
     log_requests: bool = True  # one line per request (--disable-log-requests turns it off)

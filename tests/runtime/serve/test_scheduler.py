@@ -256,6 +256,18 @@ def test_budget_smaller_than_one_step_is_refused(batched):
         Scheduler(runner, max_num_seqs=4, max_num_batched_tokens=15)
 
 
+def test_the_default_budget_holds_every_slots_step_twice(batched):
+    """Not given, the budget is 256 rows, or twice one decode step of every slot where that is more: many slots
+    with a speculative config start without a --max-num-batched-tokens of their own."""
+    from runtime.serve.scheduler import DEFAULT_BATCHED_TOKENS
+
+    few = Scheduler(ModelRunner(batched("target"), batched("draft"), "draft_model", 3), max_num_seqs=4)
+    assert few.max_num_batched_tokens == DEFAULT_BATCHED_TOKENS == 256
+    runner = ModelRunner(batched("target", 80), batched("draft", 80), "draft_model", 3)
+    many = Scheduler(runner, max_num_seqs=80)
+    assert many.num_slots == 80 and many.max_num_batched_tokens == 2 * 80 * 4
+
+
 def test_slot_plan_follows_the_kv_budget(batched):
     from runtime.serve.engine_client import plan_slots
 
