@@ -135,8 +135,16 @@ def load_serving_model(installed, *, target_id: str | None = None, speculative: 
             "engine": target.description or type(target).__name__,
             "speculative": spec.method if spec.method == "none" else
             f"{spec.method} (num_speculative_tokens={spec.num_speculative_tokens}"
-            + (f", {runner.tree.describe()})" if runner.tree else ")")}
+            + (f", {runner.tree.describe()})" if runner.tree else ")")
+            + (f"; {_drafter_line(draft)}" if draft is not None else "")}
     info.update(engine_info(target, target_id))
     return ServingModel(name=manifest.name, tokenizer=tokenizer, template=ChatTemplate.for_tokenizer(tokenizer),
                         runner=runner, max_model_len=min(wanted or limit, limit), info=info,
                         defaults=defaults)
+
+
+def _drafter_line(draft) -> str:
+    """What drafts, and where: the draft engine's description, or the EAGLE-3 head's and its provider."""
+    where = getattr(draft, "device", None)
+    return (draft.description or type(draft).__name__) + (f" on {where}" if where in ("cpu", "cuda") else "")
+

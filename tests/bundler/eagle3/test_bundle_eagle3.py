@@ -67,6 +67,7 @@ def test_tiny_random_head_resolve_pack_install_serve(tmp_path, keys, capsys):
     assert served.runner.head.kv_cache == "batched"
     assert type(served.runner.head).__name__ == "OnnxSlotsDrafter"  # every slot in one head run
     assert served.runner.head.device == "cpu"
+    assert "EAGLE-3 head" in served.info["speculative"] and "slots in one run) on cpu" in served.info["speculative"]
     plain = _install_and_load(tmp_path / "b", keys, tmp_path / "store", no_speculation=True)
     prompt = list(range(5, 40, 3))
     assert _greedy(served, prompt) == _greedy(plain, prompt)
