@@ -225,7 +225,7 @@ class Scheduler:
                                                 free_draft=self.runner.method == "ngram",
                                                 plain=len(decoding) - len(speculating),
                                                 rows=self.runner.proposal_rows if self.runner.tree else None,
-                                                catch_up=self.runner.catch_up_tokens(speculating))
+                                                catch_up=lambda: self.runner.catch_up_tokens(speculating))
         for r in decoding:
             want = (self.runner.speculation.length_of(r, length) if r.adaptive else k) if r.speculative else 0
             g = max(min(want, context - len(r.tokens), r.max_tokens - r.produced - 1), 0)

@@ -305,14 +305,15 @@ class SpeculationLength:
         if tokens > 0:
             self.catch_up.observe(tokens, seconds)
 
-    def _probe_affordable(self, bucket: Bucket, catch_up: int) -> bool:
+    def _probe_affordable(self, bucket: Bucket, catch_up) -> bool:
         """Whether a probe now keeps exploration within PROBE_BUDGET: the draft must first catch up on every token
         decoded plainly since it last ran (`catch_up`), a cost that grows with the wait itself, so waiting longer
         alone never makes probing cheaper where a token costs the draft a share of a plain step; a new request
         (whose draft has only its prompt to read) or a cheap draft makes it affordable."""
-        if catch_up <= 0 or not self.catch_up.count:
-            return True  # nothing to catch up, or its cost not measured yet (the first probe measures it)
-        return float(self.catch_up.predict(catch_up)) <= PROBE_BUDGET * bucket.plain_seconds
+        if not self.catch_up.count:
+            return True  # its cost not measured yet (the first probe measures it)
+        tokens = catch_up() if callable(catch_up) else catch_up  # counted only when a probe is due
+        return tokens <= 0 or float(self.catch_up.predict(tokens)) <= PROBE_BUDGET * bucket.plain_seconds
 
     def _fits(self, bucket: Bucket, need_draft: bool):
         """(target, draft, other) fits to predict with: the bucket's own where its slope is measured, else
@@ -332,13 +333,14 @@ class SpeculationLength:
 
     # --- the choice ----------------------------------------------------------------------------
     def choose(self, adaptive: list, fixed: int, *, free_draft: bool = False, plain: int = 0, rows=None,
-               catch_up: int = 0) -> int:
+               catch_up=0) -> int:
         """G for the `adaptive` requests of this step; `fixed` more requests speculate with K anyway
         (seeded sampling), `plain` more decode without speculating. `free_draft`: proposals need no
         draft forward (n-gram lookup): their measured cost is used once there is one, else 0.
         `rows(g)`: the verify rows a proposal of depth g takes beside the pending token (token trees:
         their nodes; default g, a chain). `catch_up`: tokens the proposer would read before drafting (what the
-        adaptive slots' drafts have not seen), which decides whether a probe is affordable."""
+        adaptive slots' drafts have not seen), or a function giving them, called only when a probe is due: it
+        decides whether the probe is affordable."""
         n = len(adaptive) + fixed
         self._slot_lengths = {}
         if self.k == 0 or not adaptive:
@@ -354,6 +356,8 @@ class SpeculationLength:
             bucket.steps += 1
             return self._pick(0)
         due = bucket.plain_run + 1 >= bucket.probe_wait
+        if due and bucket.deferred and (bucket.plain_run + 1) % self.probe_every:
+            due = False  # a probe put off looks at its price again every probe_every steps, not at every step
         if bucket.decision == 0 and not bucket.recheck and (not due or not self._probe_affordable(bucket, catch_up)):
             # decided 0 here: nothing that could change it (acceptance, drafted steps' costs) is measured
             # before the next probe, so plain steps cost no evaluation
