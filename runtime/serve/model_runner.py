@@ -103,6 +103,7 @@ class ModelRunner:
                                              disable_by_batch_size=disable_by_batch_size)
         self._clock = clock
         self._catch_up = False  # this step's draft caught up on many tokens (set by _propose)
+        self._lookups: dict[tuple[int, int], list[int]] = {}  # this step's n-gram lookups: (slot, length) -> tokens
         self.greedy_argmax = greedy_argmax
         #: called before every target forward (the engine client hands the previous step's tokens to
         #: the event loop there, while the target is about to release the GIL for its run). Not before the
@@ -184,6 +185,22 @@ class ModelRunner:
             raise UsageError(f"max_tokens must be >= 1, found {request.max_tokens}")
         if len(request.prompt) >= self.max_context:
             raise UsageError(f"prompt has {len(request.prompt)} tokens, the context holds {self.max_context}")
+
+    def proposal_caps(self, requests):
+        """n-gram chains: a function giving, per request, how many proposals its lookup has this step (the tokens
+        after its match, up to num_speculative_tokens; none without one), for the speculation length; the lookups
+        are kept for this step's proposals. None for the other methods (and trees): every slot proposes G."""
+        if self.method != "ngram" or self.tree is not None:
+            return None
+        return lambda: [len(self._ngram(r)) for r in requests]
+
+    def _ngram(self, r) -> list[int]:
+        """r's n-gram proposal of num_speculative_tokens tokens, looked up once a step (a shorter one is its prefix)."""
+        key = (r.slot, len(r.tokens))
+        if key not in self._lookups:
+            self._lookups[key] = ngram_lookup(r.tokens, self.num_speculative_tokens, self.prompt_lookup_min,
+                                              self.prompt_lookup_max)
+        return self._lookups[key]
 
     def catch_up_tokens(self, requests) -> int:
         """Tokens the draft model would read before proposing for these requests (what its caches lack): a
@@ -317,6 +334,7 @@ class ModelRunner:
                                       self._clock() - t0 - target_s - propose_s, batch=len(decodes),
                                       drafted=max((g for _, g in decodes), default=0))
         self._shapes.clear()  # the next step chooses again, with what this one measured
+        self._lookups.clear()
 
     def _finish_row(self, r, row_logits, drafts: list[int], qs: list, greedy: bool) -> None:
         """Accept from a row's target output (argmax or logits after [pending, *drafts]); emit the Step."""
@@ -466,7 +484,8 @@ class ModelRunner:
                     tree = ngram_tree(r.tokens, g, self.prompt_lookup_min, self.prompt_lookup_max, k, budget)
                     out[r.slot] = (tree if len(tree) else [], [])
                 elif g > 0:
-                    out[r.slot] = (ngram_lookup(r.tokens, g, self.prompt_lookup_min, self.prompt_lookup_max), [])
+                    out[r.slot] = (self._ngram(r)[:g], [])
+            self._lookups.clear()
             return out
         if self.eagle is not None:
             t0 = self._clock()

@@ -220,12 +220,14 @@ class Scheduler:
                 continue
             decoding.append(r)
         speculating = [r for r in decoding if r.speculative] if k else []
-        length = self.runner.speculation.choose([r for r in speculating if r.adaptive],
+        adaptive = [r for r in speculating if r.adaptive]
+        length = self.runner.speculation.choose(adaptive,
                                                 sum(1 for r in speculating if not r.adaptive),
                                                 free_draft=self.runner.method == "ngram",
                                                 plain=len(decoding) - len(speculating),
                                                 rows=self.runner.proposal_rows if self.runner.tree else None,
-                                                catch_up=lambda: self.runner.catch_up_tokens(speculating))
+                                                catch_up=lambda: self.runner.catch_up_tokens(speculating),
+                                                caps=self.runner.proposal_caps(adaptive))
         for r in decoding:
             want = (self.runner.speculation.length_of(r, length) if r.adaptive else k) if r.speculative else 0
             g = max(min(want, context - len(r.tokens), r.max_tokens - r.produced - 1), 0)

@@ -333,14 +333,16 @@ class SpeculationLength:
 
     # --- the choice ----------------------------------------------------------------------------
     def choose(self, adaptive: list, fixed: int, *, free_draft: bool = False, plain: int = 0, rows=None,
-               catch_up=0) -> int:
+               catch_up=0, caps=None) -> int:
         """G for the `adaptive` requests of this step; `fixed` more requests speculate with K anyway
         (seeded sampling), `plain` more decode without speculating. `free_draft`: proposals need no
         draft forward (n-gram lookup): their measured cost is used once there is one, else 0.
         `rows(g)`: the verify rows a proposal of depth g takes beside the pending token (token trees:
         their nodes; default g, a chain). `catch_up`: tokens the proposer would read before drafting (what the
         adaptive slots' drafts have not seen), or a function giving them, called only when a probe is due: it
-        decides whether the probe is affordable."""
+        decides whether the probe is affordable. `caps()`: per adaptive request, the most proposals it can have
+        this step (n-gram lookup: the tokens after its match, none without one), called only when the step is
+        evaluated: a slot proposes min(G, cap) and verifies that many rows."""
         n = len(adaptive) + fixed
         self._slot_lengths = {}
         if self.k == 0 or not adaptive:
@@ -372,13 +374,15 @@ class SpeculationLength:
             return self._pick(self.k)  # measure the configured length first
         target, draft, other = fits
         rates = [min(max(self.acceptance(r), 0.0), 0.999) for r in adaptive]
-        kept = self.expected_tokens(rates, self.k)
+        limits = list(caps()) if caps is not None else [self.k] * len(adaptive)
+        kept_by_slot = [self.expected_tokens([rate], self.k) for rate in rates]
+        kept = [sum(k_i[min(g, c)] for k_i, c in zip(kept_by_slot, limits)) for g in range(self.k + 1)]
         bonus = plain + (fixed * self.expected_tokens([self.rate()], self.k)[self.k] if fixed else 0.0)
         per_round = draft.predict(n) if draft.count else 0.0
         speed, costs = [], []
         rows = rows or (lambda g: g)
         for g in range(self.k + 1):
-            tokens = len(adaptive) * (1 + rows(g)) + fixed * (1 + rows(self.k)) + plain
+            tokens = sum(1 + rows(min(g, c)) for c in limits) + fixed * (1 + rows(self.k)) + plain
             rounds = max(g, self.k if fixed else 0)
             cost = (target.predict_at(g, tokens) if target is bucket.target else target.predict(tokens)) \
                 + rounds * per_round + (other.predict_at(g, g) if other is bucket.other else other.predict(g))
@@ -386,7 +390,7 @@ class SpeculationLength:
             costs.append(cost)
         bucket.predicted = tuple(zip(speed, costs))
         best = max(range(1, self.k + 1), key=speed.__getitem__)  # the best G that drafts
-        slots = self._per_slot(rates, max(speed), fits, bucket, fixed, plain, bonus, rows) \
+        slots = self._per_slot(kept_by_slot, limits, max(speed), fits, bucket, fixed, plain, bonus, rows) \
             if len(adaptive) > 1 else None
         if slots is not None and slots[1] > speed[best]:  # some slots drafting less beats every slot alike
             best, vector = slots[0], slots[2]
@@ -431,7 +435,7 @@ class SpeculationLength:
                     self._slot_lengths[id(r)] = h
         return self._pick(g)
 
-    def _per_slot(self, rates, speed, fits, bucket, fixed, plain, bonus, rows):
+    def _per_slot(self, kept_by_slot, limits, speed, fits, bucket, fixed, plain, bonus, rows):
         """(G, predicted tokens/s, per-slot lengths) of the best step where slots draft different lengths, or None.
 
         At the best tokens/s s of a ratio tokens / cost, each slot's share is best chosen by maximising its
@@ -442,12 +446,11 @@ class SpeculationLength:
         target, draft, other = fits
         row_s = target.line()[1]  # seconds per verify row
         slot_s = draft.line()[1] if draft.count else 0.0  # seconds per drafting slot per round
-        kept_by_slot = [self.expected_tokens([rate], self.k) for rate in rates]
         found = None
         for g in range(1, self.k + 1):
             lengths, kept_total = [], 0.0
-            for kept in kept_by_slot:
-                h = max(range(g + 1), key=lambda h: kept[h] - speed * (row_s * rows(h) + slot_s * h))
+            for kept, cap in zip(kept_by_slot, limits):
+                h = max(range(min(g, cap) + 1), key=lambda h: kept[h] - speed * (row_s * rows(h) + slot_s * h))
                 lengths.append(h)
                 kept_total += kept[h]
             if min(lengths) == max(lengths) or max(lengths) < g:  # every slot alike, or another G's vector

@@ -402,3 +402,26 @@ def test_a_draft_that_pays_still_drafts_when_catching_up_is_dear():
     runner, spent, plain = _against_plain(target_table, lambda rows, tokens: 0.0005 + 0.001 * max(tokens - 1, 0),
                                           _prompts(6, seed=31), 400)
     assert spent < plain / 1.03, (spent, plain)
+
+
+def test_ngram_slots_without_a_match_are_priced_as_verifying_no_rows():
+    """n-gram lookup in a batch where two sequences repeat (a cycle of 8 tokens: every lookup matches) and two
+    never do (counting upwards): the cost model prices the rows the step really verifies (the matching slots'
+    proposals only), so the step seconds it predicts for the length it runs are the ones it measured there;
+    pricing every slot at G rows would predict half as much again. Greedy output is plain greedy output."""
+    vocab = 512
+    table = np.zeros((vocab, vocab), np.float32)
+    for t in range(vocab):
+        table[t, (t % 8 + 1) % 8 if t < 256 else (t + 1) % vocab] = 10.0
+    clock = FakeClock()
+    target = TimedSlots(table, 4, clock, lambda rows, tokens: 0.002 + 0.003 * tokens)
+    runner = ModelRunner(target, None, "ngram", 3, clock=clock)
+    prompts = [[1, 2, 3], [300, 301, 302], [4, 5, 6], [320, 321, 322]]
+    outs, drafted = _serve(runner, prompts, max_tokens=150, slots=4)
+    assert outs == [_greedy(table, p, 150) for p in prompts]
+    bucket = runner.speculation.buckets[4]
+    g = bucket.decision
+    assert g > 0  # the repeating pair's proposals pay for their rows (priced at G rows for all four, they do not)
+    measured = bucket.target.groups[g][1] + bucket.other.groups[g][1]  # medians of the steps that ran G
+    predicted = bucket.predicted[g][1]
+    assert abs(predicted - measured) < 0.1 * measured, (predicted, measured)
