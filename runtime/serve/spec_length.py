@@ -54,14 +54,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
+from runtime.serve.spec_costs import GroupedCost, LinearCost
 
 EXPLORE_EVERY = 16
 PROBE_EVERY = 16  # plain steps in a bucket before its first probe
 PROBE_MAX = 256  # the longest wait between probes
 MIN_GAIN = 0.03  # drafting must promise this much more tokens/s than plain decoding
-DECAY = 0.98  # weight of the past per observation in the cost fits
-GROUP_WINDOW = 9  # a cost group's cost: the median of its last this many observations
+DECAY = 0.98  # weight of the past per verification in the server-wide acceptance
 PLAIN_BURST = 4  # consecutive plain steps a drafting bucket explores (its first may pay a first run)
 ACCEPT_DECAY = 0.9  # per slot: weight of the past per verification
 PRIOR_WEIGHT = 2.0  # the server-wide rate counts as this many proposals in a new slot's estimate
@@ -72,112 +71,6 @@ PROBE_BUDGET = 0.01  # a probe's catch-up may cost at most this share of the pla
 def batch_bucket(n: int) -> int:
     """The bucket of a running batch of n sequences: the smallest power of two >= n (its label)."""
     return 1 << max(int(n) - 1, 0).bit_length()
-
-
-class LinearCost:
-    """seconds ~ a + b * x, exponentially weighted least squares with a and b kept >= 0."""
-
-    def __init__(self, decay: float = DECAY):
-        self.decay = decay
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
-        self.count = 0
-
-    def observe(self, x: float, seconds: float) -> None:
-        d = self.decay
-        self._w = d * self._w + 1.0
-        self._x = d * self._x + x
-        self._y = d * self._y + seconds
-        self._xx = d * self._xx + x * x
-        self._xy = d * self._xy + x * seconds
-        self.count += 1
-
-    def line(self) -> tuple[float, float]:
-        """(a, b). With a single x seen so far the slope is unknown: the cost is taken as proportional
-        (a = 0), which never makes more rows look free."""
-        return _line(self._w, self._x, self._y, self._xx, self._xy)
-
-    def predict(self, x):
-        a, b = self.line()
-        return a + b * np.asarray(x, dtype=np.float64)
-
-
-def _line(w, sx, sy, sxx, sxy) -> tuple[float, float]:
-    if not w:
-        return 0.0, 0.0
-    mx, my = sx / w, sy / w
-    var = sxx / w - mx * mx
-    if var <= 1e-9 * max(mx * mx, 1.0):
-        return 0.0, (my / mx if mx > 0 else 0.0)
-    b = (sxy / w - mx * my) / var
-    if b < 0:
-        return max(my, 0.0), 0.0
-    a = my - b * mx
-    if a < 0:
-        return 0.0, my / mx if mx > 0 else b
-    return a, b
-
-
-class GroupedCost:
-    """seconds ~ a + b * x fitted through per-group costs (a group: one G, or one batch size).
-
-    A group's cost is the median of its last GROUP_WINDOW observations (x: their mean), and its weight in the
-    fit is bounded, so a group seen rarely (the probe steps of a bucket that decodes plainly, the plain steps
-    a drafting bucket explores) keeps its say next to one seen every step, and a first run does not: a path
-    meeting a new shape (a CUDA graph captured, ONNX Runtime planning a new window) costs several steps once.
-    One group alone: proportional (LinearCost's rule)."""
-
-    def __init__(self, window: int = GROUP_WINDOW):
-        self.window = window
-        self.groups: dict = {}  # key -> [x mean, seconds median, weight]
-        self._seen: dict = {}  # key -> its recent (x, seconds), at most `window`
-        self.count = 0
-        self._line: tuple[float, float] | None = None  # cached until the next observation
-        self._spread = 0
-
-    def observe(self, key, x: float, seconds: float) -> None:
-        self._line = None
-        recent = self._seen.setdefault(key, [])
-        recent.append((float(x), float(seconds)))
-        if len(recent) > self.window:
-            del recent[0]
-        ys = sorted(r[1] for r in recent)
-        mid = len(ys) // 2
-        median = ys[mid] if len(ys) % 2 else 0.5 * (ys[mid - 1] + ys[mid])
-        self.groups[key] = [sum(r[0] for r in recent) / len(recent), median, float(len(recent))]
-        self.count += 1
-
-    def line(self) -> tuple[float, float]:
-        if self._line is None:
-            w = sx = sy = sxx = sxy = 0.0
-            for x, y, weight in self.groups.values():
-                w += weight
-                sx += weight * x
-                sy += weight * y
-                sxx += weight * x * x
-                sxy += weight * x * y
-            self._line = _line(w, sx, sy, sxx, sxy)
-            self._spread = len({round(g[0], 6) for g in self.groups.values()})
-        return self._line
-
-    def predict(self, x: float) -> float:
-        a, b = self.line()
-        return a + b * x
-
-    def predict_at(self, key, x: float) -> float:
-        """The cost at x of group `key`: its own mean moved along the fit's slope where it was measured
-        (a group may run another code path than its neighbours: a GPU engine's single-token decode
-        graph with CUDA graphs against its batched graph for verification rows), else the fit."""
-        g = self.groups.get(key)
-        if g is None:
-            return self.predict(x)
-        _, b = self.line()
-        return max(g[1] + b * (x - g[0]), 0.0)
-
-    @property
-    def spread(self) -> int:
-        """Distinct x values seen (2 or more: the slope is measured, not assumed)."""
-        self.line()
-        return self._spread
 
 
 @dataclass

@@ -11,7 +11,8 @@ from runtime.engines.base import SequenceSlots
 from runtime.serve.model_runner import ModelRunner
 from runtime.serve.sampling import SamplingParams
 from runtime.serve.scheduler import Scheduler
-from runtime.serve.spec_length import LinearCost, SpeculationLength
+from runtime.serve.spec_costs import LinearCost
+from runtime.serve.spec_length import SpeculationLength
 from tests.runtime.serve.test_sampling import LENGTH, PROMPT, _exact, _tables
 from tests.runtime.serve.test_scheduler import Recorder, alone, assert_distributed_per_slot, batched, prompts, run_together  # noqa: F401
 from tests.runtime.serve.toy_engines import MarkovEngine
