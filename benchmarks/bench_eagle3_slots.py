@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -57,7 +59,9 @@ def main(argv=None) -> int:
 
     single = OnnxDrafter(graph, max_context=ctx + k + 2, threads=args.threads, providers=providers)
     ctx = min(ctx, single.max_context - k - 1)  # the head's positions hold the context and a chain
-    print(f"EAGLE-3 head {head_dir} on {single.session.get_providers()[0]}, {ctx} cached entries per slot, "
+    shown = Path(head_dir).resolve()
+    shown = shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown  # the demo head: as the repo names it
+    print(f"EAGLE-3 head {shown} on {single.session.get_providers()[0]}, {ctx} cached entries per slot, "
           f"greedy chains of {k}, {args.threads} threads, median of {args.repeats} steps")
     print("| slots | per slot (ms/step) | over slots (ms/step) | per slot / over slots | head runs per step "
           "(per slot / over slots) |")

@@ -43,6 +43,11 @@ from pathlib import Path
 
 import numpy as np
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bundler.onnx.blocks.moe import rtn_int4  # noqa: E402  (the quantizer's own packing; numpy only)
+
 U16, U32 = 2.0 ** -11, 2.0 ** -24
 #: the quantizer's default block (manifests.quantization.DEFAULT_BLOCK_SIZE); --blocks tries others
 BLOCK = 32
@@ -88,24 +93,7 @@ VARIANTS = {"zero points ignored": Reading(zero_points=False), "nibbles swapped"
             "not renormalised": Reading(normalize=False)}
 
 
-# --- the quantizer's packing (bundler.onnx.blocks.moe.rtn_int4) --------------------------------------------------
-def rtn_int4(w: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(packed [.., N, K/2] uint8 low nibble first, scales [.., N, K/block] float32, zero points
-    [.., N, ceil(K/block/2)] uint8 two per byte low nibble first): asymmetric round-to-nearest, 0 in range."""
-    *lead, n, k = w.shape
-    nb = k // block
-    blocks = w.reshape(*lead, n, nb, block).astype(np.float32)
-    lo, hi = np.minimum(blocks.min(-1), 0.0), np.maximum(blocks.max(-1), 0.0)
-    scale = (hi - lo) / 15.0
-    scale[scale == 0] = 1.0
-    zp = np.clip(np.round(-lo / scale), 0, 15).astype(np.uint8)
-    q = np.clip(np.round(blocks / scale[..., None]) + zp[..., None], 0, 15).astype(np.uint8).reshape(*lead, n, k)
-    packed = q[..., 0::2] | (q[..., 1::2] << 4)
-    zz = np.zeros((*lead, n, 2 * -(-nb // 2)), np.uint8)
-    zz[..., :nb] = zp
-    return packed.astype(np.uint8), scale.astype(np.float32), (zz[..., 0::2] | (zz[..., 1::2] << 4)).astype(np.uint8)
-
-
+# --- reading the quantizer's packing (bundler.onnx.blocks.moe.rtn_int4 writes it) ---------------------------------
 def unpack(packed: np.ndarray, low_first: bool = True) -> np.ndarray:
     lo, hi = packed & 15, packed >> 4
     out = np.empty((*packed.shape[:-1], 2 * packed.shape[-1]), np.uint8)
@@ -203,6 +191,15 @@ def model(case: Case, op: str):
                               [numpy_helper.from_array(np.ascontiguousarray(v), k) for k, v in inits.items()])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
                              ir_version=10)
+
+
+def describe_error(e: Exception) -> str:
+    """One line for a row that did not run: a provider without the kernel is said so, anything else is
+    ONNX Runtime's first line."""
+    text = str(e).strip()
+    if "fallback to CPU EP has been explicitly disabled" in text:
+        return "no kernel for this node on the provider (it would run on the CPU provider)"
+    return text.splitlines()[0][:160] if text else type(e).__name__
 
 
 def session(proto, provider: str):
@@ -371,7 +368,7 @@ def probe_cases(cases, tokens, routings, ops=("QMoE", "MoE"), where=None) -> lis
                 try:
                     sessions[op, provider] = session(proto, provider)
                 except Exception as e:  # noqa: BLE001  (reported: this provider has no such kernel)
-                    sessions[op, provider] = str(e).strip().splitlines()[0][:160]
+                    sessions[op, provider] = describe_error(e)
         for t in tokens:
             x, masked = inputs(shape, t, "masked", dtype)
             ref, bound = reference(case, x, masked)
@@ -390,7 +387,7 @@ def probe_cases(cases, tokens, routings, ops=("QMoE", "MoE"), where=None) -> lis
                     try:
                         (y,) = sess.run(None, {"x": x, "router": logits})
                     except Exception as e:  # noqa: BLE001
-                        rows.append({**row, "error": str(e).strip().splitlines()[0][:160]})
+                        rows.append({**row, "error": describe_error(e)})
                         continue
                     row.update(errors(y, ref, bound, emulated))
                     row["nearest_variant"] = diagnose(case, x, logits, y, row["max_abs"]) \

@@ -29,6 +29,7 @@ def test_the_packing_and_the_node_are_the_quantizers():
     from bundler.onnx.blocks.moe import quantize_experts, rtn_int4
 
     w = np.random.default_rng(0).standard_normal((3, 8, 64)).astype(np.float32)
+    assert p.rtn_int4 is rtn_int4  # the probe packs with the quantizer's own function
     for got, want in zip(p.rtn_int4(w, 32), rtn_int4(w, 32)):
         np.testing.assert_array_equal(got, want)
     case = p.make_case(TINY, np.float32)
