@@ -208,8 +208,11 @@ class ModelRunner:
         features, one cheap layer)."""
         if self.draft is None:
             return 0
-        return sum(len(r.tokens) - min(common_prefix(self.draft_cache[r.slot], r.tokens), len(r.tokens) - 1)
-                   for r in requests if r.slot is not None and self.uses_draft(r))
+        return sum(len(r.tokens) - self._draft_holds(r) for r in requests if r.slot is not None and self.uses_draft(r))
+
+    def _draft_holds(self, r) -> int:
+        """Tokens of r the draft's cache holds and keeps (all but the last at most: the draft reads it now)."""
+        return min(common_prefix(self.draft_cache[r.slot], r.tokens), len(r.tokens) - 1)
 
     def uses_draft(self, request) -> bool:
         return self.draft is not None and request.speculative
@@ -485,7 +488,6 @@ class ModelRunner:
                     out[r.slot] = (tree if len(tree) else [], [])
                 elif g > 0:
                     out[r.slot] = (self._ngram(r)[:g], [])
-            self._lookups.clear()
             return out
         if self.eagle is not None:
             t0 = self._clock()
@@ -510,7 +512,7 @@ class ModelRunner:
         for r, g in decodes:
             if g <= 0 or not self.uses_draft(r):
                 continue
-            have = min(common_prefix(self.draft_cache[r.slot], r.tokens), len(r.tokens) - 1)
+            have = self._draft_holds(r)
             self._rollback(self.draft, self.draft_cache, r.slot, have)
             rows.append(Row(r.slot, r.tokens[have:], fetch="last"))
             if len(r.tokens) - have > g + 2:  # a catch-up of more than the last step's tokens: a prefill's cost

@@ -203,9 +203,9 @@ class SpeculationLength:
         decoded plainly since it last ran (`catch_up`), a cost that grows with the wait itself, so waiting longer
         alone never makes probing cheaper where a token costs the draft a share of a plain step; a new request
         (whose draft has only its prompt to read) or a cheap draft makes it affordable."""
-        if not self.catch_up.count:
-            return True  # its cost not measured yet (the first probe measures it)
-        tokens = catch_up() if callable(catch_up) else catch_up  # counted only when a probe is due
+        if catch_up is None or not self.catch_up.count:
+            return True  # nothing to read, or its cost not measured yet (the first probe measures it)
+        tokens = catch_up()  # counted only when a probe is due
         return tokens <= 0 or float(self.catch_up.predict(tokens)) <= PROBE_BUDGET * bucket.plain_seconds
 
     def _fits(self, bucket: Bucket, need_draft: bool):
@@ -226,14 +226,14 @@ class SpeculationLength:
 
     # --- the choice ----------------------------------------------------------------------------
     def choose(self, adaptive: list, fixed: int, *, free_draft: bool = False, plain: int = 0, rows=None,
-               catch_up=0, caps=None) -> int:
+               catch_up=None, caps=None) -> int:
         """G for the `adaptive` requests of this step; `fixed` more requests speculate with K anyway
         (seeded sampling), `plain` more decode without speculating. `free_draft`: proposals need no
         draft forward (n-gram lookup): their measured cost is used once there is one, else 0.
         `rows(g)`: the verify rows a proposal of depth g takes beside the pending token (token trees:
-        their nodes; default g, a chain). `catch_up`: tokens the proposer would read before drafting (what the
-        adaptive slots' drafts have not seen), or a function giving them, called only when a probe is due: it
-        decides whether the probe is affordable. `caps()`: per adaptive request, the most proposals it can have
+        their nodes; default g, a chain). `catch_up()`: tokens the proposer would read before drafting (what the
+        adaptive slots' drafts have not seen), called only when a probe is due: it decides whether the probe is
+        affordable (None: nothing to read). `caps()`: per adaptive request, the most proposals it can have
         this step (n-gram lookup: the tokens after its match, none without one), called only when the step is
         evaluated: a slot proposes min(G, cap) and verifies that many rows."""
         n = len(adaptive) + fixed
@@ -276,9 +276,7 @@ class SpeculationLength:
         rows = rows or (lambda g: g)
         for g in range(self.k + 1):
             tokens = sum(1 + rows(min(g, c)) for c in limits) + fixed * (1 + rows(self.k)) + plain
-            rounds = max(g, self.k if fixed else 0)
-            cost = (target.predict_at(g, tokens) if target is bucket.target else target.predict(tokens)) \
-                + rounds * per_round + (other.predict_at(g, g) if other is bucket.other else other.predict(g))
+            cost = self._step_cost(fits, bucket, g, tokens, max(g, self.k if fixed else 0), per_round)
             speed.append((kept[g] + bonus) / max(cost, 1e-12))
             costs.append(cost)
         bucket.predicted = tuple(zip(speed, costs))
@@ -289,7 +287,7 @@ class SpeculationLength:
             best, vector = slots[0], slots[2]
         else:
             vector = None
-        pays = max(speed[best], slots[1] if vector else 0.0) > speed[0] * (1.0 + self.min_gain)
+        pays = (slots[1] if vector else speed[best]) > speed[0] * (1.0 + self.min_gain)
         bucket.steps += 1
         bucket.decision = best if pays else 0
         # a slope assumed, not measured (one G seen so far): this step's plain costs will measure it
@@ -336,7 +334,7 @@ class SpeculationLength:
         are rarely accepted keeps 1 token a step for no verify rows and no draft work, while the others draft
         up to G (choose() lets a slot held at 0 draft G every SLOT_PROBE_EVERY steps, so that its acceptance
         keeps being measured)."""
-        target, draft, other = fits
+        target, draft, _ = fits
         row_s = target.line()[1]  # seconds per verify row
         slot_s = draft.line()[1] if draft.count else 0.0  # seconds per drafting slot per round
         found = None
@@ -350,14 +348,20 @@ class SpeculationLength:
                 continue
             drafting = sum(1 for h in lengths if h) + fixed
             tokens = sum(1 + rows(h) for h in lengths) + fixed * (1 + rows(self.k)) + plain
-            rounds = max(g, self.k if fixed else 0)
-            cost = (target.predict_at(g, tokens) if target is bucket.target else target.predict(tokens)) \
-                + (rounds * draft.predict(drafting) if draft.count else 0.0) \
-                + (other.predict_at(g, g) if other is bucket.other else other.predict(g))
+            cost = self._step_cost(fits, bucket, g, tokens, max(g, self.k if fixed else 0),
+                                   draft.predict(drafting) if draft.count else 0.0)
             tok_s = (kept_total + bonus) / max(cost, 1e-12)
             if found is None or tok_s > found[1]:
                 found = (g, tok_s, lengths)
         return found
+
+    @staticmethod
+    def _step_cost(fits, bucket: Bucket, g: int, tokens: int, rounds: int, per_round: float) -> float:
+        """Predicted seconds of a step of G over `tokens` target rows with `rounds` proposal rounds of `per_round`
+        seconds: a cost the bucket measured at G from its own group, else the fit."""
+        target, _, other = fits
+        return (target.predict_at(g, tokens) if target is bucket.target else target.predict(tokens)) \
+            + rounds * per_round + (other.predict_at(g, g) if other is bucket.other else other.predict(g))
 
     def length_of(self, request, g: int) -> int:
         """The G this step gives an adaptive request: the step's, or its own where _per_slot lowered it."""
