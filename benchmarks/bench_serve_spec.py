@@ -15,7 +15,9 @@ config (the adaptive length, runtime.serve.spec_length), and one per --spec-conf
 official `openai` package (AsyncOpenAI): each of N streams sends --requests streamed chat completions back
 to back (more where --run-tokens asks for more tokens per run), --tokens tokens each (ignore_eos), greedy.
 Rows run interleaved over the servers (every stream count x prompt x repeat visits each method in turn) so
-other load on the machine hits them alike; tok/s is all completion tokens / wall time, the median of
+other load on the machine hits them alike, and while one server is measured the others are stopped (SIGSTOP,
+then SIGCONT for their turn; --no-pause-idle leaves them running), so no idle server's threads take CPU time
+from it; tok/s is all completion tokens / wall time, the median of
 --repeats, and "vs plain" is the median of the paired ratios (each run against the plain run of the same
 round), which cancels drifts that hit one round. From each server's /metrics: mean accepted
 length (1 + accepted / drafts, vLLM's spec_decode counters) and the adaptive length's choice per batch
@@ -38,6 +40,7 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -122,8 +125,19 @@ class Server:
                     float(m.group(3))
         return out
 
+    def pause(self) -> None:
+        """SIGSTOP: a server not being measured takes no CPU time (its engine and event loop threads, a
+        metrics thread, ONNX Runtime's pools) from the one being measured."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
+            self.resume()
             self.proc.terminate()
             try:
                 self.proc.wait(30)
@@ -272,6 +286,8 @@ def main(argv=None) -> int:
                     help="a --speculative-config JSON for one more speculative server (repeatable)")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="one more flag for every server, e.g. --serve-arg=--target=cuda (repeatable)")
+    ap.add_argument("--no-pause-idle", dest="pause_idle", action="store_false",
+                    help="leave the servers not being measured running (default: SIGSTOP them during each run)")
     ap.add_argument("--log-dir", help="keep each server's log here (default: a temp folder, removed)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the results files")
     args = ap.parse_args(argv)
@@ -301,6 +317,11 @@ def main(argv=None) -> int:
             for pname, prompt in prompts.items():
                 for rep in range(args.repeats + 1):
                     for server in servers:  # interleaved, so load from elsewhere hits every method alike
+                        if args.pause_idle:  # only the server being measured runs
+                            for other in servers:
+                                if other is not server:
+                                    other.pause()
+                        server.resume()
                         row = run_once(server, prompt, n, requests_for(n, args.requests, args.tokens,
                                                                        args.run_tokens), args.tokens)
                         if rep:  # the first round warms every server up at this stream count
@@ -322,7 +343,9 @@ def main(argv=None) -> int:
     header = (f"`{command}`\n\n{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}; bundle "
               f"{bundle}; {args.tokens} tokens per request, {args.requests} requests per stream (at least "
               f"{args.run_tokens} tokens a run), greedy, median of "
-              f"{args.repeats} after a warm-up; servers: " + "; ".join(f"{s.label}: `{shlex.join(s.cmd[3:])}`"
+              f"{args.repeats} after a warm-up, "
+              f"{'the other servers stopped (SIGSTOP) during each run' if args.pause_idle else 'every server running'}"
+              f"; servers: " + "; ".join(f"{s.label}: `{shlex.join(s.cmd[3:])}`"
                                                                          for s in servers))
     print(header + "\n\n" + md)
     out = Path(args.out)

@@ -10,7 +10,8 @@ longer than those spare rows runs alone. A run's rows are all of one kind: targe
 or the head's own (chain steps, tree levels), since the graph puts target rows before draft rows.
 
 runtime.serve.eagle3_rounds drives the rounds (catch-ups, then one run per chain token or tree level for
-every drafting slot); `view(slot)` is one slot's runtime.serve.eagle3.Drafter over the same cache, which
+every drafting slot); on the CUDA provider runtime.serve.eagle3_cuda runs the same rows from device buffers
+and as CUDA graphs. `view(slot)` is one slot's runtime.serve.eagle3.Drafter over the same cache, which
 ChainProposer uses for its bookkeeping (and the per-slot path, in tests, for comparison).
 """
 
@@ -202,11 +203,22 @@ class OnnxSlotsDrafter(SlotsDrafter):
 
 def open_head(graph: Path, *, max_context: int | None = None, threads: int | None = None,
               providers: Sequence[str] = ("CPUExecutionProvider",)):
-    """The head for serving: an OnnxSlotsDrafter when its batch axis carries slots, else (heads made before
-    it, concat heads) the per-slot OnnxDrafter, saying so in one log line."""
-    session, meta = open_head_graph(graph, providers, threads)
+    """The head for serving: an OnnxSlotsDrafter when its batch axis carries slots (on the CUDA provider its
+    runtime.serve.eagle3_cuda.CudaSlotsDrafter: device buffers and CUDA graphs), else (heads made before it,
+    concat heads) the per-slot OnnxDrafter, saying so in one log line."""
+    on_cuda = bool(providers) and providers[0] == "CUDAExecutionProvider"
+    if on_cuda:  # with CUDA graphs where ONNX Runtime allows them (only the head over slots launches graphs)
+        from runtime.serve.eagle3_cuda import CudaSlotsDrafter, open_cuda_head_session
+
+        session, meta, graphs = open_cuda_head_session(graph, threads)
+    else:
+        session, meta = open_head_graph(graph, providers, threads)
     if meta.get("bundle.head_batch") == HEAD_BATCH and meta.get("bundle.kv_cache") == "batched":
+        if on_cuda:
+            return CudaSlotsDrafter(graph, max_context=max_context, session=session, cuda_graphs=graphs)
         return OnnxSlotsDrafter(graph, max_context=max_context, session=session)
+    if on_cuda and graphs:  # a session with CUDA graphs on would replay graph 0 for every run of this head
+        session, meta = open_head_graph(graph, providers, threads)
     log.info("EAGLE-3 head %s drafts slot by slot (one head run per slot and token): its graph runs one "
              "sequence (no bundle.head_batch %r: exported before it, or a concat head); re-create the bundle "
              "for one head run for all slots", Path(graph).name, HEAD_BATCH)

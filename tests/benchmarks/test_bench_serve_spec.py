@@ -28,4 +28,5 @@ def test_the_table_has_the_plain_baseline_and_a_results_file(installed_bundle, t
     assert all(float(lo) <= float(ratio) <= float(hi) for _, m, ratio, lo, hi in rows if m != "plain")
     [md] = list(tmp_path.glob("bench_serve_spec_*.md"))
     assert "python benchmarks/bench_serve_spec.py tiny --store" in md.read_text()
+    assert "the other servers stopped (SIGSTOP) during each run" in md.read_text()  # one server measured at a time
     assert list(tmp_path.glob("bench_serve_spec_*.json"))

@@ -171,20 +171,24 @@ def test_concurrent_greedy_equals_each_alone_with_prefix_reuse(eagle3, head):
         lambda **kw: cuda_engine(eagle3, fp32=True, max_context=256, **kw), eagle3["head"], open_=OPENERS[head])
 
 
-def check_head_over_slots(graph, providers, device) -> None:
-    """The head over slots on `providers` against the CPU provider, run by run (test_cuda_engine.py: the CUDA
-    provider on the GPU machine; here the CPU provider on both sides, checking the check)."""
+def check_head_over_slots(graph, make, device) -> list:
+    """The head over slots made by `make(graph, max_context, num_slots)` against OnnxSlotsDrafter on the CPU
+    provider, run by run: catch-ups of several lengths (one longer than a graph run's width), chain rounds over
+    all slots and over some (the same shapes twice: a captured graph replays), a rollback, a catch-up short enough
+    for a graph (test_cuda_engine.py: the CUDA provider and CudaSlotsDrafter on the GPU machine; here the CPU
+    provider and host memory). Returns both heads."""
     from runtime.serve.eagle3 import HeadRow
     from runtime.serve.eagle3_slots import OnnxSlotsDrafter
 
-    heads = [OnnxSlotsDrafter(graph, max_context=64, num_slots=3),
-             OnnxSlotsDrafter(graph, max_context=64, num_slots=3, providers=providers)]
+    heads = [OnnxSlotsDrafter(graph, max_context=64, num_slots=3), make(graph, 64, 3)]
     assert heads[1].device == device and heads[0].device == "cpu"
     th = np.random.default_rng(7).standard_normal((9, 3 * heads[0].target_hidden_size)).astype(np.float32)
     catch_up = [HeadRow(0, [3, 9, 27, 81, 5], th[:5], True), HeadRow(1, [4, 8], th[5:7], True),
                 HeadRow(2, [6, 7, 8, 9, 10, 11, 12, 13, 14], th, True)]
+    short = [HeadRow(0, [5, 6], th[:2], True), HeadRow(2, [7, 8, 9], th[2:5], True)]
     hidden = [{}, {}]  # per head: slot -> its last hidden row
-    for step in ("catch-up", (0, 1, 2), (0, 1, 2), "rollback", (0, 1, 2), (1, 2)):
+    plan = ("catch-up", (0, 1, 2), (0, 1, 2), "rollback", (0, 1, 2), (1, 2), (1, 2), "rollback", "short", (0, 2))
+    for step in plan:
         if step == "rollback":  # drop the chain entries, as the proposals do
             for head in heads:
                 head.rollback(0, 5)
@@ -192,7 +196,8 @@ def check_head_over_slots(graph, providers, device) -> None:
             continue
         outs = []
         for head, h in zip(heads, hidden):
-            rows = catch_up if step == "catch-up" else [HeadRow(s, [11 + s], h[s], False) for s in step]
+            rows = {"catch-up": catch_up, "short": short}.get(step) or [HeadRow(s, [11 + s], h[s], False)
+                                                                        for s in step]
             outs.append(head.forward(rows))
             h.update((r.slot, o[1][-1:]) for r, o in zip(rows, outs[-1]))
         for (lc, hc), (lg, hg) in zip(*outs):
@@ -201,8 +206,34 @@ def check_head_over_slots(graph, providers, device) -> None:
             np.testing.assert_allclose(lg[finite], lc[finite], atol=1e-3, rtol=1e-3)
             np.testing.assert_allclose(hg, hc, atol=1e-3, rtol=1e-3)
             assert (lg.argmax(-1) == lc.argmax(-1)).all(), step
-    assert heads[0]._lengths == heads[1]._lengths == [6, 6, 11]
+    assert heads[0]._lengths == heads[1]._lengths == [8, 7, 13]
+    return heads
+
+
+def _onnx_slots(providers):
+    from runtime.serve.eagle3_slots import OnnxSlotsDrafter
+
+    return lambda graph, context, slots: OnnxSlotsDrafter(graph, max_context=context, num_slots=slots,
+                                                          providers=providers)
 
 
 def test_check_head_over_slots_passes_on_the_cpu_provider(eagle3):
-    check_head_over_slots(eagle3["head"], ["CPUExecutionProvider"], "cpu")
+    check_head_over_slots(eagle3["head"], _onnx_slots(["CPUExecutionProvider"]), "cpu")
+
+
+def test_the_head_on_device_buffers_runs_graph_shapes_and_proposes_as_the_head_over_slots(eagle3):
+    """CudaSlotsDrafter (the head on the CUDA provider: one input copy a run, fixed buffers, CUDA graphs) on host
+    memory, its graph shapes on: runs of at most GRAPH_MAX_WIDTH tokens a row pad to a bucket of slots 0..b-1 and
+    a window of a power of two, one binding kept per shape (what a captured graph replays); longer catch-ups
+    run over the slots they need. Every output equals OnnxSlotsDrafter's."""
+    from runtime.serve.eagle3_cuda import MIN_WINDOW, CudaSlotsDrafter
+
+    memory = HostMemory()
+    made = check_head_over_slots(eagle3["head"], lambda graph, context, slots: CudaSlotsDrafter(
+        graph, max_context=context, num_slots=slots, memory=memory, fixed_shapes=True), "cpu")[1]
+    assert not made.cuda_graphs and made.buckets == [1, 2, 3]
+    window = min(made.capacity, MIN_WINDOW)
+    # (kind, first slot, batch, width, window): chain rounds over slots 0..2 (and 1..2 in the bucket of 3); the
+    # short catch-up's width 3; the catch-up of 9 tokens is no graph shape (not kept)
+    assert sorted(k[:5] for k in made._runs) == [(False, 0, 3, 1, window), (True, 0, 3, 3, window)]
+    assert memory.copies > 0

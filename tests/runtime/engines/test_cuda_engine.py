@@ -232,7 +232,23 @@ def test_the_head_over_slots_on_the_cuda_provider_equals_it_on_the_cpu_provider(
     """One head run over slots on the CUDA provider (one [slots, kv, capacity, hd] OrtValue in GPU memory, bound
     by range): catch-ups of different lengths padded in one run, chain rows for every slot, a rollback, a
     run over a sub-range of slots; logits and hidden rows equal the CPU provider's."""
-    check_head_over_slots(eagle3["head"], ["CUDAExecutionProvider", "CPUExecutionProvider"], "cuda")
+    from runtime.serve.eagle3_slots import OnnxSlotsDrafter
+
+    check_head_over_slots(eagle3["head"], lambda graph, context, slots: OnnxSlotsDrafter(
+        graph, max_context=context, num_slots=slots, providers=["CUDAExecutionProvider", "CPUExecutionProvider"]),
+        "cuda")
+
+
+def test_the_head_with_cuda_graphs_equals_it_on_the_cpu_provider(eagle3):
+    """CudaSlotsDrafter, what `serve` runs beside a GPU target: inputs and outputs in device memory, its chain
+    rounds and short catch-ups launched as CUDA graphs (each shape captured once, replayed after), every run's
+    logits and hidden rows those of the head over slots on the CPU provider."""
+    from runtime.serve.eagle3_cuda import CudaSlotsDrafter
+
+    head = check_head_over_slots(eagle3["head"], lambda graph, context, slots: CudaSlotsDrafter(
+        graph, max_context=context, num_slots=slots), "cuda")[1]
+    assert head.cuda_graphs, "ONNX Runtime refused CUDA graphs for the head (see the log)"
+    assert all(run[-1] > 0 for run in head._runs.values())
 
 
 def test_eagle3_over_slots_on_the_device_is_greedy_token_for_token(eagle3):
@@ -244,8 +260,11 @@ def test_eagle3_over_slots_on_the_device_is_greedy_token_for_token(eagle3):
     prompt, greedy = [5, 17, 42, 9, 300], SamplingParams(temperature=0.0)
     plain = [t for s in Generator(cuda_engine(eagle3["graph"], max_context=128)).generate(
         prompt, greedy, max_tokens=40) for t in s.tokens]
+    from runtime.serve.eagle3_cuda import CudaSlotsDrafter
+
     head = open_head(eagle3["head"], providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
     assert isinstance(head, SlotsDrafter) and head.device == "cuda"
+    assert isinstance(head, CudaSlotsDrafter) and head.cuda_graphs
     spec = Generator(cuda_engine(eagle3["graph"], max_context=128), head, "eagle3", 3)
     assert [t for s in spec.generate(prompt, greedy, max_tokens=40) for t in s.tokens] == plain
     assert spec.stats.num_drafts > 0

@@ -1,0 +1,181 @@
+"""The EAGLE-3 head over slots on the CUDA provider: inputs and outputs in device memory, CUDA graphs for the
+fixed shapes of a step's head runs.
+
+A head run is one decoder layer and an lm_head over a draft vocabulary: a few dozen small kernels whose launches,
+not their arithmetic, are its time on a GPU (measured on an H200: about 0.6 ms a run for the demo head, three
+times the target's replayed decode step). So, as runtime.engines.cuda does for the target:
+
+- every small input (ids, features, positions, write offsets, mask) is packed into one host buffer and copied
+  with ONE host-to-device copy into a fixed device buffer, logits and hidden states come back from fixed device
+  buffers, and the head cache stays where it is (one [slots, kv, capacity, hd] buffer per K and V);
+- runs of at most GRAPH_MAX_WIDTH tokens a row (chain rounds: one token per slot; tree levels; the catch-up
+  after a verification) run as CUDA graphs (ONNX Runtime's `enable_cuda_graph`), one per (kind of rows, batch
+  bucket, width, window): slots 0..bucket-1 always, a slot without a row writing into the spare rows, the
+  attention window rounded up to a power of two (at least 256, at most the capacity), captured on first use;
+- longer runs (a new request's catch-up over its prompt) are ordinary runs over the same buffers.
+
+Rows, padding and the cache's bookkeeping are runtime.serve.eagle3_slots.OnnxSlotsDrafter's; only where the bytes
+live and how a run is launched differ, so proposals are the same (tests run this class on host memory through the
+CPU provider against OnnxSlotsDrafter).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from manifests.errors import EnvironmentProblem
+from runtime.engines.cuda import GRAPH_MAX_WIDTH, batch_buckets
+from runtime.engines.cudalib import D2H, H2D, Cudart, DeviceBuffer, onnxruntime_cuda, pack_aligned
+from runtime.engines.onnxruntime import batched_inputs, batched_mask
+from runtime.serve.eagle3 import HeadRow, open_head_graph
+from runtime.serve.eagle3_slots import OnnxSlotsDrafter
+
+log = logging.getLogger(__name__)
+
+MIN_WINDOW = 256  # a graph run's attention window is a power of two at least this long (fewer captures)
+
+
+def cuda_graph_providers(device_id: int = 0) -> list:
+    """The CUDA provider with CUDA graphs on (ONNX Runtime refuses the session when a node would run elsewhere)."""
+    return [("CUDAExecutionProvider", {"device_id": str(device_id), "enable_cuda_graph": "1"}), "CPUExecutionProvider"]
+
+
+def open_cuda_head_session(graph: Path, threads: int | None = None):
+    """(session, metadata, CUDA graphs on) for a head on the CUDA provider: with CUDA graphs where ONNX Runtime
+    allows them for this graph, else without (the reason in one log line)."""
+    try:
+        session, meta = open_head_graph(graph, cuda_graph_providers(), threads)
+        return session, meta, True
+    except Exception as e:  # ModelError from open_session: a node not on the CUDA provider
+        log.warning("EAGLE-3 head %s runs without CUDA graphs: %s", Path(graph).name, str(e).splitlines()[0])
+    session, meta = open_head_graph(graph, ["CUDAExecutionProvider", "CPUExecutionProvider"], threads)
+    return session, meta, False
+
+
+class CudaSlotsDrafter(OnnxSlotsDrafter):
+    """OnnxSlotsDrafter with device-memory inputs and outputs and CUDA graphs (see the module docstring)."""
+
+    def __init__(self, graph: Path, *, max_context: int | None = None, num_slots: int = 1, session=None,
+                 cuda_graphs: bool = True, memory=None, fixed_shapes: bool | None = None):
+        """`session`: a head session on the CUDA provider (open_cuda_head_session; None: opened here), created
+        with CUDA graphs when `cuda_graphs`. `memory`: None for the GPU; tests pass a host-memory object with
+        runtime.engines.cudalib.Cudart's methods and the head then runs this class's bookkeeping on host buffers
+        through the CPU provider (no graphs). `fixed_shapes`: runs of at most GRAPH_MAX_WIDTH tokens a row take
+        a graph's shapes and buffers (bucket, window) whether or not they launch as graphs (default: as
+        cuda_graphs; tests on host memory turn it on to check those shapes)."""
+        if memory is None:
+            ort, why = onnxruntime_cuda()
+            if ort is None:
+                raise EnvironmentProblem(f"the EAGLE-3 head cannot run on the CUDA provider here: {why}")
+            if session is None:
+                session, _, cuda_graphs = open_cuda_head_session(graph)
+            self.cudart, self._where = Cudart.load(), "cuda"
+        else:
+            if session is None:
+                session, _ = open_head_graph(graph, ["CPUExecutionProvider"], None)
+            self.cudart, self._where, cuda_graphs = memory, "cpu", False
+        self.cuda_graphs = bool(cuda_graphs)
+        self.fixed_shapes = self.cuda_graphs if fixed_shapes is None else bool(fixed_shapes)
+        self._graph_ids = 0
+        self._scratch: dict[tuple, DeviceBuffer] = {}
+        self._generation = 0
+        super().__init__(graph, max_context=max_context, num_slots=num_slots, session=session)
+        self.description += " on device buffers" + (", CUDA graphs" if self.cuda_graphs else "")
+
+    def allocate_slots(self, num_slots: int) -> None:
+        super().allocate_slots(num_slots)
+        self.buckets = batch_buckets(self.num_slots)
+        self._generation += 1  # new cache buffers: graphs captured over the old ones are never replayed
+        self._runs: dict[tuple, tuple] = {}  # shape key -> (binding, input buffer, logits, hidden, graph id)
+
+    def _buffer(self, key: tuple, nbytes: int) -> DeviceBuffer:
+        """A device buffer per key that only grows (a graph run's keys have fixed sizes: fixed addresses)."""
+        buf = self._scratch.get(key)
+        if buf is None or buf.nbytes < nbytes:
+            if buf is not None:
+                buf.free()
+            buf = self._scratch[key] = DeviceBuffer(self.cudart, max(nbytes, 256))
+        return buf
+
+    def _run(self, group: list[HeadRow], from_target: bool) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        width = max(len(r.tokens) for r in group)
+        hi = max(r.slot for r in group) + 1
+        # a graph's padding rows write into the spare rows: at most the headroom wide
+        graph = self.fixed_shapes and width <= min(GRAPH_MAX_WIDTH, self._headroom)
+        lo = 0 if graph else min(r.slot for r in group)
+        if graph:  # slots 0..bucket-1, at the same addresses every time
+            hi = next(b for b in self.buckets if b >= hi)
+        ids, write, positions = batched_inputs(group, lo, hi, self._lengths, self.capacity)
+        batch = hi - lo
+        window = max(self._lengths[r.slot] for r in group) + width
+        if graph:
+            window = min(self.capacity, max(MIN_WINDOW, 1 << (window - 1).bit_length()))
+        mask = batched_mask(group, lo, positions, write, window)
+        wide, narrow = 3 * self.target_hidden_size, self.hidden_size
+        feats = np.zeros((batch, width, wide if from_target else narrow), np.float32)
+        for r in group:
+            feats[r.slot - lo, :len(r.tokens)] = r.features
+        none = np.zeros((batch, 0, narrow if from_target else wide), np.float32)
+        parts = [("input_ids", ids, np.int64), ("target_hidden_states", feats if from_target else none, np.float32),
+                 ("draft_hidden_states", none if from_target else feats, np.float32),
+                 ("position_ids", positions, np.int64), ("write_indices", write, np.int64),
+                 ("attention_mask", mask, np.bool_)]
+        host, offsets = pack_aligned([a for _, a, _ in parts])
+        key = (from_target, lo, batch, width, window, self._generation)
+        run = self._runs.get(key) if graph else None
+        if run is None:
+            run = self._bind(key, parts, offsets, host.nbytes, graph)
+        binding, inputs, logits, hidden, graph_id = run
+        self.cudart.memcpy(inputs.ptr, host.ctypes.data, host.nbytes, H2D)
+        self.cudart.synchronize()  # a pageable copy may still be in flight; ONNX Runtime's stream does not wait
+        options = self._ort.RunOptions()
+        if self.cuda_graphs:
+            options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        self.session.run_with_iobinding(binding, options)
+        self.runs += 1
+        out_logits = np.empty((batch, width, self.vocab_size), np.float32)
+        out_hidden = np.empty((batch, width, self.hidden_size), np.float32)
+        self.cudart.memcpy(out_logits.ctypes.data, logits.ptr, out_logits.nbytes, D2H)
+        self.cudart.memcpy(out_hidden.ctypes.data, hidden.ptr, out_hidden.nbytes, D2H)
+        out = {}
+        for r in group:
+            n = len(r.tokens)
+            out[r.slot] = (out_logits[r.slot - lo, :n].copy(), out_hidden[r.slot - lo, :n].copy())
+            self._lengths[r.slot] += n
+        return out
+
+    def _bind(self, key: tuple, parts, offsets, nbytes: int, graph: bool) -> tuple:
+        """A binding over this shape's device buffers: kept per key for graph runs (what a captured graph replays),
+        made afresh over grow-only buffers otherwise."""
+        from_target, lo, batch, width, window, _ = key
+        tag = key if graph else ("any",)
+        inputs = self._buffer(("inputs", *tag), nbytes)
+        logits = self._buffer(("logits", *tag), batch * width * self.vocab_size * 4)
+        hidden = self._buffer(("hidden", *tag), batch * width * self.hidden_size * 4)
+        where = self._where
+        binding = self.session.io_binding()
+        for (name, array, dtype), off in zip(parts, offsets):
+            binding.bind_input(name, where, 0, dtype, list(array.shape), inputs.ptr + off)
+        shape = [batch, self._kv, self.capacity, self._hd]
+        offset = lo * self._kv * self.capacity * self._hd * 4
+        for name, buf in zip(("key", "value"), self._cache):
+            ptr = buf.data_ptr() + offset
+            binding.bind_input(f"past_key_values.0.{name}", where, 0, np.float32, shape, ptr)
+            binding.bind_output(f"present.0.{name}", where, 0, np.float32, shape, ptr)
+        binding.bind_output("logits", where, 0, np.float32, [batch, width, self.vocab_size], logits.ptr)
+        binding.bind_output("hidden_states", where, 0, np.float32, [batch, width, self.hidden_size], hidden.ptr)
+        if graph:
+            self._graph_ids += 1
+        graph_id = self._graph_ids if graph and self.cuda_graphs else -1
+        run = (binding, inputs, logits, hidden, graph_id)
+        if graph:
+            self._runs[key] = run
+        return run
+
+    def close(self) -> None:
+        for buf in self._scratch.values():
+            buf.free()
+        self._scratch.clear()
