@@ -22,9 +22,9 @@ step, so measured rows stay at or below 100 %. The step-cost line shows the engi
 graphs), as bundler.pack.engines exports them: float16 (bfloat16 when the pair was trained in it) batched Attention
 graphs of target and draft, each with its GroupQueryAttention decode graph over the same weights
 (bundler.onnx.dual; both graphs of the EAGLE-3 target return the aux hidden states). The head (float32, its
-own cache) runs on OnnxDrafter with ONNX Runtime's CUDAExecutionProvider (what runtime.server.loader gives a
-`cuda` bundle), and at k=3 also on the CPU provider (BUNDLE_EAGLE3_HEAD_DEVICE=cpu); one stream here, so one
-slot: bench_eagle3_slots.py measures the head's rounds over many slots; --threads then sets only the head's threads. Needs
+own cache) runs as runtime.server.loader gives it to a `cuda` bundle: runtime.serve.eagle3_slots.open_head on
+ONNX Runtime's CUDAExecutionProvider (runtime.serve.eagle3_cuda: device buffers, CUDA graphs for the rounds),
+and at k=3 also on the CPU provider (BUNDLE_EAGLE3_HEAD_DEVICE=cpu); one stream here, so one slot: bench_eagle3_slots.py measures the head's rounds over many slots; --threads then sets only the head's threads. Needs
 onnxruntime-gpu. The step-cost line adds the target's (k+1)-token verification step (the Attention graph,
 not the decode graph), and every method's greedy output is compared with plain's (the two graphs round fp16
 differently, so a near-tie may flip: printed, not fatal).
@@ -151,6 +151,7 @@ def main(argv=None, *, memory=None) -> int:
     from bundler import demo
     from bundler.onnx import eagle3
     from runtime.serve.eagle3 import OnnxDrafter
+    from runtime.serve.eagle3_slots import SlotsDrafter, open_head
     from runtime.engines.base import Row
     from runtime.serve.sampling import SamplingParams
     from runtime.serve.generator import Generator
@@ -191,6 +192,8 @@ def main(argv=None, *, memory=None) -> int:
             e.forward_one(tokens)
 
     def drafter(layout="batched", on=None):
+        if layout == "batched":  # as `bundle serve` opens it: over slots (on the CUDA provider: CUDA graphs)
+            return open_head(heads[layout], threads=t, providers=on or providers)
         return OnnxDrafter(heads[layout], threads=t, providers=on or providers)
 
     tokenizer = Tokenizer(demo.DEMO_TARGET_DIR)
@@ -242,6 +245,7 @@ def main(argv=None, *, memory=None) -> int:
             head_layouts.append(("batched", "head_cpu", cpu_head))
         for layout, key, on in head_layouts:
             d = drafter(layout, on)
+            d = d.view(0) if isinstance(d, SlotsDrafter) else d  # one slot's head, as the per-slot interface
             d.forward(prompt[1:], np.zeros((ctx - 1, 3 * cfg.target_hidden_size), np.float32),
                       np.zeros((0, cfg.hidden_size), np.float32))
             h = np.zeros((1, cfg.hidden_size), np.float32)

@@ -10,8 +10,9 @@ pending one), then k - 1 chain entries, then the rollback. "per slot": one OnnxD
 per slot (heads exported before their batch carried slots); "over slots": OnnxSlotsDrafter, k runs per step
 for all slots (runtime.serve.eagle3_rounds). Printed per slot count: ms per step (median of --repeats), the
 ratio, and head runs per step. Both produce the same proposals (checked each step: printed, not fatal).
---cuda: the head on ONNX Runtime's CUDA provider (its cache in device memory), as `bundle serve` runs it beside
-a GPU target; needs onnxruntime-gpu.
+--cuda: the head on ONNX Runtime's CUDA provider (its cache in device memory), and a third side, "over slots,
+CUDA graphs": runtime.serve.eagle3_cuda.CudaSlotsDrafter, what `bundle serve` runs beside a GPU target (inputs
+in one copy a run, rounds launched as CUDA graphs); needs onnxruntime-gpu.
 """
 
 from __future__ import annotations
@@ -63,13 +64,20 @@ def main(argv=None) -> int:
     shown = shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown  # the demo head: as the repo names it
     print(f"EAGLE-3 head {shown} on {single.session.get_providers()[0]}, {ctx} cached entries per slot, "
           f"greedy chains of {k}, {args.threads} threads, median of {args.repeats} steps")
-    print("| slots | per slot (ms/step) | over slots (ms/step) | per slot / over slots | head runs per step "
-          "(per slot / over slots) |")
-    print("|---|---|---|---|---|")
+    graphs = " over slots, CUDA graphs (ms/step) | per slot / CUDA graphs |" if args.cuda else ""
+    print("| slots | per slot (ms/step) | over slots (ms/step) | per slot / over slots |" + graphs +
+          " head runs per step (per slot / over slots) |")
+    print("|---|---|---|---|" + ("---|---|" if args.cuda else "") + "---|")
+    if args.cuda:
+        from runtime.serve.eagle3_cuda import CudaSlotsDrafter
     for n in counts:
         over = OnnxSlotsDrafter(graph, max_context=ctx + k + 2, threads=args.threads, providers=providers,
                                 num_slots=n)
         sides = {"per slot": slot_proposers(single, n), "over slots": slot_proposers(over, n)}
+        heads = {"over slots": over}
+        if args.cuda:
+            heads["graphs"] = CudaSlotsDrafter(graph, max_context=ctx + k + 2, num_slots=n)
+            sides["graphs"] = slot_proposers(heads["graphs"], n)
         tokens = [rng.integers(3, single.vocab_size, ctx + 1).tolist() for _ in range(n)]
         features = rng.standard_normal((n, ctx, 3 * single.target_hidden_size)).astype(np.float32)
         for proposers in sides.values():
@@ -88,16 +96,19 @@ def main(argv=None) -> int:
                 if side == "per slot":
                     got[side] = [p.propose(t, k, pick)[0] for p, t in zip(proposers, tokens)]
                 else:
-                    before = over.runs
+                    head = heads[side]
+                    before = head.runs
                     jobs = [ChainJob(p, t, k, pick) for p, t in zip(proposers, tokens)]
-                    propose_all(over, jobs)
+                    propose_all(head, jobs)
                     got[side] = [job.result()[0] for job in jobs]
-                    runs[side] = over.runs - before
+                    runs[side] = head.runs - before
                 if step:
                     times[side].append(time.perf_counter() - t0)
-            same &= got["per slot"] == got["over slots"]
-        a, b = (statistics.median(times[s]) * 1e3 for s in sides)
-        print(f"| {n} | {a:.2f} | {b:.2f} | {a / b:.2f}x | {runs['per slot']} / {runs['over slots']} |")
+            same &= all(got[side] == got["per slot"] for side in sides)
+        ms = {side: statistics.median(times[side]) * 1e3 for side in sides}
+        a, b = ms["per slot"], ms["over slots"]
+        graphs = f" {ms['graphs']:.2f} | {a / ms['graphs']:.2f}x |" if "graphs" in ms else ""
+        print(f"| {n} | {a:.2f} | {b:.2f} | {a / b:.2f}x |{graphs} {runs['per slot']} / {runs['over slots']} |")
         if not same:
             print(f"slots {n}: the proposals differ between the two (float rounding near a tie?)")
     return 0

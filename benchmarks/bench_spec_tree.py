@@ -91,7 +91,7 @@ def main(argv=None, *, memory=None) -> int:
     from benchmarks.bench_serve import _prompts
     from bundler import demo
     from bundler.onnx import eagle3
-    from runtime.serve.eagle3 import OnnxDrafter
+    from runtime.serve.eagle3_slots import open_head
     from runtime.serve.generator import Generator
     from runtime.serve.sampling import SamplingParams
     from runtime.serve.tokenizer import Tokenizer
@@ -121,7 +121,8 @@ def main(argv=None, *, memory=None) -> int:
     target = engine("plain")
     aux = engine("aux") if "eagle3" in methods else None
     draft = engine("draft") if "draft_model" in methods else None
-    head = OnnxDrafter(head_graph, threads=args.threads, providers=providers) if "eagle3" in methods else None
+    # as `bundle serve` opens it: over slots (on the CUDA provider: device buffers, CUDA graphs)
+    head = open_head(head_graph, threads=args.threads, providers=providers) if "eagle3" in methods else None
     described = f"{target.description}; head {head.description} on {providers[0]}" if head else target.description
     prompts = {k: v for k, v in _prompts(Tokenizer(demo.DEMO_TARGET_DIR), max_context, args.tokens).items()
                if k in args.prompts.split(",")}
