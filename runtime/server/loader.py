@@ -55,14 +55,25 @@ def resolve_speculative(manifest: Manifest, override: Speculative | None, disabl
 
 def build_runner(target, draft, spec: Speculative, *, adaptive: bool = True) -> ModelRunner:
     """The server's model runner, which the engine client drives: num_speculative_tokens is the most a
-    step verifies; how many it does is picked per step from measured costs (runtime.serve.spec_length) unless `adaptive` is False.
+    step verifies; how many it does is picked per step from measured costs (runtime.serve.spec_length) unless `adaptive`
+    is False or the config says "adaptive": false.
     vLLM's `disable_by_batch_size` turns speculation off above that many running requests."""
     lo = spec.prompt_lookup_min or 2
     hi = spec.prompt_lookup_max or max(4, lo)
     draft = draft if spec.method in ("draft_model", "eagle3") else None
     return ModelRunner(as_slots(target), draft if spec.method == "eagle3" else as_slots(draft), spec.method,
-                       spec.num_speculative_tokens, prompt_lookup_min=lo, prompt_lookup_max=hi, adaptive=adaptive,
+                       spec.num_speculative_tokens, prompt_lookup_min=lo, prompt_lookup_max=hi,
+                       adaptive=adaptive and adaptive_length(spec),
                        disable_by_batch_size=disable_by_batch_size(spec), tree=TreeOptions.parse(spec.extra.get("tree")))
+
+
+def adaptive_length(spec: Speculative) -> bool:
+    """The speculative config's own "adaptive" key (kept in `extra`): true (the default) picks each step's length
+    from measured costs, false verifies num_speculative_tokens every step (a fixed length, as vLLM runs)."""
+    value = spec.extra.get("adaptive", True)
+    if not isinstance(value, bool):
+        raise UsageError(f"--speculative-config: expected adaptive true or false, found {str(value)[:40]!r}")
+    return value
 
 
 def disable_by_batch_size(spec: Speculative) -> int | None:

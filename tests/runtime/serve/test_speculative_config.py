@@ -87,3 +87,16 @@ def test_disable_by_batch_size_reaches_the_scheduler_and_a_bad_value_is_refused(
     assert gen.speculation.choose([object()] * 5, 0, free_draft=True) == 0
     with pytest.raises(UsageError, match="expected disable_by_batch_size an integer >= 1, found '0'"):
         build_runner(engine_factory("target"), None, serve_parse('{"method": "ngram", "disable_by_batch_size": 0}'))
+
+
+def test_adaptive_false_verifies_the_configured_length_every_step_and_a_bad_value_is_refused(engine_factory):
+    """The config's own "adaptive" key: false verifies num_speculative_tokens every step (vLLM's fixed length),
+    whatever the cost model would choose; anything but true or false is refused in one line."""
+    from runtime.server.loader import build_runner
+
+    fixed = build_runner(engine_factory("target"), None, serve_parse('{"method": "ngram", "adaptive": false}'))
+    assert not fixed.speculation.adaptive
+    assert fixed.speculation.choose([object()] * 2, 0, free_draft=True) == 3
+    assert build_runner(engine_factory("target"), None, serve_parse('{"method": "ngram"}')).speculation.adaptive
+    with pytest.raises(UsageError, match="expected adaptive true or false, found 'no'"):
+        build_runner(engine_factory("target"), None, serve_parse('{"method": "ngram", "adaptive": "no"}'))
