@@ -67,7 +67,8 @@ import numpy as np
 from manifests.errors import EnvironmentProblem, ModelError
 from manifests.limits import LIMITS
 from runtime.engines.base import Engine, Row
-from runtime.engines.cudalib import D2D, D2H, H2D, Cudart, DeviceBuffer, fetch_rows, onnxruntime_cuda, pack_aligned
+from runtime.engines.cudalib import (D2D, D2H, H2D, Cudart, DeviceBuffer, fetch_group, fetch_rows, onnxruntime_cuda,
+                                     pack_aligned)
 from runtime.engines.device_states import DeviceStates
 from runtime.engines.onnxruntime import (OnnxRuntimeEngine, batched_inputs, batched_mask, bind_row_inputs,
                                          check_capacity, static_capacity)
@@ -468,13 +469,18 @@ class CudaEngine(Engine):
         if self.cuda_graphs:
             run_options.add_run_config_entry("gpu_graph_id", str(graph_id if graph_id is not None else -1))
         lane.session.run_with_iobinding(lane.binding, run_options)
-        out = {}
+        out = dict(zip((r.slot for r in group), fetch_group(
+            self.cudart, logits.ptr, argmax.ptr, self.vocab_size, batch, width,
+            [(r.slot - lo, len(r.tokens), wants[r.slot]) for r in group])))
+        if aux is not None:  # one copy of the call's aux rows for every slot in it
+            block = self._fetch_aux(aux, batch * width, 0, batch * width).reshape(batch, width, self.aux_width) \
+                if len(group) > 1 else None
+            for r in group:
+                n, row = len(r.tokens), r.slot - lo
+                self.last_aux_hidden[r.slot] = block[row, :n].copy() if block is not None \
+                    else self._fetch_aux(aux, width, row, n)
         for r in group:
-            n, row = len(r.tokens), r.slot - lo
-            out[r.slot] = self._fetch(logits, argmax, batch, width, row, n, wants[r.slot])
-            if aux is not None:
-                self.last_aux_hidden[r.slot] = self._fetch_aux(aux, width, row, n)
-            self.slots.advance(r.slot, n)
+            self.slots.advance(r.slot, len(r.tokens))
         if self._states:
             self._states.after_run(lo, {r.slot: r.tokens for r in group}, captures, width)
         return out

@@ -233,6 +233,38 @@ def fetch_rows(memory, logits: int, argmax: int | None, vocab: int, width: int, 
     return host.astype(np.float32, copy=False)
 
 
+def fetch_group(memory, logits: int, argmax: int | None, vocab: int, batch: int, width: int, rows, dtype="float32"):
+    """fetch_rows for every row of one call (rows: (row, n, want) each), in as few copies as the wants allow: every
+    argmax of the call in ONE copy of its [batch, width] buffer, and in a call one token wide (decode) every logits
+    row in ONE copy of its [batch, vocab] block, where more than one row wants them (each copy waits for the device:
+    32 decoding slots made 32 copies a step). Rows are sliced on the host; the result is fetch_rows's, row by row."""
+    import numpy as np
+
+    rows = list(rows)
+    wants_argmax = [r for r in rows if r[2] == "argmax"]
+    wants_logits = [r for r in rows if r[2] in ("all", "last") and r[1] > 0]
+    block_argmax = None
+    if len(wants_argmax) > 1 and argmax is not None:
+        block_argmax = np.empty((batch, width), np.int64)
+        memory.memcpy(block_argmax.ctypes.data, argmax, block_argmax.nbytes, D2H)
+    block_logits = None
+    if width == 1 and len(wants_logits) > 1:
+        lo = min(r[0] for r in wants_logits)
+        block_logits = np.empty((max(r[0] for r in wants_logits) + 1 - lo, vocab), np.dtype(dtype))
+        memory.memcpy(block_logits.ctypes.data, logits + lo * vocab * block_logits.itemsize, block_logits.nbytes, D2H)
+        block_logits = (lo, block_logits.astype(np.float32, copy=False))
+    out = []
+    for row, n, want in rows:
+        if want == "argmax" and block_argmax is not None:
+            out.append(block_argmax[row, :n].copy())
+        elif want in ("all", "last") and n > 0 and block_logits is not None:
+            lo, block = block_logits
+            out.append(block[row - lo:row - lo + 1].copy())
+        else:
+            out.append(fetch_rows(memory, logits, argmax, vocab, width, row, n, want, dtype))
+    return out
+
+
 def library_path_hint() -> str:
     """LD_LIBRARY_PATH that would let a fresh process find the pip CUDA libraries (for messages, scripts)."""
     return os.pathsep.join(str(d) for d in nvidia_library_dirs())

@@ -30,7 +30,7 @@ import numpy as np
 
 from manifests.errors import ModelError
 from runtime.engines.base import Engine, Row
-from runtime.engines.cudalib import H2D, DeviceBuffer, fetch_rows, pack_aligned
+from runtime.engines.cudalib import H2D, DeviceBuffer, fetch_group, pack_aligned
 from runtime.engines.onnxruntime import OnnxRuntimeEngine, batched_inputs, batched_mask
 from runtime.engines.slots import SlotTable
 
@@ -236,9 +236,10 @@ class TensorRTBatchedEngine(Engine):
             argmax = self._scratch_buffer("argmax", self._max_tokens * 8)
             ctx.set_tensor_address("argmax", argmax.ptr)
         ctx.execute()
-        out = {}
+        out = dict(zip((r.slot for r in group), fetch_group(
+            self.cudart, logits.ptr, argmax.ptr if argmax is not None else None, self.vocab_size, hi - lo, width,
+            [(r.slot - lo, len(r.tokens), wants[r.slot]) for r in group], self._logits_dtype)))
         for r in group:
-            out[r.slot] = self._fetch(logits, argmax, width, r.slot - lo, len(r.tokens), wants[r.slot])
             self.slots.advance(r.slot, len(r.tokens))
         return out
 
@@ -258,12 +259,6 @@ class TensorRTBatchedEngine(Engine):
                 buf.free()
             buf = self._scratch[name] = DeviceBuffer(self.cudart, max(nbytes, ALIGN))
         return buf
-
-    def _fetch(self, logits: DeviceBuffer, argmax: DeviceBuffer | None, width: int, row: int, n: int,
-               want: str) -> np.ndarray:
-        """Only what the row asked for to the host: its n positions' logits (all, the last, none) or argmax."""
-        return fetch_rows(self.cudart, logits.ptr, argmax.ptr if argmax is not None else None, self.vocab_size,
-                          width, row, n, want, self._logits_dtype)
 
     # --- rollback, prefix copies ---------------------------------------------------------------
     def rollback(self, slot: int, length: int) -> None:
