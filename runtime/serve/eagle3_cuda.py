@@ -77,7 +77,7 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
             if session is None:
                 session, _ = open_head_graph(graph, ["CPUExecutionProvider"], None)
             self.cudart, self._where, cuda_graphs = memory, "cpu", False
-        self.cuda_graphs = bool(cuda_graphs)
+        self.cuda_graphs = self._graph_session = bool(cuda_graphs)  # the session was made with CUDA graphs on
         self.fixed_shapes = self.cuda_graphs if fixed_shapes is None else bool(fixed_shapes)
         self._graph_ids = 0
         self._scratch: dict[tuple, DeviceBuffer] = {}
@@ -131,10 +131,7 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
         binding, inputs, logits, hidden, graph_id = run
         self.cudart.memcpy(inputs.ptr, host.ctypes.data, host.nbytes, H2D)
         self.cudart.synchronize()  # a pageable copy may still be in flight; ONNX Runtime's stream does not wait
-        options = self._ort.RunOptions()
-        if self.cuda_graphs:
-            options.add_run_config_entry("gpu_graph_id", str(graph_id))
-        self.session.run_with_iobinding(binding, options)
+        self._launch(binding, graph_id)
         self.runs += 1
         out_logits = np.empty((batch, width, self.vocab_size), np.float32)
         out_hidden = np.empty((batch, width, self.hidden_size), np.float32)
@@ -146,6 +143,27 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
             out[r.slot] = (out_logits[r.slot - lo, :n].copy(), out_hidden[r.slot - lo, :n].copy())
             self._lengths[r.slot] += n
         return out
+
+    def _launch(self, binding, graph_id: int) -> None:
+        """One run: graph_id > 0 captures (first use) or replays that CUDA graph, -1 an ordinary run. A capture ONNX
+        Runtime cannot make turns graphs off for this head, in one log line, and the run is made again ordinarily
+        (it writes the same cache entries at the same positions)."""
+        if not self._graph_session:
+            self.session.run_with_iobinding(binding)
+            return
+        try:  # a session with CUDA graphs on needs the id on every run: without one it would capture graph 0
+            self.session.run_with_iobinding(binding, self._run_options(graph_id if self.cuda_graphs else -1))
+        except Exception as e:  # onnxruntime raises its own untyped errors
+            if graph_id < 0 or not self.cuda_graphs:
+                raise
+            log.warning("EAGLE-3 head: CUDA graphs off after a failed capture: %s", str(e).splitlines()[0])
+            self.cuda_graphs = False
+            self.session.run_with_iobinding(binding, self._run_options(-1))
+
+    def _run_options(self, graph_id: int):
+        options = self._ort.RunOptions()
+        options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        return options
 
     def _bind(self, key: tuple, parts, offsets, nbytes: int, graph: bool) -> tuple:
         """A binding over this shape's device buffers: kept per key for graph runs (what a captured graph replays),
