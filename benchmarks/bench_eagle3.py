@@ -120,6 +120,12 @@ def export_graphs(work: Path, layers: tuple[int, ...], cuda: bool) -> tuple[str,
     return dtype, graphs
 
 
+def shown(path) -> str:
+    """A checkpoint's path as the repository names it (the demo's), else as given."""
+    p = Path(path).resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(path)
+
+
 def head_providers(cuda: bool) -> list[str]:
     """ONNX Runtime providers for the EAGLE-3 head (and the CPU engine's graphs): CUDA first when `cuda`, else
     the CPU; SystemExit saying why when the CUDA provider cannot run here."""
@@ -223,12 +229,12 @@ def main(argv=None, *, memory=None) -> int:
         print(f"demo target ({dtype}, CudaEngine: {probe.description}{'' if probe.dual else ', single graph'}"
               f"{f'; decode graph off: {probe.decode_graph_error}' if probe.decode_graph_error else ''}"
               f"{f'; CUDA graphs off: {probe.cuda_graph_error}' if probe.cuda_graph_error else ''}), "
-              f"head {head_dir} ({cfg.intermediate_size} intermediate, float32 on {head_on}), "
+              f"head {shown(head_dir)} ({cfg.intermediate_size} intermediate, float32 on {head_on}), "
               f"{args.tokens} greedy tokens, head {t} threads, median of {args.repeats}")
         probe.close()
         made.clear()
     else:
-        print(f"demo target ({dtype}, {providers[0]}), head {head_dir} ({cfg.intermediate_size} intermediate), "
+        print(f"demo target ({dtype}, {providers[0]}), head {shown(head_dir)} ({cfg.intermediate_size} intermediate), "
               f"{args.tokens} greedy tokens, {t} threads, median of {args.repeats}")
     for pname, prompt in prompts.items():
         ctx = len(prompt)

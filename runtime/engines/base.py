@@ -113,6 +113,9 @@ class Engine(ABC):
     recurrent: bool = False
     #: True when forward takes Row.tree (a tree attention mask) and keep_rows compacts chosen rows
     supports_tree: bool = False
+    #: calls so far that ran a CUDA graph's shape for one of its first runs (ONNX Runtime runs a new graph id
+    #: ordinarily, then captures it: many times a replay's cost), which a cost measurement must leave out
+    cold_runs: int = 0
 
     @abstractmethod
     def length(self, slot: int) -> int:

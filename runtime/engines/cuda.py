@@ -85,6 +85,9 @@ TYPES = {"tensor(float)": (np.float32, np.float32), "tensor(float16)": (np.float
 PRECISION = {"tensor(float)": "fp32", "tensor(float16)": "fp16", "tensor(bfloat16)": "bf16"}
 #: Steps whose rows are at most this many tokens run as CUDA graphs (decode; verification of k+1 drafts).
 GRAPH_MAX_WIDTH = 8
+#: The first runs of a graph id are not replays: ONNX Runtime runs it once ordinarily (its memory planned), then
+#: captures it (onnxruntime's min_num_runs_before_cuda_graph_capture_ is 1); Engine.cold_runs counts them.
+GRAPH_WARMUP = 2
 
 
 def batch_buckets(num_slots: int) -> list[int]:
@@ -106,6 +109,7 @@ class _Lane:
         meta = session.get_modelmeta().custom_metadata_map
         self.windowed = meta.get("bundle.attention_window") == "1"  # else the mask spans the capacity
         self.graphs: dict[tuple, int] = {}  # (bucket, width, window, allocation) -> gpu_graph_id
+        self.runs: dict[int, int] = {}  # gpu_graph_id -> runs so far (its first GRAPH_WARMUP are cold)
         self.io = None
         self.bound_inputs = self.bound_outputs = self.bound = None
 
@@ -457,6 +461,9 @@ class CudaEngine(Engine):
                 window = min(cap, max(256, 1 << (window - 1).bit_length()))
         graph_id = lane.graphs.setdefault((hi, width, window, self._generation), len(lane.graphs) + 1) \
             if use_graph else None
+        if graph_id is not None:
+            lane.runs[graph_id] = lane.runs.get(graph_id, 0) + 1
+            self.cold_runs += lane.runs[graph_id] <= GRAPH_WARMUP
         mask = None if lane.gqa else batched_mask(group, lo, positions, write, window)
         counts = {r.slot: len(r.tokens) for r in group}
         self._bind_inputs(lane, batch, width, window, ids, positions, write, mask,

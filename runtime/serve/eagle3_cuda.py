@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from manifests.errors import EnvironmentProblem
-from runtime.engines.cuda import GRAPH_MAX_WIDTH, batch_buckets
+from runtime.engines.cuda import GRAPH_MAX_WIDTH, GRAPH_WARMUP, batch_buckets
 from runtime.engines.cudalib import D2H, H2D, Cudart, DeviceBuffer, onnxruntime_cuda, pack_aligned
 from runtime.engines.onnxruntime import batched_inputs, batched_mask
 from runtime.serve.eagle3 import HeadRow, open_head_graph
@@ -80,6 +80,8 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
         self.cuda_graphs = self._graph_session = bool(cuda_graphs)  # the session was made with CUDA graphs on
         self.fixed_shapes = self.cuda_graphs if fixed_shapes is None else bool(fixed_shapes)
         self._graph_ids = 0
+        self._graph_runs: dict[int, int] = {}  # graph id -> runs so far
+        self.cold_runs = 0  # runs that were among the first GRAPH_WARMUP of their graph (as Engine.cold_runs)
         self._scratch: dict[tuple, DeviceBuffer] = {}
         self._generation = 0
         super().__init__(graph, max_context=max_context, num_slots=num_slots, session=session)
@@ -129,6 +131,9 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
         if run is None:
             run = self._bind(key, parts, offsets, host.nbytes, graph)
         binding, inputs, logits, hidden, graph_id = run
+        if graph_id > 0:  # its first runs: an ordinary run, then the capture (what cost measurements leave out)
+            self._graph_runs[graph_id] = self._graph_runs.get(graph_id, 0) + 1
+            self.cold_runs += self._graph_runs[graph_id] <= GRAPH_WARMUP
         self.cudart.memcpy(inputs.ptr, host.ctypes.data, host.nbytes, H2D)
         self.cudart.synchronize()  # a pageable copy may still be in flight; ONNX Runtime's stream does not wait
         self._launch(binding, graph_id)

@@ -44,6 +44,8 @@ class SlotsDrafter(ABC):
     description: str = ""
     #: head runs so far (the model runner's draft_forwards count them)
     runs: int = 0
+    #: runs that were among the first of their CUDA graph (runtime.engines.base.Engine.cold_runs)
+    cold_runs: int = 0
 
     @abstractmethod
     def allocate_slots(self, num_slots: int) -> None:

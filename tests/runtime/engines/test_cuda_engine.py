@@ -90,6 +90,9 @@ def test_batched_steps_with_cuda_graphs_equal_without_and_each_slot_alone(gpu_gr
         engine.forward([Row(s, p) for s, p in enumerate(prompts)])
         runs[graphs] = [engine.forward([Row(s, f[s]) for s in range(3)]) for f in feeds]
         assert [engine.length(s) for s in range(4)] == [len(p) + 12 for p in prompts] + [0]
+        # a decode shape and (but under GroupQueryAttention alone) a verification shape, each run 2 to 4 times:
+        # the first 2 runs of each are cold (ONNX Runtime's ordinary run, then the capture), the rest replays
+        assert engine.cold_runs == ((2 if graph == "gqa" else 4) if graphs else 0)
     scale = max(float(np.abs(lg).max()) for step in runs[False] for lg in step)
     for with_graph, without in zip(runs[True], runs[False]):
         for a, b in zip(with_graph, without):
@@ -249,6 +252,9 @@ def test_the_head_with_cuda_graphs_equals_it_on_the_cpu_provider(eagle3):
         graph, max_context=context, num_slots=slots), "cuda")[1]
     assert head.cuda_graphs, "ONNX Runtime refused CUDA graphs for the head (see the log)"
     assert all(run[-1] > 0 for run in head._runs.values())
+    # runs of a graph shape past its first two (ordinary run, capture) replay: not cold
+    assert head.cold_runs == sum(min(n, 2) for n in head._graph_runs.values()) < head.runs
+    assert max(head._graph_runs.values()) > 2
 
 
 def test_eagle3_over_slots_on_the_device_is_greedy_token_for_token(eagle3):
