@@ -288,6 +288,7 @@ class ModelRunner:
         prompt's last chunk runs now (its first token, sampled from that chunk's last row).
         """
         t0, target0 = self._clock(), self.stats.target_seconds
+        cold0 = self._cold_runs()
         self._catch_up = False
         if decodes:
             self._batch = len(decodes)
@@ -330,14 +331,20 @@ class ModelRunner:
         target_s = self.stats.target_seconds - target0
         rounds = max((depth(d) for d, _ in proposals.values()), default=0)
         # the cost model sees decode-only steps: a prefill chunk runs as a call of its own, with another
-        # cost per token than verification rows (and a draft catching up on many tokens is prefilling)
-        decoded = 0 if prefills or self._catch_up else sum(len(row.tokens) for row in rows)
+        # cost per token than verification rows (and a draft catching up on many tokens is prefilling), and a
+        # step that ran some CUDA graph for one of its first times measured ONNX Runtime's capture, not the step
+        cold = self._cold_runs() != cold0
+        decoded = 0 if prefills or self._catch_up or cold else sum(len(row.tokens) for row in rows)
         self.speculation.observe_step(decoded, target_s, rounds,
                                       sum(1 for d, _ in proposals.values() if d), propose_s,
                                       self._clock() - t0 - target_s - propose_s, batch=len(decodes),
                                       drafted=max((g for _, g in decodes), default=0))
         self._shapes.clear()  # the next step chooses again, with what this one measured
         self._lookups.clear()
+
+    def _cold_runs(self) -> int:
+        """The engines' cold runs so far (runtime.engines.base.Engine.cold_runs): target, draft and EAGLE-3 head."""
+        return sum(getattr(e, "cold_runs", 0) for e in (self.target, self.draft, self.head) if e is not None)
 
     def _finish_row(self, r, row_logits, drafts: list[int], qs: list, greedy: bool) -> None:
         """Accept from a row's target output (argmax or logits after [pending, *drafts]); emit the Step."""

@@ -26,7 +26,8 @@ fit over all buckets.
 G = 0 unless the best G > 0 beats plain decoding by `MIN_GAIN`: speculation is meant never to lose.
 Per slot, a step may give a slot fewer proposals than its G (none at all) where that slot's own acceptance
 does not pay for its verify rows and draft work (`_per_slot`), when the cost model predicts the step faster so.
-While a bucket decodes plainly, a probe step drafts the best G > 0 after `PROBE_EVERY` plain steps,
+While a bucket decodes plainly, a probe drafts the best G > 0 for PROBE_STEPS steps after `PROBE_EVERY` plain steps
+(its first step pays the draft's catch-up, which the step fits leave out, so the later ones are what it measures),
 the wait doubling after each probe that confirms 0, up to `PROBE_MAX` (bounded exploration, a
 deterministic schedule), so acceptance and costs keep being measured and the bucket switches back
 when drafting starts to pay (better acceptance, a lighter load); between probes its plain steps skip the
@@ -39,7 +40,10 @@ prompt, or a draft that reads tokens cheaply), which bounds exploration's cost w
 third time none at all for PLAIN_BURST steps, so that plain decoding's own cost is measured rather than
 extrapolated from drafted steps (a burst, and each group's cost a median of its recent steps, because a
 rarely run path nearly always meets a context window it has not run at, and its first run there captures
-a CUDA graph or plans a new shape). That matters on a GPU, where a plain step may run another path than a verification
+a CUDA graph or plans a new shape). A step in which an engine ran some CUDA graph for one of its first times
+(runtime.engines.base.Engine.cold_runs: ONNX Runtime's ordinary run, then its capture, each many times a replay)
+is left out of the fits altogether: on a GPU a probe nearly always meets a shape not yet captured, and fits fed
+those steps priced drafting at tens of times its cost, so that it never drafted again. That matters on a GPU, where a plain step may run another path than a verification
 (the CUDA engine's single-token decode graph under CUDA graphs): a G measured in the bucket is
 predicted from its own mean (moved along the fit's slope), not from the line through the others.
 
@@ -64,6 +68,7 @@ DECAY = 0.98  # weight of the past per verification in the server-wide acceptanc
 PLAIN_BURST = 4  # consecutive plain steps a drafting bucket explores (its first may pay a first run)
 ACCEPT_DECAY = 0.9  # per slot: weight of the past per verification
 PRIOR_WEIGHT = 2.0  # the server-wide rate counts as this many proposals in a new slot's estimate
+PROBE_STEPS = 3  # drafted steps a probe runs: its first pays the draft's catch-up (or a graph's capture), unmeasured
 SLOT_PROBE_EVERY = 16  # a slot held at 0 while others draft drafts again after this many steps (re-measure it)
 PROBE_BUDGET = 0.01  # a probe's catch-up may cost at most this share of the plain decoding since the last probe
 
@@ -90,6 +95,8 @@ class Bucket:
     burst: int = 0  # plain steps left of an exploration burst
     plain_seconds: float = 0.0  # plain steps' measured seconds since the last probe (what a probe's catch-up spends)
     deferred: int = 0  # probes put off because their catch-up would cost more than PROBE_BUDGET of that
+    probe_left: int = 0  # drafted steps left of the probe under way (of PROBE_STEPS), at G probe_g
+    probe_g: int = 0
     #: at the latest evaluation, per G = 0..K: (predicted tokens per second, predicted step seconds)
     predicted: tuple = ()
 
@@ -250,6 +257,11 @@ class SpeculationLength:
             bucket.burst -= 1
             bucket.steps += 1
             return self._pick(0)
+        if bucket.probe_left > 0:  # the rest of a probe: measured steps after the one that caught up
+            bucket.probe_left -= 1
+            bucket.steps += 1
+            bucket.recheck = True  # the step after the probe decides with what it measured
+            return self._pick(bucket.probe_g)
         due = bucket.plain_run + 1 >= bucket.probe_wait
         if due and bucket.deferred and (bucket.plain_run + 1) % self.probe_every:
             due = False  # a probe put off looks at its price again every probe_every steps, not at every step
@@ -301,7 +313,8 @@ class SpeculationLength:
                 bucket.plain_seconds = 0.0
                 bucket.probe_wait = min(2 * bucket.probe_wait, self.probe_max)
                 bucket.probes += 1
-                bucket.recheck = True  # the next step decides again, with what the probe measured
+                bucket.recheck = True  # the step after the probe decides again, with what it measured
+                bucket.probe_left, bucket.probe_g = PROBE_STEPS - 1, best
                 return self._pick(best)
             bucket.skipped += 1
             return self._pick(0)
