@@ -20,8 +20,9 @@ then SIGCONT for their turn; --no-pause-idle leaves them running), so no idle se
 from it; tok/s is all completion tokens / wall time, the median of
 --repeats, and "vs plain" is the median of the paired ratios (each run against the plain run of the same
 round), which cancels drifts that hit one round. From each server's /metrics: mean accepted
-length (1 + accepted / drafts, vLLM's spec_decode counters) and the adaptive length's choice per batch
-bucket (bundle:spec_decode_num_speculative_tokens) and the share of the row's decode steps that drafted
+length (1 + accepted / drafts, vLLM's spec_decode counters), "of ideal" ("vs plain" over the speedup verification
+at a plain step's cost and free drafting would give: 1 + (mean accepted length - 1) x the share of steps drafting),
+and the adaptive length's choice per batch bucket (bundle:spec_decode_num_speculative_tokens) and the share of the row's decode steps that drafted
 (bundle:spec_decode_steps, per bucket and length; the JSON keeps the counts).
 
 Prints a markdown table (streams, prompt, method, tok/s, vs plain, mean accepted length, ...) and writes
@@ -232,20 +233,34 @@ def install_demo_cpu(root: Path) -> tuple[str, Path]:
 # --- report ----------------------------------------------------------------------------------------
 def table(rows: list[dict]) -> str:
     head = ("| streams | prompt | method | tok/s | runs (min-max) | vs plain (paired runs min-max) | mean accepted "
-            "length | draft tokens chosen (batch: k) | steps drafting | TTFT p50 ms |")
-    lines = [head, "|---|---|---|---:|---|---:|---:|---|---:|---:|"]
+            "length | draft tokens chosen (batch: k) | steps drafting | of ideal | TTFT p50 ms |")
+    lines = [head, "|---|---|---|---:|---|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         mal = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
         chosen = " ".join(f"{b}:{g}" for b, g in sorted(r["chosen"].items())) or "-"
         ran = [n for per_g in r.get("steps_by_length", {}).values() for n in per_g.values()]
-        drafting = sum(n for per_g in r.get("steps_by_length", {}).values() for g, n in per_g.items() if g)
+        drafting = sum(n for per_g in r.get("steps_by_length", {}).values() for g, n in per_g.items() if int(g))
         skipped = f"{100 * drafting / sum(ran):.0f}%" if not r["method"].startswith("plain") and ran else "-"
         spread = f"{min(r['tok_s_all']):.0f}-{max(r['tok_s_all']):.0f}"
         ratios = r["vs_plain_all"]
         vs = f"{r['vs_plain']:.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if r["method"] != "plain" else "1.00x"
+        ideal = ideal_of(r)
+        ideal = f"{100 * ideal:.0f}%" if ideal is not None else "-"
         lines.append(f"| {r['streams']} | {r['prompt']} | {r['method']} | {r['tok_s']:.1f} | {spread} | {vs} | "
-                     f"{mal} | {chosen} | {skipped} | {r['ttft_p50'] * 1e3:.0f} |")
+                     f"{mal} | {chosen} | {skipped} | {ideal} | {r['ttft_p50'] * 1e3:.0f} |")
     return "\n".join(lines)
+
+
+def ideal_of(row: dict) -> float | None:
+    """A speculative row's "vs plain" over its ideal: the speedup if every decode step had verified at a plain step's
+    cost with free drafting, 1 + (mean accepted length - 1) x the share of steps that drafted (the tokens a step
+    made). None for plain rows and rows that never drafted."""
+    mal, ran = row["mean_accepted_length"], row.get("steps_by_length", {})
+    steps = sum(n for per_g in ran.values() for n in per_g.values())
+    drafting = sum(n for per_g in ran.values() for g, n in per_g.items() if int(g))
+    if row["method"].startswith("plain") or mal is None or not steps or not drafting:
+        return None
+    return row["vs_plain"] / (1 + (mal - 1) * drafting / steps)
 
 
 def paired(rows: list[dict]) -> None:
