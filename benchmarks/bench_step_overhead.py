@@ -1,0 +1,177 @@
+"""Per-step Python cost of the scheduler and model runner: plain decoding against each speculative method at G = 0.
+
+Run by hand (not a test; nothing else heavy on the machine while it runs):
+    .venv/bin/python benchmarks/bench_step_overhead.py [--slots 1,8,32] [--methods draft_model,eagle3,ngram]
+        [--steps 2000] [--warmup 300] [--repeats 5] [--out PATH | --suffix _before]
+
+Why: a speculative server whose cost model has decided to draft nothing (G = 0) should cost per step what a
+`--no-speculation` server does. On an H200 a plain decode step of the demo model takes about 0.4 ms, so every
+13 us of Python the speculative path adds per step is 3 % of throughput lost; the aim is that speculation on by
+default is never below 0.97x of plain. This measures only that Python: runtime.serve.scheduler.Scheduler driving
+runtime.serve.model_runner.ModelRunner over zero-cost numpy engines (the Markov tables of
+tests/runtime/serve/toy_engines.py, an EAGLE-3 target returning aux rows of the demo's width and a Markov head).
+
+Two clocks: the runner's cost model reads a fake clock that the engines advance (a target row costs
+--row-ms, a draft forward or head run --draft-ms), priced so that drafting never pays and the cost model
+settles on G = 0 as on a machine where it does not; the overhead itself is wall clock (time.perf_counter)
+around Scheduler.step. The cost model still probes now and then (a drafted step, bounded exploration), so
+the speculative rows include those probes' share, as a server's would: `drafted` counts the steps of the
+timed window that drafted.
+
+Printed (and written to --out, default benchmarks/results/bench_step_overhead_<UTC date><suffix>.md, with the
+command line): per slot count, plain's us/step of the same run, then each method's us/step, the extra us per
+step over plain and plain's speed relative to it (plain us / method us: 1.00 is no overhead). Each cell is the
+fastest of --repeats timed windows (the least disturbed by other work on the machine), the methods interleaved
+with plain in every repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from runtime.serve.model_runner import ModelRunner  # noqa: E402
+from runtime.serve.sampling import SamplingParams  # noqa: E402
+from runtime.serve.scheduler import EngineRequest, Scheduler  # noqa: E402
+from tests.runtime.serve.test_eagle3 import MarkovSlotsHead  # noqa: E402
+from tests.runtime.serve.toy_engines import MarkovSlots  # noqa: E402
+
+VOCAB = 512  # the demo target's
+AUX_WIDTH = 3 * 256  # the demo target's aux rows: three layers of hidden size 256
+PROMPT = 40
+
+
+class Clock:
+    """The runner's clock: the engines advance it by what their work would cost."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class TimedTarget(MarkovSlots):
+    """The Markov target; a forward costs `row_s` per row on the fake clock, plus aux rows for EAGLE-3."""
+
+    def __init__(self, table, clock: Clock, row_s: float, aux: bool, **kw):
+        super().__init__(table, **kw)
+        self.clock, self.row_s = clock, row_s
+        # views of one buffer, as an engine hands out its output rows: the engine's cost is not measured here
+        self._aux = np.zeros((PROMPT + 64, AUX_WIDTH), np.float32) if aux else None
+
+    def forward(self, rows):
+        self.clock.t += self.row_s * sum(len(r.tokens) for r in rows)
+        if self._aux is not None:
+            self.last_aux_hidden = {r.slot: self._aux[:len(r.tokens)] for r in rows}
+        return super().forward(rows)
+
+
+class TimedDraft(MarkovSlots):
+    def __init__(self, table, clock: Clock, call_s: float, **kw):
+        super().__init__(table, **kw)
+        self.clock, self.call_s = clock, call_s
+
+    def forward(self, rows):
+        self.clock.t += self.call_s
+        return super().forward(rows)
+
+
+class TimedHead(MarkovSlotsHead):
+    def __init__(self, table, clock: Clock, call_s: float):
+        super().__init__(table, outside=())
+        self.clock, self.call_s = clock, call_s
+
+    def forward(self, rows):
+        self.clock.t += self.call_s
+        return super().forward(rows)
+
+
+def build(method: str, slots: int, row_s: float, draft_s: float, seed: int = 0) -> tuple[Scheduler, ModelRunner]:
+    rng = np.random.default_rng(seed)
+    table = rng.normal(size=(VOCAB, VOCAB)).astype(np.float32) * 3
+    other = table + rng.normal(size=(VOCAB, VOCAB)).astype(np.float32) * 3
+    clock = Clock()
+    target = TimedTarget(table, clock, row_s, method == "eagle3", num_slots=slots, max_context=100_000)
+    draft = {"draft_model": lambda: TimedDraft(other, clock, draft_s, num_slots=slots, max_context=100_000),
+             "eagle3": lambda: TimedHead(other, clock, draft_s)}.get(method, lambda: None)()
+    runner = ModelRunner(target, draft, method, 3, clock=clock)
+    scheduler = Scheduler(runner, max_num_seqs=slots)
+    for _ in range(slots):
+        scheduler.add(EngineRequest(prompt=[int(t) for t in rng.integers(0, VOCAB, PROMPT)],
+                                    params=SamplingParams(temperature=0.0), max_tokens=10 ** 7))
+    return scheduler, runner
+
+
+def drafted_steps(runner: ModelRunner) -> int:
+    return sum(n for (_, g), n in runner.speculation.steps_run().items() if g > 0)
+
+
+def measure(method: str, slots: int, args) -> tuple[float, int, int]:
+    """(wall us per step over the timed window, steps of it that drafted, the latest G)."""
+    scheduler, runner = build(method, slots, args.row_ms / 1e3, args.draft_ms / 1e3)
+    for _ in range(args.warmup):
+        scheduler.step()
+    before = drafted_steps(runner)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        scheduler.step()
+    dt = time.perf_counter() - t0
+    return dt / args.steps * 1e6, drafted_steps(runner) - before, runner.speculation.last
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--slots", default="1,8,32")
+    ap.add_argument("--methods", default="draft_model,eagle3,ngram")
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--warmup", type=int, default=300, help="steps before timing (prefill, the cost model settling)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--row-ms", type=float, default=1.0, help="fake-clock cost of one target row")
+    ap.add_argument("--draft-ms", type=float, default=0.9, help="fake-clock cost of a draft forward / head run")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--suffix", default="", help="appended to the default --out name (e.g. _before)")
+    args = ap.parse_args(argv)
+    slot_counts = [int(s) for s in args.slots.split(",")]
+    methods = [m for m in args.methods.split(",") if m]
+    command = "benchmarks/bench_step_overhead.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+                                                                                        else sys.argv[1:]))
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    out = args.out or REPO / "benchmarks" / "results" / f"bench_step_overhead_{date}{args.suffix}.md"
+
+    lines = ["| slots | method | us/step | extra us/step | plain / method | drafted steps | G last |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    print("\n".join(lines), flush=True)
+    for slots in slot_counts:
+        samples: dict[str, list[tuple[float, int, int]]] = {m: [] for m in ["none", *methods]}
+        for _ in range(args.repeats):
+            for m in ["none", *methods]:
+                samples[m].append(measure(m, slots, args))
+        plain = min(s[0] for s in samples["none"])
+        for m in ["none", *methods]:
+            us = min(s[0] for s in samples[m])
+            drafted = max(s[1] for s in samples[m])
+            row = (f"| {slots} | {'plain (none)' if m == 'none' else m} | {us:.1f} | {us - plain:+.1f} | "
+                   f"{plain / us:.3f} | {drafted} / {args.steps} | {samples[m][-1][2]} |")
+            lines.append(row)
+            print(row, flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"# Step overhead: plain against speculation at G = 0\n\n`{command.strip()}`\n\n"
+                   f"Python {sys.version.split()[0]}, wall clock per Scheduler.step over zero-cost engines "
+                   f"(fastest of {args.repeats} windows of {args.steps} steps after {args.warmup}).\n\n"
+                   + "\n".join(lines) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
