@@ -240,26 +240,72 @@ class ChainProposer:
     """Chain drafting of g tokens from the target's features, for one slot.
 
     `features` holds the target's aux rows for every token its cache holds (row t: after token t);
-    the model runner appends and truncates it alongside the target cache.
+    the model runner appends and truncates it alongside the target cache. They live in one growing array
+    (its capacity doubling), so keeping them costs a copy of the step's rows, not a Python object per row.
     """
 
     def __init__(self, drafter: Drafter):
         self.drafter = drafter
-        self.features: list[np.ndarray] = []  # one [3H] row per target cache position
+        self._rows: np.ndarray | None = None  # [capacity, 3H]: rows [:_n] are the features
+        self._n = 0
         self._covered: list[int] = []  # tokens[:length + 1]: what the cached target-feature entries read
+
+    @property
+    def features(self) -> np.ndarray:
+        """[positions, 3H]: one row per target cache position (a view, valid until the next change)."""
+        if self._rows is None:
+            return np.zeros((0, 0), np.float32)
+        return self._rows[:self._n]
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _reserve(self, n: int, width: int) -> None:
+        if self._rows is None or self._rows.shape[1] != width:
+            self._rows = np.empty((max(n, 64), width), np.float32)
+            self._n = 0
+        elif n > len(self._rows):
+            grown = np.empty((max(n, 2 * len(self._rows)), width), np.float32)
+            grown[:self._n] = self._rows[:self._n]
+            self._rows = grown
 
     def on_target_forward(self, rows, n: int) -> None:
         """The target appended n tokens; `rows` are their aux hidden states."""
         if rows is None or len(rows) != n:
             raise ModelError("EAGLE-3 needs a target graph with aux_hidden_states (export with the head's "
                              "layer ids); this target engine returned none")
-        self.features.extend(np.asarray(rows, np.float32))
+        rows = np.asarray(rows, np.float32)
+        if rows.ndim != 2:
+            rows = rows.reshape(n, -1)
+        if self._n and self._rows.shape[1] != rows.shape[1]:
+            raise ModelError(f"EAGLE-3: the target's aux rows changed width from {self._rows.shape[1]} "
+                             f"to {rows.shape[1]}")
+        self._reserve(self._n + n, rows.shape[1])
+        self._rows[self._n:self._n + n] = rows
+        self._n += n
 
     def on_target_rollback(self, length: int) -> None:
-        del self.features[length:]
+        self._n = min(self._n, max(length, 0))
+
+    def keep_rows(self, past: int, rows: Sequence[int]) -> None:
+        """The target kept cache rows past + i for i in `rows` (a token tree's accepted path) at past..."""
+        if self._rows is not None:
+            kept = self._rows[[past + i for i in rows]]  # a copy: the rows may overlap where they go
+            self._rows[past:past + len(rows)] = kept
+        self._n = past + len(rows)
+
+    def copy_from(self, other: "ChainProposer", n: int) -> None:
+        """Take the first n feature rows of another slot's proposer (a prefix copied between slots)."""
+        n = min(n, other._n)
+        if other._rows is None or n == 0:
+            self._n = 0
+            return
+        self._reserve(n, other._rows.shape[1])
+        self._rows[:n] = other._rows[:n]
+        self._n = n
 
     def reset(self) -> None:
-        self.features.clear()
+        self._n = 0
         self._covered.clear()
         self.drafter.reset()
 
@@ -274,8 +320,8 @@ class ChainProposer:
         """Roll the head back to the target-feature entries it keeps for `tokens`; return the (token ids,
         target features [n, 3H]) of the entries it lacks (n >= 1), to run next."""
         L = len(tokens)
-        if len(self.features) < L - 1:
-            raise ModelError(f"EAGLE-3: the target's features cover {len(self.features)} positions, "
+        if self._n < L - 1:
+            raise ModelError(f"EAGLE-3: the target's features cover {self._n} positions, "
                              f"expected {L - 1}")
         same = 0
         for a, b in zip(self._covered, tokens):
@@ -284,7 +330,7 @@ class ChainProposer:
             same += 1
         keep = min(self.drafter.length, max(0, same - 1), L - 2)
         self.drafter.rollback(keep)
-        feats = np.stack(self.features[keep:L - 1])  # keep <= L - 2: at least one row
+        feats = self._rows[keep:L - 1].copy()  # keep <= L - 2: at least one row
         self._covered = list(tokens[:L])
         return list(tokens[keep + 1:L]), feats
 

@@ -260,7 +260,7 @@ class ModelRunner:
         mirror[slot] = mirror[source][:n]
         if eagle is not None:
             eagle[slot].reset()
-            eagle[slot].features = list(eagle[source].features[:n])
+            eagle[slot].copy_from(eagle[source], n)
 
     def release(self, slot: int) -> None:
         for engine, mirror in ((self.target, self.target_cache), (self.draft, self.draft_cache)):
@@ -395,8 +395,7 @@ class ModelRunner:
         engine.keep_rows(slot, past, rows)
         mirror[slot][past:] = [mirror[slot][past + i] for i in rows]
         if self.eagle is not None and engine is self.target:  # the target's features follow its cache rows
-            features = self.eagle[slot].features
-            features[past:] = [features[past + i] for i in rows]
+            self.eagle[slot].keep_rows(past, rows)
 
     def _tree_budget(self, r) -> int:
         """Nodes a tree may have for request r: the configured budget, less what the context cannot hold
