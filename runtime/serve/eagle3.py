@@ -240,34 +240,26 @@ class ChainProposer:
     """Chain drafting of g tokens from the target's features, for one slot.
 
     `features` holds the target's aux rows for every token its cache holds (row t: after token t);
-    the model runner appends and truncates it alongside the target cache. They live in one growing array
-    (its capacity doubling), so keeping them costs a copy of the step's rows, not a Python object per row.
+    the model runner appends and truncates it alongside the target cache. They are kept as the target
+    handed them out, one array per forward (a chunk): a step appends one object whatever its rows (no
+    Python object per row, no copy while nothing drafts), a rollback trims the newest chunks, and a
+    catch-up joins only the chunks it reads (from the newest back: a probe after many plain steps joins
+    those steps' rows once, as stacking rows did).
     """
 
     def __init__(self, drafter: Drafter):
         self.drafter = drafter
-        self._rows: np.ndarray | None = None  # [capacity, 3H]: rows [:_n] are the features
-        self._n = 0
+        self._chunks: list[np.ndarray] = []  # [n_i, 3H] each, in cache order; never written in place
+        self._n = 0  # rows in all chunks
         self._covered: list[int] = []  # tokens[:length + 1]: what the cached target-feature entries read
 
     @property
     def features(self) -> np.ndarray:
-        """[positions, 3H]: one row per target cache position (a view, valid until the next change)."""
-        if self._rows is None:
-            return np.zeros((0, 0), np.float32)
-        return self._rows[:self._n]
+        """[positions, 3H]: one row per target cache position."""
+        return self._slice(0, self._n)
 
     def __len__(self) -> int:
         return self._n
-
-    def _reserve(self, n: int, width: int) -> None:
-        if self._rows is None or self._rows.shape[1] != width:
-            self._rows = np.empty((max(n, 64), width), np.float32)
-            self._n = 0
-        elif n > len(self._rows):
-            grown = np.empty((max(n, 2 * len(self._rows)), width), np.float32)
-            grown[:self._n] = self._rows[:self._n]
-            self._rows = grown
 
     def on_target_forward(self, rows, n: int) -> None:
         """The target appended n tokens; `rows` are their aux hidden states."""
@@ -275,36 +267,59 @@ class ChainProposer:
             raise ModelError("EAGLE-3 needs a target graph with aux_hidden_states (export with the head's "
                              "layer ids); this target engine returned none")
         rows = np.asarray(rows, np.float32)
-        if rows.ndim != 2:
-            rows = rows.reshape(n, -1)
-        if self._n and self._rows.shape[1] != rows.shape[1]:
-            raise ModelError(f"EAGLE-3: the target's aux rows changed width from {self._rows.shape[1]} "
-                             f"to {rows.shape[1]}")
-        self._reserve(self._n + n, rows.shape[1])
-        self._rows[self._n:self._n + n] = rows
+        self._chunks.append(rows if rows.ndim == 2 else rows.reshape(n, -1))
         self._n += n
 
     def on_target_rollback(self, length: int) -> None:
+        drop = self._n - max(length, 0)
+        while drop > 0:
+            last = self._chunks[-1]
+            if len(last) <= drop:
+                self._chunks.pop()
+                drop -= len(last)
+            else:
+                self._chunks[-1] = last[:len(last) - drop]
+                drop = 0
         self._n = min(self._n, max(length, 0))
+
+    def _slice(self, start: int, stop: int) -> np.ndarray:
+        """Feature rows [start, stop) as one array, from the newest chunks back (a view where one chunk holds them)."""
+        parts, end = [], self._n
+        for chunk in reversed(self._chunks):
+            if end <= start:
+                break
+            begin = end - len(chunk)
+            if begin < stop:
+                parts.append(chunk[max(start - begin, 0):min(stop, end) - begin])
+            end = begin
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            width = self._chunks[-1].shape[1] if self._chunks else 0
+            return np.zeros((0, width), np.float32)
+        return np.concatenate(parts[::-1])
 
     def keep_rows(self, past: int, rows: Sequence[int]) -> None:
         """The target kept cache rows past + i for i in `rows` (a token tree's accepted path) at past..."""
-        if self._rows is not None:
-            kept = self._rows[[past + i for i in rows]]  # a copy: the rows may overlap where they go
-            self._rows[past:past + len(rows)] = kept
-        self._n = past + len(rows)
+        tail = self._slice(past, self._n)
+        self.on_target_rollback(past)
+        if len(rows):
+            self._chunks.append(tail[list(rows)])  # a copy: the rows picked out of the tail
+            self._n += len(rows)
 
     def copy_from(self, other: "ChainProposer", n: int) -> None:
         """Take the first n feature rows of another slot's proposer (a prefix copied between slots)."""
-        n = min(n, other._n)
-        if other._rows is None or n == 0:
-            self._n = 0
-            return
-        self._reserve(n, other._rows.shape[1])
-        self._rows[:n] = other._rows[:n]
-        self._n = n
+        self._chunks, self._n, end = [], 0, 0
+        for chunk in other._chunks:
+            if end >= n:
+                break
+            part = chunk[:n - end]
+            self._chunks.append(part)
+            end += len(part)
+        self._n = end
 
     def reset(self) -> None:
+        self._chunks.clear()
         self._n = 0
         self._covered.clear()
         self.drafter.reset()
@@ -330,7 +345,7 @@ class ChainProposer:
             same += 1
         keep = min(self.drafter.length, max(0, same - 1), L - 2)
         self.drafter.rollback(keep)
-        feats = self._rows[keep:L - 1].copy()  # keep <= L - 2: at least one row
+        feats = self._slice(keep, L - 1)  # keep <= L - 2: at least one row
         self._covered = list(tokens[:L])
         return list(tokens[keep + 1:L]), feats
 
