@@ -210,35 +210,52 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         k = self.runner.num_speculative_tokens
         context = self.runner.max_context
-        decoding = []
+        decoding, waiting_prefill = [], []
         for r in sorted(self.running.values(), key=lambda r: r.arrival):
             if r.prefilling:
+                waiting_prefill.append(r)
                 continue
             if context - len(r.tokens) < 0:
                 r.finish("length")
                 finished.append(self._free_slot(r))
                 continue
             decoding.append(r)
-        speculating = [r for r in decoding if r.speculative] if k else []
-        adaptive = [r for r in speculating if r.adaptive]
-        length = self.runner.speculation.choose(adaptive,
-                                                sum(1 for r in speculating if not r.adaptive),
-                                                free_draft=self.runner.method == "ngram",
-                                                plain=len(decoding) - len(speculating),
-                                                rows=self.runner.proposal_rows if self.runner.tree else None,
-                                                catch_up=lambda: self.runner.catch_up_tokens(speculating),
-                                                caps=self.runner.proposal_caps(adaptive))
-        for r in decoding:
-            want = (self.runner.speculation.length_of(r, length) if r.adaptive else k) if r.speculative else 0
-            g = max(min(want, context - len(r.tokens), r.max_tokens - r.produced - 1), 0)
-            decodes.append((r, g))
-            budget -= 1 + self.runner.proposal_rows(g)
-        for r in sorted(self.running.values(), key=lambda r: r.arrival):
-            if r.prefilling and budget > 0:
+        speculating, adaptive, seeded = [], [], []  # seeded: speculating with the fixed K
+        if k:
+            for r in decoding:
+                if r.speculative:
+                    speculating.append(r)
+                    (adaptive if r.adaptive else seeded).append(r)
+        speculation = self.runner.speculation
+        length = speculation.choose(adaptive, len(seeded),
+                                    free_draft=self.runner.method == "ngram",
+                                    plain=len(decoding) - len(speculating),
+                                    rows=self.runner.proposal_rows if self.runner.tree else None,
+                                    catch_up=lambda: self.runner.catch_up_tokens(speculating),
+                                    caps=self.runner.proposal_caps(adaptive))
+        decode_rows = 0
+        if length == 0 and not seeded and not speculation.per_slot:  # nothing drafts (plain, or G = 0): g = 0 for all
+            decodes = [(r, 0) for r in decoding]
+            decode_rows = len(decodes)
+        else:
+            own, per_slot = set(map(id, seeded)), speculation.per_slot
+            for r in decoding:
+                if not (r.speculative and k):
+                    want = 0
+                elif id(r) in own:
+                    want = k
+                else:
+                    want = speculation.length_of(r, length) if per_slot else length
+                g = max(min(want, context - len(r.tokens), r.max_tokens - r.produced - 1), 0)
+                decodes.append((r, g))
+                decode_rows += 1 + self.runner.proposal_rows(g)
+        budget -= decode_rows
+        for r in waiting_prefill:
+            if budget > 0:
                 n = min(len(r.prompt) - r.computed, budget)
                 prefills.append((r, n))
                 budget -= n
-        self.last_step_tokens = sum(1 + self.runner.proposal_rows(g) for _, g in decodes) + sum(n for _, n in prefills)
+        self.last_step_tokens = decode_rows + sum(n for _, n in prefills)
         if decodes or prefills:
             self.runner.step(decodes, prefills)
         for r, _ in [*decodes, *prefills]:

@@ -237,7 +237,8 @@ class SpeculationLength:
         this step (n-gram lookup: the tokens after its match, none without one), called only when the step is
         evaluated: a slot proposes min(G, cap) and verifies that many rows."""
         n = len(adaptive) + fixed
-        self._slot_lengths = {}
+        if self._slot_lengths:
+            self._slot_lengths = {}
         if self.k == 0 or not adaptive:
             return self.k
         self._bucket = batch_bucket(n + plain)
@@ -366,6 +367,11 @@ class SpeculationLength:
     def length_of(self, request, g: int) -> int:
         """The G this step gives an adaptive request: the step's, or its own where _per_slot lowered it."""
         return self._slot_lengths.get(id(request), g)
+
+    @property
+    def per_slot(self) -> bool:
+        """Whether this step gives some adaptive request a G of its own (else length_of is the step's G)."""
+        return bool(self._slot_lengths)
 
     def row_cost_share(self, n: int, g: int) -> float:
         """The measured cost of one more verify row per slot, as a share of a step of n decoding slots that
