@@ -182,7 +182,7 @@ class SpeculationLength:
         n = batch if batch is not None else max(draft_rows, 1)
         g = draft_rounds if drafted is None else drafted
         b = batch_bucket(n)
-        bucket = self.buckets.setdefault(b, Bucket.empty())
+        bucket = self._bucket_of(b)
         bucket.target.observe(g, target_tokens, target_seconds)
         self.all.target.observe((b, g), target_tokens, target_seconds)
         if draft_rounds > 0 and draft_rows > 0:
@@ -192,6 +192,13 @@ class SpeculationLength:
         self.all.other.observe((b, g), g, max(other_seconds, 0.0))
         if g == 0:
             bucket.plain_seconds += target_seconds + max(other_seconds, 0.0)
+
+    def _bucket_of(self, label: int) -> Bucket:
+        """The bucket of that label, made on first use (not a new empty Bucket built and dropped every step)."""
+        bucket = self.buckets.get(label)
+        if bucket is None:
+            bucket = self.buckets[label] = Bucket.empty()
+        return bucket
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """A draft's forward that caught up on `tokens` tokens it had not seen (a proposer's first forward)."""
@@ -246,7 +253,7 @@ class SpeculationLength:
             return self._pick(0)
         if not self.adaptive:
             return self._pick(self.k)
-        bucket = self.buckets.setdefault(batch_bucket(n + plain), Bucket.empty())
+        bucket = self._bucket_of(self._bucket)
         if bucket.burst > 0:  # the rest of an exploration's plain burst
             bucket.burst -= 1
             bucket.steps += 1
