@@ -9,7 +9,8 @@ Why: a speculative server whose cost model has decided to draft nothing (G = 0) 
 13 us of Python the speculative path adds per step is 3 % of throughput lost; the aim is that speculation on by
 default is never below 0.97x of plain. This measures only that Python: runtime.serve.scheduler.Scheduler driving
 runtime.serve.model_runner.ModelRunner over zero-cost numpy engines (the Markov tables of
-tests/runtime/serve/toy_engines.py, an EAGLE-3 target returning aux rows of the demo's width and a Markov head).
+tests/runtime/serve/toy_engines.py returning only the logits a row fetches, as a GPU engine does; an EAGLE-3 target
+returning aux rows of the demo's width and a Markov head).
 
 Two clocks: the runner's cost model reads a fake clock that the engines advance (a target row costs
 --row-ms, a draft forward or head run --draft-ms), priced so that drafting never pays and the cost model
@@ -19,8 +20,9 @@ the speculative rows include those probes' share, as a server's would: `drafted`
 timed window that drafted.
 
 Printed (and written to --out, default benchmarks/results/bench_step_overhead_<UTC date><suffix>.md, with the
-command line): per slot count, plain's us/step of the same run, then each method's us/step, the extra us per
-step over plain and plain's speed relative to it (plain us / method us: 1.00 is no overhead). Each cell is the
+command line): per slot count, plain's us/step of the same run, then each method's, the extra us per step over
+plain and plain's speed relative to it (plain us / method us: 1.00 is no overhead), twice: the mean over every
+step of the window (the probes' share included) and the median step (a plain step at G = 0). Each is the
 fastest of --repeats timed windows (the least disturbed by other work on the machine), the methods interleaved
 with plain in every repeat.
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -60,40 +63,52 @@ class Clock:
         return self.t
 
 
-class TimedTarget(MarkovSlots):
-    """The Markov target; a forward costs `row_s` per row on the fake clock, plus aux rows for EAGLE-3."""
+def fetched(table: np.ndarray, row) -> np.ndarray:
+    """The logits a row asks for (runtime.engines.base.Row.fetch), as a GPU engine returns them."""
+    tokens = np.asarray(row.tokens, dtype=np.int64)
+    return table[tokens if row.fetch == "all" else tokens[-1:] if row.fetch == "last" else tokens[:0]]
 
-    def __init__(self, table, clock: Clock, row_s: float, aux: bool, **kw):
+
+class TimedSlots(MarkovSlots):
+    """The Markov chain over slots; a forward costs `call_s` + `row_s` per row on the fake clock and returns
+    only the logits its rows fetch. `aux`: also the aux rows of an EAGLE-3 target."""
+
+    def __init__(self, table, clock: Clock, call_s: float, row_s: float, aux: bool = False, **kw):
         super().__init__(table, **kw)
-        self.clock, self.row_s = clock, row_s
+        self.clock, self.call_s, self.row_s = clock, call_s, row_s
         # views of one buffer, as an engine hands out its output rows: the engine's cost is not measured here
         self._aux = np.zeros((PROMPT + 64, AUX_WIDTH), np.float32) if aux else None
 
     def forward(self, rows):
-        self.clock.t += self.row_s * sum(len(r.tokens) for r in rows)
+        self.check_rows(rows)
+        self.clock.t += self.call_s + self.row_s * sum(len(r.tokens) for r in rows)
         if self._aux is not None:
             self.last_aux_hidden = {r.slot: self._aux[:len(r.tokens)] for r in rows}
-        return super().forward(rows)
-
-
-class TimedDraft(MarkovSlots):
-    def __init__(self, table, clock: Clock, call_s: float, **kw):
-        super().__init__(table, **kw)
-        self.clock, self.call_s = clock, call_s
-
-    def forward(self, rows):
-        self.clock.t += self.call_s
-        return super().forward(rows)
+        for r in rows:
+            self._tokens[r.slot].extend(map(int, r.tokens))
+        return [fetched(self.table, r) for r in rows]
 
 
 class TimedHead(MarkovSlotsHead):
+    """The Markov head over slots, a run costing `call_s`; a catch-up's entries before its last read nothing."""
+
     def __init__(self, table, clock: Clock, call_s: float):
         super().__init__(table, outside=())
         self.clock, self.call_s = clock, call_s
 
     def forward(self, rows):
         self.clock.t += self.call_s
-        return super().forward(rows)
+        self.runs += 1
+        out = []
+        for r in rows:
+            self._n[r.slot] += len(r.tokens)
+            n = len(r.tokens)
+            if r.from_target:  # only the last entry's output is read (ChainJob / TreeJob.start)
+                out.append((np.broadcast_to(self.table[r.tokens[-1]], (n, self.vocab_size)),
+                            np.zeros((n, 1), np.float32)))
+            else:
+                out.append((self.table[np.asarray(r.tokens)], np.zeros((n, 1), np.float32)))
+        return out
 
 
 def build(method: str, slots: int, row_s: float, draft_s: float, seed: int = 0) -> tuple[Scheduler, ModelRunner]:
@@ -101,8 +116,8 @@ def build(method: str, slots: int, row_s: float, draft_s: float, seed: int = 0) 
     table = rng.normal(size=(VOCAB, VOCAB)).astype(np.float32) * 3
     other = table + rng.normal(size=(VOCAB, VOCAB)).astype(np.float32) * 3
     clock = Clock()
-    target = TimedTarget(table, clock, row_s, method == "eagle3", num_slots=slots, max_context=100_000)
-    draft = {"draft_model": lambda: TimedDraft(other, clock, draft_s, num_slots=slots, max_context=100_000),
+    target = TimedSlots(table, clock, 0.0, row_s, method == "eagle3", num_slots=slots, max_context=100_000)
+    draft = {"draft_model": lambda: TimedSlots(other, clock, draft_s, 0.0, num_slots=slots, max_context=100_000),
              "eagle3": lambda: TimedHead(other, clock, draft_s)}.get(method, lambda: None)()
     runner = ModelRunner(target, draft, method, 3, clock=clock)
     scheduler = Scheduler(runner, max_num_seqs=slots)
@@ -116,17 +131,19 @@ def drafted_steps(runner: ModelRunner) -> int:
     return sum(n for (_, g), n in runner.speculation.steps_run().items() if g > 0)
 
 
-def measure(method: str, slots: int, args) -> tuple[float, int, int]:
-    """(wall us per step over the timed window, steps of it that drafted, the latest G)."""
+def measure(method: str, slots: int, args) -> tuple[float, float, int, int]:
+    """(mean and median wall us per step over the timed window, steps of it that drafted, the latest G)."""
     scheduler, runner = build(method, slots, args.row_ms / 1e3, args.draft_ms / 1e3)
     for _ in range(args.warmup):
         scheduler.step()
     before = drafted_steps(runner)
-    t0 = time.perf_counter()
+    clock, times = time.perf_counter, []
     for _ in range(args.steps):
+        t0 = clock()
         scheduler.step()
-    dt = time.perf_counter() - t0
-    return dt / args.steps * 1e6, drafted_steps(runner) - before, runner.speculation.last
+        times.append(clock() - t0)
+    return (sum(times) / len(times) * 1e6, statistics.median(times) * 1e6, drafted_steps(runner) - before,
+            runner.speculation.last)
 
 
 def main(argv=None) -> int:
@@ -148,20 +165,23 @@ def main(argv=None) -> int:
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     out = args.out or REPO / "benchmarks" / "results" / f"bench_step_overhead_{date}{args.suffix}.md"
 
-    lines = ["| slots | method | us/step | extra us/step | plain / method | drafted steps | G last |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| slots | method | mean us/step | extra | plain / method | median us/step | extra | plain / method "
+             "| drafted steps | G last |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     print("\n".join(lines), flush=True)
     for slots in slot_counts:
-        samples: dict[str, list[tuple[float, int, int]]] = {m: [] for m in ["none", *methods]}
+        samples: dict[str, list[tuple[float, float, int, int]]] = {m: [] for m in ["none", *methods]}
         for _ in range(args.repeats):
             for m in ["none", *methods]:
                 samples[m].append(measure(m, slots, args))
-        plain = min(s[0] for s in samples["none"])
+        plain_mean = min(s[0] for s in samples["none"])
+        plain_median = min(s[1] for s in samples["none"])
         for m in ["none", *methods]:
-            us = min(s[0] for s in samples[m])
-            drafted = max(s[1] for s in samples[m])
-            row = (f"| {slots} | {'plain (none)' if m == 'none' else m} | {us:.1f} | {us - plain:+.1f} | "
-                   f"{plain / us:.3f} | {drafted} / {args.steps} | {samples[m][-1][2]} |")
+            mean, median = min(s[0] for s in samples[m]), min(s[1] for s in samples[m])
+            row = (f"| {slots} | {'plain (none)' if m == 'none' else m} | {mean:.1f} | {mean - plain_mean:+.1f} | "
+                   f"{plain_mean / mean:.3f} | {median:.1f} | {median - plain_median:+.1f} | "
+                   f"{plain_median / median:.3f} | {max(s[2] for s in samples[m])} / {args.steps} | "
+                   f"{samples[m][-1][3]} |")
             lines.append(row)
             print(row, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -243,8 +243,8 @@ class ChainProposer:
     the model runner appends and truncates it alongside the target cache. They are kept as the target
     handed them out, one array per forward (a chunk): a step appends one object whatever its rows (no
     Python object per row, no copy while nothing drafts), a rollback trims the newest chunks, and a
-    catch-up joins only the chunks it reads (from the newest back: a probe after many plain steps joins
-    those steps' rows once, as stacking rows did).
+    catch-up joins only the chunks it reads, once (a probe after many plain steps joins those steps' rows,
+    as stacking rows did, and leaves them one chunk).
     """
 
     def __init__(self, drafter: Drafter):
@@ -256,7 +256,7 @@ class ChainProposer:
     @property
     def features(self) -> np.ndarray:
         """[positions, 3H]: one row per target cache position."""
-        return self._slice(0, self._n)
+        return self._tail(0)
 
     def __len__(self) -> int:
         return self._n
@@ -282,26 +282,27 @@ class ChainProposer:
                 drop = 0
         self._n = min(self._n, max(length, 0))
 
-    def _slice(self, start: int, stop: int) -> np.ndarray:
-        """Feature rows [start, stop) as one array, from the newest chunks back (a view where one chunk holds them)."""
-        parts, end = [], self._n
-        for chunk in reversed(self._chunks):
-            if end <= start:
-                break
-            begin = end - len(chunk)
-            if begin < stop:
-                parts.append(chunk[max(start - begin, 0):min(stop, end) - begin])
+    def _tail(self, start: int) -> np.ndarray:
+        """Feature rows [start, n) as one array. The chunks holding them become that one chunk (the one holding
+        `start` split there), so the rows are joined once: a probe after many plain steps joins their rows,
+        later reads find a single chunk."""
+        start = max(start, 0)
+        chunks, parts, end, i = self._chunks, [], self._n, len(self._chunks)
+        while end > start:
+            i -= 1
+            begin = end - len(chunks[i])
+            parts.append(chunks[i][max(start - begin, 0):])
             end = begin
-        if len(parts) == 1:
-            return parts[0]
         if not parts:
-            width = self._chunks[-1].shape[1] if self._chunks else 0
-            return np.zeros((0, width), np.float32)
-        return np.concatenate(parts[::-1])
+            return np.zeros((0, chunks[-1].shape[1] if chunks else 0), np.float32)
+        joined = parts[0] if len(parts) == 1 else np.concatenate(parts[::-1])
+        if len(parts) > 1 or end < start:
+            chunks[i:] = ([chunks[i][:start - end]] if end < start else []) + [joined]
+        return joined
 
     def keep_rows(self, past: int, rows: Sequence[int]) -> None:
         """The target kept cache rows past + i for i in `rows` (a token tree's accepted path) at past..."""
-        tail = self._slice(past, self._n)
+        tail = self._tail(past)
         self.on_target_rollback(past)
         if len(rows):
             self._chunks.append(tail[list(rows)])  # a copy: the rows picked out of the tail
@@ -345,7 +346,7 @@ class ChainProposer:
             same += 1
         keep = min(self.drafter.length, max(0, same - 1), L - 2)
         self.drafter.rollback(keep)
-        feats = self._slice(keep, L - 1)  # keep <= L - 2: at least one row
+        feats = self._tail(keep)[:L - 1 - keep]  # keep <= L - 2: at least one row
         self._covered = list(tokens[:L])
         return list(tokens[keep + 1:L]), feats
 

@@ -77,15 +77,14 @@ class EngineRequest:
     spec_trials: float = 0.0
     spec_idle: int = 0  # steps in a row this slot drafted nothing while others drafted (spec_length._per_slot)
     prompt_logprob_rows: list = field(default_factory=list)  # filled by the runner while prefilling
+    #: its speculation length may follow the cost model: not for seeded sampling (reproducible). Derived from
+    #: `params` once (the scheduler reads it for every decoding request every step)
+    adaptive: bool = field(init=False)
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
         self.rng: np.random.Generator = self.params.rng()
-
-    @property
-    def adaptive(self) -> bool:
-        """Its speculation length may follow the cost model: not for seeded sampling (reproducible)."""
-        return self.params.greedy or self.params.seed is None
+        self.adaptive = self.params.greedy or self.params.seed is None
 
     @property
     def output_ids(self) -> list[int]:
