@@ -243,8 +243,7 @@ class ChainProposer:
     the model runner appends and truncates it alongside the target cache. They are kept as the target
     handed them out, one array per forward (a chunk): a step appends one object whatever its rows (no
     Python object per row, no copy while nothing drafts), a rollback trims the newest chunks, and a
-    catch-up joins only the chunks it reads, once (a probe after many plain steps joins those steps' rows,
-    as stacking rows did, and leaves them one chunk).
+    catch-up joins only the chunks it reads.
     """
 
     def __init__(self, drafter: Drafter):
@@ -283,9 +282,8 @@ class ChainProposer:
         self._n = min(self._n, max(length, 0))
 
     def _tail(self, start: int) -> np.ndarray:
-        """Feature rows [start, n) as one array. The chunks holding them become that one chunk (the one holding
-        `start` split there), so the rows are joined once: a probe after many plain steps joins their rows,
-        later reads find a single chunk."""
+        """Feature rows [start, n) as one array, read from the newest chunk back (a view where one chunk holds
+        them, else a joined copy: a probe after many plain steps joins their rows, as stacking rows did)."""
         start = max(start, 0)
         chunks, parts, end, i = self._chunks, [], self._n, len(self._chunks)
         while end > start:
@@ -295,10 +293,7 @@ class ChainProposer:
             end = begin
         if not parts:
             return np.zeros((0, chunks[-1].shape[1] if chunks else 0), np.float32)
-        joined = parts[0] if len(parts) == 1 else np.concatenate(parts[::-1])
-        if len(parts) > 1 or end < start:
-            chunks[i:] = ([chunks[i][:start - end]] if end < start else []) + [joined]
-        return joined
+        return parts[0] if len(parts) == 1 else np.concatenate(parts[::-1])
 
     def keep_rows(self, past: int, rows: Sequence[int]) -> None:
         """The target kept cache rows past + i for i in `rows` (a token tree's accepted path) at past..."""
