@@ -288,11 +288,12 @@ class ChainProposer:
         chunks, parts, end, i = self._chunks, [], self._n, len(self._chunks)
         while end > start:
             i -= 1
-            begin = end - len(chunks[i])
-            parts.append(chunks[i][max(start - begin, 0):])
-            end = begin
+            end -= len(chunks[i])
+            parts.append(chunks[i])
         if not parts:
             return np.zeros((0, chunks[-1].shape[1] if chunks else 0), np.float32)
+        if end < start:  # the oldest chunk read begins before start
+            parts[-1] = parts[-1][start - end:]
         return parts[0] if len(parts) == 1 else np.concatenate(parts[::-1])
 
     def keep_rows(self, past: int, rows: Sequence[int]) -> None:
@@ -334,11 +335,13 @@ class ChainProposer:
         if self._n < L - 1:
             raise ModelError(f"EAGLE-3: the target's features cover {self._n} positions, "
                              f"expected {L - 1}")
-        same = 0
-        for a, b in zip(self._covered, tokens):
-            if a != b:
-                break
-            same += 1
+        same = min(len(self._covered), L)
+        if self._covered[:same] != list(tokens[:same]):  # one C comparison where the tokens only grew (the rule)
+            same = 0
+            for a, b in zip(self._covered, tokens):
+                if a != b:
+                    break
+                same += 1
         keep = min(self.drafter.length, max(0, same - 1), L - 2)
         self.drafter.rollback(keep)
         feats = self._tail(keep)[:L - 1 - keep]  # keep <= L - 2: at least one row

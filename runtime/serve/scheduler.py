@@ -219,12 +219,9 @@ class Scheduler:
                 finished.append(self._free_slot(r))
                 continue
             decoding.append(r)
-        speculating, adaptive, seeded = [], [], []  # seeded: speculating with the fixed K
-        if k:
-            for r in decoding:
-                if r.speculative:
-                    speculating.append(r)
-                    (adaptive if r.adaptive else seeded).append(r)
+        speculating = [r for r in decoding if r.speculative] if k else []
+        adaptive = [r for r in speculating if r.adaptive]
+        seeded = [r for r in speculating if not r.adaptive] if len(adaptive) < len(speculating) else []  # fixed K
         speculation = self.runner.speculation
         length = speculation.choose(adaptive, len(seeded),
                                     free_draft=self.runner.method == "ngram",
