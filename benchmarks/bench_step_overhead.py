@@ -2,7 +2,7 @@
 
 Run by hand (not a test; nothing else heavy on the machine while it runs):
     .venv/bin/python benchmarks/bench_step_overhead.py [--slots 1,8,32] [--methods draft_model,eagle3,ngram]
-        [--steps 2000] [--warmup 300] [--repeats 5] [--out PATH | --suffix _before]
+        [--steps 2000] [--warmup 300] [--repeats 5] [--clock wall|cpu] [--note TEXT] [--out PATH | --suffix _before]
 
 Why: a speculative server whose cost model has decided to draft nothing (G = 0) should cost per step what a
 `--no-speculation` server does. On an H200 a plain decode step of the demo model takes about 0.4 ms, so every
@@ -15,7 +15,8 @@ returning aux rows of the demo's width and a Markov head).
 Two clocks: the runner's cost model reads a fake clock that the engines advance (a target row costs
 --row-ms, a draft forward or head run --draft-ms), priced so that drafting never pays and the cost model
 settles on G = 0 as on a machine where it does not; the overhead itself is wall clock (time.perf_counter)
-around Scheduler.step. The cost model still probes now and then (a drafted step, bounded exploration), so
+around each Scheduler.step (--clock cpu: the window's mean in the thread's CPU time instead, less disturbed on a
+shared machine; the median step stays wall clock). The cost model still probes now and then (a drafted step, bounded exploration), so
 the speculative rows include those probes' share, as a server's would: `drafted` counts the steps of the
 timed window that drafted.
 
@@ -78,12 +79,15 @@ class TimedSlots(MarkovSlots):
         self.clock, self.call_s, self.row_s = clock, call_s, row_s
         # views of one buffer, as an engine hands out its output rows: the engine's cost is not measured here
         self._aux = np.zeros((PROMPT + 64, AUX_WIDTH), np.float32) if aux else None
+        self._views: dict[int, np.ndarray] = {}  # rows -> a view of that many (made once)
 
     def forward(self, rows):
         self.check_rows(rows)
         self.clock.t += self.call_s + self.row_s * sum(len(r.tokens) for r in rows)
         if self._aux is not None:
-            self.last_aux_hidden = {r.slot: self._aux[:len(r.tokens)] for r in rows}
+            views = self._views
+            self.last_aux_hidden = {r.slot: views.get(len(r.tokens)) if len(r.tokens) in views
+                                    else views.setdefault(len(r.tokens), self._aux[:len(r.tokens)]) for r in rows}
         for r in rows:
             self._tokens[r.slot].extend(map(int, r.tokens))
         return [fetched(self.table, r) for r in rows]
@@ -127,23 +131,30 @@ def build(method: str, slots: int, row_s: float, draft_s: float, seed: int = 0) 
     return scheduler, runner
 
 
+#: the window's clock (the mean): wall, time.perf_counter (what a server's clients see); cpu, this thread's CPU
+#: seconds, which other work on a shared machine disturbs less (the Python measured never waits on anything)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
 def drafted_steps(runner: ModelRunner) -> int:
     return sum(n for (_, g), n in runner.speculation.steps_run().items() if g > 0)
 
 
 def measure(method: str, slots: int, args) -> tuple[float, float, int, int]:
-    """(mean and median wall us per step over the timed window, steps of it that drafted, the latest G)."""
+    """(mean us per step over the timed window by --clock, median wall us of its steps, steps of it that drafted,
+    the latest G)."""
     scheduler, runner = build(method, slots, args.row_ms / 1e3, args.draft_ms / 1e3)
     for _ in range(args.warmup):
         scheduler.step()
     before = drafted_steps(runner)
-    clock, times = time.perf_counter, []
+    window, wall, times = CLOCKS[args.clock], time.perf_counter, []
+    start = window()
     for _ in range(args.steps):
-        t0 = clock()
+        t0 = wall()
         scheduler.step()
-        times.append(clock() - t0)
-    return (sum(times) / len(times) * 1e6, statistics.median(times) * 1e6, drafted_steps(runner) - before,
-            runner.speculation.last)
+        times.append(wall() - t0)
+    mean = (window() - start) / args.steps
+    return mean * 1e6, statistics.median(times) * 1e6, drafted_steps(runner) - before, runner.speculation.last
 
 
 def main(argv=None) -> int:
@@ -155,6 +166,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--row-ms", type=float, default=1.0, help="fake-clock cost of one target row")
     ap.add_argument("--draft-ms", type=float, default=0.9, help="fake-clock cost of a draft forward / head run")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    ap.add_argument("--note", default="", help="a line for the results file (which code ran, the machine)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--suffix", default="", help="appended to the default --out name (e.g. _before)")
     args = ap.parse_args(argv)
@@ -186,8 +199,10 @@ def main(argv=None) -> int:
             print(row, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(f"# Step overhead: plain against speculation at G = 0\n\n`{command.strip()}`\n\n"
-                   f"Python {sys.version.split()[0]}, wall clock per Scheduler.step over zero-cost engines "
+                   f"Python {sys.version.split()[0]}, mean by the {args.clock} clock, median step by the wall clock, of "
+                   f"Scheduler.step over zero-cost engines "
                    f"(fastest of {args.repeats} windows of {args.steps} steps after {args.warmup}).\n\n"
+                   + (f"{args.note}\n\n" if args.note else "")
                    + "\n".join(lines) + "\n")
     print(f"wrote {out}")
     return 0
