@@ -617,13 +617,8 @@ def offers_greedy(engine) -> bool:
     return callable(getattr(type(engine), "forward_greedy", None))
 
 
-def aux_rows(engine, slot: int):
-    """The aux hidden rows of `slot`'s last forward (EAGLE-3 target graphs), or None."""
-    return aux_source(engine)(slot)
-
-
 def aux_source(engine):
-    """slot -> the aux hidden rows of that slot's last forward of `engine` (or None)."""
+    """slot -> the aux hidden rows of that slot's last forward of `engine` (EAGLE-3 target graphs), or None."""
     sequences = getattr(engine, "sequences", None)
     if sequences is not None:  # runtime.engines.base.SequenceSlots: one single-sequence engine per slot
         return lambda slot: getattr(sequences[slot], "last_aux_hidden", None)
