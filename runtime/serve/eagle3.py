@@ -240,26 +240,84 @@ class ChainProposer:
     """Chain drafting of g tokens from the target's features, for one slot.
 
     `features` holds the target's aux rows for every token its cache holds (row t: after token t);
-    the model runner appends and truncates it alongside the target cache.
+    the model runner appends and truncates it alongside the target cache. They are kept as the target
+    handed them out, one array per forward (a chunk): a step appends one object whatever its rows (no
+    Python object per row, no copy while nothing drafts), a rollback trims the newest chunks, and a
+    catch-up joins only the chunks it reads.
     """
 
     def __init__(self, drafter: Drafter):
         self.drafter = drafter
-        self.features: list[np.ndarray] = []  # one [3H] row per target cache position
+        self._chunks: list[np.ndarray] = []  # [n_i, 3H] each, in cache order; never written in place
+        self._n = 0  # rows in all chunks
         self._covered: list[int] = []  # tokens[:length + 1]: what the cached target-feature entries read
+
+    @property
+    def features(self) -> np.ndarray:
+        """[positions, 3H]: one row per target cache position."""
+        return self._tail(0)
+
+    def __len__(self) -> int:
+        return self._n
 
     def on_target_forward(self, rows, n: int) -> None:
         """The target appended n tokens; `rows` are their aux hidden states."""
         if rows is None or len(rows) != n:
             raise ModelError("EAGLE-3 needs a target graph with aux_hidden_states (export with the head's "
                              "layer ids); this target engine returned none")
-        self.features.extend(np.asarray(rows, np.float32))
+        rows = np.asarray(rows, np.float32)
+        self._chunks.append(rows if rows.ndim == 2 else rows.reshape(n, -1))
+        self._n += n
 
     def on_target_rollback(self, length: int) -> None:
-        del self.features[length:]
+        drop = self._n - max(length, 0)
+        while drop > 0:
+            last = self._chunks[-1]
+            if len(last) <= drop:
+                self._chunks.pop()
+                drop -= len(last)
+            else:
+                self._chunks[-1] = last[:len(last) - drop]
+                drop = 0
+        self._n = min(self._n, max(length, 0))
+
+    def _tail(self, start: int) -> np.ndarray:
+        """Feature rows [start, n) as one array, read from the newest chunk back (a view where one chunk holds
+        them, else a joined copy: a probe after many plain steps joins their rows, as stacking rows did)."""
+        start = max(start, 0)
+        chunks, parts, end, i = self._chunks, [], self._n, len(self._chunks)
+        while end > start:
+            i -= 1
+            end -= len(chunks[i])
+            parts.append(chunks[i])
+        if not parts:
+            return np.zeros((0, chunks[-1].shape[1] if chunks else 0), np.float32)
+        if end < start:  # the oldest chunk read begins before start
+            parts[-1] = parts[-1][start - end:]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts[::-1])
+
+    def keep_rows(self, past: int, rows: Sequence[int]) -> None:
+        """The target kept cache rows past + i for i in `rows` (a token tree's accepted path) at past..."""
+        tail = self._tail(past)
+        self.on_target_rollback(past)
+        if len(rows):
+            self._chunks.append(tail[list(rows)])  # a copy: the rows picked out of the tail
+            self._n += len(rows)
+
+    def copy_from(self, other: "ChainProposer", n: int) -> None:
+        """Take the first n feature rows of another slot's proposer (a prefix copied between slots)."""
+        self._chunks, self._n, end = [], 0, 0
+        for chunk in other._chunks:
+            if end >= n:
+                break
+            part = chunk[:n - end]
+            self._chunks.append(part)
+            end += len(part)
+        self._n = end
 
     def reset(self) -> None:
-        self.features.clear()
+        self._chunks.clear()
+        self._n = 0
         self._covered.clear()
         self.drafter.reset()
 
@@ -274,17 +332,19 @@ class ChainProposer:
         """Roll the head back to the target-feature entries it keeps for `tokens`; return the (token ids,
         target features [n, 3H]) of the entries it lacks (n >= 1), to run next."""
         L = len(tokens)
-        if len(self.features) < L - 1:
-            raise ModelError(f"EAGLE-3: the target's features cover {len(self.features)} positions, "
+        if self._n < L - 1:
+            raise ModelError(f"EAGLE-3: the target's features cover {self._n} positions, "
                              f"expected {L - 1}")
-        same = 0
-        for a, b in zip(self._covered, tokens):
-            if a != b:
-                break
-            same += 1
+        same = min(len(self._covered), L)
+        if self._covered[:same] != list(tokens[:same]):  # one C comparison where the tokens only grew (the rule)
+            same = 0
+            for a, b in zip(self._covered, tokens):
+                if a != b:
+                    break
+                same += 1
         keep = min(self.drafter.length, max(0, same - 1), L - 2)
         self.drafter.rollback(keep)
-        feats = np.stack(self.features[keep:L - 1])  # keep <= L - 2: at least one row
+        feats = self._tail(keep)[:L - 1 - keep]  # keep <= L - 2: at least one row
         self._covered = list(tokens[:L])
         return list(tokens[keep + 1:L]), feats
 

@@ -260,7 +260,7 @@ class ModelRunner:
         mirror[slot] = mirror[source][:n]
         if eagle is not None:
             eagle[slot].reset()
-            eagle[slot].features = list(eagle[source].features[:n])
+            eagle[slot].copy_from(eagle[source], n)
 
     def release(self, slot: int) -> None:
         for engine, mirror in ((self.target, self.target_cache), (self.draft, self.draft_cache)):
@@ -292,7 +292,10 @@ class ModelRunner:
         self._catch_up = False
         if decodes:
             self._batch = len(decodes)
-        proposals = self._propose(decodes, prefills)
+        drafted = max((g for _, g in decodes), default=0)
+        # nothing to propose (G = 0, or plain decoding), and no prefill for the draft: the proposer is not asked
+        drafting = drafted > 0 or (prefills and self.draft is not None and self.speculation.last > 0)
+        proposals = self._propose(decodes, prefills) if drafting else {}
         propose_s = self._clock() - t0  # the proposer's whole time (its forwards and the Python around them)
         rows, firsts = [], []  # firsts: the prefills whose last chunk this is
         for r, n in prefills:
@@ -338,7 +341,7 @@ class ModelRunner:
         self.speculation.observe_step(decoded, target_s, rounds,
                                       sum(1 for d, _ in proposals.values() if d), propose_s,
                                       self._clock() - t0 - target_s - propose_s, batch=len(decodes),
-                                      drafted=max((g for _, g in decodes), default=0))
+                                      drafted=drafted)
         self._shapes.clear()  # the next step chooses again, with what this one measured
         self._lookups.clear()
 
@@ -356,14 +359,15 @@ class ModelRunner:
         else:
             new = accept(row_logits, drafts, qs, r.params, r.rng, r.logits_processors, r.output_ids)
         accepted = len(new) - 1
-        self.stats.record(len(drafts), accepted)
-        self.speculation.record(r, len(drafts), accepted)
-        if self.shape is not None and drafts:  # a chain: one node per level, each rank 0
-            self.shape.record([1] * len(drafts), [0] * accepted)
-        keep = len(r.tokens) + accepted  # target now holds tokens + drafts; keep tokens + accepted
-        self._rollback(self.target, self.target_cache, r.slot, keep)
-        if self.draft is not None and self.uses_draft(r):
-            self._rollback(self.draft, self.draft_cache, r.slot, min(len(self.draft_cache[r.slot]), keep))
+        if drafts:  # without proposals there is nothing to score, and neither cache holds more than it keeps
+            self.stats.record(len(drafts), accepted)
+            self.speculation.record(r, len(drafts), accepted)
+            if self.shape is not None:  # a chain: one node per level, each rank 0
+                self.shape.record([1] * len(drafts), [0] * accepted)
+            keep = len(r.tokens) + accepted  # target now holds tokens + drafts; keep tokens + accepted
+            self._rollback(self.target, self.target_cache, r.slot, keep)
+            if self.draft is not None and self.uses_draft(r):
+                self._rollback(self.draft, self.draft_cache, r.slot, min(len(self.draft_cache[r.slot]), keep))
         r.tokens.extend(new)
         r.computed = len(r.tokens) - 1
         # row i of the raw target logits is the distribution new[i] was chosen from
@@ -402,8 +406,7 @@ class ModelRunner:
         engine.keep_rows(slot, past, rows)
         mirror[slot][past:] = [mirror[slot][past + i] for i in rows]
         if self.eagle is not None and engine is self.target:  # the target's features follow its cache rows
-            features = self.eagle[slot].features
-            features[past:] = [features[past + i] for i in rows]
+            self.eagle[slot].keep_rows(past, rows)
 
     def _tree_budget(self, r) -> int:
         """Nodes a tree may have for request r: the configured budget, less what the context cannot hold
@@ -574,9 +577,12 @@ class ModelRunner:
         t0 = self._clock()
         logits = engine.forward_greedy(rows, logits_for=logits_for) if greedy else engine.forward(rows)
         for row in rows:
-            mirror[row.slot].extend(int(t) for t in row.tokens)
-            if self.eagle is not None and engine is self.target and len(row.tokens):
-                self.eagle[row.slot].on_target_forward(aux_rows(engine, row.slot), len(row.tokens))
+            mirror[row.slot].extend(map(int, row.tokens))
+        if self.eagle is not None and engine is self.target:
+            aux = aux_source(engine)  # looked up once a forward, not once a row
+            for row in rows:
+                if len(row.tokens):
+                    self.eagle[row.slot].on_target_forward(aux(row.slot), len(row.tokens))
         dt = self._clock() - t0
         if role == "target":
             self.stats.target_forwards += 1
@@ -618,13 +624,15 @@ def offers_greedy(engine) -> bool:
     return callable(getattr(type(engine), "forward_greedy", None))
 
 
-def aux_rows(engine, slot: int):
-    """The aux hidden rows of `slot`'s last forward (EAGLE-3 target graphs), or None."""
+def aux_source(engine):
+    """slot -> the aux hidden rows of that slot's last forward of `engine` (EAGLE-3 target graphs), or None."""
     sequences = getattr(engine, "sequences", None)
     if sequences is not None:  # runtime.engines.base.SequenceSlots: one single-sequence engine per slot
-        return getattr(sequences[slot], "last_aux_hidden", None)
+        return lambda slot: getattr(sequences[slot], "last_aux_hidden", None)
     rows = getattr(engine, "last_aux_hidden", None)
-    return rows.get(slot) if isinstance(rows, dict) else rows
+    if isinstance(rows, dict):
+        return rows.get
+    return lambda slot: rows
 
 
 def step_of(tokens: list[int], drafted: int, accepted: int, eos, produced: int, max_tokens: int) -> tuple[Step, int]:

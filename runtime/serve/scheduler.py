@@ -77,15 +77,14 @@ class EngineRequest:
     spec_trials: float = 0.0
     spec_idle: int = 0  # steps in a row this slot drafted nothing while others drafted (spec_length._per_slot)
     prompt_logprob_rows: list = field(default_factory=list)  # filled by the runner while prefilling
+    #: its speculation length may follow the cost model: not for seeded sampling (reproducible). Derived from
+    #: `params` once (the scheduler reads it for every decoding request every step)
+    adaptive: bool = field(init=False)
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
         self.rng: np.random.Generator = self.params.rng()
-
-    @property
-    def adaptive(self) -> bool:
-        """Its speculation length may follow the cost model: not for seeded sampling (reproducible)."""
-        return self.params.greedy or self.params.seed is None
+        self.adaptive = self.params.greedy or self.params.seed is None
 
     @property
     def output_ids(self) -> list[int]:
@@ -210,9 +209,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         k = self.runner.num_speculative_tokens
         context = self.runner.max_context
-        decoding = []
+        decoding, waiting_prefill = [], []
         for r in sorted(self.running.values(), key=lambda r: r.arrival):
             if r.prefilling:
+                waiting_prefill.append(r)
                 continue
             if context - len(r.tokens) < 0:
                 r.finish("length")
@@ -221,24 +221,37 @@ class Scheduler:
             decoding.append(r)
         speculating = [r for r in decoding if r.speculative] if k else []
         adaptive = [r for r in speculating if r.adaptive]
-        length = self.runner.speculation.choose(adaptive,
-                                                sum(1 for r in speculating if not r.adaptive),
-                                                free_draft=self.runner.method == "ngram",
-                                                plain=len(decoding) - len(speculating),
-                                                rows=self.runner.proposal_rows if self.runner.tree else None,
-                                                catch_up=lambda: self.runner.catch_up_tokens(speculating),
-                                                caps=self.runner.proposal_caps(adaptive))
-        for r in decoding:
-            want = (self.runner.speculation.length_of(r, length) if r.adaptive else k) if r.speculative else 0
-            g = max(min(want, context - len(r.tokens), r.max_tokens - r.produced - 1), 0)
-            decodes.append((r, g))
-            budget -= 1 + self.runner.proposal_rows(g)
-        for r in sorted(self.running.values(), key=lambda r: r.arrival):
-            if r.prefilling and budget > 0:
+        seeded = [r for r in speculating if not r.adaptive] if len(adaptive) < len(speculating) else []  # fixed K
+        speculation = self.runner.speculation
+        length = speculation.choose(adaptive, len(seeded),
+                                    free_draft=self.runner.method == "ngram",
+                                    plain=len(decoding) - len(speculating),
+                                    rows=self.runner.proposal_rows if self.runner.tree else None,
+                                    catch_up=lambda: self.runner.catch_up_tokens(speculating),
+                                    caps=self.runner.proposal_caps(adaptive))
+        decode_rows = 0
+        if length == 0 and not seeded and not speculation.per_slot:  # nothing drafts (plain, or G = 0): g = 0 for all
+            decodes = [(r, 0) for r in decoding]
+            decode_rows = len(decodes)
+        else:
+            own, per_slot = set(map(id, seeded)), speculation.per_slot
+            for r in decoding:
+                if not (r.speculative and k):
+                    want = 0
+                elif id(r) in own:
+                    want = k
+                else:
+                    want = speculation.length_of(r, length) if per_slot else length
+                g = max(min(want, context - len(r.tokens), r.max_tokens - r.produced - 1), 0)
+                decodes.append((r, g))
+                decode_rows += 1 + self.runner.proposal_rows(g)
+        budget -= decode_rows
+        for r in waiting_prefill:
+            if budget > 0:
                 n = min(len(r.prompt) - r.computed, budget)
                 prefills.append((r, n))
                 budget -= n
-        self.last_step_tokens = sum(1 + self.runner.proposal_rows(g) for _, g in decodes) + sum(n for _, n in prefills)
+        self.last_step_tokens = decode_rows + sum(n for _, n in prefills)
         if decodes or prefills:
             self.runner.step(decodes, prefills)
         for r, _ in [*decodes, *prefills]:

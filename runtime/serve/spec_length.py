@@ -189,7 +189,7 @@ class SpeculationLength:
         n = batch if batch is not None else max(draft_rows, 1)
         g = draft_rounds if drafted is None else drafted
         b = batch_bucket(n)
-        bucket = self.buckets.setdefault(b, Bucket.empty())
+        bucket = self._bucket_of(b)
         bucket.target.observe(g, target_tokens, target_seconds)
         self.all.target.observe((b, g), target_tokens, target_seconds)
         if draft_rounds > 0 and draft_rows > 0:
@@ -199,6 +199,13 @@ class SpeculationLength:
         self.all.other.observe((b, g), g, max(other_seconds, 0.0))
         if g == 0:
             bucket.plain_seconds += target_seconds + max(other_seconds, 0.0)
+
+    def _bucket_of(self, label: int) -> Bucket:
+        """The bucket of that label, made on first use (not a new empty Bucket built and dropped every step)."""
+        bucket = self.buckets.get(label)
+        if bucket is None:
+            bucket = self.buckets[label] = Bucket.empty()
+        return bucket
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """A draft's forward that caught up on `tokens` tokens it had not seen (a proposer's first forward)."""
@@ -244,7 +251,8 @@ class SpeculationLength:
         this step (n-gram lookup: the tokens after its match, none without one), called only when the step is
         evaluated: a slot proposes min(G, cap) and verifies that many rows."""
         n = len(adaptive) + fixed
-        self._slot_lengths = {}
+        if self._slot_lengths:
+            self._slot_lengths = {}
         if self.k == 0 or not adaptive:
             return self.k
         self._bucket = batch_bucket(n + plain)
@@ -252,7 +260,7 @@ class SpeculationLength:
             return self._pick(0)
         if not self.adaptive:
             return self._pick(self.k)
-        bucket = self.buckets.setdefault(batch_bucket(n + plain), Bucket.empty())
+        bucket = self._bucket_of(self._bucket)
         if bucket.burst > 0:  # the rest of an exploration's plain burst
             bucket.burst -= 1
             bucket.steps += 1
@@ -379,6 +387,11 @@ class SpeculationLength:
     def length_of(self, request, g: int) -> int:
         """The G this step gives an adaptive request: the step's, or its own where _per_slot lowered it."""
         return self._slot_lengths.get(id(request), g)
+
+    @property
+    def per_slot(self) -> bool:
+        """Whether this step gives some adaptive request a G of its own (else length_of is the step's G)."""
+        return bool(self._slot_lengths)
 
     def row_cost_share(self, n: int, g: int) -> float:
         """The measured cost of one more verify row per slot, as a share of a step of n decoding slots that
