@@ -31,6 +31,7 @@ from runtime.serve.speculative import METHODS, SpecStats, Step, accept, accept_g
 log = logging.getLogger(__name__)
 
 TREE_METHODS = ("draft_model", "eagle3", "ngram")  # the methods that propose token trees
+IDLE_GAP = 0.5  # seconds between two steps beyond which the engine waited (no work, a stop) rather than worked
 SEEDED_BRANCHING = 2  # auto trees: the fixed branching of seeded sampled requests (reproducible shapes)
 
 
@@ -104,6 +105,7 @@ class ModelRunner:
         self._clock = clock
         self._catch_up = False  # this step's draft caught up on many tokens (set by _propose)
         self._lookups: dict[tuple[int, int], list[int]] = {}  # this step's n-gram lookups: (slot, length) -> tokens
+        self._pending = None  # the latest decode step's costs, observed when the next step starts (_observe_pending)
         self.greedy_argmax = greedy_argmax
         #: called before every target forward (the engine client hands the previous step's tokens to
         #: the event loop there, while the target is about to release the GIL for its run). Not before the
@@ -288,6 +290,7 @@ class ModelRunner:
         prompt's last chunk runs now (its first token, sampled from that chunk's last row).
         """
         t0, target0 = self._clock(), self.stats.target_seconds
+        self._observe_pending(t0)
         cold0 = self._cold_runs()
         self._catch_up = False
         if decodes:
@@ -338,12 +341,30 @@ class ModelRunner:
         # step that ran some CUDA graph for one of its first times measured ONNX Runtime's capture, not the step
         cold = self._cold_runs() != cold0
         decoded = 0 if prefills or self._catch_up or cold else sum(len(row.tokens) for row in rows)
-        self.speculation.observe_step(decoded, target_s, rounds,
-                                      sum(1 for d, _ in proposals.values() if d), propose_s,
-                                      self._clock() - t0 - target_s - propose_s, batch=len(decodes),
-                                      drafted=drafted)
+        end = self._clock()
+        if decoded:  # observed when the next step starts: its "other" seconds take the time until then too
+            self._pending = ((decoded, target_s, rounds, sum(1 for d, _ in proposals.values() if d), propose_s,
+                              end - t0 - target_s - propose_s), {"batch": len(decodes), "drafted": drafted}, end)
         self._shapes.clear()  # the next step chooses again, with what this one measured
         self._lookups.clear()
+
+    def _observe_pending(self, now: float, gap: bool = True) -> None:
+        """Feed the latest decode step's costs to the length chooser, its "other" seconds including the time from its
+        end until `now` (the next step's start): the scheduler, the engine thread's hand-off of the step's tokens and
+        its wait for the GIL the event loop holds while it streams them. That time is per step, whatever the step
+        verified, so drafting spreads it over its accepted tokens; on the H200 it was more than the runner's own
+        step time at 32 streams, and a cost model without it predicted drafting at 0.87x of plain where a fixed
+        length ran 2.3x. A wait longer than IDLE_GAP (the engine had no work, or the process was stopped) is not."""
+        if self._pending is None:
+            return
+        args, kw, end = self._pending
+        self._pending = None
+        extra = now - end if gap and 0 <= now - end <= IDLE_GAP else 0.0
+        self.speculation.observe_step(*args[:5], args[5] + extra, **kw)
+
+    def idle(self) -> None:
+        """The scheduler has no work left: the latest step's costs are observed without the wait that follows."""
+        self._observe_pending(self._clock(), gap=False)
 
     def _cold_runs(self) -> int:
         """The engines' cold runs so far (runtime.engines.base.Engine.cold_runs): target, draft and EAGLE-3 head."""

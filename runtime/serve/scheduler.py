@@ -257,6 +257,8 @@ class Scheduler:
         for r, _ in [*decodes, *prefills]:
             if r.finish_reason is not None:
                 finished.append(self._free_slot(r))
+        if not self.running and not self.waiting:  # the engine waits for work now: not a cost of the last step
+            self.runner.idle()
         return finished
 
     def _take_waiting(self, n: int) -> list[EngineRequest]:
