@@ -26,8 +26,9 @@ fit over all buckets.
 G = 0 unless the best G > 0 beats plain decoding by `MIN_GAIN`: speculation is meant never to lose.
 Per slot, a step may give a slot fewer proposals than its G (none at all) where that slot's own acceptance
 does not pay for its verify rows and draft work (`_per_slot`), when the cost model predicts the step faster so.
-While a bucket decodes plainly, a probe drafts the best G > 0 for PROBE_STEPS steps after `PROBE_EVERY` plain steps
-(its first step pays the draft's catch-up, which the step fits leave out, so the later ones are what it measures),
+While a bucket decodes plainly, a probe drafts for PROBE_STEPS steps after `PROBE_EVERY` plain steps (its first step
+pays the draft's catch-up, which the step fits leave out, so the later ones are what it measures), at the best
+G > 0 and, every other probe, at K (so K's cost is measured, not extrapolated from shorter lengths),
 the wait doubling after each probe that confirms 0, up to `PROBE_MAX` (bounded exploration, a
 deterministic schedule), so acceptance and costs keep being measured and the bucket switches back
 when drafting starts to pay (better acceptance, a lighter load); between probes its plain steps skip the
@@ -322,8 +323,11 @@ class SpeculationLength:
                 bucket.probe_wait = min(2 * bucket.probe_wait, self.probe_max)
                 bucket.probes += 1
                 bucket.recheck = True  # the step after the probe decides again, with what it measured
-                bucket.probe_left, bucket.probe_g = PROBE_STEPS - 1, best
-                return self._pick(best)
+                # every other probe drafts the configured length: its cost is then measured, not extrapolated along
+                # a line that a plain step's other path (a GPU's decode graph) bends up from the shorter ones
+                g = self.k if bucket.probes % 2 else best
+                bucket.probe_left, bucket.probe_g = PROBE_STEPS - 1, g
+                return self._pick(g)
             bucket.skipped += 1
             return self._pick(0)
         bucket.plain_run, bucket.probe_wait = 0, self.probe_every
