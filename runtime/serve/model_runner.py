@@ -559,10 +559,11 @@ class ModelRunner:
         if trees:
             sampled = {r.slot for r, _ in wanting}
         greedy = self.greedy_argmax and len(sampled) < len(wanting) and offers_greedy(self.draft)
-        t0 = self._clock()
+        t0, cold = self._clock(), getattr(self.draft, "cold_runs", 0)
         logits = dict(zip((row.slot for row in rows), self._forward(self.draft, self.draft_cache, rows, "draft",
                                                                     greedy=greedy, logits_for=sampled)))
-        if self._catch_up and not prefills:  # what reading the tokens decoded plainly cost (a probe's price)
+        # what reading the tokens decoded plainly cost (a probe's price), unless the draft ran a CUDA graph cold there
+        if self._catch_up and not prefills and getattr(self.draft, "cold_runs", 0) == cold:
             self.speculation.observe_catch_up(sum(len(row.tokens) for row in rows), self._clock() - t0)
         last = {r.slot: logits[r.slot][-1] for r, _ in wanting}
         if trees:

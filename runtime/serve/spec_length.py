@@ -26,9 +26,10 @@ fit over all buckets.
 G = 0 unless the best G > 0 beats plain decoding by `MIN_GAIN`: speculation is meant never to lose.
 Per slot, a step may give a slot fewer proposals than its G (none at all) where that slot's own acceptance
 does not pay for its verify rows and draft work (`_per_slot`), when the cost model predicts the step faster so.
-While a bucket decodes plainly, a probe drafts for PROBE_STEPS steps after `PROBE_EVERY` plain steps (its first step
-pays the draft's catch-up, which the step fits leave out, so the later ones are what it measures), at the best
-G > 0 and, every other probe, at K (so K's cost is measured, not extrapolated from shorter lengths),
+While a bucket decodes plainly, a probe drafts after `PROBE_EVERY` plain steps until PROBE_MEASURED of its steps are
+measured, at most PROBE_STEPS (its first step pays the draft's catch-up, and on a GPU its steps meet shapes not
+captured yet: the step fits leave both out), at the best G > 0 and, every other probe, at K (so K's cost is
+measured, not extrapolated from shorter lengths),
 the wait doubling after each probe that confirms 0, up to `PROBE_MAX` (bounded exploration, a
 deterministic schedule), so acceptance and costs keep being measured and the bucket switches back
 when drafting starts to pay (better acceptance, a lighter load); between probes its plain steps skip the
@@ -69,7 +70,8 @@ DECAY = 0.98  # weight of the past per verification in the server-wide acceptanc
 PLAIN_BURST = 4  # consecutive plain steps a drafting bucket explores (its first may pay a first run)
 ACCEPT_DECAY = 0.9  # per slot: weight of the past per verification
 PRIOR_WEIGHT = 2.0  # the server-wide rate counts as this many proposals in a new slot's estimate
-PROBE_STEPS = 3  # drafted steps a probe runs: its first pays the draft's catch-up (or a graph's capture), unmeasured
+PROBE_MEASURED = 2  # a probe drafts until this many of its steps are measured (not a catch-up, prefill or cold run)
+PROBE_STEPS = 8  # ... or this many steps have drafted (a bucket where every step is unmeasurable)
 SLOT_PROBE_EVERY = 16  # a slot held at 0 while others draft drafts again after this many steps (re-measure it)
 PROBE_BUDGET = 0.01  # a probe's catch-up may cost at most this share of the plain decoding since the last probe
 
@@ -96,8 +98,9 @@ class Bucket:
     burst: int = 0  # plain steps left of an exploration burst
     plain_seconds: float = 0.0  # plain steps' measured seconds since the last probe (what a probe's catch-up spends)
     deferred: int = 0  # probes put off because their catch-up would cost more than PROBE_BUDGET of that
-    probe_left: int = 0  # drafted steps left of the probe under way (of PROBE_STEPS), at G probe_g
+    probe_left: int = 0  # drafted steps left of the probe under way (at most PROBE_STEPS), at G probe_g
     probe_g: int = 0
+    probe_measured: int = 0  # its steps measured so far (observe_step), PROBE_MEASURED end it
     #: at the latest evaluation, per G = 0..K: (predicted tokens per second, predicted step seconds)
     predicted: tuple = ()
 
@@ -200,6 +203,8 @@ class SpeculationLength:
         self.all.other.observe((b, g), g, max(other_seconds, 0.0))
         if g == 0:
             bucket.plain_seconds += target_seconds + max(other_seconds, 0.0)
+        elif bucket.probe_left > 0 and g == bucket.probe_g:
+            bucket.probe_measured += 1
 
     def _bucket_of(self, label: int) -> Bucket:
         """The bucket of that label, made on first use (not a new empty Bucket built and dropped every step)."""
@@ -266,7 +271,11 @@ class SpeculationLength:
             bucket.burst -= 1
             bucket.steps += 1
             return self._pick(0)
-        if bucket.probe_left > 0:  # the rest of a probe: measured steps after the one that caught up
+        if bucket.probe_measured >= PROBE_MEASURED:
+            bucket.probe_left = 0  # the probe measured what it came for
+        if bucket.probe_left > 0:
+            # the rest of a probe: its first step pays the draft's catch-up and, on a GPU, a step meeting a shape not
+            # captured yet (a width, a context window) runs cold; neither is measured, so it drafts on until some are
             bucket.probe_left -= 1
             bucket.steps += 1
             bucket.recheck = True  # the step after the probe decides with what it measured
@@ -326,7 +335,7 @@ class SpeculationLength:
                 # every other probe drafts the configured length: its cost is then measured, not extrapolated along
                 # a line that a plain step's other path (a GPU's decode graph) bends up from the shorter ones
                 g = self.k if bucket.probes % 2 else best
-                bucket.probe_left, bucket.probe_g = PROBE_STEPS - 1, g
+                bucket.probe_left, bucket.probe_g, bucket.probe_measured = PROBE_STEPS - 1, g, 0
                 return self._pick(g)
             bucket.skipped += 1
             return self._pick(0)

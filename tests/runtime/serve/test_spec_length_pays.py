@@ -184,7 +184,7 @@ def test_probes_are_bounded_and_back_off():
     picks = [policy.choose(bad, 0) for _ in range(1000)]
     drafted = [i for i, g in enumerate(picks) if g]
     starts = drafted[::PROBE_STEPS]
-    # each probe drafts PROBE_STEPS steps in a row (its first pays the catch-up, the others are measured)
+    # each probe drafts until 2 of its steps are measured: none is here, so PROBE_STEPS steps in a row
     assert drafted == [s + i for s in starts for i in range(PROBE_STEPS)]
     # waits of 16, 32, 64, 128, then 256 steps after a probe's first: deterministic, rarer as 0 is confirmed
     assert np.diff([-1] + starts).tolist() == [16] + [w + PROBE_STEPS - 1 for w in (32, 64, 128, 256, 256)]
@@ -522,3 +522,23 @@ def test_the_time_between_steps_is_a_cost_of_the_step_and_an_idle_wait_is_not():
     assert sum(1 for d in late if d) / len(late) > 0.75
     plain_step = runner.speculation.predictions()[1][0][1]
     assert 0.009 < plain_step < 0.012, plain_step  # 2 ms of target and 8 ms between steps, no idle wait
+
+
+def test_a_probe_drafts_until_it_has_measured_and_switches_back_where_graphs_run_cold():
+    """A bucket of 4 with requests coming and going decodes plainly while its draft is rarely accepted; then the draft
+    starts agreeing. Each probe's first step pays the catch-up and its next ones meet verification shapes not captured
+    at this context window (cold, as on a GPU): a probe of a fixed 3 steps measured little and the bucket drafted
+    in 42% of its late steps; drafting until 2 of its steps are measured (PROBE_MEASURED), it drafts in most."""
+    target_table, unrelated = _tables()
+    clock = FakeClock()
+    target = _CapturingSlots(target_table, 4, clock, lambda rows, tokens: 0.0004 + 0.00003 * tokens, cold=0.030)
+    draft = _CapturingSlots(unrelated, 4, clock, lambda rows, tokens: 0.00012, cold=0.030)
+    runner = ModelRunner(target, draft, "draft_model", 3, clock=clock)
+    _serve(runner, _prompts(12, seed=3), max_tokens=100, slots=4)
+    assert runner.speculation.snapshot()[4][0] == 0
+    draft.set_table(target_table)
+    prompts = _prompts(40, seed=4)
+    outs, drafted = _serve(runner, prompts, max_tokens=100, slots=4)
+    assert outs == [_greedy(target_table, p, 100) for p in prompts]
+    late = drafted[len(drafted) // 2:]
+    assert sum(1 for d in late if d) / len(late) > 0.75
