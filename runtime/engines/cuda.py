@@ -67,8 +67,8 @@ import numpy as np
 from manifests.errors import EnvironmentProblem, ModelError
 from manifests.limits import LIMITS
 from runtime.engines.base import Engine, Row
-from runtime.engines.cudalib import (D2D, D2H, H2D, Cudart, DeviceBuffer, fetch_group, fetch_rows, onnxruntime_cuda,
-                                     pack_aligned)
+from runtime.engines.cudalib import (D2D, D2H, H2D, Cudart, DeviceBuffer, fetch_group, fetch_rows, grow_buffer,
+                                     onnxruntime_cuda, pack_aligned)
 from runtime.engines.device_states import DeviceStates
 from runtime.engines.onnxruntime import (OnnxRuntimeEngine, batched_inputs, batched_mask, bind_row_inputs,
                                          check_capacity, static_capacity)
@@ -365,12 +365,7 @@ class CudaEngine(Engine):
 
     def _scratch_buffer(self, name: str, nbytes: int) -> DeviceBuffer:
         """A device buffer that only grows (its address changes only when it grows)."""
-        buf = self._scratch.get(name)
-        if buf is None or buf.nbytes < nbytes:
-            if buf is not None:
-                buf.free()
-            buf = self._scratch[name] = DeviceBuffer(self.cudart, max(nbytes, 256))
-        return buf
+        return grow_buffer(self._scratch, name, self.cudart, nbytes)
 
     def memory(self) -> dict:
         data = self._graph.with_name(self._graph.name + ".data")

@@ -200,6 +200,17 @@ class DeviceBuffer:
             self.ptr = 0
 
 
+def grow_buffer(scratch: dict, key, cudart, nbytes: int, minimum: int = 256) -> DeviceBuffer:
+    """scratch[key], a device buffer that only grows: replaced (its address changed) only when nbytes outgrow it, so a
+    call shape bound once (a CUDA graph, a TensorRT context) keeps finding its memory where it was."""
+    buf = scratch.get(key)
+    if buf is None or buf.nbytes < nbytes:
+        if buf is not None:
+            buf.free()
+        buf = scratch[key] = DeviceBuffer(cudart, max(nbytes, minimum))
+    return buf
+
+
 def pack_aligned(arrays, align: int = 256):
     """Small inputs in one host buffer, each at an `align`-byte offset, for one host-to-device copy:
     (uint8 buffer, offsets)."""

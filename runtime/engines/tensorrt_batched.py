@@ -30,7 +30,7 @@ import numpy as np
 
 from manifests.errors import ModelError
 from runtime.engines.base import Engine, Row
-from runtime.engines.cudalib import H2D, DeviceBuffer, fetch_group, pack_aligned
+from runtime.engines.cudalib import H2D, DeviceBuffer, fetch_group, grow_buffer, pack_aligned
 from runtime.engines.onnxruntime import OnnxRuntimeEngine, batched_inputs, batched_mask
 from runtime.engines.slots import SlotTable
 
@@ -253,12 +253,7 @@ class TensorRTBatchedEngine(Engine):
             self.context.set_tensor_address(name, buf.ptr + off)
 
     def _scratch_buffer(self, name: str, nbytes: int) -> DeviceBuffer:
-        buf = self._scratch.get(name)
-        if buf is None or buf.nbytes < nbytes:
-            if buf is not None:
-                buf.free()
-            buf = self._scratch[name] = DeviceBuffer(self.cudart, max(nbytes, ALIGN))
-        return buf
+        return grow_buffer(self._scratch, name, self.cudart, nbytes, ALIGN)
 
     # --- rollback, prefix copies ---------------------------------------------------------------
     def rollback(self, slot: int, length: int) -> None:
