@@ -28,8 +28,7 @@ import numpy as np
 
 from manifests.errors import EnvironmentProblem
 from runtime.engines.cuda import GRAPH_MAX_WIDTH, GRAPH_WARMUP, batch_buckets
-from runtime.engines.cudalib import D2H, H2D, Cudart, DeviceBuffer, onnxruntime_cuda, pack_aligned
-from runtime.engines.onnxruntime import batched_inputs, batched_mask
+from runtime.engines.cudalib import D2H, H2D, Cudart, DeviceBuffer, grow_buffer, onnxruntime_cuda, pack_aligned
 from runtime.serve.eagle3 import HeadRow, open_head_graph
 from runtime.serve.eagle3_slots import OnnxSlotsDrafter
 
@@ -83,50 +82,30 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
         self._graph_runs: dict[int, int] = {}  # graph id -> runs so far
         self.cold_runs = 0  # runs that were among the first GRAPH_WARMUP of their graph (as Engine.cold_runs)
         self._scratch: dict[tuple, DeviceBuffer] = {}
-        self._generation = 0
         super().__init__(graph, max_context=max_context, num_slots=num_slots, session=session)
         self.description += " on device buffers" + (", CUDA graphs" if self.cuda_graphs else "")
 
     def allocate_slots(self, num_slots: int) -> None:
         super().allocate_slots(num_slots)
         self.buckets = batch_buckets(self.num_slots)
-        self._generation += 1  # new cache buffers: graphs captured over the old ones are never replayed
+        # new cache buffers: bindings and graphs over the old ones are never used again (graph ids keep counting)
         self._runs: dict[tuple, tuple] = {}  # shape key -> (binding, input buffer, logits, hidden, graph id)
-
-    def _buffer(self, key: tuple, nbytes: int) -> DeviceBuffer:
-        """A device buffer per key that only grows (a graph run's keys have fixed sizes: fixed addresses)."""
-        buf = self._scratch.get(key)
-        if buf is None or buf.nbytes < nbytes:
-            if buf is not None:
-                buf.free()
-            buf = self._scratch[key] = DeviceBuffer(self.cudart, max(nbytes, 256))
-        return buf
 
     def _run(self, group: list[HeadRow], from_target: bool) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         width = max(len(r.tokens) for r in group)
         hi = max(r.slot for r in group) + 1
         # a graph's padding rows write into the spare rows: at most the headroom wide
         graph = self.fixed_shapes and width <= min(GRAPH_MAX_WIDTH, self._headroom)
-        lo = 0 if graph else min(r.slot for r in group)
-        if graph:  # slots 0..bucket-1, at the same addresses every time
+        lo, window = 0 if graph else min(r.slot for r in group), None
+        if graph:  # slots 0..bucket-1 at the same addresses every time, the window a power of two
             hi = next(b for b in self.buckets if b >= hi)
-        ids, write, positions = batched_inputs(group, lo, hi, self._lengths, self.capacity)
-        batch = hi - lo
-        window = max(self._lengths[r.slot] for r in group) + width
-        if graph:
+            window = max(self._lengths[r.slot] for r in group) + width
             window = min(self.capacity, max(MIN_WINDOW, 1 << (window - 1).bit_length()))
-        mask = batched_mask(group, lo, positions, write, window)
-        wide, narrow = 3 * self.target_hidden_size, self.hidden_size
-        feats = np.zeros((batch, width, wide if from_target else narrow), np.float32)
-        for r in group:
-            feats[r.slot - lo, :len(r.tokens)] = r.features
-        none = np.zeros((batch, 0, narrow if from_target else wide), np.float32)
-        parts = [("input_ids", ids, np.int64), ("target_hidden_states", feats if from_target else none, np.float32),
-                 ("draft_hidden_states", none if from_target else feats, np.float32),
-                 ("position_ids", positions, np.int64), ("write_indices", write, np.int64),
-                 ("attention_mask", mask, np.bool_)]
-        host, offsets = pack_aligned([a for _, a, _ in parts])
-        key = (from_target, lo, batch, width, window, self._generation)
+        inputs = self._inputs(group, from_target, lo, hi, window)
+        batch, window = hi - lo, inputs["attention_mask"].shape[-1]
+        parts = list(inputs.items())
+        host, offsets = pack_aligned([a for _, a in parts])
+        key = (from_target, lo, batch, width, window)
         run = self._runs.get(key) if graph else None
         if run is None:
             run = self._bind(key, parts, offsets, host.nbytes, graph)
@@ -142,12 +121,7 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
         out_hidden = np.empty((batch, width, self.hidden_size), np.float32)
         self.cudart.memcpy(out_logits.ctypes.data, logits.ptr, out_logits.nbytes, D2H)
         self.cudart.memcpy(out_hidden.ctypes.data, hidden.ptr, out_hidden.nbytes, D2H)
-        out = {}
-        for r in group:
-            n = len(r.tokens)
-            out[r.slot] = (out_logits[r.slot - lo, :n].copy(), out_hidden[r.slot - lo, :n].copy())
-            self._lengths[r.slot] += n
-        return out
+        return self._take(group, lo, out_logits, out_hidden)
 
     def _launch(self, binding, graph_id: int) -> None:
         """One run: graph_id > 0 captures (first use) or replays that CUDA graph, -1 an ordinary run. A capture ONNX
@@ -173,15 +147,17 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
     def _bind(self, key: tuple, parts, offsets, nbytes: int, graph: bool) -> tuple:
         """A binding over this shape's device buffers: kept per key for graph runs (what a captured graph replays),
         made afresh over grow-only buffers otherwise."""
-        from_target, lo, batch, width, window, _ = key
+        from_target, lo, batch, width, window = key
         tag = key if graph else ("any",)
-        inputs = self._buffer(("inputs", *tag), nbytes)
-        logits = self._buffer(("logits", *tag), batch * width * self.vocab_size * 4)
-        hidden = self._buffer(("hidden", *tag), batch * width * self.hidden_size * 4)
+        inputs = grow_buffer(self._scratch, ("inputs", *tag), self.cudart, nbytes)
+        logits = grow_buffer(self._scratch, ("logits", *tag), self.cudart,
+                             batch * width * self.vocab_size * 4)
+        hidden = grow_buffer(self._scratch, ("hidden", *tag), self.cudart,
+                             batch * width * self.hidden_size * 4)
         where = self._where
         binding = self.session.io_binding()
-        for (name, array, dtype), off in zip(parts, offsets):
-            binding.bind_input(name, where, 0, dtype, list(array.shape), inputs.ptr + off)
+        for (name, array), off in zip(parts, offsets):
+            binding.bind_input(name, where, 0, array.dtype.type, list(array.shape), inputs.ptr + off)
         shape = [batch, self._kv, self.capacity, self._hd]
         offset = lo * self._kv * self.capacity * self._hd * 4
         for name, buf in zip(("key", "value"), self._cache):

@@ -164,23 +164,39 @@ class OnnxSlotsDrafter(SlotsDrafter):
         empty = (np.zeros((0, self.vocab_size), np.float32), np.zeros((0, self.hidden_size), np.float32))
         return [out.get(r.slot, empty) for r in rows]
 
-    def _run(self, group: list[HeadRow], from_target: bool) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        lo, hi = min(r.slot for r in group), max(r.slot for r in group) + 1
+    def _inputs(self, group: list[HeadRow], from_target: bool, lo: int, hi: int, window: int | None = None) -> dict:
+        """The graph's row inputs for one run over slots lo..hi-1 (name -> array): ids and positions padded to the
+        longest row, the rows' features in the input of their kind (the other one empty), the mask over `window`
+        cache rows (None: every row's past and new tokens)."""
         ids, write, positions = batched_inputs(group, lo, hi, self._lengths, self.capacity)
         batch, width = ids.shape
-        mask = batched_mask(group, lo, positions, write, max(self._lengths[r.slot] for r in group) + width)
+        if window is None:
+            window = max(self._lengths[r.slot] for r in group) + width
         wide, narrow = 3 * self.target_hidden_size, self.hidden_size
         feats = np.zeros((batch, width, wide if from_target else narrow), np.float32)
         for r in group:
             feats[r.slot - lo, :len(r.tokens)] = r.features
         none = np.zeros((batch, 0, narrow if from_target else wide), np.float32)
+        return {"input_ids": ids, "target_hidden_states": feats if from_target else none,
+                "draft_hidden_states": none if from_target else feats, "position_ids": positions,
+                "write_indices": write, "attention_mask": batched_mask(group, lo, positions, write, window)}
+
+    def _take(self, group: list[HeadRow], lo: int, logits: np.ndarray, hidden: np.ndarray) -> dict:
+        """Each row's real entries of a run's [batch, width, ...] logits and hidden states; its slot grows by them."""
+        out = {}
+        for r in group:
+            n = len(r.tokens)
+            out[r.slot] = (logits[r.slot - lo, :n].copy(), hidden[r.slot - lo, :n].copy())
+            self._lengths[r.slot] += n
+        return out
+
+    def _run(self, group: list[HeadRow], from_target: bool) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        lo, hi = min(r.slot for r in group), max(r.slot for r in group) + 1
+        inputs = self._inputs(group, from_target, lo, hi)
+        batch, width = inputs["input_ids"].shape
         b = self._binding
-        b.bind_cpu_input("input_ids", ids)
-        b.bind_cpu_input("target_hidden_states", feats if from_target else none)
-        b.bind_cpu_input("draft_hidden_states", none if from_target else feats)
-        b.bind_cpu_input("position_ids", positions)
-        b.bind_cpu_input("write_indices", write)
-        b.bind_cpu_input("attention_mask", mask)
+        for name, array in inputs.items():
+            b.bind_cpu_input(name, array)
         if self._bound != (lo, hi):  # the slots' range of the one cache buffer, past and present alike
             shape = [hi - lo, self._kv, self.capacity, self._hd]
             offset = lo * self._kv * self.capacity * self._hd * 4
@@ -195,13 +211,7 @@ class OnnxSlotsDrafter(SlotsDrafter):
         b.bind_output("hidden_states", "cpu", 0, np.float32, list(hidden.shape), hidden.ctypes.data)
         self.session.run_with_iobinding(b)
         self.runs += 1
-        out = {}
-        for r in group:
-            n = len(r.tokens)
-            out[r.slot] = (logits[r.slot - lo, :n].copy(), hidden[r.slot - lo, :n].copy())
-            self._lengths[r.slot] += n
-        return out
-
+        return self._take(group, lo, logits, hidden)
 
 def open_head(graph: Path, *, max_context: int | None = None, threads: int | None = None,
               providers: Sequence[str] = ("CPUExecutionProvider",)):
