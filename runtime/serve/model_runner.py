@@ -11,6 +11,7 @@ prefix, and a new request reuses the longest prefix any slot holds (prefix cachi
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Collection, Sequence
@@ -343,8 +344,10 @@ class ModelRunner:
         decoded = 0 if prefills or self._catch_up or cold else sum(len(row.tokens) for row in rows)
         end = self._clock()
         if decoded:  # observed when the next step starts: its "other" seconds take the time until then too
-            self._pending = ((decoded, target_s, rounds, sum(1 for d, _ in proposals.values() if d), propose_s,
-                              end - t0 - target_s - propose_s), {"batch": len(decodes), "drafted": drafted}, end)
+            observe = functools.partial(self.speculation.observe_step, decoded, target_s, rounds,
+                                        sum(1 for d, _ in proposals.values() if d), propose_s,
+                                        batch=len(decodes), drafted=drafted)
+            self._pending = (observe, end - t0 - target_s - propose_s, end)
         self._shapes.clear()  # the next step chooses again, with what this one measured
         self._lookups.clear()
 
@@ -357,10 +360,9 @@ class ModelRunner:
         length ran 2.3x. A wait longer than IDLE_GAP (the engine had no work, or the process was stopped) is not."""
         if self._pending is None:
             return
-        args, kw, end = self._pending
+        observe, other, end = self._pending
         self._pending = None
-        extra = now - end if gap and 0 <= now - end <= IDLE_GAP else 0.0
-        self.speculation.observe_step(*args[:5], args[5] + extra, **kw)
+        observe(other + (now - end if gap and 0 <= now - end <= IDLE_GAP else 0.0))
 
     def idle(self) -> None:
         """The scheduler has no work left: the latest step's costs are observed without the wait that follows."""
