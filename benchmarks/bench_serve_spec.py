@@ -238,9 +238,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         mal = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
         chosen = " ".join(f"{b}:{g}" for b, g in sorted(r["chosen"].items())) or "-"
-        ran = [n for per_g in r.get("steps_by_length", {}).values() for n in per_g.values()]
-        drafting = sum(n for per_g in r.get("steps_by_length", {}).values() for g, n in per_g.items() if int(g))
-        skipped = f"{100 * drafting / sum(ran):.0f}%" if not r["method"].startswith("plain") and ran else "-"
+        share = drafting_share(r)
+        skipped = f"{100 * share:.0f}%" if not r["method"].startswith("plain") and share is not None else "-"
         spread = f"{min(r['tok_s_all']):.0f}-{max(r['tok_s_all']):.0f}"
         ratios = r["vs_plain_all"]
         vs = f"{r['vs_plain']:.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if r["method"] != "plain" else "1.00x"
@@ -255,12 +254,18 @@ def ideal_of(row: dict) -> float | None:
     """A speculative row's "vs plain" over its ideal: the speedup if every decode step had verified at a plain step's
     cost with free drafting, 1 + (mean accepted length - 1) x the share of steps that drafted (the tokens a step
     made). None for plain rows and rows that never drafted."""
-    mal, ran = row["mean_accepted_length"], row.get("steps_by_length", {})
-    steps = sum(n for per_g in ran.values() for n in per_g.values())
-    drafting = sum(n for per_g in ran.values() for g, n in per_g.items() if int(g))
-    if row["method"].startswith("plain") or mal is None or not steps or not drafting:
+    mal, share = row["mean_accepted_length"], drafting_share(row)
+    if row["method"].startswith("plain") or mal is None or not share:
         return None
-    return row["vs_plain"] / (1 + (mal - 1) * drafting / steps)
+    return row["vs_plain"] / (1 + (mal - 1) * share)
+
+
+def drafting_share(row: dict) -> float | None:
+    """The share of a row's decode steps that verified draft tokens (bundle:spec_decode_steps_total), None without
+    any counted."""
+    ran = row.get("steps_by_length", {})
+    steps = sum(n for per_g in ran.values() for n in per_g.values())
+    return sum(n for per_g in ran.values() for g, n in per_g.items() if int(g)) / steps if steps else None
 
 
 def paired(rows: list[dict]) -> None:

@@ -18,17 +18,10 @@ from runtime.serve.model_runner import ModelRunner
 from runtime.serve.sampling import SamplingParams
 from runtime.serve.scheduler import EngineRequest, Scheduler
 from tests.runtime.serve.test_eagle3 import MarkovSlotsHead
+from tests.runtime.serve.test_spec_length_pays import FakeClock
 from tests.runtime.serve.toy_engines import MarkovSlots
 
 VOCAB, SLOTS, K = 64, 4, 3
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Timed(MarkovSlots):
@@ -59,7 +52,7 @@ def _server(method: str, seeded: int = 0):
     rng = np.random.default_rng(0)
     table = rng.normal(size=(VOCAB, VOCAB)).astype(np.float32) * 3
     noisy = table + rng.normal(size=(VOCAB, VOCAB)).astype(np.float32) * 3
-    clock = Clock()
+    clock = FakeClock()
     target = Timed(table, clock, 0.0, 1e-3, aux=method == "eagle3")
     draft = {"draft_model": lambda: Timed(noisy, clock, 0.9e-3, 0.0),
              "eagle3": lambda: TimedHead(noisy, clock, 0.9e-3)}.get(method, lambda: None)()
