@@ -34,6 +34,7 @@ from manifests.errors import EnvironmentProblem, ModelError
 from runtime.engines.base import TreeMask
 from runtime.engines.onnxruntime import open_session, tree_mask
 from runtime.serve.spec_tree import Tree
+from runtime.serve.speculative import common_prefix
 
 FORMAT = "eagle3-head-v1"
 #: bundle.head_batch of a batched head whose batch axis carries slots (runtime.serve.eagle3_slots);
@@ -335,13 +336,7 @@ class ChainProposer:
         if self._n < L - 1:
             raise ModelError(f"EAGLE-3: the target's features cover {self._n} positions, "
                              f"expected {L - 1}")
-        same = min(len(self._covered), L)
-        if self._covered[:same] != list(tokens[:same]):  # one C comparison where the tokens only grew (the rule)
-            same = 0
-            for a, b in zip(self._covered, tokens):
-                if a != b:
-                    break
-                same += 1
+        same = common_prefix(self._covered, tokens)
         keep = min(self.drafter.length, max(0, same - 1), L - 2)
         self.drafter.rollback(keep)
         feats = self._tail(keep)[:L - 1 - keep]  # keep <= L - 2: at least one row

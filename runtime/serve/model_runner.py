@@ -27,23 +27,14 @@ from runtime.serve.spec_length import SpeculationLength
 from runtime.serve.spec_tree_shape import TreeShape
 from runtime.serve.spec_tree import (Tree, TreeOptions, accept_tree, accept_tree_greedy, grow_level, level_quota,
                                      ngram_tree)
-from runtime.serve.speculative import METHODS, SpecStats, Step, accept, accept_greedy, ngram_lookup, propose_token
+from runtime.serve.speculative import (METHODS, SpecStats, Step, accept, accept_greedy, common_prefix, ngram_lookup,
+                                      propose_token)
 
 log = logging.getLogger(__name__)
 
 TREE_METHODS = ("draft_model", "eagle3", "ngram")  # the methods that propose token trees
 IDLE_GAP = 0.5  # seconds between two steps beyond which the engine waited (no work, a stop) rather than worked
 SEEDED_BRANCHING = 2  # auto trees: the fixed branching of seeded sampled requests (reproducible shapes)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):
-        return n
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def as_slots(engine):

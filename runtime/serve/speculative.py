@@ -82,6 +82,18 @@ class SpecStats:
             self.accepted_per_pos[i] += 1
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share: one slice comparison where one only grew from the other (the rule
+    between a cache's tokens and its sequence's), the loop only after a divergence."""
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 def _one_hot(token: int, vocab: int) -> np.ndarray:
     q = np.zeros(vocab)
     q[token] = 1.0
