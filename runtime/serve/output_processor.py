@@ -102,14 +102,21 @@ class RequestState:
                              status=400 if request_fault else 500, completion_tokens=self.text.tokens)
 
 
-def collect(outputs: list[RequestOutput], logprobs: bool = False) -> RequestOutput:
-    """The deltas of one request joined into one output (the non-streaming answer); its last must be
-    finished. `logprobs`: the request asked for them (an empty tuple when no token came)."""
+def merge(outputs: list[RequestOutput], logprobs: bool = False) -> RequestOutput:
+    """Consecutive outputs of one request as one: texts, token ids and logprobs joined, the prompt's
+    logprobs from the first that has them, the rest (finished, reasons, usage, error) the last one's.
+    `logprobs`: the request asked for them (an empty tuple when no token came)."""
     last = outputs[-1]
     lps = None
     if logprobs or any(o.logprobs is not None for o in outputs):
         lps = tuple(lp for o in outputs for lp in (o.logprobs or ()))
     prompt = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
     return RequestOutput("".join(o.text for o in outputs), tuple(t for o in outputs for t in o.token_ids), lps,
-                         True, last.finish_reason, last.stop_reason, last.completion_tokens, last.cached_tokens,
-                         prompt, last.error, last.status)
+                         last.finished, last.finish_reason, last.stop_reason, last.completion_tokens,
+                         last.cached_tokens, prompt, last.error, last.status)
+
+
+def collect(outputs: list[RequestOutput], logprobs: bool = False) -> RequestOutput:
+    """The deltas of one request joined into one output (the non-streaming answer); its last must be
+    finished."""
+    return merge(outputs, logprobs)

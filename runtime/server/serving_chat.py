@@ -16,7 +16,7 @@ from runtime.server import openai_format as F
 from runtime.server import protocol as P
 from runtime.server.errors import APIError, unsupported
 from runtime.server.request_plan import Plan
-from runtime.server.serving_engine import Job, OpenAIServing
+from runtime.server.serving_engine import Job, JobFailed, OpenAIServing
 
 TEXT_PARTS = ("text", "input_text", "output_text")
 
@@ -134,26 +134,31 @@ class ServingChat(OpenAIServing):
                 first["prompt_token_ids"] = list(job.prompt)
             yield F.sse(first)
             pending = None
-            async for result in self.stream_events(job):
-                job.streamed = result.completion_tokens
-                if token_ids:
-                    ids.extend(result.token_ids)
-                if result.text or result.logprobs:
-                    delta = out.feed(result.text)
-                    logprobs = F.chat_logprobs(result.logprobs, tok) if result.logprobs else None
-                    if delta or logprobs:
+            try:
+                async for result in self.stream_events(job):
+                    job.streamed = result.completion_tokens
+                    if token_ids:
+                        ids.extend(result.token_ids)
+                    if result.text or result.logprobs:
+                        delta = out.feed(result.text)
+                        logprobs = F.chat_logprobs(result.logprobs, tok) if result.logprobs else None
+                        if delta or logprobs:
+                            if pending is not None:
+                                yield F.sse(pending)
+                            pending = chunk(index, F.message_delta(delta), logprobs=logprobs)
+                    if not result.finished:
+                        continue
+                    tail = out.finish()
+                    if tail or pending is None or ids:
                         if pending is not None:
                             yield F.sse(pending)
-                        pending = chunk(index, F.message_delta(delta), logprobs=logprobs)
-                if not result.finished:
-                    continue
-                tail = out.finish()
-                if tail or pending is None or ids:
-                    if pending is not None:
-                        yield F.sse(pending)
-                    pending = chunk(index, F.message_delta(tail) if tail else {})
-                pending["choices"][0]["finish_reason"] = finish_reason(plan, out, result.finish_reason)
-                yield F.sse(pending)
+                        pending = chunk(index, F.message_delta(tail) if tail else {})
+                    pending["choices"][0]["finish_reason"] = finish_reason(plan, out, result.finish_reason)
+                    yield F.sse(pending)
+            except JobFailed:  # the text before the failure goes out before its error event
+                if pending is not None:
+                    yield F.sse(pending)
+                raise
         if include_usage:  # the prompt counts once, whatever n is
             yield F.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
                          "choices": [], "usage": self.usage(len(jobs[0].prompt), jobs)})

@@ -10,7 +10,7 @@ from runtime.server import openai_format as F
 from runtime.server import protocol as P
 from runtime.server.errors import APIError, unsupported
 from runtime.server.request_plan import Plan
-from runtime.server.serving_engine import Job, OpenAIServing
+from runtime.server.serving_engine import Job, JobFailed, OpenAIServing
 from manifests.limits import LIMITS
 
 
@@ -128,33 +128,38 @@ class ServingCompletion(OpenAIServing):
             offset = len(echo[index])
             pending = chunk(index, echo[index]) if echo[index] and scored is None else None
             first = True
-            async for out in self.stream_events(job):
-                job.streamed = out.completion_tokens
-                if token_ids:
-                    ids.extend(out.token_ids)
-                if scored is not None and out.prompt_logprobs is not None:
-                    head = F.echo_logprobs(scored[index], out.prompt_logprobs, tok)
-                    offset = head["text_offset"][-1] + len(head["tokens"][-1])
-                    if pending is not None:
+            try:
+                async for out in self.stream_events(job):
+                    job.streamed = out.completion_tokens
+                    if token_ids:
+                        ids.extend(out.token_ids)
+                    if scored is not None and out.prompt_logprobs is not None:
+                        head = F.echo_logprobs(scored[index], out.prompt_logprobs, tok)
+                        offset = head["text_offset"][-1] + len(head["tokens"][-1])
+                        if pending is not None:
+                            yield F.sse(pending)
+                        pending = chunk(index, echo[index], logprobs=head)
+                    if out.text or out.logprobs:
+                        logprobs = F.completion_logprobs(out.logprobs, tok, offset) if out.logprobs else None
+                        offset += len(out.text)
+                        if pending is not None:
+                            yield F.sse(pending)
+                        pending = chunk(index, out.text, logprobs=logprobs)
+                    if out.finished:
+                        if pending is not None and ids:  # ids that came with no text: their own chunk
+                            yield F.sse(pending)
+                            pending = None
+                        pending = pending or chunk(index, "")
+                        pending["choices"][0]["finish_reason"] = out.finish_reason
+                    if pending is not None and token_ids and first:
+                        pending["choices"][0]["prompt_token_ids"] = list(job.prompt)
+                        first = False
+                    if out.finished:
                         yield F.sse(pending)
-                    pending = chunk(index, echo[index], logprobs=head)
-                if out.text or out.logprobs:
-                    logprobs = F.completion_logprobs(out.logprobs, tok, offset) if out.logprobs else None
-                    offset += len(out.text)
-                    if pending is not None:
-                        yield F.sse(pending)
-                    pending = chunk(index, out.text, logprobs=logprobs)
-                if out.finished:
-                    if pending is not None and ids:  # ids that came with no text: their own chunk
-                        yield F.sse(pending)
-                        pending = None
-                    pending = pending or chunk(index, "")
-                    pending["choices"][0]["finish_reason"] = out.finish_reason
-                if pending is not None and token_ids and first:
-                    pending["choices"][0]["prompt_token_ids"] = list(job.prompt)
-                    first = False
-                if out.finished:
+            except JobFailed:  # the text before the failure goes out before its error event
+                if pending is not None:
                     yield F.sse(pending)
+                raise
         if include_usage:
             yield F.sse({"id": rid, "object": "text_completion", "created": created, "model": name,
                          "choices": [], "usage": self.usage(prompt_tokens, jobs)})

@@ -32,7 +32,7 @@ from runtime.server.metrics import Metrics
 from runtime.server.preprocess import Preprocess
 from runtime.server.request_plan import Features, Plan, RequestError, plan_for
 from runtime.serve.model_runner import ModelRunner
-from runtime.serve.output_processor import RequestOutput, RequestState, collect
+from runtime.serve.output_processor import RequestOutput, RequestState, collect, merge
 from runtime.serve.speculative import Step
 from runtime.serve.tokenizer import TextStream, Tokenizer
 
@@ -44,7 +44,7 @@ MAX_CHOICES, MAX_BYTES_PER_TOKEN = LIMITS.choices, LIMITS.bytes_per_token
 STREAM_OPTIONS_NEED_STREAM = "Stream options can only be defined when `stream=True`."
 
 
-class _JobFailed(Exception):
+class JobFailed(Exception):
     """A job's 'error' event inside a streamed completion: sse_stream ends the stream with it."""
 
     def __init__(self, message: str, status: int = 500):
@@ -84,6 +84,28 @@ class ServeOptions:
     log_stats: bool = True  # the periodic throughput line (--disable-log-stats)
     features: Features = Features()  # tool and reasoning parsers, --max-logprobs
     http: Limits = LIMITS  # connection deadlines and caps (manifests.limits)
+
+
+async def outputs(queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    """A request's RequestOutputs from its queue until the finished one. Deltas that queued up while the
+    reader was busy (writing the chunk before, a client reading slowly) come merged as one, as vLLM's
+    RequestOutputCollector merges them: a stream that falls behind catches up in chunks of several tokens
+    instead of paying a chunk's costs (its JSON, its write, the client's parse) for every token, and the
+    engine's throughput reaches the client. An error is never merged into text: the text before it comes first."""
+    held = None
+    while True:
+        output = held if held is not None else await queue.get()
+        held, parts = None, [output]
+        while not output.finished and output.error is None and not queue.empty():
+            output = queue.get_nowait()
+            if output.error is not None:
+                held = output
+                break
+            parts.append(output)
+        output = parts[-1] if len(parts) == 1 else merge(parts)
+        yield output
+        if output.finished:
+            return
 
 
 @dataclass
@@ -389,18 +411,16 @@ class OpenAIServing:
             self.abort_all([job])
 
     async def events(self, job: Job) -> AsyncIterator[RequestOutput]:
-        """A job's RequestOutputs until the finished one (an error's included)."""
-        while True:
-            output = await job.events.get()
+        """A job's RequestOutputs until the finished one (an error's included), merged where they queued up
+        (`outputs`)."""
+        async for output in outputs(job.events):
             yield output
-            if output.finished:
-                return
 
     async def stream_events(self, job: Job) -> AsyncIterator[RequestOutput]:
         """events(job) for a chunk stream under sse_stream: an error ends the whole stream, there."""
         async for output in self.events(job):
             if output.error is not None:
-                raise _JobFailed(output.error, output.status)
+                raise JobFailed(output.error, output.status)
             yield output
 
     async def sse_stream(self, jobs: list[Job], rid: str, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -412,7 +432,7 @@ class OpenAIServing:
                 try:
                     async for chunk in chunks:
                         yield chunk
-                except _JobFailed as e:
+                except JobFailed as e:
                     yield self.error_event(e.message, e.status)
                     yield "data: [DONE]\n\n"
                     return
