@@ -5,7 +5,7 @@ same run.
 Run by hand (not a test):
     python benchmarks/bench_serve_spec.py NAME|DIR [--store DIR] [--streams 1,8,32] [--tokens 128]
         [--requests 2] [--run-tokens 0] [--repeats 3] [--control] [--spec-config JSON ...]
-        [--serve-arg=--allow-unsigned ...]
+        [--serve-arg=--allow-unsigned ...] [--client-procs auto|N]
     python benchmarks/bench_serve_spec.py --demo-cpu ...   # makes and installs the demo pair (cpu) first
 
 Each method's server is `bundle serve` started once as a subprocess on 127.0.0.1 (its own process, so client
@@ -13,7 +13,10 @@ and server share no GIL): "plain" with --no-speculation, "plain (control)" a sec
 is given (the noise floor: two identical servers' ratio), "speculative" with the bundle's own speculative
 config (the adaptive length, runtime.serve.spec_length), and one per --spec-config. The client is the
 official `openai` package (AsyncOpenAI): each of N streams sends --requests streamed chat completions back
-to back (more where --run-tokens asks for more tokens per run), --tokens tokens each (ignore_eos), greedy.
+to back (more where --run-tokens asks for more tokens per run), --tokens tokens each (ignore_eos), greedy,
+the streams spread over --client-procs processes starting together (default one per 2 CPUs: one process
+parsing every chunk caps plain decoding at its parse rate, and drafting, whose chunks carry several tokens,
+would be measured against the client).
 Rows run interleaved over the servers (every stream count x prompt x repeat visits each method in turn) so
 other load on the machine hits them alike, and while one server is measured the others are stopped (SIGSTOP,
 then SIGCONT for their turn; --no-pause-idle leaves them running), so no idle server's threads take CPU time
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import datetime as dt
 import json
 import os
@@ -149,10 +153,13 @@ class Server:
 
 
 # --- the client ------------------------------------------------------------------------------------
-async def _drive(server: Server, prompt: str, streams: int, requests: int, tokens: int) -> dict:
+async def _drive(url: str, model: str, prompt: str, streams: int, requests: int, tokens: int,
+                 start_at: float | None = None) -> dict:
+    """`streams` concurrent streams of `requests` chat completions each; `start_at` (time.perf_counter, the
+    system's monotonic clock, the same in every process): the moment to begin, so client processes start together."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
     ttfts: list[float] = []
 
     async def one_stream() -> int:
@@ -161,7 +168,7 @@ async def _drive(server: Server, prompt: str, streams: int, requests: int, token
             t0 = time.perf_counter()
             first = None
             stream = await client.chat.completions.create(
-                model=server.model, messages=[{"role": "user", "content": prompt}], max_tokens=tokens,
+                model=model, messages=[{"role": "user", "content": prompt}], max_tokens=tokens,
                 temperature=0, stream=True, stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True})
             async for chunk in stream:
@@ -172,17 +179,57 @@ async def _drive(server: Server, prompt: str, streams: int, requests: int, token
             ttfts.append(first if first is not None else time.perf_counter() - t0)
         return total
 
+    if start_at is not None:
+        await asyncio.sleep(max(start_at - time.perf_counter(), 0.0))
     t0 = time.perf_counter()
     counts = await asyncio.gather(*(one_stream() for _ in range(streams)))
-    wall = time.perf_counter() - t0
+    end = time.perf_counter()
     await client.close()
-    return {"tokens": sum(counts), "seconds": wall, "tok_s": sum(counts) / wall,
-            "ttft_p50": statistics.median(ttfts)}
+    return {"tokens": sum(counts), "start": t0, "end": end, "ttfts": ttfts}
 
 
-def run_once(server: Server, prompt: str, streams: int, requests: int, tokens: int) -> dict:
+def _drive_part(args: tuple) -> dict:
+    """One client process's share of the streams (ProcessPoolExecutor's worker)."""
+    return asyncio.run(_drive(*args))
+
+
+def split(streams: int, procs: int) -> list[int]:
+    """`streams` spread over at most `procs` client processes as evenly as possible (no empty share)."""
+    procs = max(1, min(procs, streams))
+    return [streams // procs + (1 if i < streams % procs else 0) for i in range(procs)]
+
+
+def client_processes(spec: str) -> int:
+    """--client-procs: a number, or "auto": one client process per 2 CPUs this process may run on (at least
+    one). One Python process parsing every chunk with the official client tops out at a few thousand
+    chunks a second: at 32 streams on the H200 the engine then waited for the client between requests
+    (60% busy), and the benchmark measured the client, which parses fewer chunks when each carries
+    several speculated tokens."""
+    if spec != "auto":
+        return max(1, int(spec))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // 2)
+
+
+async def _drive_all(server: Server, prompt: str, streams: int, requests: int, tokens: int, pool) -> dict:
+    shares = split(streams, pool._max_workers if pool is not None else 1)
+    if pool is None or len(shares) == 1:
+        parts = [await _drive(server.url, server.model, prompt, streams, requests, tokens)]
+    else:
+        start_at = time.perf_counter() + 0.3  # every process has its client made and waits for this moment
+        loop = asyncio.get_running_loop()
+        parts = await asyncio.gather(*(loop.run_in_executor(pool, _drive_part, (
+            server.url, server.model, prompt, n, requests, tokens, start_at)) for n in shares))
+    tokens_out = sum(p["tokens"] for p in parts)
+    wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
+    ttfts = [t for p in parts for t in p["ttfts"]]
+    return {"tokens": tokens_out, "seconds": wall, "tok_s": tokens_out / wall, "ttft_p50": statistics.median(ttfts),
+            "client_procs": len(parts)}
+
+
+def run_once(server: Server, prompt: str, streams: int, requests: int, tokens: int, pool=None) -> dict:
     before = server.metrics()
-    row = asyncio.run(_drive(server, prompt, streams, requests, tokens))
+    row = asyncio.run(_drive_all(server, prompt, streams, requests, tokens, pool))
     after = server.metrics()
 
     def delta(name: str) -> float:
@@ -308,6 +355,8 @@ def main(argv=None) -> int:
                     help="one more flag for every server, e.g. --serve-arg=--target=cuda (repeatable)")
     ap.add_argument("--no-pause-idle", dest="pause_idle", action="store_false",
                     help="leave the servers not being measured running (default: SIGSTOP them during each run)")
+    ap.add_argument("--client-procs", default="auto",
+                    help="client processes the streams are spread over (default auto: one per 2 CPUs)")
     ap.add_argument("--log-dir", help="keep each server's log here (default: a temp folder, removed)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the results files")
     args = ap.parse_args(argv)
@@ -327,6 +376,8 @@ def main(argv=None) -> int:
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     servers = []
+    procs = client_processes(args.client_procs)
+    pool = concurrent.futures.ProcessPoolExecutor(procs) if procs > 1 else None
     try:
         for label, flags in configs:
             servers.append(Server(label, bundle, common + flags, Path(args.log_dir) if args.log_dir else work))
@@ -343,12 +394,14 @@ def main(argv=None) -> int:
                                     other.pause()
                         server.resume()
                         row = run_once(server, prompt, n, requests_for(n, args.requests, args.tokens,
-                                                                       args.run_tokens), args.tokens)
+                                                                       args.run_tokens), args.tokens, pool)
                         if rep:  # the first round warms every server up at this stream count
                             runs.setdefault((n, pname, server.label), []).append(row)
                         print(f"  {n} streams, {pname}, {server.label}, run {rep}: {row['tok_s']:.1f} tok/s",
                               file=sys.stderr)
     finally:
+        if pool is not None:
+            pool.shutdown()
         for server in servers:
             server.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -363,7 +416,7 @@ def main(argv=None) -> int:
     header = (f"`{command}`\n\n{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}; bundle "
               f"{bundle}; {args.tokens} tokens per request, {args.requests} requests per stream (at least "
               f"{args.run_tokens} tokens a run), greedy, median of "
-              f"{args.repeats} after a warm-up, "
+              f"{args.repeats} after a warm-up, streams spread over {procs} client process(es), "
               f"{'the other servers stopped (SIGSTOP) during each run' if args.pause_idle else 'every server running'}"
               f"; servers: " + "; ".join(f"{s.label}: `{shlex.join(s.cmd[3:])}`"
                                                                          for s in servers))

@@ -4,6 +4,7 @@ row for every stream count and a results file records the command. Nothing about
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -16,7 +17,8 @@ def test_the_table_has_the_plain_baseline_and_a_results_file(installed_bundle, t
     from benchmarks import bench_serve_spec
 
     argv = ["tiny", "--store", str(installed_bundle.store), "--streams", "1,2", "--tokens", "4", "--requests", "1",
-            "--repeats", "2", "--prompts", "short", "--control", "--run-tokens", "8", "--out", str(tmp_path)]
+            "--repeats", "2", "--prompts", "short", "--control", "--run-tokens", "8", "--client-procs", "2",
+            "--out", str(tmp_path)]
     assert bench_serve_spec.main(argv) == 0
     out = capsys.readouterr().out
     rows = re.findall(r"^\| (\d+) \| short \| (plain|plain \(control\)|speculative) \| [\d.]+ \| [\d-]+ \| "
@@ -29,4 +31,15 @@ def test_the_table_has_the_plain_baseline_and_a_results_file(installed_bundle, t
     [md] = list(tmp_path.glob("bench_serve_spec_*.md"))
     assert "python benchmarks/bench_serve_spec.py tiny --store" in md.read_text()
     assert "the other servers stopped (SIGSTOP) during each run" in md.read_text()  # one server measured at a time
-    assert list(tmp_path.glob("bench_serve_spec_*.json"))
+    [js] = list(tmp_path.glob("bench_serve_spec_*.json"))
+    # 2 streams ran from 2 client processes that started together, 1 stream from this one
+    assert sorted({(r["streams"], r["client_procs"]) for r in json.loads(js.read_text())["rows"]}) == [(1, 1), (2, 2)]
+    assert all(r["tokens"] == 8 for r in json.loads(js.read_text())["rows"])  # every stream's tokens counted
+
+
+def test_streams_are_spread_evenly_over_the_client_processes():
+    from benchmarks.bench_serve_spec import split
+
+    assert split(32, 6) == [6, 6, 5, 5, 5, 5]
+    assert split(1, 6) == [1]
+    assert split(8, 1) == [8]
