@@ -75,6 +75,7 @@ class EngineRequest:
     finish_reason: str | None = None
     spec_hits: float = 0.0  # decayed accepted proposals, and proposals scored (runtime.serve.spec_length)
     spec_trials: float = 0.0
+    spec_expected: float = 0.0  # ... and the proposals the server-wide rate at their positions expected accepted
     spec_idle: int = 0  # steps in a row this slot drafted nothing while others drafted (spec_length._per_slot)
     prompt_logprob_rows: list = field(default_factory=list)  # filled by the runner while prefilling
     #: its speculation length may follow the cost model: not for seeded sampling (reproducible). Derived from

@@ -11,8 +11,9 @@ number of running sequences. So each step picks one G in 0..K (K the configured
     tokens(G) / cost(G),  tokens(G) = sum over slots of 1 + p_1 + p_1 p_2 + ... + p_1...p_G
 
 where p_i is the measured acceptance of proposal position i given the ones before it were accepted
-(server-wide, per method since each runner has one method), scaled for each slot by its own measured
-rate against the server-wide one, and
+(server-wide, per method since each runner has one method), scaled for each slot to the server-wide rate at
+its position in its answer (`POSITION_CLASSES`: a draft guesses an answer's first tokens worst) and by how
+its own verifications did against that rate, and
 
     cost(G) = target(rows(G)) + G * draft(slots) + other(G)
 
@@ -32,8 +33,9 @@ captured yet: the step fits leave both out), at the best G > 0 and, every other 
 measured, not extrapolated from shorter lengths),
 the wait doubling after each probe that confirms 0, up to `PROBE_MAX` (bounded exploration, a
 deterministic schedule), so acceptance and costs keep being measured and the bucket switches back
-when drafting starts to pay (better acceptance, a lighter load); between probes its plain steps skip the
-evaluation (nothing it depends on but plain costs is measured there). A draft model must first read every
+when drafting starts to pay (better acceptance, a lighter load, slots moving on past their answers' starts);
+between probes its plain steps skip the evaluation unless a slot entered another position class (nothing
+else it depends on but plain costs is measured there). A draft model must first read every
 token decoded plainly since it last ran, so a probe costs that catch-up (measured: `catch_up`), whose share of
 the plain decoding it follows does not shrink with the wait; a probe is therefore put off until its catch-up
 is within PROBE_BUDGET of the plain seconds since the last probe (a new request, whose draft reads only its
@@ -72,8 +74,16 @@ ACCEPT_DECAY = 0.9  # per slot: weight of the past per verification
 PRIOR_WEIGHT = 2.0  # the server-wide rate counts as this many proposals in a new slot's estimate
 PROBE_MEASURED = 2  # a probe drafts until this many of its steps are measured (not a catch-up, prefill or cold run)
 PROBE_STEPS = 8  # ... or this many steps have drafted (a bucket where every step is unmeasurable)
+#: where a request's answer changes acceptance: its tokens before 32, before 128, after (a draft guesses an answer's
+#: first tokens worst: on the H200 the demo draft kept 2.5 tokens a step there, 3.4 to 4 after)
+POSITION_CLASSES = (32, 128)
 SLOT_PROBE_EVERY = 16  # a slot held at 0 while others draft drafts again after this many steps (re-measure it)
 PROBE_BUDGET = 0.01  # a probe's catch-up may cost at most this share of the plain decoding since the last probe
+
+
+def position_class(produced: int) -> int:
+    """The POSITION_CLASSES index of a request that has produced that many tokens."""
+    return sum(1 for bound in POSITION_CLASSES if produced >= bound)
 
 
 def batch_bucket(n: int) -> int:
@@ -95,6 +105,7 @@ class Bucket:
     plain_run: int = 0  # plain steps since the last probe
     probe_wait: int = PROBE_EVERY
     recheck: bool = False  # decide again at the next step (after a probe, or while a slope is assumed)
+    positions: int = -1  # the adaptive slots' position classes (their sum) at the latest evaluation
     burst: int = 0  # plain steps left of an exploration burst
     plain_seconds: float = 0.0  # plain steps' measured seconds since the last probe (what a probe's catch-up spends)
     deferred: int = 0  # probes put off because their catch-up would cost more than PROBE_BUDGET of that
@@ -127,6 +138,9 @@ class SpeculationLength:
         self._trials = 0.0
         self._reached = [0.0] * k  # per position: decayed verifications that reached it
         self._kept = [0.0] * k  # ... and accepted it
+        #: per position class (POSITION_CLASSES) of the verified request: decayed accepted proposals, and scored
+        self._class_hits = [0.0] * (len(POSITION_CLASSES) + 1)
+        self._class_trials = [0.0] * (len(POSITION_CLASSES) + 1)
         self.last = k  # the G of the latest step
         #: (bucket label, G) -> decode steps that verified G proposals per adaptive slot (/metrics: how often
         #: each length ran, which the latest decision alone does not say)
@@ -142,10 +156,27 @@ class SpeculationLength:
         """The server-wide per-token acceptance (0.5 before any verification)."""
         return self._hits / self._trials if self._trials else 0.5
 
+    def rate_at(self, produced: int) -> float:
+        """The server-wide per-token acceptance at a request's position (its tokens produced so far): that position
+        class's own where it has been measured, else the rate over all positions.
+
+        Acceptance depends on where in its answer a request is, and where a bucket decoding plainly measures it is
+        not chosen at random: a probe waits for a new request, whose draft has least to catch up on, so probes
+        measure answers' first tokens, which a draft guesses worst. With one rate over all positions (its memory
+        50 verifications, under two steps at 32 slots) the H200 priced the demo draft at about 2.1 tokens a step at
+        32 streams where it kept 3.5 over whole answers, and the bucket did not draft."""
+        c = position_class(produced)
+        trials = self._class_trials[c]
+        return self._class_hits[c] / trials if trials >= PRIOR_WEIGHT else self.rate()
+
     def acceptance(self, request) -> float:
-        """The slot's per-token acceptance estimate, the server-wide rate weighing as PRIOR_WEIGHT tries."""
+        """The slot's per-token acceptance estimate: the server-wide rate at its position (rate_at) scaled by how its
+        own verifications did against what that rate expected of them, that ratio shrunk to 1 with PRIOR_WEIGHT tries."""
+        base = max(self.rate_at(getattr(request, "produced", 0)), 1e-6)
         hits, trials = getattr(request, "spec_hits", 0.0), getattr(request, "spec_trials", 0.0)
-        return (hits + PRIOR_WEIGHT * self.rate()) / (trials + PRIOR_WEIGHT)
+        expected = getattr(request, "spec_expected", 0.0) or trials * base  # (a request scored before it existed)
+        prior = PRIOR_WEIGHT * base
+        return base * (hits + prior) / (expected + prior)
 
     def position_acceptance(self) -> list[float]:
         """p_i for positions 1..K: accepted given reached, the server-wide rate counting as PRIOR_WEIGHT tries."""
@@ -158,8 +189,13 @@ class SpeculationLength:
         if drafted <= 0:
             return
         trials = accepted + (1 if accepted < drafted else 0)
+        produced = getattr(request, "produced", 0)
+        c = position_class(produced)
         request.spec_hits = ACCEPT_DECAY * getattr(request, "spec_hits", 0.0) + accepted
         request.spec_trials = ACCEPT_DECAY * getattr(request, "spec_trials", 0.0) + trials
+        request.spec_expected = ACCEPT_DECAY * getattr(request, "spec_expected", 0.0) + trials * self.rate_at(produced)
+        self._class_hits[c] = DECAY * self._class_hits[c] + accepted
+        self._class_trials[c] = DECAY * self._class_trials[c] + trials
         self._hits = DECAY * self._hits + accepted
         self._trials = DECAY * self._trials + trials
         for i in range(min(trials, self.k)):  # position i reached; kept when i < accepted
@@ -283,6 +319,9 @@ class SpeculationLength:
         due = bucket.plain_run + 1 >= bucket.probe_wait
         if due and bucket.deferred and (bucket.plain_run + 1) % self.probe_every:
             due = False  # a probe put off looks at its price again every probe_every steps, not at every step
+        positions = sum(position_class(getattr(r, "produced", 0)) for r in adaptive)
+        if positions != bucket.positions:  # a slot moved on to another position class (or a request came): its
+            bucket.recheck, bucket.positions = True, positions  # acceptance changed, so may the decision
         if bucket.decision == 0 and not bucket.recheck and (not due or not self._probe_affordable(bucket, catch_up)):
             # decided 0 here: nothing that could change it (acceptance, drafted steps' costs) is measured
             # before the next probe, so plain steps cost no evaluation
