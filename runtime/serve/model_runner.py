@@ -450,6 +450,10 @@ class ModelRunner:
     def _propose_eagle(self, wanting) -> dict:
         """EAGLE-3 chains and trees for the wanting (request, g): a head over slots drafts them all in one
         head run per round (runtime.serve.eagle3_rounds); a single-sequence head (made before it) slot by slot."""
+        # a head that has not run since plain steps first reads the target's features of every token they decoded:
+        # a prefill's cost, as a draft model's catch-up, which the step fits leave out (else a drafted step looks dear)
+        if any(len(r.tokens) - 1 - self.eagle[r.slot].drafter.length > g + 2 for r, g in wanting):
+            self._catch_up = True
         if isinstance(self.head, SlotsDrafter):
             jobs = {r.slot: TreeJob(self.eagle[r.slot], r.tokens, g, self._grower(r, g)) if self.drafts_tree(g, r)
                     else ChainJob(self.eagle[r.slot], r.tokens, g, self._picker(r)) for r, g in wanting}

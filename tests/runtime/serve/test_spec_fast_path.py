@@ -17,6 +17,7 @@ from runtime.serve.eagle3 import ChainProposer
 from runtime.serve.model_runner import ModelRunner
 from runtime.serve.sampling import SamplingParams
 from runtime.serve.scheduler import EngineRequest, Scheduler
+from runtime.serve.spec_length import PROBE_MEASURED
 from tests.runtime.serve.test_eagle3 import MarkovSlotsHead
 from tests.runtime.serve.test_spec_length_pays import FakeClock
 from tests.runtime.serve.toy_engines import MarkovSlots
@@ -94,6 +95,7 @@ def test_a_step_at_g0_does_no_drafting_work(method):
         if method == "draft_model":
             _count(calls, draft, "forward_greedy")
     quiet = probes = 0
+    runs, run = [], 0  # drafted steps per probe
     for _ in range(600):
         bucket = speculation.buckets[4]
         due = bucket.plain_run + 1 >= bucket.probe_wait  # as SpeculationLength.choose: a probe's turn
@@ -105,7 +107,11 @@ def test_a_step_at_g0_does_no_drafting_work(method):
         delta = {k: calls[k] - before.get(k, 0) for k in calls}
         if speculation.last > 0:
             probes += 1
+            run += 1
             continue
+        if run:
+            runs.append(run)
+            run = 0
         # every G = 0 step: the proposer and the drafter are not called, no length is looked up per request,
         # no proposal is scored
         for name in ("_propose", "forward", "forward_greedy", "length_of", "record", "proposal_rows"):
@@ -116,7 +122,9 @@ def test_a_step_at_g0_does_no_drafting_work(method):
                 assert delta.get(name, 0) == 0, (name, delta)
     assert speculation.last == 0 and speculation.snapshot()[4][0] == 0, speculation.snapshot()
     assert quiet > 500, "the cost model settled on 0: nearly every step is between probes"
-    assert probes < 10, "probes are rare"
+    # probes are rare: a few, each drafting until PROBE_MEASURED of its steps are measured (its first, a catch-up, is
+    # not, and a step's costs are observed when the next one starts: one more)
+    assert len(runs) <= 4 and all(r <= PROBE_MEASURED + 2 for r in runs), runs
     if method != "draft_model":  # (a draft model's probes wait until its catch-up is cheap: here, never)
         assert probes > 0, "it still probes now and then (bounded exploration)"
 
@@ -196,3 +204,28 @@ def test_feature_chunks_read_back_as_a_list_of_rows():
             keep = len(tokens) - 1 - len(ids)
             np.testing.assert_array_equal(feats, np.stack(ref[keep:len(tokens) - 1]))
         check(i)
+
+
+def test_an_eagle3_heads_catch_up_after_plain_steps_is_left_out_of_the_step_costs():
+    """After plain steps the EAGLE-3 head first reads the target's features of every token they decoded, as a draft
+    model catches up: that step is a prefill's cost, not a drafted step's. Counted as one, drafted steps after plain
+    stretches looked dear (the head's share of a step at 32 streams on the H200: 4.3 ms against 2.9 in a server that
+    drafts every step) and the adaptive length chose plain decoding."""
+    scheduler, runner, _ = _server("eagle3")
+    speculation = runner.speculation
+    for _ in range(20):  # prefill and first steps
+        scheduler.step()
+    pattern = iter(([0] * 8 + [3] * 4) * 3 + [0])
+
+    def choose(adaptive, fixed, **kw):
+        speculation.last = next(pattern)
+        return speculation.last
+
+    observed = []
+    real = speculation.observe_step
+    speculation.choose = choose
+    speculation.observe_step = lambda *a, **kw: (observed.append(kw["drafted"]), real(*a, **kw))
+    for _ in range(37):  # (a step's costs are observed when the next one starts)
+        scheduler.step()
+    # every cycle: 8 plain steps observed, then 4 drafted of which the first (the catch-up) is not
+    assert observed.count(3) == 3 * 3 and observed.count(0) >= 3 * 8 - 1, observed
