@@ -579,10 +579,10 @@ def _serve_staggered(runner, slots: int, clock: FakeClock) -> tuple[float, list,
 def test_acceptance_is_measured_per_position_in_the_answer():
     """8 slots; the draft agrees on half of an answer's first 40 tokens and on all the rest, and drafting pays only
     after those. A bucket decoding plainly probes at new requests (their drafts have least to catch up on), so one
-    acceptance over all positions kept measuring answers' starts: the bucket decoded plainly nearly throughout, at
-    0.96x of a plain server, as the demo draft did on the H200 (2.5 tokens a step in an answer's first 32 tokens,
-    3.4 to 4 after). Per position class, and decided again when a slot moves on to the next class, it drafts in most
-    steps past the start and beats plain decoding."""
+    acceptance over all positions kept measuring answers' starts: the bucket decoded plainly in 98% of the steps past
+    them, at 1.03x of plain decoding's tokens per (fake) second, as the demo draft did on the H200 (2.5 tokens a step
+    in an answer's first 32 tokens, 3.4 to 4 after). Per position class, and decided again when a slot moves on to
+    the next class, it drafts in most steps past the start: 1.21x."""
     target_table, unrelated = _tables()
 
     def cost(rows, tokens):
@@ -599,4 +599,4 @@ def test_acceptance_is_measured_per_position_in_the_answer():
     assert outs == plain_outs  # lossless: greedy output is plain decoding's
     late = [d for produced, d in steps if produced >= 48]
     assert sum(1 for d in late if d) / len(late) > 0.5
-    assert speed > 1.05 * plain_speed
+    assert speed > 1.10 * plain_speed
