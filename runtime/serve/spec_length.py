@@ -60,6 +60,7 @@ turns speculation off for a step with more running requests than that, as vLLM d
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 from runtime.serve.spec_costs import GroupedCost, LinearCost
@@ -83,7 +84,7 @@ PROBE_BUDGET = 0.01  # a probe's catch-up may cost at most this share of the pla
 
 def position_class(produced: int) -> int:
     """The POSITION_CLASSES index of a request that has produced that many tokens."""
-    return sum(1 for bound in POSITION_CLASSES if produced >= bound)
+    return bisect_right(POSITION_CLASSES, produced)
 
 
 def batch_bucket(n: int) -> int:
@@ -319,7 +320,9 @@ class SpeculationLength:
         due = bucket.plain_run + 1 >= bucket.probe_wait
         if due and bucket.deferred and (bucket.plain_run + 1) % self.probe_every:
             due = False  # a probe put off looks at its price again every probe_every steps, not at every step
-        positions = sum(position_class(getattr(r, "produced", 0)) for r in adaptive)
+        positions = 0  # (a loop, not sum() over a generator: this runs every step, plain ones too)
+        for r in adaptive:
+            positions += bisect_right(POSITION_CLASSES, getattr(r, "produced", 0))
         if positions != bucket.positions:  # a slot moved on to another position class (or a request came): its
             bucket.recheck, bucket.positions = True, positions  # acceptance changed, so may the decision
         if bucket.decision == 0 and not bucket.recheck and (not due or not self._probe_affordable(bucket, catch_up)):
