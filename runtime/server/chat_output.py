@@ -66,7 +66,8 @@ class ChatOutput:
 
     def message(self) -> dict:
         """The whole assistant message (after `finish`), as vLLM shapes it."""
-        msg: dict = {"role": "assistant", "content": self.content or None}
+        # vLLM's: the text, "" when nothing printable came; null only when everything was reasoning (or a tool call)
+        msg: dict = {"role": "assistant", "content": self.content if self.content or not self.reasoning else None}
         if self.reasoning:
             msg["reasoning"] = self.reasoning
             msg["reasoning_content"] = self.reasoning  # older clients read vLLM's earlier name

@@ -292,6 +292,17 @@ def test_chat_logprobs_match_the_sampled_tokens(sdk):
                                       for t in e.top_logprobs) or e.logprob < e.top_logprobs[-1].logprob + 1e-9
 
 
+def test_an_answer_with_no_text_is_empty_content_not_null(sdk):
+    """vLLM's: a message whose text came out empty (a stop string at its first character) has content "", not null
+    (null is for an answer that was all reasoning or a tool call); vLLM's own chat test reads it as a string."""
+    plain = {"chat_template_kwargs": {"enable_thinking": False}}  # no reasoning: every token is content
+    first = sdk.chat.completions.create(model="demo", messages=ASK, temperature=0, max_tokens=4,
+                                        extra_body=plain).choices[0]
+    cut = sdk.chat.completions.create(model="demo", messages=ASK, temperature=0, max_tokens=4,
+                                      stop=[first.message.content[0]], extra_body=plain).choices[0]
+    assert (cut.message.content, cut.finish_reason) == ("", "stop")
+
+
 def test_completion_logprobs_echo_and_prompt_lists(sdk):
     r = sdk.completions.create(model="demo", prompt=["import os\n", "def read(path):"], max_tokens=6,
                                temperature=0, logprobs=3, extra_body={"ignore_eos": True})
