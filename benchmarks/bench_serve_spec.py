@@ -40,6 +40,7 @@ import asyncio
 import concurrent.futures
 import datetime as dt
 import json
+import multiprocessing
 import os
 import platform
 import re
@@ -377,7 +378,10 @@ def main(argv=None) -> int:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     servers = []
     procs = client_processes(args.client_procs)
-    pool = concurrent.futures.ProcessPoolExecutor(procs) if procs > 1 else None
+    # spawned, not forked: this process may hold threads (a caller's servers, ONNX Runtime's pools) whose locks a fork
+    # would copy held
+    pool = concurrent.futures.ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) \
+        if procs > 1 else None
     try:
         for label, flags in configs:
             servers.append(Server(label, bundle, common + flags, Path(args.log_dir) if args.log_dir else work))
