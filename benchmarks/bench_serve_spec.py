@@ -212,9 +212,10 @@ def client_processes(spec: str) -> int:
     return max(1, cpus // 2)
 
 
-async def _drive_all(server: Server, prompt: str, streams: int, requests: int, tokens: int, pool) -> dict:
-    shares = split(streams, pool._max_workers if pool is not None else 1)
-    if pool is None or len(shares) == 1:
+async def _drive_all(server: Server, prompt: str, streams: int, requests: int, tokens: int, pool, procs: int) -> dict:
+    """The streams from this process, or spread over `procs` processes of `pool`."""
+    shares = split(streams, procs if pool is not None else 1)
+    if len(shares) == 1:
         parts = [await _drive(server.url, server.model, prompt, streams, requests, tokens)]
     else:
         start_at = time.perf_counter() + 0.3  # every process has its client made and waits for this moment
@@ -228,9 +229,9 @@ async def _drive_all(server: Server, prompt: str, streams: int, requests: int, t
             "client_procs": len(parts)}
 
 
-def run_once(server: Server, prompt: str, streams: int, requests: int, tokens: int, pool=None) -> dict:
+def run_once(server: Server, prompt: str, streams: int, requests: int, tokens: int, pool=None, procs: int = 1) -> dict:
     before = server.metrics()
-    row = asyncio.run(_drive_all(server, prompt, streams, requests, tokens, pool))
+    row = asyncio.run(_drive_all(server, prompt, streams, requests, tokens, pool, procs))
     after = server.metrics()
 
     def delta(name: str) -> float:
@@ -398,7 +399,7 @@ def main(argv=None) -> int:
                                     other.pause()
                         server.resume()
                         row = run_once(server, prompt, n, requests_for(n, args.requests, args.tokens,
-                                                                       args.run_tokens), args.tokens, pool)
+                                                                       args.run_tokens), args.tokens, pool, procs)
                         if rep:  # the first round warms every server up at this stream count
                             runs.setdefault((n, pname, server.label), []).append(row)
                         print(f"  {n} streams, {pname}, {server.label}, run {rep}: {row['tok_s']:.1f} tok/s",

@@ -19,8 +19,8 @@ from runtime.serve.tokenizer import TextStream
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """One delta of a request's output, or its end (`finished`). A collected output (RequestState.
-    collect) holds the whole text. `error`: the request failed (`status` 400: its own fault, 500: the
+    """One delta of a request's output, or its end (`finished`). A merged output (`merge`) of all of a request's
+    outputs holds the whole text. `error`: the request failed (`status` 400: its own fault, 500: the
     engine's); then finish_reason is "error" or "cancelled"."""
 
     text: str = ""
@@ -114,9 +114,3 @@ def merge(outputs: list[RequestOutput], logprobs: bool = False) -> RequestOutput
     return RequestOutput("".join(o.text for o in outputs), tuple(t for o in outputs for t in o.token_ids), lps,
                          last.finished, last.finish_reason, last.stop_reason, last.completion_tokens,
                          last.cached_tokens, prompt, last.error, last.status)
-
-
-def collect(outputs: list[RequestOutput], logprobs: bool = False) -> RequestOutput:
-    """The deltas of one request joined into one output (the non-streaming answer); its last must be
-    finished."""
-    return merge(outputs, logprobs)

@@ -32,7 +32,7 @@ from runtime.server.metrics import Metrics
 from runtime.server.preprocess import Preprocess
 from runtime.server.request_plan import Features, Plan, RequestError, plan_for
 from runtime.serve.model_runner import ModelRunner
-from runtime.serve.output_processor import RequestOutput, RequestState, collect, merge
+from runtime.serve.output_processor import RequestOutput, RequestState, merge
 from runtime.serve.speculative import Step
 from runtime.serve.tokenizer import TextStream, Tokenizer
 
@@ -392,7 +392,7 @@ class OpenAIServing:
             self.abort_all(jobs)
 
     async def collect(self, job: Job, request) -> RequestOutput:
-        """One choice's deltas joined (output_processor.collect); a failed job raises its APIError."""
+        """One choice's deltas joined (output_processor.merge); a failed job raises its APIError."""
         outputs: list[RequestOutput] = []
         try:
             while True:
@@ -406,7 +406,7 @@ class OpenAIServing:
                     raise self.job_error(output.error, output.status)
                 outputs.append(output)
                 if output.finished:
-                    return collect(outputs, job.state.logprobs)
+                    return merge(outputs, job.state.logprobs)
         finally:
             self.abort_all([job])
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from runtime.serve.logits_process import TokenLogprob
-from runtime.serve.output_processor import RequestOutput, RequestState, collect
+from runtime.serve.output_processor import RequestOutput, RequestState, merge
 from runtime.serve.speculative import Step
 from runtime.serve.tokenizer import TextStream, Tokenizer
 
@@ -46,7 +46,7 @@ def test_logprobs_follow_the_tokens_that_went_out(tok):
     steps = [Step(ids[i:i + 3], logprobs=lps[i:i + 3]) for i in range(0, len(ids), 3)]
     state = RequestState(TextStream(tok, ("sys",)), logprobs=True)
     outs = run(state, steps)
-    whole = collect(outs, state.logprobs)
+    whole = merge(outs, state.logprobs)
     assert [e.token for e in whole.logprobs] == list(whole.token_ids)  # cut at the stop like the tokens
     assert whole.logprobs == tuple(lps[:len(whole.token_ids)])
     assert whole.text == "import os\nimport " and whole.finish_reason == "stop"
@@ -57,10 +57,10 @@ def test_finish_reasons_length_eos_and_errors(tok):
     state = RequestState(TextStream(tok), arrived=0.0)
     outs = run(state, [Step(ids[:1]), Step(ids[1:], drafted=2, accepted=1, finish_reason="length")])
     assert outs[-1].finish_reason == "length" and outs[-1].stop_reason is None
-    assert collect(outs).text == "hello world" and collect(outs).logprobs is None
+    assert merge(outs).text == "hello world" and merge(outs).logprobs is None
     assert (state.first_token_at, state.finished_at, state.drafted, state.accepted) == (0.0, 1.0, 2, 1)
     asked = RequestState(TextStream(tok), logprobs=True)
-    assert collect(run(asked, [Step([], finish_reason="stop")]), True).logprobs == ()
+    assert merge(run(asked, [Step([], finish_reason="stop")]), True).logprobs == ()
     failed = RequestState(TextStream(tok)).fail("grammar failed", request_fault=True, now=1.0)
     assert (failed.finished, failed.finish_reason, failed.status) == (True, "error", 400)
     gone = RequestState(TextStream(tok)).fail("server shutting down", request_fault=False, now=1.0)

@@ -19,7 +19,7 @@ from runtime.serve.sampling import SamplingParams
 from runtime.serve.scheduler import EngineRequest, Scheduler
 from runtime.serve.spec_length import EVALUATE_EVERY, PROBE_MEASURED
 from tests.runtime.serve.test_eagle3 import MarkovSlotsHead
-from tests.runtime.serve.test_spec_length_pays import FakeClock
+from tests.runtime.serve.test_spec_length_pays import FakeClock, _greedy
 from tests.runtime.serve.toy_engines import MarkovSlots
 
 VOCAB, SLOTS, K = 64, 4, 3
@@ -64,15 +64,6 @@ def _server(method: str, seeded: int = 0):
         scheduler.add(EngineRequest(prompt=[int(t) for t in rng.integers(0, VOCAB, 20)], params=params,
                                     max_tokens=10 ** 6))
     return scheduler, runner, draft
-
-
-def _greedy_plain(table, prompt, n):
-    """Plain greedy decoding of the Markov chain: each token the argmax after the one before."""
-    out, last = [], prompt[-1]
-    for _ in range(n):
-        last = int(np.argmax(table[last]))
-        out.append(last)
-    return out
 
 
 def _count(calls, obj, name):
@@ -268,4 +259,4 @@ def test_a_drafting_bucket_evaluates_its_decision_once_every_few_steps():
     # an evaluation every EVALUATE_EVERY drafted steps, and at explorations (every 16th step) and the step after
     assert calls["_fits"] <= 400 / EVALUATE_EVERY + 2 * 400 / 16 + 4, calls
     for r in requests:
-        assert r.output_ids == [int(t) for t in _greedy_plain(table, r.prompt, len(r.output_ids))]
+        assert r.output_ids == _greedy(table, r.prompt, len(r.output_ids))
