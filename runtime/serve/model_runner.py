@@ -323,9 +323,12 @@ class ModelRunner:
             r.computed += n
             if r.computed == len(r.prompt):  # the first token, from the prompt's last row
                 self._finish_row(r, np.asarray(row_logits)[-1:], [], [], greedy and r.slot not in wanted)
+        emitted = 0  # the tokens the decoding rows produce now (the referee's tokens per second)
         for (r, _), row_logits in zip(decodes, logits[len(prefills):]):
             drafts, qs = proposals.get(r.slot, ([], []))
+            had = len(r.tokens)
             self._finish_row(r, row_logits, drafts, qs, greedy and r.slot not in sampled)
+            emitted += len(r.tokens) - had
         target_s = self.stats.target_seconds - target0
         rounds = max((depth(d) for d, _ in proposals.values()), default=0)
         # the cost model sees decode-only steps: a prefill chunk runs as a call of its own, with another
@@ -337,7 +340,7 @@ class ModelRunner:
         if decoded:  # observed when the next step starts: its "other" seconds take the time until then too
             observe = functools.partial(self.speculation.observe_step, decoded, target_s, rounds,
                                         sum(1 for d, _ in proposals.values() if d), propose_s,
-                                        batch=len(decodes), drafted=drafted)
+                                        batch=len(decodes), drafted=drafted, emitted=emitted)
             self._pending = (observe, end - t0 - target_s - propose_s, end)
         self._shapes.clear()  # the next step chooses again, with what this one measured
         self._lookups.clear()

@@ -66,6 +66,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 
 from runtime.serve.spec_costs import GroupedCost, LinearCost
+from runtime.serve.spec_referee import BAND, DRAFT, PLAIN, Referee
 
 EXPLORE_EVERY = 16
 PROBE_EVERY = 16  # plain steps in a bucket before its first probe
@@ -156,6 +157,8 @@ class SpeculationLength:
         #: seconds a draft takes to catch up on tokens it has not seen (after plain steps: a prefill's cost, which
         #: the step fits leave out), against those tokens
         self.catch_up = LinearCost()
+        #: whether to draft at all per bucket, from measured tokens/s of runs of plain and of drafted steps
+        self.referee = Referee() if self.adaptive else None
 
     # --- acceptance ----------------------------------------------------------------------------
     def rate(self) -> float:
@@ -225,11 +228,12 @@ class SpeculationLength:
     # --- costs ---------------------------------------------------------------------------------
     def observe_step(self, target_tokens: int, target_seconds: float, draft_rounds: int, draft_rows: int,
                      draft_seconds: float, other_seconds: float, *, batch: int | None = None,
-                     drafted: int | None = None) -> None:
+                     drafted: int | None = None, emitted: int | None = None) -> None:
         """One decode step's costs: the target forward over `target_tokens` rows, `draft_rounds` proposal
         rounds over `draft_rows` slots, the rest. `batch`: decoding sequences (default: the drafting
-        slots); `drafted`: the step's G (default: draft_rounds). A step with prefill rows
-        (target_tokens 0) is not a decode step's cost and is left out."""
+        slots); `drafted`: the step's G (default: draft_rounds); `emitted`: the tokens the step produced, for the
+        referee (None: not told). A step with prefill rows (target_tokens 0) is not a decode step's cost and is
+        left out."""
         if target_tokens <= 0:
             return
         n = batch if batch is not None else max(draft_rows, 1)
@@ -243,6 +247,8 @@ class SpeculationLength:
             self.all.draft.observe(draft_rows, draft_rows, draft_seconds / draft_rounds)
         bucket.other.observe(g, g, max(other_seconds, 0.0))
         self.all.other.observe((b, g), g, max(other_seconds, 0.0))
+        if self.referee is not None and emitted is not None:
+            self.referee.observe(b, g > 0, emitted, target_seconds + draft_seconds + max(other_seconds, 0.0))
         if g == 0:
             bucket.plain_seconds += target_seconds + max(other_seconds, 0.0)
         elif bucket.probe_left > 0 and g == bucket.probe_g:
@@ -269,6 +275,13 @@ class SpeculationLength:
             return True  # nothing to read, or its cost not measured yet (the first probe measures it)
         tokens = catch_up()  # counted only when a probe is due
         return tokens <= 0 or float(self.catch_up.predict(tokens)) <= PROBE_BUDGET * bucket.plain_seconds
+
+    def _trial_affordable(self, bucket: Bucket, catch_up) -> bool:
+        """A referee's drafting trial is a probe: affordable as one (its catch-up), and it spends the probe budget."""
+        if not self._probe_affordable(bucket, catch_up):
+            return False
+        bucket.plain_seconds = 0.0
+        return True
 
     def _fits(self, bucket: Bucket, need_draft: bool):
         """(target, draft, other) fits to predict with: the bucket's own where its slope is measured, else
@@ -313,16 +326,21 @@ class SpeculationLength:
             bucket.burst -= 1
             bucket.steps += 1
             return self._pick(0)
-        if bucket.probe_measured >= PROBE_MEASURED:
+        trial = self.referee.trial_step(self._bucket) if self.referee is not None else None
+        if trial == PLAIN:  # a referee's trial of plain decoding while the bucket drafts (runtime.serve.spec_referee)
+            bucket.steps += 1
+            return self._pick(0)
+        forced = trial == DRAFT  # a referee's trial of drafting: the cost model picks G
+        if bucket.probe_measured >= PROBE_MEASURED or forced:
             bucket.probe_left = 0  # the probe measured what it came for
-        if bucket.probe_left > 0:
+        if bucket.probe_left > 0 and not forced:
             # the rest of a probe: its first step pays the draft's catch-up and, on a GPU, a step meeting a shape not
             # captured yet (a width, a context window) runs cold; neither is measured, so it drafts on until some are
             bucket.probe_left -= 1
             bucket.steps += 1
             bucket.recheck = True  # the step after the probe decides with what it measured
             return self._pick(bucket.probe_g)
-        due = bucket.plain_run + 1 >= bucket.probe_wait
+        due = bucket.plain_run + 1 >= bucket.probe_wait and not forced
         if due and bucket.deferred and (bucket.plain_run + 1) % self.probe_every:
             due = False  # a probe put off looks at its price again every probe_every steps, not at every step
         positions = 0  # (a loop, not sum() over a generator: this runs every step, plain ones too)
@@ -331,6 +349,11 @@ class SpeculationLength:
         inputs = (positions, len(adaptive), fixed, plain, rows is None)
         if inputs != bucket.inputs:  # a slot moved on to another position class, a request came or went, trees for
             bucket.recheck, bucket.inputs = True, inputs  # chains: the decision may change
+        if forced and bucket.decision == 0:
+            bucket.recheck = True  # decided 0 by the cost model: evaluate for the G to draft
+        if bucket.decision == 0 and not bucket.recheck and self.referee is not None and \
+                self.referee.due(self._bucket, PLAIN):
+            bucket.recheck = True  # the referee's turn to try drafting, if the call is close: evaluate
         if bucket.decision == 0 and not bucket.recheck and (not due or not self._probe_affordable(bucket, catch_up)):
             # decided 0 here: nothing that could change it (acceptance, drafted steps' costs) is measured
             # before the next probe, so plain steps cost no evaluation
@@ -375,7 +398,18 @@ class SpeculationLength:
             best, vector = slots[0], slots[2]
         else:
             vector = None
-        pays = (slots[1] if vector else speed[best]) > speed[0] * (1.0 + self.min_gain)
+        drafting = slots[1] if vector else speed[best]
+        pays = forced or drafting > speed[0] * (1.0 + self.min_gain)
+        if self.referee is not None and not forced:  # a close call: tokens/s as measured decide
+            close = abs(drafting - speed[0]) < BAND * speed[0]
+            ruling = self.referee.rule(self._bucket, DRAFT if pays else PLAIN,
+                                       lambda: self._trial_affordable(bucket, catch_up), close=close)
+            if close and ruling is not None:
+                pays, forced = ruling == DRAFT, self.referee.in_trial(self._bucket)
+                if forced and not pays:  # a trial of plain decoding begins (this step is its first)
+                    bucket.steps += 1
+                    bucket.recheck = True  # after it the bucket decides again
+                    return self._pick(0)
         bucket.steps += 1
         bucket.decision = best if pays else 0
         # a slope assumed, not measured (one G seen so far): this step's plain costs will measure it
@@ -397,9 +431,10 @@ class SpeculationLength:
                 return self._pick(g)
             bucket.skipped += 1
             return self._pick(0)
-        bucket.plain_run, bucket.probe_wait = 0, self.probe_every
+        if not forced:  # (a referee's trial of drafting is a probe: the probes' back-off stays)
+            bucket.plain_run, bucket.probe_wait = 0, self.probe_every
         g = best
-        if self.explore_every and bucket.steps % self.explore_every == 0:
+        if self.explore_every and bucket.steps % self.explore_every == 0 and not forced:  # (a trial: drafting alone)
             # now and then another G, so the fits see more than one: plain decoding every third time (its
             # cost is measured, never extrapolated from drafted steps), else a neighbour of the best G
             turn = (bucket.steps // self.explore_every) % 3

@@ -76,8 +76,10 @@ class OpenAIServer:
         self.metrics.watch_engine(lambda: (self.engine.steps, self.engine.step_seconds,
                                            runner.stats.target_seconds + runner.stats.draft_seconds))
         if runner.num_speculative_tokens:
+            referee = runner.speculation.referee
             self.metrics.watch_speculation(runner.speculation.snapshot, runner.speculation.predictions,
-                                           runner.speculation.steps_run)
+                                           runner.speculation.steps_run,
+                                           referee.measured if referee is not None else None)
         if runner.shape is not None:
             self.metrics.watch_tree_shape(runner.shape_snapshot)
         self._preprocess = Preprocess()

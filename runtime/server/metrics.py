@@ -204,14 +204,15 @@ class Metrics:
         waiting for the GIL while the event loop holds it)."""
         self.registry.register(_EngineCollector(read, self._base))
 
-    def watch_speculation(self, read, predicted=None, ran=None) -> None:
+    def watch_speculation(self, read, predicted=None, ran=None, measured=None) -> None:
         """Export the adaptive speculation length's decision per batch-size bucket, read at scrape time:
         `read()` -> {bucket: (G decided, steps skipped because drafting did not pay, probe steps)}
         (SpeculationLength.snapshot), `predicted()` -> {bucket: ((tokens/s, step seconds) per G)}
-        (SpeculationLength.predictions) and `ran()` -> {(bucket, G): steps} (SpeculationLength.steps_run).
+        (SpeculationLength.predictions), `ran()` -> {(bucket, G): steps} (SpeculationLength.steps_run) and
+        `measured()` -> {bucket: {"plain"|"draft": tokens/s}} (runtime.serve.spec_referee.Referee.measured).
         The periodic log line says the decision too."""
         self._speculation = read
-        self.registry.register(_SpeculationCollector(read, self._base, predicted, ran))
+        self.registry.register(_SpeculationCollector(read, self._base, predicted, ran, measured))
 
     def watch_tree_shape(self, read) -> None:
         """Export the auto token tree's shape, read at scrape time: `read()` -> {depth: nodes at that level}
@@ -359,8 +360,9 @@ class _SpeculationCollector:
     """bundle:spec_decode_num_speculative_tokens{batch} (gauge), bundle:spec_decode_skipped_steps{batch}
     and bundle:spec_decode_probe_steps{batch} (counters); `batch` is the bucket's upper bound (1, 2, 4, 8...)."""
 
-    def __init__(self, read, labels: dict, predicted=None, ran=None):
+    def __init__(self, read, labels: dict, predicted=None, ran=None, measured=None):
         self._read, self._labels, self._predicted, self._ran = read, labels, predicted, ran
+        self._measured = measured
 
     def collect(self):
         names = list(self._labels) + ["batch"]
@@ -387,6 +389,15 @@ class _SpeculationCollector:
             for (bucket, g), count in sorted(self._ran().items()):
                 ran.add_metric(values + [str(bucket), str(g)], count)
             yield ran
+        if self._measured is not None:
+            measured = GaugeMetricFamily("bundle:spec_decode_measured_tokens_per_second",
+                                         "Tokens per second measured over settled runs of plain and of drafted steps, "
+                                         "by running batch size bucket (what decides a close call)",
+                                         labels=names + ["kind"])
+            for bucket, kinds in self._measured().items():
+                for kind, tok_s in kinds.items():
+                    measured.add_metric(values + [str(bucket), kind], tok_s)
+            yield measured
         if self._predicted is None:
             return
         speed = GaugeMetricFamily("bundle:spec_decode_predicted_tokens_per_second",

@@ -1,0 +1,156 @@
+"""Whether to draft at all, per batch bucket, from tokens per second measured over runs of steps.
+
+The speculation length's cost model (runtime.serve.spec_length) predicts each step from fits of short
+observations: a probe of a few drafted steps among plain ones, a burst of plain steps among drafted ones.
+What a kind of step costs once it has run for a while is not what such short runs measure. On the H200 the
+adaptive server's drafted steps cost 1.70 ms at one stream where a server drafting every step paid 1.43 ms
+for the same work (step records of both): a switch costs the draft's catch-up, shapes the engines have not
+run for a while, the one-token chunks the event loop still owes, and short runs are mostly switch. So the
+cost model decided against drafting where the fixed length gained 1.2x to 1.56x.
+
+The referee measures the thing itself: per bucket, the tokens that steps emitted over the seconds they
+took (each step's own time and the time until the next step starts, the server's streaming included),
+for plain steps and for drafted steps, counting a step only once SETTLE steps of the same kind came
+before it (a run's steady state, not its switch). Once both kinds are measured it rules: the faster
+one, the other taking over only when it measures MARGIN faster. The kind not in use is tried again for
+TRIAL steps after every CYCLE steps of the one in use (the first trial after FIRST_CYCLE), a drafting
+trial only when the cost model deems the draft's catch-up affordable (its probe rule), so measuring
+costs at most about TRIAL / CYCLE of the loser's deficit. Until it rules, the cost model decides alone;
+once it rules, the cost model still picks G (and each slot's length) for drafted steps.
+
+Lossless as the length is: a ruling only changes how many proposals are verified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SETTLE = 4  # steps of a run of one kind not counted (its switch: a catch-up, cold shapes, the loop's backlog)
+TRIAL = 24  # steps a trial of the kind not in use runs
+CYCLE = 512  # steps of the kind in use between trials of the other
+FIRST_CYCLE = 128  # ... before the first trial (a short burst of work is the cost model's alone)
+MIN_COUNTED = 16  # counted steps each kind needs before the referee rules
+MARGIN = 0.02  # the kind not in use must measure this much faster to take over
+DECAY = 0.995  # per counted step of a kind: the weight of its past
+RECHECK = 16  # a drafting trial whose catch-up was too dear is looked at again after this many steps
+BAND = 0.25  # a close call: the cost model predicts drafting within this share of plain decoding (either way)
+
+PLAIN, DRAFT = "plain", "draft"
+
+
+@dataclass
+class Rate:
+    """Decayed tokens and seconds of the counted steps of one kind."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    counted: int = 0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.tokens = DECAY * self.tokens + tokens
+        self.seconds = DECAY * self.seconds + seconds
+        self.counted += 1
+
+    @property
+    def per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class Court:
+    """One bucket's measurements and ruling."""
+
+    plain: Rate = field(default_factory=Rate)
+    draft: Rate = field(default_factory=Rate)
+    ruling: str | None = None  # PLAIN or DRAFT once both kinds are measured
+    run_kind: str | None = None  # the kind of the latest observed steps, and how many in a row
+    run_length: int = 0
+    trial: str | None = None  # the kind a trial under way runs, for trial_left more steps
+    trial_left: int = 0
+    since_trial: int = 0  # steps observed since the latest trial
+    trials: int = 0
+
+    def rate(self, kind: str) -> Rate:
+        return self.plain if kind == PLAIN else self.draft
+
+
+class Referee:
+    """Per batch bucket: the measured tokens/s of plain and drafted steps, and which kind to run on a close call."""
+
+    def __init__(self):
+        self.courts: dict[int, Court] = {}
+
+    def _court(self, bucket: int) -> Court:
+        court = self.courts.get(bucket)
+        if court is None:
+            court = self.courts[bucket] = Court()
+        return court
+
+    def trial_step(self, bucket: int) -> str | None:
+        """The kind this step runs if a trial is under way in the bucket (one of its steps is used up), else None."""
+        court = self.courts.get(bucket)
+        if court is None or court.trial_left <= 0:
+            return None
+        court.trial_left -= 1
+        return court.trial
+
+    def in_trial(self, bucket: int) -> bool:
+        court = self.courts.get(bucket)
+        return court is not None and court.trial_left > 0
+
+    def due(self, bucket: int, in_use: str) -> bool:
+        """Whether a trial of the kind not in use is due in the bucket (the cost model evaluates then, even while it
+        decodes plainly between probes, to tell whether the call is close)."""
+        court = self.courts.get(bucket)
+        if court is None or court.trial_left > 0:
+            return False
+        current = court.ruling or in_use
+        other = PLAIN if current == DRAFT else DRAFT
+        wait = CYCLE if court.rate(other).counted else FIRST_CYCLE
+        return court.since_trial >= wait and court.rate(current).counted >= MIN_COUNTED
+
+    def rule(self, bucket: int, in_use: str, affordable=None, *, close: bool = True) -> str | None:
+        """`in_use`: the kind the cost model picks; `close`: whether it predicts the two within BAND of each other.
+        On a close call: PLAIN or DRAFT as measured, a trial of the other kind when one is due (this step is its
+        first), or None (not measured yet: the cost model decides). A clear call puts a due trial off a cycle.
+        `affordable()`: whether a drafting trial's catch-up is affordable now (None: always)."""
+        court = self._court(bucket)
+        if self.due(bucket, in_use):
+            current = court.ruling or in_use
+            other = PLAIN if current == DRAFT else DRAFT
+            if not close:
+                court.since_trial = 0
+            elif other == DRAFT and affordable is not None and not affordable():
+                court.since_trial -= RECHECK  # looked at again RECHECK steps on
+            else:
+                court.trial, court.trial_left, court.since_trial = other, TRIAL - 1, 0
+                court.trials += 1
+                return other
+        return court.ruling
+
+    def observe(self, bucket: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """One measured decode step of the bucket: `tokens` emitted in `seconds` (its whole share of the wall)."""
+        court = self._court(bucket)
+        court.since_trial += 1
+        kind = DRAFT if drafted else PLAIN
+        if kind != court.run_kind:
+            court.run_kind, court.run_length = kind, 0
+        court.run_length += 1
+        if court.run_length <= SETTLE or seconds <= 0:
+            return
+        court.rate(kind).add(tokens, seconds)
+        plain, draft = court.plain, court.draft
+        if plain.counted < MIN_COUNTED or draft.counted < MIN_COUNTED:
+            return
+        p, d = plain.per_second, draft.per_second
+        if court.ruling is None:  # drafting must win by MARGIN, as to take over (its risk, its work)
+            court.ruling = DRAFT if d > p * (1 + MARGIN) else PLAIN
+        elif court.ruling == PLAIN and d > p * (1 + MARGIN):
+            court.ruling = DRAFT
+        elif court.ruling == DRAFT and p > d * (1 + MARGIN):
+            court.ruling = PLAIN
+
+    def measured(self) -> dict[int, dict[str, float]]:
+        """Per bucket: the measured tokens/s of each kind counted so far (/metrics)."""
+        return {b: {k: c.rate(k).per_second for k in (PLAIN, DRAFT) if c.rate(k).counted}
+                for b, c in sorted(list(self.courts.items()))}

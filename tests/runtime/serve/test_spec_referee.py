@@ -1,0 +1,130 @@
+"""The referee (runtime.serve.spec_referee): on a close call between plain decoding and drafting, the kind that
+measures more tokens per second over runs of steps wins, as its steady state, not its switch, costs.
+
+Unit tests drive the Referee with measured steps; the scenario runs the adaptive length on the numpy Markov
+chains behind a fake clock (tests.runtime.serve.test_spec_length_pays), so every choice depends on the
+clock's cost model only."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.serve.model_runner import ModelRunner
+from runtime.serve.spec_referee import (CYCLE, DRAFT, FIRST_CYCLE, MARGIN, MIN_COUNTED, PLAIN, SETTLE, TRIAL,
+                                        Referee)
+from tests.runtime.serve.test_spec_length_pays import (FakeClock, TimedSlots, _greedy, _prompts, _serve, _tables)
+
+
+def _feed(referee, kind, steps, tokens, seconds, bucket=1):
+    for _ in range(steps):
+        referee.observe(bucket, kind == DRAFT, tokens, seconds)
+
+
+def test_a_run_counts_only_once_it_has_settled_and_both_kinds_must_be_measured():
+    referee = Referee()
+    _feed(referee, PLAIN, SETTLE, 1, 100.0)  # a switch's steps, however dear: not counted
+    _feed(referee, PLAIN, MIN_COUNTED, 1, 0.001)
+    court = referee.courts[1]
+    assert court.plain.counted == MIN_COUNTED and court.plain.per_second == pytest.approx(1000.0)
+    assert court.ruling is None  # drafting not measured yet
+    _feed(referee, DRAFT, SETTLE + MIN_COUNTED - 1, 3, 0.002)
+    assert court.ruling is None
+    _feed(referee, DRAFT, 1, 3, 0.002)
+    assert court.ruling == DRAFT and referee.measured()[1] == {PLAIN: pytest.approx(1000.0), DRAFT: pytest.approx(1500.0)}
+
+
+@pytest.mark.parametrize("draft_rate, ruling", [(1000.0, PLAIN), (1000.0 * (1 + MARGIN / 2), PLAIN),
+                                                (1000.0 * (1 + 2 * MARGIN), DRAFT)])
+def test_drafting_must_win_by_the_margin(draft_rate, ruling):
+    referee = Referee()
+    _feed(referee, PLAIN, SETTLE + MIN_COUNTED, 1, 0.001)
+    _feed(referee, DRAFT, SETTLE + MIN_COUNTED, 1, 1 / draft_rate)
+    assert referee.courts[1].ruling == ruling
+
+
+def test_the_ruling_changes_when_the_other_kind_measures_faster():
+    referee = Referee()
+    _feed(referee, PLAIN, SETTLE + MIN_COUNTED, 1, 0.001)
+    _feed(referee, DRAFT, SETTLE + MIN_COUNTED, 2, 0.001)
+    assert referee.courts[1].ruling == DRAFT
+    _feed(referee, DRAFT, 400, 1, 0.002)  # acceptance fell: drafting now 500 tok/s against plain's 1000
+    assert referee.courts[1].ruling == PLAIN
+
+
+def test_trials_of_the_kind_not_in_use_come_once_a_cycle_and_only_if_affordable():
+    referee = Referee()
+    assert referee.rule(1, PLAIN) is None  # nothing measured
+    _feed(referee, PLAIN, SETTLE + MIN_COUNTED, 1, 0.001)
+    assert referee.rule(1, PLAIN) is None  # measured plain, but not FIRST_CYCLE steps yet
+    _feed(referee, PLAIN, FIRST_CYCLE, 1, 0.001)
+    assert referee.rule(1, PLAIN, affordable=lambda: False) is None  # a drafting trial's catch-up is too dear now
+    assert referee.rule(1, PLAIN, affordable=lambda: True) == DRAFT  # a trial's first step
+    assert [referee.trial_step(1) for _ in range(TRIAL)] == [DRAFT] * (TRIAL - 1) + [None]
+    _feed(referee, DRAFT, TRIAL, 1, 0.002)  # the trial measured drafting slower: ruled plain
+    assert referee.courts[1].ruling == PLAIN
+    _feed(referee, PLAIN, CYCLE - TRIAL - 1, 1, 0.001)
+    assert referee.rule(1, PLAIN) == PLAIN  # the next trial waits for a whole cycle
+    _feed(referee, PLAIN, 1, 1, 0.001)
+    assert referee.rule(1, PLAIN) == DRAFT
+
+
+class _SwitchCost(TimedSlots):
+    """A target whose verification steps cost `extra` seconds more for the first `steps` of a run of them after a
+    plain step (as on the H200: a switch meets shapes the engines have not run for a while and the event loop's
+    backlog of one-token chunks), not a cold run the runner leaves out: a cost of switching, not of drafting."""
+
+    def __init__(self, table, slots, clock, cost, extra, steps):
+        super().__init__(table, slots, clock, cost)
+        self.extra, self.steps, self.run = extra, steps, 0
+
+    def forward(self, rows):
+        verify = any(len(r.tokens) > 1 for r in rows) and all(len(r.tokens) <= 4 for r in rows)
+        self.run = self.run + 1 if verify else 0
+        if verify and self.run <= self.steps:
+            self.clock.now += self.extra
+        return super().forward(rows)
+
+
+def _switching_server(referee: bool):
+    """(fake seconds of the speculative runner, of plain decoding, its drafted share) for one stream whose draft
+    always agrees: a drafted step costs 34 ms for 4 tokens in a long run (1.18x plain's 10 ms a token), 44 ms in
+    a run's first 6 steps (0.91x): all a probe of a few steps measures."""
+    table, _ = _tables()
+    prompts = _prompts(12, seed=41)
+    clock = FakeClock()
+    target = _SwitchCost(table, 1, clock, lambda rows, tokens: 0.010, extra=0.010, steps=6)
+    draft = TimedSlots(table, 1, clock, lambda rows, tokens: 0.008 + 0.00002 * tokens)  # a GPU: a catch-up is cheap
+    runner = ModelRunner(target, draft, "draft_model", 3, clock=clock)
+    if not referee:
+        runner.speculation.referee = None
+    outs, drafted = _serve(runner, prompts, max_tokens=200, slots=1)
+    assert outs == [_greedy(table, p, 200) for p in prompts]
+    plain_clock = FakeClock()
+    plain = ModelRunner(TimedSlots(table, 1, plain_clock, lambda rows, tokens: 0.010), None, "none", clock=plain_clock)
+    _serve(plain, prompts, max_tokens=200, slots=1)
+    return clock.now, plain_clock.now, sum(1 for g in drafted if g) / len(drafted)
+
+
+def test_a_draft_that_pays_in_long_runs_drafts_though_its_short_runs_lose():
+    """The cost model alone, fed by probes and explorations of a few steps, sees a switch's cost and stays near plain
+    decoding; the referee's trial measures a long run of drafting and drafts (greedy output stays plain)."""
+    spent, plain, share = _switching_server(referee=True)
+    alone, plain_alone, share_alone = _switching_server(referee=False)
+    assert plain_alone == plain
+    assert plain / spent > 1.05 and share > 0.5, (plain / spent, share)  # (1.08x, 71% of steps drafting)
+    assert plain / alone < plain / spent - 0.05, (plain / alone, share_alone)  # alone: 0.99x, 2% drafting
+
+
+def test_metrics_show_the_measured_tokens_per_second_of_each_kind():
+    from runtime.server.metrics import Metrics
+
+    referee = Referee()
+    _feed(referee, PLAIN, SETTLE + MIN_COUNTED, 1, 0.001, bucket=8)
+    _feed(referee, DRAFT, SETTLE + MIN_COUNTED, 3, 0.002, bucket=8)
+    metrics = Metrics(3, model_name="m")
+    metrics.watch_speculation(lambda: {}, None, None, referee.measured)
+    text = metrics.render().decode()
+    for kind, tok_s in ((PLAIN, 1000.0), (DRAFT, 1500.0)):
+        line = next(x for x in text.splitlines() if x.startswith("bundle:spec_decode_measured_tokens_per_second{")
+                    and f'kind="{kind}"' in x)
+        assert 'batch="8"' in line and float(line.rsplit(" ", 1)[1]) == pytest.approx(tok_s)
