@@ -438,6 +438,8 @@ class SpeculationLength:
             # now and then another G, so the fits see more than one: plain decoding every third time (its
             # cost is measured, never extrapolated from drafted steps), else a neighbour of the best G
             turn = (bucket.steps // self.explore_every) % 3
+            if turn == 0 and self.referee is not None and self.referee.ruling(self._bucket) == DRAFT:
+                turn = 2  # ruled by measurement: plain decoding's cost is measured by the referee's trials of it
             up = turn == 1
             g = 0 if turn == 0 else best - 1 if best == self.k or not up else best + 1
             if g == 0:

@@ -94,6 +94,10 @@ class Referee:
         court.trial_left -= 1
         return court.trial
 
+    def ruling(self, bucket: int) -> str | None:
+        court = self.courts.get(bucket)
+        return court.ruling if court is not None else None
+
     def in_trial(self, bucket: int) -> bool:
         court = self.courts.get(bucket)
         return court is not None and court.trial_left > 0
