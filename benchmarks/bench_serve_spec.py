@@ -7,11 +7,15 @@ Run by hand (not a test):
         [--requests 2] [--run-tokens 0] [--repeats 3] [--control] [--spec-config JSON ...]
         [--serve-arg=--allow-unsigned ...] [--client-procs auto|N]
     python benchmarks/bench_serve_spec.py --demo-cpu ...   # makes and installs the demo pair (cpu) first
+    python benchmarks/bench_serve_spec.py demo --store S --spec-bundle demoe3 \
+        --spec-bundle 'demoe3={"num_speculative_tokens": 3, "adaptive": false}'   # two methods, one run
 
 Each method's server is `bundle serve` started once as a subprocess on 127.0.0.1 (its own process, so client
 and server share no GIL): "plain" with --no-speculation, "plain (control)" a second such server when --control
 is given (the noise floor: two identical servers' ratio), "speculative" with the bundle's own speculative
-config (the adaptive length, runtime.serve.spec_length), and one per --spec-config. The client is the
+config (the adaptive length, runtime.serve.spec_length), one per --spec-config, and one per --spec-bundle: another
+installed bundle of the same target model (another method: a draft model against an EAGLE-3 head) served with its
+own config or the JSON after "=", so that methods compare against one plain run. The client is the
 official `openai` package (AsyncOpenAI): each of N streams sends --requests streamed chat completions back
 to back (more where --run-tokens asks for more tokens per run), --tokens tokens each (ignore_eos), greedy,
 the streams spread over --client-procs processes starting together (default one per 2 CPUs: one process
@@ -326,6 +330,15 @@ def paired(rows: list[dict]) -> None:
         r["vs_plain"] = statistics.median(r["vs_plain_all"])
 
 
+def spec_bundle(spec: str) -> tuple[str, list[str], str]:
+    """--spec-bundle NAME[=JSON] -> (label, serve flags, bundle): the bundle's own config, or JSON's."""
+    name, _, config = spec.partition("=")
+    if not config:
+        return f"{name} (own config)", [], name
+    json.loads(config)  # a bad JSON fails here, not in a server's log
+    return f"{name} {config}", ["--speculative-config", config], name
+
+
 def requests_for(streams: int, requests: int, tokens: int, run_tokens: int) -> int:
     """Requests per stream: --requests, or more so that a run makes at least --run-tokens tokens."""
     return max(requests, -(-run_tokens // (streams * tokens)) if run_tokens else 0)
@@ -353,6 +366,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default="short,long", help="which prompts: short,long")
     ap.add_argument("--spec-config", action="append", default=[],
                     help="a --speculative-config JSON for one more speculative server (repeatable)")
+    ap.add_argument("--spec-bundle", action="append", default=[], metavar="NAME[=JSON]",
+                    help="one more speculative server of another installed bundle of the same target model, with "
+                         "its own config or the --speculative-config JSON after '=' (repeatable)")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="one more flag for every server, e.g. --serve-arg=--target=cuda (repeatable)")
     ap.add_argument("--no-pause-idle", dest="pause_idle", action="store_false",
@@ -375,6 +391,7 @@ def main(argv=None) -> int:
     configs = [("plain", ["--no-speculation"])] + ([("plain (control)", ["--no-speculation"])] if args.control else [])
     configs += [("speculative", [])]
     configs += [(f"spec {json.loads(c).get('method', '?')}", ["--speculative-config", c]) for c in args.spec_config]
+    configs += [spec_bundle(s) for s in args.spec_bundle]
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     servers = []
@@ -384,8 +401,9 @@ def main(argv=None) -> int:
     pool = concurrent.futures.ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) \
         if procs > 1 else None
     try:
-        for label, flags in configs:
-            servers.append(Server(label, bundle, common + flags, Path(args.log_dir) if args.log_dir else work))
+        for label, flags, *other in configs:
+            servers.append(Server(label, other[0] if other else bundle, common + flags,
+                                  Path(args.log_dir) if args.log_dir else work))
         prompts = {"short": SHORT, "long": servers[0].fit_prompt(args.long_words, args.tokens)}
         prompts = {k: v for k, v in prompts.items() if k in args.prompts.split(",")}
         runs: dict = {}

@@ -33,27 +33,49 @@ MIN_COUNTED = 16  # counted steps each kind needs before the referee rules
 MARGIN = 0.02  # the kind not in use must measure this much faster to take over
 DECAY = 0.995  # per counted step of a kind: the weight of its past
 RECHECK = 16  # a drafting trial whose catch-up was too dear is looked at again after this many steps
-BAND = 0.25  # a close call: the cost model predicts drafting within this share of plain decoding (either way)
+#: a close call: the cost model predicts drafting within this share of plain decoding (either way). On the H200
+#: its fits priced the demo draft at 0.85x of plain at one stream where a fixed length ran 1.22x
+BAND = 0.5
 
 PLAIN, DRAFT = "plain", "draft"
 
 
 @dataclass
 class Rate:
-    """Decayed tokens and seconds of the counted steps of one kind."""
+    """Decayed tokens and seconds of the counted steps of one kind, the tokens the cost model expected of them, and
+    how often each length G ran among them."""
 
     tokens: float = 0.0
     seconds: float = 0.0
+    expected: float = 0.0
+    mix: dict = field(default_factory=dict)  # G -> decayed count of the steps of that G
     counted: int = 0
 
-    def add(self, tokens: float, seconds: float) -> None:
+    def add(self, tokens: float, seconds: float, expected: float, g: int) -> None:
         self.tokens = DECAY * self.tokens + tokens
         self.seconds = DECAY * self.seconds + seconds
+        self.expected = DECAY * self.expected + expected
+        for k in self.mix:
+            self.mix[k] *= DECAY
+        self.mix[g] = self.mix.get(g, 0.0) + 1.0
         self.counted += 1
 
     @property
     def per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def at(self, expected_now) -> float:
+        """The measured tokens/s, scaled to the tokens steps of the same lengths are expected to emit now
+        (`expected_now[G]`; None: as measured).
+
+        Tokens per step follow acceptance and the running slots, which the cost model knows at once (every
+        verification is scored); seconds per step are what it gets wrong. So a draft measured while it agreed half
+        the time is judged, once it agrees more, by the tokens now expected of the lengths it was measured at over
+        the seconds those steps took."""
+        if expected_now is None or self.expected <= 0:
+            return self.per_second
+        now = sum(w * expected_now[min(g, len(expected_now) - 1)] for g, w in self.mix.items())
+        return self.per_second * now / self.expected
 
 
 @dataclass
@@ -113,12 +135,14 @@ class Referee:
         wait = CYCLE if court.rate(other).counted else FIRST_CYCLE
         return court.since_trial >= wait and court.rate(current).counted >= MIN_COUNTED
 
-    def rule(self, bucket: int, in_use: str, affordable=None, *, close: bool = True) -> str | None:
-        """`in_use`: the kind the cost model picks; `close`: whether it predicts the two within BAND of each other.
+    def rule(self, bucket: int, in_use: str, affordable=None, *, close: bool = True, expected=None) -> str | None:
+        """`in_use`: the kind the cost model picks; `close`: whether it predicts the two within BAND of each other;
+        `expected[G]`: the tokens a step of G is expected to emit now (None: judge rates as measured).
         On a close call: PLAIN or DRAFT as measured, a trial of the other kind when one is due (this step is its
         first), or None (not measured yet: the cost model decides). A clear call puts a due trial off a cycle.
         `affordable()`: whether a drafting trial's catch-up is affordable now (None: always)."""
         court = self._court(bucket)
+        self.judge(bucket, expected)
         if self.due(bucket, in_use):
             current = court.ruling or in_use
             other = PLAIN if current == DRAFT else DRAFT
@@ -132,27 +156,35 @@ class Referee:
                 return other
         return court.ruling
 
-    def observe(self, bucket: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """One measured decode step of the bucket: `tokens` emitted in `seconds` (its whole share of the wall)."""
+    def judge(self, bucket: int, expected=None) -> str | None:
+        """The bucket's ruling from both kinds' rates (scaled to the tokens now expected of a step of each G,
+        `expected[G]`), None until both are measured; drafting must win by MARGIN to take over, and plain decoding by MARGIN
+        to take it back (a few noisy steps never flip it)."""
         court = self._court(bucket)
-        court.since_trial += 1
-        kind = DRAFT if drafted else PLAIN
-        if kind != court.run_kind:
-            court.run_kind, court.run_length = kind, 0
-        court.run_length += 1
-        if court.run_length <= SETTLE or seconds <= 0:
-            return
-        court.rate(kind).add(tokens, seconds)
         plain, draft = court.plain, court.draft
         if plain.counted < MIN_COUNTED or draft.counted < MIN_COUNTED:
-            return
-        p, d = plain.per_second, draft.per_second
-        if court.ruling is None:  # drafting must win by MARGIN, as to take over (its risk, its work)
+            return None
+        p, d = plain.at(expected), draft.at(expected)
+        if court.ruling is None:
             court.ruling = DRAFT if d > p * (1 + MARGIN) else PLAIN
         elif court.ruling == PLAIN and d > p * (1 + MARGIN):
             court.ruling = DRAFT
         elif court.ruling == DRAFT and p > d * (1 + MARGIN):
             court.ruling = PLAIN
+        return court.ruling
+
+    def observe(self, bucket: int, g: int, tokens: int, seconds: float, expected: float | None = None) -> None:
+        """One measured decode step of the bucket that verified G proposals a slot: `tokens` emitted in `seconds` (its
+        whole share of the wall), where the cost model expected `expected` tokens (None: as emitted)."""
+        court = self._court(bucket)
+        court.since_trial += 1
+        kind = DRAFT if g > 0 else PLAIN
+        if kind != court.run_kind:
+            court.run_kind, court.run_length = kind, 0
+        court.run_length += 1
+        if court.run_length <= SETTLE or seconds <= 0:
+            return
+        court.rate(kind).add(tokens, seconds, tokens if expected is None or expected <= 0 else expected, g)
 
     def measured(self) -> dict[int, dict[str, float]]:
         """Per bucket: the measured tokens/s of each kind counted so far (/metrics)."""

@@ -1,5 +1,5 @@
 """benchmarks/bench_serve_spec.py on the tiny installed bundle with tiny settings: two real `bundle serve`
-subprocesses (speculative, --no-speculation and a --no-speculation control) driven by the openai client; the table has the baseline
+subprocesses (speculative, --no-speculation, a --no-speculation control and a --spec-bundle server) driven by the openai client; the table has the baseline
 row for every stream count and a results file records the command. Nothing about timing is checked."""
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ def test_the_table_has_the_plain_baseline_and_a_results_file(installed_bundle, t
 
     argv = ["tiny", "--store", str(installed_bundle.store), "--streams", "1,2", "--tokens", "4", "--requests", "1",
             "--repeats", "2", "--prompts", "short", "--control", "--run-tokens", "8", "--client-procs", "2",
-            "--out", str(tmp_path)]
+            "--spec-bundle", "tiny", "--out", str(tmp_path)]
     assert bench_serve_spec.main(argv) == 0
     out = capsys.readouterr().out
-    rows = re.findall(r"^\| (\d+) \| short \| (plain|plain \(control\)|speculative) \| [\d.]+ \| [\d-]+ \| "
+    rows = re.findall(r"^\| (\d+) \| short \| (plain|plain \(control\)|speculative|tiny \(own config\)) \| [\d.]+ \| [\d-]+ \| "
                       r"([\d.]+)x(?: \(([\d.]+)-([\d.]+)\))? \|", out, re.M)
-    assert sorted((n, m) for n, m, *_ in rows) == [("1", "plain"), ("1", "plain (control)"), ("1", "speculative"),
-                                                   ("2", "plain"), ("2", "plain (control)"), ("2", "speculative")]
+    # --spec-bundle: another installed bundle's server (here the same one) in the same run, against the same plain
+    assert sorted((n, m) for n, m, *_ in rows) == [
+        (n, m) for n in "12" for m in ("plain", "plain (control)", "speculative", "tiny (own config)")]
     assert all(ratio == "1.00" for _, m, ratio, *_ in rows if m == "plain")
     # every other row: the median of its paired ratios, within their range
     assert all(float(lo) <= float(ratio) <= float(hi) for _, m, ratio, lo, hi in rows if m != "plain")
@@ -43,3 +44,13 @@ def test_streams_are_spread_evenly_over_the_client_processes():
     assert split(32, 6) == [6, 6, 5, 5, 5, 5]
     assert split(1, 6) == [1]
     assert split(8, 1) == [8]
+
+
+def test_a_spec_bundle_is_served_with_its_own_config_or_the_one_given():
+    from benchmarks.bench_serve_spec import spec_bundle
+
+    assert spec_bundle("demoe3") == ("demoe3 (own config)", [], "demoe3")
+    config = '{"num_speculative_tokens": 3, "adaptive": false}'
+    assert spec_bundle("demoe3=" + config) == (f"demoe3 {config}", ["--speculative-config", config], "demoe3")
+    with pytest.raises(ValueError):
+        spec_bundle("demoe3={not json")

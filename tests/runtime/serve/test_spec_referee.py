@@ -17,7 +17,7 @@ from tests.runtime.serve.test_spec_length_pays import (FakeClock, TimedSlots, _g
 
 def _feed(referee, kind, steps, tokens, seconds, bucket=1):
     for _ in range(steps):
-        referee.observe(bucket, kind == DRAFT, tokens, seconds)
+        referee.observe(bucket, 3 if kind == DRAFT else 0, tokens, seconds)
 
 
 def test_a_run_counts_only_once_it_has_settled_and_both_kinds_must_be_measured():
@@ -28,9 +28,10 @@ def test_a_run_counts_only_once_it_has_settled_and_both_kinds_must_be_measured()
     assert court.plain.counted == MIN_COUNTED and court.plain.per_second == pytest.approx(1000.0)
     assert court.ruling is None  # drafting not measured yet
     _feed(referee, DRAFT, SETTLE + MIN_COUNTED - 1, 3, 0.002)
-    assert court.ruling is None
+    assert referee.judge(1) is None
     _feed(referee, DRAFT, 1, 3, 0.002)
-    assert court.ruling == DRAFT and referee.measured()[1] == {PLAIN: pytest.approx(1000.0), DRAFT: pytest.approx(1500.0)}
+    assert referee.judge(1) == DRAFT
+    assert referee.measured()[1] == {PLAIN: pytest.approx(1000.0), DRAFT: pytest.approx(1500.0)}
 
 
 @pytest.mark.parametrize("draft_rate, ruling", [(1000.0, PLAIN), (1000.0 * (1 + MARGIN / 2), PLAIN),
@@ -39,16 +40,30 @@ def test_drafting_must_win_by_the_margin(draft_rate, ruling):
     referee = Referee()
     _feed(referee, PLAIN, SETTLE + MIN_COUNTED, 1, 0.001)
     _feed(referee, DRAFT, SETTLE + MIN_COUNTED, 1, 1 / draft_rate)
-    assert referee.courts[1].ruling == ruling
+    assert referee.judge(1) == ruling
 
 
 def test_the_ruling_changes_when_the_other_kind_measures_faster():
     referee = Referee()
     _feed(referee, PLAIN, SETTLE + MIN_COUNTED, 1, 0.001)
     _feed(referee, DRAFT, SETTLE + MIN_COUNTED, 2, 0.001)
-    assert referee.courts[1].ruling == DRAFT
+    assert referee.judge(1) == DRAFT
     _feed(referee, DRAFT, 400, 1, 0.002)  # acceptance fell: drafting now 500 tok/s against plain's 1000
-    assert referee.courts[1].ruling == PLAIN
+    assert referee.judge(1) == PLAIN
+
+
+def test_a_rate_is_judged_at_the_tokens_now_expected_of_a_step():
+    """Measured while the draft agreed little (1.2 tokens expected and emitted a step of G = 3, at 2 ms): plain wins.
+    Once the cost model expects 3.2 tokens of such a step (acceptance measured up), the same seconds per step make
+    drafting win at once, before another trial; a draft that stops agreeing loses at once. What G = 1 would emit
+    does not count: drafting was measured at G = 3's seconds."""
+    referee = Referee()
+    _feed(referee, PLAIN, SETTLE + MIN_COUNTED, 1, 0.001)
+    for _ in range(SETTLE + MIN_COUNTED):
+        referee.observe(1, 3, 1.2, 0.002, 1.2)
+    assert referee.judge(1) == PLAIN
+    assert referee.judge(1, expected=[1.0, 1.1, 1.2, 3.2]) == DRAFT  # 1600 tok/s now expected against 1000
+    assert referee.judge(1, expected=[1.0, 1.9, 2.6, 1.5]) == PLAIN  # 750 against 1000
 
 
 def test_trials_of_the_kind_not_in_use_come_once_a_cycle_and_only_if_affordable():
@@ -61,7 +76,7 @@ def test_trials_of_the_kind_not_in_use_come_once_a_cycle_and_only_if_affordable(
     assert referee.rule(1, PLAIN, affordable=lambda: True) == DRAFT  # a trial's first step
     assert [referee.trial_step(1) for _ in range(TRIAL)] == [DRAFT] * (TRIAL - 1) + [None]
     _feed(referee, DRAFT, TRIAL, 1, 0.002)  # the trial measured drafting slower: ruled plain
-    assert referee.courts[1].ruling == PLAIN
+    assert referee.judge(1) == PLAIN
     _feed(referee, PLAIN, CYCLE - TRIAL - 1, 1, 0.001)
     assert referee.rule(1, PLAIN) == PLAIN  # the next trial waits for a whole cycle
     _feed(referee, PLAIN, 1, 1, 0.001)

@@ -1,0 +1,82 @@
+#!/bin/bash
+# Speculation through `bundle serve` on an NVIDIA GPU host with no network: the demo pair's `cuda` bundles
+# (draft model, EAGLE-3 head), then benchmarks/bench_serve_spec.py with the plain baseline in the same run.
+#
+# The host needs python3 with torch (the export), onnx, numpy, tokenizers, jinja2, click; the rest comes as
+# files under .gpu/ at the repository root (ignored by git), made on a connected machine:
+#   - onnxruntime-gpu as an xz tarball of its wheel's tree less what the engine never loads (the TensorRT
+#     provider, libonnxruntime.so, the transformers/tools/quantization/datasets folders), split in parts:
+#       pip download onnxruntime-gpu==1.31.1 --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
+#         --python-version 3.12 --implementation cp -d W && mkdir x && cd x && unzip -q ../W/*.whl &&
+#       rm -rf onnxruntime/capi/libonnxruntime_providers_tensorrt.so onnxruntime/capi/libonnxruntime.so.* \
+#         onnxruntime/{transformers,tools,quantization,datasets} &&
+#       tar cf - onnxruntime onnxruntime_gpu-1.31.1.dist-info | xz -9e -T2 > ../ort.tar.xz
+#       sha256sum ort.tar.xz > .gpu/ort.sha256; split -b 33000000 -d ort.tar.xz .gpu/p
+#   - the server's and the client's wheels in .gpu/whl/ (pip download --only-binary=:all: for cp312
+#     manylinux x86_64 of: fastapi starlette pydantic pydantic_core uvicorn h11 prometheus_client zstandard
+#     cryptography cffi openai llguidance opentelemetry-api annotated-doc, with their dependencies).
+# A call of a remote-machine tool that carries at most ~64 MiB moves them in several calls, each run as
+#   benchmarks/gpu_serve_spec.sh stash      copies what .gpu/ holds now to /tmp/gpu-stash (kept between calls)
+# then one call that runs
+#   benchmarks/gpu_serve_spec.sh prepare    installs onnxruntime-gpu and the wheels into /tmp/site, creates
+#                                           and installs the demo (draft model) and demoe3 (EAGLE-3) bundles
+#   benchmarks/gpu_serve_spec.sh bench ARGS...   bench_serve_spec.py ARGS with the store and --out set
+# Writes under $OUT (default /tmp/out): prepare.log, bench.log, the results .md/.json, server-logs.tgz.
+set -u -o pipefail
+CODE=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-/tmp/out}
+stash=/tmp/gpu-stash
+site=/tmp/site
+store=/tmp/serve-spec-store
+mkdir -p "$out" "$stash/whl"
+mode=${1:-}
+[ $# -gt 0 ] && shift
+
+environment() {  # onnxruntime-gpu links the CUDA 13 libraries by name: those of the nvidia-* packages beside PyTorch
+  NV=$(python3 -c "import nvidia, os; print(':'.join(sorted({r for p in nvidia.__path__ for r, _, fs in os.walk(p) if any(f.startswith('lib') and '.so' in f for f in fs)})))")
+  export LD_LIBRARY_PATH=$NV:${LD_LIBRARY_PATH:-} PYTHONPATH=$site:$CODE PYTHONUNBUFFERED=1
+}
+
+case "$mode" in
+  stash)
+    cp "$CODE"/.gpu/p[0-9]* "$CODE"/.gpu/ort.sha256 "$stash"/ 2>/dev/null
+    cp "$CODE"/.gpu/whl/*.whl "$stash/whl/" 2>/dev/null
+    ls "$stash" "$stash/whl" | tr '\n' ' '; echo ;;
+  prepare)
+    {
+      if [ ! -f "$site/onnxruntime/__init__.py" ]; then
+        cat "$stash"/p[0-9]* > /tmp/ort.tar.xz
+        (cd /tmp && echo "$(cut -d' ' -f1 "$stash/ort.sha256")  ort.tar.xz" | sha256sum -c -) || exit 3
+        mkdir -p "$site"
+        python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:xz').extractall(sys.argv[2], filter='data')" \
+          /tmp/ort.tar.xz "$site" || exit 4
+        rm -f /tmp/ort.tar.xz
+        python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" "$stash"/whl/*.whl || exit 5
+      fi
+      environment
+      python3 -c "import onnxruntime as o; print('onnxruntime', o.__version__, o.get_available_providers())"
+      nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv,noheader
+      cd "$CODE" || exit 9
+      git log -1 --format='commit %H %s' 2>/dev/null || true
+      create() {  # NAME [bundle create flags]: an unsigned cuda bundle of the demo pair, installed in the store
+        local name=$1; shift
+        [ -d "$store/$name" ] && return 0
+        python3 -c "import sys; from bundler.cli.pack import create; create.main(sys.argv[1:])" --targets cuda \
+          --name "$name" --version 1 --unsigned --no-progress --no-runtime --out "/tmp/bundles/$name" "$@" || exit 6
+        python3 -m runtime.cli.main install "/tmp/bundles/$name" --store "$store" --target cuda --allow-unsigned \
+          --force-target || exit 7
+      }
+      create demo
+      create demoe3 --speculative-config '{"method": "eagle3", "num_speculative_tokens": 3}'
+    } 2>&1 | tee -a "$out/prepare.log" | tail -40 ;;
+  bench)
+    environment
+    cd "$CODE" || exit 9
+    rm -rf /tmp/serve-logs && mkdir -p /tmp/serve-logs
+    timeout "${BENCH_TIMEOUT:-560}" python3 benchmarks/bench_serve_spec.py "$@" --store "$store" --out "$out" \
+      --log-dir /tmp/serve-logs 2>&1 | tee "$out/bench.log" | tail -60
+    rc=$?
+    tar czf "$out/server-logs.tgz" -C /tmp serve-logs  # (few files come back: the servers' logs in one)
+    exit $rc ;;
+  *) echo "usage: $0 stash | prepare | bench BENCH_SERVE_SPEC_ARGS..." >&2; exit 2 ;;
+esac
