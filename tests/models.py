@@ -49,7 +49,8 @@ HYBRID_FAMILIES = {
         "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}),
     # Nemotron-H: Mamba-2, attention, Mamba-2, MLP (hybrid_override_pattern "M*M-"); 4 Mamba heads of 16 in 2
     # groups, state 16; chunk_size 8 so a prefill crosses transformers' scan chunks; time_step_min 0.05 (the
-    # Hub's: 0.001) so that dt's clamp there is reached by many tokens
+    # Hub's: 0.001), which many tokens' dt falls below: dt is clamped to time_step_limit (default (0, inf)),
+    # not there, so a graph that clamped at time_step_min would differ
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {
         "head_dim": 16, "hybrid_override_pattern": "M*M-", "mamba_num_heads": 4, "mamba_head_dim": 16,
         "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4, "chunk_size": 8, "time_step_min": 0.05}),

@@ -7,11 +7,12 @@ rotary: the Mamba layers carry position), "-" MLP (down(relu(up(x))^2)), "E" rou
 
 Mamba-2 (transformers' NemotronHMamba2Mixer, its PyTorch path): in_proj -> [gate | xBC | dt]; a causal
 depthwise conv over xBC (kernel conv_kernel, bias, SiLU) -> x [heads, head_dim], B and C [n_groups,
-ssm_state_size] (each group serving heads / n_groups consecutive heads); dt = max(softplus(dt + dt_bias),
-time_step_min) (transformers' chunked scan clamps at time_step_min, as ONNX Runtime's own Mamba2Verify
-does; its one-token cached step leaves the clamp out, so transformers' own decode can differ from its
-prefill where softplus falls below time_step_min: the graph is the prefill's, every step);
-A = -exp(A_log); the SSD recurrence per head, state S [head_dim, state]:
+ssm_state_size] (each group serving heads / n_groups consecutive heads); dt = softplus(dt + dt_bias) clamped
+to time_step_limit (default (0, inf): no clamp; transformers' chunked scan from 5.25, and the checkpoints'
+own modeling code; transformers before 5.25 clamped at time_step_min instead, a different model). Its
+one-token cached step leaves the clamp out, so with a limit set transformers' own decode can differ from
+its prefill: the graph is the prefill's, every step; A = -exp(A_log); the SSD recurrence per head, state
+S [head_dim, state]:
 
     S_t = exp(dt_t A) S_{t-1} + (dt_t x_t) B_t^T,     y_t = S_t C_t + D x_t
 
@@ -130,6 +131,15 @@ def capture_width(cfg) -> int:
     return CAPTURE_TOKENS * (heads + groups * state + heads * head_dim)
 
 
+def dt_limit(cfg) -> tuple[float, float]:
+    """(low, high) that dt is clamped to: config time_step_limit, what the model was trained with (not
+    time_step_min, which only sets dt_bias's initial range)."""
+    limit = getattr(cfg, "time_step_limit", None) or (0.0, float("inf"))
+    if len(limit) != 2 or not float(limit[0]) <= float(limit[1]):
+        raise ModelError(f"expected time_step_limit (low, high) with low <= high, found {limit!r}")
+    return float(limit[0]), float(limit[1])
+
+
 def mamba2_mixer(g, hs: str, m: str, index: int, cfg, valid: str) -> str:
     """Mamba-2 of mixer prefix `m` (`model.layers.<i>.mixer`) over hs [batch, seq, hidden]; writes its states
     as present_*_state.<index>; returns [batch, seq, hidden] (after out_proj)."""
@@ -161,8 +171,12 @@ def mamba2_mixer(g, hs: str, m: str, index: int, cfg, valid: str) -> str:
     b = g.node("Reshape", [b, g.const(f"shape_{groups}_{state}", [0, 0, groups, state])])
     c = g.node("Reshape", [c, g.const(f"shape_{groups}_{state}", [0, 0, groups, state])])
     dt_bias = g.w.add(f"{m}.dt_bias", g.ckpt.get(f"{m}.dt_bias"))
-    floor = g.w.add("time_step_min", np.array(float(getattr(cfg, "time_step_min", 0.0)), np.float32))
-    dt = g.node("Max", [g.node("Softplus", [g.node("Add", [dt, dt_bias])]), floor])
+    dt = g.node("Softplus", [g.node("Add", [dt, dt_bias])])
+    low, high = dt_limit(cfg)
+    if low > 0:  # softplus is never below 0
+        dt = g.node("Max", [dt, g.w.add("time_step_limit_low", np.array(low, np.float32))])
+    if high < np.inf:
+        dt = g.node("Min", [dt, g.w.add("time_step_limit_high", np.array(high, np.float32))])
     dt = g.node("Mul", [dt, valid])  # [batch, seq, heads]: 0 on padding, so the state passes through
     neg_a = g.w.add(f"{m}.neg_A", -np.exp(g.ckpt.get(f"{m}.A_log").astype(np.float32)))
     decay = g.node("Mul", [dt, neg_a])

@@ -139,6 +139,33 @@ def test_latent_experts_without_renormalisation_match_transformers(tmp_path):
         assert_logits(engine.forward_one([tokens[i]]), ref[i:i + 1], ATOL, f"decode {i}")
 
 
+def test_dt_is_clamped_to_time_step_limit(tmp_path):
+    """time_step_limit clamps dt (time_step_min does not: the other checkpoints set it to 0.05 and no limit).
+    This limit is reached from both sides by many tokens and moves transformers' logits by more than ATOL,
+    so a graph that left it out would fail the parity."""
+    import onnx
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bundler.onnx.export import export_onnx
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "ckpt", family=FAMILY, seed=3,
+                                      overrides={"time_step_limit": (0.1, 0.12)})
+    result = export_onnx(checkpoint, tmp_path / "onnx", kv_cache="batched")
+    inits = {i.name for i in onnx.load(str(result.graph), load_external_data=False).graph.initializer}
+    assert {"time_step_limit_low", "time_step_limit_high"} <= inits
+    check_parity(checkpoint, result.graph, result.vocab_size, engine=_engine(result))
+
+    tokens = torch.tensor([np.random.default_rng(0).integers(0, result.vocab_size, 48).tolist()])  # check_parity's
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        clamped = model(tokens).logits
+        for mixer in (m for m in model.modules() if hasattr(m, "time_step_limit")):
+            mixer.time_step_limit = (0.0, float("inf"))
+        free = model(tokens).logits
+    assert float((clamped - free).abs().max()) > 2 * ATOL
+
+
 def test_the_routing_details_matter_at_this_tolerance(moe_export):
     """Without the correction bias or the group limit transformers' own logits move by far more than ATOL:
     the parity above would catch either one left out."""
