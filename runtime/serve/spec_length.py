@@ -174,7 +174,10 @@ class SpeculationLength:
         measure answers' first tokens, which a draft guesses worst. With one rate over all positions (its memory
         50 verifications, under two steps at 32 slots) the H200 priced the demo draft at about 2.1 tokens a step at
         32 streams where it kept 3.5 over whole answers, and the bucket did not draft."""
-        c = position_class(produced)
+        return self._class_rate(position_class(produced))
+
+    def _class_rate(self, c: int) -> float:
+        """Position class c's own rate where it has been measured, else the rate over all positions."""
         trials = self._class_trials[c]
         return self._class_hits[c] / trials if trials >= PRIOR_WEIGHT else self.rate()
 
@@ -198,11 +201,10 @@ class SpeculationLength:
         if drafted <= 0:
             return
         trials = accepted + (1 if accepted < drafted else 0)
-        produced = getattr(request, "produced", 0)
-        c = position_class(produced)
+        c = position_class(getattr(request, "produced", 0))
         request.spec_hits = ACCEPT_DECAY * getattr(request, "spec_hits", 0.0) + accepted
         request.spec_trials = ACCEPT_DECAY * getattr(request, "spec_trials", 0.0) + trials
-        request.spec_expected = ACCEPT_DECAY * getattr(request, "spec_expected", 0.0) + trials * self.rate_at(produced)
+        request.spec_expected = ACCEPT_DECAY * getattr(request, "spec_expected", 0.0) + trials * self._class_rate(c)
         self._class_hits[c] = DECAY * self._class_hits[c] + accepted
         self._class_trials[c] = DECAY * self._class_trials[c] + trials
         self._hits = DECAY * self._hits + accepted
