@@ -131,8 +131,9 @@ class Server:
             if m:
                 batch = re.search(r'batch="(\d+)"', m.group(2))
                 g = re.search(r'draft_tokens="(\d+)"', m.group(2))
-                out[m.group(1) + (f"[{batch.group(1)}]" if batch else "") + (f"[{g.group(1)}]" if g else "")] = \
-                    float(m.group(3))
+                kind = re.search(r'kind="(\w+)"', m.group(2))
+                out[m.group(1) + (f"[{batch.group(1)}]" if batch else "") + (f"[{g.group(1)}]" if g else "")
+                    + (f"[{kind.group(1)}]" if kind else "")] = float(m.group(3))
         return out
 
     def pause(self) -> None:
@@ -256,6 +257,13 @@ def run_once(server: Server, prompt: str, streams: int, requests: int, tokens: i
             bucket, g = (int(x) for x in k[k.index("[") + 1:-1].split("]["))
             predicted.setdefault(bucket, {})[g] = round(v, 1)
     row["predicted_tok_s"] = predicted
+    # what the referee measured over settled runs of each kind, per bucket (runtime.serve.spec_referee; JSON only)
+    measured: dict = {}
+    for k, v in after.items():
+        if k.startswith("bundle:spec_decode_measured_tokens_per_second["):
+            bucket, kind = k[k.index("[") + 1:-1].split("][")
+            measured.setdefault(int(bucket), {})[kind] = round(v, 1)
+    row["measured_tok_s"] = measured
     # how often each length ran in this row, per bucket: {bucket: {G: steps}}
     ran: dict = {}
     for k, v in after.items():
