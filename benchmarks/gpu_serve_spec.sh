@@ -22,6 +22,8 @@
 #                                           and installs the demo (draft model) and demoe3 (EAGLE-3) bundles
 #   benchmarks/gpu_serve_spec.sh bench ARGS...   bench_serve_spec.py ARGS with the store and --out set
 # Writes under $OUT (default /tmp/out): prepare.log, bench.log, the results .md/.json, server-logs.tgz.
+# Checked on a machine without a GPU: stash, the tarball's reassembly and checksum, create and install (the
+# cp312 wheels need the host's Python 3.12). The whole script has not yet run on a GPU host.
 set -u -o pipefail
 CODE=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/out}
@@ -60,7 +62,7 @@ case "$mode" in
       git log -1 --format='commit %H %s' 2>/dev/null || true
       create() {  # NAME [bundle create flags]: an unsigned cuda bundle of the demo pair, installed in the store
         local name=$1; shift
-        [ -d "$store/$name" ] && return 0
+        [ -d "$store/bundles/$name" ] && return 0
         python3 -c "import sys; from bundler.cli.pack import create; create.main(sys.argv[1:])" --targets cuda \
           --name "$name" --version 1 --unsigned --no-progress --no-runtime --out "/tmp/bundles/$name" "$@" || exit 6
         python3 -m runtime.cli.main install "/tmp/bundles/$name" --store "$store" --target cuda --allow-unsigned \
