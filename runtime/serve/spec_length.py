@@ -356,7 +356,7 @@ class SpeculationLength:
             bucket.recheck = True  # decided 0 by the cost model: evaluate for the G to draft
         if bucket.decision == 0 and not bucket.recheck and self.referee is not None and \
                 self.referee.due(self._bucket, PLAIN):
-            bucket.recheck = True  # the referee's turn to try drafting, if the call is close: evaluate
+            bucket.recheck = True  # the referee's turn to try drafting: evaluate (is the call close? affordable?)
         if bucket.decision == 0 and not bucket.recheck and (not due or not self._probe_affordable(bucket, catch_up)):
             # decided 0 here: nothing that could change it (acceptance, drafted steps' costs) is measured
             # before the next probe, so plain steps cost no evaluation
@@ -403,12 +403,12 @@ class SpeculationLength:
             vector = None
         drafting = slots[1] if vector else speed[best]
         pays = forced or drafting > speed[0] * (1.0 + self.min_gain)
-        if self.referee is not None and not forced:  # a close call: tokens/s as measured decide
+        if self.referee is not None and not forced:  # tokens/s as measured decide, once both kinds are measured
             close = abs(drafting - speed[0]) < BAND * speed[0]
             ruling = self.referee.rule(self._bucket, DRAFT if pays else PLAIN,
                                        lambda: self._trial_affordable(bucket, catch_up), close=close,
                                        expected=[k + bonus for k in kept])  # tokens a step of each G
-            if close and ruling is not None:
+            if ruling is not None:
                 pays, forced = ruling == DRAFT, self.referee.in_trial(self._bucket)
                 if forced and not pays:  # a trial of plain decoding begins (this step is its first)
                     bucket.steps += 1

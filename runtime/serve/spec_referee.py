@@ -11,12 +11,18 @@ cost model decided against drafting where the fixed length gained 1.2x to 1.56x.
 The referee measures the thing itself: per bucket, the tokens that steps emitted over the seconds they
 took (each step's own time and the time until the next step starts, the server's streaming included),
 for plain steps and for drafted steps, counting a step only once SETTLE steps of the same kind came
-before it (a run's steady state, not its switch). Once both kinds are measured it rules: the faster
-one, the other taking over only when it measures MARGIN faster. The kind not in use is tried again for
-TRIAL steps after every CYCLE steps of the one in use (the first trial after FIRST_CYCLE), a drafting
-trial only when the cost model deems the draft's catch-up affordable (its probe rule), so measuring
-costs at most about TRIAL / CYCLE of the loser's deficit. Until it rules, the cost model decides alone;
-once it rules, the cost model still picks G (and each slot's length) for drafted steps.
+before it (a run's steady state, not its switch). Once both kinds are measured it rules, whatever the cost
+model predicts (on 2 cores the model priced drafting at 0.56x of plain at 32 streams where drafting measured
+1.30x): the faster one, the other taking over only when it measures MARGIN faster. Each kind is judged at
+the tokens the cost model now expects of a step of the lengths it was measured at: tokens follow acceptance
+and the running slots, which the model knows at once (every verification is scored), while seconds are what
+its fits get wrong, so a draft that starts or stops agreeing is judged at once, not at its next trial.
+The kind not in use is tried for TRIAL steps after every CYCLE steps of the one in use (the first trial
+after FIRST_CYCLE), a drafting trial only when the draft's catch-up is affordable (the probes' rule), so
+measuring costs at most about TRIAL / CYCLE of the loser's deficit. A trial waits another cycle where the
+cost model calls the other kind clearly worse (beyond BAND) and the ruling agrees, or no ruling is made yet.
+Until it rules, the cost model decides alone; once it rules, the cost model still picks G (and each slot's
+length) for drafted steps.
 
 Lossless as the length is: a ruling only changes how many proposals are verified.
 """
@@ -33,8 +39,8 @@ MIN_COUNTED = 16  # counted steps each kind needs before the referee rules
 MARGIN = 0.02  # the kind not in use must measure this much faster to take over
 DECAY = 0.995  # per counted step of a kind: the weight of its past
 RECHECK = 16  # a drafting trial whose catch-up was too dear is looked at again after this many steps
-#: a close call: the cost model predicts drafting within this share of plain decoding (either way). On the H200
-#: its fits priced the demo draft at 0.85x of plain at one stream where a fixed length ran 1.22x
+#: a clear call: the cost model predicts drafting beyond this share of plain decoding (either way); it decides alone
+#: until the referee rules, and puts off trials that would only confirm a ruling it agrees with
 BAND = 0.5
 
 PLAIN, DRAFT = "plain", "draft"
@@ -97,7 +103,7 @@ class Court:
 
 
 class Referee:
-    """Per batch bucket: the measured tokens/s of plain and drafted steps, and which kind to run on a close call."""
+    """Per batch bucket: the measured tokens/s of plain and drafted steps, and which kind to run."""
 
     def __init__(self):
         self.courts: dict[int, Court] = {}
@@ -138,15 +144,16 @@ class Referee:
     def rule(self, bucket: int, in_use: str, affordable=None, *, close: bool = True, expected=None) -> str | None:
         """`in_use`: the kind the cost model picks; `close`: whether it predicts the two within BAND of each other;
         `expected[G]`: the tokens a step of G is expected to emit now (None: judge rates as measured).
-        On a close call: PLAIN or DRAFT as measured, a trial of the other kind when one is due (this step is its
-        first), or None (not measured yet: the cost model decides). A clear call puts a due trial off a cycle.
-        `affordable()`: whether a drafting trial's catch-up is affordable now (None: always)."""
+        PLAIN or DRAFT as measured, a trial of the other kind when one is due (this step is its first), or None (not
+        measured yet: the cost model decides). A clear call puts a due trial off a cycle where no ruling is made yet
+        or the ruling agrees with it. `affordable()`: whether a drafting trial's catch-up is affordable now (None:
+        always)."""
         court = self._court(bucket)
         self.judge(bucket, expected)
         if self.due(bucket, in_use):
             current = court.ruling or in_use
             other = PLAIN if current == DRAFT else DRAFT
-            if not close:
+            if not close and court.ruling in (None, in_use):
                 court.since_trial = 0
             elif other == DRAFT and affordable is not None and not affordable():
                 court.since_trial -= RECHECK  # looked at again RECHECK steps on

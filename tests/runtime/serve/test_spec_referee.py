@@ -83,6 +83,26 @@ def test_trials_of_the_kind_not_in_use_come_once_a_cycle_and_only_if_affordable(
     assert referee.rule(1, PLAIN) == DRAFT
 
 
+def test_a_ruling_stands_against_a_clear_call_and_a_clear_call_it_contradicts_does_not_put_trials_off():
+    """Before both kinds are measured a clear call of the cost model (beyond BAND) puts a trial off; once measured,
+    the ruling decides whatever the model predicts (on 2 cores it priced drafting at 0.56x of plain where drafting
+    measured 1.30x), and a clear call against the ruling no longer puts the trial that re-measures it off."""
+    referee = Referee()
+    _feed(referee, PLAIN, SETTLE + MIN_COUNTED + FIRST_CYCLE, 1, 0.001)
+    assert referee.rule(1, PLAIN, close=False) is None  # no ruling, a clear call: the trial waits a cycle
+    assert referee.courts[1].since_trial == 0
+    _feed(referee, DRAFT, SETTLE + MIN_COUNTED, 2, 0.001)  # (as a trial would have measured it)
+    assert referee.rule(1, PLAIN, close=False) == DRAFT  # measured 2000 against 1000: drafting, whatever predicted
+    _feed(referee, DRAFT, CYCLE, 2, 0.001)
+    assert referee.rule(1, PLAIN, close=False) == PLAIN  # the model calls plain clearly against the ruling: re-measured
+    assert referee.in_trial(1) and referee.courts[1].trial == PLAIN
+    _feed(referee, PLAIN, TRIAL, 1, 0.001)
+    for _ in range(TRIAL):
+        referee.trial_step(1)
+    _feed(referee, DRAFT, CYCLE, 2, 0.001)
+    assert referee.rule(1, DRAFT, close=False) == DRAFT and not referee.in_trial(1)  # agreeing: put off a cycle
+
+
 class _SwitchCost(TimedSlots):
     """A target whose verification steps cost `extra` seconds more for the first `steps` of a run of them after a
     plain step (as on the H200: a switch meets shapes the engines have not run for a while and the event loop's
