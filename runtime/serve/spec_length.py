@@ -249,9 +249,9 @@ class SpeculationLength:
             self.all.draft.observe(draft_rows, draft_rows, draft_seconds / draft_rounds)
         bucket.other.observe(g, g, max(other_seconds, 0.0))
         self.all.other.observe((b, g), g, max(other_seconds, 0.0))
-        if self.referee is not None and emitted is not None:  # beside the tokens the cost model expected of the step
-            expected = bucket.predicted[g][0] * bucket.predicted[g][1] if g < len(bucket.predicted) else None
-            self.referee.observe(b, g, emitted, target_seconds + draft_seconds + max(other_seconds, 0.0), expected)
+        if self.referee is not None and emitted is not None:  # beside the acceptance it ran at
+            self.referee.observe(b, g, emitted, target_seconds + draft_seconds + max(other_seconds, 0.0),
+                                 self.rate() if self._trials else None)
         if g == 0:
             bucket.plain_seconds += target_seconds + max(other_seconds, 0.0)
         elif bucket.probe_left > 0 and g == bucket.probe_g:
@@ -407,7 +407,7 @@ class SpeculationLength:
             close = abs(drafting - speed[0]) < BAND * speed[0]
             ruling = self.referee.rule(self._bucket, DRAFT if pays else PLAIN,
                                        lambda: self._trial_affordable(bucket, catch_up), close=close,
-                                       expected=[k + bonus for k in kept])  # tokens a step of each G
+                                       acceptance=self.rate() if self._trials else None)
             if ruling is not None:
                 pays, forced = ruling == DRAFT, self.referee.in_trial(self._bucket)
                 if forced and not pays:  # a trial of plain decoding begins (this step is its first)

@@ -13,10 +13,9 @@ took (each step's own time and the time until the next step starts, the server's
 for plain steps and for drafted steps, counting a step only once SETTLE steps of the same kind came
 before it (a run's steady state, not its switch). Once both kinds are measured it rules, whatever the cost
 model predicts (on 2 cores the model priced drafting at 0.56x of plain at 32 streams where drafting measured
-1.30x): the faster one, the other taking over only when it measures MARGIN faster. Each kind is judged at
-the tokens the cost model now expects of a step of the lengths it was measured at: tokens follow acceptance
-and the running slots, which the model knows at once (every verification is scored), while seconds are what
-its fits get wrong, so a draft that starts or stops agreeing is judged at once, not at its next trial.
+1.30x): the faster one, the other taking over only when it measures MARGIN faster. Drafting is judged at the server-wide
+acceptance now where that is higher than while it was measured (Rate.at): a draft that starts agreeing
+drafts at once, not at its next trial; one that stops agreeing while it drafts is measured doing so.
 The kind not in use is tried for TRIAL steps after every CYCLE steps of the one in use (the first trial
 after FIRST_CYCLE), a drafting trial only when the draft's catch-up is affordable (the probes' rule), so
 measuring costs at most about TRIAL / CYCLE of the loser's deficit. A trial waits another cycle where the
@@ -46,21 +45,29 @@ BAND = 0.5
 PLAIN, DRAFT = "plain", "draft"
 
 
+def chain_tokens(acceptance: float, g: int) -> float:
+    """Tokens a chain of g proposals keeps on average at a per-token acceptance: 1 + a + a^2 + ... + a^g."""
+    return sum(acceptance ** i for i in range(g + 1))
+
+
 @dataclass
 class Rate:
-    """Decayed tokens and seconds of the counted steps of one kind, the tokens the cost model expected of them, and
+    """Decayed tokens and seconds of the counted steps of one kind, the server-wide acceptance while they ran, and
     how often each length G ran among them."""
 
     tokens: float = 0.0
     seconds: float = 0.0
-    expected: float = 0.0
+    acceptance: float = 0.0
+    weight: float = 0.0  # the decayed count of the steps
     mix: dict = field(default_factory=dict)  # G -> decayed count of the steps of that G
     counted: int = 0
 
-    def add(self, tokens: float, seconds: float, expected: float, g: int) -> None:
+    def add(self, tokens: float, seconds: float, g: int, acceptance: float | None) -> None:
         self.tokens = DECAY * self.tokens + tokens
         self.seconds = DECAY * self.seconds + seconds
-        self.expected = DECAY * self.expected + expected
+        if acceptance is not None:
+            self.acceptance = DECAY * self.acceptance + acceptance
+            self.weight = DECAY * self.weight + 1.0
         for k in self.mix:
             self.mix[k] *= DECAY
         self.mix[g] = self.mix.get(g, 0.0) + 1.0
@@ -70,18 +77,19 @@ class Rate:
     def per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def at(self, expected_now) -> float:
-        """The measured tokens/s, scaled to the tokens steps of the same lengths are expected to emit now
-        (`expected_now[G]`; None: as measured).
-
-        Tokens per step follow acceptance and the running slots, which the cost model knows at once (every
-        verification is scored); seconds per step are what it gets wrong. So a draft measured while it agreed half
-        the time is judged, once it agrees more, by the tokens now expected of the lengths it was measured at over
-        the seconds those steps took."""
-        if expected_now is None or self.expected <= 0:
+    def at(self, acceptance_now: float | None) -> float:
+        """The measured tokens/s, raised to the server-wide acceptance now where it is higher than while the steps
+        ran (None: as measured): tokens per step follow acceptance, which every verification measures, while seconds
+        per step are what a trial is for. So a draft measured while it agreed little is judged, once it agrees more,
+        by the tokens steps of the same lengths now keep, not only at its next trial. Never lowered: acceptance while
+        a bucket decodes plainly comes from probes at answers' starts, where a draft guesses worst, and a drafting
+        kind's own measurements follow a fall at once."""
+        if acceptance_now is None or self.weight <= 0 or not self.mix:
             return self.per_second
-        now = sum(w * expected_now[min(g, len(expected_now) - 1)] for g, w in self.mix.items())
-        return self.per_second * now / self.expected
+        then = self.acceptance / self.weight
+        total = sum(self.mix.values())
+        ratio = sum(w * chain_tokens(acceptance_now, g) / chain_tokens(then, g) for g, w in self.mix.items()) / total
+        return self.per_second * max(ratio, 1.0)
 
 
 @dataclass
@@ -141,15 +149,16 @@ class Referee:
         wait = CYCLE if court.rate(other).counted else FIRST_CYCLE
         return court.since_trial >= wait and court.rate(current).counted >= MIN_COUNTED
 
-    def rule(self, bucket: int, in_use: str, affordable=None, *, close: bool = True, expected=None) -> str | None:
+    def rule(self, bucket: int, in_use: str, affordable=None, *, close: bool = True,
+             acceptance: float | None = None) -> str | None:
         """`in_use`: the kind the cost model picks; `close`: whether it predicts the two within BAND of each other;
-        `expected[G]`: the tokens a step of G is expected to emit now (None: judge rates as measured).
+        `acceptance`: the server-wide per-token acceptance now (None: judge rates as measured).
         PLAIN or DRAFT as measured, a trial of the other kind when one is due (this step is its first), or None (not
         measured yet: the cost model decides). A clear call puts a due trial off a cycle where no ruling is made yet
         or the ruling agrees with it. `affordable()`: whether a drafting trial's catch-up is affordable now (None:
         always)."""
         court = self._court(bucket)
-        self.judge(bucket, expected)
+        self.judge(bucket, acceptance)
         if self.due(bucket, in_use):
             current = court.ruling or in_use
             other = PLAIN if current == DRAFT else DRAFT
@@ -163,15 +172,15 @@ class Referee:
                 return other
         return court.ruling
 
-    def judge(self, bucket: int, expected=None) -> str | None:
-        """The bucket's ruling from both kinds' rates (scaled to the tokens now expected of a step of each G,
-        `expected[G]`), None until both are measured; drafting must win by MARGIN to take over, and plain decoding by MARGIN
+    def judge(self, bucket: int, acceptance: float | None = None) -> str | None:
+        """The bucket's ruling from both kinds' rates (drafting's at the acceptance now, Rate.at), None until both
+        are measured; drafting must win by MARGIN to take over, and plain decoding by MARGIN
         to take it back (a few noisy steps never flip it)."""
         court = self._court(bucket)
         plain, draft = court.plain, court.draft
         if plain.counted < MIN_COUNTED or draft.counted < MIN_COUNTED:
             return None
-        p, d = plain.at(expected), draft.at(expected)
+        p, d = plain.per_second, draft.at(acceptance)
         if court.ruling is None:
             court.ruling = DRAFT if d > p * (1 + MARGIN) else PLAIN
         elif court.ruling == PLAIN and d > p * (1 + MARGIN):
@@ -180,9 +189,9 @@ class Referee:
             court.ruling = PLAIN
         return court.ruling
 
-    def observe(self, bucket: int, g: int, tokens: int, seconds: float, expected: float | None = None) -> None:
+    def observe(self, bucket: int, g: int, tokens: int, seconds: float, acceptance: float | None = None) -> None:
         """One measured decode step of the bucket that verified G proposals a slot: `tokens` emitted in `seconds` (its
-        whole share of the wall), where the cost model expected `expected` tokens (None: as emitted)."""
+        whole share of the wall), at the server-wide per-token `acceptance` (None: not known)."""
         court = self._court(bucket)
         court.since_trial += 1
         kind = DRAFT if g > 0 else PLAIN
@@ -191,7 +200,7 @@ class Referee:
         court.run_length += 1
         if court.run_length <= SETTLE or seconds <= 0:
             return
-        court.rate(kind).add(tokens, seconds, tokens if expected is None or expected <= 0 else expected, g)
+        court.rate(kind).add(tokens, seconds, g, acceptance)
 
     def measured(self) -> dict[int, dict[str, float]]:
         """Per bucket: the measured tokens/s of each kind counted so far (/metrics)."""

@@ -52,18 +52,23 @@ def test_the_ruling_changes_when_the_other_kind_measures_faster():
     assert referee.judge(1) == PLAIN
 
 
-def test_a_rate_is_judged_at_the_tokens_now_expected_of_a_step():
-    """Measured while the draft agreed little (1.2 tokens expected and emitted a step of G = 3, at 2 ms): plain wins.
-    Once the cost model expects 3.2 tokens of such a step (acceptance measured up), the same seconds per step make
-    drafting win at once, before another trial; a draft that stops agreeing loses at once. What G = 1 would emit
-    does not count: drafting was measured at G = 3's seconds."""
+def test_drafting_is_judged_at_a_higher_acceptance_now_and_never_at_a_lower_one():
+    """Measured while the draft agreed little (acceptance 0.1: 1.11 tokens a step of G = 3, 600 tok/s): plain wins.
+    Once verifications measure acceptance 0.9 (3.44 tokens a step of G = 3), the same seconds per step make drafting
+    win at once (1857 tok/s), before another trial. A lower acceptance now (probes at answers' starts) leaves the
+    measured rate as it is."""
+    from runtime.serve.spec_referee import chain_tokens
+
     referee = Referee()
     _feed(referee, PLAIN, SETTLE + MIN_COUNTED, 1, 0.001)
     for _ in range(SETTLE + MIN_COUNTED):
-        referee.observe(1, 3, 1.2, 0.002, 1.2)
+        referee.observe(1, 3, 1.2, 0.002, 0.1)
     assert referee.judge(1) == PLAIN
-    assert referee.judge(1, expected=[1.0, 1.1, 1.2, 3.2]) == DRAFT  # 1600 tok/s now expected against 1000
-    assert referee.judge(1, expected=[1.0, 1.9, 2.6, 1.5]) == PLAIN  # 750 against 1000
+    assert referee.courts[1].draft.at(0.9) == pytest.approx(600.0 * chain_tokens(0.9, 3) / chain_tokens(0.1, 3))
+    assert referee.judge(1, acceptance=0.9) == DRAFT
+    assert referee.courts[1].draft.at(0.05) == pytest.approx(600.0)  # never lowered
+    _feed(referee, DRAFT, 200, 1.2, 0.002)  # drafting again measures 600 tok/s (no acceptance told: as measured)
+    assert referee.judge(1) == PLAIN
 
 
 def test_trials_of_the_kind_not_in_use_come_once_a_cycle_and_only_if_affordable():
