@@ -414,6 +414,8 @@ class SpeculationLength:
                     bucket.steps += 1
                     bucket.recheck = True  # after it the bucket decides again
                     return self._pick(0)
+        if pays and vector is None and self.referee is not None:
+            best = min(self.referee.length(self._bucket, best), self.k)  # a G measured faster, if any
         bucket.steps += 1
         bucket.decision = best if pays else 0
         # a slope assumed, not measured (one G seen so far): this step's plain costs will measure it

@@ -20,8 +20,9 @@ The kind not in use is tried for TRIAL steps after every CYCLE steps of the one 
 after FIRST_CYCLE), a drafting trial only when the draft's catch-up is affordable (the probes' rule), so
 measuring costs at most about TRIAL / CYCLE of the loser's deficit. A trial waits another cycle where the
 cost model calls the other kind clearly worse (beyond BAND) and the ruling agrees, or no ruling is made yet.
-Until it rules, the cost model decides alone; once it rules, the cost model still picks G (and each slot's
-length) for drafted steps.
+Until it rules, the cost model decides alone. Once drafting, the G a step runs is the cost model's unless
+another G measured MARGIN faster over its drafted steps (Referee.length; the cost model still gives slots
+their own lengths where it predicts that faster).
 
 Lossless as the length is: a ruling only changes how many proposals are verified.
 """
@@ -35,6 +36,7 @@ TRIAL = 24  # steps a trial of the kind not in use runs
 CYCLE = 512  # steps of the kind in use between trials of the other
 FIRST_CYCLE = 128  # ... before the first trial (a short burst of work is the cost model's alone)
 MIN_COUNTED = 16  # counted steps each kind needs before the referee rules
+MIN_COUNTED_LENGTH = 16  # counted drafted steps of a length before its rate is set against another length's
 MARGIN = 0.02  # the kind not in use must measure this much faster to take over
 DECAY = 0.995  # per counted step of a kind: the weight of its past
 RECHECK = 16  # a drafting trial whose catch-up was too dear is looked at again after this many steps
@@ -98,6 +100,7 @@ class Court:
 
     plain: Rate = field(default_factory=Rate)
     draft: Rate = field(default_factory=Rate)
+    lengths: dict = field(default_factory=dict)  # G -> Rate of the counted drafted steps of that G
     ruling: str | None = None  # PLAIN or DRAFT once both kinds are measured
     run_kind: str | None = None  # the kind of the latest observed steps, and how many in a row
     run_length: int = 0
@@ -201,6 +204,28 @@ class Referee:
         if court.run_length <= SETTLE or seconds <= 0:
             return
         court.rate(kind).add(tokens, seconds, g, acceptance)
+        if g > 0:
+            rate = court.lengths.get(g)
+            if rate is None:
+                rate = court.lengths[g] = Rate()
+            rate.add(tokens, seconds, g, acceptance)
+
+    def length(self, bucket: int, proposed: int) -> int:
+        """The G a drafting step of the bucket runs: `proposed` (the cost model's), or the length measured faster by
+        MARGIN over its counted drafted steps, where both are measured. The cost model's step costs come from short
+        runs of each G; a G its explorations (a neighbour every 16th step) measure faster is taken, and its own
+        neighbours explored in turn, so the bucket climbs to the G that measures fastest."""
+        court = self.courts.get(bucket)
+        if court is None:
+            return proposed
+        mine = court.lengths.get(proposed)
+        if mine is None or mine.counted < MIN_COUNTED_LENGTH:
+            return proposed
+        best, rate = proposed, mine.per_second * (1 + MARGIN)
+        for g, r in court.lengths.items():
+            if r.counted >= MIN_COUNTED_LENGTH and r.per_second > rate:
+                best, rate = g, r.per_second
+        return best
 
     def measured(self) -> dict[int, dict[str, float]]:
         """Per bucket: the measured tokens/s of each kind counted so far (/metrics)."""

@@ -108,6 +108,26 @@ def test_a_ruling_stands_against_a_clear_call_and_a_clear_call_it_contradicts_do
     assert referee.rule(1, DRAFT, close=False) == DRAFT and not referee.in_trial(1)  # agreeing: put off a cycle
 
 
+def test_a_length_measured_faster_over_its_drafted_steps_is_taken():
+    """The cost model proposes G = 1; G = 3 measured 20% faster over enough of its drafted steps: G = 3. A length
+    measured too little, or faster by less than MARGIN, leaves the cost model's G."""
+    from runtime.serve.spec_referee import MIN_COUNTED_LENGTH
+
+    referee = Referee()
+    assert referee.length(1, 1) == 1  # nothing measured
+    for _ in range(SETTLE + MIN_COUNTED_LENGTH):
+        referee.observe(1, 1, 2.0, 0.002)  # 1000 tok/s at G = 1
+    for _ in range(MIN_COUNTED_LENGTH - 1):
+        referee.observe(1, 3, 3.0, 0.0025)  # 1200 tok/s at G = 3, one step short of counting
+    assert referee.length(1, 1) == 1
+    referee.observe(1, 3, 3.0, 0.0025)
+    assert referee.length(1, 1) == 3
+    for _ in range(MIN_COUNTED_LENGTH):
+        referee.observe(1, 2, 2.02, 0.002)  # 1010 tok/s at G = 2: within MARGIN of G = 1's
+    assert referee.length(1, 1) == 3 and referee.length(1, 2) == 3
+    assert referee.length(2, 1) == 1  # another bucket: its own measurements
+
+
 class _SwitchCost(TimedSlots):
     """A target whose verification steps cost `extra` seconds more for the first `steps` of a run of them after a
     plain step (as on the H200: a switch meets shapes the engines have not run for a while and the event loop's
