@@ -114,6 +114,8 @@ class Bucket:
     reuse: int = 0  # drafted steps left that take the latest evaluation's G and per-slot lengths as they are
     slot_lengths: dict = None  # those per-slot lengths (id(request) -> G), where they differ from the step's
     burst: int = 0  # plain steps left of an exploration burst
+    length_burst: int = 0  # drafted steps left of an exploration of another length, at length_burst_g
+    length_burst_g: int = 0
     plain_seconds: float = 0.0  # plain steps' measured seconds since the last probe (what a probe's catch-up spends)
     deferred: int = 0  # probes put off because their catch-up would cost more than PROBE_BUDGET of that
     probe_left: int = 0  # drafted steps left of the probe under way (at most PROBE_STEPS), at G probe_g
@@ -329,6 +331,10 @@ class SpeculationLength:
             bucket.burst -= 1
             bucket.steps += 1
             return self._pick(0)
+        if bucket.length_burst > 0 and bucket.decision > 0:  # the rest of an exploration of another length
+            bucket.length_burst -= 1
+            bucket.steps += 1
+            return self._pick(bucket.length_burst_g)
         trial = self.referee.trial_step(self._bucket) if self.referee is not None else None
         if trial == PLAIN:  # a referee's trial of plain decoding while the bucket drafts (runtime.serve.spec_referee)
             bucket.steps += 1
@@ -444,12 +450,16 @@ class SpeculationLength:
             # now and then another G, so the fits see more than one: plain decoding every third time (its
             # cost is measured, never extrapolated from drafted steps), else a neighbour of the best G
             turn = (bucket.steps // self.explore_every) % 3
-            if turn == 0 and self.referee is not None and self.referee.ruling(self._bucket) == DRAFT:
-                turn = 2  # ruled by measurement: plain decoding's cost is measured by the referee's trials of it
+            ruled = turn == 0 and self.referee is not None and self.referee.ruling(self._bucket) == DRAFT
+            if ruled:  # plain decoding's cost is measured by the referee's trials of it: a run of a neighbouring
+                # length instead, up and down in turn, so that the referee counts enough of its steps to compare
+                turn = 1 + (bucket.steps // (3 * self.explore_every)) % 2
             up = turn == 1
             g = 0 if turn == 0 else best - 1 if best == self.k or not up else best + 1
             if g == 0:
                 bucket.burst = PLAIN_BURST - 1
+            elif ruled:
+                bucket.length_burst, bucket.length_burst_g = PLAIN_BURST - 1, g
         elif vector is not None:
             for r, h in zip(adaptive, vector):
                 idle = getattr(r, "spec_idle", 0)

@@ -128,6 +128,40 @@ def test_a_length_measured_faster_over_its_drafted_steps_is_taken():
     assert referee.length(2, 1) == 1  # another bucket: its own measurements
 
 
+def test_a_ruled_bucket_drafts_the_length_measured_fastest_and_explores_its_neighbours_in_runs():
+    """The cost model's fits make G = 1 its best (each round dear); the referee measured drafting faster than plain
+    decoding and G = 3 fastest of the lengths: steps draft 3, and every third exploration runs a neighbouring length
+    for PLAIN_BURST steps (its steps counted, so lengths compare), not plain decoding (the referee's trials measure
+    that)."""
+    from runtime.serve.spec_length import PLAIN_BURST, SpeculationLength
+    from runtime.serve.spec_referee import MIN_COUNTED_LENGTH
+    from tests.runtime.serve.test_spec_length_pays import Req, _observe
+
+    policy = SpeculationLength(3, explore_every=16)
+    for g in (1, 2):  # every G measured, rounds dear: the model's best is 1 (2 tokens for 0.5 + 1 ms)
+        for _ in range(3):
+            policy.observe_step(1 + g, 0.0005, g, 1, g * 0.001, 0.0, batch=1, drafted=g)
+    _observe(policy, 1, 3, lambda rows: 0.0005, lambda n: 0.001)
+    for _ in range(30):
+        policy.record(Req(), 3, 3)  # the draft always agrees
+    referee = policy.referee
+    for _ in range(SETTLE + MIN_COUNTED):
+        referee.observe(1, 0, 1, 0.001)  # plain: 1000 tok/s
+    for g, tok_s in ((1, 1100.0), (2, 1300.0), (3, 1500.0)):
+        for _ in range(SETTLE + MIN_COUNTED_LENGTH):
+            referee.observe(1, g, 2.0, 2.0 / tok_s)
+    predicted = None
+    ran = []
+    for _ in range(96):
+        ran.append(policy.choose([Req(9, 10)], 0))
+        predicted = predicted or policy.predictions()[1]
+    assert max(range(1, 4), key=lambda g: predicted[g][0]) == 1, predicted  # the model alone would draft 1
+    assert referee.judge(1) == DRAFT
+    assert ran.count(3) > 0.6 * len(ran) and 0 not in ran, ran
+    runs = [ran[i:i + PLAIN_BURST] for i in range(len(ran)) if ran[i] == 2 and (i == 0 or ran[i - 1] != 2)]
+    assert any(r == [2] * PLAIN_BURST for r in runs), ran  # a run of the neighbouring length
+
+
 class _SwitchCost(TimedSlots):
     """A target whose verification steps cost `extra` seconds more for the first `steps` of a run of them after a
     plain step (as on the H200: a switch meets shapes the engines have not run for a while and the event loop's
