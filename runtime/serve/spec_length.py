@@ -427,6 +427,7 @@ class SpeculationLength:
         # a slope assumed, not measured (one G seen so far): this step's plain costs will measure it
         bucket.recheck = target.spread < 2 or other.spread < 2
         if not pays:
+            bucket.length_burst = 0  # (a run of another length ends with drafting)
             bucket.plain_run += 1
             if bucket.plain_run >= bucket.probe_wait and not self._probe_affordable(bucket, catch_up):
                 bucket.deferred += 1  # until a new request, or enough plain decoding, makes its catch-up cheap
