@@ -24,7 +24,10 @@ changes only when a step of that G runs there), so the few drafted steps a bucke
 plainly are not forgotten under many plain ones. A bucket that has not measured a cost yet borrows the
 fit over all buckets.
 
-G = 0 unless the best G > 0 beats plain decoding by `MIN_GAIN`: speculation is meant never to lose.
+G = 0 unless the best G > 0 beats plain decoding by `MIN_GAIN`: speculation is meant never to lose. The fits see
+short runs, which a switch between plain and drafted steps dominates: once a bucket's referee
+(runtime.serve.spec_referee) has measured settled runs of both, whether to draft is its ruling, and a G measured
+faster over its drafted steps replaces the fits' choice.
 Per slot, a step may give a slot fewer proposals than its G (none at all) where that slot's own acceptance
 does not pay for its verify rows and draft work (`_per_slot`), when the cost model predicts the step faster so.
 While a bucket decodes plainly, a probe drafts after `PROBE_EVERY` plain steps until PROBE_MEASURED of its steps are
