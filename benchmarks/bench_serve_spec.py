@@ -252,26 +252,29 @@ def run_once(server: Server, prompt: str, streams: int, requests: int, tokens: i
     # what the cost model predicted at its latest decision, per bucket and G: against the measured tok/s of
     # the plain and speculative rows it shows where the model is off (JSON only)
     predicted: dict = {}
-    for k, v in after.items():
-        if k.startswith("bundle:spec_decode_predicted_tokens_per_second["):
-            bucket, g = (int(x) for x in k[k.index("[") + 1:-1].split("]["))
-            predicted.setdefault(bucket, {})[g] = round(v, 1)
+    for bucket, g, k in labelled(after, "bundle:spec_decode_predicted_tokens_per_second"):
+        predicted.setdefault(bucket, {})[int(g)] = round(after[k], 1)
     row["predicted_tok_s"] = predicted
     # what the referee measured over settled runs of each kind, per bucket (runtime.serve.spec_referee; JSON only)
     measured: dict = {}
-    for k, v in after.items():
-        if k.startswith("bundle:spec_decode_measured_tokens_per_second["):
-            bucket, kind = k[k.index("[") + 1:-1].split("][")
-            measured.setdefault(int(bucket), {})[kind] = round(v, 1)
+    for bucket, kind, k in labelled(after, "bundle:spec_decode_measured_tokens_per_second"):
+        measured.setdefault(bucket, {})[kind] = round(after[k], 1)
     row["measured_tok_s"] = measured
     # how often each length ran in this row, per bucket: {bucket: {G: steps}}
     ran: dict = {}
-    for k, v in after.items():
-        if k.startswith("bundle:spec_decode_steps_total[") and v - before.get(k, 0.0) > 0:
-            bucket, g = (int(x) for x in k[k.index("[") + 1:-1].split("]["))
-            ran.setdefault(bucket, {})[g] = int(v - before.get(k, 0.0))
+    for bucket, g, k in labelled(after, "bundle:spec_decode_steps_total"):
+        if after[k] - before.get(k, 0.0) > 0:
+            ran.setdefault(bucket, {})[int(g)] = int(after[k] - before.get(k, 0.0))
     row["steps_by_length"] = ran
     return row
+
+
+def labelled(series: dict[str, float], name: str):
+    """(bucket, second label, key) of each key `name[bucket][label]` in Server.metrics' series."""
+    for k in series:
+        if k.startswith(name + "["):
+            bucket, label = k[len(name) + 1:-1].split("][")
+            yield int(bucket), label, k
 
 
 # --- the demo bundle ---------------------------------------------------------------------------------
