@@ -122,7 +122,8 @@ def test_a_step_at_g0_does_no_drafting_work(method):
             quiet += 1
             for name in ("_fits", "expected_tokens", "catch_up_tokens", "_ngram"):
                 assert delta.get(name, 0) == 0, (name, delta)
-    assert speculation.last == 0 and speculation.snapshot()[4][0] == 0, speculation.snapshot()
+    # settled on 0: any drafting at the end is a probe's or a trial's, as bounded as the others
+    assert speculation.snapshot()[4][0] == 0 and run <= TRIAL + 1, (speculation.snapshot(), run)
     assert quiet > 500, "the cost model settled on 0: nearly every step is between probes"
     # probes are rare: a few, each drafting until PROBE_MEASURED of its steps are measured (its first, a catch-up, is
     # not, and a step's costs are observed when the next one starts: one more)
