@@ -19,9 +19,11 @@ drafts at once, not at its next trial; one that stops agreeing while it drafts i
 The kind not in use is tried for TRIAL steps after every CYCLE steps of the one in use (the first trial
 after FIRST_CYCLE), a drafting trial only when the draft's catch-up is affordable (the probes' rule), so
 measuring costs at most about TRIAL / CYCLE of the loser's deficit. A trial waits another cycle where the
-cost model calls the other kind clearly worse (beyond BAND) and the ruling agrees; the first trial is never put
-off (on the H100 the cost model priced the EAGLE-3 head's drafting at 0.39x of plain at one stream where a length
-fixed at 3 measured 0.94x to 1.09x).
+cost model calls the other kind clearly worse (beyond BAND) and the ruling agrees by a clear measure too (the winner
+CLEAR faster); the first trial is never put off. The cost model's clear calls are not to be trusted alone: on the
+H100 it priced the EAGLE-3 head's drafting at 0.39x of plain at one stream where a length fixed at 3 measured 0.94x
+to 1.09x, and a trial there is affordable mostly at a request's start, where the draft guesses worst, so a ruling
+that rests on one such trial must be looked at again.
 Until it rules, the cost model decides alone. Once drafting, the G a step runs is the cost model's unless
 another G measured MARGIN faster over its drafted steps (Referee.length; the cost model still gives slots
 their own lengths where it predicts that faster).
@@ -45,6 +47,9 @@ RECHECK = 16  # a drafting trial whose catch-up was too dear is looked at again 
 #: a clear call: the cost model predicts drafting beyond this share of plain decoding (either way); it decides alone
 #: until the referee rules, and puts off trials that would only confirm a ruling it agrees with
 BAND = 0.5
+#: a clear measure: the ruling's kind measured this much faster than the other (a cost model's clear call that agrees
+#: puts trials off only then)
+CLEAR = 0.25
 
 PLAIN, DRAFT = "plain", "draft"
 
@@ -170,14 +175,14 @@ class Referee:
         `acceptance`: the server-wide per-token acceptance now (None: judge rates as measured).
         PLAIN or DRAFT as measured, a trial of the other kind when one is due (this step is its first), or None (not
         measured yet: the cost model decides). A clear call puts a due trial off a cycle where the ruling agrees with
-        it (the first trial, before any ruling, runs whatever the call). `affordable()`: whether a drafting trial's
+        it and measured the other kind CLEAR slower (the first trial, before any ruling, runs whatever the call). `affordable()`: whether a drafting trial's
         catch-up is affordable now (None: always)."""
         court = self._court(bucket)
         self.judge(bucket, acceptance)
         if self.due(bucket, in_use):
             current = court.ruling or in_use
             other = PLAIN if current == DRAFT else DRAFT
-            if not close and court.ruling == in_use:
+            if not close and court.ruling == in_use and self._clear(court, acceptance):
                 court.since_trial = 0
             elif other == DRAFT and affordable is not None and not affordable():
                 court.since_trial -= RECHECK  # looked at again RECHECK steps on
@@ -186,6 +191,13 @@ class Referee:
                 court.trials += 1
                 return other
         return court.ruling
+
+    @staticmethod
+    def _clear(court: Court, acceptance: float | None) -> bool:
+        """Whether the ruling's kind measured CLEAR faster than the other."""
+        p, d = court.plain.per_second, court.draft.at(acceptance)
+        win, lose = (p, d) if court.ruling == PLAIN else (d, p)
+        return win > lose * (1 + CLEAR)
 
     def judge(self, bucket: int, acceptance: float | None = None) -> str | None:
         """The bucket's ruling from both kinds' rates (drafting's at the acceptance now, Rate.at), None until both

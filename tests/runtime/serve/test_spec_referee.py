@@ -126,6 +126,22 @@ def test_a_ruling_stands_against_a_clear_call_and_a_clear_call_it_contradicts_do
     assert referee.rule(1, DRAFT, close=False) == DRAFT and not referee.in_trial(1)  # agreeing: put off a cycle
 
 
+def test_a_clear_call_puts_a_trial_off_only_where_the_ruling_measured_clearly():
+    """The first trial measured drafting at 900 tok/s against plain's 1000 (at a request's start, say, where the draft
+    guesses worst): plain, but not by CLEAR. The cost model calling drafting clearly worse does not put the next
+    trial off; measured at 400 tok/s it does."""
+    from runtime.serve.spec_referee import CLEAR
+
+    for draft_rate, retried in ((900.0, True), (1000.0 / (1 + 2 * CLEAR), False)):
+        referee = Referee()
+        _feed(referee, PLAIN, SETTLE + MIN_COUNTED, 1, 0.001)
+        _feed(referee, DRAFT, SETTLE + MIN_COUNTED, 1, 1 / draft_rate)
+        assert referee.judge(1) == PLAIN
+        _feed(referee, PLAIN, CYCLE, 1, 0.001)
+        assert (referee.rule(1, PLAIN, close=False) == DRAFT) == retried, draft_rate
+        assert referee.in_trial(1) == retried
+
+
 def test_a_length_measured_faster_over_its_drafted_steps_is_taken():
     """The cost model proposes G = 1; G = 3 measured 20% faster over enough of its drafted steps: G = 3. A length
     measured too little, or faster by less than MARGIN, leaves the cost model's G."""
