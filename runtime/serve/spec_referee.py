@@ -8,22 +8,25 @@ for the same work (step records of both): a switch costs the draft's catch-up, s
 run for a while, the one-token chunks the event loop still owes, and short runs are mostly switch. So the
 cost model decided against drafting where the fixed length gained 1.2x to 1.56x.
 
-The referee measures the thing itself: per bucket, the tokens that steps emitted over the seconds they
-took (each step's own time and the time until the next step starts, the server's streaming included),
-for plain steps and for drafted steps, counting a step only once SETTLE steps of the same kind came
-before it (a run's steady state, not its switch). Once both kinds are measured it rules, whatever the cost
-model predicts (on 2 cores the model priced drafting at 0.56x of plain at 32 streams where drafting measured
-1.30x): the faster one, the other taking over only when it measures MARGIN faster. Drafting is judged at the server-wide
-acceptance now where that is higher than while it was measured (Rate.at): a draft that starts agreeing
-drafts at once, not at its next trial; one that stops agreeing while it drafts is measured doing so.
-The kind not in use is tried for TRIAL steps after every CYCLE steps of the one in use (the first trial
-after FIRST_CYCLE), a drafting trial only when the draft's catch-up is affordable (the probes' rule), so
-measuring costs at most about TRIAL / CYCLE of the loser's deficit. A trial waits another cycle where the
-cost model calls the other kind clearly worse (beyond BAND) and the ruling agrees by a clear measure too (the winner
-CLEAR faster); the first trial is never put off. The cost model's clear calls are not to be trusted alone: on the
-H100 it priced the EAGLE-3 head's drafting at 0.39x of plain at one stream where a length fixed at 3 measured 0.94x
-to 1.09x, and a trial there is affordable mostly at a request's start, where the draft guesses worst, so a ruling
-that rests on one such trial must be looked at again.
+The referee measures the thing itself: per bucket, the tokens that steps emitted over the seconds they took (each
+step's own time and the time until the next step starts, the server's streaming included), for plain steps and
+for drafted steps, counting a step only once SETTLE steps of the same kind came before it (a run's steady state,
+not its switch), the past decaying by DECAY a step of the bucket (so a kind measured in trials is judged by its
+latest). Once both kinds are measured it rules, whatever the cost model predicts (on 2 cores the model priced
+drafting at 0.56x of plain at 32 streams where drafting measured 1.30x): the faster one, the other taking over only
+when it measures MARGIN faster. Drafting is judged at the server-wide acceptance now where that is higher than
+while it was measured (Rate.at): a draft that starts agreeing drafts at once, not at its next trial; one that
+stops agreeing while it drafts is measured doing so.
+
+The kind not in use is tried for TRIAL steps after every CYCLE steps of the one in use (the first trial after
+FIRST_CYCLE), a drafting trial only when the draft's catch-up is affordable (the probes' rule), so measuring costs
+at most about TRIAL / CYCLE of the loser's deficit; each trial that leaves the kind in use as the ruling doubles
+the wait before the next (up to CYCLE << MAX_BACKOFF), one that overturns it restores CYCLE. A trial waits another
+cycle where the cost model calls the other kind clearly worse (beyond BAND) and the ruling agrees by a clear
+measure too (the winner CLEAR faster); the first trial is never put off. The cost model's clear calls are not to
+be trusted alone: on the H100 it priced the EAGLE-3 head's drafting at 0.39x of plain at one stream where a length
+fixed at 3 measured 0.94x to 1.09x, and a trial there is affordable mostly at a request's start, where the draft
+guesses worst, so a ruling that rests on one such trial must be looked at again.
 Until it rules, the cost model decides alone. Once drafting, the G a step runs is the cost model's unless
 another G measured MARGIN faster over its drafted steps (Referee.length; the cost model still gives slots
 their own lengths where it predicts that faster).
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field
 SETTLE = 4  # steps of a run of one kind not counted (its switch: a catch-up, cold shapes, the loop's backlog)
 TRIAL = 24  # steps a trial of the kind not in use runs
 CYCLE = 512  # steps of the kind in use between trials of the other
+MAX_BACKOFF = 3  # each trial that leaves the ruling as it stood doubles the wait before the next, up to CYCLE << this
 FIRST_CYCLE = 128  # ... before the first trial (a short burst of work is the cost model's alone)
 MIN_COUNTED = 16  # counted steps each kind needs before the referee rules
 MIN_COUNTED_LENGTH = 16  # counted drafted steps of a length before its rate is set against another length's
@@ -125,6 +129,9 @@ class Court:
     since_trial: int = 0  # steps observed since the latest trial
     trials: int = 0
     steps: int = 0  # steps observed in all (the clock the rates decay by)
+    confirmed: int = 0  # trials in a row that left the ruling as it stood (the wait before the next doubles)
+    before: str | None = None  # the kind in use when the latest trial began, until its outcome is read (_read_trial)
+    unread: bool = False  # whether the latest trial's outcome is yet to be read
 
     def rate(self, kind: str) -> Rate:
         return self.plain if kind == PLAIN else self.draft
@@ -166,8 +173,25 @@ class Referee:
             return False
         current = court.ruling or in_use
         other = PLAIN if current == DRAFT else DRAFT
-        wait = CYCLE if court.rate(other).counted else FIRST_CYCLE
+        wait = CYCLE << min(court.confirmed, MAX_BACKOFF) if court.rate(other).counted else FIRST_CYCLE
         return court.since_trial >= wait and court.rate(current).counted >= MIN_COUNTED
+
+    def start(self, bucket: int, kind: str) -> None:
+        """A trial of `kind` begins in the bucket (this step is its first), the other kind in use."""
+        court = self._court(bucket)
+        court.before, court.unread = (PLAIN if kind == DRAFT else DRAFT), True
+        court.trial, court.trial_left, court.since_trial = kind, TRIAL - 1, 0
+        court.trials += 1
+
+    @staticmethod
+    def _read_trial(court: Court) -> None:
+        """Once the latest trial's steps are observed: one more confirmation if the ruling is the kind in use before
+        it (the next trial waits twice as long, up to CYCLE << MAX_BACKOFF), none if the trial's kind won. So where a
+        ruling is clear, trials cost ever less of the loser's deficit, and a ruling that changes is re-tried at the
+        first pace."""
+        if court.unread and court.trial_left <= 0 and court.since_trial >= TRIAL:
+            court.unread = False
+            court.confirmed = court.confirmed + 1 if court.ruling == court.before else 0
 
     def rule(self, bucket: int, in_use: str, affordable=None, *, close: bool = True,
              acceptance: float | None = None) -> str | None:
@@ -175,10 +199,11 @@ class Referee:
         `acceptance`: the server-wide per-token acceptance now (None: judge rates as measured).
         PLAIN or DRAFT as measured, a trial of the other kind when one is due (this step is its first), or None (not
         measured yet: the cost model decides). A clear call puts a due trial off a cycle where the ruling agrees with
-        it and measured the other kind CLEAR slower (the first trial, before any ruling, runs whatever the call). `affordable()`: whether a drafting trial's
-        catch-up is affordable now (None: always)."""
+        it and measured the other kind CLEAR slower (the first trial, before any ruling, runs whatever the call).
+        `affordable()`: whether a drafting trial's catch-up is affordable now (None: always)."""
         court = self._court(bucket)
         self.judge(bucket, acceptance)
+        self._read_trial(court)
         if self.due(bucket, in_use):
             current = court.ruling or in_use
             other = PLAIN if current == DRAFT else DRAFT
@@ -187,8 +212,7 @@ class Referee:
             elif other == DRAFT and affordable is not None and not affordable():
                 court.since_trial -= RECHECK  # looked at again RECHECK steps on
             else:
-                court.trial, court.trial_left, court.since_trial = other, TRIAL - 1, 0
-                court.trials += 1
+                self.start(bucket, other)
                 return other
         return court.ruling
 
@@ -211,9 +235,9 @@ class Referee:
         if court.ruling is None:
             court.ruling = DRAFT if d > p * (1 + MARGIN) else PLAIN
         elif court.ruling == PLAIN and d > p * (1 + MARGIN):
-            court.ruling = DRAFT
+            court.ruling, court.confirmed = DRAFT, 0
         elif court.ruling == DRAFT and p > d * (1 + MARGIN):
-            court.ruling = PLAIN
+            court.ruling, court.confirmed = PLAIN, 0
         return court.ruling
 
     def observe(self, bucket: int, g: int, tokens: int, seconds: float, acceptance: float | None = None) -> None:

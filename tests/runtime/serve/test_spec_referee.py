@@ -97,10 +97,43 @@ def test_trials_of_the_kind_not_in_use_come_once_a_cycle_and_only_if_affordable(
     assert [referee.trial_step(1) for _ in range(TRIAL)] == [DRAFT] * (TRIAL - 1) + [None]
     _feed(referee, DRAFT, TRIAL, 1, 0.002)  # the trial measured drafting slower: ruled plain
     assert referee.judge(1) == PLAIN
-    _feed(referee, PLAIN, CYCLE - TRIAL - 1, 1, 0.001)
-    assert referee.rule(1, PLAIN) == PLAIN  # the next trial waits for a whole cycle
+    _feed(referee, PLAIN, 2 * CYCLE - TRIAL - 1, 1, 0.001)
+    assert referee.rule(1, PLAIN) == PLAIN  # it confirmed the kind in use: the next trial waits for two cycles
     _feed(referee, PLAIN, 1, 1, 0.001)
     assert referee.rule(1, PLAIN) == DRAFT
+
+
+def test_trials_that_confirm_the_ruling_come_ever_more_rarely_and_one_that_overturns_it_resets_the_pace():
+    """Each trial that leaves the kind in use as the ruling doubles the wait before the next (CYCLE, 2, 4, then 8
+    cycles at most), so where drafting clearly loses its trials cost ever less; a trial that wins starts again at
+    one cycle."""
+    from runtime.serve.spec_referee import MAX_BACKOFF
+
+    referee = Referee()
+    _feed(referee, PLAIN, SETTLE + MIN_COUNTED, 1, 0.001)
+    waits = []
+    for _ in range(MAX_BACKOFF + 2):
+        steps = 0
+        while referee.rule(1, PLAIN) != DRAFT:  # (a close call: only the back-off puts trials off)
+            _feed(referee, PLAIN, 1, 1, 0.001)
+            steps += 1
+        waits.append(steps)
+        for _ in range(TRIAL - 1):
+            assert referee.trial_step(1) == DRAFT
+        _feed(referee, DRAFT, TRIAL, 1, 0.002)  # drafting measures half of plain decoding's tokens/s
+    # (a wait counts from the trial's first step: its own TRIAL steps are part of it)
+    assert waits[1:] == [(CYCLE << min(i, MAX_BACKOFF)) - TRIAL for i in range(1, MAX_BACKOFF + 2)], waits
+    while referee.rule(1, PLAIN) != DRAFT:
+        _feed(referee, PLAIN, 1, 1, 0.001)
+    for _ in range(TRIAL - 1):
+        referee.trial_step(1)
+    _feed(referee, DRAFT, TRIAL, 4, 0.002)  # this trial measures drafting at twice plain's: overturned
+    assert referee.rule(1, DRAFT) == DRAFT
+    steps = 0
+    while referee.rule(1, DRAFT) != PLAIN:  # a trial of plain decoding, after one cycle again
+        _feed(referee, DRAFT, 1, 4, 0.002)
+        steps += 1
+    assert steps == CYCLE - TRIAL, steps
 
 
 def test_a_ruling_stands_against_a_clear_call_and_a_clear_call_it_contradicts_does_not_put_trials_off():
