@@ -23,7 +23,8 @@
 #   benchmarks/gpu_serve_spec.sh bench ARGS...   bench_serve_spec.py ARGS with the store and --out set
 # Writes under $OUT (default /tmp/out): prepare.log, bench.log, the results .md/.json, server-logs.tgz.
 # Checked on a machine without a GPU: stash, the tarball's reassembly and checksum, create and install (the
-# cp312 wheels need the host's Python 3.12). The whole script has not yet run on a GPU host.
+# cp312 wheels need the host's Python 3.12). The whole script ran on one H100 (x86_64, Python 3.12, PyTorch with
+# its nvidia-* CUDA 13 wheels); it has not run on an aarch64 host.
 set -u -o pipefail
 CODE=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/out}

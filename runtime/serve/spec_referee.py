@@ -81,8 +81,7 @@ class Rate:
         the latest add, whatever kind those ran, so a kind measured only in trials is judged by its latest trial
         (after a cycle the one before weighs 0.08), not by a mix in which a trial long ago, perhaps on a machine
         busier or colder than now, outweighs the latest one (decayed per step of its own kind, each trial left 90%
-        of the weight to those before: on the H100 a one-stream bucket decoded plainly for about 5,900 steps
-        before it drafted, where a length fixed at 3 measured 1.05x to 1.12x of plain decoding)."""
+        of the weight to those before it)."""
         decay = DECAY ** max(step - self.step, 1) if self.counted else 0.0
         self.step = step
         self.tokens = decay * self.tokens + tokens
