@@ -125,16 +125,7 @@ class Server:
         """name{labels} -> value for the series this benchmark reads."""
         import httpx
 
-        out = {}
-        for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
-            m = re.match(r"^((?:vllm:spec_decode|bundle:spec_decode)\w*)\{([^}]*)\} (\S+)$", line)
-            if m:
-                batch = re.search(r'batch="(\d+)"', m.group(2))
-                g = re.search(r'draft_tokens="(\d+)"', m.group(2))
-                kind = re.search(r'kind="(\w+)"', m.group(2))
-                out[m.group(1) + (f"[{batch.group(1)}]" if batch else "") + (f"[{g.group(1)}]" if g else "")
-                    + (f"[{kind.group(1)}]" if kind else "")] = float(m.group(3))
-        return out
+        return parse_metrics(httpx.get(self.url + "/metrics", timeout=30).text)
 
     def pause(self) -> None:
         """SIGSTOP: a server not being measured takes no CPU time (its engine and event loop threads, a
@@ -260,6 +251,14 @@ def run_once(server: Server, prompt: str, streams: int, requests: int, tokens: i
     for bucket, kind, k in labelled(after, "bundle:spec_decode_measured_tokens_per_second"):
         measured.setdefault(bucket, {})[kind] = round(after[k], 1)
     row["measured_tok_s"] = measured
+    # the referee's trials in this row by the kind tried, and the due ones it put off by why: {bucket: {label: n}}
+    for key, name in (("referee_trials", "bundle:spec_decode_trials_total"),
+                      ("referee_put_off", "bundle:spec_decode_trials_put_off_total")):
+        counts: dict = {}
+        for bucket, label, k in labelled(after, name):
+            if after[k] - before.get(k, 0.0) > 0:
+                counts.setdefault(bucket, {})[label] = int(after[k] - before.get(k, 0.0))
+        row[key] = counts
     # how often each length ran in this row, per bucket: {bucket: {G: steps}}
     ran: dict = {}
     for bucket, g, k in labelled(after, "bundle:spec_decode_steps_total"):
@@ -267,6 +266,21 @@ def run_once(server: Server, prompt: str, streams: int, requests: int, tokens: i
             ran.setdefault(bucket, {})[int(g)] = int(after[k] - before.get(k, 0.0))
     row["steps_by_length"] = ran
     return row
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The speculation series of a /metrics page: `name[batch][draft_tokens][kind or reason]` (each label where the
+    series has it) -> value."""
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^((?:vllm:spec_decode|bundle:spec_decode)\w*)\{([^}]*)\} (\S+)$", line)
+        if m:
+            batch = re.search(r'batch="(\d+)"', m.group(2))
+            g = re.search(r'draft_tokens="(\d+)"', m.group(2))
+            kind = re.search(r'(?:kind|reason)="(\w+)"', m.group(2))
+            out[m.group(1) + (f"[{batch.group(1)}]" if batch else "") + (f"[{g.group(1)}]" if g else "")
+                + (f"[{kind.group(1)}]" if kind else "")] = float(m.group(3))
+    return out
 
 
 def labelled(series: dict[str, float], name: str):

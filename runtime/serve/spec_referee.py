@@ -56,6 +56,8 @@ BAND = 0.5
 CLEAR = 0.25
 
 PLAIN, DRAFT = "plain", "draft"
+#: why a due trial was put off: a drafting trial's catch-up too dear now; a clear call the ruling agrees with
+PRICE, CALL = "price", "call"
 
 
 def chain_tokens(acceptance: float, g: int) -> float:
@@ -127,6 +129,8 @@ class Court:
     trial_left: int = 0
     since_trial: int = 0  # steps observed since the latest trial
     trials: int = 0
+    tried: dict = field(default_factory=dict)  # kind -> trials of it begun
+    put_off: dict = field(default_factory=dict)  # PRICE or CALL -> due trials put off for that reason
     steps: int = 0  # steps observed in all (the clock the rates decay by)
     confirmed: int = 0  # trials in a row that left the ruling as it stood (the wait before the next doubles)
     before: str | None = None  # the kind in use when the latest trial began, until its outcome is read (_read_trial)
@@ -181,6 +185,7 @@ class Referee:
         court.before, court.unread = (PLAIN if kind == DRAFT else DRAFT), True
         court.trial, court.trial_left, court.since_trial = kind, TRIAL - 1, 0
         court.trials += 1
+        court.tried[kind] = court.tried.get(kind, 0) + 1
 
     @staticmethod
     def _read_trial(court: Court) -> None:
@@ -208,8 +213,10 @@ class Referee:
             other = PLAIN if current == DRAFT else DRAFT
             if not close and court.ruling == in_use and self._clear(court, acceptance):
                 court.since_trial = 0
+                court.put_off[CALL] = court.put_off.get(CALL, 0) + 1
             elif other == DRAFT and affordable is not None and not affordable():
                 court.since_trial -= RECHECK  # looked at again RECHECK steps on
+                court.put_off[PRICE] = court.put_off.get(PRICE, 0) + 1
             else:
                 self.start(bucket, other)
                 return other
@@ -274,6 +281,11 @@ class Referee:
             if r.counted >= MIN_COUNTED_LENGTH and r.per_second > rate:
                 best, rate = g, r.per_second
         return best
+
+    def trials(self) -> dict[int, tuple[dict[str, int], dict[str, int]]]:
+        """Per bucket: (trials begun by the kind they tried, due trials put off by reason: PRICE, CALL) (/metrics: how
+        often the referee re-measures, and what keeps it from doing so)."""
+        return {b: (dict(c.tried), dict(c.put_off)) for b, c in sorted(list(self.courts.items()))}
 
     def measured(self) -> dict[int, dict[str, float]]:
         """Per bucket: the measured tokens/s of each kind counted so far (/metrics)."""

@@ -79,7 +79,8 @@ class OpenAIServer:
             referee = runner.speculation.referee
             self.metrics.watch_speculation(runner.speculation.snapshot, runner.speculation.predictions,
                                            runner.speculation.steps_run,
-                                           referee.measured if referee is not None else None)
+                                           referee.measured if referee is not None else None,
+                                           referee.trials if referee is not None else None)
         if runner.shape is not None:
             self.metrics.watch_tree_shape(runner.shape_snapshot)
         self._preprocess = Preprocess()

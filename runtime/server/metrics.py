@@ -204,15 +204,16 @@ class Metrics:
         waiting for the GIL while the event loop holds it)."""
         self.registry.register(_EngineCollector(read, self._base))
 
-    def watch_speculation(self, read, predicted=None, ran=None, measured=None) -> None:
+    def watch_speculation(self, read, predicted=None, ran=None, measured=None, trials=None) -> None:
         """Export the adaptive speculation length's decision per batch-size bucket, read at scrape time:
         `read()` -> {bucket: (G decided, steps skipped because drafting did not pay, probe steps)}
         (SpeculationLength.snapshot), `predicted()` -> {bucket: ((tokens/s, step seconds) per G)}
         (SpeculationLength.predictions), `ran()` -> {(bucket, G): steps} (SpeculationLength.steps_run) and
-        `measured()` -> {bucket: {"plain"|"draft": tokens/s}} (runtime.serve.spec_referee.Referee.measured).
+        `measured()` -> {bucket: {"plain"|"draft": tokens/s}} (runtime.serve.spec_referee.Referee.measured) and
+        `trials()` -> {bucket: ({kind: trials}, {reason: put off})} (Referee.trials).
         The periodic log line says the decision too."""
         self._speculation = read
-        self.registry.register(_SpeculationCollector(read, self._base, predicted, ran, measured))
+        self.registry.register(_SpeculationCollector(read, self._base, predicted, ran, measured, trials))
 
     def watch_tree_shape(self, read) -> None:
         """Export the auto token tree's shape, read at scrape time: `read()` -> {depth: nodes at that level}
@@ -360,9 +361,9 @@ class _SpeculationCollector:
     """bundle:spec_decode_num_speculative_tokens{batch} (gauge), bundle:spec_decode_skipped_steps{batch}
     and bundle:spec_decode_probe_steps{batch} (counters); `batch` is the bucket's upper bound (1, 2, 4, 8...)."""
 
-    def __init__(self, read, labels: dict, predicted=None, ran=None, measured=None):
+    def __init__(self, read, labels: dict, predicted=None, ran=None, measured=None, trials=None):
         self._read, self._labels, self._predicted, self._ran = read, labels, predicted, ran
-        self._measured = measured
+        self._measured, self._trials = measured, trials
 
     def collect(self):
         names = list(self._labels) + ["batch"]
@@ -398,6 +399,22 @@ class _SpeculationCollector:
                 for kind, tok_s in kinds.items():
                     measured.add_metric(values + [str(bucket), kind], tok_s)
             yield measured
+        if self._trials is not None:
+            tried = CounterMetricFamily("bundle:spec_decode_trials",
+                                        "Trials of the kind not in use the speculation referee began (24 steps of "
+                                        "plain decoding or of drafting), by running batch size bucket and that kind",
+                                        labels=names + ["kind"])
+            put_off = CounterMetricFamily("bundle:spec_decode_trials_put_off",
+                                          "Due trials the referee put off, by running batch size bucket and why (price: "
+                                          "the draft's catch-up too dear now; call: a clear call of the cost model "
+                                          "that the measured ruling agrees with)", labels=names + ["reason"])
+            for bucket, (kinds, reasons) in self._trials().items():
+                for kind, count in sorted(kinds.items()):
+                    tried.add_metric(values + [str(bucket), kind], count)
+                for reason, count in sorted(reasons.items()):
+                    put_off.add_metric(values + [str(bucket), reason], count)
+            yield tried
+            yield put_off
         if self._predicted is None:
             return
         speed = GaugeMetricFamily("bundle:spec_decode_predicted_tokens_per_second",

@@ -152,6 +152,10 @@ def test_metrics_say_the_speculation_length_chosen_per_batch_bucket(server, clie
     assert g in (0, 1, 2, 3)  # the tiny bundle's num_speculative_tokens is 3
     assert metric(server, "bundle:spec_decode_skipped_steps_total", '{batch="1"}') >= 0
     assert metric(server, "bundle:spec_decode_probe_steps_total", '{batch="1"}') >= 0
+    # the referee's trials and the ones it put off are exported (their series appear once a bucket has any)
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    assert "# TYPE bundle:spec_decode_trials_total counter" in text
+    assert "# TYPE bundle:spec_decode_trials_put_off_total counter" in text
 
 
 def _post(server, path, body=None, content=None, headers=None):

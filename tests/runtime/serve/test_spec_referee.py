@@ -289,3 +289,32 @@ def test_metrics_show_the_measured_tokens_per_second_of_each_kind():
         line = next(x for x in text.splitlines() if x.startswith("bundle:spec_decode_measured_tokens_per_second{")
                     and f'kind="{kind}"' in x)
         assert 'batch="8"' in line and float(line.rsplit(" ", 1)[1]) == pytest.approx(tok_s)
+
+
+def test_metrics_count_the_trials_by_kind_and_the_ones_put_off_by_why():
+    """A first trial of drafting put off twice for its catch-up's price, then run; then, ruled plain by a clear
+    measure that a clear call of the cost model agrees with, the next due trial is put off for the call. /metrics
+    counts both, and bench_serve_spec reads them back (its JSON's referee_trials and referee_put_off)."""
+    from benchmarks.bench_serve_spec import labelled, parse_metrics
+    from runtime.server.metrics import Metrics
+    from runtime.serve.spec_referee import CALL, PRICE, RECHECK
+
+    referee = Referee()
+    _feed(referee, PLAIN, SETTLE + MIN_COUNTED + FIRST_CYCLE, 1, 0.001, bucket=4)
+    for _ in range(2):
+        assert referee.rule(4, PLAIN, affordable=lambda: False) is None
+        _feed(referee, PLAIN, RECHECK, 1, 0.001, bucket=4)
+    assert referee.rule(4, PLAIN, affordable=lambda: True) == DRAFT
+    for _ in range(TRIAL):
+        referee.trial_step(4)
+    _feed(referee, DRAFT, TRIAL, 1, 0.004, bucket=4)  # drafting at a quarter of plain decoding's tokens/s
+    _feed(referee, PLAIN, 2 * CYCLE, 1, 0.001, bucket=4)
+    assert referee.rule(4, PLAIN, close=False) == PLAIN and not referee.in_trial(4)
+    assert referee.trials() == {4: ({DRAFT: 1}, {PRICE: 2, CALL: 1})}
+    metrics = Metrics(3, model_name="m")
+    metrics.watch_speculation(lambda: {}, None, None, referee.measured, referee.trials)
+    series = parse_metrics(metrics.render().decode())
+    assert {(b, label): series[k] for b, label, k in labelled(series, "bundle:spec_decode_trials_total")} == \
+        {(4, DRAFT): 1.0}
+    assert {(b, label): series[k] for b, label, k in labelled(series, "bundle:spec_decode_trials_put_off_total")} == \
+        {(4, PRICE): 2.0, (4, CALL): 1.0}
