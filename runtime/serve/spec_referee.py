@@ -128,7 +128,6 @@ class Court:
     trial: str | None = None  # the kind a trial under way runs, for trial_left more steps
     trial_left: int = 0
     since_trial: int = 0  # steps observed since the latest trial
-    trials: int = 0
     tried: dict = field(default_factory=dict)  # kind -> trials of it begun
     put_off: dict = field(default_factory=dict)  # PRICE or CALL -> due trials put off for that reason
     steps: int = 0  # steps observed in all (the clock the rates decay by)
@@ -184,7 +183,6 @@ class Referee:
         court = self._court(bucket)
         court.before, court.unread = (PLAIN if kind == DRAFT else DRAFT), True
         court.trial, court.trial_left, court.since_trial = kind, TRIAL - 1, 0
-        court.trials += 1
         court.tried[kind] = court.tried.get(kind, 0) + 1
 
     @staticmethod
