@@ -252,20 +252,21 @@ def run_once(server: Server, prompt: str, streams: int, requests: int, tokens: i
         measured.setdefault(bucket, {})[kind] = round(after[k], 1)
     row["measured_tok_s"] = measured
     # the referee's trials in this row by the kind tried, and the due ones it put off by why: {bucket: {label: n}}
-    for key, name in (("referee_trials", "bundle:spec_decode_trials_total"),
-                      ("referee_put_off", "bundle:spec_decode_trials_put_off_total")):
-        counts: dict = {}
-        for bucket, label, k in labelled(after, name):
-            if after[k] - before.get(k, 0.0) > 0:
-                counts.setdefault(bucket, {})[label] = int(after[k] - before.get(k, 0.0))
-        row[key] = counts
+    row["referee_trials"] = grown(before, after, "bundle:spec_decode_trials_total")
+    row["referee_put_off"] = grown(before, after, "bundle:spec_decode_trials_put_off_total")
     # how often each length ran in this row, per bucket: {bucket: {G: steps}}
-    ran: dict = {}
-    for bucket, g, k in labelled(after, "bundle:spec_decode_steps_total"):
-        if after[k] - before.get(k, 0.0) > 0:
-            ran.setdefault(bucket, {})[int(g)] = int(after[k] - before.get(k, 0.0))
-    row["steps_by_length"] = ran
+    row["steps_by_length"] = grown(before, after, "bundle:spec_decode_steps_total", int)
     return row
+
+
+def grown(before: dict[str, float], after: dict[str, float], name: str, key=str) -> dict:
+    """{bucket: {key(label): n}} of the counter `name[bucket][label]` where it grew from `before` to `after`."""
+    out: dict = {}
+    for bucket, label, k in labelled(after, name):
+        n = int(after[k] - before.get(k, 0.0))
+        if n > 0:
+            out.setdefault(bucket, {})[key(label)] = n
+    return out
 
 
 def parse_metrics(text: str) -> dict[str, float]:
