@@ -44,6 +44,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from runtime.serve.spec_referee import chain_tokens  # noqa: E402  (after the path)
+
 
 def _step_cost(fn, n=32) -> float:
     best = float("inf")
@@ -56,19 +58,16 @@ def _step_cost(fn, n=32) -> float:
 
 def per_token_acceptance(tokens_per_pass: float, k: int) -> float:
     """The a with (1 - a^(k+1)) / (1 - a) = tokens per target pass (mean acceptance length, 1 .. k+1)."""
-    def tokens(a: float) -> float:
-        return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
-
     lo, hi = 0.0, 1.0
-    for _ in range(60):  # tokens(a) rises monotonically from 1 (a=0) to k+1 (a=1)
+    for _ in range(60):  # chain_tokens(a, k) rises monotonically from 1 (a=0) to k+1 (a=1)
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if tokens(mid) < tokens_per_pass else (lo, mid)
+        lo, hi = (mid, hi) if chain_tokens(mid, k) < tokens_per_pass else (lo, mid)
     return (lo + hi) / 2
 
 
 def ideal_speedup(a: float, k: int, c: float) -> float:
     """(1 - a^(k+1)) / ((1 - a)(k c + 1)): k drafts at c target steps each, one verification as one step."""
-    return (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1)) if a < 1 else (k + 1) / (k * c + 1)
+    return chain_tokens(min(a, 1.0), k) / (k * c + 1)
 
 
 def fraction_of_ideal(stats, k: int, tps: float, plain_tps: float) -> tuple[float, float]:

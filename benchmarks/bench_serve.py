@@ -34,6 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from runtime.serve.spec_referee import chain_tokens  # noqa: E402  (after the path)
+
 SHORT = "def read_config(path):\n    \"\"\"Read a JSON config file and return a dict.\"\"\"\n"
 LONG_SEED = ("import os\nimport sys\n\n\nclass Cache:\n    \"\"\"A small LRU cache.\"\"\"\n\n"
              "    def __init__(self, size=128):\n        self.size = size\n        self.data = {}\n\n"
@@ -193,8 +195,7 @@ def per_token_acceptance(tokens_per_pass: float, k: int) -> float:
 def ideal_speedup(a: float, g: int, c: float, verify: float = 1.0) -> float:
     """TARGETS.md's formula (verify = 1: scoring g+1 tokens costs one target step). With the measured
     `verify` ratio instead, what is left between ideal and measured is the decoder's own overhead."""
-    tokens_per_pass = (g + 1) if a >= 1.0 else (1 - a ** (g + 1)) / (1 - a)
-    return tokens_per_pass / (g * c + verify)
+    return chain_tokens(min(a, 1.0), g) / (g * c + verify)
 
 
 def report(ours: dict, peer: dict | None, args) -> None:
