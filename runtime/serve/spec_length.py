@@ -49,7 +49,8 @@ prompt, or a draft that reads tokens cheaply), which bounds exploration's cost w
 third time none at all for PLAIN_BURST steps, so that plain decoding's own cost is measured rather than
 extrapolated from drafted steps (a burst, and each group's cost a median of its recent steps, because a
 rarely run path nearly always meets a context window it has not run at, and its first run there captures
-a CUDA graph or plans a new shape). A step in which an engine ran some CUDA graph for one of its first times
+a CUDA graph or plans a new shape). Where the referee rules drafting, explorations that keep confirming its G come
+ever more rarely, up to one in EXPLORE_MAX steps: each drafts a G that keeps fewer tokens. A step in which an engine ran some CUDA graph for one of its first times
 (runtime.engines.base.Engine.cold_runs: ONNX Runtime's ordinary run, then its capture, each many times a replay)
 is left out of the fits altogether: on a GPU a probe nearly always meets a shape not yet captured, and fits fed
 those steps priced drafting at tens of times its cost, so that it never drafted again. That matters on a GPU, where a plain step may run another path than a verification
@@ -69,9 +70,11 @@ from bisect import bisect_right
 from dataclasses import dataclass
 
 from runtime.serve.spec_costs import GroupedCost, LinearCost
-from runtime.serve.spec_referee import BAND, DRAFT, PLAIN, Referee
+from runtime.serve.spec_referee import BAND, DRAFT, MIN_COUNTED_LENGTH, PLAIN, Referee
 
 EXPLORE_EVERY = 16
+#: the longest wait between explorations of a bucket the referee rules drafting in, once they keep confirming its G
+EXPLORE_MAX = 256
 PROBE_EVERY = 16  # plain steps in a bucket before its first probe
 PROBE_MAX = 256  # the longest wait between probes
 MIN_GAIN = 0.03  # drafting must promise this much more tokens/s than plain decoding
@@ -119,6 +122,10 @@ class Bucket:
     burst: int = 0  # plain steps left of an exploration burst
     length_burst: int = 0  # drafted steps left of an exploration of another length, at length_burst_g
     length_burst_g: int = 0
+    next_explore: int = 0  # the step count at which the next exploration begins (0: explore_every)
+    explore_wait: int = 0  # steps between explorations now (0: explore_every; doubles while they confirm a ruled G)
+    explored_best: int = -1  # the best G when the latest exploration began
+    explorations: int = 0  # explorations begun (which kind of G each explores turns with it)
     plain_seconds: float = 0.0  # plain steps' measured seconds since the last probe (what a probe's catch-up spends)
     deferred: int = 0  # probes put off because their catch-up would cost more than PROBE_BUDGET of that
     probe_left: int = 0  # drafted steps left of the probe under way (at most PROBE_STEPS), at G probe_g
@@ -375,7 +382,7 @@ class SpeculationLength:
             bucket.skipped += 1
             return self._pick(0)
         if bucket.reuse > 0 and bucket.decision > 0 and not bucket.recheck and \
-                not (self.explore_every and (bucket.steps + 1) % self.explore_every == 0):
+                not self._exploring(bucket, bucket.steps + 1):
             # drafting, and nothing decided it afresh: the latest evaluation's G and per-slot lengths. An evaluation
             # reads every slot's acceptance and the fits (345 us at 32 slots on a 2-core VM, 5% of an H200's drafted
             # step), and its inputs move little from one step to the next
@@ -427,6 +434,9 @@ class SpeculationLength:
             best = min(self.referee.length(self._bucket, best), self.k)  # a G measured faster, if any
         bucket.steps += 1
         bucket.decision = best if pays else 0
+        if pays and best != bucket.explored_best and bucket.explore_wait > self.explore_every:
+            # another G is best now: its neighbours are explored at the first pace again, from the next exploration
+            bucket.explore_wait, bucket.next_explore = 0, min(bucket.next_explore, bucket.steps + self.explore_every)
         # a slope assumed, not measured (one G seen so far): this step's plain costs will measure it
         bucket.recheck = target.spread < 2 or other.spread < 2
         if not pays:
@@ -450,14 +460,17 @@ class SpeculationLength:
         if not forced:  # (a referee's trial of drafting is a probe: the probes' back-off stays)
             bucket.plain_run, bucket.probe_wait = 0, self.probe_every
         g = best
-        if self.explore_every and bucket.steps % self.explore_every == 0 and not forced:  # (a trial: drafting alone)
+        if self._exploring(bucket, bucket.steps) and not forced:  # (a trial: drafting alone)
             # now and then another G, so the fits see more than one: plain decoding every third time (its
             # cost is measured, never extrapolated from drafted steps), else a neighbour of the best G
-            turn = (bucket.steps // self.explore_every) % 3
-            ruled = turn == 0 and self.referee is not None and self.referee.ruling(self._bucket) == DRAFT
+            bucket.explorations += 1
+            turn = bucket.explorations % 3
+            ruled = self.referee is not None and self.referee.ruling(self._bucket) == DRAFT
+            bucket.next_explore = bucket.steps + self._explore_wait(bucket, best, ruled)
+            ruled = ruled and turn == 0
             if ruled:  # plain decoding's cost is measured by the referee's trials of it: a run of a neighbouring
                 # length instead, up and down in turn, so that the referee counts enough of its steps to compare
-                turn = 1 + (bucket.steps // (3 * self.explore_every)) % 2
+                turn = 1 + (bucket.explorations // 3) % 2
             up = turn == 1
             g = 0 if turn == 0 else best - 1 if best == self.k or not up else best + 1
             if g == 0:
@@ -476,6 +489,25 @@ class SpeculationLength:
         if g == best:  # (not an exploration's G): the next steps may take it as it is
             bucket.reuse, bucket.slot_lengths = EVALUATE_EVERY - 1, self._slot_lengths
         return self._pick(g)
+
+    def _exploring(self, bucket: Bucket, step: int) -> bool:
+        """Whether a drafting step at the bucket's step count `step` explores another G."""
+        return bool(self.explore_every) and step >= (bucket.next_explore or self.explore_every)
+
+    def _explore_wait(self, bucket: Bucket, best: int, ruled: bool) -> int:
+        """Steps until the bucket's next exploration, one beginning now with `best` the G in use: twice the last wait
+        (up to EXPLORE_MAX) where the referee rules drafting, the G in use is the one the last exploration began
+        with, and the referee has counted enough steps of that G's neighbours to compare them (Referee.length): those
+        explorations confirmed it. Otherwise explore_every, the first pace. Each exploration runs PLAIN_BURST steps of
+        a G that keeps fewer tokens (on the H100 one step in eight drafted 2 where 3 was the best), a price worth
+        paying while the lengths are being measured and not forever after."""
+        confirmed = ruled and best == bucket.explored_best and all(
+            self.referee.counted(self._bucket, g) >= MIN_COUNTED_LENGTH
+            for g in (best - 1, best + 1) if 1 <= g <= self.k)
+        bucket.explored_best = best
+        bucket.explore_wait = min(2 * (bucket.explore_wait or self.explore_every), EXPLORE_MAX) if confirmed \
+            else self.explore_every
+        return bucket.explore_wait
 
     def _per_slot(self, kept_by_slot, limits, speed, fits, bucket, fixed, plain, bonus, rows):
         """(G, predicted tokens/s, per-slot lengths) of the best step where slots draft different lengths, or None.

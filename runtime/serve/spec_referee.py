@@ -263,6 +263,12 @@ class Referee:
                 rate = court.lengths[g] = Rate()
             rate.add(tokens, seconds, g, acceptance, court.steps)
 
+    def counted(self, bucket: int, g: int) -> int:
+        """The counted drafted steps of length g in the bucket (what Referee.length compares lengths by)."""
+        court = self.courts.get(bucket)
+        rate = court.lengths.get(g) if court is not None else None
+        return rate.counted if rate is not None else 0
+
     def length(self, bucket: int, proposed: int) -> int:
         """The G a drafting step of the bucket runs: `proposed` (the cost model's), or the length measured faster by
         MARGIN over its counted drafted steps, where both are measured. The cost model's step costs come from short

@@ -318,3 +318,48 @@ def test_metrics_count_the_trials_by_kind_and_the_ones_put_off_by_why():
         {(4, DRAFT): 1.0}
     assert {(b, label): series[k] for b, label, k in labelled(series, "bundle:spec_decode_trials_put_off_total")} == \
         {(4, PRICE): 2.0, (4, CALL): 1.0}
+
+
+def test_explorations_that_keep_confirming_the_ruled_length_come_ever_more_rarely():
+    """As above, G = 3 measured fastest. Explorations that confirm it (the same G best, its neighbour G = 2 counted
+    enough to compare) double the wait before the next, up to EXPLORE_MAX: over 2,000 steps under 2% draft G = 2,
+    where one exploration every 16 steps drafted 2 in one step of eight. Once G = 2 measures fastest it is drafted,
+    and its neighbours are explored at the first pace again."""
+    from runtime.serve.spec_length import EXPLORE_MAX, PLAIN_BURST, SpeculationLength
+    from runtime.serve.spec_referee import MIN_COUNTED_LENGTH
+    from tests.runtime.serve.test_spec_length_pays import Req, _observe
+
+    def ruled_policy():
+        policy = SpeculationLength(3, explore_every=16)
+        for g in (1, 2):
+            for _ in range(3):
+                policy.observe_step(1 + g, 0.0005, g, 1, g * 0.001, 0.0, batch=1, drafted=g)
+        _observe(policy, 1, 3, lambda rows: 0.0005, lambda n: 0.001)
+        for _ in range(30):
+            policy.record(Req(), 3, 3)
+        for _ in range(SETTLE + MIN_COUNTED):
+            policy.referee.observe(1, 0, 1, 0.001)
+        for g, tok_s in ((1, 1100.0), (2, 1300.0), (3, 1500.0)):
+            for _ in range(SETTLE + MIN_COUNTED_LENGTH):
+                policy.referee.observe(1, g, 2.0, 2.0 / tok_s)
+        return policy
+
+    policy = ruled_policy()
+    ran = [policy.choose([Req(9, 10)], 0) for _ in range(2000)]
+    starts = [i for i in range(1, len(ran)) if ran[i] != 3 and ran[i - 1] == 3]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert 0 not in ran and ran.count(2) < 0.02 * len(ran), (ran.count(2), starts)
+    assert max(gaps) >= EXPLORE_MAX - 4 and gaps[:2] == sorted(gaps[:2]), gaps  # the waits grow to EXPLORE_MAX
+
+    with_pace = ruled_policy()  # the same, every exploration at the first pace: one step in eight drafts 2
+    with_pace.referee.counted = lambda bucket, g: 0  # (never comparable: never confirmed)
+    paced = [with_pace.choose([Req(9, 10)], 0) for _ in range(2000)]
+    assert paced.count(2) > 0.1 * len(paced), paced.count(2)
+
+    for _ in range(2 * MIN_COUNTED_LENGTH):  # now G = 2 measures fastest
+        policy.referee.observe(1, 2, 2.0, 2.0 / 3000.0)
+    ran = [policy.choose([Req(9, 10)], 0) for _ in range(2 * EXPLORE_MAX)]
+    assert ran.count(2) > 0.8 * len(ran), ran.count(2)
+    starts = [i for i in range(1, len(ran)) if ran[i] != 2 and ran[i - 1] == 2]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[0] <= 16 + PLAIN_BURST and sorted(gaps) == gaps, gaps  # the first pace, then doubling again
