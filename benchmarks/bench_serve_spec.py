@@ -5,7 +5,7 @@ same run.
 Run by hand (not a test):
     python benchmarks/bench_serve_spec.py NAME|DIR [--store DIR] [--streams 1,8,32] [--tokens 128]
         [--requests 2] [--run-tokens 0] [--repeats 3] [--control] [--spec-config JSON ...]
-        [--serve-arg=--allow-unsigned ...] [--client-procs auto|N]
+        [--serve-arg=--allow-unsigned ...] [--client-procs auto|N] [--pin]
     python benchmarks/bench_serve_spec.py --demo-cpu ...   # makes and installs the demo pair (cpu) first
     python benchmarks/bench_serve_spec.py demo --store S --spec-bundle demoe3 \
         --spec-bundle 'demoe3={"num_speculative_tokens": 3, "adaptive": false}'   # two methods, one run
@@ -78,7 +78,8 @@ def _free_port() -> int:
 class Server:
     """`bundle serve` in a subprocess on a loopback port, its output in a log file."""
 
-    def __init__(self, label: str, bundle: str, flags: list[str], log_dir: Path, timeout_s: float = 600):
+    def __init__(self, label: str, bundle: str, flags: list[str], log_dir: Path, timeout_s: float = 600,
+                 cpus: set[int] | None = None):
         self.label, self.port = label, _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', label)}.log"
@@ -86,6 +87,8 @@ class Server:
                     "--port", str(self.port), *flags]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
+        if cpus:  # at once, before it has loaded anything: the threads it starts later inherit the set
+            os.sched_setaffinity(self.proc.pid, cpus)
         self._wait(timeout_s)
         import httpx
 
@@ -183,6 +186,14 @@ async def _drive(url: str, model: str, prompt: str, streams: int, requests: int,
     end = time.perf_counter()
     await client.close()
     return {"tokens": sum(counts), "start": t0, "end": end, "ttfts": ttfts}
+
+
+def pin_halves(cpus: list[int]) -> tuple[set[int], set[int]]:
+    """--pin: (the servers' CPUs, the clients' CPUs), the CPUs this process may run on split in two halves (one
+    CPU alone goes to both)."""
+    cpus = sorted(cpus)
+    half = max(len(cpus) // 2, 1)
+    return set(cpus[:half]), set(cpus[half:] or cpus)
 
 
 def _drive_part(args: tuple) -> dict:
@@ -401,6 +412,9 @@ def main(argv=None) -> int:
                     help="leave the servers not being measured running (default: SIGSTOP them during each run)")
     ap.add_argument("--client-procs", default="auto",
                     help="client processes the streams are spread over (default auto: one per 2 CPUs)")
+    ap.add_argument("--pin", action="store_true",
+                    help="servers on the first half of the CPUs this process may run on, the clients on the other "
+                         "half (so a client parsing chunks never takes the core a server's step runs on)")
     ap.add_argument("--log-dir", help="keep each server's log here (default: a temp folder, removed)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the results files")
     args = ap.parse_args(argv)
@@ -421,15 +435,20 @@ def main(argv=None) -> int:
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     servers = []
-    procs = client_processes(args.client_procs)
+    mine = os.sched_getaffinity(0) if args.pin else None
+    server_cpus, client_cpus = pin_halves(mine) if args.pin else (None, None)
+    procs = client_processes(args.client_procs) if not args.pin or args.client_procs != "auto" \
+        else len(client_cpus)
     # spawned, not forked: this process may hold threads (a caller's servers, ONNX Runtime's pools) whose locks a fork
     # would copy held
+    if args.pin:  # this process and the client processes it spawns (one stream runs here) on the clients' half
+        os.sched_setaffinity(0, client_cpus)
     pool = concurrent.futures.ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) \
         if procs > 1 else None
     try:
         for label, flags, *other in configs:
             servers.append(Server(label, other[0] if other else bundle, common + flags,
-                                  Path(args.log_dir) if args.log_dir else work))
+                                  Path(args.log_dir) if args.log_dir else work, cpus=server_cpus))
         prompts = {"short": SHORT, "long": servers[0].fit_prompt(args.long_words, args.tokens)}
         prompts = {k: v for k, v in prompts.items() if k in args.prompts.split(",")}
         runs: dict = {}
@@ -453,6 +472,8 @@ def main(argv=None) -> int:
             pool.shutdown()
         for server in servers:
             server.stop()
+        if mine:
+            os.sched_setaffinity(0, mine)  # (a caller's process, a test's, runs on as it did)
         shutil.rmtree(work, ignore_errors=True)
     rows = []
     for (n, pname, label), rs in runs.items():
@@ -467,8 +488,8 @@ def main(argv=None) -> int:
               f"{args.run_tokens} tokens a run), greedy, median of "
               f"{args.repeats} after a warm-up, streams spread over {procs} client process(es), "
               f"{'the other servers stopped (SIGSTOP) during each run' if args.pause_idle else 'every server running'}"
-              f"; servers: " + "; ".join(f"{s.label}: `{shlex.join(s.cmd[3:])}`"
-                                                                         for s in servers))
+              + (f", servers on CPUs {_span(server_cpus)} and clients on {_span(client_cpus)}" if args.pin else "")
+              + "; servers: " + "; ".join(f"{s.label}: `{shlex.join(s.cmd[3:])}`" for s in servers))
     print(header + "\n\n" + md)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -478,6 +499,19 @@ def main(argv=None) -> int:
                                                     indent=1))
     print(f"\nwrote {stem}.md and .json", file=sys.stderr)
     return 0
+
+
+def _span(cpus: set[int]) -> str:
+    """CPUs as ranges: {0, 1, 2, 5} -> "0-2,5"."""
+    out, run = [], []
+    for c in sorted(cpus):
+        if run and c != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(c)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
 
 
 def _long_prompt(words: int) -> str:

@@ -5,6 +5,7 @@ row for every stream count and a results file records the command. Nothing about
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -18,7 +19,8 @@ def test_the_table_has_the_plain_baseline_and_a_results_file(installed_bundle, t
 
     argv = ["tiny", "--store", str(installed_bundle.store), "--streams", "1,2", "--tokens", "4", "--requests", "1",
             "--repeats", "2", "--prompts", "short", "--control", "--run-tokens", "8", "--client-procs", "2",
-            "--spec-bundle", "tiny", "--out", str(tmp_path)]
+            "--spec-bundle", "tiny", "--pin", "--out", str(tmp_path)]
+    cpus = os.sched_getaffinity(0)
     assert bench_serve_spec.main(argv) == 0
     out = capsys.readouterr().out
     rows = re.findall(r"^\| (\d+) \| short \| (plain|plain \(control\)|speculative|tiny \(own config\)) \| [\d.]+ \| [\d-]+ \| "
@@ -32,6 +34,12 @@ def test_the_table_has_the_plain_baseline_and_a_results_file(installed_bundle, t
     [md] = list(tmp_path.glob("bench_serve_spec_*.md"))
     assert "python benchmarks/bench_serve_spec.py tiny --store" in md.read_text()
     assert "the other servers stopped (SIGSTOP) during each run" in md.read_text()  # one server measured at a time
+    # --pin: the servers on one half of the CPUs, the clients on the other, and this process as it was after
+    servers, clients = bench_serve_spec.pin_halves(cpus)
+    assert servers and clients and (servers.isdisjoint(clients) or len(cpus) == 1)
+    assert f"servers on CPUs {bench_serve_spec._span(servers)} and clients on " \
+           f"{bench_serve_spec._span(clients)}" in md.read_text()
+    assert os.sched_getaffinity(0) == cpus
     [js] = list(tmp_path.glob("bench_serve_spec_*.json"))
     # 2 streams ran from 2 client processes that started together, 1 stream from this one
     assert sorted({(r["streams"], r["client_procs"]) for r in json.loads(js.read_text())["rows"]}) == [(1, 1), (2, 2)]
