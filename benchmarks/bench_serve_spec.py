@@ -265,6 +265,10 @@ def run_once(server: Server, prompt: str, streams: int, requests: int, tokens: i
     # the referee's trials in this row by the kind tried, and the due ones it put off by why: {bucket: {label: n}}
     row["referee_trials"] = grown(before, after, "bundle:spec_decode_trials_total")
     row["referee_put_off"] = grown(before, after, "bundle:spec_decode_trials_put_off_total")
+    # proposals the per-slot lengths withheld in this row, per bucket: {bucket: n}
+    row["withheld_proposals"] = {int(k[k.index("[") + 1:-1]): int(v - before.get(k, 0.0)) for k, v in after.items()
+                                 if k.startswith("bundle:spec_decode_withheld_proposals_total[")
+                                 and v > before.get(k, 0.0)}
     # how often each length ran in this row, per bucket: {bucket: {G: steps}}
     row["steps_by_length"] = grown(before, after, "bundle:spec_decode_steps_total", int)
     return row

@@ -164,6 +164,8 @@ class SpeculationLength:
         #: (bucket label, G) -> decode steps that verified G proposals per adaptive slot (/metrics: how often
         #: each length ran, which the latest decision alone does not say)
         self.ran: dict[tuple[int, int], int] = {}
+        #: bucket label -> proposals the per-slot lengths withheld from slots below the step's G (/metrics)
+        self.withheld: dict[int, int] = {}
         self._bucket = 1  # the current step's bucket label
         self._slot_lengths: dict[int, int] = {}  # id(request) -> its own G this step, where it differs
         #: seconds a draft takes to catch up on tokens it has not seen (after plain steps: a prefill's cost, which
@@ -413,7 +415,10 @@ class SpeculationLength:
         best = max(range(1, self.k + 1), key=speed.__getitem__)  # the best G that drafts
         slots = self._per_slot(kept_by_slot, limits, max(speed), fits, bucket, fixed, plain, bonus, rows) \
             if len(adaptive) > 1 else None
-        if slots is not None and slots[1] > speed[best]:  # some slots drafting less beats every slot alike
+        if slots is not None and slots[1] > speed[best] * (1.0 + self.min_gain):
+            # some slots drafting less beats every slot alike, by as much as drafting must beat plain decoding: fits'
+            # slopes are noisy where a row or a round costs nearly nothing (a launch-bound GPU), and a slot cut for a
+            # slope's noise loses the tokens its proposals would have kept
             best, vector = slots[0], slots[2]
         else:
             vector = None
@@ -571,7 +576,15 @@ class SpeculationLength:
         self.last = g
         key = (self._bucket, g)
         self.ran[key] = self.ran.get(key, 0) + 1
+        if self._slot_lengths:
+            cut = sum(g - h for h in self._slot_lengths.values() if h < g)
+            self.withheld[self._bucket] = self.withheld.get(self._bucket, 0) + cut
         return g
+
+    def withheld_proposals(self) -> dict[int, int]:
+        """Per bucket label: the proposals per-slot lengths withheld since start (a slot given fewer than the step's G
+        where its own acceptance did not pay for its verify rows and draft work)."""
+        return dict(sorted(self.withheld.items()))
 
     def steps_run(self) -> dict[tuple[int, int], int]:
         """(bucket label, G) -> steps that drafted G per adaptive slot, since start."""

@@ -80,7 +80,8 @@ class OpenAIServer:
             self.metrics.watch_speculation(runner.speculation.snapshot, runner.speculation.predictions,
                                            runner.speculation.steps_run,
                                            referee.measured if referee is not None else None,
-                                           referee.trials if referee is not None else None)
+                                           referee.trials if referee is not None else None,
+                                           runner.speculation.withheld_proposals)
         if runner.shape is not None:
             self.metrics.watch_tree_shape(runner.shape_snapshot)
         self._preprocess = Preprocess()

@@ -204,16 +204,17 @@ class Metrics:
         waiting for the GIL while the event loop holds it)."""
         self.registry.register(_EngineCollector(read, self._base))
 
-    def watch_speculation(self, read, predicted=None, ran=None, measured=None, trials=None) -> None:
+    def watch_speculation(self, read, predicted=None, ran=None, measured=None, trials=None, withheld=None) -> None:
         """Export the adaptive speculation length's decision per batch-size bucket, read at scrape time:
         `read()` -> {bucket: (G decided, steps skipped because drafting did not pay, probe steps)}
         (SpeculationLength.snapshot), `predicted()` -> {bucket: ((tokens/s, step seconds) per G)}
         (SpeculationLength.predictions), `ran()` -> {(bucket, G): steps} (SpeculationLength.steps_run) and
         `measured()` -> {bucket: {"plain"|"draft": tokens/s}} (runtime.serve.spec_referee.Referee.measured) and
-        `trials()` -> {bucket: ({kind: trials}, {reason: put off})} (Referee.trials).
+        `trials()` -> {bucket: ({kind: trials}, {reason: put off})} (Referee.trials) and `withheld()` -> {bucket:
+        proposals} (SpeculationLength.withheld_proposals).
         The periodic log line says the decision too."""
         self._speculation = read
-        self.registry.register(_SpeculationCollector(read, self._base, predicted, ran, measured, trials))
+        self.registry.register(_SpeculationCollector(read, self._base, predicted, ran, measured, trials, withheld))
 
     def watch_tree_shape(self, read) -> None:
         """Export the auto token tree's shape, read at scrape time: `read()` -> {depth: nodes at that level}
@@ -361,9 +362,9 @@ class _SpeculationCollector:
     """bundle:spec_decode_num_speculative_tokens{batch} (gauge), bundle:spec_decode_skipped_steps{batch}
     and bundle:spec_decode_probe_steps{batch} (counters); `batch` is the bucket's upper bound (1, 2, 4, 8...)."""
 
-    def __init__(self, read, labels: dict, predicted=None, ran=None, measured=None, trials=None):
+    def __init__(self, read, labels: dict, predicted=None, ran=None, measured=None, trials=None, withheld=None):
         self._read, self._labels, self._predicted, self._ran = read, labels, predicted, ran
-        self._measured, self._trials = measured, trials
+        self._measured, self._trials, self._withheld = measured, trials, withheld
 
     def collect(self):
         names = list(self._labels) + ["batch"]
@@ -390,6 +391,14 @@ class _SpeculationCollector:
             for (bucket, g), count in sorted(self._ran().items()):
                 ran.add_metric(values + [str(bucket), str(g)], count)
             yield ran
+        if self._withheld is not None:
+            withheld = CounterMetricFamily("bundle:spec_decode_withheld_proposals",
+                                           "Draft tokens per-slot lengths withheld from slots whose own acceptance did "
+                                           "not pay for them (below the step's length), by running batch size bucket",
+                                           labels=names)
+            for bucket, count in self._withheld().items():
+                withheld.add_metric(values + [str(bucket)], count)
+            yield withheld
         if self._measured is not None:
             measured = GaugeMetricFamily("bundle:spec_decode_measured_tokens_per_second",
                                          "Tokens per second measured over settled runs of plain and of drafted steps, "
