@@ -44,14 +44,16 @@ trees), evaluating again at each exploration. A draft model must first read ever
 token decoded plainly since it last ran, so a probe costs that catch-up (measured: `catch_up`), whose share of
 the plain decoding it follows does not shrink with the wait; a probe is therefore put off until its catch-up
 is within PROBE_BUDGET of the plain seconds since the last probe (a new request, whose draft reads only its
-prompt, or a draft that reads tokens cheaply), which bounds exploration's cost where drafting does not pay. While it speculates, every
+prompt, or a draft that reads tokens cheaply), which bounds exploration's cost where drafting does not pay (a
+referee's drafting trial spends the same budget, a bucket's first trial up to FIRST_TRIAL_BUDGET). While it
+speculates, every
 `EXPLORE_EVERY`-th step tries another G so the fits see more than one: a neighbouring G, and every
 third time none at all for PLAIN_BURST steps, so that plain decoding's own cost is measured rather than
 extrapolated from drafted steps (a burst, and each group's cost a median of its recent steps, because a
 rarely run path nearly always meets a context window it has not run at, and its first run there captures
 a CUDA graph or plans a new shape). Where the referee rules drafting, explorations that keep confirming its G come
-ever more rarely, up to one in EXPLORE_MAX steps: each drafts a G that keeps fewer tokens. A step in which an engine ran some CUDA graph for one of its first times
-(runtime.engines.base.Engine.cold_runs: ONNX Runtime's ordinary run, then its capture, each many times a replay)
+ever more rarely, up to one in EXPLORE_MAX steps: each drafts a G that keeps fewer tokens. A step in which an
+engine ran some CUDA graph for one of its first times (runtime.engines.base.Engine.cold_runs: ONNX Runtime's ordinary run, then its capture, each many times a replay)
 is left out of the fits altogether: on a GPU a probe nearly always meets a shape not yet captured, and fits fed
 those steps priced drafting at tens of times its cost, so that it never drafted again. That matters on a GPU, where a plain step may run another path than a verification
 (the CUDA engine's single-token decode graph under CUDA graphs): a G measured in the bucket is
@@ -90,6 +92,10 @@ POSITION_CLASSES = (32, 128)
 SLOT_PROBE_EVERY = 16  # a slot held at 0 while others draft drafts again after this many steps (re-measure it)
 EVALUATE_EVERY = 4  # while a bucket drafts, its decision is evaluated once every this many steps (see choose)
 PROBE_BUDGET = 0.01  # a probe's catch-up may cost at most this share of the plain decoding since the last probe
+#: ... and a bucket's first drafting trial this share: what the referee rules by rests on it, and the probes that spend
+#: the same budget put a first trial off for hundreds of steps at 1% (on the H100, 302 to 3,737 steps plain at one
+#: stream where drafting gained)
+FIRST_TRIAL_BUDGET = 0.05
 
 
 def position_class(produced: int) -> int:
@@ -283,7 +289,7 @@ class SpeculationLength:
         if tokens > 0:
             self.catch_up.observe(tokens, seconds)
 
-    def _probe_affordable(self, bucket: Bucket, catch_up) -> bool:
+    def _probe_affordable(self, bucket: Bucket, catch_up, budget: float = PROBE_BUDGET) -> bool:
         """Whether a probe now keeps exploration within PROBE_BUDGET: the draft must first catch up on every token
         decoded plainly since it last ran (`catch_up`), a cost that grows with the wait itself, so waiting longer
         alone never makes probing cheaper where a token costs the draft a share of a plain step; a new request
@@ -291,11 +297,13 @@ class SpeculationLength:
         if catch_up is None or not self.catch_up.count:
             return True  # nothing to read, or its cost not measured yet (the first probe measures it)
         tokens = catch_up()  # counted only when a probe is due
-        return tokens <= 0 or float(self.catch_up.predict(tokens)) <= PROBE_BUDGET * bucket.plain_seconds
+        return tokens <= 0 or float(self.catch_up.predict(tokens)) <= budget * bucket.plain_seconds
 
     def _trial_affordable(self, bucket: Bucket, catch_up) -> bool:
-        """A referee's drafting trial is a probe: affordable as one (its catch-up), and it spends the probe budget."""
-        if not self._probe_affordable(bucket, catch_up):
+        """A referee's drafting trial is a probe: affordable as one (its catch-up), and it spends the probe budget; a
+        bucket's first (nothing drafted measured there yet) may spend FIRST_TRIAL_BUDGET."""
+        first = self.referee is not None and not self.referee.drafting_measured(self._bucket)
+        if not self._probe_affordable(bucket, catch_up, FIRST_TRIAL_BUDGET if first else PROBE_BUDGET):
             return False
         bucket.plain_seconds = 0.0
         return True

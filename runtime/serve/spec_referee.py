@@ -19,7 +19,8 @@ while it was measured (Rate.at): a draft that starts agreeing drafts at once, no
 stops agreeing while it drafts is measured doing so.
 
 The kind not in use is tried for TRIAL steps after every CYCLE steps of the one in use (the first trial after
-FIRST_CYCLE), a drafting trial only when the draft's catch-up is affordable (the probes' rule), so measuring costs
+FIRST_CYCLE), a drafting trial only when the draft's catch-up is affordable (the probes' rule; the bucket's first
+drafting trial at a larger budget, runtime.serve.spec_length.FIRST_TRIAL_BUDGET), so measuring costs
 at most about TRIAL / CYCLE of the loser's deficit; each trial that leaves the kind in use as the ruling doubles
 the wait before the next (up to CYCLE << MAX_BACKOFF), one that overturns it restores CYCLE. A trial waits another
 cycle where the cost model calls the other kind clearly worse (beyond BAND) and the ruling agrees by a clear
@@ -262,6 +263,11 @@ class Referee:
             if rate is None:
                 rate = court.lengths[g] = Rate()
             rate.add(tokens, seconds, g, acceptance, court.steps)
+
+    def drafting_measured(self, bucket: int) -> bool:
+        """Whether the bucket has counted any drafted step (before its first, a ruling would rest on the cost model)."""
+        court = self.courts.get(bucket)
+        return court is not None and court.draft.counted > 0
 
     def counted(self, bucket: int, g: int) -> int:
         """The counted drafted steps of length g in the bucket (what Referee.length compares lengths by)."""

@@ -16,6 +16,7 @@ from runtime.serve.model_runner import ModelRunner
 from runtime.serve.sampling import SamplingParams
 from runtime.serve.scheduler import EngineRequest, Scheduler
 from runtime.serve.spec_length import PROBE_EVERY, PROBE_STEPS, SpeculationLength, batch_bucket
+from runtime.serve.spec_referee import TRIAL
 from tests.runtime.serve.toy_engines import MarkovEngine
 
 VOCAB = 48
@@ -112,7 +113,10 @@ def test_a_costly_draft_that_is_rarely_accepted_is_not_run_and_greedy_output_is_
     outs, drafted = _serve(runner, prompts)
     assert outs == [_greedy(target, p, 40) for p in prompts]
     late = drafted[len(drafted) // 2:]
-    assert sum(1 for g in late if g) <= len(late) / PROBE_EVERY + 1  # probes only, bounded
+    # probes, bounded, and the referee's one trial of drafting (TRIAL steps of the 4 slots: what it rules by), whose
+    # measure confirms plain decoding
+    assert sum(1 for g in late if g) <= len(late) / PROBE_EVERY + 1 + 4 * TRIAL
+    assert runner.speculation.referee.trials()[4][0] == {"draft": 1} and runner.speculation.referee.ruling(4) == "plain"
     snapshot = runner.speculation.snapshot()
     assert snapshot[4][0] == 0 and snapshot[4][1] > 0  # batch bucket 4 decided 0, skipped steps counted
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.serve.model_runner import ModelRunner
-from runtime.serve.spec_referee import (CYCLE, DRAFT, FIRST_CYCLE, MARGIN, MIN_COUNTED, PLAIN, SETTLE, TRIAL,
+from runtime.serve.spec_referee import (CYCLE, DRAFT, FIRST_CYCLE, MARGIN, MIN_COUNTED, PLAIN, PRICE, SETTLE, TRIAL,
                                         Referee)
 from tests.runtime.serve.test_spec_length_pays import (FakeClock, TimedSlots, _greedy, _prompts, _serve, _tables)
 
@@ -363,3 +363,24 @@ def test_explorations_that_keep_confirming_the_ruled_length_come_ever_more_rarel
     starts = [i for i in range(1, len(ran)) if ran[i] != 2 and ran[i - 1] == 2]
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert gaps[0] <= 16 + PLAIN_BURST and sorted(gaps) == gaps, gaps  # the first pace, then doubling again
+
+
+def test_probes_do_not_starve_a_buckets_first_trial_of_drafting():
+    """One stream, 16 requests of 256 tokens, the switching target above (drafting 1.18x in long runs, short runs
+    lose) and a draft whose catch-up is a GPU's (a forward over the missed tokens costs about a plain step). Probes
+    and the referee's drafting trials spend one budget for catch-ups; at the probes' 1% the first trial was put off
+    21 times and drafting began at step 470 (68% of steps drafted). The first trial may spend FIRST_TRIAL_BUDGET:
+    it runs when due (step 128), and 90% of steps draft."""
+    table, _ = _tables()
+    prompts = _prompts(16, seed=41)
+    clock = FakeClock()
+    target = _SwitchCost(table, 1, clock, lambda rows, tokens: 0.010, extra=0.010, steps=6)
+    draft = TimedSlots(table, 1, clock, lambda rows, tokens: 0.008 + 0.00002 * tokens)
+    runner = ModelRunner(target, draft, "draft_model", 3, clock=clock)
+    outs, drafted = _serve(runner, prompts, max_tokens=256, slots=1)
+    assert outs == [_greedy(table, p, 256) for p in prompts]
+    first = next(i for i in range(len(drafted) - 20) if all(drafted[i:i + 20]))  # the first run of 20 drafted steps
+    tried, put_off = runner.speculation.referee.trials()[1]
+    assert tried.get(DRAFT) and PRICE not in put_off, (tried, put_off)
+    assert first < 2 * FIRST_CYCLE, first
+    assert sum(1 for g in drafted if g) > 0.85 * len(drafted)
