@@ -443,10 +443,10 @@ def main(argv=None) -> int:
     server_cpus, client_cpus = pin_halves(mine) if args.pin else (None, None)
     procs = client_processes(args.client_procs) if not args.pin or args.client_procs != "auto" \
         else len(client_cpus)
-    # spawned, not forked: this process may hold threads (a caller's servers, ONNX Runtime's pools) whose locks a fork
-    # would copy held
     if args.pin:  # this process and the client processes it spawns (one stream runs here) on the clients' half
         os.sched_setaffinity(0, client_cpus)
+    # spawned, not forked: this process may hold threads (a caller's servers, ONNX Runtime's pools) whose locks a fork
+    # would copy held
     pool = concurrent.futures.ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) \
         if procs > 1 else None
     try:

@@ -46,16 +46,16 @@ the plain decoding it follows does not shrink with the wait; a probe is therefor
 is within PROBE_BUDGET of the plain seconds since the last probe (a new request, whose draft reads only its
 prompt, or a draft that reads tokens cheaply), which bounds exploration's cost where drafting does not pay (a
 referee's drafting trial spends the same budget, a bucket's first trial up to FIRST_TRIAL_BUDGET). While it
-speculates, every
-`EXPLORE_EVERY`-th step tries another G so the fits see more than one: a neighbouring G, and every
-third time none at all for PLAIN_BURST steps, so that plain decoding's own cost is measured rather than
+speculates, every `EXPLORE_EVERY`-th step tries another G so the fits see more than one: a neighbouring G, and
+every third time none at all for PLAIN_BURST steps, so that plain decoding's own cost is measured rather than
 extrapolated from drafted steps (a burst, and each group's cost a median of its recent steps, because a
 rarely run path nearly always meets a context window it has not run at, and its first run there captures
 a CUDA graph or plans a new shape). Where the referee rules drafting, explorations that keep confirming its G come
 ever more rarely, up to one in EXPLORE_MAX steps: each drafts a G that keeps fewer tokens. A step in which an
-engine ran some CUDA graph for one of its first times (runtime.engines.base.Engine.cold_runs: ONNX Runtime's ordinary run, then its capture, each many times a replay)
-is left out of the fits altogether: on a GPU a probe nearly always meets a shape not yet captured, and fits fed
-those steps priced drafting at tens of times its cost, so that it never drafted again. That matters on a GPU, where a plain step may run another path than a verification
+engine ran some CUDA graph for one of its first times (runtime.engines.base.Engine.cold_runs: ONNX Runtime's
+ordinary run, then its capture, each many times a replay) is left out of the fits altogether: on a GPU a probe
+nearly always meets a shape not yet captured, and fits fed those steps priced drafting at tens of times its cost, so
+that it never drafted again. That matters on a GPU, where a plain step may run another path than a verification
 (the CUDA engine's single-token decode graph under CUDA graphs): a G measured in the bucket is
 predicted from its own mean (moved along the fit's slope), not from the line through the others.
 
