@@ -266,9 +266,7 @@ def run_once(server: Server, prompt: str, streams: int, requests: int, tokens: i
     row["referee_trials"] = grown(before, after, "bundle:spec_decode_trials_total")
     row["referee_put_off"] = grown(before, after, "bundle:spec_decode_trials_put_off_total")
     # proposals the per-slot lengths withheld in this row, per bucket: {bucket: n}
-    row["withheld_proposals"] = {int(k[k.index("[") + 1:-1]): int(v - before.get(k, 0.0)) for k, v in after.items()
-                                 if k.startswith("bundle:spec_decode_withheld_proposals_total[")
-                                 and v > before.get(k, 0.0)}
+    row["withheld_proposals"] = grown_by_bucket(before, after, "bundle:spec_decode_withheld_proposals_total")
     # how often each length ran in this row, per bucket: {bucket: {G: steps}}
     row["steps_by_length"] = grown(before, after, "bundle:spec_decode_steps_total", int)
     return row
@@ -281,6 +279,18 @@ def grown(before: dict[str, float], after: dict[str, float], name: str, key=str)
         n = int(after[k] - before.get(k, 0.0))
         if n > 0:
             out.setdefault(bucket, {})[key(label)] = n
+    return out
+
+
+def grown_by_bucket(before: dict[str, float], after: dict[str, float], name: str) -> dict[int, int]:
+    """{bucket: n} of the counter `name[bucket]` (labelled by the bucket alone) where it grew from `before` to
+    `after` (grown: a counter with a second label)."""
+    out = {}
+    for k, v in after.items():
+        if k.startswith(name + "[") and "][" not in k:
+            n = int(v - before.get(k, 0.0))
+            if n > 0:
+                out[int(k[len(name) + 1:-1])] = n
     return out
 
 

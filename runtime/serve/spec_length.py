@@ -290,7 +290,8 @@ class SpeculationLength:
             self.catch_up.observe(tokens, seconds)
 
     def _probe_affordable(self, bucket: Bucket, catch_up, budget: float = PROBE_BUDGET) -> bool:
-        """Whether a probe now keeps exploration within PROBE_BUDGET: the draft must first catch up on every token
+        """Whether a probe now keeps exploration within `budget` (PROBE_BUDGET; a first drafting trial's is larger) of
+        the plain decoding since the last probe: the draft must first catch up on every token
         decoded plainly since it last ran (`catch_up`), a cost that grows with the wait itself, so waiting longer
         alone never makes probing cheaper where a token costs the draft a share of a plain step; a new request
         (whose draft has only its prompt to read) or a cheap draft makes it affordable."""

@@ -65,10 +65,14 @@ def test_a_spec_bundle_is_served_with_its_own_config_or_the_one_given():
 
 
 def test_a_row_counts_what_each_counter_grew_by_in_it():
-    from benchmarks.bench_serve_spec import grown
+    from benchmarks.bench_serve_spec import grown, grown_by_bucket
 
     before = {"bundle:spec_decode_steps_total[8][3]": 10.0, "bundle:spec_decode_steps_total[8][0]": 4.0}
     after = {"bundle:spec_decode_steps_total[8][3]": 25.0, "bundle:spec_decode_steps_total[8][0]": 4.0,
              "bundle:spec_decode_steps_total[32][2]": 7.0, "bundle:spec_decode_trials_total[8][draft]": 1.0}
     assert grown(before, after, "bundle:spec_decode_steps_total", int) == {8: {3: 15}, 32: {2: 7}}
     assert grown(before, after, "bundle:spec_decode_trials_total") == {8: {"draft": 1}}
+    before["bundle:spec_decode_withheld_proposals_total[8]"] = 4.0
+    after.update({"bundle:spec_decode_withheld_proposals_total[8]": 10.0,
+                  "bundle:spec_decode_withheld_proposals_total[32]": 0.0})
+    assert grown_by_bucket(before, after, "bundle:spec_decode_withheld_proposals_total") == {8: 6}
