@@ -4,7 +4,8 @@ Why llguidance: it is a Rust core with no Python dependencies and wheels for x86
 floor can carry it; xgrammar (vLLM's default backend) requires torch, transformers and triton, which the
 device runtime must not pull in. llguidance computes a mask in tens of microseconds on small vocabularies
 without a per-grammar compile step, handles JSON schema, Lark/GBNF, regex and choice, and is what vLLM's
-`guidance` backend uses, so grammars behave as they do there.
+`guidance` backend uses, so grammars behave as they do there. One difference is mended: a `regex`'s
+`\\d`, `\\w` and `\\s` mean their ASCII sets, as in xgrammar (runtime.serve.regex_classes).
 
 Composing with speculative decoding: a `Constraint` is a pure function of the tokens generated so far.
 `mask(generated)` first moves the matcher to exactly that prefix (rolling back what is no longer there,
@@ -36,6 +37,7 @@ import numpy as np
 from manifests import strict_json
 from manifests.errors import EnvironmentProblem, UsageError
 from manifests.limits import LIMITS
+from runtime.serve.regex_classes import ascii_classes
 
 log = logging.getLogger("bundle.serve")
 
@@ -116,6 +118,8 @@ class GrammarCompiler:
             text = v
         if len(text) > LIMITS.grammar_chars:
             raise GrammarError(f"{spec.kind} has {len(text)} characters, expected at most {LIMITS.grammar_chars}")
+        if spec.kind == "regex":
+            text = ascii_classes(text)
         try:
             return llg.grammar_from(spec.kind, text)
         except ValueError as e:

@@ -139,11 +139,39 @@ def test_required_tool_schema_parses_calls(compiler, tok):
     assert len(out) == 1 and out[0]["name"] == "set_speed" and 0 <= out[0]["parameters"]["rpm"] <= 3000
 
 
-def _accepts(compiler, tok, schema, text: str) -> bool:
+def _accepts(compiler, tok, schema, text: str, kind: str = "json_schema") -> bool:
     """Whether the grammar lets the whole of `text` through and may end there."""
-    m = compiler.compile(GrammarSpec("json_schema", schema)).matcher()
+    m = compiler.compile(GrammarSpec(kind, schema)).matcher()
     ids = tok.encode(text)
     return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+
+# --- a regex's \d \w \s are ASCII, as vLLM's default backend reads them ----------------------------
+IP = r"((25[0-5]|(2[0-4]|1\d|[1-9]|)\d)\.){3}(25[0-5]|(2[0-4]|1\d|[1-9]|)\d)"
+
+
+@pytest.mark.parametrize("regex, yes, no", [
+    (r"\d+", "0123456789", "\uabf2"),              # MEETEI MAYEK DIGIT TWO: a Unicode digit, not [0-9]
+    (r"[\d.]+", "1.2", "\u0662"),                  # ARABIC-INDIC DIGIT TWO
+    (r"\w+", "ab_9", "\u00e9"),
+    (r"a\sb", "a\tb", "a\u00a0b"),                 # NO-BREAK SPACE is Unicode space, not \s here
+    (r"[x\D]+", "x\u00e9", "x1"),
+    (r"\p{L}+", "\u00e9t\u00e9", "1"),             # an explicit Unicode class keeps its meaning
+])
+def test_the_served_grammar_takes_ascii_and_refuses_the_rest(compiler, tok, regex, yes, no):
+    assert _accepts(compiler, tok, regex, yes, "regex")
+    assert not _accepts(compiler, tok, regex, no, "regex")
+
+
+def test_every_masked_walk_of_an_ip_regex_is_a_short_ascii_address(compiler, tok):
+    """What an evaluation harness asks of a random model: an IP address within 20 tokens."""
+    rng = np.random.default_rng(0)
+    grammar = compiler.compile(GrammarSpec("regex", IP))
+    for _ in range(20):
+        out = _walk(grammar.constraint(), tok, rng)
+        text = tok.decode(out)
+        assert re.fullmatch(IP, text, re.ASCII), text
+        assert len(out) <= 16, (len(out), text)  # 15 characters at most, then the end
 
 
 OPEN = {"type": "object", "properties": {"city": {"type": "string"},
