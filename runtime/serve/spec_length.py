@@ -336,7 +336,10 @@ class SpeculationLength:
         adaptive slots' drafts have not seen), called only when a probe is due: it decides whether the probe is
         affordable (None: nothing to read). `caps()`: per adaptive request, the most proposals it can have
         this step (n-gram lookup: the tokens after its match, none without one), called only when the step is
-        evaluated: a slot proposes min(G, cap) and verifies that many rows."""
+        evaluated: a slot proposes min(G, cap) and verifies that many rows.
+
+        In turn: a run under way goes on (`_continued`); else a step whose decision nothing new could change
+        takes it as it is (`_settled`); else the step is evaluated (`_evaluate`)."""
         n = len(adaptive) + fixed
         if self._slot_lengths:
             self._slot_lengths = {}
@@ -348,18 +351,29 @@ class SpeculationLength:
         if not self.adaptive:
             return self._pick(self.k)
         bucket = self._bucket_of(self._bucket)
+        g, forced = self._continued(bucket)
+        if g is None:
+            g = self._settled(bucket, adaptive, (fixed, plain, rows is None), catch_up, forced)
+        if g is None:
+            g = self._evaluate(bucket, adaptive, fixed, plain, rows, catch_up, caps, free_draft, forced)
+        return self._pick(g)
+
+    def _continued(self, bucket: Bucket) -> tuple[int | None, bool]:
+        """The step of a run under way: an exploration's burst (plain, or another length), a referee's trial of plain
+        decoding, a probe. (its G or None, forced): forced, a referee's trial of drafting is under way (the cost model
+        picks its G and no probe drafts beside it)."""
         if bucket.burst > 0:  # the rest of an exploration's plain burst
             bucket.burst -= 1
             bucket.steps += 1
-            return self._pick(0)
+            return 0, False
         if bucket.length_burst > 0 and bucket.decision > 0:  # the rest of an exploration of another length
             bucket.length_burst -= 1
             bucket.steps += 1
-            return self._pick(bucket.length_burst_g)
+            return bucket.length_burst_g, False
         trial = self.referee.trial_step(self._bucket) if self.referee is not None else None
         if trial == PLAIN:  # a referee's trial of plain decoding while the bucket drafts (runtime.serve.spec_referee)
             bucket.steps += 1
-            return self._pick(0)
+            return 0, False
         forced = trial == DRAFT  # a referee's trial of drafting: the cost model picks G
         if bucket.probe_measured >= PROBE_MEASURED or forced:
             bucket.probe_left = 0  # the probe measured what it came for
@@ -369,14 +383,19 @@ class SpeculationLength:
             bucket.probe_left -= 1
             bucket.steps += 1
             bucket.recheck = True  # the step after the probe decides with what it measured
-            return self._pick(bucket.probe_g)
+            return bucket.probe_g, False
+        return None, forced
+
+    def _settled(self, bucket: Bucket, adaptive: list, make_up: tuple, catch_up, forced: bool) -> int | None:
+        """The bucket's latest decision where nothing that could change it was measured since (None: evaluate).
+        `make_up`: the step's fixed and plain requests and whether it runs chains, beside its slots' position classes."""
         due = bucket.plain_run + 1 >= bucket.probe_wait and not forced
         if due and bucket.deferred and (bucket.plain_run + 1) % self.probe_every:
             due = False  # a probe put off looks at its price again every probe_every steps, not at every step
         positions = 0  # (a loop, not sum() over a generator: this runs every step, plain ones too)
         for r in adaptive:
             positions += bisect_right(POSITION_CLASSES, getattr(r, "produced", 0))
-        inputs = (positions, len(adaptive), fixed, plain, rows is None)
+        inputs = (positions, len(adaptive), *make_up)
         if inputs != bucket.inputs:  # a slot moved on to another position class, a request came or went, trees for
             bucket.recheck, bucket.inputs = True, inputs  # chains: the decision may change
         if forced and bucket.decision == 0:
@@ -391,7 +410,7 @@ class SpeculationLength:
             bucket.steps += 1
             bucket.plain_run += 1
             bucket.skipped += 1
-            return self._pick(0)
+            return 0
         if bucket.reuse > 0 and bucket.decision > 0 and not bucket.recheck and \
                 not self._exploring(bucket, bucket.steps + 1):
             # drafting, and nothing decided it afresh: the latest evaluation's G and per-slot lengths. An evaluation
@@ -401,12 +420,48 @@ class SpeculationLength:
             bucket.steps += 1
             if bucket.slot_lengths:
                 self._slot_lengths = bucket.slot_lengths
-            return self._pick(bucket.decision)
+            return bucket.decision
+        return None
+
+    def _evaluate(self, bucket: Bucket, adaptive: list, fixed: int, plain: int, rows, catch_up, caps,
+                  free_draft: bool, forced: bool) -> int:
+        """The step's G from the cost model's prediction, overruled by the referee once it has measured both kinds."""
         bucket.recheck, bucket.reuse = False, 0
         fits = self._fits(bucket, need_draft=not free_draft)
         if fits is None:
-            return self._pick(self.k)  # measure the configured length first
-        target, draft, other = fits
+            return self.k  # measure the configured length first
+        speed, best, vector, drafting = self._predict(bucket, fits, adaptive, fixed, plain, rows, caps)
+        pays = forced or drafting > speed[0] * (1.0 + self.min_gain)
+        if self.referee is not None and not forced:  # tokens/s as measured decide, once both kinds are measured
+            close = abs(drafting - speed[0]) < BAND * speed[0]
+            ruling = self.referee.rule(self._bucket, DRAFT if pays else PLAIN,
+                                       lambda: self._trial_affordable(bucket, catch_up), close=close,
+                                       acceptance=self.rate() if self._trials else None)
+            if ruling is not None:
+                pays, forced = ruling == DRAFT, self.referee.in_trial(self._bucket)
+                if forced and not pays:  # a trial of plain decoding begins (this step is its first)
+                    bucket.steps += 1
+                    bucket.recheck = True  # after it the bucket decides again
+                    return 0
+        if pays and vector is None and self.referee is not None:
+            best = min(self.referee.length(self._bucket, best), self.k)  # a G measured faster, if any
+        bucket.steps += 1
+        bucket.decision = best if pays else 0
+        if pays and best != bucket.explored_best and bucket.explore_wait > self.explore_every:
+            # another G is best now: its neighbours are explored at the first pace again, from the next exploration
+            bucket.explore_wait, bucket.next_explore = 0, min(bucket.next_explore, bucket.steps + self.explore_every)
+        # a slope assumed, not measured (one G seen so far): this step's plain costs will measure it
+        target, _, other = fits
+        bucket.recheck = target.spread < 2 or other.spread < 2
+        if not pays:
+            return self._plain_step(bucket, best, catch_up)
+        return self._drafting_step(bucket, best, vector, adaptive, forced)
+
+    def _predict(self, bucket: Bucket, fits, adaptive: list, fixed: int, plain: int, rows, caps):
+        """(tokens/s predicted per G = 0..K with one G for every adaptive slot, the best G > 0, per-slot lengths or
+        None, the tokens/s predicted for drafting): per-slot lengths where they beat one G for all by min_gain."""
+        _, draft, _ = fits
+        n = len(adaptive) + fixed
         rates = [min(max(self.acceptance(r), 0.0), 0.999) for r in adaptive]
         limits = list(caps()) if caps is not None else [self.k] * len(adaptive)
         kept_by_slot = [self.expected_tokens([rate], self.k) for rate in rates]
@@ -428,69 +483,36 @@ class SpeculationLength:
             # some slots drafting less beats every slot alike, by as much as drafting must beat plain decoding: fits'
             # slopes are noisy where a row or a round costs nearly nothing (a launch-bound GPU), and a slot cut for a
             # slope's noise loses the tokens its proposals would have kept
-            best, vector = slots[0], slots[2]
-        else:
-            vector = None
-        drafting = slots[1] if vector else speed[best]
-        pays = forced or drafting > speed[0] * (1.0 + self.min_gain)
-        if self.referee is not None and not forced:  # tokens/s as measured decide, once both kinds are measured
-            close = abs(drafting - speed[0]) < BAND * speed[0]
-            ruling = self.referee.rule(self._bucket, DRAFT if pays else PLAIN,
-                                       lambda: self._trial_affordable(bucket, catch_up), close=close,
-                                       acceptance=self.rate() if self._trials else None)
-            if ruling is not None:
-                pays, forced = ruling == DRAFT, self.referee.in_trial(self._bucket)
-                if forced and not pays:  # a trial of plain decoding begins (this step is its first)
-                    bucket.steps += 1
-                    bucket.recheck = True  # after it the bucket decides again
-                    return self._pick(0)
-        if pays and vector is None and self.referee is not None:
-            best = min(self.referee.length(self._bucket, best), self.k)  # a G measured faster, if any
-        bucket.steps += 1
-        bucket.decision = best if pays else 0
-        if pays and best != bucket.explored_best and bucket.explore_wait > self.explore_every:
-            # another G is best now: its neighbours are explored at the first pace again, from the next exploration
-            bucket.explore_wait, bucket.next_explore = 0, min(bucket.next_explore, bucket.steps + self.explore_every)
-        # a slope assumed, not measured (one G seen so far): this step's plain costs will measure it
-        bucket.recheck = target.spread < 2 or other.spread < 2
-        if not pays:
-            bucket.length_burst = 0  # (a run of another length ends with drafting)
-            bucket.plain_run += 1
-            if bucket.plain_run >= bucket.probe_wait and not self._probe_affordable(bucket, catch_up):
-                bucket.deferred += 1  # until a new request, or enough plain decoding, makes its catch-up cheap
-            elif bucket.plain_run >= bucket.probe_wait:  # re-measure now and then, waiting longer each time
-                bucket.plain_run = 0
-                bucket.plain_seconds = 0.0
-                bucket.probe_wait = min(2 * bucket.probe_wait, self.probe_max)
-                bucket.probes += 1
-                bucket.recheck = True  # the step after the probe decides again, with what it measured
-                # every other probe drafts the configured length: its cost is then measured, not extrapolated along
-                # a line that a plain step's other path (a GPU's decode graph) bends up from the shorter ones
-                g = self.k if bucket.probes % 2 else best
-                bucket.probe_left, bucket.probe_g, bucket.probe_measured = PROBE_STEPS - 1, g, 0
-                return self._pick(g)
-            bucket.skipped += 1
-            return self._pick(0)
+            return speed, slots[0], slots[2], slots[1]
+        return speed, best, None, speed[best]
+
+    def _plain_step(self, bucket: Bucket, best: int, catch_up) -> int:
+        """A step decided 0: plain, or the first of a probe once the wait is over and its catch-up affordable."""
+        bucket.length_burst = 0  # (a run of another length ends with drafting)
+        bucket.plain_run += 1
+        if bucket.plain_run >= bucket.probe_wait and not self._probe_affordable(bucket, catch_up):
+            bucket.deferred += 1  # until a new request, or enough plain decoding, makes its catch-up cheap
+        elif bucket.plain_run >= bucket.probe_wait:  # re-measure now and then, waiting longer each time
+            bucket.plain_run = 0
+            bucket.plain_seconds = 0.0
+            bucket.probe_wait = min(2 * bucket.probe_wait, self.probe_max)
+            bucket.probes += 1
+            bucket.recheck = True  # the step after the probe decides again, with what it measured
+            # every other probe drafts the configured length: its cost is then measured, not extrapolated along
+            # a line that a plain step's other path (a GPU's decode graph) bends up from the shorter ones
+            g = self.k if bucket.probes % 2 else best
+            bucket.probe_left, bucket.probe_g, bucket.probe_measured = PROBE_STEPS - 1, g, 0
+            return g
+        bucket.skipped += 1
+        return 0
+
+    def _drafting_step(self, bucket: Bucket, best: int, vector, adaptive: list, forced: bool) -> int:
+        """A step decided `best` > 0: that G with the slots' own lengths (`vector`), or an exploration of another."""
         if not forced:  # (a referee's trial of drafting is a probe: the probes' back-off stays)
             bucket.plain_run, bucket.probe_wait = 0, self.probe_every
         g = best
         if self._exploring(bucket, bucket.steps) and not forced:  # (a trial: drafting alone)
-            # now and then another G, so the fits see more than one: plain decoding every third time (its
-            # cost is measured, never extrapolated from drafted steps), else a neighbour of the best G
-            bucket.explorations += 1
-            turn = bucket.explorations % 3
-            ruled = self.referee is not None and self.referee.ruling(self._bucket) == DRAFT
-            bucket.next_explore = bucket.steps + self._explore_wait(bucket, best, ruled)
-            ruled = ruled and turn == 0
-            if ruled:  # plain decoding's cost is measured by the referee's trials of it: a run of a neighbouring
-                # length instead, up and down in turn, so that the referee counts enough of its steps to compare
-                turn = 1 + (bucket.explorations // 3) % 2
-            up = turn == 1
-            g = 0 if turn == 0 else best - 1 if best == self.k or not up else best + 1
-            if g == 0:
-                bucket.burst = PLAIN_BURST - 1
-            elif ruled:
-                bucket.length_burst, bucket.length_burst_g = PLAIN_BURST - 1, g
+            g = self._exploration(bucket, best)
         elif vector is not None:
             for r, h in zip(adaptive, vector):
                 idle = getattr(r, "spec_idle", 0)
@@ -502,7 +524,26 @@ class SpeculationLength:
                     self._slot_lengths[id(r)] = h
         if g == best:  # (not an exploration's G): the next steps may take it as it is
             bucket.reuse, bucket.slot_lengths = EVALUATE_EVERY - 1, self._slot_lengths
-        return self._pick(g)
+        return g
+
+    def _exploration(self, bucket: Bucket, best: int) -> int:
+        """The G an exploration begins with, so the fits see more than one: plain decoding every third time (its cost
+        is measured, never extrapolated from drafted steps), else a neighbour of the best G."""
+        bucket.explorations += 1
+        turn = bucket.explorations % 3
+        ruled = self.referee is not None and self.referee.ruling(self._bucket) == DRAFT
+        bucket.next_explore = bucket.steps + self._explore_wait(bucket, best, ruled)
+        ruled = ruled and turn == 0
+        if ruled:  # plain decoding's cost is measured by the referee's trials of it: a run of a neighbouring
+            # length instead, up and down in turn, so that the referee counts enough of its steps to compare
+            turn = 1 + (bucket.explorations // 3) % 2
+        up = turn == 1
+        g = 0 if turn == 0 else best - 1 if best == self.k or not up else best + 1
+        if g == 0:
+            bucket.burst = PLAIN_BURST - 1
+        elif ruled:
+            bucket.length_burst, bucket.length_burst_g = PLAIN_BURST - 1, g
+        return g
 
     def _exploring(self, bucket: Bucket, step: int) -> bool:
         """Whether a drafting step at the bucket's step count `step` explores another G."""
