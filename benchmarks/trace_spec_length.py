@@ -37,7 +37,7 @@ STEPS = 3000
 
 
 def scenario(method: str, slots: int, row_s: float, draft_s: float, call_s: float, noise: float,
-             seed: int) -> tuple[str, list[int]]:
+             seed: int, steps: int = STEPS) -> tuple[str, list[int]]:
     """(digest of every choice, steps per G)."""
     rng = np.random.default_rng(seed)
     table = rng.normal(size=(VOCAB, VOCAB)).astype(np.float32) * 3
@@ -60,7 +60,7 @@ def scenario(method: str, slots: int, row_s: float, draft_s: float, call_s: floa
         add()
     digest, lengths = hashlib.sha256(), [0] * 4
     spec = runner.speculation
-    for i in range(STEPS):
+    for i in range(steps):
         done = scheduler.step()
         digest.update(repr((spec._bucket, spec.last, sorted(spec._slot_lengths.values()))).encode())
         lengths[spec.last] += 1
