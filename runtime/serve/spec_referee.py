@@ -12,9 +12,10 @@ The referee measures the thing itself: per bucket, the tokens that steps emitted
 step's own time and the time until the next step starts, the server's streaming included), for plain steps and
 for drafted steps, counting a step only once SETTLE steps of the same kind came before it (a run's steady state,
 not its switch), the past decaying by DECAY a step of the bucket (so a kind measured in trials is judged by its
-latest). Once both kinds are measured it rules, whatever the cost model predicts (on 2 cores the model priced
-drafting at 0.56x of plain at 32 streams where drafting measured 1.30x): the faster one, the other taking over only
-when it measures MARGIN faster. Drafting is judged at the server-wide acceptance now where that is higher than
+latest), and a step counting at most OUTLIER times the median of the latest RECENT of its kind and G (a trial counts
+20 steps, and one of them stalled by the machine would rule for the other kind). Once both kinds are measured it
+rules, whatever the cost model predicts (on 2 cores the model priced drafting at 0.56x of plain at 32 streams where
+drafting measured 1.30x): the faster one, the other taking over only when it measures MARGIN faster. Drafting is judged at the server-wide acceptance now where that is higher than
 while it was measured (Rate.at): a draft that starts agreeing drafts at once, not at its next trial; one that
 stops agreeing while it drafts is measured doing so.
 
@@ -37,6 +38,7 @@ Lossless as the length is: a ruling only changes how many proposals are verified
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 SETTLE = 4  # steps of a run of one kind not counted (its switch: a catch-up, cold shapes, the loop's backlog)
@@ -48,6 +50,11 @@ MIN_COUNTED = 16  # counted steps each kind needs before the referee rules
 MIN_COUNTED_LENGTH = 16  # counted drafted steps of a length before its rate is set against another length's
 MARGIN = 0.02  # the kind not in use must measure this much faster to take over
 DECAY = 0.995  # per step the bucket runs, of either kind: the weight of a measurement's past
+#: a counted step counts at most OUTLIER times the median of the latest RECENT steps of its kind and G: a trial counts 20
+#: steps, and one slow step of the machine's (5 to 7 ms among 0.9 ms plain steps on a 2-core VM) would otherwise take
+#: a quarter off its rate and rule for the other kind; a lasting change of cost moves the median within RECENT / 2 steps
+OUTLIER = 2.0
+RECENT = 16
 RECHECK = 16  # a drafting trial whose catch-up was too dear is looked at again after this many steps
 #: a clear call: the cost model predicts drafting beyond this share of plain decoding (either way); it decides alone
 #: until the referee rules, and puts off trials that would only confirm a ruling it agrees with
@@ -78,6 +85,7 @@ class Rate:
     mix: dict = field(default_factory=dict)  # G -> decayed count of the steps of that G
     counted: int = 0
     step: int = 0  # the bucket's step count at the latest add
+    recent: dict = field(default_factory=dict)  # G -> the seconds of its latest RECENT counted steps, as measured
 
     def add(self, tokens: float, seconds: float, g: int, acceptance: float | None, step: int = 0) -> None:
         """One counted step, at the bucket's `step`: the past decays by DECAY for every step the bucket ran since
@@ -87,6 +95,7 @@ class Rate:
         of the weight to those before it)."""
         decay = DECAY ** max(step - self.step, 1) if self.counted else 0.0
         self.step = step
+        seconds = self._bounded(g, seconds)
         self.tokens = decay * self.tokens + tokens
         self.seconds = decay * self.seconds + seconds
         if acceptance is not None:
@@ -96,6 +105,16 @@ class Rate:
             self.mix[k] *= decay
         self.mix[g] = self.mix.get(g, 0.0) + 1.0
         self.counted += 1
+
+    def _bounded(self, g: int, seconds: float) -> float:
+        """A step's seconds, at most OUTLIER times the median of the latest RECENT steps of that G (once there are half
+        as many); the window keeps what was measured, so a cost that has changed for good is soon counted whole."""
+        recent = self.recent.get(g)
+        if recent is None:
+            recent = self.recent[g] = deque(maxlen=RECENT)
+        bound = OUTLIER * sorted(recent)[len(recent) // 2] if len(recent) >= RECENT // 2 else seconds
+        recent.append(seconds)
+        return min(seconds, bound)
 
     @property
     def per_second(self) -> float:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from runtime.serve.model_runner import ModelRunner
-from runtime.serve.spec_referee import (CYCLE, DRAFT, FIRST_CYCLE, MARGIN, MIN_COUNTED, PLAIN, PRICE, SETTLE, TRIAL,
-                                        Referee)
+from runtime.serve.spec_referee import (CYCLE, DRAFT, FIRST_CYCLE, MARGIN, MIN_COUNTED, OUTLIER, PLAIN, PRICE, RECENT,
+                                        SETTLE, TRIAL, Rate, Referee)
 from tests.runtime.serve.test_spec_length_pays import (FakeClock, TimedSlots, _greedy, _prompts, _serve, _tables)
 
 
@@ -41,6 +41,33 @@ def test_drafting_must_win_by_the_margin(draft_rate, ruling):
     _feed(referee, PLAIN, SETTLE + MIN_COUNTED, 1, 0.001)
     _feed(referee, DRAFT, SETTLE + MIN_COUNTED, 1, 1 / draft_rate)
     assert referee.judge(1) == ruling
+
+
+def test_one_slow_step_of_the_machine_counts_as_a_bounded_one():
+    rate = Rate()
+    for i in range(40):
+        rate.add(1, 0.001, 0, None, i)
+    rate.add(1, 0.030, 0, None, 40)  # a hiccup of 30 plain steps' time
+    assert rate.per_second > 0.95 * 1000.0  # counted as OUTLIER steps' time, not 30 (0.56x)
+    for i in range(41, 641):  # a cost that changed for good is counted whole once the median has moved
+        rate.add(1, 0.004, 0, None, i)
+    assert rate.per_second == pytest.approx(250.0, rel=0.03)
+    draft = Rate()  # bounds are per G: a drafted step of another length is not an outlier of this one
+    for i in range(RECENT):
+        draft.add(2, 0.001, 1, None, i)
+    draft.add(4, 0.003, 3, None, RECENT)
+    assert draft.seconds == pytest.approx(sum(0.001 * 0.995 ** (RECENT - i) for i in range(RECENT)) + 0.003)
+
+
+def test_a_hiccup_in_a_short_plain_run_does_not_rule_for_a_slower_draft():
+    """The first ruling rests on a trial of TRIAL steps: drafting at 0.9x of plain, and one step of the plain run
+    taking twelve steps' time (a machine's hiccup); counted whole it made plain decoding measure 0.65x."""
+    referee = Referee()
+    _feed(referee, DRAFT, TRIAL, 3, 3 / 900.0)
+    _feed(referee, PLAIN, SETTLE + 10, 1, 0.001)
+    _feed(referee, PLAIN, 1, 1, 0.012)
+    _feed(referee, PLAIN, TRIAL - SETTLE - 11, 1, 0.001)
+    assert referee.judge(1) == PLAIN
 
 
 def test_the_ruling_changes_when_the_other_kind_measures_faster():
