@@ -21,10 +21,13 @@
 #   benchmarks/gpu_serve_spec.sh prepare    installs onnxruntime-gpu and the wheels into /tmp/site, creates
 #                                           and installs the demo (draft model) and demoe3 (EAGLE-3) bundles
 #   benchmarks/gpu_serve_spec.sh bench ARGS...   bench_serve_spec.py ARGS with the store and --out set
+#   benchmarks/gpu_serve_spec.sh after-draft NAME [ARGS...]   bench_plain_after_draft.py on an installed bundle (what
+#                                           a plain step costs after drafted ones; seconds, not minutes)
 # Writes under $OUT (default /tmp/out): prepare.log, bench.log, the results .md/.json, server-logs.tgz.
 # Checked on a machine without a GPU: stash, the tarball's reassembly and checksum, create and install (the
 # cp312 wheels need the host's Python 3.12). The whole script ran on one H100 (x86_64, Python 3.12, PyTorch with
-# its nvidia-* CUDA 13 wheels); it has not run on an aarch64 host.
+# its nvidia-* CUDA 13 wheels), except after-draft, which has run only on CPU bundles without this script; none of it
+# has run on an aarch64 host.
 set -u -o pipefail
 CODE=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/out}
@@ -81,5 +84,11 @@ case "$mode" in
     rc=$?
     tar czf "$out/server-logs.tgz" -C /tmp serve-logs  # (few files come back: the servers' logs in one)
     exit $rc ;;
-  *) echo "usage: $0 stash | prepare | bench BENCH_SERVE_SPEC_ARGS..." >&2; exit 2 ;;
+  after-draft)
+    environment
+    cd "$CODE" || exit 9
+    name=${1:?usage: $0 after-draft NAME [ARGS...]}; shift
+    python3 benchmarks/bench_plain_after_draft.py "$name" --store "$store" --out "$out/bench_plain_after_draft_$name.md" \
+      "$@" 2>&1 | tail -20 ;;
+  *) echo "usage: $0 stash | prepare | bench BENCH_SERVE_SPEC_ARGS... | after-draft NAME [ARGS...]" >&2; exit 2 ;;
 esac
