@@ -1,4 +1,4 @@
-"""What a plain decoding step costs in a speculative server right after drafted steps, against one in a run of plain steps.
+"""What a plain step costs in a speculative server right after drafted steps, against one in a run of plain steps.
 
 Run by hand (not a test; nothing else heavy on the machine while it runs):
     .venv/bin/python benchmarks/bench_plain_after_draft.py NAME --store DIR [--g 3] [--drafted 40] [--period 64]

@@ -388,7 +388,7 @@ class SpeculationLength:
 
     def _settled(self, bucket: Bucket, adaptive: list, make_up: tuple, catch_up, forced: bool) -> int | None:
         """The bucket's latest decision where nothing that could change it was measured since (None: evaluate).
-        `make_up`: the step's fixed and plain requests and whether it runs chains, beside its slots' position classes."""
+        `make_up`: the step's fixed and plain requests and whether it runs chains, beside its slots' positions."""
         due = bucket.plain_run + 1 >= bucket.probe_wait and not forced
         if due and bucket.deferred and (bucket.plain_run + 1) % self.probe_every:
             due = False  # a probe put off looks at its price again every probe_every steps, not at every step

@@ -9,15 +9,15 @@ run for a while, the one-token chunks the event loop still owes, and short runs 
 cost model decided against drafting where the fixed length gained 1.2x to 1.56x.
 
 The referee measures the thing itself: per bucket, the tokens that steps emitted over the seconds they took (each
-step's own time and the time until the next step starts, the server's streaming included), for plain steps and
-for drafted steps, counting a step only once SETTLE steps of the same kind came before it (a run's steady state,
-not its switch), the past decaying by DECAY a step of the bucket (so a kind measured in trials is judged by its
-latest), and a step counting at most OUTLIER times the median of the latest RECENT of its kind and G (a trial counts
-20 steps, and one of them stalled by the machine would rule for the other kind). Once both kinds are measured it
-rules, whatever the cost model predicts (on 2 cores the model priced drafting at 0.56x of plain at 32 streams where
-drafting measured 1.30x): the faster one, the other taking over only when it measures MARGIN faster. Drafting is judged at the server-wide acceptance now where that is higher than
-while it was measured (Rate.at): a draft that starts agreeing drafts at once, not at its next trial; one that
-stops agreeing while it drafts is measured doing so.
+step's own time and the time until the next step starts, the server's streaming included), for plain steps and for
+drafted steps, counting a step only once SETTLE steps of the same kind came before it (a run's steady state, not its
+switch), the past decaying by DECAY a step of the bucket (so a kind measured in trials is judged by its latest), and
+a step counting at most OUTLIER times the median of the latest RECENT of its kind and G (a trial counts 20 steps,
+and one of them stalled by the machine would rule for the other kind). Once both kinds are measured it rules,
+whatever the cost model predicts (on 2 cores the model priced drafting at 0.56x of plain at 32 streams where
+drafting measured 1.30x): the faster one, the other taking over only when it measures MARGIN faster. Drafting is
+judged at the server-wide acceptance now where that is higher than while it was measured (Rate.at): a draft that
+starts agreeing drafts at once, not at its next trial; one that stops agreeing while it drafts is measured doing so.
 
 The kind not in use is tried for TRIAL steps after every CYCLE steps of the one in use (the first trial after
 FIRST_CYCLE), a drafting trial only when the draft's catch-up is affordable (the probes' rule; the bucket's first
@@ -50,9 +50,10 @@ MIN_COUNTED = 16  # counted steps each kind needs before the referee rules
 MIN_COUNTED_LENGTH = 16  # counted drafted steps of a length before its rate is set against another length's
 MARGIN = 0.02  # the kind not in use must measure this much faster to take over
 DECAY = 0.995  # per step the bucket runs, of either kind: the weight of a measurement's past
-#: a counted step counts at most OUTLIER times the median of the latest RECENT steps of its kind and G: a trial counts 20
-#: steps, and one slow step of the machine's (5 to 7 ms among 0.9 ms plain steps on a 2-core VM) would otherwise take
-#: a quarter off its rate and rule for the other kind; a lasting change of cost moves the median within RECENT / 2 steps
+#: a counted step counts at most OUTLIER times the median of the latest RECENT steps of its kind and G: a trial counts
+#: 20 steps, and one slow step of the machine's (5 to 7 ms among 0.9 ms plain steps on a 2-core VM) would otherwise
+#: take a quarter off its rate and rule for the other kind; a lasting change of cost moves the median within RECENT / 2
+#: steps
 OUTLIER = 2.0
 RECENT = 16
 RECHECK = 16  # a drafting trial whose catch-up was too dear is looked at again after this many steps

@@ -19,7 +19,8 @@ def test_plain_steps_after_drafting_are_set_against_a_plain_run(installed_bundle
     assert bench_plain_after_draft.main(argv) == 0
     rows = re.findall(r"^\| (.+?) \| (\d+) \| [\d.]+ ms \| [\d.]+ ms \| ([\d.]+)x \| ([\d.]+)x \|$",
                       capsys.readouterr().out, re.M)
-    assert [label for label, *_ in rows] == [f"1 to {SETTLE} (not counted by the referee)", f"{SETTLE + 1} on (counted)"]
+    assert [label for label, *_ in rows] == [f"1 to {SETTLE} (not counted by the referee)",
+                                             f"{SETTLE + 1} on (counted)"]
     # per period of 12 steps: 4 drafted, then 8 plain, SETTLE (4) of them in the first row and 4 in the second; a
     # request's last period may end before its second row's steps (2 requests)
     first, rest = int(rows[0][1]), int(rows[1][1])
