@@ -86,7 +86,6 @@ class Rate:
     mix: dict = field(default_factory=dict)  # G -> decayed count of the steps of that G
     counted: int = 0
     step: int = 0  # the bucket's step count at the latest add
-    recent: dict = field(default_factory=dict)  # G -> the seconds of its latest RECENT counted steps, as measured
 
     def add(self, tokens: float, seconds: float, g: int, acceptance: float | None, step: int = 0) -> None:
         """One counted step, at the bucket's `step`: the past decays by DECAY for every step the bucket ran since
@@ -96,7 +95,6 @@ class Rate:
         of the weight to those before it)."""
         decay = DECAY ** max(step - self.step, 1) if self.counted else 0.0
         self.step = step
-        seconds = self._bounded(g, seconds)
         self.tokens = decay * self.tokens + tokens
         self.seconds = decay * self.seconds + seconds
         if acceptance is not None:
@@ -106,16 +104,6 @@ class Rate:
             self.mix[k] *= decay
         self.mix[g] = self.mix.get(g, 0.0) + 1.0
         self.counted += 1
-
-    def _bounded(self, g: int, seconds: float) -> float:
-        """A step's seconds, at most OUTLIER times the median of the latest RECENT steps of that G (once there are half
-        as many); the window keeps what was measured, so a cost that has changed for good is soon counted whole."""
-        recent = self.recent.get(g)
-        if recent is None:
-            recent = self.recent[g] = deque(maxlen=RECENT)
-        bound = OUTLIER * sorted(recent)[len(recent) // 2] if len(recent) >= RECENT // 2 else seconds
-        recent.append(seconds)
-        return min(seconds, bound)
 
     @property
     def per_second(self) -> float:
@@ -155,9 +143,21 @@ class Court:
     confirmed: int = 0  # trials in a row that left the ruling as it stood (the wait before the next doubles)
     before: str | None = None  # the kind in use when the latest trial began, until its outcome is read (_read_trial)
     unread: bool = False  # whether the latest trial's outcome is yet to be read
+    recent: dict = field(default_factory=dict)  # G -> the seconds of its latest RECENT counted steps, as measured
 
     def rate(self, kind: str) -> Rate:
         return self.plain if kind == PLAIN else self.draft
+
+    def bounded(self, g: int, seconds: float) -> float:
+        """A counted step's seconds, at most OUTLIER times the median of the latest RECENT steps of that G (once there
+        are half as many); the window keeps what was measured, so a cost that has changed for good is soon counted
+        whole. Once a step, for the kind's rate and its length's alike."""
+        recent = self.recent.get(g)
+        if recent is None:
+            recent = self.recent[g] = deque(maxlen=RECENT)
+        bound = OUTLIER * sorted(recent)[len(recent) // 2] if len(recent) >= RECENT // 2 else seconds
+        recent.append(seconds)
+        return min(seconds, bound)
 
 
 class Referee:
@@ -277,6 +277,7 @@ class Referee:
         court.run_length += 1
         if court.run_length <= SETTLE or seconds <= 0:
             return
+        seconds = court.bounded(g, seconds)
         court.rate(kind).add(tokens, seconds, g, acceptance, court.steps)
         if g > 0:
             rate = court.lengths.get(g)

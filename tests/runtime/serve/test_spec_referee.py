@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from runtime.serve.model_runner import ModelRunner
-from runtime.serve.spec_referee import (CYCLE, DRAFT, FIRST_CYCLE, MARGIN, MIN_COUNTED, OUTLIER, PLAIN, PRICE, RECENT,
-                                        SETTLE, TRIAL, Rate, Referee)
+from runtime.serve.spec_referee import (CYCLE, DRAFT, FIRST_CYCLE, MARGIN, MIN_COUNTED, PLAIN, PRICE, RECENT,
+                                        SETTLE, TRIAL, Referee)
 from tests.runtime.serve.test_spec_length_pays import (FakeClock, TimedSlots, _greedy, _prompts, _serve, _tables)
 
 
@@ -44,18 +44,19 @@ def test_drafting_must_win_by_the_margin(draft_rate, ruling):
 
 
 def test_one_slow_step_of_the_machine_counts_as_a_bounded_one():
-    rate = Rate()
-    for i in range(40):
-        rate.add(1, 0.001, 0, None, i)
-    rate.add(1, 0.030, 0, None, 40)  # a hiccup of 30 plain steps' time
+    referee = Referee()
+    _feed(referee, PLAIN, SETTLE, 1, 0.001)  # (a switch: not counted)
+    _feed(referee, PLAIN, 40, 1, 0.001)
+    _feed(referee, PLAIN, 1, 1, 0.030)  # a hiccup of 30 plain steps' time
+    rate = referee.courts[1].plain
     assert rate.per_second > 0.95 * 1000.0  # counted as OUTLIER steps' time, not 30 (0.56x)
-    for i in range(41, 641):  # a cost that changed for good is counted whole once the median has moved
-        rate.add(1, 0.004, 0, None, i)
+    _feed(referee, PLAIN, 600, 1, 0.004)  # a cost that changed for good is counted whole once the median has moved
     assert rate.per_second == pytest.approx(250.0, rel=0.03)
-    draft = Rate()  # bounds are per G: a drafted step of another length is not an outlier of this one
-    for i in range(RECENT):
-        draft.add(2, 0.001, 1, None, i)
-    draft.add(4, 0.003, 3, None, RECENT)
+    referee = Referee()  # bounds are per G: a drafted step of another length is not an outlier of this one
+    for _ in range(SETTLE + RECENT):
+        referee.observe(1, 1, 2, 0.001)
+    referee.observe(1, 3, 4, 0.003)
+    draft = referee.courts[1].draft
     assert draft.seconds == pytest.approx(sum(0.001 * 0.995 ** (RECENT - i) for i in range(RECENT)) + 0.003)
 
 
