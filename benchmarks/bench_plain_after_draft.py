@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -35,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.bench_serve_spec import machine  # noqa: E402
 from runtime.serve.sampling import SamplingParams  # noqa: E402
 from runtime.serve.scheduler import EngineRequest, Scheduler  # noqa: E402
 from runtime.serve.spec_referee import SETTLE  # noqa: E402
@@ -129,7 +128,7 @@ def main(argv=None) -> int:
         plain += serve_one(model, Schedule(model.runner.speculation, args.g, 0, args.period), args.tokens)
     command = "benchmarks/bench_plain_after_draft.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     now = datetime.datetime.now(datetime.timezone.utc)
-    lines = [f"`{command}`", "", f"{now:%Y-%m-%d %H:%M} UTC; {platform.machine()}, {os.cpu_count()} CPUs; target "
+    lines = [f"`{command}`", "", f"{now:%Y-%m-%d %H:%M} UTC; {machine()}; target "
              f"{model.info['engine']}; {model.info['speculative']}",
              "", *table(after, plain, args.g, args.drafted)]
     print("\n".join(lines))
