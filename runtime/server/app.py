@@ -31,7 +31,7 @@ from runtime.serve.engine_client import EngineClient, SlotPlan, plan_slots
 from runtime.serve.scheduler import SchedulerConfig
 from runtime.server.errors import APIError
 from runtime.server.invocations import ServingInvocations
-from runtime.server.metrics import Metrics
+from runtime.server.metrics import Metrics, SpeculationSources
 from runtime.server.preprocess import Preprocess
 from runtime.server.serving_chat import ServingChat
 from runtime.server.serving_completion import ServingCompletion
@@ -76,12 +76,11 @@ class OpenAIServer:
         self.metrics.watch_engine(lambda: (self.engine.steps, self.engine.step_seconds,
                                            runner.stats.target_seconds + runner.stats.draft_seconds))
         if runner.num_speculative_tokens:
-            referee = runner.speculation.referee
-            self.metrics.watch_speculation(runner.speculation.snapshot, runner.speculation.predictions,
-                                           runner.speculation.steps_run,
-                                           referee.measured if referee is not None else None,
-                                           referee.trials if referee is not None else None,
-                                           runner.speculation.withheld_proposals)
+            spec = runner.speculation
+            referee = spec.referee
+            self.metrics.watch_speculation(SpeculationSources(
+                spec.snapshot, spec.predictions, spec.steps_run, referee.measured if referee is not None else None,
+                referee.trials if referee is not None else None, spec.withheld_proposals))
         if runner.shape is not None:
             self.metrics.watch_tree_shape(runner.shape_snapshot)
         self._preprocess = Preprocess()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics,
                                generate_latest)
@@ -204,17 +205,11 @@ class Metrics:
         waiting for the GIL while the event loop holds it)."""
         self.registry.register(_EngineCollector(read, self._base))
 
-    def watch_speculation(self, read, predicted=None, ran=None, measured=None, trials=None, withheld=None) -> None:
-        """Export the adaptive speculation length's decision per batch-size bucket, read at scrape time:
-        `read()` -> {bucket: (G decided, steps skipped because drafting did not pay, probe steps)}
-        (SpeculationLength.snapshot), `predicted()` -> {bucket: ((tokens/s, step seconds) per G)}
-        (SpeculationLength.predictions), `ran()` -> {(bucket, G): steps} (SpeculationLength.steps_run) and
-        `measured()` -> {bucket: {"plain"|"draft": tokens/s}} (runtime.serve.spec_referee.Referee.measured) and
-        `trials()` -> {bucket: ({kind: trials}, {reason: put off})} (Referee.trials) and `withheld()` -> {bucket:
-        proposals} (SpeculationLength.withheld_proposals).
-        The periodic log line says the decision too."""
-        self._speculation = read
-        self.registry.register(_SpeculationCollector(read, self._base, predicted, ran, measured, trials, withheld))
+    def watch_speculation(self, sources: SpeculationSources) -> None:
+        """Export the adaptive speculation length's decision per batch-size bucket, and what it rests on, read at
+        scrape time from `sources`. The periodic log line says the decision too."""
+        self._speculation = sources.read
+        self.registry.register(_SpeculationCollector(sources, self._base))
 
     def watch_tree_shape(self, read) -> None:
         """Export the auto token tree's shape, read at scrape time: `read()` -> {depth: nodes at that level}
@@ -358,18 +353,36 @@ class _TreeShapeCollector:
         yield gauge
 
 
+@dataclass(frozen=True)
+class SpeculationSources:
+    """What /metrics reads of speculation at scrape time; each but `read` None where the server has none.
+
+    `read()` -> {bucket: (G decided, steps skipped because drafting did not pay, probe steps)}
+    (SpeculationLength.snapshot); `predicted()` -> {bucket: ((tokens/s, step seconds) per G)}
+    (SpeculationLength.predictions); `ran()` -> {(bucket, G): steps} (SpeculationLength.steps_run); `measured()` ->
+    {bucket: {"plain"|"draft": tokens/s}} (runtime.serve.spec_referee.Referee.measured); `trials()` -> {bucket:
+    ({kind: trials}, {reason: put off})} (Referee.trials); `withheld()` -> {bucket: proposals}
+    (SpeculationLength.withheld_proposals)."""
+
+    read: Callable
+    predicted: Callable | None = None
+    ran: Callable | None = None
+    measured: Callable | None = None
+    trials: Callable | None = None
+    withheld: Callable | None = None
+
+
 class _SpeculationCollector:
     """bundle:spec_decode_num_speculative_tokens{batch} (gauge), bundle:spec_decode_skipped_steps{batch}
     and bundle:spec_decode_probe_steps{batch} (counters); `batch` is the bucket's upper bound (1, 2, 4, 8...)."""
 
-    def __init__(self, read, labels: dict, predicted=None, ran=None, measured=None, trials=None, withheld=None):
-        self._read, self._labels, self._predicted, self._ran = read, labels, predicted, ran
-        self._measured, self._trials, self._withheld = measured, trials, withheld
+    def __init__(self, sources: SpeculationSources, labels: dict):
+        self._sources, self._labels = sources, labels
 
     def collect(self):
         names = list(self._labels) + ["batch"]
         values = list(self._labels.values())
-        snap = self._read()
+        snap = self._sources.read()
         gauge = GaugeMetricFamily("bundle:spec_decode_num_speculative_tokens",
                                   "Draft tokens per step the adaptive length chose, by running batch size bucket "
                                   "(0: drafting does not pay there)", labels=names)
@@ -384,31 +397,31 @@ class _SpeculationCollector:
         yield gauge
         yield skipped
         yield probes
-        if self._ran is not None:
+        if self._sources.ran is not None:
             ran = CounterMetricFamily("bundle:spec_decode_steps",
                                       "Decode steps by running batch size bucket and the draft tokens per slot they "
                                       "verified (0: plain), as the adaptive length chose", labels=names + ["draft_tokens"])
-            for (bucket, g), count in sorted(self._ran().items()):
+            for (bucket, g), count in sorted(self._sources.ran().items()):
                 ran.add_metric(values + [str(bucket), str(g)], count)
             yield ran
-        if self._withheld is not None:
+        if self._sources.withheld is not None:
             withheld = CounterMetricFamily("bundle:spec_decode_withheld_proposals",
                                            "Draft tokens per-slot lengths withheld from slots whose own acceptance did "
                                            "not pay for them (below the step's length), by running batch size bucket",
                                            labels=names)
-            for bucket, count in self._withheld().items():
+            for bucket, count in self._sources.withheld().items():
                 withheld.add_metric(values + [str(bucket)], count)
             yield withheld
-        if self._measured is not None:
+        if self._sources.measured is not None:
             measured = GaugeMetricFamily("bundle:spec_decode_measured_tokens_per_second",
                                          "Tokens per second measured over settled runs of plain and of drafted steps, "
                                          "by running batch size bucket (what decides a close call)",
                                          labels=names + ["kind"])
-            for bucket, kinds in self._measured().items():
+            for bucket, kinds in self._sources.measured().items():
                 for kind, tok_s in kinds.items():
                     measured.add_metric(values + [str(bucket), kind], tok_s)
             yield measured
-        if self._trials is not None:
+        if self._sources.trials is not None:
             tried = CounterMetricFamily("bundle:spec_decode_trials",
                                         "Trials of the kind not in use the speculation referee began (24 steps of "
                                         "plain decoding or of drafting), by running batch size bucket and that kind",
@@ -417,14 +430,14 @@ class _SpeculationCollector:
                                           "Due trials the referee put off, by running batch size bucket and why (price: "
                                           "the draft's catch-up too dear now; call: a clear call of the cost model "
                                           "that the measured ruling agrees with)", labels=names + ["reason"])
-            for bucket, (kinds, reasons) in self._trials().items():
+            for bucket, (kinds, reasons) in self._sources.trials().items():
                 for kind, count in sorted(kinds.items()):
                     tried.add_metric(values + [str(bucket), kind], count)
                 for reason, count in sorted(reasons.items()):
                     put_off.add_metric(values + [str(bucket), reason], count)
             yield tried
             yield put_off
-        if self._predicted is None:
+        if self._sources.predicted is None:
             return
         speed = GaugeMetricFamily("bundle:spec_decode_predicted_tokens_per_second",
                                   "Tokens per second the adaptive length predicted for each number of draft tokens "
@@ -432,7 +445,7 @@ class _SpeculationCollector:
         step = GaugeMetricFamily("bundle:spec_decode_predicted_step_seconds",
                                  "Step seconds the adaptive length predicted for each number of draft tokens at its "
                                  "latest decision, by running batch size bucket", labels=names + ["draft_tokens"])
-        for bucket, per_g in self._predicted().items():
+        for bucket, per_g in self._sources.predicted().items():
             for g, (tok_s, seconds) in enumerate(per_g):
                 speed.add_metric(values + [str(bucket), str(g)], tok_s)
                 step.add_metric(values + [str(bucket), str(g)], seconds)

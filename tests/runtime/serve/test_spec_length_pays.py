@@ -213,11 +213,11 @@ def test_per_position_acceptance_shapes_the_expected_tokens():
 
 
 def test_metrics_and_the_log_line_show_the_decision_per_bucket():
-    from runtime.server.metrics import Metrics
+    from runtime.server.metrics import Metrics, SpeculationSources
 
     state = {1: (3, 0, 0), 8: (0, 120, 2)}
     metrics = Metrics(3, model_name="m")
-    metrics.watch_speculation(lambda: state)
+    metrics.watch_speculation(SpeculationSources(lambda: state))
     text = metrics.render().decode()
     assert 'bundle:spec_decode_num_speculative_tokens{batch="1",engine="0",model_name="m"} 3.0' in text
     assert 'bundle:spec_decode_num_speculative_tokens{batch="8",engine="0",model_name="m"} 0.0' in text
@@ -264,7 +264,7 @@ def test_a_plain_step_on_a_faster_path_is_measured_not_extrapolated_and_drafting
 def test_metrics_show_what_the_cost_model_predicted_for_each_length():
     """The decision's inputs, for telling where the cost model is off: per bucket and G, the tokens/s and
     step seconds it predicted at its latest evaluation (SpeculationLength.predictions)."""
-    from runtime.server.metrics import Metrics
+    from runtime.server.metrics import Metrics, SpeculationSources
 
     policy = SpeculationLength(3, explore_every=0)
     _observe(policy, 1, 3, lambda rows: 0.01 + 1e-6 * rows, lambda n: 0.003)
@@ -278,7 +278,7 @@ def test_metrics_show_what_the_cost_model_predicted_for_each_length():
     policy.choose([Req(9, 10)], 0)
     assert sum(policy.steps_run().values()) == 2 and {b for b, _ in policy.steps_run()} == {1}
     metrics = Metrics(3, model_name="m")
-    metrics.watch_speculation(policy.snapshot, policy.predictions, policy.steps_run)
+    metrics.watch_speculation(SpeculationSources(policy.snapshot, policy.predictions, policy.steps_run))
     text = metrics.render().decode()
     for (bucket, d), count in policy.steps_run().items():
         assert (f'bundle:spec_decode_steps_total{{batch="{bucket}",draft_tokens="{d}",engine="0",'
@@ -611,7 +611,7 @@ def test_slots_get_lengths_of_their_own_only_where_that_beats_one_length_by_the_
     weaker two to no proposals is predicted 1.3% faster than every slot at G = 1: under MIN_GAIN, a gain the fits'
     slopes cannot vouch for (on a launch-bound GPU they are mostly noise), so every slot drafts alike. Where the
     weaker slots are never accepted, they are cut, and /metrics counts the proposals withheld."""
-    from runtime.server.metrics import Metrics
+    from runtime.server.metrics import Metrics, SpeculationSources
 
     def policy_for(lo, hi, **kw):
         policy = SpeculationLength(3, explore_every=0, **kw)
@@ -633,7 +633,7 @@ def test_slots_get_lengths_of_their_own_only_where_that_beats_one_length_by_the_
     assert policy.per_slot and lengths == [3, 3, 0, 0], lengths
     assert policy.withheld_proposals() == {4: 6}
     metrics = Metrics(3, model_name="m")
-    metrics.watch_speculation(policy.snapshot, withheld=policy.withheld_proposals)
+    metrics.watch_speculation(SpeculationSources(policy.snapshot, withheld=policy.withheld_proposals))
     line = next(x for x in metrics.render().decode().splitlines()
                 if x.startswith("bundle:spec_decode_withheld_proposals_total{"))
     assert 'batch="4"' in line and float(line.rsplit(" ", 1)[1]) == 6.0

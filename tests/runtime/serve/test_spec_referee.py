@@ -305,13 +305,13 @@ def test_a_draft_that_pays_in_long_runs_drafts_though_its_short_runs_lose():
 
 
 def test_metrics_show_the_measured_tokens_per_second_of_each_kind():
-    from runtime.server.metrics import Metrics
+    from runtime.server.metrics import Metrics, SpeculationSources
 
     referee = Referee()
     _feed(referee, PLAIN, SETTLE + MIN_COUNTED, 1, 0.001, bucket=8)
     _feed(referee, DRAFT, SETTLE + MIN_COUNTED, 3, 0.002, bucket=8)
     metrics = Metrics(3, model_name="m")
-    metrics.watch_speculation(lambda: {}, None, None, referee.measured)
+    metrics.watch_speculation(SpeculationSources(lambda: {}, measured=referee.measured))
     text = metrics.render().decode()
     for kind, tok_s in ((PLAIN, 1000.0), (DRAFT, 1500.0)):
         line = next(x for x in text.splitlines() if x.startswith("bundle:spec_decode_measured_tokens_per_second{")
@@ -324,7 +324,7 @@ def test_metrics_count_the_trials_by_kind_and_the_ones_put_off_by_why():
     measure that a clear call of the cost model agrees with, the next due trial is put off for the call. /metrics
     counts both, and bench_serve_spec reads them back (its JSON's referee_trials and referee_put_off)."""
     from benchmarks.bench_serve_spec import labelled, parse_metrics
-    from runtime.server.metrics import Metrics
+    from runtime.server.metrics import Metrics, SpeculationSources
     from runtime.serve.spec_referee import CALL, PRICE, RECHECK
 
     referee = Referee()
@@ -340,7 +340,7 @@ def test_metrics_count_the_trials_by_kind_and_the_ones_put_off_by_why():
     assert referee.rule(4, PLAIN, close=False) == PLAIN and not referee.in_trial(4)
     assert referee.trials() == {4: ({DRAFT: 1}, {PRICE: 2, CALL: 1})}
     metrics = Metrics(3, model_name="m")
-    metrics.watch_speculation(lambda: {}, None, None, referee.measured, referee.trials)
+    metrics.watch_speculation(SpeculationSources(lambda: {}, measured=referee.measured, trials=referee.trials))
     series = parse_metrics(metrics.render().decode())
     assert {(b, label): series[k] for b, label, k in labelled(series, "bundle:spec_decode_trials_total")} == \
         {(4, DRAFT): 1.0}
