@@ -10,9 +10,12 @@ pending one), then k - 1 chain entries, then the rollback. "per slot": one OnnxD
 per slot (heads exported before their batch carried slots); "over slots": OnnxSlotsDrafter, k runs per step
 for all slots (runtime.serve.eagle3_rounds). Printed per slot count: ms per step (median of --repeats), the
 ratio, and head runs per step. Both produce the same proposals (checked each step: printed, not fatal).
---cuda: the head on ONNX Runtime's CUDA provider (its cache in device memory), and a third side, "over slots,
-CUDA graphs": runtime.serve.eagle3_cuda.CudaSlotsDrafter, what `bundle serve` runs beside a GPU target (inputs
-in one copy a run, rounds launched as CUDA graphs); needs onnxruntime-gpu.
+--cuda: the head on ONNX Runtime's CUDA provider (its cache in device memory), and two more sides on
+runtime.serve.eagle3_cuda.CudaSlotsDrafter, what `bundle serve` runs beside a GPU target (inputs in one copy a
+run, runs launched as CUDA graphs): "CUDA graphs", the chain's rounds one by one with the host picking each
+token (a sampled request's way), and "chained", a greedy request's way: the rounds in one call, each round's
+token and hidden state fed to the next on the device, the host waiting for the GPU twice a step (catch-up,
+chain) instead of k times; needs onnxruntime-gpu.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def main(argv=None) -> int:
+def main(argv=None, device_head=None) -> int:
+    """`device_head(graph, max_context, num_slots)`: the CudaSlotsDrafter of the last two sides (default with
+    --cuda: on the GPU; tests pass one on host memory)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--slots", default="1,8,32")
     ap.add_argument("--context", type=int, default=512)
@@ -64,23 +69,27 @@ def main(argv=None) -> int:
     shown = shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown  # the demo head: as the repo names it
     print(f"EAGLE-3 head {shown} on {single.session.get_providers()[0]}, {ctx} cached entries per slot, "
           f"greedy chains of {k}, {args.threads} threads, median of {args.repeats} steps")
-    graphs = " over slots, CUDA graphs (ms/step) | per slot / CUDA graphs |" if args.cuda else ""
+    if args.cuda and device_head is None:
+        from runtime.serve.eagle3_cuda import CudaSlotsDrafter
+
+        def device_head(graph, max_context, num_slots):
+            return CudaSlotsDrafter(graph, max_context=max_context, num_slots=num_slots)
+    graphs = (" over slots, CUDA graphs (ms/step) | per slot / CUDA graphs | chained on the device (ms/step) "
+              "| CUDA graphs / chained |") if device_head else ""
     print("| slots | per slot (ms/step) | over slots (ms/step) | per slot / over slots |" + graphs +
           " head runs per step (per slot / over slots) |")
-    print("|---|---|---|---|" + ("---|---|" if args.cuda else "") + "---|")
-    if args.cuda:
-        from runtime.serve.eagle3_cuda import CudaSlotsDrafter
+    print("|---|---|---|---|" + ("---|---|---|---|" if device_head else "") + "---|")
     for n in counts:
         over = OnnxSlotsDrafter(graph, max_context=ctx + k + 2, threads=args.threads, providers=providers,
                                 num_slots=n)
         sides = {"per slot": slot_proposers(single, n), "over slots": slot_proposers(over, n)}
         heads = {"over slots": over}
-        if args.cuda:
-            heads["graphs"] = CudaSlotsDrafter(graph, max_context=ctx + k + 2, num_slots=n)
-            sides["graphs"] = slot_proposers(heads["graphs"], n)
+        if device_head:  # the same head both ways: round by round (ChainJob not greedy), chained (greedy)
+            heads["graphs"] = heads["chained"] = device_head(graph, ctx + k + 2, n)
+            sides["graphs"] = sides["chained"] = slot_proposers(heads["graphs"], n)
         tokens = [rng.integers(3, single.vocab_size, ctx + 1).tolist() for _ in range(n)]
         features = rng.standard_normal((n, ctx, 3 * single.target_hidden_size)).astype(np.float32)
-        for proposers in sides.values():
+        for proposers in {id(p): p for p in sides.values()}.values():  # a side sharing another's: once
             for p, f in zip(proposers, features):
                 p.on_target_forward(f, ctx)
         times = {side: [] for side in sides}
@@ -98,7 +107,7 @@ def main(argv=None) -> int:
                 else:
                     head = heads[side]
                     before = head.runs
-                    jobs = [ChainJob(p, t, k, pick) for p, t in zip(proposers, tokens)]
+                    jobs = [ChainJob(p, t, k, pick, greedy=side == "chained") for p, t in zip(proposers, tokens)]
                     propose_all(head, jobs)
                     got[side] = [job.result()[0] for job in jobs]
                     runs[side] = head.runs - before
@@ -107,7 +116,8 @@ def main(argv=None) -> int:
             same &= all(got[side] == got["per slot"] for side in sides)
         ms = {side: statistics.median(times[side]) * 1e3 for side in sides}
         a, b = ms["per slot"], ms["over slots"]
-        graphs = f" {ms['graphs']:.2f} | {a / ms['graphs']:.2f}x |" if "graphs" in ms else ""
+        graphs = (f" {ms['graphs']:.2f} | {a / ms['graphs']:.2f}x | {ms['chained']:.2f} | "
+                  f"{ms['graphs'] / ms['chained']:.2f}x |") if "graphs" in ms else ""
         print(f"| {n} | {a:.2f} | {b:.2f} | {a / b:.2f}x |{graphs} {runs['per slot']} / {runs['over slots']} |")
         if not same:
             print(f"slots {n}: the proposals differ between the two (float rounding near a tie?)")

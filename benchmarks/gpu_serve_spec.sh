@@ -23,6 +23,9 @@
 #   benchmarks/gpu_serve_spec.sh bench ARGS...   bench_serve_spec.py ARGS with the store and --out set
 #   benchmarks/gpu_serve_spec.sh after-draft NAME [ARGS...]   bench_plain_after_draft.py on an installed bundle (what
 #                                           a plain step costs after drafted ones; seconds, not minutes)
+#   benchmarks/gpu_serve_spec.sh tests [PYTEST ARGS...]   pytest over the installed onnxruntime-gpu (the host's pytest)
+#   benchmarks/gpu_serve_spec.sh eagle3-slots [ARGS...]   bench_eagle3_slots.py --cuda (the demo head alone: a step's
+#                                           chains per slot, over slots, with CUDA graphs, chained on the device)
 # Writes under $OUT (default /tmp/out): prepare.log, bench.log, the results .md/.json, server-logs.tgz.
 # Checked on a machine without a GPU: stash, the tarball's reassembly and checksum, create and install (the
 # cp312 wheels need the host's Python 3.12). The whole script ran on one H100 (x86_64, Python 3.12, PyTorch with
@@ -90,5 +93,15 @@ case "$mode" in
     name=${1:?usage: $0 after-draft NAME [ARGS...]}; shift
     python3 benchmarks/bench_plain_after_draft.py "$name" --store "$store" --out "$out/bench_plain_after_draft_$name.md" \
       "$@" 2>&1 | tail -20 ;;
-  *) echo "usage: $0 stash | prepare | bench BENCH_SERVE_SPEC_ARGS... | after-draft NAME [ARGS...]" >&2; exit 2 ;;
+  tests)
+    environment
+    cd "$CODE" || exit 9
+    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log" \
+      | tail -30 ;;
+  eagle3-slots)
+    environment
+    cd "$CODE" || exit 9
+    python3 benchmarks/bench_eagle3_slots.py --cuda "$@" 2>&1 | tee "$out/bench_eagle3_slots.md" | tail -20 ;;
+  *) echo "usage: $0 stash | prepare | bench BENCH_SERVE_SPEC_ARGS... | after-draft NAME [ARGS...] |" \
+       "tests [PYTEST ARGS...] | eagle3-slots [ARGS...]" >&2; exit 2 ;;
 esac

@@ -14,7 +14,9 @@ Two KV-cache layouts, as for the target (bundler.onnx.inplace):
                position_ids [b, s] int64, write_indices [b] int64 (each row's cache row of its first new
                token), attention_mask [b, 1, s, window] bool, past_key_values.0.key / .value [b, kv, capacity, hd]
       outputs  logits [b, s, vocab] float32 (-inf outside the draft vocabulary), hidden_states [b, s, H],
-               present.0.key / .value (the same buffer as past)
+               argmax [b, s] int64 (ArgMax of the logits, first index on ties: a greedy chain's next tokens,
+               which the runtime feeds to the next round on the device), present.0.key / .value (the same
+               buffer as past)
 
 - "concat" (older bundles' head, kept for them and for benchmarks): present = Concat(past, new), so every
   draft step copies the head's whole cache; elementary ops (blocks.attention's concat variant), causal over
@@ -58,6 +60,7 @@ def _compose(w, head, embed: np.ndarray, graph: Path, metadata: dict[str, str], 
     from bundler.onnx.blocks import attention, mlp
     from bundler.onnx.blocks.graph import GraphBuilder
     from bundler.onnx.blocks.norm import Norm, rms
+    from bundler.onnx.inplace import ARGMAX_OUTPUT
 
     c = head.config
     H, hd, heads, kv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
@@ -95,6 +98,8 @@ def _compose(w, head, embed: np.ndarray, graph: Path, metadata: dict[str, str], 
                                    axis=0)])
     g.node("Gather", [g.node("Concat", [draft_logits, pad], axis=-1), w.add("vocab_gather", full)], ["logits"],
            axis=2)
+    if not concat:
+        g.node("ArgMax", ["logits"], [ARGMAX_OUTPUT], axis=-1, keepdims=0, select_last_index=0)
 
     b = 1 if concat else "batch"  # the batched head's rows are slots
     past, present = ([1, kv, "past_sequence_length", hd], [1, kv, "total_sequence_length", hd]) if concat else \
@@ -109,9 +114,11 @@ def _compose(w, head, embed: np.ndarray, graph: Path, metadata: dict[str, str], 
     inputs += [h.make_tensor_value_info("past_key_values.0.key", TP.FLOAT, past),
                h.make_tensor_value_info("past_key_values.0.value", TP.FLOAT, past)]
     outputs = [h.make_tensor_value_info("logits", TP.FLOAT, [b, "sequence_length", c.vocab_size]),
-               h.make_tensor_value_info("hidden_states", TP.FLOAT, [b, "sequence_length", H]),
-               h.make_tensor_value_info("present.0.key", TP.FLOAT, present),
-               h.make_tensor_value_info("present.0.value", TP.FLOAT, present)]
+               h.make_tensor_value_info("hidden_states", TP.FLOAT, [b, "sequence_length", H])]
+    if not concat:
+        outputs.append(h.make_tensor_value_info(ARGMAX_OUTPUT, TP.INT64, [b, "sequence_length"]))
+    outputs += [h.make_tensor_value_info("present.0.key", TP.FLOAT, present),
+                h.make_tensor_value_info("present.0.value", TP.FLOAT, present)]
     doc = ("EAGLE-3 head step with a Concat(past, new) KV cache" if concat else
            "EAGLE-3 head step with an in-place KV cache (TensorScatter + Attention)")
     model = h.make_model(h.make_graph(g.nodes, "eagle3_head", inputs, outputs, w.initializers),

@@ -12,7 +12,12 @@ times the target's replayed decode step). So, as runtime.engines.cuda does for t
   after a verification) run as CUDA graphs (ONNX Runtime's `enable_cuda_graph`), one per (kind of rows, batch
   bucket, width, window): slots 0..bucket-1 always, a slot without a row writing into the spare rows, the
   attention window rounded up to a power of two (at least 256, at most the capacity), captured on first use;
-- longer runs (a new request's catch-up over its prompt) are ordinary runs over the same buffers.
+- longer runs (a new request's catch-up over its prompt) are ordinary runs over the same buffers;
+- greedy chains (greedy_chains) run all their rounds in one call: every round's small inputs go over in one
+  copy before the first, round r + 1 reads round r's `argmax` output (the head graph's ArgMax of its logits)
+  as its token ids and its hidden states as its features, where they are, and the rounds are launched back
+  to back (ONNX Runtime told not to wait for the GPU after each); only the tokens come back, after the last.
+  One graph per (bucket, window, round), as the round's buffers are its own.
 
 Rows, padding and the cache's bookkeeping are runtime.serve.eagle3_slots.OnnxSlotsDrafter's; only where the bytes
 live and how a run is launched differ, so proposals are the same (tests run this class on host memory through the
@@ -35,6 +40,7 @@ from runtime.serve.eagle3_slots import OnnxSlotsDrafter
 log = logging.getLogger(__name__)
 
 MIN_WINDOW = 256  # a graph run's attention window is a power of two at least this long (fewer captures)
+MAX_CHAIN_ROUNDS = 16  # a greedy chain's rounds in one call at most (its tokens' buffer); longer ones run round by round
 
 
 def cuda_graph_providers(device_id: int = 0) -> list:
@@ -82,6 +88,7 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
         self._graph_runs: dict[int, int] = {}  # graph id -> runs so far
         self.cold_runs = 0  # runs that were among the first GRAPH_WARMUP of their graph (as Engine.cold_runs)
         self._scratch: dict[tuple, DeviceBuffer] = {}
+        self._argmax = "argmax" in {o.name for o in session.get_outputs()}  # heads made before it chain on the host
         super().__init__(graph, max_context=max_context, num_slots=num_slots, session=session)
         self.description += " on device buffers" + (", CUDA graphs" if self.cuda_graphs else "")
 
@@ -90,6 +97,7 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
         self.buckets = batch_buckets(self.num_slots)
         # new cache buffers: bindings and graphs over the old ones are never used again (graph ids keep counting)
         self._runs: dict[tuple, tuple] = {}  # shape key -> (binding, input buffer, logits, hidden, graph id)
+        self._chains: dict[tuple, tuple] = {}  # (bucket, window, round) -> (binding, input buffer, graph id)
 
     def _run(self, group: list[HeadRow], from_target: bool) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         width = max(len(r.tokens) for r in group)
@@ -123,26 +131,102 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
         self.cudart.memcpy(out_hidden.ctypes.data, hidden.ptr, out_hidden.nbytes, D2H)
         return self._take(group, lo, out_logits, out_hidden)
 
-    def _launch(self, binding, graph_id: int) -> None:
+    def _launch(self, binding, graph_id: int, wait: bool = True) -> None:
         """One run: graph_id > 0 captures (first use) or replays that CUDA graph, -1 an ordinary run. A capture ONNX
         Runtime cannot make turns graphs off for this head, in one log line, and the run is made again ordinarily
-        (it writes the same cache entries at the same positions)."""
-        if not self._graph_session:
+        (it writes the same cache entries at the same positions). `wait`: return once the GPU has finished it
+        (else once it is queued: a chain's next round reads its outputs in the same stream)."""
+        if not self._graph_session and wait:
             self.session.run_with_iobinding(binding)
             return
         try:  # a session with CUDA graphs on needs the id on every run: without one it would capture graph 0
-            self.session.run_with_iobinding(binding, self._run_options(graph_id if self.cuda_graphs else -1))
+            self.session.run_with_iobinding(binding, self._run_options(graph_id if self.cuda_graphs else -1, wait))
         except Exception as e:  # onnxruntime raises its own untyped errors
             if graph_id < 0 or not self.cuda_graphs:
                 raise
             log.warning("EAGLE-3 head: CUDA graphs off after a failed capture: %s", str(e).splitlines()[0])
             self.cuda_graphs = False
-            self.session.run_with_iobinding(binding, self._run_options(-1))
+            self.session.run_with_iobinding(binding, self._run_options(-1, wait))
 
-    def _run_options(self, graph_id: int):
+    def _run_options(self, graph_id: int, wait: bool = True):
         options = self._ort.RunOptions()
-        options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        if self._graph_session:
+            options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        if not wait:
+            options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         return options
+
+    def greedy_chains(self, rows, rounds):
+        """All rounds in one call (the module docstring): slots 0..bucket-1 as a graph run's, one attention window
+        for every round; None for a head without the argmax output, more than MAX_CHAIN_ROUNDS rounds, or a
+        slot whose context cannot hold them (the caller runs those round by round)."""
+        if not self._argmax or self._headroom < 1 or not 1 <= rounds <= MAX_CHAIN_ROUNDS:
+            return None
+        if any(len(r.tokens) != 1 or r.from_target or r.tree is not None for r in rows):
+            raise ValueError("expected chain rows: one token each, the head's own features, no tree")
+        slots = [r.slot for r in rows]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"expected at most one row per slot, found slots {slots}")
+        if any(self._lengths[s] + rounds > self.max_context for s in slots):
+            return None
+        hi = next(b for b in self.buckets if b > max(slots))
+        window = max(self._lengths[s] for s in slots) + rounds
+        window = min(self.capacity, max(MIN_WINDOW, 1 << (window - 1).bit_length()))
+        tokens = grow_buffer(self._scratch, ("chain-tokens", hi), self.cudart, MAX_CHAIN_ROUNDS * hi * 8)
+        placeholders = [HeadRow(s, [0], np.zeros((1, self.hidden_size), np.float32), False) for s in slots]
+        launches = []
+        for r in range(rounds):  # round r's inputs at the lengths it writes at: ids and features only in round 0
+            inputs = self._inputs(rows if r == 0 else placeholders, False, 0, hi, window)
+            if r:
+                del inputs["input_ids"], inputs["draft_hidden_states"]
+            parts = list(inputs.items())
+            host, offsets = pack_aligned([a for _, a in parts])
+            key = (hi, window, r)
+            if key not in self._chains:
+                self._chains[key] = self._bind_chain(key, parts, offsets, host.nbytes, tokens)
+            binding, buffer, graph_id = self._chains[key]
+            self.cudart.memcpy(buffer.ptr, host.ctypes.data, host.nbytes, H2D)
+            launches.append((binding, graph_id))
+            for s in slots:
+                self._lengths[s] += 1
+        self.cudart.synchronize()  # the pageable copies may still be in flight; ONNX Runtime's stream does not wait
+        for r, (binding, graph_id) in enumerate(launches):
+            if graph_id > 0:
+                self._graph_runs[graph_id] = self._graph_runs.get(graph_id, 0) + 1
+                self.cold_runs += self._graph_runs[graph_id] <= GRAPH_WARMUP
+            self._launch(binding, graph_id, wait=r == rounds - 1)
+        self.runs += rounds
+        out = np.empty((rounds, hi), np.int64)
+        self.cudart.memcpy(out.ctypes.data, tokens.ptr, out.nbytes, D2H)
+        return [out[:, s].copy() for s in slots]
+
+    def _bind_chain(self, key: tuple, parts, offsets, nbytes: int, tokens: DeviceBuffer) -> tuple:
+        """Round r's binding over its own input buffer: from round 1 on, token ids from round r - 1's argmax and
+        features from its hidden states (two buffers taking turns); the tokens of round r go to row r of
+        `tokens`; logits to one buffer every round overwrites (nobody reads them)."""
+        hi, window, r = key
+        where = self._where
+        buffer = grow_buffer(self._scratch, ("chain-inputs", *key), self.cudart, nbytes)
+        logits = grow_buffer(self._scratch, ("chain-logits", hi), self.cudart, hi * self.vocab_size * 4)
+        hidden = [grow_buffer(self._scratch, ("chain-hidden", hi, i), self.cudart, hi * self.hidden_size * 4)
+                  for i in (r % 2, (r - 1) % 2)]  # written this round, read from the last
+        binding = self.session.io_binding()
+        for (name, array), off in zip(parts, offsets):
+            binding.bind_input(name, where, 0, array.dtype.type, list(array.shape), buffer.ptr + off)
+        if r:
+            binding.bind_input("input_ids", where, 0, np.int64, [hi, 1], tokens.ptr + (r - 1) * hi * 8)
+            binding.bind_input("draft_hidden_states", where, 0, np.float32, [hi, 1, self.hidden_size], hidden[1].ptr)
+        shape = [hi, self._kv, self.capacity, self._hd]
+        for name, buf in zip(("key", "value"), self._cache):
+            binding.bind_input(f"past_key_values.0.{name}", where, 0, np.float32, shape, buf.data_ptr())
+            binding.bind_output(f"present.0.{name}", where, 0, np.float32, shape, buf.data_ptr())
+        binding.bind_output("logits", where, 0, np.float32, [hi, 1, self.vocab_size], logits.ptr)
+        binding.bind_output("hidden_states", where, 0, np.float32, [hi, 1, self.hidden_size], hidden[0].ptr)
+        binding.bind_output("argmax", where, 0, np.int64, [hi, 1], tokens.ptr + r * hi * 8)
+        if self.fixed_shapes:
+            self._graph_ids += 1
+        graph_id = self._graph_ids if self.fixed_shapes and self.cuda_graphs else -1
+        return binding, buffer, graph_id
 
     def _bind(self, key: tuple, parts, offsets, nbytes: int, graph: bool) -> tuple:
         """A binding over this shape's device buffers: kept per key for graph runs (what a captured graph replays),
@@ -166,6 +250,9 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
             binding.bind_output(f"present.0.{name}", where, 0, np.float32, shape, ptr)
         binding.bind_output("logits", where, 0, np.float32, [batch, width, self.vocab_size], logits.ptr)
         binding.bind_output("hidden_states", where, 0, np.float32, [batch, width, self.hidden_size], hidden.ptr)
+        if self._argmax:  # read by nobody here, bound anyway: a captured graph writes every output where it was bound
+            argmax = grow_buffer(self._scratch, ("argmax", *tag), self.cudart, batch * width * 8)
+            binding.bind_output("argmax", where, 0, np.int64, [batch, width], argmax.ptr)
         if graph:
             self._graph_ids += 1
         graph_id = self._graph_ids if graph and self.cuda_graphs else -1

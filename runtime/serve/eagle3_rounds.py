@@ -6,6 +6,12 @@ each) and every tree's level i (its nodes under a tree mask) together. A chain o
 and a tree of depth g at most g, whatever the number of slots. Each slot picks its tokens exactly as
 runtime.serve.eagle3.ChainProposer.propose / propose_tree do, from the same rows and in the same order of
 draws from its request's generator, so acceptance is unchanged.
+
+Greedy chains (every job a chain whose picks are the argmax of the head's raw logits) on a head that can
+chain rounds on its device (SlotsDrafter.greedy_chains: the CUDA head feeds each round's in-graph argmax and
+hidden states to the next round without the host) take their first token from the catch-up's logits and the
+rest from ONE call for all rounds: the host waits for the GPU twice a proposal (catch-up, chain), not once a
+token. The tokens are the ones the round-by-round path picks (first index of the maximum, as numpy's argmax).
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ from runtime.serve.spec_tree import Tree
 
 
 class ChainJob:
-    """g chain proposals for one slot: `pick(logits row, drafts so far)` -> (token, q or None)."""
+    """g chain proposals for one slot: `pick(logits row, drafts so far)` -> (token, q or None). `greedy`: pick
+    is the row's argmax (greedy sampling, no logits processor), so the head may chain the rounds itself."""
 
-    def __init__(self, proposer: ChainProposer, tokens: Sequence[int], g: int, pick):
-        self.proposer, self.tokens, self.g, self.pick = proposer, tokens, g, pick
+    def __init__(self, proposer: ChainProposer, tokens: Sequence[int], g: int, pick, greedy: bool = False):
+        self.proposer, self.tokens, self.g, self.pick, self.greedy = proposer, tokens, g, pick, greedy
         self.drafts: list[int] = []
         self.qs: list = []
 
@@ -40,6 +47,10 @@ class ChainJob:
 
     def take(self, logits: np.ndarray, hidden: np.ndarray) -> None:
         self.row, self.h = logits[-1], hidden[-1:]
+
+    def extend(self, ids) -> None:
+        """The rest of a greedy chain, from the head's device rounds."""
+        self.drafts.extend(int(i) for i in ids[:self.g - len(self.drafts)])
 
     def result(self) -> tuple[list[int], list]:
         return self.drafts, self.qs
@@ -89,12 +100,18 @@ def propose_all(head, jobs: Sequence[ChainJob | TreeJob]) -> None:
         rows.append(HeadRow(job.proposer.drafter.slot, ids, feats, True))
     for job, (logits, hidden) in zip(jobs, head.forward(rows)):
         job.start(logits, hidden)
-    live, level = list(jobs), 0
-    while live:
-        stepping = [(job, row) for job in live if (row := job.step(level)) is not None]
-        if stepping:
-            for (job, _), (logits, hidden) in zip(stepping, head.forward([row for _, row in stepping])):
-                job.take(logits, hidden)
-        live, level = [job for job, _ in stepping], level + 1
+    level, stepping = 0, [(job, row) for job in jobs if (row := job.step(0)) is not None]
+    if stepping and all(isinstance(job, ChainJob) and job.greedy for job in jobs):
+        rounds = max(job.g for job, _ in stepping) - 1
+        chained = head.greedy_chains([row for _, row in stepping], rounds)
+        if chained is not None:
+            for (job, _), ids in zip(stepping, chained):
+                job.extend(ids)
+            stepping = []
+    while stepping:
+        for (job, _), (logits, hidden) in zip(stepping, head.forward([row for _, row in stepping])):
+            job.take(logits, hidden)
+        level += 1
+        stepping = [(job, row) for job, _ in stepping if (row := job.step(level)) is not None]
     for job in jobs:
         job.proposer.drafter.rollback(len(job.tokens) - 1)

@@ -65,6 +65,12 @@ class SlotsDrafter(ABC):
     def rollback(self, slot: int, length: int) -> None:
         """Forget slot's entries at position >= length."""
 
+    def greedy_chains(self, rows: Sequence[HeadRow], rounds: int) -> list[np.ndarray] | None:
+        """Run `rounds` chain rounds for the rows (one draft token each, at most one row per slot), each next
+        round's token the argmax of the last one's logits and its feature the last one's hidden state; per row
+        the int64 [rounds] tokens, or None where this head runs rounds only one by one (the caller then does)."""
+        return None
+
     def view(self, slot: int) -> "SlotHead":
         return SlotHead(self, slot)
 

@@ -459,7 +459,8 @@ class ModelRunner:
             self._catch_up = True
         if isinstance(self.head, SlotsDrafter):
             jobs = {r.slot: TreeJob(self.eagle[r.slot], r.tokens, g, self._grower(r, g)) if self.drafts_tree(g, r)
-                    else ChainJob(self.eagle[r.slot], r.tokens, g, self._picker(r)) for r, g in wanting}
+                    else ChainJob(self.eagle[r.slot], r.tokens, g, self._picker(r),
+                                  greedy=r.params.greedy and not r.logits_processors) for r, g in wanting}
             runs = self.head.runs
             propose_all(self.head, list(jobs.values()))
             self.stats.draft_forwards += self.head.runs - runs

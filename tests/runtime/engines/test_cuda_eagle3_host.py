@@ -237,3 +237,113 @@ def test_the_head_on_device_buffers_runs_graph_shapes_and_proposes_as_the_head_o
     # short catch-up's width 3; the catch-up of 9 tokens is no graph shape (not kept)
     assert sorted(k[:5] for k in made._runs) == [(False, 0, 3, 1, window), (True, 0, 3, 3, window)]
     assert memory.copies > 0
+
+
+def check_greedy_chains(graph, make):
+    """The head made by `make(graph, max_context, num_slots)` chains greedy rounds (greedy_chains: each round's
+    token the argmax of the last one's logits, its feature the last one's hidden state, without the host) to
+    the tokens OnnxSlotsDrafter on the CPU provider picks round by round: over all slots and over some (padding
+    rows in the bucket), the same shapes again (what the first call bound, replayed), one round, and rounds
+    that fill a slot's context to the last entry; both heads' caches end equally long. Past the context, or
+    past MAX_CHAIN_ROUNDS, it declines (None). Returns the head (test_cuda_engine.py runs this on a GPU)."""
+    from runtime.serve.eagle3 import HeadRow
+    from runtime.serve.eagle3_cuda import MAX_CHAIN_ROUNDS
+    from runtime.serve.eagle3_slots import OnnxSlotsDrafter
+
+    ref, head = OnnxSlotsDrafter(graph, max_context=64, num_slots=3), make(graph, 64, 3)
+    th = np.random.default_rng(11).standard_normal((58, 3 * ref.target_hidden_size)).astype(np.float32)
+    catch_up = [HeadRow(0, [3, 9, 27, 81, 5], th[:5], True), HeadRow(1, [4, 8], th[5:7], True),
+                HeadRow(2, list(range(7, 65)), th, True)]
+    first = []
+    for h in (ref, head):
+        first.append({r.slot: (int(lg[-1].argmax()), hd[-1:]) for r, (lg, hd) in zip(catch_up, h.forward(catch_up))})
+    assert {s: t for s, (t, _) in first[0].items()} == {s: t for s, (t, _) in first[1].items()}
+    for slots, rounds in (((0, 1, 2), 3), ((1, 2), 3), ((0, 1, 2), 3), ((0, 2), 1), ((2,), 6), ((0, 1), 5)):
+        start = list(ref._lengths)
+        want, rows = [], [HeadRow(s, [first[0][s][0]], first[0][s][1], False) for s in slots]
+        for _ in range(rounds):  # the host path: a forward per round, the argmax picked here
+            outs = ref.forward(rows)
+            want.append([int(lg[-1].argmax()) for lg, _ in outs])
+            rows = [HeadRow(r.slot, [t], hd[-1:], False) for r, t, (_, hd) in zip(rows, want[-1], outs)]
+        got = head.greedy_chains([HeadRow(s, [first[1][s][0]], first[1][s][1], False) for s in slots], rounds)
+        assert [list(map(int, ids)) for ids in got] == [list(col) for col in zip(*want)], (slots, rounds)
+        assert head._lengths == ref._lengths
+        for h in (ref, head):
+            for s in slots:
+                h.rollback(s, start[s])
+    full = [HeadRow(2, [first[1][2][0]], first[1][2][1], False)]
+    assert head.greedy_chains(full, 7) is None and head._lengths[2] == 58  # 58 + 7 > 64: not a token run
+    row = [HeadRow(0, [first[1][0][0]], first[1][0][1], False)]
+    assert head.greedy_chains(row, MAX_CHAIN_ROUNDS + 1) is None and head._lengths[0] == 5
+    return head
+
+
+def _device_head(memory=None, **kw):
+    from runtime.serve.eagle3_cuda import CudaSlotsDrafter
+
+    return lambda graph, context=None, slots=1: CudaSlotsDrafter(graph, max_context=context, num_slots=slots,
+                                                                 memory=memory or HostMemory(), **kw)
+
+
+@pytest.mark.parametrize("fixed_shapes", [True, False])
+def test_greedy_chains_on_device_buffers_pick_the_tokens_of_rounds_one_by_one(eagle3, fixed_shapes):
+    """On host memory through the CPU provider: the rounds' bindings read the last round's argmax and hidden
+    buffers (one per bucket, window and round, kept), one input copy per round before the first, one copy of
+    the tokens back after the last."""
+    memory = HostMemory()
+    head = check_greedy_chains(eagle3["head"], _device_head(memory, fixed_shapes=fixed_shapes))
+    assert {k[2] for k in head._chains} == {0, 1, 2, 3, 4, 5}
+    assert {k[0] for k in head._chains} == {2, 3}  # slots 0..bucket-1: (0, 1) in a bucket of 2, the rest of 3
+
+
+def test_a_head_without_the_argmax_output_chains_round_by_round(eagle3, tmp_path):
+    """A head exported before the argmax output (bundles made before it) declines greedy_chains, and proposals
+    run round by round as before."""
+    import onnx
+
+    from runtime.serve.eagle3 import HeadRow
+
+    model = onnx.load(str(eagle3["head"]), load_external_data=False)
+    nodes = [n for n in model.graph.node if "argmax" not in n.output]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    outputs = [o for o in model.graph.output if o.name != "argmax"]
+    del model.graph.output[:]
+    model.graph.output.extend(outputs)
+    old = eagle3["head"].with_name("head-without-argmax.onnx")  # beside its external weights
+    onnx.save(model, str(old))
+    head = _device_head(fixed_shapes=True)(old, 64, 2)
+    head.forward([HeadRow(0, [3, 4], np.zeros((2, 3 * head.target_hidden_size), np.float32), True)])
+    assert head.greedy_chains([HeadRow(0, [5], np.zeros((1, head.hidden_size), np.float32), False)], 2) is None
+    assert head._lengths == [2, 0]
+
+
+def test_greedy_requests_chain_on_the_device_and_sampled_ones_round_by_round(eagle3):
+    """Under the scheduler with the head on device buffers: greedy chains take the one-call path (its bindings
+    exist), output equal to each request alone; a step with a sampled request beside greedy ones runs its rounds
+    one by one (greedy_chains not asked)."""
+    from runtime.serve.eagle3_rounds import ChainJob, propose_all
+    from tests.runtime.serve.test_eagle3 import assert_concurrent_greedy_equals_each_alone
+
+    runner = assert_concurrent_greedy_equals_each_alone(
+        lambda **kw: cuda_engine(eagle3, fp32=True, max_context=256, **kw), eagle3["head"],
+        open_=_device_head(fixed_shapes=True))
+    head = runner.head
+    assert head._chains, "no greedy chain ran on the device path"
+    asked = []
+    head.greedy_chains = lambda rows, rounds: asked.append(rounds)
+    for s in (0, 1):  # the target's features for the tokens the catch-ups read
+        runner.eagle[s].reset()
+        runner.eagle[s].on_target_forward(np.zeros((3, 3 * head.target_hidden_size), np.float32), 3)
+
+    def job(slot, greedy):
+        return ChainJob(runner.eagle[slot], [5, 6, 7], 3, lambda row, drafts: (int(row.argmax()), None), greedy=greedy)
+
+    jobs = [job(0, True), job(1, True)]
+    propose_all(head, jobs)
+    assert asked == [2]  # all greedy: one call for rounds 1..2 (declined here: None, so run one by one)
+    mixed = [job(0, True), job(1, False)]
+    propose_all(head, mixed)
+    assert asked == [2]  # not asked again
+    assert all(len(j.result()[0]) == 3 for j in jobs + mixed)
+    assert [j.result() for j in mixed] == [j.result() for j in jobs]  # the same argmax picks either way

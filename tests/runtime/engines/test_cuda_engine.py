@@ -15,7 +15,8 @@ import pytest
 
 from runtime.engines.base import Row
 from tests.bundler.onnx.test_parity import FP16_RTOL, check_parity
-from tests.runtime.engines.test_cuda_eagle3_host import check_aux_rows, check_head_over_slots, fp16_close
+from tests.runtime.engines.test_cuda_eagle3_host import (check_aux_rows, check_greedy_chains, check_head_over_slots,
+                                                         fp16_close)
 from tests.runtime.engines.test_cuda_eagle3_host import eagle3  # noqa: F401 (the fixture)
 
 
@@ -255,6 +256,18 @@ def test_the_head_with_cuda_graphs_equals_it_on_the_cpu_provider(eagle3):
     # runs of a graph shape past its first two (ordinary run, capture) replay: not cold
     assert head.cold_runs == sum(min(n, 2) for n in head._graph_runs.values()) < head.runs
     assert max(head._graph_runs.values()) > 2
+
+
+def test_greedy_chains_on_the_gpu_pick_the_tokens_of_the_cpu_providers_rounds(eagle3):
+    """CudaSlotsDrafter's greedy chains on the GPU: every round a CUDA graph launched without waiting for the last,
+    the tokens fed back on the device, equal to the head over slots on the CPU provider picking round by round."""
+    from runtime.serve.eagle3_cuda import CudaSlotsDrafter
+
+    head = check_greedy_chains(eagle3["head"], lambda graph, context, slots: CudaSlotsDrafter(
+        graph, max_context=context, num_slots=slots))
+    assert head.cuda_graphs, "ONNX Runtime refused CUDA graphs for the head (see the log)"
+    assert all(run[-1] > 0 for run in head._chains.values())
+    assert max(head._graph_runs.values()) >= 2
 
 
 def test_eagle3_over_slots_on_the_device_is_greedy_token_for_token(eagle3):

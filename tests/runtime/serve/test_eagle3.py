@@ -220,11 +220,11 @@ def test_concurrent_greedy_trees_equal_each_alone(graphs, head):
         tree=TreeOptions(branching=2, max_nodes=6), open_=OPENERS[head])
 
 
-def assert_concurrent_greedy_equals_each_alone(make_target, head_graph, tree=None, open_=OnnxDrafter) -> None:
+def assert_concurrent_greedy_equals_each_alone(make_target, head_graph, tree=None, open_=OnnxDrafter):
     """The scheduler check of test_concurrent_greedy_equals_each_alone_with_prefix_reuse, for any target
     engine (`make_target(**kw)`; `num_slots=3` for the slotted one): ONNX Runtime here, CUDA in
     tests/runtime/engines/test_cuda_eagle3_host.py; `open_(head_graph)` the head (slot by slot, or
-    runtime.serve.eagle3_slots.open_head: every slot in one head run)."""
+    runtime.serve.eagle3_slots.open_head: every slot in one head run). Returns the model runner."""
     from runtime.serve.model_runner import ModelRunner
     from runtime.serve.scheduler import Scheduler
     from tests.runtime.serve.test_scheduler import Recorder, run_together
@@ -234,7 +234,7 @@ def assert_concurrent_greedy_equals_each_alone(make_target, head_graph, tree=Non
     plain = Generator(make_target())
     alone = [_tokens(plain, p, SamplingParams(temperature=0.0), 24) for p in prompts]
     runner = ModelRunner(make_target(num_slots=3), open_(head_graph), "eagle3", 3, tree=tree)
-    assert isinstance(runner.head, SlotsDrafter) == (open_ is open_head)
+    assert isinstance(runner.head, SlotsDrafter) == (open_ is not OnnxDrafter)
     assert runner.tree == tree
     rec = Recorder()
     requests = [rec.request(p, speculative=(i != 1)) for i, p in enumerate(prompts + prompts[::-1])]
@@ -243,6 +243,7 @@ def assert_concurrent_greedy_equals_each_alone(make_target, head_graph, tree=Non
     assert runner.stats.num_drafts > 0
     if tree is not None:
         assert runner.stats.num_draft_tokens > runner.stats.num_drafts, "trees, not chains, were verified"
+    return runner
 
 
 @pytest.mark.parametrize("opts,k", [(TreeOptions(branching=2, max_nodes=8), 3), (TreeOptions(branching=3, max_nodes=6), 2)])
