@@ -160,6 +160,14 @@ class Engine(ABC):
         return [lg if row.slot in logits_for else np.asarray(lg).argmax(-1)
                 for row, lg in zip(rows, self.forward(rows))]
 
+    def greedy_chain(self, rows: Sequence[Row], rounds: int) -> list[np.ndarray] | None:
+        """Greedy decoding of `rounds` tokens for each row (one token each, at most one row per slot) in one call:
+        each round appends a token to every row's slot and the next round's token is the argmax of its logits
+        (forward_greedy's, ties to the lowest id). Per row the int64 [rounds] argmax tokens; the slots grow by
+        `rounds`. None where the engine cannot do better than a call per round (this default; the CUDA engine
+        feeds each round's argmax to the next on the device): the caller then makes those calls."""
+        return None
+
     @abstractmethod
     def rollback(self, slot: int, length: int) -> None:
         """Forget every token of `slot` at position >= length (rejected drafts, a shorter prefix)."""

@@ -85,6 +85,8 @@ TYPES = {"tensor(float)": (np.float32, np.float32), "tensor(float16)": (np.float
 PRECISION = {"tensor(float)": "fp32", "tensor(float16)": "fp16", "tensor(bfloat16)": "bf16"}
 #: Steps whose rows are at most this many tokens run as CUDA graphs (decode; verification of k+1 drafts).
 GRAPH_MAX_WIDTH = 8
+#: A greedy chain's rounds in one call at most (the size of its tokens' buffer); longer chains run call by call.
+MAX_CHAIN_ROUNDS = 16
 #: The first runs of a graph id are not replays: ONNX Runtime runs it once ordinarily (its memory planned), then
 #: captures it (onnxruntime's min_num_runs_before_cuda_graph_capture_ is 1); Engine.cold_runs counts them.
 GRAPH_WARMUP = 2
@@ -112,6 +114,7 @@ class _Lane:
         self.runs: dict[int, int] = {}  # gpu_graph_id -> runs so far (its first GRAPH_WARMUP are cold)
         self.io = None
         self.bound_inputs = self.bound_outputs = self.bound = None
+        self.chains: dict[tuple, tuple] = {}  # greedy_chain's rounds: key -> (binding, input buffer, graph id)
 
     @property
     def binding(self):
@@ -432,6 +435,91 @@ class CudaEngine(Engine):
             for r in live:
                 out[r.slot] = self._run_one(r.slot, r.tokens, wants[r.slot])
         return [out[r.slot] for r in rows]
+
+    def greedy_chain(self, rows: Sequence[Row], rounds: int) -> list[np.ndarray] | None:
+        """`rounds` single-token decode calls for the rows in one go: round r + 1's input ids are round r's `argmax`
+        output where it lies, on the device; every round's small inputs go over in one copy before the first, the
+        rounds are launched back to back (ONNX Runtime told not to wait for the GPU after each), and only the
+        tokens come back, after the last. Each round a CUDA graph of its own (its buffers are its own), as a
+        decode step is: slots 0..bucket-1, the same window every round. None (the caller decodes call by call)
+        for a graph without the argmax output, hybrids and EAGLE-3 targets, more than MAX_CHAIN_ROUNDS rounds, or
+        a slot whose context cannot hold them."""
+        lane = self._decode
+        if not (self.batched and self._has_argmax and self._states is None and not self.aux_width
+                and self._headroom >= 1 and 1 <= rounds <= MAX_CHAIN_ROUNDS):
+            return None
+        if any(len(r.tokens) != 1 or r.tree is not None for r in rows):
+            raise ValueError("expected decode rows: one token each, no tree")
+        slots = [r.slot for r in rows]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"expected at most one row per slot, found slots {slots}")
+        lengths = list(self.slots.lengths)
+        if any(lengths[s] + rounds > self.max_context for s in slots):
+            return None
+        hi, cap = next(b for b in self.buckets if b > max(slots)), self.capacity
+        window = min(cap, max(256, 1 << (max(lengths[s] for s in slots) + rounds - 1).bit_length())) \
+            if lane.windowed else cap
+        tokens = self._scratch_buffer(f"chain-tokens-{hi}", MAX_CHAIN_ROUNDS * hi * 8)
+        launches = []
+        for r in range(rounds):  # round r's inputs at the lengths it writes at; its ids from the last round's argmax
+            group = rows if r == 0 else [Row(s, [0]) for s in slots]
+            ids, write, positions = batched_inputs(group, 0, hi, lengths, cap)
+            parts = [("input_ids", ids, np.int64)] if r == 0 else []
+            if lane.gqa:
+                parts.append(("seqlens_k", write.astype(np.int32), np.int32))
+            else:
+                parts += [("position_ids", positions, np.int64), ("write_indices", write, np.int64),
+                          ("attention_mask", batched_mask(group, 0, positions, write, window), np.bool_)]
+            host, offsets = pack_aligned([array for _, array, _ in parts])
+            key = (hi, window, r, self._generation)
+            if key not in lane.chains:
+                lane.chains[key] = self._bind_chain(lane, key, parts, offsets, host.nbytes, tokens)
+            binding, buffer, graph_id = lane.chains[key]
+            self.cudart.memcpy(buffer.ptr, host.ctypes.data, host.nbytes, H2D)
+            launches.append((binding, graph_id))
+            for s in slots:
+                lengths[s] += 1
+        self._total[()] = cap
+        self.cudart.synchronize()  # the pageable copies may still be in flight; ONNX Runtime's stream does not wait
+        for r, (binding, graph_id) in enumerate(launches):
+            options = self._ort.RunOptions()
+            if self.cuda_graphs:
+                options.add_run_config_entry("gpu_graph_id", str(graph_id if graph_id is not None else -1))
+            if graph_id is not None:
+                lane.runs[graph_id] = lane.runs.get(graph_id, 0) + 1
+                self.cold_runs += lane.runs[graph_id] <= GRAPH_WARMUP
+            if r < rounds - 1:
+                options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+            lane.session.run_with_iobinding(binding, options)
+        out = np.empty((rounds, hi), np.int64)
+        self.cudart.memcpy(out.ctypes.data, tokens.ptr, out.nbytes, D2H)
+        for s in slots:
+            self.slots.advance(s, rounds)
+        return [out[:, s].copy() for s in slots]
+
+    def _bind_chain(self, lane: _Lane, key: tuple, parts, offsets, nbytes: int, tokens: DeviceBuffer) -> tuple:
+        """Round r's own binding (buffers fixed for its CUDA graph): its inputs, from round 1 on the ids at row r - 1
+        of `tokens`, the cache of slots 0..hi-1, logits into one buffer every round overwrites (nobody reads them),
+        the argmax into row r of `tokens`."""
+        hi, window, r, _ = key
+        dev, did = self._device, self.device_id
+        buffer = self._scratch_buffer(f"chain-inputs-{lane.name}-{hi}x{window}-{r}", nbytes)
+        logits = self._scratch_buffer(f"chain-logits-{hi}", hi * self.vocab_size * 4)
+        binding = lane.session.io_binding()
+        for (name, array, dtype), off in zip(parts, offsets):
+            binding.bind_input(name, dev, did, dtype, list(array.shape), buffer.ptr + off)
+        if r:
+            binding.bind_input("input_ids", dev, did, np.int64, [hi, 1], tokens.ptr + (r - 1) * hi * 8)
+        if lane.gqa:
+            binding.bind_input("total_sequence_length", "cpu", 0, np.int32, [], self._total.ctypes.data)
+        shape = [hi, self.num_kv_heads, self.capacity, self.head_dim]
+        for past, present, buf in zip(self._past, self._present, self._buffers):
+            binding.bind_input(past, dev, did, self._kv_element, shape, buf.ptr)
+            binding.bind_output(present, dev, did, self._kv_element, shape, buf.ptr)
+        binding.bind_output("logits", dev, did, np.float32, [hi, 1, self.vocab_size], logits.ptr)
+        binding.bind_output("argmax", dev, did, np.int64, [hi, 1], tokens.ptr + r * hi * 8)
+        graph_id = lane.graphs.setdefault(("chain", *key), len(lane.graphs) + 1) if self._replay else None
+        return binding, buffer, graph_id
 
     #: Similar lengths share a call, a row longer than the headroom goes alone: the CPU engine's rule.
     _groups = OnnxRuntimeEngine._groups

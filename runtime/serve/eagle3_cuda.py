@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from manifests.errors import EnvironmentProblem
-from runtime.engines.cuda import GRAPH_MAX_WIDTH, GRAPH_WARMUP, batch_buckets
+from runtime.engines.cuda import GRAPH_MAX_WIDTH, GRAPH_WARMUP, MAX_CHAIN_ROUNDS, batch_buckets
 from runtime.engines.cudalib import D2H, H2D, Cudart, DeviceBuffer, grow_buffer, onnxruntime_cuda, pack_aligned
 from runtime.serve.eagle3 import HeadRow, open_head_graph
 from runtime.serve.eagle3_slots import OnnxSlotsDrafter
@@ -40,7 +40,6 @@ from runtime.serve.eagle3_slots import OnnxSlotsDrafter
 log = logging.getLogger(__name__)
 
 MIN_WINDOW = 256  # a graph run's attention window is a power of two at least this long (fewer captures)
-MAX_CHAIN_ROUNDS = 16  # a greedy chain's rounds in one call at most (its tokens' buffer); longer ones run round by round
 
 
 def cuda_graph_providers(device_id: int = 0) -> list:

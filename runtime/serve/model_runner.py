@@ -570,6 +570,8 @@ class ModelRunner:
         if trees:
             out.update(self._propose_tree(wanting, last))
             return out
+        if greedy and not sampled and self._chain_draft(wanting, last, out):
+            return out
         for i in range(max((g for _, g in wanting), default=0)):
             rows = []
             for r, g in wanting:
@@ -590,6 +592,28 @@ class ModelRunner:
                                                        logits_for=sampled)):
                     last[row.slot] = lg[-1]
         return out
+
+    def _chain_draft(self, wanting, last: dict, out: dict) -> bool:
+        """Greedy chains of the draft model after its catch-up (`last`: each slot's argmax token, the first
+        draft): the rest in one engine call for every slot (Engine.greedy_chain, each round's argmax fed to the
+        next on the device), a chain of g taking g - 1 of its rounds. False, nothing drafted, where the engine
+        declines (the caller then drafts call by call)."""
+        rows = [Row(r.slot, [int(last[r.slot])]) for r, g in wanting if g >= 2]
+        chained = {}
+        if rows:
+            rounds = max(g for _, g in wanting) - 1
+            t0 = self._clock()
+            got = self.draft.greedy_chain(rows, rounds)
+            if got is None:
+                return False
+            self.stats.draft_forwards += rounds
+            self.stats.draft_seconds += self._clock() - t0
+            for row, ids in zip(rows, got):  # what the draft now holds: every round's input token
+                self.draft_cache[row.slot].extend([row.tokens[0], *map(int, ids[:-1])])
+                chained[row.slot] = [int(t) for t in ids]
+        for r, g in wanting:
+            out[r.slot][0].extend([int(last[r.slot]), *chained.get(r.slot, [])[:g - 1]])
+        return True
 
     # --- cache helpers ---------------------------------------------------------------------------
     def _forward(self, engine: Engine, mirror: list[list[int]], rows: list[Row], role: str, *,

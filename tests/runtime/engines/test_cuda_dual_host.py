@@ -195,6 +195,8 @@ def test_greedy_speculation_through_the_dual_engine_is_plain_greedy(dual):
             rec = Recorder()
             out = run_together(scheduler, rec, [rec.request(p, max_tokens=12) for p in prompts], arrive_every=0)
             results[method, single] = out, calls
+            if draft is not None:  # greedy chains: the draft's rounds in one call (greedy_chain), not a call each
+                assert draft._decode.chains, single
     plain = results["none", True][0]
     assert all(len(t) == 12 for t in plain)
     for key, (tokens, calls) in results.items():
@@ -415,3 +417,58 @@ def test_a_one_token_tree_row_runs_on_the_attention_graph_and_sees_its_ancestors
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     engine.keep_rows(0, past, [1, 2])
     np.testing.assert_allclose(engine.forward([Row(0, [7])])[0], chain.forward([Row(0, [7])])[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["dual", "single", "gqa"])
+def test_a_greedy_chain_in_one_call_picks_the_tokens_of_a_call_per_round(dual, kind):
+    """greedy_chain: each round's ids bound to the last round's argmax output (on host memory here, through the
+    CPU provider), every round's inputs copied before the first; the tokens forward_greedy picks call by call, the
+    slots as long, and the cache the same (the next forward's logits equal): over all slots and some (padding rows
+    in the bucket), the same shapes again (bindings kept), and rounds that fill a slot's context to the end."""
+    from runtime.engines.base import Row
+    from runtime.engines.cuda import MAX_CHAIN_ROUNDS, CudaEngine
+
+    def make():
+        if kind == "gqa":
+            return CudaEngine(dual["gqa"], memory=HostMemory(), max_context=48, num_slots=3)
+        return engine_of(dual, single=kind == "single", max_context=48, num_slots=3)
+
+    chain, ref = make(), make()
+    rng = np.random.default_rng(9)
+    prompts = {0: rng.integers(2, 500, 5).tolist(), 1: rng.integers(2, 500, 9).tolist(),
+               2: rng.integers(2, 500, 40).tolist()}
+    first = {}
+    for e in (chain, ref):
+        for s, p in prompts.items():
+            first[s] = int(e.forward_greedy([Row(s, p)])[0][-1])
+    for slots, rounds in (((0, 1, 2), 3), ((1, 2), 2), ((0, 1, 2), 3), ((2,), 8), ((0, 1), 5)):
+        start = list(ref.slots.lengths)
+        rows = [Row(s, [first[s]]) for s in slots]
+        want = []
+        for _ in range(rounds):
+            picks = [int(t[-1]) for t in ref.forward_greedy(rows)]
+            want.append(picks)
+            rows = [Row(s, [t]) for s, t in zip(slots, picks)]
+        got = chain.greedy_chain([Row(s, [first[s]]) for s in slots], rounds)
+        assert [list(map(int, ids)) for ids in got] == [list(col) for col in zip(*want)], (slots, rounds)
+        assert chain.slots.lengths == ref.slots.lengths
+        for e in (chain, ref):  # the cache the chain wrote is what the calls wrote (slot 2 full: one back first)
+            e.rollback(2, min(e.slots.lengths[2], 47))
+        probe = [Row(s, [7]) for s in slots]
+        np.testing.assert_allclose(np.stack(chain.forward(probe)), np.stack(ref.forward(probe)), atol=1e-5)
+        for e in (chain, ref):
+            for s in slots:
+                e.rollback(s, start[s])
+    assert chain.greedy_chain([Row(2, [first[2]])], 9) is None and chain.slots.lengths[2] == 40  # past 48
+    assert chain.greedy_chain([Row(0, [first[0]])], MAX_CHAIN_ROUNDS + 1) is None
+    assert chain._decode.chains and len({k[:3] for k in chain._decode.chains}) == len(chain._decode.chains)
+
+
+def test_a_graph_without_the_argmax_output_declines_a_greedy_chain(dual):
+    """The float32 graphs have no argmax output: greedy_chain is None and nothing is run or advanced."""
+    from runtime.engines.base import Row
+
+    engine = engine_of(dual, fp32=True, max_context=48, num_slots=2)
+    engine.forward([Row(0, [3, 4, 5])])
+    assert not engine._has_argmax
+    assert engine.greedy_chain([Row(0, [6])], 3) is None and engine.slots.lengths == [3, 0]

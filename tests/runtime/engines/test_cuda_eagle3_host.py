@@ -247,7 +247,7 @@ def check_greedy_chains(graph, make):
     that fill a slot's context to the last entry; both heads' caches end equally long. Past the context, or
     past MAX_CHAIN_ROUNDS, it declines (None). Returns the head (test_cuda_engine.py runs this on a GPU)."""
     from runtime.serve.eagle3 import HeadRow
-    from runtime.serve.eagle3_cuda import MAX_CHAIN_ROUNDS
+    from runtime.engines.cuda import MAX_CHAIN_ROUNDS
     from runtime.serve.eagle3_slots import OnnxSlotsDrafter
 
     ref, head = OnnxSlotsDrafter(graph, max_context=64, num_slots=3), make(graph, 64, 3)
