@@ -421,17 +421,25 @@ def test_a_one_token_tree_row_runs_on_the_attention_graph_and_sees_its_ancestors
 
 @pytest.mark.parametrize("kind", ["dual", "single", "gqa"])
 def test_a_greedy_chain_in_one_call_picks_the_tokens_of_a_call_per_round(dual, kind):
-    """greedy_chain: each round's ids bound to the last round's argmax output (on host memory here, through the
-    CPU provider), every round's inputs copied before the first; the tokens forward_greedy picks call by call, the
-    slots as long, and the cache the same (the next forward's logits equal): over all slots and some (padding rows
-    in the bucket), the same shapes again (bindings kept), and rounds that fill a slot's context to the end."""
-    from runtime.engines.base import Row
-    from runtime.engines.cuda import MAX_CHAIN_ROUNDS, CudaEngine
+    """greedy_chain on host memory through the CPU provider (check_greedy_chain; test_cuda_engine.py on a GPU)."""
+    from runtime.engines.cuda import CudaEngine
 
     def make():
         if kind == "gqa":
             return CudaEngine(dual["gqa"], memory=HostMemory(), max_context=48, num_slots=3)
         return engine_of(dual, single=kind == "single", max_context=48, num_slots=3)
+
+    check_greedy_chain(make)
+
+
+def check_greedy_chain(make):
+    """greedy_chain of an engine `make()` (max_context 48, 3 slots): each round's ids bound to the last round's
+    argmax output, every round's inputs copied before the first; the tokens forward_greedy picks call by call on
+    another such engine, the slots as long, and the cache the same (the next forward's logits equal): over all
+    slots and some (padding rows in the bucket), the same shapes again (bindings kept), and rounds that fill a
+    slot's context to the end; past it, or past MAX_CHAIN_ROUNDS, None. Returns the engine."""
+    from runtime.engines.base import Row
+    from runtime.engines.cuda import MAX_CHAIN_ROUNDS
 
     chain, ref = make(), make()
     rng = np.random.default_rng(9)
@@ -462,6 +470,7 @@ def test_a_greedy_chain_in_one_call_picks_the_tokens_of_a_call_per_round(dual, k
     assert chain.greedy_chain([Row(2, [first[2]])], 9) is None and chain.slots.lengths[2] == 40  # past 48
     assert chain.greedy_chain([Row(0, [first[0]])], MAX_CHAIN_ROUNDS + 1) is None
     assert chain._decode.chains and len({k[:3] for k in chain._decode.chains}) == len(chain._decode.chains)
+    return chain
 
 
 def test_a_graph_without_the_argmax_output_declines_a_greedy_chain(dual):

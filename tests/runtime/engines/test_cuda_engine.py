@@ -18,6 +18,7 @@ from tests.bundler.onnx.test_parity import FP16_RTOL, check_parity
 from tests.runtime.engines.test_cuda_eagle3_host import (check_aux_rows, check_greedy_chains, check_head_over_slots,
                                                          fp16_close)
 from tests.runtime.engines.test_cuda_eagle3_host import eagle3  # noqa: F401 (the fixture)
+from tests.runtime.engines.test_cuda_dual_host import check_greedy_chain
 
 
 def _why_not() -> str | None:
@@ -256,6 +257,15 @@ def test_the_head_with_cuda_graphs_equals_it_on_the_cpu_provider(eagle3):
     # runs of a graph shape past its first two (ordinary run, capture) replay: not cold
     assert head.cold_runs == sum(min(n, 2) for n in head._graph_runs.values()) < head.runs
     assert max(head._graph_runs.values()) > 2
+
+
+@pytest.mark.parametrize("graph", ["dual", "gqa", "fp16"])
+def test_a_greedy_chain_on_the_gpu_picks_the_tokens_of_a_call_per_round(gpu_graphs, graph):
+    """CudaEngine.greedy_chain on the GPU (the draft model's greedy chains): its rounds CUDA graphs launched without
+    waiting for the last, each round's ids the last one's argmax output on the device; what a call per round picks."""
+    engine = check_greedy_chain(lambda: engine_for(gpu_graphs, graph, max_context=48, num_slots=3))
+    assert engine._replay, engine.cuda_graph_error
+    assert all(graph_id is not None for _, _, graph_id in engine._decode.chains.values())
 
 
 def test_greedy_chains_on_the_gpu_pick_the_tokens_of_the_cpu_providers_rounds(eagle3):
