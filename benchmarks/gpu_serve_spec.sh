@@ -23,6 +23,8 @@
 #   benchmarks/gpu_serve_spec.sh bench ARGS...   bench_serve_spec.py ARGS with the store and --out set
 #   benchmarks/gpu_serve_spec.sh after-draft NAME [ARGS...]   bench_plain_after_draft.py on an installed bundle (what
 #                                           a plain step costs after drafted ones; seconds, not minutes)
+#   benchmarks/gpu_serve_spec.sh step-times NAME --fixed CONFIG [ARGS...]   bench_step_times.py on an installed bundle
+#                                           (its adaptive length against a fixed one, step by step; seconds)
 #   benchmarks/gpu_serve_spec.sh tests [PYTEST ARGS...]   pytest over the installed onnxruntime-gpu (the host's pytest)
 #   benchmarks/gpu_serve_spec.sh eagle3-slots [ARGS...]   bench_eagle3_slots.py --cuda (the demo head alone: a step's
 #                                           chains per slot, over slots, with CUDA graphs, chained on the device)
@@ -93,6 +95,12 @@ case "$mode" in
     name=${1:?usage: $0 after-draft NAME [ARGS...]}; shift
     python3 benchmarks/bench_plain_after_draft.py "$name" --store "$store" --out "$out/bench_plain_after_draft_$name.md" \
       "$@" 2>&1 | tail -20 ;;
+  step-times)
+    environment
+    cd "$CODE" || exit 9
+    name=${1:?usage: $0 step-times NAME --fixed CONFIG [ARGS...]}; shift
+    python3 benchmarks/bench_step_times.py "$name" --store "$store" --out "$out/bench_step_times_$name.md" "$@" 2>&1 \
+      | grep -v "W:onnxruntime" | tail -40 ;;
   tests)
     environment
     cd "$CODE" || exit 9
@@ -103,5 +111,5 @@ case "$mode" in
     cd "$CODE" || exit 9
     python3 benchmarks/bench_eagle3_slots.py --cuda "$@" 2>&1 | tee "$out/bench_eagle3_slots.md" | tail -20 ;;
   *) echo "usage: $0 stash | prepare | bench BENCH_SERVE_SPEC_ARGS... | after-draft NAME [ARGS...] |" \
-       "tests [PYTEST ARGS...] | eagle3-slots [ARGS...]" >&2; exit 2 ;;
+       "step-times NAME --fixed CONFIG [ARGS...] | tests [PYTEST ARGS...] | eagle3-slots [ARGS...]" >&2; exit 2 ;;
 esac

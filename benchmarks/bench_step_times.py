@@ -1,0 +1,130 @@
+"""Where a speculative server's time goes, step by step: the bundle's adaptive length against a fixed one.
+
+Run by hand (nothing else heavy on the machine while it runs):
+    python benchmarks/bench_step_times.py NAME --store DIR [--fixed '{"method": ..., "adaptive": false}']
+        [--streams 1,8] [--tokens 256] [--rounds 3] [--out PATH]
+
+Why: through the server, a speculative bundle at its adaptive length can be slower than the same bundle at a
+fixed length even where both draft the same G on nearly every step (H100, 2026-12-07: 0.82x to 1.01x). A step of
+the scheduler is the unit both pay for; this times every one in this process (no HTTP), with the installed
+bundle's own engines and runner as `bundle serve` builds them: the bundle's own speculative config (plain
+decoding too, `--no-speculation`'s) and --fixed. Per mode and stream count, after a warm-up round: tokens/s, then
+per G the steps, their share of the time, the median and 99th percentile step and the tokens a step; the steps
+that ran a CUDA graph for the first time (its capture) apart, and the slowest steps with their G. Writes --out
+(default benchmarks/results/bench_step_times_<UTC date>.md) with the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_serve_spec import machine  # noqa: E402
+from runtime.serve.sampling import SamplingParams  # noqa: E402
+from runtime.serve.scheduler import EngineRequest, Scheduler  # noqa: E402
+
+PROMPTS = ["Write a Python function that reads a JSON config file and returns a dict.",
+           "Explain what a KV cache is in two sentences.",
+           "List five uses of a hash map.",
+           "Translate 'good morning, how are you' into French and German."]
+
+
+def cold_runs(runner) -> int:
+    """CUDA graph runs that were not replays so far (first runs and captures), target and draft together."""
+    return sum(getattr(e, "cold_runs", 0) for e in (runner.target, runner.draft, getattr(runner, "head", None))
+               if e is not None)
+
+
+def run_round(model, streams: int, tokens: int, clock=time.perf_counter) -> list[tuple[int, int, float, bool]]:
+    """`streams` requests at once to the end: per scheduler step (G chosen, tokens emitted, seconds, whether a
+    CUDA graph ran cold in it)."""
+    runner = model.runner
+    scheduler = Scheduler(runner, max_num_seqs=streams)
+    requests = [EngineRequest(prompt=model.tokenizer.encode(PROMPTS[i % len(PROMPTS)]),
+                              params=SamplingParams(temperature=0.0), max_tokens=tokens) for i in range(streams)]
+    for r in requests:
+        scheduler.add(r)
+    out = []
+    while scheduler.has_work():
+        produced, cold = sum(r.produced for r in requests), cold_runs(runner)
+        t0 = clock()
+        scheduler.step()
+        seconds = clock() - t0
+        g = runner.speculation.last if runner.speculation is not None else 0
+        out.append((g, sum(r.produced for r in requests) - produced, seconds, cold_runs(runner) > cold))
+    return out
+
+
+def summary(label: str, streams: int, steps: list[tuple[int, int, float, bool]], slowest: int = 3) -> list[str]:
+    """Table rows for one mode: the whole, then per G (cold steps apart), then the slowest steps."""
+    total = sum(s for _, _, s, _ in steps)
+    made = sum(n for _, n, _, _ in steps)
+    rows = [f"| {streams} | {label} | all | {len(steps)} | 100% | {made / total:.1f} tok/s | - | - | "
+            f"{made / len(steps):.2f} |"]
+    groups: dict[str, list] = {}
+    for g, n, s, cold in steps:
+        groups.setdefault("cold (a graph's first runs)" if cold else f"G = {g}", []).append((n, s))
+    for key in sorted(groups):
+        got = groups[key]
+        seconds = sorted(s for _, s in got)
+        p99 = seconds[min(len(seconds) - 1, int(0.99 * len(seconds)))]
+        rows.append(f"| {streams} | {label} | {key} | {len(got)} | {sum(seconds) / total:.1%} | "
+                    f"{sum(n for n, _ in got) / sum(seconds):.1f} tok/s | {statistics.median(seconds) * 1e3:.3f} ms | "
+                    f"{p99 * 1e3:.3f} ms | {sum(n for n, _ in got) / len(got):.2f} |")
+    worst = sorted(steps, key=lambda step: -step[2])[:slowest]
+    rows.append(f"| {streams} | {label} | slowest | " + ", ".join(
+        f"{s * 1e3:.1f} ms (G {g}{', cold' if cold else ''})" for g, _, s, cold in worst) + " | | | | | |")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("bundle", help="installed bundle NAME")
+    ap.add_argument("--store", required=True, help="the store it is installed in")
+    ap.add_argument("--fixed", required=True, help="the fixed-length --speculative-config to set beside the bundle's")
+    ap.add_argument("--streams", default="1,8", help="comma-separated concurrent requests")
+    ap.add_argument("--tokens", type=int, default=256, help="tokens each request generates")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds per mode and stream count (after a warm-up)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from runtime.server.loader import load_serving_model, parse_speculative_config
+    from runtime.store.store import Store
+
+    installed = Store(args.store).current(args.bundle)
+    modes = {"plain": load_serving_model(installed, no_speculation=True),
+             "own config": load_serving_model(installed),
+             "fixed": load_serving_model(installed, speculative=parse_speculative_config(args.fixed))}
+    lines = ["| streams | mode | steps | count | time | tokens/s | median step | p99 step | tokens a step |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    for streams in (int(x) for x in args.streams.split(",")):
+        for model in modes.values():
+            run_round(model, streams, args.tokens)  # warm-up: CUDA graphs captured, the length settled
+        steps = {label: [] for label in modes}
+        for _ in range(args.rounds):  # the modes alternated, so a slow spell of the machine hits each
+            for label, model in modes.items():
+                steps[label] += run_round(model, streams, args.tokens)
+        for label in modes:
+            lines += summary(label, streams, steps[label])
+    command = "benchmarks/bench_step_times.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    info = modes["own config"].info
+    lines = [f"`{command}`", "", f"{now:%Y-%m-%d %H:%M} UTC; {machine()}; target {info['engine']}; own config: "
+             f"{info['speculative']}; fixed: {modes['fixed'].info['speculative']}", "", *lines]
+    print("\n".join(lines))
+    out = args.out or REPO / "benchmarks" / "results" / f"bench_step_times_{now:%Y-%m-%d}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
