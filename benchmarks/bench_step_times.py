@@ -7,8 +7,10 @@ Run by hand (nothing else heavy on the machine while it runs):
 Why: through the server, a speculative bundle at its adaptive length can be slower than the same bundle at a
 fixed length even where both draft the same G on nearly every step (H100, 2026-12-07: 0.82x to 1.01x). A step of
 the scheduler is the unit both pay for; this times every one in this process (no HTTP), with the installed
-bundle's own engines and runner as `bundle serve` builds them: the bundle's own speculative config (plain
-decoding too, `--no-speculation`'s) and --fixed. Per mode and stream count, after a warm-up round: tokens/s, then
+bundle's own engines and runner as `bundle serve` builds them: plain decoding (`--no-speculation`'s), the bundle's
+own speculative config and --fixed, one after the other (each loaded alone and closed after: on a CPU target, the
+idle sessions' thread pools would otherwise share the cores with the one measured). Per mode and stream count,
+after a warm-up round: tokens/s, then
 per G the steps, their share of the time, the median and 99th percentile step and the tokens a step; the steps
 that ran a CUDA graph for the first time (its capture) apart, and the slowest steps with their G. Writes --out
 (default benchmarks/results/bench_step_times_<UTC date>.md) with the command line.
@@ -99,25 +101,32 @@ def main(argv=None) -> int:
     from runtime.store.store import Store
 
     installed = Store(args.store).current(args.bundle)
-    modes = {"plain": load_serving_model(installed, no_speculation=True),
-             "own config": load_serving_model(installed),
-             "fixed": load_serving_model(installed, speculative=parse_speculative_config(args.fixed))}
+    modes = {"plain": dict(no_speculation=True), "own config": {},
+             "fixed": dict(speculative=parse_speculative_config(args.fixed))}
+    streams = [int(x) for x in args.streams.split(",")]
+    results, info = {}, {}
+    for label, options in modes.items():
+        model = load_serving_model(installed, **options)
+        model.runner.allocate_slots(max(streams))  # as `bundle serve` does for --max-num-seqs
+        info[label] = model.info["speculative"]
+        for n in streams:
+            run_round(model, n, args.tokens)  # warm-up: CUDA graphs captured, the length settled
+            results[n, label] = [step for _ in range(args.rounds) for step in run_round(model, n, args.tokens)]
+        engine = model.info["engine"]
+        for e in (model.runner.target, model.runner.draft):
+            if e is not None and hasattr(e, "close"):
+                e.close()
+        del model
     lines = ["| streams | mode | steps | count | time | tokens/s | median step | p99 step | tokens a step |",
              "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
-    for streams in (int(x) for x in args.streams.split(",")):
-        for model in modes.values():
-            run_round(model, streams, args.tokens)  # warm-up: CUDA graphs captured, the length settled
-        steps = {label: [] for label in modes}
-        for _ in range(args.rounds):  # the modes alternated, so a slow spell of the machine hits each
-            for label, model in modes.items():
-                steps[label] += run_round(model, streams, args.tokens)
+    for n in streams:
         for label in modes:
-            lines += summary(label, streams, steps[label])
+            lines += summary(label, n, results[n, label])
     command = "benchmarks/bench_step_times.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     now = datetime.datetime.now(datetime.timezone.utc)
-    info = modes["own config"].info
-    lines = [f"`{command}`", "", f"{now:%Y-%m-%d %H:%M} UTC; {machine()}; target {info['engine']}; own config: "
-             f"{info['speculative']}; fixed: {modes['fixed'].info['speculative']}", "", *lines]
+    lines = [f"`{command}`", "", f"{now:%Y-%m-%d %H:%M} UTC; {machine()}; target {engine}; own config: "
+             f"{info['own config']}; fixed: {info['fixed']}; each mode loaded alone, {args.rounds} rounds after a "
+             f"warm-up one", "", *lines]
     print("\n".join(lines))
     out = args.out or REPO / "benchmarks" / "results" / f"bench_step_times_{now:%Y-%m-%d}.md"
     out.parent.mkdir(parents=True, exist_ok=True)

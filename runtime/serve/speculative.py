@@ -83,10 +83,15 @@ class SpecStats:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens a and b share: one slice comparison where one only grew from the other (the rule
-    between a cache's tokens and its sequence's), the loop only after a divergence."""
+    """How many leading tokens a and b share: one comparison where one only grew from the other (the rule
+    between a cache's tokens and its sequence's), the loop only after a divergence. Runs every step for every
+    drafting slot over its whole context, so two lists are compared copying only the longer one's head."""
     n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):
+    if isinstance(a, list) and isinstance(b, list):
+        same = (a if len(a) == n else a[:n]) == (b if len(b) == n else b[:n])
+    else:
+        same = list(a[:n]) == list(b[:n])
+    if same:
         return n
     i = 0
     while i < n and a[i] == b[i]:

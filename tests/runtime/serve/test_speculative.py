@@ -137,3 +137,12 @@ def test_ngram_lookup_proposes_the_continuation_of_the_latest_match():
     assert gen._lookup([1, 2, 3, 4, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
     assert gen._lookup([5, 6, 7, 8], 3) == []
     assert gen._lookup([4, 2, 9, 9, 9, 2, 9], 3) == [9, 9, 2]  # "2 9" seen at 1
+
+
+@pytest.mark.parametrize("a,b,want", [([1, 2, 3], [1, 2, 3, 4], 3), ([1, 2, 3, 4], [1, 2, 3], 3), ([1, 2, 3], [1, 2, 3], 3),
+                                      ([1, 9, 3], [1, 2, 3, 4], 1), ([], [1], 0), ([5], [6], 0),
+                                      ((1, 2, 7), [1, 2, 3], 2), ([1, 2], (1, 2, 3), 2)])
+def test_common_prefix_of_lists_and_other_sequences(a, b, want):
+    from runtime.serve.speculative import common_prefix
+
+    assert common_prefix(a, b) == want == common_prefix(b, a)
