@@ -23,8 +23,6 @@ benchmarks/results/bench_plain_after_draft_<UTC date>.md) with the command line.
 from __future__ import annotations
 
 import argparse
-import datetime
-import shlex
 import statistics
 import sys
 import time
@@ -33,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_serve_spec import machine  # noqa: E402
+from benchmarks.results_file import write_results  # noqa: E402
 from runtime.serve.sampling import SamplingParams  # noqa: E402
 from runtime.serve.scheduler import EngineRequest, Scheduler  # noqa: E402
 from runtime.serve.spec_referee import SETTLE  # noqa: E402
@@ -126,16 +124,8 @@ def main(argv=None) -> int:
     for _ in range(args.repeats):
         after += serve_one(model, Schedule(model.runner.speculation, args.g, args.drafted, args.period), args.tokens)
         plain += serve_one(model, Schedule(model.runner.speculation, args.g, 0, args.period), args.tokens)
-    command = "benchmarks/bench_plain_after_draft.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    lines = [f"`{command}`", "", f"{now:%Y-%m-%d %H:%M} UTC; {machine()}; target "
-             f"{model.info['engine']}; {model.info['speculative']}",
-             "", *table(after, plain, args.g, args.drafted)]
-    print("\n".join(lines))
-    out = args.out or REPO / "benchmarks" / "results" / f"bench_plain_after_draft_{now:%Y-%m-%d}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}")
+    write_results("bench_plain_after_draft.py", argv, f"target {model.info['engine']}; {model.info['speculative']}",
+                  table(after, plain, args.g, args.drafted), args.out)
     return 0
 
 

@@ -1,26 +1,24 @@
 """Where a speculative server's time goes, step by step: the bundle's adaptive length against a fixed one.
 
 Run by hand (nothing else heavy on the machine while it runs):
-    python benchmarks/bench_step_times.py NAME --store DIR [--fixed '{"method": ..., "adaptive": false}']
+    python benchmarks/bench_step_times.py NAME --store DIR --fixed '{"method": ..., "adaptive": false}'
         [--streams 1,8] [--tokens 256] [--rounds 3] [--out PATH]
 
 Why: through the server, a speculative bundle at its adaptive length can be slower than the same bundle at a
-fixed length even where both draft the same G on nearly every step (H100, 2026-12-07: 0.82x to 1.01x). A step of
+fixed length even where both draft the same G on nearly every step (docs/benchmarks.md has an H100's). A step of
 the scheduler is the unit both pay for; this times every one in this process (no HTTP), with the installed
 bundle's own engines and runner as `bundle serve` builds them: plain decoding (`--no-speculation`'s), the bundle's
 own speculative config and --fixed, one after the other (each loaded alone and closed after: on a CPU target, the
 idle sessions' thread pools would otherwise share the cores with the one measured). Per mode and stream count,
-after a warm-up round: tokens/s, then
-per G the steps, their share of the time, the median and 99th percentile step and the tokens a step; the steps
-that ran a CUDA graph for the first time (its capture) apart, and the slowest steps with their G. Writes --out
+after a warm-up round: tokens/s, then per G the steps, their share of the time, the median and 99th percentile
+step and the tokens a step; the steps that ran a CUDA graph for the first time (its capture) apart, and the
+slowest steps with their G. Writes --out
 (default benchmarks/results/bench_step_times_<UTC date>.md) with the command line.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import shlex
 import statistics
 import sys
 import time
@@ -29,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_serve_spec import machine  # noqa: E402
+from benchmarks.results_file import write_results  # noqa: E402
 from runtime.serve.sampling import SamplingParams  # noqa: E402
 from runtime.serve.scheduler import EngineRequest, Scheduler  # noqa: E402
 
@@ -122,16 +120,8 @@ def main(argv=None) -> int:
     for n in streams:
         for label in modes:
             lines += summary(label, n, results[n, label])
-    command = "benchmarks/bench_step_times.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    lines = [f"`{command}`", "", f"{now:%Y-%m-%d %H:%M} UTC; {machine()}; target {engine}; own config: "
-             f"{info['own config']}; fixed: {info['fixed']}; each mode loaded alone, {args.rounds} rounds after a "
-             f"warm-up one", "", *lines]
-    print("\n".join(lines))
-    out = args.out or REPO / "benchmarks" / "results" / f"bench_step_times_{now:%Y-%m-%d}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}")
+    write_results("bench_step_times.py", argv, f"target {engine}; own config: {info['own config']}; fixed: "
+                  f"{info['fixed']}; each mode loaded alone, {args.rounds} rounds after a warm-up one", lines, args.out)
     return 0
 
 
