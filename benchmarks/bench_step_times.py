@@ -37,12 +37,6 @@ PROMPTS = ["Write a Python function that reads a JSON config file and returns a 
            "Translate 'good morning, how are you' into French and German."]
 
 
-def cold_runs(runner) -> int:
-    """CUDA graph runs that were not replays so far (first runs and captures), target and draft together."""
-    return sum(getattr(e, "cold_runs", 0) for e in (runner.target, runner.draft, getattr(runner, "head", None))
-               if e is not None)
-
-
 def run_round(model, streams: int, tokens: int, clock=time.perf_counter) -> list[tuple[int, int, float, bool]]:
     """`streams` requests at once to the end: per scheduler step (G chosen, tokens emitted, seconds, whether a
     CUDA graph ran cold in it)."""
@@ -54,12 +48,12 @@ def run_round(model, streams: int, tokens: int, clock=time.perf_counter) -> list
         scheduler.add(r)
     out = []
     while scheduler.has_work():
-        produced, cold = sum(r.produced for r in requests), cold_runs(runner)
+        produced, cold = sum(r.produced for r in requests), runner._cold_runs()  # graphs' first runs so far
         t0 = clock()
         scheduler.step()
         seconds = clock() - t0
         g = runner.speculation.last if runner.speculation is not None else 0
-        out.append((g, sum(r.produced for r in requests) - produced, seconds, cold_runs(runner) > cold))
+        out.append((g, sum(r.produced for r in requests) - produced, seconds, runner._cold_runs() > cold))
     return out
 
 
