@@ -272,7 +272,7 @@ def check_greedy_chains(graph, make):
             for s in slots:
                 h.rollback(s, start[s])
     full = [HeadRow(2, [first[1][2][0]], first[1][2][1], False)]
-    assert head.greedy_chains(full, 7) is None and head._lengths[2] == 58  # 58 + 7 > 64: not a token run
+    assert head.greedy_chains(full, 7) is None and head._lengths[2] == 58  # 58 + 7 > 64: declined, nothing run
     row = [HeadRow(0, [first[1][0][0]], first[1][0][1], False)]
     assert head.greedy_chains(row, MAX_CHAIN_ROUNDS + 1) is None and head._lengths[0] == 5
     return head
