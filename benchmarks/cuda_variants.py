@@ -233,7 +233,9 @@ class Runner:
     def _bind(self, batch: int, width: int, lengths: list[int]):
         """Bindings + host-visible input tensors for a step of `batch` rows of `width` tokens."""
         torch = self.torch
-        window = min(self.capacity, max(256, 1 << (max(lengths) + width - 1).bit_length()))
+        from runtime.engines.cuda import graph_window  # the engine's rounding, so shapes match its graphs
+
+        window = graph_window(max(lengths) + width, self.capacity)
         key = (batch, width, window)
         if key in self.bindings:
             return self.bindings[key]

@@ -85,11 +85,19 @@ TYPES = {"tensor(float)": (np.float32, np.float32), "tensor(float16)": (np.float
 PRECISION = {"tensor(float)": "fp32", "tensor(float16)": "fp16", "tensor(bfloat16)": "bf16"}
 #: Steps whose rows are at most this many tokens run as CUDA graphs (decode; verification of k+1 drafts).
 GRAPH_MAX_WIDTH = 8
+#: A graph run's attention window is a power of two at least this long (fewer captures), at most the capacity.
+MIN_WINDOW = 256
 #: A greedy chain's rounds in one call at most (the size of its tokens' buffer); longer chains run call by call.
 MAX_CHAIN_ROUNDS = 16
 #: The first runs of a graph id are not replays: ONNX Runtime runs it once ordinarily (its memory planned), then
 #: captures it (onnxruntime's min_num_runs_before_cuda_graph_capture_ is 1); Engine.cold_runs counts them.
 GRAPH_WARMUP = 2
+
+
+def graph_window(rows: int, capacity: int) -> int:
+    """The attention window of a graph run whose rows reach cache row `rows`: rounded up to a power of two (at least
+    MIN_WINDOW, at most `capacity`), so one captured graph serves every length up to it."""
+    return min(capacity, max(MIN_WINDOW, 1 << (rows - 1).bit_length()))
 
 
 def batch_buckets(num_slots: int) -> list[int]:
@@ -450,15 +458,13 @@ class CudaEngine(Engine):
             return None
         if any(len(r.tokens) != 1 or r.tree is not None for r in rows):
             raise ValueError("expected decode rows: one token each, no tree")
+        self.check_rows(rows)
         slots = [r.slot for r in rows]
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"expected at most one row per slot, found slots {slots}")
         lengths = list(self.slots.lengths)
         if any(lengths[s] + rounds > self.max_context for s in slots):
             return None
         hi, cap = next(b for b in self.buckets if b > max(slots)), self.capacity
-        window = min(cap, max(256, 1 << (max(lengths[s] for s in slots) + rounds - 1).bit_length())) \
-            if lane.windowed else cap
+        window = graph_window(max(lengths[s] for s in slots) + rounds, cap) if lane.windowed else cap
         tokens = self._scratch_buffer(f"chain-tokens-{hi}", MAX_CHAIN_ROUNDS * hi * 8)
         launches = []
         for r in range(rounds):  # round r's inputs at the lengths it writes at; its ids from the last round's argmax
@@ -541,7 +547,7 @@ class CudaEngine(Engine):
         if lane.windowed:
             window = max(self.slots.lengths[r.slot] for r in group) + width
             if use_graph:
-                window = min(cap, max(256, 1 << (window - 1).bit_length()))
+                window = graph_window(window, cap)
         graph_id = lane.graphs.setdefault((hi, width, window, self._generation), len(lane.graphs) + 1) \
             if use_graph else None
         if graph_id is not None:

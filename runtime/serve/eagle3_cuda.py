@@ -32,14 +32,13 @@ from pathlib import Path
 import numpy as np
 
 from manifests.errors import EnvironmentProblem
-from runtime.engines.cuda import GRAPH_MAX_WIDTH, GRAPH_WARMUP, MAX_CHAIN_ROUNDS, batch_buckets
+from runtime.engines.cuda import GRAPH_MAX_WIDTH, GRAPH_WARMUP, MAX_CHAIN_ROUNDS, batch_buckets, graph_window
 from runtime.engines.cudalib import D2H, H2D, Cudart, DeviceBuffer, grow_buffer, onnxruntime_cuda, pack_aligned
 from runtime.serve.eagle3 import HeadRow, open_head_graph
 from runtime.serve.eagle3_slots import OnnxSlotsDrafter
 
 log = logging.getLogger(__name__)
 
-MIN_WINDOW = 256  # a graph run's attention window is a power of two at least this long (fewer captures)
 
 
 def cuda_graph_providers(device_id: int = 0) -> list:
@@ -106,8 +105,7 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
         lo, window = 0 if graph else min(r.slot for r in group), None
         if graph:  # slots 0..bucket-1 at the same addresses every time, the window a power of two
             hi = next(b for b in self.buckets if b >= hi)
-            window = max(self._lengths[r.slot] for r in group) + width
-            window = min(self.capacity, max(MIN_WINDOW, 1 << (window - 1).bit_length()))
+            window = graph_window(max(self._lengths[r.slot] for r in group) + width, self.capacity)
         inputs = self._inputs(group, from_target, lo, hi, window)
         batch, window = hi - lo, inputs["attention_mask"].shape[-1]
         parts = list(inputs.items())
@@ -163,14 +161,11 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
             return None
         if any(len(r.tokens) != 1 or r.from_target or r.tree is not None for r in rows):
             raise ValueError("expected chain rows: one token each, the head's own features, no tree")
-        slots = [r.slot for r in rows]
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"expected at most one row per slot, found slots {slots}")
+        slots = self._one_row_per_slot(rows)
         if any(self._lengths[s] + rounds > self.max_context for s in slots):
             return None
         hi = next(b for b in self.buckets if b > max(slots))
-        window = max(self._lengths[s] for s in slots) + rounds
-        window = min(self.capacity, max(MIN_WINDOW, 1 << (window - 1).bit_length()))
+        window = graph_window(max(self._lengths[s] for s in slots) + rounds, self.capacity)
         tokens = grow_buffer(self._scratch, ("chain-tokens", hi), self.cudart, MAX_CHAIN_ROUNDS * hi * 8)
         placeholders = [HeadRow(s, [0], np.zeros((1, self.hidden_size), np.float32), False) for s in slots]
         launches = []

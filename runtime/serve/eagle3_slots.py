@@ -153,9 +153,7 @@ class OnnxSlotsDrafter(SlotsDrafter):
         self._lengths[slot] = length
 
     def forward(self, rows):
-        slots = [r.slot for r in rows]
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"expected at most one row per slot, found slots {slots}")
+        self._one_row_per_slot(rows)
         for r in rows:
             if self._lengths[r.slot] + len(r.tokens) > self.max_context:
                 raise ModelError(f"EAGLE-3 head context full: {self._lengths[r.slot]} cached + {len(r.tokens)} "
@@ -169,6 +167,14 @@ class OnnxSlotsDrafter(SlotsDrafter):
                 out.update(self._run(group, kind))
         empty = (np.zeros((0, self.vocab_size), np.float32), np.zeros((0, self.hidden_size), np.float32))
         return [out.get(r.slot, empty) for r in rows]
+
+    @staticmethod
+    def _one_row_per_slot(rows) -> list[int]:
+        """The rows' slots, refused (ValueError) where one appears twice."""
+        slots = [r.slot for r in rows]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"expected at most one row per slot, found slots {slots}")
+        return slots
 
     def _inputs(self, group: list[HeadRow], from_target: bool, lo: int, hi: int, window: int | None = None) -> dict:
         """The graph's row inputs for one run over slots lo..hi-1 (name -> array): ids and positions padded to the

@@ -226,7 +226,8 @@ def test_the_head_on_device_buffers_runs_graph_shapes_and_proposes_as_the_head_o
     memory, its graph shapes on: runs of at most GRAPH_MAX_WIDTH tokens a row pad to a bucket of slots 0..b-1 and
     a window of a power of two, one binding kept per shape (what a captured graph replays); longer catch-ups
     run over the slots they need. Every output equals OnnxSlotsDrafter's."""
-    from runtime.serve.eagle3_cuda import MIN_WINDOW, CudaSlotsDrafter
+    from runtime.engines.cuda import MIN_WINDOW
+    from runtime.serve.eagle3_cuda import CudaSlotsDrafter
 
     memory = HostMemory()
     made = check_head_over_slots(eagle3["head"], lambda graph, context, slots: CudaSlotsDrafter(
