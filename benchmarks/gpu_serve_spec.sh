@@ -48,6 +48,11 @@ environment() {  # onnxruntime-gpu links the CUDA 13 libraries by name: those of
   export LD_LIBRARY_PATH=$NV:${LD_LIBRARY_PATH:-} PYTHONPATH=$site:$CODE PYTHONUNBUFFERED=1
 }
 
+in_code() {  # the environment above, in the repository root
+  environment
+  cd "$CODE" || exit 9
+}
+
 case "$mode" in
   stash)
     cp "$CODE"/.gpu/p[0-9]* "$CODE"/.gpu/ort.sha256 "$stash"/ 2>/dev/null
@@ -81,8 +86,7 @@ case "$mode" in
       create demoe3 --speculative-config '{"method": "eagle3", "num_speculative_tokens": 3}'
     } 2>&1 | tee -a "$out/prepare.log" | tail -40 ;;
   bench)
-    environment
-    cd "$CODE" || exit 9
+    in_code
     rm -rf /tmp/serve-logs && mkdir -p /tmp/serve-logs
     timeout "${BENCH_TIMEOUT:-560}" python3 benchmarks/bench_serve_spec.py "$@" --store "$store" --out "$out" \
       --log-dir /tmp/serve-logs 2>&1 | tee "$out/bench.log" | tail -60
@@ -90,25 +94,21 @@ case "$mode" in
     tar czf "$out/server-logs.tgz" -C /tmp serve-logs  # (few files come back: the servers' logs in one)
     exit $rc ;;
   after-draft)
-    environment
-    cd "$CODE" || exit 9
+    in_code
     name=${1:?usage: $0 after-draft NAME [ARGS...]}; shift
     python3 benchmarks/bench_plain_after_draft.py "$name" --store "$store" --out "$out/bench_plain_after_draft_$name.md" \
       "$@" 2>&1 | tail -20 ;;
   step-times)
-    environment
-    cd "$CODE" || exit 9
+    in_code
     name=${1:?usage: $0 step-times NAME --fixed CONFIG [ARGS...]}; shift
     python3 benchmarks/bench_step_times.py "$name" --store "$store" --out "$out/bench_step_times_$name.md" "$@" 2>&1 \
       | grep -v "W:onnxruntime" | tail -40 ;;
   tests)
-    environment
-    cd "$CODE" || exit 9
+    in_code
     timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log" \
       | tail -30 ;;
   eagle3-slots)
-    environment
-    cd "$CODE" || exit 9
+    in_code
     python3 benchmarks/bench_eagle3_slots.py --cuda "$@" 2>&1 | tee "$out/bench_eagle3_slots.md" | tail -20 ;;
   *) echo "usage: $0 stash | prepare | bench BENCH_SERVE_SPEC_ARGS... | after-draft NAME [ARGS...] |" \
        "step-times NAME --fixed CONFIG [ARGS...] | tests [PYTEST ARGS...] | eagle3-slots [ARGS...]" >&2; exit 2 ;;
