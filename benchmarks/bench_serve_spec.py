@@ -17,7 +17,7 @@ config (the adaptive length, runtime.serve.spec_length), one per --spec-config, 
 installed bundle of the same target model (another method: a draft model against an EAGLE-3 head) served with its
 own config or the JSON after "=", so that methods compare against one plain run. The client is the
 official `openai` package (AsyncOpenAI): each of N streams sends --requests streamed chat completions back
-to back (more where --run-tokens asks for more tokens per run), --tokens tokens each (ignore_eos), greedy,
+to back (more where --run-tokens asks for more tokens per run), --tokens tokens each (ignore_eos), greedy (or at --temperature),
 the streams spread over --client-procs processes starting together (default one per 2 CPUs: one process
 parsing every chunk caps plain decoding at its parse rate, and drafting, whose chunks carry several tokens,
 would be measured against the client).
@@ -154,9 +154,10 @@ class Server:
 
 # --- the client ------------------------------------------------------------------------------------
 async def _drive(url: str, model: str, prompt: str, streams: int, requests: int, tokens: int,
-                 start_at: float | None = None) -> dict:
+                 start_at: float | None = None, temperature: float = 0.0) -> dict:
     """`streams` concurrent streams of `requests` chat completions each; `start_at` (time.perf_counter, the
-    system's monotonic clock, the same in every process): the moment to begin, so client processes start together."""
+    system's monotonic clock, the same in every process): the moment to begin, so client processes start together.
+    `temperature` 0: greedy."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
@@ -169,7 +170,7 @@ async def _drive(url: str, model: str, prompt: str, streams: int, requests: int,
             first = None
             stream = await client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": prompt}], max_tokens=tokens,
-                temperature=0, stream=True, stream_options={"include_usage": True},
+                temperature=temperature, stream=True, stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True})
             async for chunk in stream:
                 if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -219,16 +220,17 @@ def client_processes(spec: str) -> int:
     return max(1, cpus // 2)
 
 
-async def _drive_all(server: Server, prompt: str, streams: int, requests: int, tokens: int, pool, procs: int) -> dict:
+async def _drive_all(server: Server, prompt: str, streams: int, requests: int, tokens: int, pool, procs: int,
+                     temperature: float) -> dict:
     """The streams from this process, or spread over `procs` processes of `pool`."""
     shares = split(streams, procs if pool is not None else 1)
     if len(shares) == 1:
-        parts = [await _drive(server.url, server.model, prompt, streams, requests, tokens)]
+        parts = [await _drive(server.url, server.model, prompt, streams, requests, tokens, None, temperature)]
     else:
         start_at = time.perf_counter() + 0.3  # every process has its client made and waits for this moment
         loop = asyncio.get_running_loop()
         parts = await asyncio.gather(*(loop.run_in_executor(pool, _drive_part, (
-            server.url, server.model, prompt, n, requests, tokens, start_at)) for n in shares))
+            server.url, server.model, prompt, n, requests, tokens, start_at, temperature)) for n in shares))
     tokens_out = sum(p["tokens"] for p in parts)
     wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
     ttfts = [t for p in parts for t in p["ttfts"]]
@@ -236,9 +238,10 @@ async def _drive_all(server: Server, prompt: str, streams: int, requests: int, t
             "client_procs": len(parts)}
 
 
-def run_once(server: Server, prompt: str, streams: int, requests: int, tokens: int, pool=None, procs: int = 1) -> dict:
+def run_once(server: Server, prompt: str, streams: int, requests: int, tokens: int, pool=None, procs: int = 1,
+             temperature: float = 0.0) -> dict:
     before = server.metrics()
-    row = asyncio.run(_drive_all(server, prompt, streams, requests, tokens, pool, procs))
+    row = asyncio.run(_drive_all(server, prompt, streams, requests, tokens, pool, procs, temperature))
     after = server.metrics()
 
     def delta(name: str) -> float:
@@ -412,6 +415,9 @@ def main(argv=None) -> int:
                     help="at least this many completion tokens per run (more requests per stream at few streams)")
     ap.add_argument("--control", action="store_true",
                     help="a second --no-speculation server, 'plain (control)': the noise floor of 'vs plain'")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="every request's temperature (default 0: greedy; sampled requests are verified by rejection "
+                         "sampling)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (median reported), after a warm-up")
     ap.add_argument("--long-words", type=int, default=300, help="about how many words the long prompt has")
     ap.add_argument("--prompts", default="short,long", help="which prompts: short,long")
@@ -476,7 +482,8 @@ def main(argv=None) -> int:
                                     other.pause()
                         server.resume()
                         row = run_once(server, prompt, n, requests_for(n, args.requests, args.tokens,
-                                                                       args.run_tokens), args.tokens, pool, procs)
+                                                                       args.run_tokens), args.tokens, pool, procs,
+                                       args.temperature)
                         if rep:  # the first round warms every server up at this stream count
                             runs.setdefault((n, pname, server.label), []).append(row)
                         print(f"  {n} streams, {pname}, {server.label}, run {rep}: {row['tok_s']:.1f} tok/s",
@@ -499,7 +506,8 @@ def main(argv=None) -> int:
     command = "python benchmarks/bench_serve_spec.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     header = (f"`{command}`\n\n{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; {machine()}; bundle "
               f"{bundle}; {args.tokens} tokens per request, {args.requests} requests per stream (at least "
-              f"{args.run_tokens} tokens a run), greedy, median of "
+              f"{args.run_tokens} tokens a run), "
+              f"{f'temperature {args.temperature}' if args.temperature else 'greedy'}, median of "
               f"{args.repeats} after a warm-up, streams spread over {procs} client process(es), "
               f"{'the other servers stopped (SIGSTOP) during each run' if args.pause_idle else 'every server running'}"
               + (f", servers on CPUs {_span(server_cpus)} and clients on {_span(client_cpus)}" if args.pin else "")

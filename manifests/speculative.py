@@ -4,9 +4,9 @@ A user pastes the JSON they already run with `vllm serve --speculative-config`, 
 '{"method": "draft_model", "model": "org/draft", "num_speculative_tokens": 3}'. Both commands
 accept the same keys with the same meaning: vLLM keys that only tune vLLM's own scheduler are
 accepted and kept (`extra`) but change nothing; a key vLLM does not know is refused, as vLLM
-would, because it is almost always a typo (two keys of this tool's own are accepted beside them: "tree",
+would, because it is almost always a typo (three keys of this tool's own are accepted beside them: "tree",
 token-tree proposals for draft_model, eagle3 and ngram, runtime.serve.spec_tree; "adaptive", false for a fixed
-length every step, runtime.serve.spec_length). What differs is only what each command can do with
+length every step, runtime.serve.spec_length; "sampled_drafts", how sampled requests draft, runtime.serve.model_runner). What differs is only what each command can do with
 the result: create bundles a draft model or an EAGLE-3 head (`bundled_draft`), serve runs the
 bundle's own draft or head or prompt lookup and refuses a `model` that is not the bundle's (`check_draft`).
 Methods this version does not run are refused by name with what a bundle would need (NOT_SUPPORTED).
@@ -51,8 +51,9 @@ VLLM_KEYS = ("method", "model", "num_speculative_tokens", "revision", "code_revi
              "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
              "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 #: Keys of this tool's own beside vLLM's (kept in `extra`): "tree", token-tree proposals (draft_model, eagle3, ngram);
-#: "adaptive": false verifies num_speculative_tokens every step (as vLLM does) instead of the measured best length.
-OWN_KEYS = ("tree", "adaptive")
+#: "adaptive": false verifies num_speculative_tokens every step (as vLLM does) instead of the measured best length;
+#: "sampled_drafts": "auto", "argmax" or "draw", how sampled requests draft (runtime.serve.model_runner.SAMPLED_DRAFTS).
+OWN_KEYS = ("tree", "adaptive", "sampled_drafts")
 #: Keys this tool acts on; the other VLLM_KEYS land in `extra`.
 USED_KEYS = ("method", "model", "num_speculative_tokens", "revision", "prompt_lookup_max", "prompt_lookup_min")
 #: vLLM's older spelling of prompt lookup: the model name "[ngram]".

@@ -160,6 +160,9 @@ class Engine(ABC):
         return [lg if row.slot in logits_for else np.asarray(lg).argmax(-1)
                 for row, lg in zip(rows, self.forward(rows))]
 
+    #: greedy_chain runs every round on the device (declining only a chain its slots' context cannot hold)
+    chains_on_device = False
+
     def greedy_chain(self, rows: Sequence[Row], rounds: int) -> list[np.ndarray] | None:
         """Greedy decoding of `rounds` tokens for each row (one token each, at most one row per slot) in one call:
         each round appends a token to every row's slot and the next round's token is the argmax of its logits

@@ -444,6 +444,11 @@ class CudaEngine(Engine):
                 out[r.slot] = self._run_one(r.slot, r.tokens, wants[r.slot])
         return [out[r.slot] for r in rows]
 
+    @property
+    def chains_on_device(self) -> bool:
+        return bool(self.batched and self._has_argmax and self._states is None and not self.aux_width
+                    and self._headroom >= 1)
+
     def greedy_chain(self, rows: Sequence[Row], rounds: int) -> list[np.ndarray] | None:
         """`rounds` single-token decode calls for the rows in one go: round r + 1's input ids are round r's `argmax`
         output where it lies, on the device; every round's small inputs go over in one copy before the first, the
@@ -453,8 +458,7 @@ class CudaEngine(Engine):
         for a graph without the argmax output, hybrids and EAGLE-3 targets, more than MAX_CHAIN_ROUNDS rounds, or
         a slot whose context cannot hold them."""
         lane = self._decode
-        if not (self.batched and self._has_argmax and self._states is None and not self.aux_width
-                and self._headroom >= 1 and 1 <= rounds <= MAX_CHAIN_ROUNDS):
+        if not (self.chains_on_device and 1 <= rounds <= MAX_CHAIN_ROUNDS):
             return None
         if any(len(r.tokens) != 1 or r.tree is not None for r in rows):
             raise ValueError("expected decode rows: one token each, no tree")

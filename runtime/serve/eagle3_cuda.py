@@ -153,11 +153,15 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
             options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         return options
 
+    @property
+    def chains_on_device(self) -> bool:
+        return self._argmax and self._headroom >= 1
+
     def greedy_chains(self, rows, rounds):
         """All rounds in one call (the module docstring): slots 0..bucket-1 as a graph run's, one attention window
         for every round; None for a head without the argmax output, more than MAX_CHAIN_ROUNDS rounds, or a
         slot whose context cannot hold them (the caller runs those round by round)."""
-        if not self._argmax or self._headroom < 1 or not 1 <= rounds <= MAX_CHAIN_ROUNDS:
+        if not (self.chains_on_device and 1 <= rounds <= MAX_CHAIN_ROUNDS):
             return None
         if any(len(r.tokens) != 1 or r.from_target or r.tree is not None for r in rows):
             raise ValueError("expected chain rows: one token each, the head's own features, no tree")

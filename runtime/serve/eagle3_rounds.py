@@ -27,7 +27,8 @@ from runtime.serve.spec_tree import Tree
 
 class ChainJob:
     """g chain proposals for one slot: `pick(logits row, drafts so far)` -> (token, q or None). `greedy`: pick
-    is the row's argmax (greedy sampling, no logits processor), so the head may chain the rounds itself."""
+    is the row's argmax (no logits processor; greedy sampling, or a sampled request's argmax proposals), so the
+    head may chain the rounds itself."""
 
     def __init__(self, proposer: ChainProposer, tokens: Sequence[int], g: int, pick, greedy: bool = False):
         self.proposer, self.tokens, self.g, self.pick, self.greedy = proposer, tokens, g, pick, greedy

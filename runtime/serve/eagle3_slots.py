@@ -65,6 +65,9 @@ class SlotsDrafter(ABC):
     def rollback(self, slot: int, length: int) -> None:
         """Forget slot's entries at position >= length."""
 
+    #: greedy_chains runs every round on the device (declining only chains their slots' context cannot hold)
+    chains_on_device = False
+
     def greedy_chains(self, rows: Sequence[HeadRow], rounds: int) -> list[np.ndarray] | None:
         """Run `rounds` chain rounds for the rows (one draft token each, at most one row per slot), each next
         round's token the argmax of the last one's logits and its feature the last one's hidden state; per row

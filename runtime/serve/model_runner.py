@@ -46,17 +46,26 @@ def as_slots(engine):
     raise TypeError(f"expected an Engine, found {type(engine).__name__}")
 
 
+#: How sampled requests draft: "draw" from the drafter's q; "argmax", the drafter's argmax (a one-hot q: accepted with
+#: probability p(d), else a draw from p without d, so the output is the target's distribution either way), which is
+#: accepted less often where p is flat but chains on the device (one call for every round); "auto": argmax where the
+#: drafter chains on the device, else draw.
+SAMPLED_DRAFTS = ("auto", "argmax", "draw")
+
+
 class ModelRunner:
     def __init__(self, target: Engine, draft: Engine | None = None, method: str = "none",
                  num_speculative_tokens: int = 3, *, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
                  clock=time.perf_counter, greedy_argmax: bool = True, adaptive: bool = True,
-                 disable_by_batch_size: int | None = None, tree: TreeOptions | None = None):
+                 disable_by_batch_size: int | None = None, tree: TreeOptions | None = None,
+                 sampled_drafts: str = "auto"):
         """`greedy_argmax`: a step whose decoding rows are all greedy asks the target for the argmax
         only (Engine.forward_greedy); False always fetches logits (the reference in tests).
         `adaptive`: pick each step's number of proposals from measured costs (runtime.serve.spec_length);
         False verifies num_speculative_tokens every step. `disable_by_batch_size`: vLLM's key.
         `tree`: draft_model, eagle3 and ngram propose token trees (runtime.serve.spec_tree) of depth up to
-        num_speculative_tokens, where the engines (and the EAGLE-3 head) run them; None: chains."""
+        num_speculative_tokens, where the engines (and the EAGLE-3 head) run them; None: chains.
+        `sampled_drafts`: one of SAMPLED_DRAFTS."""
         if method not in METHODS:
             raise UsageError(f"speculative method must be one of {', '.join(METHODS)}, found {method!r}")
         if method == "draft_model" and draft is None:
@@ -71,6 +80,8 @@ class ModelRunner:
         if draft is not None and method in ("draft_model", "eagle3") and draft.vocab_size != target.vocab_size:
             # Logit rows must index the same tokens; a smaller draft vocabulary would need padding.
             raise UsageError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
+        if sampled_drafts not in SAMPLED_DRAFTS:
+            raise UsageError(f"sampled_drafts must be one of {', '.join(SAMPLED_DRAFTS)}, found {sampled_drafts!r}")
         if tree is not None and method not in TREE_METHODS:
             raise UsageError(f'speculative "tree" needs method {", ".join(TREE_METHODS)}, found {method!r}')
         if tree is not None and not (target.supports_tree and (draft is None or draft.supports_tree)):
@@ -87,6 +98,10 @@ class ModelRunner:
         self.target = target
         self.draft = draft if method == "draft_model" else None
         self.head = draft if method == "eagle3" else None  # runtime.serve.eagle3.Drafter
+        #: sampled requests draft the drafter's argmax (SAMPLED_DRAFTS; "auto": where it chains its rounds on the
+        #: device, so they too draft without a host round trip per token, as vLLM's and SGLang's EAGLE drafts do)
+        self.argmax_sampled = sampled_drafts == "argmax" or (
+            sampled_drafts == "auto" and bool(getattr(self.draft or self.head, "chains_on_device", False)))
         self.method = method
         self.num_speculative_tokens = num_speculative_tokens if method != "none" else 0
         self.prompt_lookup_min = prompt_lookup_min
@@ -207,6 +222,11 @@ class ModelRunner:
     def _draft_holds(self, r) -> int:
         """Tokens of r the draft's cache holds and keeps (all but the last at most: the draft reads it now)."""
         return min(common_prefix(self.draft_cache[r.slot], r.tokens), len(r.tokens) - 1)
+
+    def drafts_argmax(self, r) -> bool:
+        """r's proposals are the drafter's argmax (q one-hot): greedy requests, and sampled ones where the
+        drafter chains on the device (argmax_sampled); never under a logits processor, which masks the draft."""
+        return not r.logits_processors and (r.params.greedy or self.argmax_sampled)
 
     def uses_draft(self, request) -> bool:
         return self.draft is not None and request.speculative
@@ -459,8 +479,8 @@ class ModelRunner:
             self._catch_up = True
         if isinstance(self.head, SlotsDrafter):
             jobs = {r.slot: TreeJob(self.eagle[r.slot], r.tokens, g, self._grower(r, g)) if self.drafts_tree(g, r)
-                    else ChainJob(self.eagle[r.slot], r.tokens, g, self._picker(r),
-                                  greedy=r.params.greedy and not r.logits_processors) for r, g in wanting}
+                    else ChainJob(self.eagle[r.slot], r.tokens, g, self._picker(r), greedy=self.drafts_argmax(r))
+                    for r, g in wanting}
             runs = self.head.runs
             propose_all(self.head, list(jobs.values()))
             self.stats.draft_forwards += self.head.runs - runs
@@ -475,9 +495,12 @@ class ModelRunner:
             self.stats.draft_forwards += g
         return out
 
-    @staticmethod
-    def _picker(r):
-        """pick(logits, drafts) for an EAGLE-3 chain: r's sampling, its logits processors seeing the drafts."""
+    def _picker(self, r):
+        """pick(logits, drafts) for an EAGLE-3 chain: the argmax (drafts_argmax), else r's sampling, its logits
+        processors seeing the drafts."""
+        if self.drafts_argmax(r):
+            return lambda logits, drafts: (int(np.argmax(logits)), None)
+
         def pick(logits, drafts):
             return propose_token(logits, r.params, r.rng, r.logits_processors, r.output_ids + drafts)
         return pick
@@ -553,9 +576,9 @@ class ModelRunner:
             out[r.slot] = ([], [])
         if not rows:
             return out
-        # Greedy proposals without a logits processor are the draft's argmax: only that comes back.
+        # Argmax proposals (drafts_argmax) need only the draft's argmax: only that comes back.
         # Trees read the draft's logits (top-k children, or draws from q).
-        sampled = {r.slot for r, _ in wanting if not (r.params.greedy and not r.logits_processors)}
+        sampled = {r.slot for r, _ in wanting if not self.drafts_argmax(r)}
         trees = any(self.drafts_tree(g, r) for r, g in wanting)  # the step drafts trees for every slot, or chains
         if trees:
             sampled = {r.slot for r, _ in wanting}
@@ -578,8 +601,8 @@ class ModelRunner:
                 if i >= g:
                     continue
                 drafts, qs = out[r.slot]
-                if greedy and r.slot not in sampled:  # last[r.slot]: the draft's argmax token
-                    d, q = int(last[r.slot]), None
+                if r.slot not in sampled:  # last[r.slot]: the draft's argmax token (greedy), else its logits
+                    d, q = int(last[r.slot] if greedy else np.argmax(last[r.slot])), None
                 else:
                     d, q = propose_token(last[r.slot], r.params, r.rng, r.logits_processors, r.output_ids + drafts)
                 drafts.append(d)

@@ -15,7 +15,7 @@ from manifests.families import EAGLE3_ARCHITECTURES
 from manifests.schema import Manifest, Speculative
 from runtime.serve.chat_template import ChatTemplate
 from runtime.server.serving_engine import ServingModel
-from runtime.serve.model_runner import ModelRunner, as_slots
+from runtime.serve.model_runner import SAMPLED_DRAFTS, ModelRunner, as_slots
 from runtime.serve.spec_tree import TreeOptions
 from runtime.serve.tokenizer import Tokenizer
 
@@ -64,7 +64,8 @@ def build_runner(target, draft, spec: Speculative, *, adaptive: bool = True) -> 
     return ModelRunner(as_slots(target), draft if spec.method == "eagle3" else as_slots(draft), spec.method,
                        spec.num_speculative_tokens, prompt_lookup_min=lo, prompt_lookup_max=hi,
                        adaptive=adaptive and adaptive_length(spec),
-                       disable_by_batch_size=disable_by_batch_size(spec), tree=TreeOptions.parse(spec.extra.get("tree")))
+                       disable_by_batch_size=disable_by_batch_size(spec), tree=TreeOptions.parse(spec.extra.get("tree")),
+                       sampled_drafts=sampled_drafts(spec))
 
 
 def adaptive_length(spec: Speculative) -> bool:
@@ -73,6 +74,15 @@ def adaptive_length(spec: Speculative) -> bool:
     value = spec.extra.get("adaptive", True)
     if not isinstance(value, bool):
         raise UsageError(f"--speculative-config: expected adaptive true or false, found {str(value)[:40]!r}")
+    return value
+
+
+def sampled_drafts(spec: Speculative) -> str:
+    """The speculative config's own "sampled_drafts" key (kept in `extra`): one of SAMPLED_DRAFTS, "auto" if absent."""
+    value = spec.extra.get("sampled_drafts", "auto")
+    if value not in SAMPLED_DRAFTS:
+        raise UsageError(f"--speculative-config: expected sampled_drafts one of {', '.join(SAMPLED_DRAFTS)}, found "
+                         f"{str(value)[:40]!r}")
     return value
 
 

@@ -206,6 +206,34 @@ def test_greedy_speculation_through_the_dual_engine_is_plain_greedy(dual):
     assert none["decode"] >= 11 and spec["main"] > 3, (none, spec)
 
 
+def test_sampled_requests_draft_the_argmax_in_one_chain_call_as_call_by_call(dual, monkeypatch):
+    """Seeded sampled requests on a draft that chains on the device ("sampled_drafts" "auto"): the draft's argmax in
+    one greedy_chain call for every round, and the very tokens the same argmax drafts give call by call (the chain
+    declined), so the one-hot q and the target's draws are the same ones."""
+    from runtime.engines.cuda import CudaEngine
+    from runtime.serve.model_runner import ModelRunner
+    from runtime.serve.sampling import SamplingParams
+    from runtime.serve.scheduler import Scheduler
+    from tests.runtime.serve.test_scheduler import Recorder, run_together
+
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(2, 500, n).tolist() for n in (4, 11, 7)]
+    results = {}
+    for chained in (True, False):
+        target, draft = (engine_of(dual, max_context=64, num_slots=4) for _ in range(2))
+        runner = ModelRunner(target, draft, "draft_model", 3, adaptive=False)
+        assert runner.argmax_sampled and draft.chains_on_device
+        if not chained:
+            monkeypatch.setattr(CudaEngine, "greedy_chain", lambda self, rows, rounds: None)
+        rec = Recorder()
+        reqs = [rec.request(p, SamplingParams(temperature=0.8, seed=i), max_tokens=12) for i, p in enumerate(prompts)]
+        results[chained] = run_together(Scheduler(runner, max_num_seqs=3, max_num_batched_tokens=64), rec, reqs,
+                                        arrive_every=0)
+        assert bool(draft._decode.chains) == chained and runner.stats.num_drafts > 0
+        monkeypatch.undo()
+    assert results[True] == results[False] and all(len(t) == 12 for t in results[True])
+
+
 def test_both_sessions_read_the_engines_one_copy_of_the_weights(dual):
     """The weights are the engine's buffers (shared initializers): zeroing lm_head there zeroes the logits
     of both graphs' rows."""

@@ -16,7 +16,7 @@ from runtime.serve.generator import Generator
 from runtime.serve.spec_tree import TreeOptions
 from tests.eagle3_models import make_tiny_head
 from tests.models import make_tiny_checkpoint
-from tests.runtime.serve.test_sampling import PROMPT, _exact, _pvalue, _sample, _tables
+from tests.runtime.serve.test_sampling import LENGTH, PROMPT, _exact, _pvalue, _sample, _tables
 from tests.runtime.serve.toy_engines import MarkovEngine, MarkovSlots
 
 LAYERS = (0, 1, 2)
@@ -160,23 +160,51 @@ class MarkovSlotsHead(SlotsDrafter):
         self._n[slot] = length
 
 
-HEADS = {"per-slot": MarkovHead, "slots": MarkovSlotsHead}
+class MarkovChainsHead(MarkovSlotsHead):
+    """MarkovSlotsHead whose greedy chains run in one call, as the CUDA head chains them on its device
+    (SlotsDrafter.greedy_chains): the runner then drafts the argmax for sampled requests too."""
+
+    chains_on_device = True
+    chain_calls = 0
+
+    def greedy_chains(self, rows, rounds):
+        assert all(len(r.tokens) == 1 and not r.from_target for r in rows)
+        self.chain_calls += 1
+        out = []
+        for r in rows:
+            token, ids = int(r.tokens[0]), []
+            for _ in range(rounds):
+                token = int(self.table[token].argmax())
+                ids.append(token)
+            self._n[r.slot] += rounds
+            out.append(np.array(ids, np.int64))
+        return out
+
+
+HEADS = {"per-slot": MarkovHead, "slots": MarkovSlotsHead, "slots, chained on the device": MarkovChainsHead}
 
 
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4)])
 def test_sampling_matches_target_distribution_with_reduced_draft_vocab(params, head):
-    """Both ways of drafting: slot by slot (a single-sequence head) and every slot in one head run."""
+    """Every way of drafting: slot by slot (a single-sequence head), every slot in one head run, and argmax
+    chains in one call (a one-hot q: sampled requests draft so where the head chains on its device)."""
     target, draft = _tables()
     n = 4000
-    gen = Generator(MarkovWithFeatures(target), HEADS[head](draft, outside=[3]), "eagle3", 2)
-    counts = _sample(gen, params, n)
+    drafter = HEADS[head](draft, outside=[3])
+    chained = head.endswith("on the device")
+    k, length = (3, 4) if chained else (2, LENGTH)  # a chain of 3 has rounds after its first token to chain
+    gen = Generator(MarkovWithFeatures(target), drafter, "eagle3", k)
+    counts = _sample(gen, params, n, length)
     assert sum(counts.values()) == n
-    assert _pvalue(counts, _exact(target, params), n) > 1e-3
-    assert 0.2 < gen.stats.acceptance_rate < 0.95, "both accepting and rejecting must happen"
+    assert _pvalue(counts, _exact(target, params, length), n) > 1e-3
+    if chained:
+        assert drafter.chain_calls > 0
+    # an argmax proposal is accepted with p(argmax) only, less often than a draw from q over this flat table
+    assert (0.1 if chained else 0.2) < gen.stats.acceptance_rate < 0.95, "both accepting and rejecting must happen"
     assert any(3 in seq for seq in counts), "a token outside the draft vocabulary still comes from the residual"
     if params.top_k == 0:  # the test has power: far from the head's own distribution
-        assert _pvalue(counts, _exact(draft, params), n) < 1e-6
+        assert _pvalue(counts, _exact(draft, params, length), n) < 1e-6
 
 
 def test_eagle3_needs_a_head_and_target_features():

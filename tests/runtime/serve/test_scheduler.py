@@ -14,7 +14,7 @@ from runtime.serve.sampling import SamplingParams
 from runtime.serve.scheduler import EngineRequest, Scheduler
 from runtime.serve.generator import Generator
 from tests.runtime.serve.test_sampling import LENGTH, PROMPT, _exact, _pvalue, _tables
-from tests.runtime.serve.toy_engines import MarkovEngine
+from tests.runtime.serve.toy_engines import MarkovChainSlots, MarkovEngine
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -106,24 +106,37 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_crowd(batched, prompts):
 @pytest.mark.parametrize("method,params", [
     ("draft_model", SamplingParams(temperature=1.0)),
     ("draft_model", SamplingParams(temperature=0.7, top_p=0.9, top_k=4)),
+    ("draft_model, argmax drafts", SamplingParams(temperature=1.0)),
+    ("draft_model, chains on the device", SamplingParams(temperature=1.0)),
+    ("draft_model, chains on the device", SamplingParams(temperature=0.7, top_p=0.9, top_k=4)),
     ("ngram", SamplingParams(temperature=1.3, top_k=3)),
 ])
 def test_sampled_distribution_is_the_targets_in_every_slot_under_concurrency(method, params):
     """Four slots generate at once, each request with its own seed: every slot's samples follow the
-    target's exact distribution (chi-square per slot)."""
+    target's exact distribution (chi-square per slot). Sampled requests draft from q, or the argmax (a one-hot
+    q): asked for ("sampled_drafts": "argmax", call by call), or where the draft chains on the device (one call for
+    every round)."""
     target, draft = _tables()
     slots = 4
-    runner = ModelRunner(SequenceSlots([MarkovEngine(target) for _ in range(slots)]),
-                         SequenceSlots([MarkovEngine(draft) for _ in range(slots)]) if method == "draft_model" else None,
-                         method, 2, prompt_lookup_min=1, prompt_lookup_max=2)
+    chains = method.endswith("on the device")
+    drafter = (MarkovChainSlots(draft, num_slots=slots) if chains else
+               SequenceSlots([MarkovEngine(draft) for _ in range(slots)]) if method.startswith("draft_model") else None)
+    argmax = method.endswith("argmax drafts")
+    k, length = (3, 4) if chains else (2, LENGTH)  # a chain of 3 has rounds after its first token to chain
+    runner = ModelRunner(SequenceSlots([MarkovEngine(target) for _ in range(slots)]), drafter,
+                         method.split(",")[0], k, prompt_lookup_min=1, prompt_lookup_max=2,
+                         sampled_drafts="argmax" if argmax else "auto")
+    assert runner.argmax_sampled == (chains or argmax)
     scheduler = Scheduler(runner, max_num_seqs=slots, max_num_batched_tokens=64)
     rec = Recorder()
     n = 6000
     reqs = [rec.request(PROMPT, SamplingParams(params.temperature, params.top_p, params.top_k, seed=i),
-                        max_tokens=LENGTH) for i in range(n)]
-    assert_distributed_per_slot(scheduler, rec, reqs, slots, _exact(target, params))
-    if method == "draft_model":
-        assert 0.2 < runner.stats.acceptance_rate < 0.95
+                        max_tokens=length) for i in range(n)]
+    assert_distributed_per_slot(scheduler, rec, reqs, slots, _exact(target, params, length))
+    if drafter is not None:  # an argmax proposal is accepted with p(argmax) only: less often over this flat table
+        assert (0.1 if chains or argmax else 0.2) < runner.stats.acceptance_rate < 0.95
+    if chains:
+        assert drafter.chain_calls > 0
 
 
 class CountingEngine:

@@ -100,3 +100,20 @@ def test_adaptive_false_verifies_the_configured_length_every_step_and_a_bad_valu
     assert build_runner(engine_factory("target"), None, serve_parse('{"method": "ngram"}')).speculation.adaptive
     with pytest.raises(UsageError, match="expected adaptive true or false, found 'no'"):
         build_runner(engine_factory("target"), None, serve_parse('{"method": "ngram", "adaptive": "no"}'))
+
+
+def test_sampled_drafts_picks_how_sampled_requests_draft_and_a_bad_value_is_refused(engine_factory):
+    """The config's own "sampled_drafts" key: "argmax" drafts the drafter's argmax for sampled requests,
+    "draw" draws from q, "auto" (absent) drafts the argmax only where the drafter chains on the device (a draft
+    model on ONNX Runtime's CPU engine does not); anything else is refused in one line naming the choices."""
+    from runtime.server.loader import build_runner
+
+    def runner(extra: str):
+        return build_runner(engine_factory("target"), engine_factory("draft"),
+                            serve_parse('{"method": "draft_model", "num_speculative_tokens": 3' + extra + '}'))
+
+    assert runner(', "sampled_drafts": "argmax"').argmax_sampled
+    assert not runner(', "sampled_drafts": "draw"').argmax_sampled
+    assert not runner('').argmax_sampled and not runner(', "sampled_drafts": "auto"').argmax_sampled
+    with pytest.raises(UsageError, match="expected sampled_drafts one of auto, argmax, draw, found 'greedy'"):
+        runner(', "sampled_drafts": "greedy"')

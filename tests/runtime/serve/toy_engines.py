@@ -73,3 +73,32 @@ class MarkovSlots(Engine):
 
     def copy_prefix(self, src, dst, length):
         self._tokens[dst] = self._tokens[src][:length]
+
+
+class MarkovChainSlots(MarkovSlots):
+    """MarkovSlots with greedy chains in one call, as the CUDA engine runs them on its device (Engine.greedy_chain):
+    what the model runner does for requests where a drafter chains on the device, without a GPU."""
+
+    description = "numpy first-order Markov chain, greedy chains in one call"
+    chains_on_device = True
+
+    def __init__(self, table: np.ndarray, max_context: int = 4096, num_slots: int = 1):
+        super().__init__(table, max_context, num_slots)
+        self.chain_calls = 0
+
+    def greedy_chain(self, rows, rounds):
+        self.check_rows(rows)
+        assert all(len(r.tokens) == 1 for r in rows)
+        if any(len(self._tokens[r.slot]) + rounds > self.max_context for r in rows):
+            return None
+        self.chain_calls += 1
+        out = []
+        for r in rows:
+            token, ids = int(r.tokens[0]), []
+            for _ in range(rounds):
+                self._tokens[r.slot].append(token)
+                token = int(self.table[token].argmax())
+                ids.append(token)
+            out.append(np.array(ids, np.int64))
+        return out
+
