@@ -12,8 +12,8 @@ the host that need not be:
   the last of every row (`forward(rows, last_only=True)`), or just the argmax of every position
   (`forward_greedy`, from the graph's `argmax` output: 8 bytes a token instead of a vocab-sized row);
 - steps whose rows hold at most GRAPH_MAX_WIDTH tokens (decode, verification of k+1 draft tokens)
-  run as CUDA graphs (ONNX Runtime's `enable_cuda_graph`), one graph per (batch bucket, width, and
-  for graphs that attend over a window, the window rounded up to a power of two):
+  run as CUDA graphs (ONNX Runtime's `enable_cuda_graph`), one graph per (batch bucket, width rounded up
+  to a power of two, and for graphs that attend over a window, the window rounded up to a power of two):
   buckets of 1, 2, 4, 8, ... slots, slots 0..bucket-1, always at the same device addresses (inputs
   are copied into fixed device buffers, a slot without a row writes into the spare rows), captured
   on first use. Prefill chunks run without a graph. Measured on an H200 (benchmarks/bench_cuda.py):
@@ -98,6 +98,13 @@ def graph_window(rows: int, capacity: int) -> int:
     """The attention window of a graph run whose rows reach cache row `rows`: rounded up to a power of two (at least
     MIN_WINDOW, at most `capacity`), so one captured graph serves every length up to it."""
     return min(capacity, max(MIN_WINDOW, 1 << (rows - 1).bit_length()))
+
+
+def graph_width(tokens: int) -> int:
+    """The tokens a row of a graph run holds: its longest row's, rounded up to a power of two, so one captured graph
+    serves verifications of k + 1 and k tokens alike and the adaptive length's other choices capture few graphs
+    more (padding tokens write past their slot's length, into rows the next tokens overwrite)."""
+    return 1 << (tokens - 1).bit_length()
 
 
 def batch_buckets(num_slots: int) -> list[int]:
@@ -539,12 +546,12 @@ class CudaEngine(Engine):
         width = max(len(r.tokens) for r in group)
         hi = max(r.slot for r in group) + 1
         use_graph = self._replay and (width == 1 if lane.gqa else width <= GRAPH_MAX_WIDTH)
-        if use_graph:  # decode, verify: a bucket of slots 0..bucket-1
-            lo, hi = 0, next(b for b in self.buckets if b >= hi)
+        if use_graph:  # decode, verify: a bucket of slots 0..bucket-1, a power of two tokens a row
+            lo, hi, width = 0, next(b for b in self.buckets if b >= hi), graph_width(width)
         else:
             lo = min(r.slot for r in group)
         batch, cap = hi - lo, self.capacity
-        ids, write, positions = batched_inputs(group, lo, hi, self.slots.lengths, cap)
+        ids, write, positions = batched_inputs(group, lo, hi, self.slots.lengths, cap, width)
         # Attention runs over the first `window` cache rows (windowed graphs): every real row's past and
         # new tokens. A graph's shapes are fixed, so graph steps round it up to a power of two (>= 256).
         window = cap

@@ -117,11 +117,12 @@ def tree_mask(mask: np.ndarray, positions: np.ndarray, tree, write: int) -> None
         positions[i] = tree.base + len(anc)
 
 
-def batched_inputs(group, lo: int, hi: int, lengths, capacity: int):
+def batched_inputs(group, lo: int, hi: int, lengths, capacity: int, width: int = 0):
     """(input_ids, write_indices, position_ids) of one call of the batched graph over slots lo..hi-1: each row
-    padded to the longest, written at its slot's length; slots in the range without a row write into the
-    spare rows at the end (capacity - width), which nobody attends to. Shared by the batched engines."""
-    width = max(len(r.tokens) for r in group)
+    padded to the longest (or to `width`, a graph's), written at its slot's length; slots in the range without a
+    row write into the spare rows at the end (capacity - width), which nobody attends to. Shared by the batched
+    engines."""
+    width = max(width, *(len(r.tokens) for r in group))
     ids = np.zeros((hi - lo, width), np.int64)
     write = np.full(hi - lo, capacity - width, np.int64)
     for r in group:

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from manifests.errors import EnvironmentProblem
-from runtime.engines.cuda import GRAPH_MAX_WIDTH, GRAPH_WARMUP, MAX_CHAIN_ROUNDS, batch_buckets, graph_window
+from runtime.engines.cuda import GRAPH_MAX_WIDTH, GRAPH_WARMUP, MAX_CHAIN_ROUNDS, batch_buckets, graph_width, graph_window
 from runtime.engines.cudalib import D2H, H2D, Cudart, DeviceBuffer, grow_buffer, onnxruntime_cuda, pack_aligned
 from runtime.serve.eagle3 import HeadRow, open_head_graph
 from runtime.serve.eagle3_slots import OnnxSlotsDrafter
@@ -101,12 +101,12 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
         width = max(len(r.tokens) for r in group)
         hi = max(r.slot for r in group) + 1
         # a graph's padding rows write into the spare rows: at most the headroom wide
-        graph = self.fixed_shapes and width <= min(GRAPH_MAX_WIDTH, self._headroom)
+        graph = self.fixed_shapes and graph_width(width) <= min(GRAPH_MAX_WIDTH, self._headroom)
         lo, window = 0 if graph else min(r.slot for r in group), None
-        if graph:  # slots 0..bucket-1 at the same addresses every time, the window a power of two
-            hi = next(b for b in self.buckets if b >= hi)
+        if graph:  # slots 0..bucket-1 at the same addresses every time, a power of two tokens a row and window rows
+            hi, width = next(b for b in self.buckets if b >= hi), graph_width(width)
             window = graph_window(max(self._lengths[r.slot] for r in group) + width, self.capacity)
-        inputs = self._inputs(group, from_target, lo, hi, window)
+        inputs = self._inputs(group, from_target, lo, hi, window, width)
         batch, window = hi - lo, inputs["attention_mask"].shape[-1]
         parts = list(inputs.items())
         host, offsets = pack_aligned([a for _, a in parts])

@@ -179,11 +179,12 @@ class OnnxSlotsDrafter(SlotsDrafter):
             raise ValueError(f"expected at most one row per slot, found slots {slots}")
         return slots
 
-    def _inputs(self, group: list[HeadRow], from_target: bool, lo: int, hi: int, window: int | None = None) -> dict:
+    def _inputs(self, group: list[HeadRow], from_target: bool, lo: int, hi: int, window: int | None = None,
+                width: int = 0) -> dict:
         """The graph's row inputs for one run over slots lo..hi-1 (name -> array): ids and positions padded to the
-        longest row, the rows' features in the input of their kind (the other one empty), the mask over `window`
-        cache rows (None: every row's past and new tokens)."""
-        ids, write, positions = batched_inputs(group, lo, hi, self._lengths, self.capacity)
+        longest row (or to `width`, a graph's), the rows' features in the input of their kind (the other one empty),
+        the mask over `window` cache rows (None: every row's past and new tokens)."""
+        ids, write, positions = batched_inputs(group, lo, hi, self._lengths, self.capacity, width)
         batch, width = ids.shape
         if window is None:
             window = max(self._lengths[r.slot] for r in group) + width

@@ -223,8 +223,8 @@ def test_check_head_over_slots_passes_on_the_cpu_provider(eagle3):
 
 def test_the_head_on_device_buffers_runs_graph_shapes_and_proposes_as_the_head_over_slots(eagle3):
     """CudaSlotsDrafter (the head on the CUDA provider: one input copy a run, fixed buffers, CUDA graphs) on host
-    memory, its graph shapes on: runs of at most GRAPH_MAX_WIDTH tokens a row pad to a bucket of slots 0..b-1 and
-    a window of a power of two, one binding kept per shape (what a captured graph replays); longer catch-ups
+    memory, its graph shapes on: runs of at most GRAPH_MAX_WIDTH tokens a row pad to a bucket of slots 0..b-1, a
+    power of two tokens a row and a window of a power of two, one binding kept per shape (what a captured graph replays); longer catch-ups
     run over the slots they need. Every output equals OnnxSlotsDrafter's."""
     from runtime.engines.cuda import MIN_WINDOW
     from runtime.serve.eagle3_cuda import CudaSlotsDrafter
@@ -235,8 +235,8 @@ def test_the_head_on_device_buffers_runs_graph_shapes_and_proposes_as_the_head_o
     assert not made.cuda_graphs and made.buckets == [1, 2, 3]
     window = min(made.capacity, MIN_WINDOW)
     # (kind, first slot, batch, width, window): chain rounds over slots 0..2 (and 1..2 in the bucket of 3); the
-    # short catch-up's width 3; the catch-up of 9 tokens is no graph shape (not kept)
-    assert sorted(k[:5] for k in made._runs) == [(False, 0, 3, 1, window), (True, 0, 3, 3, window)]
+    # short catch-up's 3 tokens padded to 4; the catch-up of 9 tokens is no graph shape (not kept)
+    assert sorted(k[:5] for k in made._runs) == [(False, 0, 3, 1, window), (True, 0, 3, 4, window)]
     assert memory.copies > 0
 
 

@@ -80,21 +80,24 @@ def test_bf16_parity_with_transformers(gpu_graphs):
 
 @pytest.mark.parametrize("graph", ["fp16", "gqa", "dual"])
 def test_batched_steps_with_cuda_graphs_equal_without_and_each_slot_alone(gpu_graphs, graph):
-    """Three slots (bucket 4, slot 3 idle) fed the same tokens: decode and 4-token verification steps."""
+    """Three slots (bucket 4, slot 3 idle) fed the same tokens: decode and 4-token verification steps, and a 3-token
+    one, which pads to the 4-token step's graph (a power of two tokens a row)."""
     result = gpu_graphs[graph]
     rng = np.random.default_rng(1)
     prompts = [rng.integers(2, result.vocab_size, n).tolist() for n in (7, 12, 3)]
-    feeds = [[rng.integers(2, result.vocab_size, w).tolist() for _ in range(3)] for w in (1, 1, 4, 1, 4, 1)]
+    feeds = [[rng.integers(2, result.vocab_size, w).tolist() for _ in range(3)] for w in (1, 1, 4, 1, 4, 1, 3)]
     runs = {}
     for graphs in (True, False):
         engine = engine_for(gpu_graphs, graph, max_context=96, num_slots=4, cuda_graphs=graphs)
         assert engine.cuda_graphs == graphs, engine.cuda_graph_error
         engine.forward([Row(s, p) for s, p in enumerate(prompts)])
         runs[graphs] = [engine.forward([Row(s, f[s]) for s in range(3)]) for f in feeds]
-        assert [engine.length(s) for s in range(4)] == [len(p) + 12 for p in prompts] + [0]
+        assert [engine.length(s) for s in range(4)] == [len(p) + 15 for p in prompts] + [0]
         # a decode shape and (but under GroupQueryAttention alone) a verification shape, each run 2 to 4 times:
         # the first 2 runs of each are cold (ONNX Runtime's ordinary run, then the capture), the rest replays
         assert engine.cold_runs == ((2 if graph == "gqa" else 4) if graphs else 0)
+        widths = {key[1] for lane in {engine._lane, engine._decode} for key in lane.graphs}
+        assert widths == (set() if not graphs else {1} if graph == "gqa" else {1, 4})
     scale = max(float(np.abs(lg).max()) for step in runs[False] for lg in step)
     for with_graph, without in zip(runs[True], runs[False]):
         for a, b in zip(with_graph, without):
