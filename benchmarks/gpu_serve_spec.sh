@@ -20,6 +20,8 @@
 # then one call that runs
 #   benchmarks/gpu_serve_spec.sh prepare    installs onnxruntime-gpu and the wheels into /tmp/site, creates
 #                                           and installs the demo (draft model) and demoe3 (EAGLE-3) bundles
+#   benchmarks/gpu_serve_spec.sh prepare-cpu   the same, with the pair's cpu bundles democpu and democpue3 (the
+#                                           host's CPU cores through the same bench)
 #   benchmarks/gpu_serve_spec.sh bench ARGS...   bench_serve_spec.py ARGS with the store and --out set
 #   benchmarks/gpu_serve_spec.sh after-draft NAME [ARGS...]   bench_plain_after_draft.py on an installed bundle (what
 #                                           a plain step costs after drafted ones; seconds, not minutes)
@@ -58,7 +60,7 @@ case "$mode" in
     cp "$CODE"/.gpu/p[0-9]* "$CODE"/.gpu/ort.sha256 "$stash"/ 2>/dev/null
     cp "$CODE"/.gpu/whl/*.whl "$stash/whl/" 2>/dev/null
     ls "$stash" "$stash/whl" | tr '\n' ' '; echo ;;
-  prepare)
+  prepare|prepare-cpu)
     {
       if [ ! -f "$site/onnxruntime/__init__.py" ]; then
         cat "$stash"/p[0-9]* > /tmp/ort.tar.xz
@@ -74,16 +76,22 @@ case "$mode" in
       nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv,noheader
       cd "$CODE" || exit 9
       git log -1 --format='commit %H %s' 2>/dev/null || true
-      create() {  # NAME [bundle create flags]: an unsigned cuda bundle of the demo pair, installed in the store
-        local name=$1; shift
+      create() {  # NAME TARGET [bundle create flags]: an unsigned bundle of the demo pair, installed in the store
+        local name=$1 target=$2; shift 2
         [ -d "$store/bundles/$name" ] && return 0
-        python3 -c "import sys; from bundler.cli.pack import create; create.main(sys.argv[1:])" --targets cuda \
+        python3 -c "import sys; from bundler.cli.pack import create; create.main(sys.argv[1:])" --targets "$target" \
           --name "$name" --version 1 --unsigned --no-progress --no-runtime --out "/tmp/bundles/$name" "$@" || exit 6
-        python3 -m runtime.cli.main install "/tmp/bundles/$name" --store "$store" --target cuda --allow-unsigned \
+        python3 -m runtime.cli.main install "/tmp/bundles/$name" --store "$store" --target "$target" --allow-unsigned \
           --force-target || exit 7
       }
-      create demo
-      create demoe3 --speculative-config '{"method": "eagle3", "num_speculative_tokens": 3}'
+      eagle3='{"method": "eagle3", "num_speculative_tokens": 3}'
+      if [ "$mode" = prepare ]; then
+        create demo cuda
+        create demoe3 cuda --speculative-config "$eagle3"
+      else  # the same pair's cpu bundles, to measure this host's CPU cores
+        create democpu cpu
+        create democpue3 cpu --speculative-config "$eagle3"
+      fi
     } 2>&1 | tee -a "$out/prepare.log" | tail -40 ;;
   bench)
     in_code
@@ -110,6 +118,6 @@ case "$mode" in
   eagle3-slots)
     in_code
     python3 benchmarks/bench_eagle3_slots.py --cuda "$@" 2>&1 | tee "$out/bench_eagle3_slots.md" | tail -20 ;;
-  *) echo "usage: $0 stash | prepare | bench BENCH_SERVE_SPEC_ARGS... | after-draft NAME [ARGS...] |" \
+  *) echo "usage: $0 stash | prepare | prepare-cpu | bench BENCH_SERVE_SPEC_ARGS... | after-draft NAME [ARGS...] |" \
        "step-times NAME --fixed CONFIG [ARGS...] | tests [PYTEST ARGS...] | eagle3-slots [ARGS...]" >&2; exit 2 ;;
 esac
