@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -25,6 +26,11 @@ def pytest_configure(config):
     # workers the threads of one parallel region spin waiting for each other (seen: 13 s -> 94 s for
     # tests/bundler/demo under -n 2). OMP_NUM_THREADS set by the caller wins.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A suite started in the background by a non-interactive shell (`./scripts/test &`, some CI runners) inherits
+    # SIGINT ignored, as POSIX has such a shell do, and so would every process the tests start: the Ctrl-C tests
+    # would wait for an exit that never comes. Python's own handler here makes it the default again in them.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -207,9 +207,14 @@ def test_greedy_speculation_through_the_dual_engine_is_plain_greedy(dual):
 
 
 def test_sampled_requests_draft_the_argmax_in_one_chain_call_as_call_by_call(dual, monkeypatch):
-    """Seeded sampled requests on a draft that chains on the device ("sampled_drafts" "auto"): the draft's argmax in
-    one greedy_chain call for every round, and the very tokens the same argmax drafts give call by call (the chain
-    declined), so the one-hot q and the target's draws are the same ones."""
+    """check_sampled_chains on host memory through the CPU provider (test_cuda_engine.py on a GPU)."""
+    check_sampled_chains(lambda: engine_of(dual, max_context=64, num_slots=4), monkeypatch)
+
+
+def check_sampled_chains(make, monkeypatch):
+    """Seeded sampled requests on a draft `make()` that chains on the device ("sampled_drafts" "auto"): the draft's
+    argmax in one greedy_chain call for every round, and the very tokens the same argmax drafts give call by call
+    (the chain declined), so the one-hot q and the target's draws are the same ones."""
     from runtime.engines.cuda import CudaEngine
     from runtime.serve.model_runner import ModelRunner
     from runtime.serve.sampling import SamplingParams
@@ -220,7 +225,7 @@ def test_sampled_requests_draft_the_argmax_in_one_chain_call_as_call_by_call(dua
     prompts = [rng.integers(2, 500, n).tolist() for n in (4, 11, 7)]
     results = {}
     for chained in (True, False):
-        target, draft = (engine_of(dual, max_context=64, num_slots=4) for _ in range(2))
+        target, draft = make(), make()
         runner = ModelRunner(target, draft, "draft_model", 3, adaptive=False)
         assert runner.argmax_sampled and draft.chains_on_device
         if not chained:

@@ -321,8 +321,8 @@ def test_a_head_without_the_argmax_output_chains_round_by_round(eagle3, tmp_path
 
 def test_greedy_requests_chain_on_the_device_and_sampled_ones_round_by_round(eagle3):
     """Under the scheduler with the head on device buffers: greedy chains take the one-call path (its bindings
-    exist), output equal to each request alone; a step with a sampled request beside greedy ones runs its rounds
-    one by one (greedy_chains not asked)."""
+    exist), output equal to each request alone; a step with a request that draws from q beside greedy ones
+    ("sampled_drafts": "draw") runs its rounds one by one (greedy_chains not asked)."""
     from runtime.serve.eagle3_rounds import ChainJob, propose_all
     from tests.runtime.serve.test_eagle3 import assert_concurrent_greedy_equals_each_alone
 
@@ -348,3 +348,38 @@ def test_greedy_requests_chain_on_the_device_and_sampled_ones_round_by_round(eag
     assert asked == [2]  # not asked again
     assert all(len(j.result()[0]) == 3 for j in jobs + mixed)
     assert [j.result() for j in mixed] == [j.result() for j in jobs]  # the same argmax picks either way
+
+
+def test_sampled_requests_chain_the_heads_argmax_as_round_by_round(eagle3, monkeypatch):
+    """check_sampled_head_chains on host memory through the CPU provider (test_cuda_engine.py on a GPU)."""
+    check_sampled_head_chains(lambda **kw: cuda_engine(eagle3, fp32=True, **kw),
+                              lambda: _device_head(fixed_shapes=True)(eagle3["head"]), monkeypatch)
+
+
+def check_sampled_head_chains(make_target, make_head, monkeypatch):
+    """Seeded sampled requests on a head that chains on its device ("sampled_drafts" "auto"): the head's argmax
+    chained in one call for every round, the very tokens the same argmax drafts give round by round (the chain
+    declined), so the one-hot q and the target's draws are the same ones."""
+    from runtime.serve.eagle3_cuda import CudaSlotsDrafter
+    from runtime.serve.model_runner import ModelRunner
+    from runtime.serve.sampling import SamplingParams
+    from runtime.serve.scheduler import Scheduler
+    from tests.runtime.serve.test_scheduler import Recorder, run_together
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, 500, n).tolist() for n in (5, 9, 14)]
+    results = {}
+    for chained in (True, False):
+        head = make_head()
+        runner = ModelRunner(make_target(max_context=128, num_slots=3), head, "eagle3", 3, adaptive=False)
+        assert runner.argmax_sampled and head.chains_on_device
+        if not chained:
+            monkeypatch.setattr(CudaSlotsDrafter, "greedy_chains", lambda self, rows, rounds: None)
+        rec = Recorder()
+        reqs = [rec.request(p, SamplingParams(temperature=0.9, seed=i), max_tokens=16) for i, p in enumerate(prompts)]
+        results[chained] = run_together(Scheduler(runner, max_num_seqs=3, max_num_batched_tokens=64), rec, reqs,
+                                        arrive_every=0)
+        assert bool(head._chains) == chained and runner.stats.num_drafts > 0
+        monkeypatch.undo()
+    assert results[True] == results[False] and all(len(t) == 16 for t in results[True])
+

@@ -16,9 +16,9 @@ import pytest
 from runtime.engines.base import Row
 from tests.bundler.onnx.test_parity import FP16_RTOL, check_parity
 from tests.runtime.engines.test_cuda_eagle3_host import (check_aux_rows, check_greedy_chains, check_head_over_slots,
-                                                         fp16_close)
+                                                         check_sampled_head_chains, fp16_close)
 from tests.runtime.engines.test_cuda_eagle3_host import eagle3  # noqa: F401 (the fixture)
-from tests.runtime.engines.test_cuda_dual_host import check_greedy_chain
+from tests.runtime.engines.test_cuda_dual_host import check_greedy_chain, check_sampled_chains
 
 
 def _why_not() -> str | None:
@@ -269,6 +269,20 @@ def test_a_greedy_chain_on_the_gpu_picks_the_tokens_of_a_call_per_round(gpu_grap
     engine = check_greedy_chain(lambda: engine_for(gpu_graphs, graph, max_context=48, num_slots=3))
     assert engine._replay, engine.cuda_graph_error
     assert all(graph_id is not None for _, _, graph_id in engine._decode.chains.values())
+
+
+def test_sampled_requests_on_the_gpu_draft_the_argmax_in_one_chain_call_as_call_by_call(gpu_graphs, monkeypatch):
+    """check_sampled_chains on the GPU: the draft's chain rounds CUDA graphs, the target's draws the same ones."""
+    check_sampled_chains(lambda: engine_for(gpu_graphs, "dual", max_context=64, num_slots=4), monkeypatch)
+
+
+def test_sampled_requests_on_the_gpu_chain_the_heads_argmax_as_round_by_round(eagle3, monkeypatch):
+    """check_sampled_head_chains on the GPU: the fp16 dual target, the head's chain rounds CUDA graphs."""
+    from runtime.engines.cuda import CudaEngine
+    from runtime.serve.eagle3_cuda import CudaSlotsDrafter
+
+    check_sampled_head_chains(lambda **kw: CudaEngine(eagle3["graph"], decode_graph=eagle3["decode"], **kw),
+                              lambda: CudaSlotsDrafter(eagle3["head"], max_context=128), monkeypatch)
 
 
 def test_greedy_chains_on_the_gpu_pick_the_tokens_of_the_cpu_providers_rounds(eagle3):
