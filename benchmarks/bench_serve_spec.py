@@ -384,6 +384,14 @@ def paired(rows: list[dict]) -> None:
         r["vs_plain"] = statistics.median(r["vs_plain_all"])
 
 
+def spec_configs(configs: list[str]) -> list[tuple[str, list[str]]]:
+    """--spec-config JSONs -> (label, serve flags) each; a label is the method, or the whole config where two
+    configs share a method (rows are kept by label)."""
+    methods = [json.loads(c).get("method", "?") for c in configs]
+    return [(f"spec {m}" if methods.count(m) == 1 else f"spec {c}", ["--speculative-config", c])
+            for m, c in zip(methods, configs)]
+
+
 def spec_bundle(spec: str) -> tuple[str, list[str], str]:
     """--spec-bundle NAME[=JSON] -> (label, serve flags, bundle): the bundle's own config, or JSON's."""
     name, _, config = spec.partition("=")
@@ -450,7 +458,7 @@ def main(argv=None) -> int:
               "--max-queued-requests", str(max(streams) * 2), "--disable-log-requests", *args.serve_arg]
     configs = [("plain", ["--no-speculation"])] + ([("plain (control)", ["--no-speculation"])] if args.control else [])
     configs += [("speculative", [])]
-    configs += [(f"spec {json.loads(c).get('method', '?')}", ["--speculative-config", c]) for c in args.spec_config]
+    configs += spec_configs(args.spec_config)
     configs += [spec_bundle(s) for s in args.spec_bundle]
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)

@@ -142,9 +142,12 @@ class _Lane:
 class CudaEngine(Engine):
     def __init__(self, graph: Path, *, max_context: int | None = None, num_slots: int = 1,
                  kv_cache: str | None = None, cuda_graphs: bool = True, device_id: int = 0, memory=None,
-                 profile: bool = False, decode_graph: Path | None = None):
+                 profile: bool = False, decode_graph: Path | None = None, fixed_shapes: bool | None = None):
         """`memory`: None for the GPU; tests pass a host-memory object with Cudart's methods, and the
         engine then binds host buffers and runs on ONNX Runtime's CPU provider (its bookkeeping, no GPU).
+        `fixed_shapes`: steps of at most GRAPH_MAX_WIDTH tokens a row take a CUDA graph's shapes (a bucket of slots,
+        a power of two tokens a row and window rows) even without CUDA graphs (tests on host memory: the shapes
+        graphs replay, through the CPU provider); None: where CUDA graphs replay.
         `profile`: ONNX Runtime's profiler on, for `node_providers` (which provider ran each node).
         `decode_graph`: the GroupQueryAttention graph over `graph`'s weights (bundler.onnx.dual), for
         the single-token rows of a step; `graph` (the Attention graph) then runs the multi-token rows."""
@@ -216,13 +219,13 @@ class CudaEngine(Engine):
         # Recurrent hybrids run without CUDA graph replay: measured on an H200 (onnxruntime-gpu 1.31.1), their
         # captured graphs left the states after a mixed batch or a rollback off the uncaptured run's (parity with
         # transformers held only without replay); every call is then an ordinary run (gpu_graph_id -1)
-        self._replay = self.cuda_graphs and self._states is None
-        if self.cuda_graphs and not self._replay:
+        self._replay = (self.cuda_graphs if fixed_shapes is None else fixed_shapes) and self._states is None
+        if self.cuda_graphs and self._states is not None:
             self.cuda_graph_error = "recurrent states: CUDA graph replay is off for hybrid graphs"
         self.description = (f"onnxruntime {ort.__version__} {self._provider} {self.precision} "
                             f"kv-cache {self.kv_cache}{' gqa' if self._lane.gqa else ''}"
                             f"{' + gqa decode' if self.dual else ''}"
-                            f"{' cuda-graphs' if self._replay else ''}")
+                            f"{' cuda-graphs' if self._replay and self.cuda_graphs else ''}")
         self.allocate_slots(num_slots, max_context=limit)
 
     @property

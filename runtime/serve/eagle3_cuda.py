@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from manifests.errors import EnvironmentProblem
-from runtime.engines.cuda import GRAPH_MAX_WIDTH, GRAPH_WARMUP, MAX_CHAIN_ROUNDS, batch_buckets, graph_width, graph_window
+from runtime.engines.cuda import (GRAPH_MAX_WIDTH, GRAPH_WARMUP, MAX_CHAIN_ROUNDS, batch_buckets, graph_width,
+                                  graph_window)
 from runtime.engines.cudalib import D2H, H2D, Cudart, DeviceBuffer, grow_buffer, onnxruntime_cuda, pack_aligned
 from runtime.serve.eagle3 import HeadRow, open_head_graph
 from runtime.serve.eagle3_slots import OnnxSlotsDrafter

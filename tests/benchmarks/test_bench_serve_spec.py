@@ -64,6 +64,17 @@ def test_a_spec_bundle_is_served_with_its_own_config_or_the_one_given():
         spec_bundle("demoe3={not json")
 
 
+def test_spec_configs_of_one_method_are_told_apart_by_their_whole_config():
+    from benchmarks.bench_serve_spec import spec_configs
+
+    draw = '{"method": "draft_model", "sampled_drafts": "draw"}'
+    argmax = '{"method": "draft_model", "sampled_drafts": "argmax"}'
+    ngram = '{"method": "ngram"}'
+    assert [label for label, _ in spec_configs([draw, argmax, ngram])] == [f"spec {draw}", f"spec {argmax}",
+                                                                            "spec ngram"]
+    assert spec_configs([ngram]) == [("spec ngram", ["--speculative-config", ngram])]
+
+
 def test_a_row_counts_what_each_counter_grew_by_in_it():
     from benchmarks.bench_serve_spec import grown, grown_by_bucket
 

@@ -206,6 +206,29 @@ def test_greedy_speculation_through_the_dual_engine_is_plain_greedy(dual):
     assert none["decode"] >= 11 and spec["main"] > 3, (none, spec)
 
 
+def test_graph_shapes_pad_a_row_to_a_power_of_two_tokens_and_change_no_output(dual):
+    """With a CUDA graph's shapes (fixed_shapes, on host memory through the CPU provider): verification rows of 3
+    tokens pad to the 4-token shape and 2 stay 2, in a bucket of slots; every row's logits and the slots' lengths
+    are those of the engine running each step's rows as they are."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(2, 500, n).tolist() for n in (6, 13, 9)]
+    feeds = [[rng.integers(2, 500, w).tolist() for _ in range(3)] for w in (1, 3, 1, 4, 2, 3)]
+    runs = {}
+    for fixed in (True, False):
+        engine = engine_of(dual, fp32=True, max_context=64, num_slots=4, fixed_shapes=fixed)
+        engine.forward([Row(s, p) for s, p in enumerate(prompts)])
+        runs[fixed] = [engine.forward([Row(s, f[s]) for s in range(3)]) for f in feeds]
+        assert [engine.length(s) for s in range(4)] == [len(p) + 14 for p in prompts] + [0]
+        widths = sorted({key[1] for lane in {engine._lane, engine._decode} for key in lane.graphs})
+        assert widths == ([1, 2, 4] if fixed else [])
+        assert {key[0] for lane in {engine._lane, engine._decode} for key in lane.graphs} <= {4}  # bucket of 4
+    scale = max(float(np.abs(lg).max()) for step in runs[False] for lg in step)
+    for padded, plain in zip(runs[True], runs[False]):
+        for a, b in zip(padded, plain):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(a, b, atol=1e-4 * scale)
+
+
 def test_sampled_requests_draft_the_argmax_in_one_chain_call_as_call_by_call(dual, monkeypatch):
     """check_sampled_chains on host memory through the CPU provider (test_cuda_engine.py on a GPU)."""
     check_sampled_chains(lambda: engine_of(dual, max_context=64, num_slots=4), monkeypatch)
