@@ -17,10 +17,10 @@ config (the adaptive length, runtime.serve.spec_length), one per --spec-config, 
 installed bundle of the same target model (another method: a draft model against an EAGLE-3 head) served with its
 own config or the JSON after "=", so that methods compare against one plain run. The client is the
 official `openai` package (AsyncOpenAI): each of N streams sends --requests streamed chat completions back
-to back (more where --run-tokens asks for more tokens per run), --tokens tokens each (ignore_eos), greedy (or at --temperature),
-the streams spread over --client-procs processes starting together (default one per 2 CPUs: one process
-parsing every chunk caps plain decoding at its parse rate, and drafting, whose chunks carry several tokens,
-would be measured against the client).
+to back (more where --run-tokens asks for more tokens per run), --tokens tokens each (ignore_eos), greedy (or
+sampled at --temperature), the streams spread over --client-procs processes starting together (default one per
+2 CPUs: one process parsing every chunk caps plain decoding at its parse rate, and drafting, whose chunks carry
+several tokens, would be measured against the client).
 Rows run interleaved over the servers (every stream count x prompt x repeat visits each method in turn) so
 other load on the machine hits them alike, and while one server is measured the others are stopped (SIGSTOP,
 then SIGCONT for their turn; --no-pause-idle leaves them running), so no idle server's threads take CPU time

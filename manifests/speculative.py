@@ -7,8 +7,9 @@ accepted and kept (`extra`) but change nothing; a key vLLM does not know is refu
 would, because it is almost always a typo (three keys of this tool's own are accepted beside them: "tree",
 token-tree proposals for draft_model, eagle3 and ngram, runtime.serve.spec_tree; "adaptive", false for a fixed
 length every step, runtime.serve.spec_length; "sampled_drafts", how sampled requests draft,
-runtime.serve.model_runner). What differs is only what each command can do with the result: create bundles a draft model or an EAGLE-3 head (`bundled_draft`), serve runs the
-bundle's own draft or head or prompt lookup and refuses a `model` that is not the bundle's (`check_draft`).
+runtime.serve.model_runner). What differs is only what each command can do with the result: create bundles a
+draft model or an EAGLE-3 head (`bundled_draft`), serve runs the bundle's own draft or head or prompt lookup and
+refuses a `model` that is not the bundle's (`check_draft`).
 Methods this version does not run are refused by name with what a bundle would need (NOT_SUPPORTED).
 Stdlib only, no I/O.
 """

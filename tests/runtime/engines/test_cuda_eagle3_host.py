@@ -224,8 +224,8 @@ def test_check_head_over_slots_passes_on_the_cpu_provider(eagle3):
 def test_the_head_on_device_buffers_runs_graph_shapes_and_proposes_as_the_head_over_slots(eagle3):
     """CudaSlotsDrafter (the head on the CUDA provider: one input copy a run, fixed buffers, CUDA graphs) on host
     memory, its graph shapes on: runs of at most GRAPH_MAX_WIDTH tokens a row pad to a bucket of slots 0..b-1, a
-    power of two tokens a row and a window of a power of two, one binding kept per shape (what a captured graph replays); longer catch-ups
-    run over the slots they need. Every output equals OnnxSlotsDrafter's."""
+    power of two tokens a row and a window of a power of two, one binding kept per shape (what a captured graph
+    replays); longer catch-ups run over the slots they need. Every output equals OnnxSlotsDrafter's."""
     from runtime.engines.cuda import MIN_WINDOW
     from runtime.serve.eagle3_cuda import CudaSlotsDrafter
 
