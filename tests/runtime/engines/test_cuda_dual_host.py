@@ -240,9 +240,7 @@ def check_sampled_chains(make, monkeypatch):
     (the chain declined), so the one-hot q and the target's draws are the same ones."""
     from runtime.engines.cuda import CudaEngine
     from runtime.serve.model_runner import ModelRunner
-    from runtime.serve.sampling import SamplingParams
-    from runtime.serve.scheduler import Scheduler
-    from tests.runtime.serve.test_scheduler import Recorder, run_together
+    from tests.runtime.serve.test_scheduler import seeded_sampled
 
     rng = np.random.default_rng(9)
     prompts = [rng.integers(2, 500, n).tolist() for n in (4, 11, 7)]
@@ -253,10 +251,7 @@ def check_sampled_chains(make, monkeypatch):
         assert runner.argmax_sampled and draft.chains_on_device
         if not chained:
             monkeypatch.setattr(CudaEngine, "greedy_chain", lambda self, rows, rounds: None)
-        rec = Recorder()
-        reqs = [rec.request(p, SamplingParams(temperature=0.8, seed=i), max_tokens=12) for i, p in enumerate(prompts)]
-        results[chained] = run_together(Scheduler(runner, max_num_seqs=3, max_num_batched_tokens=64), rec, reqs,
-                                        arrive_every=0)
+        results[chained] = seeded_sampled(runner, prompts, 12, 0.8)
         assert bool(draft._decode.chains) == chained and runner.stats.num_drafts > 0
         monkeypatch.undo()
     assert results[True] == results[False] and all(len(t) == 12 for t in results[True])

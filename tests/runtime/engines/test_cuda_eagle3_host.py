@@ -362,9 +362,7 @@ def check_sampled_head_chains(make_target, make_head, monkeypatch):
     declined), so the one-hot q and the target's draws are the same ones."""
     from runtime.serve.eagle3_cuda import CudaSlotsDrafter
     from runtime.serve.model_runner import ModelRunner
-    from runtime.serve.sampling import SamplingParams
-    from runtime.serve.scheduler import Scheduler
-    from tests.runtime.serve.test_scheduler import Recorder, run_together
+    from tests.runtime.serve.test_scheduler import seeded_sampled
 
     rng = np.random.default_rng(3)
     prompts = [rng.integers(2, 500, n).tolist() for n in (5, 9, 14)]
@@ -375,10 +373,7 @@ def check_sampled_head_chains(make_target, make_head, monkeypatch):
         assert runner.argmax_sampled and head.chains_on_device
         if not chained:
             monkeypatch.setattr(CudaSlotsDrafter, "greedy_chains", lambda self, rows, rounds: None)
-        rec = Recorder()
-        reqs = [rec.request(p, SamplingParams(temperature=0.9, seed=i), max_tokens=16) for i, p in enumerate(prompts)]
-        results[chained] = run_together(Scheduler(runner, max_num_seqs=3, max_num_batched_tokens=64), rec, reqs,
-                                        arrive_every=0)
+        results[chained] = seeded_sampled(runner, prompts, 16, 0.9)
         assert bool(head._chains) == chained and runner.stats.num_drafts > 0
         monkeypatch.undo()
     assert results[True] == results[False] and all(len(t) == 16 for t in results[True])

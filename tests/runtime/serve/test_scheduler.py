@@ -56,6 +56,15 @@ class Recorder:
         return [t for s in self.steps[r.id] for t in s.tokens]
 
 
+def seeded_sampled(runner, prompts, max_tokens: int, temperature: float) -> list[list[int]]:
+    """Each prompt a sampled request seeded with its index, all at once under one scheduler: their tokens."""
+    rec = Recorder()
+    reqs = [rec.request(p, SamplingParams(temperature=temperature, seed=i), max_tokens=max_tokens)
+            for i, p in enumerate(prompts)]
+    return run_together(Scheduler(runner, max_num_seqs=len(prompts), max_num_batched_tokens=64), rec, reqs,
+                        arrive_every=0)
+
+
 def run_together(scheduler, rec, requests, arrive_every=1):
     """Submit one request every `arrive_every` steps (staggered arrivals; 0: all before the first step),
     step until all finish."""
