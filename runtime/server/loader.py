@@ -157,7 +157,9 @@ def load_serving_model(installed, *, target_id: str | None = None, speculative: 
             "speculative": spec.method if spec.method == "none" else
             f"{spec.method} (num_speculative_tokens={spec.num_speculative_tokens}"
             + (f", {runner.tree.describe()})" if runner.tree else ")")
-            + (f"; {_drafter_line(draft)}" if draft is not None else "")}
+            + (f"; {_drafter_line(draft)}" if draft is not None else "")
+            + (f"; sampled requests draft {'the argmax' if runner.argmax_sampled else 'draws from q'}"
+               if draft is not None else "")}
     info.update(engine_info(target, target_id))
     return ServingModel(name=manifest.name, tokenizer=tokenizer, template=ChatTemplate.for_tokenizer(tokenizer),
                         runner=runner, max_model_len=min(wanted or limit, limit), info=info,

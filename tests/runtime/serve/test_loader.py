@@ -45,6 +45,11 @@ def test_load_variants(installed):
     ngram = load_serving_model(installed, speculative=Speculative(method="ngram", num_speculative_tokens=4))
     assert ngram.runner.method == "ngram" and ngram.runner.draft is None
     assert ngram.runner.num_speculative_tokens == 4 and "ngram" in ngram.info["speculative"]
+    drafted = load_serving_model(installed)  # the draft model on ONNX Runtime's CPU engine: draws from q
+    assert drafted.info["speculative"].endswith("; sampled requests draft draws from q"), drafted.info
+    argmax = load_serving_model(installed, speculative=Speculative(method="draft_model",
+                                                                   extra={"sampled_drafts": "argmax"}))
+    assert argmax.info["speculative"].endswith("; sampled requests draft the argmax"), argmax.info
     plain = load_serving_model(installed, no_speculation=True, max_model_len=128)
     assert plain.runner.method == "none" and plain.max_model_len == 128
     with pytest.raises((UsageError, ModelError), match="more than the engine supports|exceeds"):
