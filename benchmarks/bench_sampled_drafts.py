@@ -42,8 +42,7 @@ def measure(make, prompts, params, tokens: int, argmax: bool) -> dict:
         for p in params:
             produced += sum(len(s.tokens) for s in gen.generate(prompt, p, max_tokens=tokens))  # no EOS ids
     seconds = time.perf_counter() - t0
-    return {"mean_accepted_length": gen.stats.mean_acceptance_length, "tok_s": produced / seconds,
-            "drafts": gen.stats.num_drafts}
+    return {"mean_accepted_length": gen.stats.mean_acceptance_length, "tok_s": produced / seconds}
 
 
 def main(argv=None) -> int:

@@ -502,15 +502,7 @@ class CudaEngine(Engine):
         self._total[()] = cap
         self.cudart.synchronize()  # the pageable copies may still be in flight; ONNX Runtime's stream does not wait
         for r, (binding, graph_id) in enumerate(launches):
-            options = self._ort.RunOptions()
-            if self.cuda_graphs:
-                options.add_run_config_entry("gpu_graph_id", str(graph_id if graph_id is not None else -1))
-            if graph_id is not None:
-                lane.runs[graph_id] = lane.runs.get(graph_id, 0) + 1
-                self.cold_runs += lane.runs[graph_id] <= GRAPH_WARMUP
-            if r < rounds - 1:
-                options.add_run_config_entry("disable_synchronize_execution_providers", "1")
-            lane.session.run_with_iobinding(binding, options)
+            lane.session.run_with_iobinding(binding, self._run_options(lane, graph_id, wait=r == rounds - 1))
         out = np.empty((rounds, hi), np.int64)
         self.cudart.memcpy(out.ctypes.data, tokens.ptr, out.nbytes, D2H)
         for s in slots:
@@ -541,6 +533,20 @@ class CudaEngine(Engine):
         graph_id = lane.graphs.setdefault(("chain", *key), len(lane.graphs) + 1) if self._replay else None
         return binding, buffer, graph_id
 
+    def _run_options(self, lane: _Lane, graph_id: int | None, wait: bool = True):
+        """RunOptions of one run of `lane`: its CUDA graph's id where graphs are on (-1, None here: an ordinary run),
+        the graph's runs counted (its first GRAPH_WARMUP are cold, Engine.cold_runs). `wait` False: ONNX Runtime
+        returns once the run is queued (a chain's next round reads its outputs in the same stream)."""
+        options = self._ort.RunOptions()
+        if self.cuda_graphs:
+            options.add_run_config_entry("gpu_graph_id", str(graph_id if graph_id is not None else -1))
+        if graph_id is not None:
+            lane.runs[graph_id] = lane.runs.get(graph_id, 0) + 1
+            self.cold_runs += lane.runs[graph_id] <= GRAPH_WARMUP
+        if not wait:
+            options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        return options
+
     #: Similar lengths share a call, a row longer than the headroom goes alone: the CPU engine's rule.
     _groups = OnnxRuntimeEngine._groups
 
@@ -564,9 +570,6 @@ class CudaEngine(Engine):
                 window = graph_window(window, cap)
         graph_id = lane.graphs.setdefault((hi, width, window, self._generation), len(lane.graphs) + 1) \
             if use_graph else None
-        if graph_id is not None:
-            lane.runs[graph_id] = lane.runs.get(graph_id, 0) + 1
-            self.cold_runs += lane.runs[graph_id] <= GRAPH_WARMUP
         mask = None if lane.gqa else batched_mask(group, lo, positions, write, window)
         counts = {r.slot: len(r.tokens) for r in group}
         self._bind_inputs(lane, batch, width, window, ids, positions, write, mask,
@@ -575,10 +578,7 @@ class CudaEngine(Engine):
         logits, argmax, aux = self._bind_outputs(batch, width, lane)
         captures = self._states.before_run(lane.binding, lo, hi, counts, self.slots.lengths, width) \
             if self._states else None
-        run_options = self._ort.RunOptions()
-        if self.cuda_graphs:
-            run_options.add_run_config_entry("gpu_graph_id", str(graph_id if graph_id is not None else -1))
-        lane.session.run_with_iobinding(lane.binding, run_options)
+        lane.session.run_with_iobinding(lane.binding, self._run_options(lane, graph_id))
         out = dict(zip((r.slot for r in group), fetch_group(
             self.cudart, logits.ptr, argmax.ptr, self.vocab_size, batch, width,
             [(r.slot - lo, len(r.tokens), wants[r.slot]) for r in group])))

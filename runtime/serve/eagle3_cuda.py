@@ -100,12 +100,12 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
 
     def _run(self, group: list[HeadRow], from_target: bool) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         width = max(len(r.tokens) for r in group)
-        hi = max(r.slot for r in group) + 1
+        padded, hi = graph_width(width), max(r.slot for r in group) + 1
         # a graph's padding rows write into the spare rows: at most the headroom wide
-        graph = self.fixed_shapes and graph_width(width) <= min(GRAPH_MAX_WIDTH, self._headroom)
+        graph = self.fixed_shapes and padded <= min(GRAPH_MAX_WIDTH, self._headroom)
         lo, window = 0 if graph else min(r.slot for r in group), None
         if graph:  # slots 0..bucket-1 at the same addresses every time, a power of two tokens a row and window rows
-            hi, width = next(b for b in self.buckets if b >= hi), graph_width(width)
+            hi, width = next(b for b in self.buckets if b >= hi), padded
             window = graph_window(max(self._lengths[r.slot] for r in group) + width, self.capacity)
         inputs = self._inputs(group, from_target, lo, hi, window, width)
         batch, window = hi - lo, inputs["attention_mask"].shape[-1]
@@ -116,9 +116,6 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
         if run is None:
             run = self._bind(key, parts, offsets, host.nbytes, graph)
         binding, inputs, logits, hidden, graph_id = run
-        if graph_id > 0:  # its first runs: an ordinary run, then the capture (what cost measurements leave out)
-            self._graph_runs[graph_id] = self._graph_runs.get(graph_id, 0) + 1
-            self.cold_runs += self._graph_runs[graph_id] <= GRAPH_WARMUP
         self.cudart.memcpy(inputs.ptr, host.ctypes.data, host.nbytes, H2D)
         self.cudart.synchronize()  # a pageable copy may still be in flight; ONNX Runtime's stream does not wait
         self._launch(binding, graph_id)
@@ -134,6 +131,9 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
         Runtime cannot make turns graphs off for this head, in one log line, and the run is made again ordinarily
         (it writes the same cache entries at the same positions). `wait`: return once the GPU has finished it
         (else once it is queued: a chain's next round reads its outputs in the same stream)."""
+        if graph_id > 0:  # its first runs: an ordinary run, then the capture (what cost measurements leave out)
+            self._graph_runs[graph_id] = self._graph_runs.get(graph_id, 0) + 1
+            self.cold_runs += self._graph_runs[graph_id] <= GRAPH_WARMUP
         if not self._graph_session and wait:
             self.session.run_with_iobinding(binding)
             return
@@ -190,9 +190,6 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
                 self._lengths[s] += 1
         self.cudart.synchronize()  # the pageable copies may still be in flight; ONNX Runtime's stream does not wait
         for r, (binding, graph_id) in enumerate(launches):
-            if graph_id > 0:
-                self._graph_runs[graph_id] = self._graph_runs.get(graph_id, 0) + 1
-                self.cold_runs += self._graph_runs[graph_id] <= GRAPH_WARMUP
             self._launch(binding, graph_id, wait=r == rounds - 1)
         self.runs += rounds
         out = np.empty((rounds, hi), np.int64)

@@ -64,8 +64,8 @@ def build_runner(target, draft, spec: Speculative, *, adaptive: bool = True) -> 
     return ModelRunner(as_slots(target), draft if spec.method == "eagle3" else as_slots(draft), spec.method,
                        spec.num_speculative_tokens, prompt_lookup_min=lo, prompt_lookup_max=hi,
                        adaptive=adaptive and adaptive_length(spec),
-                       disable_by_batch_size=disable_by_batch_size(spec), tree=TreeOptions.parse(spec.extra.get("tree")),
-                       sampled_drafts=sampled_drafts(spec))
+                       disable_by_batch_size=disable_by_batch_size(spec),
+                       tree=TreeOptions.parse(spec.extra.get("tree")), sampled_drafts=sampled_drafts(spec))
 
 
 def adaptive_length(spec: Speculative) -> bool:
@@ -157,9 +157,8 @@ def load_serving_model(installed, *, target_id: str | None = None, speculative: 
             "speculative": spec.method if spec.method == "none" else
             f"{spec.method} (num_speculative_tokens={spec.num_speculative_tokens}"
             + (f", {runner.tree.describe()})" if runner.tree else ")")
-            + (f"; {_drafter_line(draft)}" if draft is not None else "")
-            + (f"; sampled requests draft {'the argmax' if runner.argmax_sampled else 'draws from q'}"
-               if draft is not None else "")}
+            + (f"; {_drafter_line(draft)}; sampled requests draft "
+               f"{'the argmax' if runner.argmax_sampled else 'draws from q'}" if draft is not None else "")}
     info.update(engine_info(target, target_id))
     return ServingModel(name=manifest.name, tokenizer=tokenizer, template=ChatTemplate.for_tokenizer(tokenizer),
                         runner=runner, max_model_len=min(wanted or limit, limit), info=info,
