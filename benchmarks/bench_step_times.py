@@ -48,12 +48,12 @@ def run_round(model, streams: int, tokens: int, clock=time.perf_counter) -> list
         scheduler.add(r)
     out = []
     while scheduler.has_work():
-        produced, cold = sum(r.produced for r in requests), runner._cold_runs()  # graphs' first runs so far
+        produced, cold = sum(r.produced for r in requests), runner.cold_runs()  # graphs' first runs so far
         t0 = clock()
         scheduler.step()
         seconds = clock() - t0
         g = runner.speculation.last if runner.speculation is not None else 0
-        out.append((g, sum(r.produced for r in requests) - produced, seconds, runner._cold_runs() > cold))
+        out.append((g, sum(r.produced for r in requests) - produced, seconds, runner.cold_runs() > cold))
     return out
 
 

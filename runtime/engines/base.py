@@ -116,6 +116,9 @@ class Engine(ABC):
     #: calls so far that ran a CUDA graph's shape for one of its first runs (ONNX Runtime runs a new graph id
     #: ordinarily, then captures it: many times a replay's cost), which a cost measurement must leave out
     cold_runs: int = 0
+    #: True when the engine captures a CUDA graph per call shape on its first runs (runtime.serve.warmup runs every
+    #: shape serving can meet once at startup, so that no request pays a capture)
+    captures_graphs: bool = False
 
     @abstractmethod
     def length(self, slot: int) -> int:

@@ -229,6 +229,10 @@ class CudaEngine(Engine):
         self.allocate_slots(num_slots, max_context=limit)
 
     @property
+    def captures_graphs(self) -> bool:
+        return bool(self._replay and self.cuda_graphs)
+
+    @property
     def dual(self) -> bool:
         """Whether single-token rows run through the GroupQueryAttention decode graph."""
         return self._decode is not self._lane

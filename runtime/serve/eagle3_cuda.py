@@ -155,6 +155,10 @@ class CudaSlotsDrafter(OnnxSlotsDrafter):
         return options
 
     @property
+    def captures_graphs(self) -> bool:
+        return bool(self.fixed_shapes and self.cuda_graphs)
+
+    @property
     def chains_on_device(self) -> bool:
         return self._argmax and self._headroom >= 1
 

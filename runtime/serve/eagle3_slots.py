@@ -46,6 +46,7 @@ class SlotsDrafter(ABC):
     runs: int = 0
     #: runs that were among the first of their CUDA graph (runtime.engines.base.Engine.cold_runs)
     cold_runs: int = 0
+    captures_graphs = False  # (runtime.engines.base.Engine.captures_graphs)
 
     @abstractmethod
     def allocate_slots(self, num_slots: int) -> None:

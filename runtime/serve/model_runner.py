@@ -294,6 +294,16 @@ class ModelRunner:
         for proposer in self.eagle or ():
             proposer.reset()
 
+    def forget_measurements(self) -> None:
+        """Start measuring afresh (after runtime.serve.warmup's throwaway steps): the length chooser's costs and
+        acceptance, the tree shape's, the counters /metrics reports."""
+        s = self.speculation
+        self.speculation = SpeculationLength(s.k, adaptive=s.adaptive, disable_by_batch_size=s.disable_by_batch_size)
+        self.stats = SpecStats()
+        if self.shape is not None:
+            self.shape = TreeShape(self.shape.depth, self.shape.max_nodes)
+        self._pending = None
+
     # --- one step ---------------------------------------------------------------------------------
     def step(self, decodes: Sequence[tuple], prefills: Sequence[tuple]) -> None:
         """`decodes`: (request, g) with g proposals wanted (0: plain); `prefills`: (request, n prompt tokens).
@@ -303,7 +313,7 @@ class ModelRunner:
         """
         t0, target0 = self._clock(), self.stats.target_seconds
         self._observe_pending(t0)
-        cold0 = self._cold_runs()
+        cold0 = self.cold_runs()
         self._catch_up = False
         if decodes:
             self._batch = len(decodes)
@@ -354,7 +364,7 @@ class ModelRunner:
         # the cost model sees decode-only steps: a prefill chunk runs as a call of its own, with another
         # cost per token than verification rows (and a draft catching up on many tokens is prefilling), and a
         # step that ran some CUDA graph for one of its first times measured ONNX Runtime's capture, not the step
-        cold = self._cold_runs() != cold0
+        cold = self.cold_runs() != cold0
         decoded = 0 if prefills or self._catch_up or cold else sum(len(row.tokens) for row in rows)
         end = self._clock()
         if decoded:  # observed when the next step starts: its "other" seconds take the time until then too
@@ -382,7 +392,7 @@ class ModelRunner:
         """The scheduler has no work left: the latest step's costs are observed without the wait that follows."""
         self._observe_pending(self._clock(), gap=False)
 
-    def _cold_runs(self) -> int:
+    def cold_runs(self) -> int:
         """The engines' cold runs so far (runtime.engines.base.Engine.cold_runs): target, draft and EAGLE-3 head."""
         return sum(getattr(e, "cold_runs", 0) for e in (self.target, self.draft, self.head) if e is not None)
 

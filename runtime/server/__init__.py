@@ -134,6 +134,8 @@ def serve(name_or_dir, config: ServeConfig | None = None, *, echo: Callable[[str
             if "engine_warning" in info:
                 echo(f"WARNING:     {info['engine_warning']}")
             echo(f"speculative: {info['speculative']}")
+            if "graphs" in info:
+                echo(f"graphs:      {info['graphs']}")
             for line in setup.features_lines:
                 echo(line)
             keyed = "API key required (not on /health, /health/ready)"

@@ -120,3 +120,24 @@ def test_sampled_distribution_is_the_targets_whatever_length_each_step_verifies(
     reqs = [rec.request(PROMPT, params, max_tokens=LENGTH) for _ in range(n)]
     assert_distributed_per_slot(scheduler, rec, reqs, slots, _exact(target, params))
     assert 0 < runner.stats.num_drafts < sum(len(v) for v in rec.steps.values())  # some steps plain, some not
+
+
+def test_a_switch_to_drafting_must_win_back_the_drafts_catch_up_before_the_answers_end():
+    """A bucket decoding plainly (or new, as a draining batch meets at every smaller size) drafts only where the
+    tokens still to come save more seconds than reading what the draft has not seen costs."""
+    from types import SimpleNamespace
+
+    from runtime.serve.spec_length import SpeculationLength
+
+    s = SpeculationLength(3)
+    near_end = [SimpleNamespace(max_tokens=130, produced=126)] * 2
+    far = [SimpleNamespace(max_tokens=4000, produced=126)] * 2
+    behind = lambda: 256  # noqa: E731 (tokens the draft lacks)
+    # not measured yet: the first drafted step measures it
+    assert s._switch_pays(near_end, 1000.0, 1500.0, behind)
+    s.observe_catch_up(256, 0.004)  # 4 ms to read them
+    # 8 tokens left: 8 ms plain, 5.3 ms drafting: 2.7 ms saved < 4 ms
+    assert not s._switch_pays(near_end, 1000.0, 1500.0, behind)
+    assert s._switch_pays(far, 1000.0, 1500.0, behind)
+    assert s._switch_pays(near_end, 1000.0, 1500.0, lambda: 0)  # nothing to read
+    assert s._switch_pays(near_end, 1000.0, 1500.0, None)

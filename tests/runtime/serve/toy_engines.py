@@ -102,3 +102,54 @@ class MarkovChainSlots(MarkovSlots):
             out.append(np.array(ids, np.int64))
         return out
 
+
+
+class ShapeCountingSlots(MarkovChainSlots):
+    """MarkovChainSlots that counts its calls by the CUDA engine's graph shapes (runtime.engines.cuda): a step's
+    single-token rows are one call and its longer rows another (the dual engine), each of shape (batch bucket of its
+    highest slot, tokens a row rounded up to a power of two, attention window), a chain's round r (bucket, window,
+    r); a shape's first GRAPH_WARMUP calls are cold (Engine.cold_runs), as a capture is. Calls of more than
+    GRAPH_MAX_WIDTH tokens a row are ordinary runs, never cold."""
+
+    captures_graphs = True
+
+    def __init__(self, table: np.ndarray, max_context: int = 4096, num_slots: int = 1):
+        from runtime.engines.cuda import batch_buckets
+
+        super().__init__(table, max_context, num_slots)
+        self.buckets = batch_buckets(num_slots)
+        self.shape_runs: dict[tuple, int] = {}
+        self.cold_runs = 0
+
+    def _count(self, shape: tuple) -> None:
+        from runtime.engines.cuda import GRAPH_WARMUP
+
+        runs = self.shape_runs[shape] = self.shape_runs.get(shape, 0) + 1
+        self.cold_runs += runs <= GRAPH_WARMUP
+
+    def _bucket(self, slots) -> int:
+        return next(b for b in self.buckets if b > max(slots))
+
+    def _window(self, rows: int) -> int:
+        from runtime.engines.cuda import graph_window
+
+        return graph_window(rows, self.max_context)
+
+    def forward(self, rows):
+        from runtime.engines.cuda import GRAPH_MAX_WIDTH, graph_width
+
+        for multi in (False, True):
+            group = [r for r in rows if (len(r.tokens) > 1) == multi and len(r.tokens)]
+            width = max((len(r.tokens) for r in group), default=0)
+            if group and width <= GRAPH_MAX_WIDTH:
+                reach = max(len(self._tokens[r.slot]) for r in group) + width
+                self._count((self._bucket([r.slot for r in group]), graph_width(width), self._window(reach)))
+        return super().forward(rows)
+
+    def greedy_chain(self, rows, rounds):
+        reach = max(len(self._tokens[r.slot]) for r in rows) + rounds
+        out = super().greedy_chain(rows, rounds)
+        if out is not None:
+            for r in range(rounds):
+                self._count(("chain", self._bucket([row.slot for row in rows]), self._window(reach), r))
+        return out
