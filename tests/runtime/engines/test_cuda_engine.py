@@ -316,6 +316,49 @@ def test_eagle3_over_slots_on_the_device_is_greedy_token_for_token(eagle3):
     assert spec.stats.num_drafts > 0
 
 
+def test_after_startup_capture_serving_on_the_gpu_captures_nothing_and_answers_the_same(gpu_graphs, tmp_path):
+    """runtime.serve.warmup over the CUDA engines (the dual target, a draft): serving after it, every length and
+    catch-up the adaptive length may choose, runs no CUDA graph for its first time, and greedy answers are those of
+    a runner that captured on first use."""
+    from bundler.onnx.export import export_onnx
+    from runtime.serve.model_runner import ModelRunner
+    from runtime.serve.warmup import capture_graphs
+    from tests.runtime.engines.test_fp16_fallback import noisy_copy
+    from tests.runtime.serve.test_warmup import serve
+
+    draft_graph = export_onnx(noisy_copy(gpu_graphs["checkpoint"], tmp_path / "draft"), tmp_path / "d",
+                              kv_cache="batched", dtype="float16").graph
+
+    def runner():
+        return ModelRunner(engine_for(gpu_graphs, "dual", max_context=512, num_slots=4),
+                           cuda_engine(draft_graph, max_context=512, num_slots=4), "draft_model", 3)
+
+    warm = runner()
+    done = capture_graphs(warm)
+    assert done is not None and done.graphs > 0, "nothing captured"
+    cold = (warm.target.cold_runs, warm.draft.cold_runs)
+    answers = serve(warm, seed=5, steps=300, greedy_only=True)
+    assert (warm.target.cold_runs, warm.draft.cold_runs) == cold
+    assert answers == serve(runner(), seed=5, steps=300, greedy_only=True)
+
+
+def test_after_startup_capture_the_eagle3_head_on_the_gpu_captures_nothing(eagle3):
+    """The same for the EAGLE-3 head over slots with CUDA graphs beside the fp16 dual target."""
+    from runtime.engines.cuda import CudaEngine
+    from runtime.serve.eagle3_cuda import CudaSlotsDrafter
+    from runtime.serve.model_runner import ModelRunner
+    from runtime.serve.warmup import capture_graphs
+    from tests.runtime.serve.test_warmup import serve
+
+    runner = ModelRunner(CudaEngine(eagle3["graph"], decode_graph=eagle3["decode"], max_context=512, num_slots=4),
+                         CudaSlotsDrafter(eagle3["head"], max_context=512, num_slots=4), "eagle3", 3)
+    done = capture_graphs(runner)
+    assert done is not None and done.graphs > 0
+    cold = (runner.target.cold_runs, runner.head.cold_runs)
+    serve(runner, seed=6, steps=300)
+    assert (runner.target.cold_runs, runner.head.cold_runs) == cold
+
+
 def test_the_dual_engines_sessions_read_its_one_copy_of_the_weights(gpu_graphs):
     """Shared initializers on the device: zeroing the engine's lm_head buffer zeroes the logits of rows of
     both graphs (a session with a copy of its own would not see it)."""

@@ -26,22 +26,24 @@ def runner_of(engine=ShapeCountingSlots, max_context: int = 1024, **kw) -> Model
                        **kw)
 
 
-def serve(runner: ModelRunner, seed: int, *, steps: int = 400) -> dict[str, list[int]]:
+def serve(runner: ModelRunner, seed: int, *, steps: int = 400, vocab: int = VOCAB, greedy_only: bool = False
+          ) -> dict[str, list[int]]:
     """Requests of every kind in random slots, each step's G drawn at random (plain, any length, catch-ups of
-    any width): what the adaptive length may choose. Returns each request's output by its prompt."""
+    any width): what the adaptive length may choose. Returns each request's output by its prompt (`greedy_only`:
+    the greedy requests')."""
     rng = np.random.default_rng(seed)
-    scheduler = Scheduler(runner, max_num_seqs=SLOTS)
+    scheduler = Scheduler(runner, max_num_seqs=runner.num_slots)
     out = {}
 
     def add():
         temperature = float(rng.choice([0.0, 1.0]))
-        request = EngineRequest(prompt=[int(t) for t in rng.integers(1, VOCAB, int(rng.integers(3, 40)))],
+        request = EngineRequest(prompt=[int(t) for t in rng.integers(1, vocab, int(rng.integers(3, 40)))],
                                 params=SamplingParams(temperature=temperature, seed=int(rng.integers(1 << 20))),
                                 max_tokens=int(rng.integers(5, 120)))
         out[repr(request.prompt)] = request
         scheduler.add(request)
 
-    for _ in range(SLOTS):
+    for _ in range(runner.num_slots):
         add()
     for _ in range(steps):
         runner.speculation.choose = lambda adaptive, fixed, **kw: int(rng.integers(0, K + 1))
@@ -50,7 +52,7 @@ def serve(runner: ModelRunner, seed: int, *, steps: int = 400) -> dict[str, list
                 add()
         if not scheduler.has_work():
             add()
-    return {prompt: r.output_ids for prompt, r in out.items()}
+    return {prompt: r.output_ids for prompt, r in out.items() if r.params.greedy or not greedy_only}
 
 
 def test_after_capture_serving_meets_no_shape_for_its_first_time():
