@@ -271,7 +271,7 @@ class SpeculationLength:
         self.all.other.observe((b, g), g, max(other_seconds, 0.0))
         if self.referee is not None and emitted is not None:  # beside the acceptance it ran at
             self.referee.observe(b, g, emitted, target_seconds + draft_seconds + max(other_seconds, 0.0),
-                                 self.rate() if self._trials else None)
+                                 self._acceptance_now())
         if g == 0:
             bucket.plain_seconds += target_seconds + max(other_seconds, 0.0)
         elif bucket.probe_left > 0 and g == bucket.probe_g:
@@ -436,7 +436,7 @@ class SpeculationLength:
             close = abs(drafting - speed[0]) < BAND * speed[0]
             ruling = self.referee.rule(self._bucket, DRAFT if pays else PLAIN,
                                        lambda: self._trial_affordable(bucket, catch_up), close=close,
-                                       acceptance=self.rate() if self._trials else None)
+                                       acceptance=self._acceptance_now())
             if ruling is not None:
                 pays, forced = ruling == DRAFT, self.referee.in_trial(self._bucket)
                 if forced and not pays:  # a trial of plain decoding begins (this step is its first)
@@ -459,6 +459,10 @@ class SpeculationLength:
         if not pays:
             return self._plain_step(bucket, best, catch_up)
         return self._drafting_step(bucket, best, vector, adaptive, forced)
+
+    def _acceptance_now(self) -> float | None:
+        """The server-wide acceptance the referee judges drafting at (None before any verification)."""
+        return self.rate() if self._trials else None
 
     def _switch_pays(self, adaptive: list, plain: float, drafting: float, catch_up) -> bool:
         """Whether a bucket decoding plainly (or new) wins back the draft's catch-up by drafting: the seconds the
@@ -517,6 +521,11 @@ class SpeculationLength:
             bucket.plain_run = 0
             bucket.plain_seconds = 0.0
             bucket.probe_wait = min(2 * bucket.probe_wait, self.probe_max)
+            if self.referee is not None and self.referee.ruled_clearly(self._bucket, PLAIN, self._acceptance_now()):
+                # measured over settled runs, drafting lost by a clear margin: probes at the longest wait at once (on
+                # a fake clock priced like the H100, where drafting ran 0.6x of plain at temperature 1.0, the
+                # doubling waits' probes cost 2% of the bucket's time)
+                bucket.probe_wait = self.probe_max
             bucket.probes += 1
             bucket.recheck = True  # the step after the probe decides again, with what it measured
             # every other probe drafts the configured length: its cost is then measured, not extrapolated along

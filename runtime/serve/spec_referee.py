@@ -19,7 +19,7 @@ drafting measured 1.30x): the faster one, the other taking over only when it mea
 judged at the server-wide acceptance now where that is higher than while it was measured (Rate.at): a draft that
 starts agreeing drafts at once, not at its next trial; one that stops agreeing while it drafts is measured doing so.
 
-The kind not in use is tried for TRIAL steps after every CYCLE steps of the one in use (the first trial after
+The kind not in use is tried for TRIAL steps (a drafting trial fewer where it loses clearly: EARLY) after every CYCLE steps of the one in use (the first trial after
 FIRST_CYCLE), a drafting trial only when the draft's catch-up is affordable (the probes' rule; the bucket's first
 drafting trial at a larger budget, runtime.serve.spec_length.FIRST_TRIAL_BUDGET), so measuring costs
 at most about TRIAL / CYCLE of the loser's deficit; each trial that leaves the kind in use as the ruling doubles
@@ -47,6 +47,11 @@ CYCLE = 512  # steps of the kind in use between trials of the other
 MAX_BACKOFF = 3  # each trial that leaves the ruling as it stood doubles the wait before the next, up to CYCLE << this
 FIRST_CYCLE = 128  # ... before the first trial (a short burst of work is the cost model's alone)
 MIN_COUNTED = 16  # counted steps each kind needs before the referee rules
+#: ... except that a drafting trial ends after this many counted steps where drafting measured CLEAR slower than plain
+#: decoding, and the referee rules plain on them: a step's time varies little, so 8 steps tell a deficit of a quarter,
+#: and the rest of the trial would only pay it (on a fake clock priced like the H100 at 32 streams, drafting at
+#: 0.62x of plain, the first trial was 4% of a short benchmark's time)
+EARLY = 8
 MIN_COUNTED_LENGTH = 16  # counted drafted steps of a length before its rate is set against another length's
 MARGIN = 0.02  # the kind not in use must measure this much faster to take over
 DECAY = 0.995  # per step the bucket runs, of either kind: the weight of a measurement's past
@@ -242,6 +247,16 @@ class Referee:
         return court.ruling
 
     @staticmethod
+    def _losing(court: Court, acceptance: float | None) -> bool:
+        """Whether plain decoding is measured (MIN_COUNTED steps) and drafting measured CLEAR slower than it."""
+        return court.plain.counted >= MIN_COUNTED and court.draft.at(acceptance) * (1 + CLEAR) < court.plain.per_second
+
+    def ruled_clearly(self, bucket: int, kind: str, acceptance: float | None = None) -> bool:
+        """Whether the bucket's ruling is `kind` and it measured CLEAR faster than the other kind."""
+        court = self.courts.get(bucket)
+        return court is not None and court.ruling == kind and self._clear(court, acceptance)
+
+    @staticmethod
     def _clear(court: Court, acceptance: float | None) -> bool:
         """Whether the ruling's kind measured CLEAR faster than the other."""
         p, d = court.plain.per_second, court.draft.at(acceptance)
@@ -254,8 +269,9 @@ class Referee:
         to take it back (a few noisy steps never flip it)."""
         court = self._court(bucket)
         plain, draft = court.plain, court.draft
-        if plain.counted < MIN_COUNTED or draft.counted < MIN_COUNTED:
-            return None
+        early = draft.counted >= EARLY and (court.ruling is not None or self._losing(court, acceptance))
+        if plain.counted < MIN_COUNTED or draft.counted < MIN_COUNTED and not early:
+            return None  # (a trial that ended early rules on its steps, and they are judged on from then)
         p, d = plain.per_second, draft.at(acceptance)
         if court.ruling is None:
             court.ruling = DRAFT if d > p * (1 + MARGIN) else PLAIN
@@ -279,6 +295,9 @@ class Referee:
             return
         seconds = court.bounded(g, seconds)
         court.rate(kind).add(tokens, seconds, g, acceptance, court.steps)
+        if court.trial == DRAFT and court.trial_left > 0 and kind == DRAFT and \
+                court.run_length - SETTLE >= EARLY and self._losing(court, acceptance):
+            court.trial_left = 0  # drafting loses clearly: the trial has measured enough
         if g > 0:
             rate = court.lengths.get(g)
             if rate is None:
