@@ -412,3 +412,45 @@ def test_probes_do_not_starve_a_buckets_first_trial_of_drafting():
     assert tried.get(DRAFT) and PRICE not in put_off, (tried, put_off)
     assert first < 2 * FIRST_CYCLE, first
     assert sum(1 for g in drafted if g) > 0.85 * len(drafted)
+
+
+@pytest.mark.parametrize("draft_seconds, steps", [(0.002, SETTLE + 8), (0.0012, TRIAL)])
+def test_a_drafting_trial_that_loses_clearly_ends_after_its_early_steps_and_rules(draft_seconds, steps):
+    """A trial of drafting at half plain's tokens/s ends once EARLY of its steps are counted and rules plain on them;
+    one within CLEAR of plain runs its TRIAL steps (and rules plain too, at 0.83x)."""
+    from runtime.serve.spec_referee import CLEAR, EARLY
+
+    assert steps == TRIAL or steps == SETTLE + EARLY
+    referee = Referee()
+    _feed(referee, PLAIN, SETTLE + MIN_COUNTED, 1, 0.001)  # 1000 tok/s
+    referee.start(1, DRAFT)
+    ran = 1
+    referee.observe(1, 3, 1, draft_seconds)  # the trial's first step (start counts it)
+    while referee.trial_step(1) is not None:
+        referee.observe(1, 3, 1, draft_seconds)
+        ran += 1
+    assert ran == steps
+    assert (1 / draft_seconds * (1 + CLEAR) < 1000.0) == (steps < TRIAL)
+    assert referee.judge(1) == PLAIN  # slower either way
+
+
+def test_a_bucket_ruled_plain_clearly_probes_at_the_longest_wait_at_once():
+    """Once the referee has measured drafting CLEAR slower than plain decoding, the cost model's probes (each pays a
+    catch-up and drafts at a loss) come PROBE_MAX plain steps apart, not doubling up from PROBE_EVERY again."""
+    from runtime.serve.spec_length import PROBE_EVERY, PROBE_MAX, SpeculationLength
+
+    s = SpeculationLength(3)
+    _feed(s.referee, PLAIN, SETTLE + MIN_COUNTED, 1, 0.001, bucket=4)
+    _feed(s.referee, DRAFT, SETTLE + MIN_COUNTED, 1, 0.004, bucket=4)
+    assert s.referee.judge(4) == PLAIN and s.referee.ruled_clearly(4, PLAIN)
+    s._bucket = 4
+    bucket = s._bucket_of(4)
+    bucket.plain_run = bucket.probe_wait = PROBE_EVERY
+    assert s._plain_step(bucket, 3, None) == 3  # a probe
+    assert bucket.probe_wait == PROBE_MAX
+    other = SpeculationLength(3)  # not ruled: the wait doubles
+    other._bucket = 4
+    bucket = other._bucket_of(4)
+    bucket.plain_run = bucket.probe_wait = PROBE_EVERY
+    other._plain_step(bucket, 3, None)
+    assert bucket.probe_wait == 2 * PROBE_EVERY
