@@ -37,7 +37,6 @@ from bench_step_overhead import VOCAB, Clock  # noqa: E402
 from runtime.serve.model_runner import ModelRunner  # noqa: E402
 from runtime.serve.sampling import SamplingParams  # noqa: E402
 from runtime.serve.scheduler import EngineRequest, Scheduler  # noqa: E402
-from runtime.serve.warmup import capture_graphs  # noqa: E402
 from tests.runtime.serve.toy_engines import ShapeCountingSlots  # noqa: E402
 
 PROMPT = 24
@@ -80,6 +79,8 @@ def build(method: str, streams: int, args, spec: dict) -> tuple[Scheduler, Model
                            num_slots=32, max_context=4096) if method != "none" else None
     runner = ModelRunner(target, draft, method, 3, clock=clock, **spec)
     if args.capture:
+        from runtime.serve.warmup import capture_graphs
+
         capture_graphs(runner)
     return Scheduler(runner, max_num_seqs=32), runner, clock
 
