@@ -39,6 +39,7 @@ from runtime.server.serving_engine import Admission, ServeOptions, ServingModel
 from runtime.server.responses import ServingResponses
 from runtime.server.serving_models import ServingModels
 from runtime.server.tokenize import ServingTokenize, version
+from runtime.serve.warmup import capture_graphs
 
 log = logging.getLogger("bundle.serve")
 
@@ -58,6 +59,10 @@ class OpenAIServer:
             except NotImplementedError:  # an engine with a fixed number of slots
                 self.slot_plan = SlotPlan(min(runner.num_slots, options.max_num_seqs), self.slot_plan.kv_bytes_per_slot,
                                           self.slot_plan.kv_budget_bytes, "engine")
+        # every CUDA graph a step can replay, before any request (none pays a capture), once the slots are as served
+        captured = capture_graphs(runner)
+        if captured is not None:
+            model.info["graphs"] = captured.describe()
         #: prefix caching as it runs: off for a target with recurrent state, as vLLM turns it off for hybrids
         self.enable_prefix_caching = options.enable_prefix_caching
         if self.enable_prefix_caching and getattr(runner.target, "recurrent", False):

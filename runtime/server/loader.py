@@ -18,7 +18,6 @@ from runtime.server.serving_engine import ServingModel
 from runtime.serve.model_runner import SAMPLED_DRAFTS, ModelRunner, as_slots
 from runtime.serve.spec_tree import TreeOptions
 from runtime.serve.tokenizer import Tokenizer
-from runtime.serve.warmup import capture_graphs
 
 
 def parse_speculative_config(text: str | None) -> Speculative | None:
@@ -152,7 +151,6 @@ def load_serving_model(installed, *, target_id: str | None = None, speculative: 
     if max_model_len is not None and max_model_len > limit:
         raise UsageError(f"--max-model-len {max_model_len} is more than the engine supports ({limit})")
     runner = build_runner(target, draft, spec)
-    captured = capture_graphs(runner)  # before any request: none pays a CUDA graph's capture
     defaults = {k: v for k, v in manifest.serve.items() if k in ("temperature", "top_p", "top_k", "max_tokens")}
     info = {"bundle": f"{manifest.name} v{manifest.version}", "target": target_id,
             "engine": target.description or type(target).__name__,
@@ -162,8 +160,6 @@ def load_serving_model(installed, *, target_id: str | None = None, speculative: 
             + (f"; {_drafter_line(draft)}; sampled requests draft "
                f"{'the argmax' if runner.argmax_sampled else 'draws from q'}" if draft is not None else "")}
     info.update(engine_info(target, target_id))
-    if captured is not None:
-        info["graphs"] = captured.describe()
     return ServingModel(name=manifest.name, tokenizer=tokenizer, template=ChatTemplate.for_tokenizer(tokenizer),
                         runner=runner, max_model_len=min(wanted or limit, limit), info=info,
                         defaults=defaults)

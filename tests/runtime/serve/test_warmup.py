@@ -123,3 +123,31 @@ def test_capture_runs_every_method_and_leaves_its_slots_empty(method):
     if method == "eagle3":
         assert all(runner.head.length(s) == 0 for s in range(SLOTS))
     assert serve(runner, seed=3) == serve(make(), seed=3)
+
+
+def test_the_server_captures_once_its_slots_are_as_served_and_says_so(installed_bundle, monkeypatch):
+    """OpenAIServer runs the capture after it gives the engines their served number of slots (a new allocation makes
+    new graphs: a capture before it would be lost), before the engine thread starts; /health and the banner read
+    `graphs`. The tiny bundle's CPU engines are told they capture graphs, so it runs here."""
+    import runtime.server.app as app
+    from runtime.server.loader import load_serving_model
+    from runtime.server.serving_engine import ServeOptions
+    from runtime.store.store import Store
+
+    model = load_serving_model(Store(installed_bundle.store).current("tiny"))
+    model.runner.target.captures_graphs = True
+    seen = []
+
+    def capture(runner):
+        seen.append((runner.num_slots, runner.target.num_slots))
+        return capture_graphs(runner)
+
+    monkeypatch.setattr(app, "capture_graphs", capture)
+    server = app.OpenAIServer(model, ServeOptions(max_num_seqs=3, log_interval_s=60.0))
+    try:
+        assert seen == [(3, 3)]
+        assert model.info["graphs"].endswith("s") and "CUDA graphs captured at startup" in model.info["graphs"]
+        assert all(model.runner.target.length(s) == 0 for s in range(3))
+        assert model.runner.stats.target_forwards == 0
+    finally:
+        server.close()
