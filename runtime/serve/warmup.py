@@ -11,7 +11,8 @@ whether drafting pays. vLLM captures its graphs at startup for the same reason.
 So before serving, `capture_graphs` runs, for every batch bucket and every attention window up to CAPTURE_CONTEXT,
 one throwaway request in the bucket's highest slot (a call's shape is the bucket of its highest slot) through the
 model runner's own steps: plain, each length 1..K, and drafted steps after 1, 2, 4 and 8 plain ones (the draft's
-catch-up widths), each twice (a run, then the capture). The runner's measurements are then forgotten and its slots
+catch-up widths, the EAGLE-3 head's likewise), each twice (a run, then the capture); beside an EAGLE-3 head a sampled
+throwaway runs them as well (its rejections give the head's one-row catch-ups). The runner's measurements are then forgotten and its slots
 emptied: what serving measures starts from nothing, as before. Longer windows are captured on first use. Nothing
 runs where no engine captures graphs (the CPU, TensorRT, hybrids).
 """
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 #: first use. A window's graphs serve every context up to it; beyond 4096 rows a step costs enough that a capture
 #: is a smaller share of it, and each window's captures cost startup time.
 CAPTURE_CONTEXT = 4096
-#: Plain steps before a drafted one, so that the draft catches up on 1, 2, 4 and 8 tokens (its graph widths).
+#: Plain steps before a drafted one, so that the draft model or the EAGLE-3 head catches up on 1, 2, 4 and 8 tokens
+#: (its graph widths; the head's catch-up after a verification has the same shapes).
 CATCH_UPS = (1, 2, 4, 8)
 PREFILL_CHUNK = 512  # prompt tokens a warm-up prefill step runs (the scheduler's chunks are of this order)
 
@@ -61,16 +63,23 @@ def capture_graphs(runner, *, force: bool = False, clock=time.perf_counter) -> C
     start, cold = clock(), runner.cold_runs()
     k = runner.num_speculative_tokens
     pattern = [0, 0] + [g for g in range(1, k + 1) for _ in range(GRAPH_WARMUP)]
-    if k and runner.draft is not None:
+    if k and (runner.draft is not None or runner.head is not None):  # (n-gram lookup reads nothing)
         for plain in CATCH_UPS:
             pattern += ([0] * plain + [k]) * GRAPH_WARMUP
+    # the EAGLE-3 head's catch-up after a verification reads the accepted tokens' rows, one where none was accepted: a
+    # greedy throwaway may have every draft accepted, so a sampled one (temperature 1, rejections) runs the pattern too;
+    # where sampled requests draw from q (not runner.argmax_sampled), its draft rounds run one by one as well
+    kinds = [SamplingParams(temperature=0.0)]
+    if k and runner.head is not None:
+        kinds.append(SamplingParams(temperature=1.0, seed=0))
     window = MIN_WINDOW
     while True:
         prompt = 8 if window == MIN_WINDOW else window // 2 + 1
         if prompt + 2 > runner.max_context:
             break
         for bucket in batch_buckets(runner.num_slots):
-            _run_one(runner, bucket - 1, prompt, pattern, min(window, runner.max_context) - (k + 1))
+            for params in kinds:
+                _run_one(runner, bucket - 1, prompt, pattern, min(window, runner.max_context) - (k + 1), params)
         window *= 2
         if window > min(CAPTURE_CONTEXT, runner.max_context):
             break
@@ -81,12 +90,11 @@ def capture_graphs(runner, *, force: bool = False, clock=time.perf_counter) -> C
     return done
 
 
-def _run_one(runner, slot: int, prompt: int, pattern: list[int], end: int) -> None:
-    """One throwaway greedy request in `slot`: its prompt, then a decode step of each G in `pattern` while its
-    tokens stay below `end` (inside the window being captured)."""
+def _run_one(runner, slot: int, prompt: int, pattern: list[int], end: int, params: SamplingParams) -> None:
+    """One throwaway request in `slot`: its prompt, then a decode step of each G in `pattern` while its tokens stay
+    below `end` (inside the window being captured)."""
     vocab = runner.target.vocab_size
-    request = EngineRequest(prompt=[1 + i % (vocab - 1) for i in range(prompt)],
-                            params=SamplingParams(temperature=0.0), max_tokens=1 << 30)
+    request = EngineRequest(prompt=[1 + i % (vocab - 1) for i in range(prompt)], params=params, max_tokens=1 << 30)
     k = runner.num_speculative_tokens
     for _ in range(GRAPH_WARMUP):  # a short prompt's prefill is a graph's shape too, and so is the drafted step
         runner.place(request, slot, reuse=False)  # after it (the draft reads only the first token)
