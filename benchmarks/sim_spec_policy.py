@@ -4,17 +4,18 @@ Run by hand (deterministic: the same table on any machine, in about a minute):
     .venv/bin/python benchmarks/sim_spec_policy.py [--streams 1,8,32] [--temperatures 0,1] [--tokens 128]
         [--run-tokens 2048] [--runs 5] [--cold-ms 20] [--out PATH]
 
-Why: on a GPU the serving benchmark (bench_serve_spec.py) has a control server that itself moves 0.93x to 1.06x,
-so a policy change of a few per cent cannot be told from noise there, and device time is scarce. Here the
-scheduler and model runner run as a server would, over the zero-cost Markov engines of bench_step_overhead.py
-whose forwards advance a fake clock by what the H100's demo pair measured (benchmarks/results/
-bench_step_times_h100_2026-12-07_2215_demo.md: a plain step 0.6 ms at 8 streams, 1.0 ms at 32; a drafted step of
-3 about 2.0 ms and 3.4 ms), and the first GRAPH_WARMUP runs of each call shape (batch bucket, tokens a row) cost
+Why: on a GPU the serving benchmark (bench_serve_spec.py) has a control server that itself moves 0.93x to 1.06x, so
+a policy change of a few per cent cannot be told from noise there, and device time is scarce. Here the scheduler and
+model runner run as a server would, over the zero-cost Markov engines of bench_step_overhead.py whose forwards
+advance a fake clock by what the H100's demo pair measured (benchmarks/results/
+bench_step_times_h100_2026-12-07_2215_demo.md: a plain step 0.6 ms at 8 streams, 1.0 ms at 32; a drafted step of 3
+about 2.0 ms and 3.4 ms), and the first GRAPH_WARMUP runs of each call shape (batch bucket, tokens a row) cost
 --cold-ms more, as ONNX Runtime's ordinary run and capture of a CUDA graph do (counted in Engine.cold_runs, as the
 CUDA engine counts them). Streams send --tokens-token requests back to back; each run is --run-tokens tokens, the
-first run a warm-up; tokens/s is the fake clock's over the other runs together. Rows: plain (no speculation), the default (adaptive), and the
-length fixed at 3, for the draft model; the draft's table is the target's with noise (--noise), so that
-acceptance at temperature 1.0 is what the demo pair measured there (about 2.1 tokens a step of 3 chained).
+first run a warm-up; tokens/s is the fake clock's over the other runs together. Rows: plain (no speculation), the
+default (adaptive), and the length fixed at 3, for the draft model; the draft's table is the target's with noise
+(--noise), so that acceptance at temperature 1.0 is what the demo pair measured there (about 2.1 tokens a step of 3
+chained).
 
 Writes --out (default benchmarks/results/sim_spec_policy_<UTC date>.md) with the command line.
 """

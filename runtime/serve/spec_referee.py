@@ -19,16 +19,17 @@ drafting measured 1.30x): the faster one, the other taking over only when it mea
 judged at the server-wide acceptance now where that is higher than while it was measured (Rate.at): a draft that
 starts agreeing drafts at once, not at its next trial; one that stops agreeing while it drafts is measured doing so.
 
-The kind not in use is tried for TRIAL steps (a drafting trial fewer where it loses clearly: EARLY) after every CYCLE steps of the one in use (the first trial after
-FIRST_CYCLE), a drafting trial only when the draft's catch-up is affordable (the probes' rule; the bucket's first
-drafting trial at a larger budget, runtime.serve.spec_length.FIRST_TRIAL_BUDGET), so measuring costs
-at most about TRIAL / CYCLE of the loser's deficit; each trial that leaves the kind in use as the ruling doubles
-the wait before the next (up to CYCLE << MAX_BACKOFF), one that overturns it restores CYCLE. A trial waits another
-cycle where the cost model calls the other kind clearly worse (beyond BAND) and the ruling agrees by a clear
-measure too (the winner CLEAR faster); the first trial is never put off. The cost model's clear calls are not to
-be trusted alone: on the H100 it priced the EAGLE-3 head's drafting at 0.39x of plain at one stream where a length
-fixed at 3 measured 0.94x to 1.09x, and a trial there is affordable mostly at a request's start, where the draft
-guesses worst, so a ruling that rests on one such trial must be looked at again.
+The kind not in use is tried for TRIAL steps (a drafting trial fewer where it loses clearly: EARLY) after every
+CYCLE steps of the one in use (the first trial after FIRST_CYCLE), a drafting trial only when the draft's catch-up
+is affordable (the probes' rule; the bucket's first drafting trial at a larger budget,
+runtime.serve.spec_length.FIRST_TRIAL_BUDGET), so measuring costs at most about TRIAL / CYCLE of the loser's
+deficit; each trial that leaves the kind in use as the ruling doubles the wait before the next (up to CYCLE <<
+MAX_BACKOFF), one that overturns it restores CYCLE. A trial waits another cycle where the cost model calls the other
+kind clearly worse (beyond BAND) and the ruling agrees by a clear measure too (the winner CLEAR faster); the first
+trial is never put off. The cost model's clear calls are not to be trusted alone: on the H100 it priced the EAGLE-3
+head's drafting at 0.39x of plain at one stream where a length fixed at 3 measured 0.94x to 1.09x, and a trial there
+is affordable mostly at a request's start, where the draft guesses worst, so a ruling that rests on one such trial
+must be looked at again.
 Until it rules, the cost model decides alone. Once drafting, the G a step runs is the cost model's unless
 another G measured MARGIN faster over its drafted steps (Referee.length; the cost model still gives slots
 their own lengths where it predicts that faster).

@@ -11,10 +11,10 @@ whether drafting pays. vLLM captures its graphs at startup for the same reason.
 So before serving, `capture_graphs` runs, for every batch bucket and every attention window up to CAPTURE_CONTEXT,
 one throwaway request in the bucket's highest slot (a call's shape is the bucket of its highest slot) through the
 model runner's own steps: plain, each length 1..K, and drafted steps after 1, 2, 4 and 8 plain ones (the draft's
-catch-up widths, the EAGLE-3 head's likewise), each twice (a run, then the capture); beside an EAGLE-3 head a sampled
-throwaway runs them as well (its rejections give the head's one-row catch-ups). The runner's measurements are then forgotten and its slots
-emptied: what serving measures starts from nothing, as before. Longer windows are captured on first use. Nothing
-runs where no engine captures graphs (the CPU, TensorRT, hybrids).
+catch-up widths, the EAGLE-3 head's likewise), each twice (a run, then the capture); beside an EAGLE-3 head a
+sampled throwaway runs them as well (its rejections give the head's one-row catch-ups). The runner's measurements
+are then forgotten and its slots emptied: what serving measures starts from nothing, as before. Longer windows are
+captured on first use. Nothing runs where no engine captures graphs (the CPU, TensorRT, hybrids).
 """
 
 from __future__ import annotations
