@@ -1,21 +1,22 @@
 """What the adaptive speculation length costs or gains against plain decoding, on a fake clock priced like a GPU.
 
-Run by hand (deterministic: the same table on any machine, in about a minute):
+Run by hand (deterministic: the same tables and schedule on any machine, about a minute):
     .venv/bin/python benchmarks/sim_spec_policy.py [--streams 1,8,32] [--temperatures 0,1] [--tokens 128]
-        [--run-tokens 2048] [--runs 5] [--cold-ms 20] [--out PATH]
+        [--run-tokens 2048] [--runs 5] [--cold-ms 20] [--noise 2.0] [--draft-call-ms 0.3] [--no-capture] [--out PATH]
 
 Why: on a GPU the serving benchmark (bench_serve_spec.py) has a control server that itself moves 0.93x to 1.06x, so
-a policy change of a few per cent cannot be told from noise there, and device time is scarce. Here the scheduler and
-model runner run as a server would, over the zero-cost Markov engines of bench_step_overhead.py whose forwards
-advance a fake clock by what the H100's demo pair measured (benchmarks/results/
-bench_step_times_h100_2026-12-07_2215_demo.md: a plain step 0.6 ms at 8 streams, 1.0 ms at 32; a drafted step of 3
-about 2.0 ms and 3.4 ms), and the first GRAPH_WARMUP runs of each call shape (batch bucket, tokens a row) cost
---cold-ms more, as ONNX Runtime's ordinary run and capture of a CUDA graph do (counted in Engine.cold_runs, as the
-CUDA engine counts them). Streams send --tokens-token requests back to back; each run is --run-tokens tokens, the
-first run a warm-up; tokens/s is the fake clock's over the other runs together. Rows: plain (no speculation), the
-default (adaptive), and the length fixed at 3, for the draft model; the draft's table is the target's with noise
-(--noise), so that acceptance at temperature 1.0 is what the demo pair measured there (about 2.1 tokens a step of 3
-chained).
+a policy change of a few per cent cannot be told from noise there, and device time is scarce. Here the scheduler
+and model runner run as a server would, over Markov-chain engines that count their calls by the CUDA engine's graph
+shapes (tests/runtime/serve/toy_engines.py ShapeCountingSlots) and advance a fake clock by a price per call and per
+row of the padded shape, set near what the H100's demo pair measured (benchmarks/results/
+bench_step_times_h100_2026-12-07_2215_demo.md: a plain step 0.6 ms at 8 streams; a drafted step of 3 about 2 ms),
+each shape's first GRAPH_WARMUP calls --cold-ms more, as ONNX Runtime's ordinary run and capture of a CUDA graph;
+the server's startup capture (runtime.serve.warmup) runs first unless --no-capture. Streams send --tokens-token
+requests back to back; each run is --run-tokens tokens, the first run a warm-up; tokens/s is the fake clock's over
+the other runs together. Rows: plain (no speculation), the default (adaptive) and the length fixed at 3, for the
+draft model, whose table is the target's plus --noise: at 1.0 it keeps about 1.3 tokens a step of 3 drafting the
+argmax (a harder case than the demo pair's 2.1 on the H100), at 0.3 about 1.9 (greedy) and drafting pays with a
+cheap draft (--draft-call-ms 0.05). The fake clock has no Python in it: a server's own time per step is not priced.
 
 Writes --out (default benchmarks/results/sim_spec_policy_<UTC date>.md) with the command line.
 """
