@@ -115,6 +115,10 @@ class Bucket:
     target: GroupedCost
     draft: GroupedCost
     other: GroupedCost
+    #: a drafted step's whole proposal seconds against its rounds (key and x: the rounds): a step's first draft forward
+    #: reads what the draft lacks and a chain's later rounds less, so a round of a short chain costs more than one of
+    #: a long chain (see _draft_cost)
+    draft_steps: GroupedCost = None
     decision: int = -1  # the cost model's G for the latest step here (-1: not decided yet)
     steps: int = 0  # adaptive steps decided here
     skipped: int = 0  # steps that did not draft because drafting did not pay
@@ -142,7 +146,7 @@ class Bucket:
 
     @classmethod
     def empty(cls) -> "Bucket":
-        return cls(GroupedCost(), GroupedCost(), GroupedCost())
+        return cls(GroupedCost(), GroupedCost(), GroupedCost(), GroupedCost())
 
 
 class SpeculationLength:
@@ -266,6 +270,7 @@ class SpeculationLength:
         self.all.target.observe((b, g), target_tokens, target_seconds)
         if draft_rounds > 0 and draft_rows > 0:
             bucket.draft.observe(draft_rows, draft_rows, draft_seconds / draft_rounds)
+            bucket.draft_steps.observe(draft_rounds, draft_rounds, draft_seconds)
             self.all.draft.observe(draft_rows, draft_rows, draft_seconds / draft_rounds)
         bucket.other.observe(g, g, max(other_seconds, 0.0))
         self.all.other.observe((b, g), g, max(other_seconds, 0.0))
@@ -497,7 +502,8 @@ class SpeculationLength:
         rows = rows or (lambda g: g)
         for g in range(self.k + 1):
             tokens = sum(1 + rows(min(g, c)) for c in limits) + fixed * (1 + rows(self.k)) + plain
-            cost = self._step_cost(fits, bucket, g, tokens, max(g, self.k if fixed else 0), per_round)
+            cost = self._step_cost(fits, bucket, g, tokens,
+                                   self._draft_cost(bucket, max(g, self.k if fixed else 0), per_round, per_round))
             speed.append((kept[g] + bonus) / max(cost, 1e-12))
             costs.append(cost)
         bucket.predicted = tuple(zip(speed, costs))
@@ -616,20 +622,36 @@ class SpeculationLength:
                 continue
             drafting = sum(1 for h in lengths if h) + fixed
             tokens = sum(1 + rows(h) for h in lengths) + fixed * (1 + rows(self.k)) + plain
-            cost = self._step_cost(fits, bucket, g, tokens, max(g, self.k if fixed else 0),
-                                   draft.predict(drafting) if draft.count else 0.0)
+            full = draft.predict(len(kept_by_slot) + fixed) if draft.count else 0.0
+            cost = self._step_cost(fits, bucket, g, tokens, self._draft_cost(
+                bucket, max(g, self.k if fixed else 0), draft.predict(drafting) if draft.count else 0.0, full))
             tok_s = (kept_total + bonus) / max(cost, 1e-12)
             if found is None or tok_s > found[1]:
                 found = (g, tok_s, lengths)
         return found
 
     @staticmethod
-    def _step_cost(fits, bucket: Bucket, g: int, tokens: int, rounds: int, per_round: float) -> float:
-        """Predicted seconds of a step of G over `tokens` target rows with `rounds` proposal rounds of `per_round`
-        seconds: a cost the bucket measured at G from its own group, else the fit."""
+    def _step_cost(fits, bucket: Bucket, g: int, tokens: int, draft_s: float) -> float:
+        """Predicted seconds of a step of G over `tokens` target rows whose proposals take `draft_s` (_draft_cost): a
+        cost the bucket measured at G from its own group, else the fit."""
         target, _, other = fits
         return (target.predict_at(g, tokens) if target is bucket.target else target.predict(tokens)) \
-            + rounds * per_round + (other.predict_at(g, g) if other is bucket.other else other.predict(g))
+            + draft_s + (other.predict_at(g, g) if other is bucket.other else other.predict(g))
+
+    @staticmethod
+    def _draft_cost(bucket: Bucket, rounds: int, per_round: float, full_round: float) -> float:
+        """Predicted seconds of a step's `rounds` proposal rounds, `per_round` seconds a round for its drafting slots
+        (`full_round` with every slot of the step drafting): the bucket's own drafted steps of that many rounds
+        (their median, else the line through the rounds it measured), scaled to fewer drafting slots; rounds x
+        per_round before the bucket drafted. A round's cost is not a constant: the first draft forward of a step
+        reads every token the draft lacks and a greedy chain's later rounds are CUDA graphs launched back to back,
+        so per round a step of 1 costs about twice one of 3 (on a fake clock priced like the H100: 0.196 and
+        0.093 ms at 32 slots). Priced at their mean, a bucket that ran many short steps priced long ones dear and
+        kept running short ones (0.93x of the fixed length where drafting paid)."""
+        steps = bucket.draft_steps
+        if rounds <= 0 or not steps.count or full_round <= 0:
+            return rounds * per_round
+        return steps.predict_at(rounds, rounds) * per_round / full_round
 
     def length_of(self, request, g: int) -> int:
         """The G this step gives an adaptive request: the step's, or its own where _per_slot lowered it."""

@@ -141,3 +141,26 @@ def test_a_switch_to_drafting_must_win_back_the_drafts_catch_up_before_the_answe
     assert s._switch_pays(far, 1000.0, 1500.0, behind)
     assert s._switch_pays(near_end, 1000.0, 1500.0, lambda: 0)  # nothing to read
     assert s._switch_pays(near_end, 1000.0, 1500.0, None)
+
+
+def test_a_steps_proposals_are_priced_by_what_steps_of_as_many_rounds_cost():
+    """A step's first draft forward reads what the draft lacks and a chain's later rounds cost less: a bucket that ran
+    many steps of 1 round (0.2 ms) and some of 3 (0.28 ms in all) prices 3 rounds at 0.28 ms, not at three times the
+    median round (0.6 ms, which made long chains look dear and kept a bucket on short ones), 2 rounds on the line
+    between, fewer drafting slots in proportion; before any drafted step, rounds x the round's fit."""
+    from runtime.serve.spec_length import SpeculationLength
+
+    s = SpeculationLength(3)
+    for _ in range(12):
+        s.observe_step(64, 0.0007, 1, 32, 0.0002, 0.0, batch=32, drafted=1)
+    for _ in range(4):
+        s.observe_step(128, 0.001, 3, 32, 0.00028, 0.0, batch=32, drafted=3)
+    bucket = s.buckets[32]
+    per_round = bucket.draft.predict(32)
+    assert per_round > 0.00015  # the round's fit: mostly steps of 1
+    assert s._draft_cost(bucket, 3, per_round, per_round) == pytest.approx(0.00028)
+    assert s._draft_cost(bucket, 1, per_round, per_round) == pytest.approx(0.0002)
+    assert s._draft_cost(bucket, 2, per_round, per_round) == pytest.approx(0.00024)
+    assert s._draft_cost(bucket, 3, per_round / 2, per_round) == pytest.approx(0.00014)
+    fresh = SpeculationLength(3)
+    assert fresh._draft_cost(fresh._bucket_of(32), 3, 0.0001, 0.0001) == pytest.approx(0.0003)
