@@ -94,8 +94,11 @@ def run(method: str, streams: int, temperature: float, args, spec: dict) -> dict
     rng = np.random.default_rng(streams)
 
     def add() -> None:
-        scheduler.add(EngineRequest(prompt=[int(t) for t in rng.integers(0, VOCAB, PROMPT)],
-                                    params=SamplingParams(temperature=temperature), max_tokens=args.tokens))
+        request = EngineRequest(prompt=[int(t) for t in rng.integers(0, VOCAB, PROMPT)],
+                                params=SamplingParams(temperature=temperature), max_tokens=args.tokens)
+        # its draws from a generator of the run's (a request's own "seed" would fix its length at K)
+        request.rng = np.random.default_rng(int(rng.integers(1 << 31)))
+        scheduler.add(request)
 
     tokens, seconds, drafted, steps = [], [], 0, 0
     for i in range(args.runs + 1):
