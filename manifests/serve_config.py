@@ -202,9 +202,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--tensor-parallel-size", "int", "GPUs per model (tensor parallel).", effect=_one_device("--tensor-parallel-size")),
     Flag("--pipeline-parallel-size", "int", "Pipeline stages.", effect=_one_device("--pipeline-parallel-size")),
     Flag("--data-parallel-size", "int", "Model replicas.", effect=_one_device("--data-parallel-size")),
-    Flag("--enforce-eager", "bool", "No CUDA graphs.", effect="engines are ONNX Runtime or TensorRT plans, "
-         "not PyTorch: the cuda target's engines replay ONNX Runtime's CUDA graphs (captured at startup) "
-         "whatever this says; no effect"),
+    Flag("--enforce-eager", "bool", "No CUDA graphs: the cuda target's engines and EAGLE-3 head run every call "
+         "ordinarily, and nothing is captured at startup."),
     Flag("--block-size", "int", "KV cache block size.", effect="each sequence has a contiguous KV cache region; "
          "no effect"),
     Flag("--swap-space", "float", "CPU swap space per GPU (GiB).", effect="no KV swapping here; no effect"),

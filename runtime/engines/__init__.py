@@ -16,6 +16,8 @@ seam for the CUDA provider: a callable (graph path, record, max_context) -> (eng
 
 from __future__ import annotations
 
+import functools
+
 import logging
 from pathlib import Path, PurePosixPath
 
@@ -68,8 +70,9 @@ def _onnxruntime(root: Path, record: EngineRecord, manifest: Manifest, max_conte
                              **options)
 
 
-def cuda_engine(graph: Path, record: EngineRecord, max_context: int | None):
-    """(CudaEngine, None) when onnxruntime-gpu's CUDA provider runs here, else (None, why not)."""
+def cuda_engine(graph: Path, record: EngineRecord, max_context: int | None, cuda_graphs: bool = True):
+    """(CudaEngine, None) when onnxruntime-gpu's CUDA provider runs here, else (None, why not). `cuda_graphs` False:
+    every call an ordinary run (--enforce-eager)."""
     from runtime.engines.cudalib import onnxruntime_cuda
 
     ort, why = onnxruntime_cuda()
@@ -78,7 +81,7 @@ def cuda_engine(graph: Path, record: EngineRecord, max_context: int | None):
     from runtime.engines.cuda import CudaEngine
 
     return CudaEngine(graph, max_context=max_context, kv_cache=record.build.get("kv_cache"),
-                      decode_graph=decode_graph_of(graph, record)), None
+                      decode_graph=decode_graph_of(graph, record), cuda_graphs=cuda_graphs), None
 
 
 def decode_graph_of(graph: Path, record: EngineRecord) -> Path | None:
@@ -135,9 +138,12 @@ def _on_cuda(root: Path, manifest: Manifest, onnx: EngineRecord, cache_dir: Path
 
 def load_engine(installed_root: Path, manifest: Manifest, target_id: str, role: str, *,
                 cache_dir: Path | None = None, max_context: int | None = None, backend=None,
-                threads: int | None = None, cuda=None) -> Engine:
-    """The engine for model `role` ("target" | "draft") of the bundle installed at `installed_root`."""
+                threads: int | None = None, cuda=None, cuda_graphs: bool = True) -> Engine:
+    """The engine for model `role` ("target" | "draft") of the bundle installed at `installed_root`. `cuda_graphs`
+    False: ONNX Runtime's CUDA provider runs every call ordinarily (--enforce-eager)."""
     root = Path(installed_root)
+    if cuda is None and not cuda_graphs:
+        cuda = functools.partial(cuda_engine, cuda_graphs=False)
     target = manifest.target(target_id)
     records = [e for e in target.engines if e.model == role]
     if not records:

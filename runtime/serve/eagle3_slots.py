@@ -231,15 +231,19 @@ class OnnxSlotsDrafter(SlotsDrafter):
         return self._take(group, lo, logits, hidden)
 
 def open_head(graph: Path, *, max_context: int | None = None, threads: int | None = None,
-              providers: Sequence[str] = ("CPUExecutionProvider",)):
+              providers: Sequence[str] = ("CPUExecutionProvider",), cuda_graphs: bool = True):
     """The head for serving: an OnnxSlotsDrafter when its batch axis carries slots (on the CUDA provider its
-    runtime.serve.eagle3_cuda.CudaSlotsDrafter: device buffers and CUDA graphs), else (heads made before it,
-    concat heads) the per-slot OnnxDrafter, saying so in one log line."""
+    runtime.serve.eagle3_cuda.CudaSlotsDrafter: device buffers and CUDA graphs, none where `cuda_graphs` is False),
+    else (heads made before it, concat heads) the per-slot OnnxDrafter, saying so in one log line."""
     on_cuda = bool(providers) and providers[0] == "CUDAExecutionProvider"
-    if on_cuda:  # with CUDA graphs where ONNX Runtime allows them (only the head over slots launches graphs)
+    if on_cuda and cuda_graphs:  # with CUDA graphs where ONNX Runtime allows them (only the head over slots launches)
         from runtime.serve.eagle3_cuda import CudaSlotsDrafter, open_cuda_head_session
 
         session, meta, graphs = open_cuda_head_session(graph, threads)
+    elif on_cuda:
+        from runtime.serve.eagle3_cuda import CudaSlotsDrafter
+
+        (session, meta), graphs = open_head_graph(graph, providers, threads), False
     else:
         session, meta = open_head_graph(graph, providers, threads)
     if meta.get("bundle.head_batch") == HEAD_BATCH and meta.get("bundle.kv_cache") == "batched":

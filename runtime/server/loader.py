@@ -97,14 +97,16 @@ def disable_by_batch_size(spec: Speculative) -> int | None:
     return value
 
 
-def _eagle3_head(root: Path, manifest: Manifest, target_id: str, max_context: int | None, target):
+def _eagle3_head(root: Path, manifest: Manifest, target_id: str, max_context: int | None, target,
+                 cuda_graphs: bool = True):
     from runtime.engines import head_providers
     from runtime.serve.eagle3_slots import open_head
 
     record = next((e for e in manifest.target(target_id).engines if e.model == "draft" and e.format == "onnx"), None)
     if record is None:
         raise ModelError(f"bundle {manifest.name} v{manifest.version} has no EAGLE-3 head graph for {target_id!r}")
-    return open_head(root / record.path, max_context=max_context, providers=head_providers(target))
+    return open_head(root / record.path, max_context=max_context, providers=head_providers(target),
+                     cuda_graphs=cuda_graphs)
 
 
 def engine_info(engine, target_id: str) -> dict:
@@ -124,8 +126,9 @@ def engine_info(engine, target_id: str) -> dict:
 
 def load_serving_model(installed, *, target_id: str | None = None, speculative: Speculative | None = None,
                        no_speculation: bool = False, max_model_len: int | None = None,
-                       cache_dir: Path | None = None, load_engine=None) -> ServingModel:
-    """`installed`: runtime.store.store.Installed (name, version, target, path, manifest)."""
+                       cache_dir: Path | None = None, load_engine=None, cuda_graphs: bool = True) -> ServingModel:
+    """`installed`: runtime.store.store.Installed (name, version, target, path, manifest). `cuda_graphs` False
+    (--enforce-eager): the engines and the EAGLE-3 head on ONNX Runtime's CUDA provider run every call ordinarily."""
     if load_engine is None:
         from runtime.engines import load_engine
     manifest: Manifest = installed.manifest
@@ -137,12 +140,13 @@ def load_serving_model(installed, *, target_id: str | None = None, speculative: 
     tokenizer = Tokenizer(root / target_model.root)
     spec = resolve_speculative(manifest, speculative, no_speculation)
     wanted = max_model_len or manifest.serve.get("max_model_len")
-    target = load_engine(root, manifest, target_id, "target", cache_dir=cache_dir, max_context=wanted)
+    eager = {} if cuda_graphs else {"cuda_graphs": False}  # (a test's load_engine need not take it)
+    target = load_engine(root, manifest, target_id, "target", cache_dir=cache_dir, max_context=wanted, **eager)
     draft = None
     if spec.method == "eagle3":
-        draft = _eagle3_head(root, manifest, target_id, wanted, target)
+        draft = _eagle3_head(root, manifest, target_id, wanted, target, cuda_graphs)
     if spec.method == "draft_model":
-        draft = load_engine(root, manifest, target_id, "draft", cache_dir=cache_dir, max_context=wanted)
+        draft = load_engine(root, manifest, target_id, "draft", cache_dir=cache_dir, max_context=wanted, **eager)
         draft_tok = root / manifest.model("draft").root / "tokenizer.json"
         if draft_tok.is_file() and draft_tok.read_bytes() != (root / target_model.root / "tokenizer.json").read_bytes():
             raise ModelError("the draft model's tokenizer.json differs from the target's; speculative decoding "

@@ -124,7 +124,7 @@ def apply_serve_config(installed, serve: ServeConfig, *, cache_dir: Path | None 
     kwargs = {"load_engine": load_engine} if load_engine is not None else {}
     model = load_serving_model(installed, speculative=spec, no_speculation=no_speculation,
                                max_model_len=given.get("max_model_len"),
-                               cache_dir=cache_dir, **kwargs)
+                               cache_dir=cache_dir, cuda_graphs=not config.get("enforce_eager"), **kwargs)
     names = config.get("served_model_name") or [model.name]
     model.name, model.aliases = names[0], tuple(names)
     if config.get("chat_template"):

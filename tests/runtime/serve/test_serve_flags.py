@@ -137,3 +137,42 @@ def test_bundle_serve_with_the_pasted_command_line(demo_installed, tmp_path):
         r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
             "model": "qwen38", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert r.status_code == 200 and r.json()["model"] == "qwen38"
+
+
+def test_enforce_eager_loads_every_engine_without_cuda_graphs(demo_installed, monkeypatch):
+    """--enforce-eager reaches each engine's loader (target and draft) as cuda_graphs=False, and the CUDA engine
+    factory then makes a CudaEngine without CUDA graphs; without the flag, loaders are called as before."""
+    import runtime.engines as engines
+    from runtime.server.options import ServeConfig, apply_serve_config
+
+    installed, _ = demo_installed
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append((args[3], kw.get("cuda_graphs", True)))
+        return engines.load_engine(*args, **kw)
+
+    setup = apply_serve_config(installed, ServeConfig(args={"enforce_eager": True}), load_engine=spy)
+    assert calls == [("target", False), ("draft", False)]
+    assert setup.serving.model.runner.num_speculative_tokens > 0
+    calls.clear()
+    apply_serve_config(installed, ServeConfig(args={}), load_engine=spy)
+    assert calls == [("target", True), ("draft", True)]
+
+    made = []
+
+    class FakeCudaEngine:
+        def __init__(self, graph, **kw):
+            made.append(kw["cuda_graphs"])
+
+    import onnxruntime
+
+    import runtime.engines.cuda
+    import runtime.engines.cudalib
+
+    monkeypatch.setattr(runtime.engines.cudalib, "onnxruntime_cuda", lambda: (onnxruntime, None))
+    monkeypatch.setattr(runtime.engines.cuda, "CudaEngine", FakeCudaEngine)
+    record = installed.manifest.target(installed.target).engines[0]
+    engines.cuda_engine(installed.path, record, 64, cuda_graphs=False)
+    engines.cuda_engine(installed.path, record, 64)
+    assert made == [False, True]
