@@ -2,7 +2,7 @@
 
 Run by hand (deterministic: the same tables and schedule on any machine, about a minute):
     .venv/bin/python benchmarks/sim_spec_policy.py [--streams 1,8,32] [--temperatures 0,1] [--tokens 128]
-        [--run-tokens 2048] [--runs 5] [--cold-ms 20] [--noise 2.0] [--draft-call-ms 0.3] [--no-capture] [--out PATH]
+        [--run-tokens 2048] [--runs 8] [--cold-ms 20] [--noise 1.0] [--draft-call-ms 0.2] [--no-capture] [--out PATH]
 
 Why: on a GPU the serving benchmark (bench_serve_spec.py) has a control server that itself moves 0.93x to 1.06x, so
 a policy change of a few per cent cannot be told from noise there, and device time is scarce. Here the scheduler
@@ -127,14 +127,14 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--run-tokens", type=int, default=2048)
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--cold-ms", type=float, default=20.0)
     ap.add_argument("--target-call-ms", type=float, default=0.45)
     ap.add_argument("--target-row-ms", type=float, default=0.004)
-    ap.add_argument("--draft-call-ms", type=float, default=0.3)
+    ap.add_argument("--draft-call-ms", type=float, default=0.2)
     ap.add_argument("--draft-row-ms", type=float, default=0.001)
     ap.add_argument("--scale", type=float, default=3.0, help="the target table's logit scale")
-    ap.add_argument("--noise", type=float, default=2.0, help="the draft table's noise over the target's")
+    ap.add_argument("--noise", type=float, default=1.0, help="the draft table's noise over the target's")
     ap.add_argument("--no-capture", dest="capture", action="store_false",
                     help="no startup capture (runtime.serve.warmup): shapes are captured on first use")
     ap.add_argument("--out", type=Path, default=None)
