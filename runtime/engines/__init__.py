@@ -17,7 +17,6 @@ seam for the CUDA provider: a callable (graph path, record, max_context) -> (eng
 from __future__ import annotations
 
 import functools
-
 import logging
 from pathlib import Path, PurePosixPath
 
