@@ -14,7 +14,8 @@ model runner's own steps: plain, each length 1..K, and drafted steps after 1, 2,
 catch-up widths, the EAGLE-3 head's likewise), each twice (a run, then the capture); beside an EAGLE-3 head a
 sampled throwaway runs them as well (its rejections give the head's one-row catch-ups). The runner's measurements
 are then forgotten and its slots emptied: what serving measures starts from nothing, as before. Longer windows are
-captured on first use. Nothing runs where no engine captures graphs (the CPU, TensorRT, hybrids).
+captured on first use, and so are the windows a capture that has taken CAPTURE_SECONDS does not begin. Nothing runs
+where no engine captures graphs (the CPU, TensorRT, hybrids).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ CAPTURE_CONTEXT = 4096
 #: (its graph widths; the head's catch-up after a verification has the same shapes).
 CATCH_UPS = (1, 2, 4, 8)
 PREFILL_CHUNK = 512  # prompt tokens a warm-up prefill step runs (the scheduler's chunks are of this order)
+#: A window's captures begin only while the capture has taken less than this: on a device where a step costs tens of
+#: milliseconds (a 30B model on a Thor) the longer windows' prefills and steps could hold startup for minutes; what
+#: is not captured then is captured on first use, as before, and the log line says up to which window it got.
+CAPTURE_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -45,13 +50,17 @@ class Captured:
 
     cold_runs: int
     seconds: float
+    window: int = 0  # the longest attention window captured (0: none)
+    cut: bool = False  # CAPTURE_SECONDS ran out before CAPTURE_CONTEXT
 
     @property
     def graphs(self) -> int:
         return self.cold_runs // GRAPH_WARMUP
 
     def describe(self) -> str:
-        return f"{self.graphs} CUDA graphs captured at startup in {self.seconds:.1f} s"
+        cut = f" (stopped after {CAPTURE_SECONDS:g} s: longer windows on first use)" if self.cut else ""
+        return f"{self.graphs} CUDA graphs captured at startup in {self.seconds:.1f} s, windows up to {self.window} " \
+               f"rows{cut}"
 
 
 def capture_graphs(runner, *, force: bool = False, clock=time.perf_counter) -> Captured | None:
@@ -72,20 +81,24 @@ def capture_graphs(runner, *, force: bool = False, clock=time.perf_counter) -> C
     kinds = [SamplingParams(temperature=0.0)]
     if k and runner.head is not None:
         kinds.append(SamplingParams(temperature=1.0, seed=0))
-    window = MIN_WINDOW
+    window, done_window, cut = MIN_WINDOW, 0, False
     while True:
         prompt = 8 if window == MIN_WINDOW else window // 2 + 1
         if prompt + 2 > runner.max_context:
             break
+        if clock() - start >= CAPTURE_SECONDS:
+            cut = True
+            break
         for bucket in batch_buckets(runner.num_slots):
             for params in kinds:
                 _run_one(runner, bucket - 1, prompt, pattern, min(window, runner.max_context) - (k + 1), params)
+        done_window = min(window, runner.max_context)
         window *= 2
         if window > min(CAPTURE_CONTEXT, runner.max_context):
             break
     runner.reset()
     runner.forget_measurements()
-    done = Captured(runner.cold_runs() - cold, clock() - start)
+    done = Captured(runner.cold_runs() - cold, clock() - start, done_window, cut)
     log.info("%s", done.describe())
     return done
 

@@ -208,3 +208,24 @@ def test_after_capture_the_eagle3_head_meets_no_shape_for_its_first_time(sampled
     assert cold > 0
     serve(runner, seed=4)
     assert runner.head.cold_runs == cold
+
+
+def test_a_capture_that_runs_out_of_time_begins_no_longer_window_and_says_so():
+    """On a device where steps are slow the longer windows would hold startup: once CAPTURE_SECONDS have passed, no
+    further window begins (those are captured on first use), and the line says up to which window it got."""
+    from runtime.serve.warmup import CAPTURE_SECONDS
+
+    class Clock:  # each reading half the budget later: the first window begins, the second would begin too late
+        t = 0.0
+
+        def __call__(self):
+            self.t += CAPTURE_SECONDS / 2
+            return self.t
+
+    runner = runner_of(max_context=1024)
+    done = capture_graphs(runner, clock=Clock())
+    windows = {shape[-1] for shape in runner.target.shape_runs if shape[0] != "chain"}
+    assert windows == {256} and done.window == 256 and done.cut
+    assert "windows up to 256 rows (stopped after" in done.describe()
+    full = capture_graphs(runner_of(max_context=1024))
+    assert full.window == 1024 and not full.cut and "stopped" not in full.describe()
