@@ -532,3 +532,24 @@ def test_a_graph_without_the_argmax_output_declines_a_greedy_chain(dual):
     engine.forward([Row(0, [3, 4, 5])])
     assert not engine._has_argmax
     assert engine.greedy_chain([Row(0, [6])], 3) is None and engine.slots.lengths == [3, 0]
+
+
+def test_startup_capture_over_the_cuda_engines_leaves_them_empty_and_answers_unchanged(dual):
+    """runtime.serve.warmup over the CUDA engine's own code (host memory, a CUDA graph's shapes through the CPU
+    provider): its throwaway steps leave every slot of both engines empty, and serving after it, every length and
+    catch-up the adaptive length may choose, answers what a runner that never captured answers."""
+    from runtime.serve.model_runner import ModelRunner
+    from runtime.serve.warmup import capture_graphs
+    from tests.runtime.serve.test_warmup import serve
+
+    def runner():
+        return ModelRunner(engine_of(dual, fp32=True, max_context=512, num_slots=4, fixed_shapes=True),
+                           engine_of(dual, fp32=True, single=True, max_context=512, num_slots=4, fixed_shapes=True),
+                           "draft_model", 3)
+
+    warm = runner()
+    done = capture_graphs(warm, force=True)
+    assert done is not None and done.window == 512
+    assert all(e.length(s) == 0 for e in (warm.target, warm.draft) for s in range(4))
+    assert warm.stats.target_forwards == 0
+    assert serve(warm, seed=7, steps=120, greedy_only=True) == serve(runner(), seed=7, steps=120, greedy_only=True)
