@@ -5,18 +5,20 @@ Run by hand (deterministic: the same tables and schedule on any machine, about a
         [--run-tokens 2048] [--runs 8] [--cold-ms 20] [--noise 1.0] [--draft-call-ms 0.2] [--no-capture] [--out PATH]
 
 Why: on a GPU the serving benchmark (bench_serve_spec.py) has a control server that itself moves 0.93x to 1.06x, so
-a policy change of a few per cent cannot be told from noise there, and device time is scarce. Here the scheduler
-and model runner run as a server would, over Markov-chain engines that count their calls by the CUDA engine's graph
+a policy change of a few per cent cannot be told from noise there, and device time is scarce. Here the scheduler and
+model runner run as a server would, over Markov-chain engines that count their calls by the CUDA engine's graph
 shapes (tests/runtime/serve/toy_engines.py ShapeCountingSlots) and advance a fake clock by a price per call and per
 row of the padded shape, set near what the H100's demo pair measured (benchmarks/results/
 bench_step_times_h100_2026-12-07_2215_demo.md: a plain step 0.6 ms at 8 streams; a drafted step of 3 about 2 ms),
 each shape's first GRAPH_WARMUP calls --cold-ms more, as ONNX Runtime's ordinary run and capture of a CUDA graph;
 the server's startup capture (runtime.serve.warmup) runs first unless --no-capture. Streams send --tokens-token
 requests back to back; each run is --run-tokens tokens, the first run a warm-up; tokens/s is the fake clock's over
-the other runs together. Rows: plain (no speculation), the default (adaptive) and the length fixed at 3, for the
-draft model, whose table is the target's plus --noise: at 1.0 it keeps about 1.3 tokens a step of 3 drafting the
-argmax (a harder case than the demo pair's 2.1 on the H100), at 0.3 about 1.9 (greedy) and drafting pays with a
-cheap draft (--draft-call-ms 0.05). The fake clock has no Python in it: a server's own time per step is not priced.
+the other runs together. Rows: plain (no speculation), then per method (--methods) the default (adaptive) and the
+length fixed at 3; the draft model's table is the target's plus --noise (the EAGLE-3 head's too, its runs priced as
+the draft's calls and counted by the CUDA head's graph shapes, tests/runtime/serve/test_eagle3.py
+ShapeCountingHead): at 1.0 it keeps about 1.3 tokens a step of 3 drafting the argmax (a harder case than the demo
+pair's 2.1 on the H100), at 0.3 about 1.9 (greedy) and drafting pays with a cheap draft (--draft-call-ms 0.05). The
+fake clock has no Python in it: a server's own time per step is not priced.
 
 Writes --out (default benchmarks/results/sim_spec_policy_<UTC date>.md) with the command line.
 """
@@ -39,6 +41,7 @@ from bench_step_overhead import VOCAB, Clock  # noqa: E402
 from runtime.serve.model_runner import ModelRunner  # noqa: E402
 from runtime.serve.sampling import SamplingParams  # noqa: E402
 from runtime.serve.scheduler import EngineRequest, Scheduler  # noqa: E402
+from tests.runtime.serve.test_eagle3 import ShapeCountingHead  # noqa: E402
 from tests.runtime.serve.toy_engines import ShapeCountingSlots  # noqa: E402
 
 PROMPT = 24
@@ -59,13 +62,15 @@ class GpuPricedSlots(ShapeCountingSlots):
         bucket, width = (shape[1], 1) if shape[0] == "chain" else shape[:2]
         self.clock.t += self.call_s + self.row_s * bucket * width + (self.cold_s if self.cold_runs > cold else 0.0)
 
-    def forward(self, rows):
-        from runtime.engines.cuda import GRAPH_MAX_WIDTH
+    def _ordinary(self, rows: int, width: int) -> None:  # a call of longer rows (prefill chunks): no graph
+        self.clock.t += self.call_s + self.row_s * rows * width
 
-        for multi in (False, True):  # the calls not counted as graph shapes: longer rows (prefill chunks)
-            group = [r for r in rows if (len(r.tokens) > 1) == multi and len(r.tokens) > GRAPH_MAX_WIDTH]
-            if group:
-                self.clock.t += self.call_s + self.row_s * len(group) * max(len(r.tokens) for r in group)
+
+class GpuPricedTarget(GpuPricedSlots):
+    """GpuPricedSlots that also returns aux rows (zeros), as an EAGLE-3 target graph does."""
+
+    def forward(self, rows):
+        self.last_aux_hidden = {r.slot: np.zeros((len(r.tokens), 3), np.float32) for r in rows}
         return super().forward(rows)
 
 
@@ -75,10 +80,12 @@ def build(method: str, streams: int, args, spec: dict) -> tuple[Scheduler, Model
     other = table + rng.normal(size=(VOCAB, VOCAB)).astype(np.float32) * args.noise
     clock = Clock()
     cold = args.cold_ms / 1e3
-    target = GpuPricedSlots(table, clock, args.target_call_ms / 1e3, args.target_row_ms / 1e3, cold,
-                            num_slots=32, max_context=4096)
+    target = (GpuPricedTarget if method == "eagle3" else GpuPricedSlots)(
+        table, clock, args.target_call_ms / 1e3, args.target_row_ms / 1e3, cold, num_slots=32, max_context=4096)
     draft = GpuPricedSlots(other, clock, args.draft_call_ms / 1e3, args.draft_row_ms / 1e3, cold,
                            num_slots=32, max_context=4096) if method != "none" else None
+    if method == "eagle3":  # the head: one run a round, priced as the draft's calls, its shapes the CUDA head's
+        draft = ShapeCountingHead(other, 4096, 32, counter=draft)
     runner = ModelRunner(target, draft, method, 3, clock=clock, **spec)
     if args.capture:
         from runtime.serve.warmup import capture_graphs
@@ -135,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-row-ms", type=float, default=0.001)
     ap.add_argument("--scale", type=float, default=3.0, help="the target table's logit scale")
     ap.add_argument("--noise", type=float, default=1.0, help="the draft table's noise over the target's")
+    ap.add_argument("--methods", default="draft_model,eagle3",
+                    help="draft_model, eagle3 (the head's runs priced as the draft's calls)")
     ap.add_argument("--no-capture", dest="capture", action="store_false",
                     help="no startup capture (runtime.serve.warmup): shapes are captured on first use")
     ap.add_argument("--out", type=Path, default=None)
@@ -143,8 +152,10 @@ def main(argv=None) -> int:
                                                                                    else sys.argv[1:]))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     out = args.out or REPO / "benchmarks" / "results" / f"sim_spec_policy_{date}.md"
-    configs = [("plain", "none", {}), ("default (adaptive)", "draft_model", {}),
-               ("fixed k = 3", "draft_model", {"adaptive": False})]
+    configs = [("plain", "none", {})]
+    for method in args.methods.split(","):
+        configs += [(f"{method} default (adaptive)", method, {}),
+                    (f"{method} fixed k = 3", method, {"adaptive": False})]
     lines = [f"`{command}`", "", "| temperature | streams | config | tok/s (fake clock) | vs plain | steps drafting "
              "| mean accepted length |", "|---:|---:|---|---:|---:|---:|---:|"]
     print("\n".join(lines), flush=True)

@@ -181,6 +181,49 @@ class MarkovChainsHead(MarkovSlotsHead):
         return out
 
 
+class ShapeCountingHead(MarkovChainsHead):
+    """MarkovChainsHead whose runs are counted by the CUDA head's graph shapes (runtime.serve.eagle3_cuda: catch-up
+    rows from the target or draft rounds, batch bucket, tokens a row, window; a chain's round), in `counter` (a
+    tests.runtime.serve.toy_engines.ShapeCountingSlots over the head's lengths: the first GRAPH_WARMUP runs of each
+    shape are cold runs, longer runs ordinary ones), so that it reads as a head that captures CUDA graphs."""
+
+    captures_graphs = True
+
+    def __init__(self, table, max_context: int, num_slots: int, counter=None):
+        from tests.runtime.serve.toy_engines import ShapeCountingSlots
+
+        super().__init__(table, outside=())
+        self.max_context = max_context
+        self.counter = counter if counter is not None else ShapeCountingSlots(table, max_context, num_slots)
+        self.allocate_slots(num_slots)
+
+    @property
+    def cold_runs(self):
+        return self.counter.cold_runs
+
+    def _reach(self, rows, width):
+        return self.counter._window(max(self._n[r.slot] for r in rows) + width)
+
+    def forward(self, rows):
+        from runtime.engines.cuda import GRAPH_MAX_WIDTH, graph_width
+
+        for kind in (True, False):
+            group = [r for r in rows if bool(r.from_target) == kind and len(r.tokens)]
+            width = max((len(r.tokens) for r in group), default=0)
+            if group and width <= GRAPH_MAX_WIDTH:
+                self.counter._count((kind, self.counter._bucket([r.slot for r in group]), graph_width(width),
+                                     self._reach(group, width)))
+            elif group:  # a new request's prompt
+                self.counter._ordinary(len(group), width)
+        return super().forward(rows)
+
+    def greedy_chains(self, rows, rounds):
+        for r in range(rounds):
+            self.counter._count(("chain", self.counter._bucket([row.slot for row in rows]), self._reach(rows, rounds),
+                                 r))
+        return super().greedy_chains(rows, rounds)
+
+
 HEADS = {"per-slot": MarkovHead, "slots": MarkovSlotsHead, "slots, chained on the device": MarkovChainsHead}
 
 

@@ -155,46 +155,11 @@ def test_the_server_captures_once_its_slots_are_as_served_and_says_so(installed_
 
 def head_runner(sampled_drafts: str = "auto") -> ModelRunner:
     """The draft_model runner's tables as an EAGLE-3 target and a head that counts its runs by shape."""
-    from tests.runtime.serve.test_eagle3 import MarkovChainsHead, MarkovSlotsWithFeatures
-
-    class ShapeCountingHead(MarkovChainsHead):
-        """Runs counted by the CUDA head's graph shapes (runtime.serve.eagle3_cuda: catch-up rows from the target or
-        draft rounds, batch bucket, tokens a row, window; a chain's round), the first GRAPH_WARMUP of each cold."""
-
-        captures_graphs = True
-
-        def __init__(self, table):
-            super().__init__(table, outside=())
-            self.counter = ShapeCountingSlots(table, 1024, SLOTS)  # its shape bookkeeping, over the head's lengths
-            self.allocate_slots(SLOTS)
-
-        @property
-        def cold_runs(self):
-            return self.counter.cold_runs
-
-        def _reach(self, rows, width):
-            return self.counter._window(max(self._n[r.slot] for r in rows) + width)
-
-        def forward(self, rows):
-            from runtime.engines.cuda import GRAPH_MAX_WIDTH, graph_width
-
-            for kind in (True, False):
-                group = [r for r in rows if bool(r.from_target) == kind and len(r.tokens)]
-                width = max((len(r.tokens) for r in group), default=0)
-                if group and width <= GRAPH_MAX_WIDTH:  # (longer: ordinary runs, a new request's prompt)
-                    self.counter._count((kind, self.counter._bucket([r.slot for r in group]), graph_width(width),
-                                         self._reach(group, width)))
-            return super().forward(rows)
-
-        def greedy_chains(self, rows, rounds):
-            for r in range(rounds):
-                self.counter._count(("chain", self.counter._bucket([row.slot for row in rows]),
-                                     self._reach(rows, rounds), r))
-            return super().greedy_chains(rows, rounds)
+    from tests.runtime.serve.test_eagle3 import MarkovSlotsWithFeatures, ShapeCountingHead
 
     target, draft = tables()
-    return ModelRunner(MarkovSlotsWithFeatures(target, 1024, SLOTS), ShapeCountingHead(draft), "eagle3", K,
-                       sampled_drafts=sampled_drafts)
+    return ModelRunner(MarkovSlotsWithFeatures(target, 1024, SLOTS), ShapeCountingHead(draft, 1024, SLOTS), "eagle3",
+                       K, sampled_drafts=sampled_drafts)
 
 
 @pytest.mark.parametrize("sampled_drafts", ["auto", "draw"])

@@ -109,7 +109,7 @@ class ShapeCountingSlots(MarkovChainSlots):
     single-token rows are one call and its longer rows another (the dual engine), each of shape (batch bucket of its
     highest slot, tokens a row rounded up to a power of two, attention window), a chain's round r (bucket, window,
     r); a shape's first GRAPH_WARMUP calls are cold (Engine.cold_runs), as a capture is. Calls of more than
-    GRAPH_MAX_WIDTH tokens a row are ordinary runs, never cold."""
+    GRAPH_MAX_WIDTH tokens a row are ordinary runs, never cold (`_ordinary`)."""
 
     captures_graphs = True
 
@@ -144,7 +144,12 @@ class ShapeCountingSlots(MarkovChainSlots):
             if group and width <= GRAPH_MAX_WIDTH:
                 reach = max(len(self._tokens[r.slot]) for r in group) + width
                 self._count((self._bucket([r.slot for r in group]), graph_width(width), self._window(reach)))
+            elif group:
+                self._ordinary(len(group), width)
         return super().forward(rows)
+
+    def _ordinary(self, rows: int, width: int) -> None:
+        """A call of `rows` rows of up to `width` tokens, more than a graph's: an ordinary run (nothing counted)."""
 
     def greedy_chain(self, rows, rounds):
         reach = max(len(self._tokens[r.slot]) for r in rows) + rounds
