@@ -106,12 +106,13 @@ class MarkovChainSlots(MarkovSlots):
 
 class ShapeCountingSlots(MarkovChainSlots):
     """MarkovChainSlots that counts its calls by the CUDA engine's graph shapes (runtime.engines.cuda): a step's
-    single-token rows are one call and its longer rows another (the dual engine), each of shape (batch bucket of its
-    highest slot, tokens a row rounded up to a power of two, attention window), a chain's round r (bucket, window,
-    r); a shape's first GRAPH_WARMUP calls are cold (Engine.cold_runs), as a capture is. Calls of more than
-    GRAPH_MAX_WIDTH tokens a row are ordinary runs, never cold (`_ordinary`)."""
+    single-token rows are one call and its longer rows calls of similar lengths (the dual engine, pad_groups), each of
+    shape (batch bucket of its highest slot, tokens a row rounded up to a power of two, attention window), a chain's
+    round r (bucket, window, r); a shape's first GRAPH_WARMUP calls are cold (Engine.cold_runs), as a capture is.
+    Calls of more than GRAPH_MAX_WIDTH tokens a row are ordinary runs, never cold (`_ordinary`)."""
 
     captures_graphs = True
+    HEADROOM = 64  # the cache's spare rows (a `cuda` bundle's): a longer row is a call of its own
 
     def __init__(self, table: np.ndarray, max_context: int = 4096, num_slots: int = 1):
         from runtime.engines.cuda import batch_buckets
@@ -138,13 +139,16 @@ class ShapeCountingSlots(MarkovChainSlots):
     def forward(self, rows):
         from runtime.engines.cuda import GRAPH_MAX_WIDTH, graph_width
 
-        for multi in (False, True):
-            group = [r for r in rows if (len(r.tokens) > 1) == multi and len(r.tokens)]
-            width = max((len(r.tokens) for r in group), default=0)
-            if group and width <= GRAPH_MAX_WIDTH:
+        from runtime.engines.onnxruntime import pad_groups
+
+        single = [r for r in rows if len(r.tokens) == 1]
+        groups = ([single] if single else []) + pad_groups([r for r in rows if len(r.tokens) > 1], self.HEADROOM)
+        for group in groups:
+            width = max(len(r.tokens) for r in group)
+            if width <= GRAPH_MAX_WIDTH:
                 reach = max(len(self._tokens[r.slot]) for r in group) + width
                 self._count((self._bucket([r.slot for r in group]), graph_width(width), self._window(reach)))
-            elif group:
+            else:
                 self._ordinary(len(group), width)
         return super().forward(rows)
 
