@@ -449,7 +449,7 @@ class SpeculationLength:
                     bucket.recheck = True  # after it the bucket decides again
                     return 0
         if pays and not forced and bucket.decision <= 0 and \
-                not self._switch_pays(adaptive, speed[0], drafting, catch_up):
+                not self._switch_pays(bucket, adaptive, speed[0], drafting, catch_up):
             pays = False  # the draft's catch-up would cost more than drafting can win back before these answers end
         if pays and vector is None and self.referee is not None:
             best = min(self.referee.length(self._bucket, best), self.k)  # a G measured faster, if any
@@ -469,15 +469,20 @@ class SpeculationLength:
         """The server-wide acceptance the referee judges drafting at (None before any verification)."""
         return self.rate() if self._trials else None
 
-    def _switch_pays(self, adaptive: list, plain: float, drafting: float, catch_up) -> bool:
+    def _switch_pays(self, bucket: Bucket, adaptive: list, plain: float, drafting: float, catch_up) -> bool:
         """Whether a bucket decoding plainly (or new) wins back the draft's catch-up by drafting: the seconds the
         adaptive requests' tokens still to come (max_tokens at most) save at the predicted tokens/s of each kind,
         against what reading the tokens the draft has not seen costs (`catch_up`, as measured). As a batch drains at
         the end of its answers, each smaller bucket it passes through is new; without this, the last few tokens of
         answers decoded plainly paid a catch-up of every token before them (on a fake clock priced like the H100,
-        5 to 7 ms a step where a plain one cost 0.6 ms)."""
+        5 to 7 ms a step where a plain one cost 0.6 ms). A bucket that has measured no drafted step of its own predicts
+        drafting from other buckets' fits, and there the switch is a first trial: affordable as one
+        (FIRST_TRIAL_BUDGET of the plain decoding it has measured), whatever the prediction (on that fake clock a
+        draining batch's bucket of 16 drafted 4 steps at half plain's speed after plain steps at 32)."""
         if catch_up is None or not self.catch_up.count or drafting <= plain:
             return True  # nothing to read, or its cost not measured yet (a first drafted step measures it)
+        if not bucket.draft.count:
+            return self._probe_affordable(bucket, catch_up, FIRST_TRIAL_BUDGET)
         tokens = catch_up()
         if tokens <= 0:
             return True

@@ -123,24 +123,34 @@ def test_sampled_distribution_is_the_targets_whatever_length_each_step_verifies(
 
 
 def test_a_switch_to_drafting_must_win_back_the_drafts_catch_up_before_the_answers_end():
-    """A bucket decoding plainly (or new, as a draining batch meets at every smaller size) drafts only where the
-    tokens still to come save more seconds than reading what the draft has not seen costs."""
+    """A bucket decoding plainly drafts only where the tokens still to come save more seconds than reading what the
+    draft has not seen costs; a bucket that has measured no drafted step of its own (a draining batch meets a new one
+    at every smaller size) switches only as a first trial: its catch-up within FIRST_TRIAL_BUDGET of the plain
+    decoding it has measured, whatever the prediction borrowed from other buckets says."""
     from types import SimpleNamespace
 
-    from runtime.serve.spec_length import SpeculationLength
+    from runtime.serve.spec_length import FIRST_TRIAL_BUDGET, SpeculationLength
 
     s = SpeculationLength(3)
     near_end = [SimpleNamespace(max_tokens=130, produced=126)] * 2
     far = [SimpleNamespace(max_tokens=4000, produced=126)] * 2
     behind = lambda: 256  # noqa: E731 (tokens the draft lacks)
+    drafted = s._bucket_of(2)
+    s.observe_step(4, 0.001, 1, 2, 0.0005, 0.0, batch=2, drafted=1)  # a drafted step measured here
+    assert drafted.draft.count
     # not measured yet: the first drafted step measures it
-    assert s._switch_pays(near_end, 1000.0, 1500.0, behind)
+    assert s._switch_pays(drafted, near_end, 1000.0, 1500.0, behind)
     s.observe_catch_up(256, 0.004)  # 4 ms to read them
     # 8 tokens left: 8 ms plain, 5.3 ms drafting: 2.7 ms saved < 4 ms
-    assert not s._switch_pays(near_end, 1000.0, 1500.0, behind)
-    assert s._switch_pays(far, 1000.0, 1500.0, behind)
-    assert s._switch_pays(near_end, 1000.0, 1500.0, lambda: 0)  # nothing to read
-    assert s._switch_pays(near_end, 1000.0, 1500.0, None)
+    assert not s._switch_pays(drafted, near_end, 1000.0, 1500.0, behind)
+    assert s._switch_pays(drafted, far, 1000.0, 1500.0, behind)
+    assert s._switch_pays(drafted, near_end, 1000.0, 1500.0, lambda: 0)  # nothing to read
+    assert s._switch_pays(drafted, near_end, 1000.0, 1500.0, None)
+    new = s._bucket_of(4)  # nothing drafted here: a first trial
+    assert not s._switch_pays(new, far, 1000.0, 1500.0, behind)
+    new.plain_seconds = 0.004 / FIRST_TRIAL_BUDGET * 1.01  # enough plain decoding for a catch-up of 4 ms
+    assert s._switch_pays(new, far, 1000.0, 1500.0, behind)
+    assert s._switch_pays(s._bucket_of(8), far, 1000.0, 1500.0, lambda: 0)  # a new request's: nothing to read
 
 
 def test_a_steps_proposals_are_priced_by_what_steps_of_as_many_rounds_cost():
