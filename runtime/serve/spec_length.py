@@ -18,7 +18,9 @@ its own verifications did against that rate, and
     cost(G) = target(rows(G)) + G * draft(slots) + other(G)
 
 with target() the target forward's seconds against rows, draft() one proposal round's seconds against
-drafting slots and other() the rest of the step against G, each measured online in the running batch
+drafting slots (once the bucket has drafted, G rounds are priced by its own drafted steps of G rounds instead: a
+step's first draft forward reads what the draft lacks, so rounds are not alike; `_draft_cost`) and other() the
+rest of the step against G, each measured online in the running batch
 size's bucket (1, 2, 3-4, 5-8, ...: `batch_bucket`). Costs are kept per bucket and per G (a group
 changes only when a step of that G runs there), so the few drafted steps a bucket sees while it decodes
 plainly are not forgotten under many plain ones. A bucket that has not measured a cost yet borrows the
