@@ -47,7 +47,9 @@ token decoded plainly since it last ran, so a probe costs that catch-up (measure
 the plain decoding it follows does not shrink with the wait; a probe is therefore put off until its catch-up
 is within PROBE_BUDGET of the plain seconds since the last probe (a new request, whose draft reads only its
 prompt, or a draft that reads tokens cheaply), which bounds exploration's cost where drafting does not pay (a
-referee's drafting trial spends the same budget, a bucket's first trial up to FIRST_TRIAL_BUDGET). While it
+referee's drafting trial spends the same budget, a bucket's first trial up to FIRST_TRIAL_BUDGET); a bucket that
+leaves plain decoding for drafting (or a new one) does so only where drafting wins the catch-up back before its
+answers end, and a bucket with no drafted step of its own only as a first trial (`_switch_pays`). While it
 speculates, every `EXPLORE_EVERY`-th step tries another G so the fits see more than one: a neighbouring G, and
 every third time none at all for PLAIN_BURST steps, so that plain decoding's own cost is measured rather than
 extrapolated from drafted steps (a burst, and each group's cost a median of its recent steps, because a
