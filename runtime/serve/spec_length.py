@@ -620,6 +620,7 @@ class SpeculationLength:
         target, draft, _ = fits
         row_s = target.line()[1]  # seconds per verify row
         slot_s = draft.line()[1] if draft.count else 0.0  # seconds per drafting slot per round
+        full = draft.predict(len(kept_by_slot) + fixed) if draft.count else 0.0  # a round with every slot drafting
         found = None
         for g in range(1, self.k + 1):
             lengths, kept_total = [], 0.0
@@ -631,7 +632,6 @@ class SpeculationLength:
                 continue
             drafting = sum(1 for h in lengths if h) + fixed
             tokens = sum(1 + rows(h) for h in lengths) + fixed * (1 + rows(self.k)) + plain
-            full = draft.predict(len(kept_by_slot) + fixed) if draft.count else 0.0
             cost = self._step_cost(fits, bucket, g, tokens, self._draft_cost(
                 bucket, max(g, self.k if fixed else 0), draft.predict(drafting) if draft.count else 0.0, full))
             tok_s = (kept_total + bonus) / max(cost, 1e-12)
