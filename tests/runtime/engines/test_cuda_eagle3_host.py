@@ -386,17 +386,12 @@ def test_startup_capture_beside_the_head_on_device_buffers_leaves_it_empty_and_a
     after it, and greedy serving answers what a runner that never captured answers."""
     from runtime.engines.cuda import CudaEngine
     from runtime.serve.model_runner import ModelRunner
-    from runtime.serve.warmup import capture_graphs
-    from tests.runtime.serve.test_warmup import serve
+    from tests.runtime.serve.test_warmup import check_capture
 
     def runner():
         target = CudaEngine(eagle3["graph32"], decode_graph=eagle3["decode32"], memory=HostMemory(), max_context=300,
                             num_slots=4, fixed_shapes=True)
         return ModelRunner(target, _device_head(fixed_shapes=True)(eagle3["head"], 300, 4), "eagle3", 3)
 
-    warm = runner()
-    done = capture_graphs(warm, force=True)
-    assert done is not None and done.window == 256
-    assert all(warm.target.length(s) == 0 and warm.head.length(s) == 0 for s in range(4))
-    assert warm.stats.num_drafts == 0
-    assert serve(warm, seed=8, steps=120, greedy_only=True) == serve(runner(), seed=8, steps=120, greedy_only=True)
+    done, _ = check_capture(runner, force=True, seed=8)
+    assert done.window == 256

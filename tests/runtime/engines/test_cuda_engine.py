@@ -322,9 +322,8 @@ def test_after_startup_capture_serving_on_the_gpu_captures_nothing_and_answers_t
     a runner that captured on first use."""
     from bundler.onnx.export import export_onnx
     from runtime.serve.model_runner import ModelRunner
-    from runtime.serve.warmup import capture_graphs
     from tests.runtime.engines.test_fp16_fallback import noisy_copy
-    from tests.runtime.serve.test_warmup import serve
+    from tests.runtime.serve.test_warmup import check_capture
 
     draft_graph = export_onnx(noisy_copy(gpu_graphs["checkpoint"], tmp_path / "draft"), tmp_path / "d",
                               kv_cache="batched", dtype="float16").graph
@@ -333,13 +332,8 @@ def test_after_startup_capture_serving_on_the_gpu_captures_nothing_and_answers_t
         return ModelRunner(engine_for(gpu_graphs, "dual", max_context=512, num_slots=4),
                            cuda_engine(draft_graph, max_context=512, num_slots=4), "draft_model", 3)
 
-    warm = runner()
-    done = capture_graphs(warm)
-    assert done is not None and done.graphs > 0, "nothing captured"
-    cold = (warm.target.cold_runs, warm.draft.cold_runs)
-    answers = serve(warm, seed=5, steps=300, greedy_only=True)
-    assert (warm.target.cold_runs, warm.draft.cold_runs) == cold
-    assert answers == serve(runner(), seed=5, steps=300, greedy_only=True)
+    done, _ = check_capture(runner, force=False, seed=5, steps=300)
+    assert done.graphs > 0, "nothing captured"
 
 
 def test_after_startup_capture_the_eagle3_head_on_the_gpu_captures_nothing(eagle3):
@@ -347,16 +341,14 @@ def test_after_startup_capture_the_eagle3_head_on_the_gpu_captures_nothing(eagle
     from runtime.engines.cuda import CudaEngine
     from runtime.serve.eagle3_cuda import CudaSlotsDrafter
     from runtime.serve.model_runner import ModelRunner
-    from runtime.serve.warmup import capture_graphs
-    from tests.runtime.serve.test_warmup import serve
+    from tests.runtime.serve.test_warmup import check_capture
 
-    runner = ModelRunner(CudaEngine(eagle3["graph"], decode_graph=eagle3["decode"], max_context=512, num_slots=4),
-                         CudaSlotsDrafter(eagle3["head"], max_context=512, num_slots=4), "eagle3", 3)
-    done = capture_graphs(runner)
-    assert done is not None and done.graphs > 0
-    cold = (runner.target.cold_runs, runner.head.cold_runs)
-    serve(runner, seed=6, steps=300)
-    assert (runner.target.cold_runs, runner.head.cold_runs) == cold
+    def runner():
+        return ModelRunner(CudaEngine(eagle3["graph"], decode_graph=eagle3["decode"], max_context=512, num_slots=4),
+                           CudaSlotsDrafter(eagle3["head"], max_context=512, num_slots=4), "eagle3", 3)
+
+    done, _ = check_capture(runner, force=False, seed=6, steps=300)
+    assert done.graphs > 0
 
 
 def test_the_dual_engines_sessions_read_its_one_copy_of_the_weights(gpu_graphs):

@@ -55,6 +55,23 @@ def serve(runner: ModelRunner, seed: int, *, steps: int = 400, vocab: int = VOCA
     return {prompt: r.output_ids for prompt, r in out.items() if r.params.greedy or not greedy_only}
 
 
+def check_capture(make, *, force: bool, seed: int, steps: int = 120):
+    """capture_graphs over `make()`'s runner: every slot of its engines empty afterwards, its measurements fresh, and
+    greedy serving answering what a runner of `make()` that never captured answers; the engines' cold runs do not
+    grow while it serves (none where the engines count no first runs). Returns (the capture, the runner)."""
+    warm = make()
+    done = capture_graphs(warm, force=force)
+    assert done is not None
+    engines = [e for e in (warm.target, warm.draft, warm.head) if e is not None]
+    assert all(e.length(s) == 0 for e in engines for s in range(warm.num_slots))
+    assert warm.stats.target_forwards == 0 and warm.stats.num_drafts == 0
+    cold = warm.cold_runs()
+    answers = serve(warm, seed=seed, steps=steps, greedy_only=True)
+    assert warm.cold_runs() == cold
+    assert answers == serve(make(), seed=seed, steps=steps, greedy_only=True)
+    return done, warm
+
+
 def test_after_capture_serving_meets_no_shape_for_its_first_time():
     runner = runner_of()
     done = capture_graphs(runner)
